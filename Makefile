@@ -1,0 +1,30 @@
+# Two entry points (see README): `make quickstart` and `make test`. Both create .venv on first use.
+PYTHON  ?= python3
+VENV    ?= .venv
+# The torch wheel to install when the venv has none. CPU machines: 2.13.0 (a local CPU build).
+# GPU clusters: override, e.g. TORCH_SPEC="torch==2.5.1 --index-url <your CUDA wheel index>".
+TORCH_SPEC ?= torch==2.13.0
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+# DeepSpeed must not try to compile its CUDA ops at install time.
+export DS_BUILD_OPS ?= 0
+
+.PHONY: venv install test test-fast quickstart bench clean
+
+$(VENV)/.installed: setup.py pyproject.toml requirements.txt requirements-test.txt megatron_ds/data/helpers.cpp
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q --timeout=900 tests
+
+quickstart: install
+	$(PY) tools/quickstart.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info megatron_ds/data/*.so

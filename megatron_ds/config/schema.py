@@ -1,0 +1,311 @@
+"""Configuration dataclasses: one per concern, the single source of truth for every option.
+
+The command-line parser is generated from these classes (see ``arguments.py``): a field
+``num_layers`` becomes ``--num-layers`` and the string literal written under a field is its help
+text. ``meta(...)`` adds what the generator cannot infer: other spellings of the flag, choices,
+``nargs``, or an inverted boolean (``--no-load-optim`` stores False into ``load_optim``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
+         nargs: str | None = None, invert: bool = False, default_factory=None) -> Any:
+    """A dataclass field carrying parser hints (see module docstring)."""
+    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: Optional[int] = None
+    """Number of transformer layers."""
+    hidden_size: Optional[int] = None
+    """Transformer hidden size."""
+    num_attention_heads: Optional[int] = None
+    """Number of attention heads."""
+    num_key_value_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (default: --num-attention-heads, i.e. MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size (default 4*hidden; with --swiglu, 2/3 of that rounded down to a multiple of 64)."""
+    kv_channels: Optional[int] = None
+    """Per-head projection size (default hidden/heads)."""
+    seq_length: Optional[int] = None
+    """Sequence length of a training sample."""
+    max_position_embeddings: Optional[int] = None
+    """Size of the learned position table (default --seq-length)."""
+    position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
+    """Position encoding: learned absolute (GPT-2), rope, or none."""
+    use_rotary_position_embeddings: bool = False
+    """Use rotary position embeddings (same as --position-embedding-type rope)."""
+    no_position_embedding: bool = False
+    """Do not add learned absolute position embeddings (Megatron-DeepSpeed spelling, used with rope)."""
+    rope_theta: float = meta(10000.0, flags=("--rope-theta", "--rotary-base"))
+    """Rotary base frequency."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary embeddings apply to."""
+    normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
+    """Normalization layer."""
+    layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))
+    """Epsilon of LayerNorm / RMSNorm."""
+    swiglu: bool = False
+    """SwiGLU MLP instead of GeLU."""
+    add_bias_linear: bool = meta(True, flags=("--disable-bias-linear",), invert=True)
+    """Disable biases in the linear layers (Llama style)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output projection instead of reusing the input embedding."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor parallel size (GPU efficiency)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (ranks that split each layer)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (stages)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for LayerNorm/dropout regions (needs TP > 1)."""
+    no_pipeline_parallel: bool = False
+    """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
+    allows ZeRO 2 and 3)."""
+    pipeline_partition_method: str = meta("type:ParallelTransformerLayer",
+                                          flags=("--pipeline-partition-method",))
+    """DeepSpeed PipelineModule partition method; the default balances transformer layers."""
+    distributed_backend: str = meta(None, choices=("nccl", "gloo", "ccl", "mpi"))
+    """torch.distributed backend (default nccl on GPU, gloo on CPU)."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of collective operations, in minutes."""
+    use_mpi: bool = meta(False, flags=("--use-mpi", "--deepspeed_mpi", "--deepspeed-mpi"))
+    """Take rank and world size from Open MPI / PMI variables (jobs launched with mpirun)."""
+    local_rank: Optional[int] = meta(None, flags=("--local_rank", "--local-rank"))
+    """Local rank, passed by the deepspeed launcher."""
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = meta("adam", choices=("adam", "sgd"))
+    """Optimizer (adam means AdamW with decoupled weight decay, as Megatron)."""
+    lr: Optional[float] = None
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate floor after decay."""
+    lr_decay_style: str = meta("linear", choices=("constant", "linear", "cosine", "inverse-square-root"))
+    """Learning rate decay shape."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations to decay over (default --train-iters)."""
+    lr_decay_samples: Optional[int] = None
+    """Samples to decay over (with --train-samples)."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the decay span."""
+    lr_warmup_iters: int = 0
+    """Warmup iterations."""
+    lr_warmup_samples: int = 0
+    """Warmup samples (with --train-samples)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norm weights)."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+    override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler"))
+    """On load, use the command line's schedule instead of the checkpoint's."""
+    use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
+                                                          "--use-checkpoint-opt_param-scheduler"))
+    """On load, take the schedule from the checkpoint even if the command line differs."""
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: Optional[int] = None
+    """Samples per micro-batch per data parallel rank."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data parallel ranks (default micro * DP)."""
+    train_iters: Optional[int] = None
+    """Optimizer steps to train for."""
+    train_samples: Optional[int] = None
+    """Samples to train for (alternative to --train-iters)."""
+    exit_interval: Optional[int] = None
+    """Save (if --save) and exit when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Save (if --save) and exit once this many minutes have passed (keep it under the walltime)."""
+    eval_interval: int = 1000
+    """Run validation every this many iterations."""
+    eval_iters: int = 100
+    """Micro-batch steps (global batches) per validation."""
+    skip_train: bool = False
+    """Only evaluate."""
+    seed: int = 1234
+    """Random seed (data order, initialization, dropout)."""
+    fp16: bool = False
+    """fp16 mixed precision with dynamic loss scaling (GPU only)."""
+    bf16: bool = False
+    """bf16 mixed precision."""
+    loss_scale: Optional[float] = None
+    """Static loss scale for fp16 (default dynamic)."""
+    initial_loss_scale: float = 2.0 ** 32
+    """Initial dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Minimum dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the loss scale grows."""
+    hysteresis: int = 2
+    """Overflows tolerated before the loss scale shrinks."""
+    checkpoint_activations: bool = False
+    """Recompute each transformer layer in backward (same as --recompute-granularity full)."""
+    recompute_granularity: Optional[str] = meta(None, choices=("full", "selective"))
+    """Activation recomputation: full layers, or selective (attention core only)."""
+    recompute_method: str = meta("uniform", choices=("uniform", "block"))
+    """How recomputed layers are grouped (uniform chunks of --recompute-num-layers)."""
+    recompute_num_layers: int = meta(1, flags=("--recompute-num-layers", "--checkpoint-num-layers"))
+    """Layers per recomputed chunk."""
+    deepspeed_activation_checkpointing: bool = False
+    """Megatron-DeepSpeed flag; our checkpointing already restores RNG state, so this only implies
+    --checkpoint-activations."""
+    max_consecutive_nan_iters: int = 20
+    """Stop the run after this many NaN/inf losses in a row."""
+    empty_unused_memory_level: int = 0
+    """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list] = meta(None, nargs="*")
+    """Data prefixes, optionally weighted: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`."""
+    split: str = "969, 30, 1"
+    """Train/valid/test proportions of documents, e.g. 949,50,1."""
+    train_data_path: Optional[list] = meta(None, nargs="*")
+    """Separate train data (overrides --data-path/--split)."""
+    valid_data_path: Optional[list] = meta(None, nargs="*")
+    """Separate validation data."""
+    test_data_path: Optional[list] = meta(None, nargs="*")
+    """Separate test data."""
+    data_cache_path: Optional[str] = None
+    """Where sample-index caches go (default: beside the data)."""
+    data_impl: str = meta("mmap", choices=("mmap", "infer", "lazy", "cached"))
+    """Indexed dataset implementation; only mmap exists (Megatron's default)."""
+    mock_data: bool = False
+    """Synthetic random tokens instead of files (benchmarks, smoke tests)."""
+    num_workers: int = 2
+    """Data loader worker processes."""
+    tokenizer_type: Optional[str] = None
+    """Tokenizer the data was preprocessed with: GPT2BPETokenizer, SentencePieceTokenizer,
+    GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer."""
+    vocab_file: Optional[str] = None
+    """GPT-2 vocab.json."""
+    merge_file: Optional[str] = None
+    """GPT-2 merges.txt."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece model, or HF tokenizer.json / directory."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size for NullTokenizer / --mock-data."""
+    eod_mask_loss: bool = False
+    """Do not compute loss on end-of-document tokens."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save checkpoints to."""
+    load: Optional[str] = None
+    """Directory to load the latest checkpoint from."""
+    save_interval: Optional[int] = None
+    """Save every this many iterations."""
+    load_optim: bool = meta(True, flags=("--no-load-optim",), invert=True)
+    """Do not load optimizer state."""
+    load_rng: bool = meta(True, flags=("--no-load-rng",), invert=True)
+    """Do not load RNG state."""
+    save_rng: bool = meta(True, flags=("--no-save-rng",), invert=True)
+    """Do not save RNG state."""
+    finetune: bool = False
+    """Load weights only and start from iteration 0 (implies --no-load-optim --no-load-rng)."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    """Print the iteration line every this many iterations."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars here."""
+    tensorboard_log_interval: int = 1
+    """TensorBoard write interval in iterations."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write validation perplexity to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Also write peak memory to TensorBoard."""
+    log_batch_size_to_tensorboard: bool = False
+    """Also write the global batch size to TensorBoard."""
+    log_timers_to_tensorboard: bool = False
+    """Also write iteration time to TensorBoard."""
+    log_params_norm: bool = False
+    """Print the norm of all parameters on the iteration line."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    deepspeed: bool = False
+    """Use DeepSpeed (always on here; accepted for script compatibility)."""
+    deepspeed_config: Optional[str] = meta(None, flags=("--deepspeed_config", "--deepspeed-config",
+                                                        "--deepscale_config"))
+    """DeepSpeed JSON: ZeRO, buckets, loss-scale knobs. Batch sizes and precision come from the
+    command line."""
+    zero_stage: Optional[int] = meta(None, choices=(0, 1, 2, 3))
+    """ZeRO stage (default: the JSON's, else 0)."""
+
+
+@dataclass
+class Config:
+    """Everything a run needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    dry_run: bool = False
+    world_size: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """Inverse of to_dict (used when a checkpoint's resolved config is read back)."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                continue
+            sub = f.default_factory
+            if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
+                known = {sf.name for sf in dataclasses.fields(sub)}
+                kwargs[f.name] = sub(**{k: v for k, v in d[f.name].items() if k in known})
+            else:
+                kwargs[f.name] = d[f.name]
+        return cls(**kwargs)
+
+
+SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "deepspeed")

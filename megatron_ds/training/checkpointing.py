@@ -1,0 +1,196 @@
+"""Checkpoints: DeepSpeed engine checkpoints plus Megatron's tracker file.
+
+Layout of ``--save DIR``::
+
+    DIR/global_stepN/...                     DeepSpeed's files (module, optimizer, client state)
+    DIR/global_stepN/megatron_ds_config.json the resolved config and layout of the run that saved
+    DIR/latest_checkpointed_iteration.txt    Megatron's tracker: "N"
+    DIR/latest                               DeepSpeed's tracker: "global_stepN" (for its tools)
+
+The trackers are written by rank 0 only after a barrier that every rank reaches once its own files
+are written, and atomically (temp file + rename): a crash during a save leaves the trackers
+pointing at the previous, complete checkpoint.
+
+Loading checks the saved layout against this run's before touching any tensor, so a different
+model shape or TP/PP fails at once with the differing fields rather than with a size-mismatch
+traceback. Files are read with ``torch.load(weights_only=True)`` and an allowlist of the few
+DeepSpeed classes its optimizer states contain, instead of unpickling arbitrary objects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from megatron_ds.config import ConfigError
+from megatron_ds.parallel.random import get_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+DS_TRACKER = "latest"
+META = "megatron_ds_config.json"
+# Fields that must agree between the checkpoint and the run loading it.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "ffn_hidden_size",
+                "kv_channels", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
+                "untie_embeddings_and_output_weights")
+
+
+def checkpoint_tag(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def layout_signature(layout) -> dict:
+    """What a checkpoint records about the run that wrote it (compared on load)."""
+    m = layout.model
+    sig = {name: getattr(m, name) for name in SHAPE_FIELDS}
+    if m.position_embedding_type == "learned_absolute":
+        sig["max_position_embeddings"] = m.max_position_embeddings
+    sig.update(padded_vocab_size=layout.padded_vocab_size, tensor_model_parallel_size=layout.tp,
+               pipeline_model_parallel_size=layout.pp, data_parallel_size=layout.dp,
+               zero_stage=layout.zero_stage, use_pipeline=layout.use_pipeline)
+    return sig
+
+
+def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool) -> None:
+    """Raise ConfigError naming every field that differs."""
+    fields = [k for k in current if k not in ("data_parallel_size", "zero_stage")]
+    if load_optim and current.get("zero_stage", 0) > 0:
+        # ZeRO shards optimizer state over data parallel ranks: the shard files only fit the same DP.
+        fields += ["data_parallel_size", "zero_stage"]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} does not match this run ({'; '.join(diffs)}); use the "
+                          f"checkpoint's settings (or convert the checkpoint)")
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state as tensors so the checkpoint stays loadable with weights_only=True
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    get_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _allowed_globals() -> list:
+    """DeepSpeed objects found inside its optimizer/engine states (plain data classes and enums)."""
+    allowed = []
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: PLC0415
+        allowed += [LossScaler, DynamicLossScaler]
+    except ImportError:
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: PLC0415
+        allowed.append(ZeroStageEnum)
+    except ImportError:
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address  # noqa: PLC0415
+        allowed.append(fragment_address)
+    except ImportError:
+        pass
+    return allowed
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, but loading with weights_only=True."""
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(_allowed_globals()):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the file and the remedy
+                if "weights_only" not in str(exc) and "Unsupported global" not in str(exc):
+                    raise
+                raise ConfigError(f"refusing to unpickle {path}: it holds objects outside the allowlist "
+                                  f"({str(exc).splitlines()[0]}). Only load checkpoints you trust; "
+                                  f"this file was not written by megatron_ds") from None
+
+
+def install_safe_loading(engine) -> None:
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(config_params=engine._config)
+
+
+def read_tracker(load_dir: str) -> int | None:
+    """The iteration in Megatron's tracker file, or None when there is no checkpoint."""
+    path = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict) -> None:
+    tag = checkpoint_tag(iteration)
+    os.makedirs(save_dir, exist_ok=True)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()  # every rank has written its files
+    if dist.get_rank() == 0:
+        _atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
+        _atomic_write(os.path.join(save_dir, TRACKER), str(iteration))
+        _atomic_write(os.path.join(save_dir, DS_TRACKER), tag)
+    dist.barrier()
+
+
+def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
+                    log=print) -> tuple[int, dict]:
+    """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
+        return 0, {}
+    tag = checkpoint_tag(iteration)
+    meta_path = os.path.join(load_dir, tag, META)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"{meta_path} is missing: {load_dir} has a tracker for iteration {iteration} "
+                          f"but not the checkpoint it points to")
+    with open(meta_path) as f:
+        saved = json.load(f)
+    check_compatible(saved["signature"], signature, os.path.join(load_dir, tag),
+                     load_optim=load_optim and not finetune)
+    load_optim = load_optim and not finetune
+    path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=load_optim,
+        load_module_strict=True)
+    if path is None:
+        raise ConfigError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}")
+    log(f"loaded checkpoint {os.path.join(load_dir, tag)} (iteration {iteration})")
+    return (0 if finetune else iteration), (client_state or {})

@@ -1,0 +1,121 @@
+"""Data for the training loop: tokenizer, datasets, resumable loaders, micro-batches.
+
+Micro-batches have the shape DeepSpeed's pipeline engine expects, ``(inputs, labels)`` with
+``inputs = (tokens, position_ids)`` for the first stage and ``labels = (labels, loss_mask)`` for
+the loss on the last stage. With --reset-attention-mask the per-sample mask is a third input.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_ds.config import ConfigError, DataConfig
+from megatron_ds.data.batch import get_ltor_masks_and_position_ids
+from megatron_ds.data.samplers import PretrainingSampler
+
+GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
+
+
+class DataError(RuntimeError):
+    """Bad training data (a user problem, reported without a traceback)."""
+
+
+class MockTokenizer:
+    """--mock-data without a tokenizer: only the vocabulary size and an EOD id matter."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.name = "mock"
+
+
+def build_tokenizer_for(cfg: DataConfig, log=print):
+    from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer  # noqa: PLC0415
+
+    if cfg.tokenizer_type is None:
+        if cfg.mock_data:
+            return MockTokenizer(cfg.vocab_size or GPT2_VOCAB_SIZE)
+        raise ConfigError("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and --merge-file)")
+    try:
+        return build_tokenizer(cfg.tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
+                               tokenizer_model=cfg.tokenizer_model, vocab_size=cfg.vocab_size, log=log)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Random tokens, a fixed function of (seed, index): identical on every rank and every run."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, idx):
+        rng = np.random.default_rng((self.seed, int(idx)))
+        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+
+
+def build_datasets(cfg: DataConfig, *, num_samples: tuple[int, int, int], seq_length: int, seed: int,
+                   vocab_size: int, log=print):
+    if cfg.mock_data:
+        return tuple(MockGPTDataset(n, seq_length, vocab_size, seed + i) if n else None
+                     for i, n in enumerate(num_samples))
+    if not (cfg.data_path or cfg.train_data_path):
+        raise ConfigError("--data-path (or --train-data-path) is required; or pass --mock-data for synthetic data")
+    from megatron_ds.data import build_train_valid_test_datasets  # noqa: PLC0415
+
+    return build_train_valid_test_datasets(
+        data_path=cfg.data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
+        seq_length=seq_length, seed=seed, train_data_path=cfg.train_data_path,
+        valid_data_path=cfg.valid_data_path, test_data_path=cfg.test_data_path,
+        data_cache_path=cfg.data_cache_path, log=log)
+
+
+class BatchCollator:
+    """Stacks samples into a micro-batch; checks token ids against the vocabulary first."""
+
+    def __init__(self, cfg: DataConfig, eod: int, vocab_size: int, source: str):
+        self.cfg, self.eod, self.vocab_size, self.source = cfg, eod, vocab_size, source
+
+    def __call__(self, samples):
+        text = np.stack([s["text"] for s in samples]).astype(np.int64)
+        bad = text.max(initial=0), text.min(initial=0)
+        if bad[0] >= self.vocab_size or bad[1] < 0:
+            value = bad[0] if bad[0] >= self.vocab_size else bad[1]
+            raise DataError(f"token id {value} is outside the model's vocabulary (size {self.vocab_size}) in "
+                            f"data set {self.source}: was it preprocessed with another tokenizer?")
+        tokens = torch.from_numpy(text[:, :-1].copy())
+        labels = torch.from_numpy(text[:, 1:].copy())
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, self.eod, self.cfg.reset_position_ids, self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)
+        inputs = (tokens, position_ids)
+        if self.cfg.reset_attention_mask:
+            inputs = inputs + (attention_mask,)
+        return inputs, (labels, loss_mask.float())
+
+
+def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_samples: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int):
+    """A DataLoader over this data parallel rank's micro-batches, starting after consumed_samples."""
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
+                                 micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
+                                 data_parallel_size=dp_size)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
+                                       collate_fn=collator, pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=cfg.num_workers > 0)
+
+
+def cycle(loader):
+    """The pipeline engine pulls micro-batches from a plain iterator; None for stages without data."""
+    return iter(loader) if loader is not None else None
+
+
+def describe_source(cfg: DataConfig) -> str:
+    if cfg.mock_data:
+        return "--mock-data"
+    paths = cfg.train_data_path or cfg.data_path or []
+    return " ".join(paths)

@@ -1,0 +1,97 @@
+"""Megatron's log lines (existing log parsers keep working) and optional TensorBoard scalars."""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+
+import torch
+
+
+def print_rank0(*args, **kwargs) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_last_rank(*args) -> None:
+    """Losses live on the last pipeline stage; Megatron prints the iteration line from there."""
+    if not torch.distributed.is_initialized() or \
+            torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        print(*args, flush=True)
+
+
+def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                              full_recompute: bool) -> float:
+    """DESIGN.md section 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)); 96 with full recompute."""
+    factor = 96 if full_recompute else 72
+    return factor * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    # CPU: peak resident set size of this process (Linux reports KiB)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
+                   global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
+                   skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
+                   tflops_per_gpu: float, mem_gb: float, params_norm: float | None = None) -> str:
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f" consumed samples: {consumed_samples:12d}",
+        f" elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f" learning rate: {lr:.3E}",
+        f" global batch size: {global_batch_size:5d}",
+    ]
+    if loss is not None:
+        parts.append(f" lm loss: {loss:.6E}")
+    parts.append(f" loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f" grad norm: {grad_norm:.3f}")
+    if params_norm is not None:
+        parts.append(f" params norm: {params_norm:.3f}")
+    parts += [
+        f" number of skipped iterations: {skipped:3d}",
+        f" number of nan iterations: {nans:3d}",
+        f" samples per second: {samples_per_s:.3f}",
+        f" tokens per second per GPU: {tokens_per_s_per_gpu:.1f}",
+        f" TFLOP/s per GPU: {tflops_per_gpu:.2f}",
+        f" peak memory (GB): {mem_gb:.2f}",
+    ]
+    return "".join(p + " |" for p in parts)
+
+
+def validation_lines(label: str, loss: float) -> str:
+    ppl = math.exp(min(20.0, loss))
+    body = f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    bar = "-" * len(body)
+    return f"{bar}\n{body}\n{bar}"
+
+
+class TensorBoard:
+    """A SummaryWriter on the last rank (where losses are), or nothing."""
+
+    def __init__(self, log_dir: str | None, enabled_rank: bool):
+        self.writer = None
+        if log_dir and enabled_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
+            except ImportError:
+                print("WARNING: --tensorboard-dir given but tensorboard is not installed "
+                      "(pip install tensorboard); not writing scalars", file=sys.stderr)
+                return
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

@@ -1,0 +1,161 @@
+"""The train / evaluate loop around a DeepSpeed engine (pipeline or plain)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.config import Config, Layout
+from megatron_ds.training import log as mlog
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many NaN losses in a row); the message says why."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    nan_iterations: int = 0
+    consecutive_nans: int = 0
+    skipped_at_start: int = 0
+    history: list = field(default_factory=list)  # (iteration, loss) on the rank that logs
+
+
+def _plain_loss(engine, batch, loss_fn):
+    inputs, labels = batch
+    inputs = tuple(t.to(engine.device) for t in inputs)
+    labels = tuple(t.to(engine.device) for t in labels)
+    return loss_fn(engine(inputs), labels)
+
+
+def train_step(engine, data_iter, layout: Layout, loss_fn, dp_group) -> float:
+    """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP)."""
+    if layout.use_pipeline:
+        return float(engine.train_batch(data_iter=data_iter))
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for _ in range(layout.grad_accum_steps):
+        loss = _plain_loss(engine, next(data_iter), loss_fn)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total /= layout.grad_accum_steps
+    dist.all_reduce(total, group=dp_group)
+    return float(total) / dist.get_world_size(dp_group)
+
+
+@torch.no_grad()
+def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: int) -> float:
+    """Mean loss over eval_iters global batches."""
+    total = 0.0
+    if layout.use_pipeline:
+        for _ in range(eval_iters):
+            total += float(engine.eval_batch(data_iter=data_iter, reduce_output="avg", bcast_loss=True))
+        return total / eval_iters
+    engine.eval()
+    acc = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for _ in range(eval_iters * layout.grad_accum_steps):
+        acc += _plain_loss(engine, next(data_iter), loss_fn).float()
+    engine.train()
+    dist.all_reduce(acc, group=dp_group)
+    return float(acc) / (eval_iters * layout.grad_accum_steps * dist.get_world_size(dp_group))
+
+
+def _loss_scale(engine) -> float:
+    opt = getattr(engine, "optimizer", None)
+    scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+    return float(scale) if scale else 1.0
+
+
+def _should_exit_by_time(start: float, minutes: float | None, device) -> bool:
+    """All ranks must agree, or some would save while others train on."""
+    if minutes is None:
+        return False
+    flag = torch.tensor([1 if (time.time() - start) / 60.0 > minutes else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, valid_iter, *, loss_fn,
+          dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float) -> TrainState:
+    t, lg = cfg.training, cfg.logging
+    m = layout.model
+    flops = mlog.model_flops_per_iteration(layout.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
+                                           layout.padded_vocab_size, layout.recompute == "full")
+    window_start, window_iters = time.time(), 0
+    skipped_before = engine.skipped_steps
+    last_saved = state.iteration
+    while state.iteration < layout.train_iters:
+        loss = train_step(engine, train_iter, layout, loss_fn, dp_group)
+        state.iteration += 1
+        state.consumed_train_samples += layout.global_batch_size
+        window_iters += 1
+        if not math.isfinite(loss):
+            state.nan_iterations += 1
+            state.consecutive_nans += 1
+            if state.consecutive_nans >= t.max_consecutive_nan_iters:
+                raise TrainingStopped(f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
+                                      f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
+                                      f"the data, or use --bf16 instead of --fp16")
+        else:
+            state.consecutive_nans = 0
+            state.history.append((state.iteration, loss))
+
+        if state.iteration % lg.log_interval == 0 or state.iteration == layout.train_iters:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.time() - window_start) / window_iters
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else cfg.optimizer.lr
+            line = mlog.iteration_line(
+                iteration=state.iteration, train_iters=layout.train_iters,
+                consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
+                global_batch_size=layout.global_batch_size, loss=loss, loss_scale=_loss_scale(engine),
+                grad_norm=grad_norm, skipped=engine.skipped_steps - skipped_before, nans=state.nan_iterations,
+                samples_per_s=layout.global_batch_size / elapsed,
+                tokens_per_s_per_gpu=layout.global_batch_size * m.seq_length / elapsed / layout.world_size,
+                tflops_per_gpu=flops / elapsed / layout.world_size / 1e12, mem_gb=mlog.peak_memory_gb(device))
+            mlog.print_last_rank(line)
+            tb.scalars(state.iteration, {
+                "lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
+                "batch-size": layout.global_batch_size if lg.log_batch_size_to_tensorboard else None,
+                "mem-peak-GB": mlog.peak_memory_gb(device) if lg.log_memory_to_tensorboard else None,
+                "loss-scale": _loss_scale(engine),
+            })
+            window_start, window_iters = time.time(), 0
+
+        if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
+            run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb,
+                           f"iteration {state.iteration}")
+
+        saving_due = cfg.checkpoint.save and cfg.checkpoint.save_interval and \
+            state.iteration % cfg.checkpoint.save_interval == 0
+        exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or \
+            _should_exit_by_time(start_time, t.exit_duration_in_mins, device)
+        if cfg.checkpoint.save and (saving_due or exit_now):
+            save_fn(state)
+            last_saved = state.iteration
+        if exit_now:
+            mlog.print_rank0(f"exiting at iteration {state.iteration} (--exit-interval/--exit-duration-in-mins)")
+            break
+    if cfg.checkpoint.save and last_saved != state.iteration:
+        save_fn(state)
+    return state
+
+
+def run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb, label: str) -> float:
+    loss = evaluate(engine, valid_iter, layout, loss_fn, dp_group, cfg.training.eval_iters)
+    state.consumed_valid_samples += cfg.training.eval_iters * layout.global_batch_size
+    mlog.print_last_rank(mlog.validation_lines(label, loss))
+    values = {"lm loss validation": loss}
+    if cfg.logging.log_validation_ppl_to_tensorboard:
+        values["lm loss validation ppl"] = math.exp(min(20.0, loss))
+    tb.scalars(state.iteration, values)
+    return loss

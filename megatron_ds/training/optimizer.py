@@ -1,0 +1,89 @@
+"""Optimizer construction: parameter groups, the fastest available AdamW, and a NaN guard.
+
+apex is optional. On GPU with apex importable, its FusedAdam is used; otherwise torch's AdamW
+(``fused=True`` on CUDA, the plain loop on CPU). The choice is returned so start-up can log it.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_ds.config import OptimizerConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's split: no weight decay on biases and normalization weights (all 1-D tensors)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device):
+    """Returns (optimizer, description)."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum), "torch.optim.SGD"
+    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if device.type == "cuda":
+        try:
+            from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency
+            return FusedAdam(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam"
+        except ImportError:
+            return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
+    return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """Wraps the fp32 ZeRO-0 optimizer so a non-finite gradient skips the step, as DeepSpeed's
+    bf16/fp16/ZeRO optimizers already do: computes the global grad norm (TP/PP aware, via DeepSpeed's
+    ``get_grad_norm`` with the engine's ``mpu``), sets ``overflow`` (DeepSpeed then counts a skipped
+    step and does not advance the LR schedule), else clips and steps. ``_global_grad_norm`` is what
+    the engine reports as the grad norm."""
+
+    def __init__(self, inner: torch.optim.Optimizer, clip_grad: float):
+        self.inner = inner
+        self.clip_grad = clip_grad
+        self.mpu = None  # set once the engine exists
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        # share, not copy, the inner optimizer's state so schedulers and checkpoints see one truth
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._zero_grad_profile_name = "GuardedOptimizer.zero_grad"
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from deepspeed.runtime.utils import get_grad_norm  # noqa: PLC0415 - heavy import, runtime only
+
+        params = self._params()
+        norm = float(get_grad_norm(params, mpu=self.mpu))
+        self._global_grad_norm = norm
+        # DeepSpeed's norm helpers report a non-finite norm as -1 (or inf/nan depending on version)
+        self.overflow = not (norm >= 0.0 and norm != float("inf"))
+        if self.overflow:
+            for p in params:
+                p.grad = None
+            return None
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            coef = self.clip_grad / (norm + 1e-6)
+            torch._foreach_mul_([p.grad for p in params], coef)
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.inner.load_state_dict(state_dict)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state

@@ -1,0 +1,137 @@
+"""pretrain_gpt.py's body: parse -> validate -> initialize -> build -> load -> train -> save."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from megatron_ds.config import Config, ConfigError, derive, load_ds_template, parse_args
+from megatron_ds.training import log as mlog
+from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
+                                       build_tokenizer_for, cycle, describe_source)
+from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
+
+
+def dry_run(cfg: Config, ignored: list[str]) -> int:
+    """Validate and print the resolved layout without starting anything distributed."""
+    world = cfg.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer = build_tokenizer_for(cfg.data, log=lambda *a: None)
+    layout = derive(cfg, world, vocab_size=tokenizer.vocab_size,
+                    ds_template=load_ds_template(cfg.deepspeed.deepspeed_config),
+                    device_type="cuda" if torch.cuda.is_available() or cfg.training.fp16 else "cpu")
+    print(layout.summary())
+    print(f"micro-batches per step per data parallel rank: {layout.grad_accum_steps}")
+    if ignored:
+        print(f"ignored flags (no effect here): {' '.join(sorted(set(ignored)))}")
+    print("DeepSpeed config:")
+    print(json.dumps(layout.ds_config, indent=2, sort_keys=True))
+    return 0
+
+
+def _num_samples(cfg: Config, layout) -> tuple[int, int, int]:
+    t = cfg.training
+    train = layout.train_iters * layout.global_batch_size
+    evals = (layout.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    return train, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size
+
+
+def run(cfg: Config, ignored: list[str]) -> TrainState:
+    # DeepSpeed and the model are imported here, not at module level: --dry-run and --help stay fast.
+    from megatron_ds.training import checkpointing as ckpt  # noqa: PLC0415
+    from megatron_ds.training.setup import (build_engine, discover_world, init_distributed,  # noqa: PLC0415
+                                            log_startup, select_device)
+
+    start_time = time.time()
+    env = discover_world(cfg)
+    device = select_device(env.local_rank)
+    tokenizer = build_tokenizer_for(cfg.data, log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
+    layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size,
+                    ds_template=load_ds_template(cfg.deepspeed.deepspeed_config), device_type=device.type)
+    init_distributed(cfg, device)
+    from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
+    from megatron_ds.model.pipeline import gpt_loss_fn  # noqa: PLC0415
+
+    ps = ParallelState(layout.tp, layout.pp, layout.dp)
+    rt = build_engine(cfg, layout, ps, device)
+    log_startup(cfg, layout, rt, ignored)
+    engine = rt.engine
+    loss_fn = gpt_loss_fn(tp_group=ps.tp_group)
+
+    state = TrainState()
+    signature = ckpt.layout_signature(layout)
+    if cfg.checkpoint.load:
+        rt.scheduler.override = cfg.optimizer.override_lr_scheduler
+        iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
+                                                 load_optim=cfg.checkpoint.load_optim,
+                                                 finetune=cfg.checkpoint.finetune, log=mlog.print_rank0)
+        if iteration:
+            state.iteration = iteration
+            state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
+            state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
+            state.nan_iterations = client.get("nan_iterations", 0)
+        if client.get("rng") is not None and cfg.checkpoint.load_rng and not cfg.checkpoint.finetune:
+            ckpt.set_rng_state(client["rng"])
+
+    datasets = build_datasets(cfg.data, num_samples=_num_samples(cfg, layout), seq_length=layout.model.seq_length,
+                              seed=cfg.training.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
+    # Only the first stage (tokens) and the last stage (labels) read data.
+    needs_data = ps.is_first_stage or ps.is_last_stage
+    collator = BatchCollator(cfg.data, tokenizer.eod, tokenizer.vocab_size, describe_source(cfg.data))
+    loaders = [build_loader(ds, cfg.data, collator, consumed_samples=consumed,
+                            micro_batch_size=layout.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size)
+               if needs_data else None
+               for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0))]
+    train_iter, valid_iter, test_iter = (cycle(loader) for loader in loaders)
+    if datasets[1] is None:
+        valid_iter = None
+
+    tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
+                          == torch.distributed.get_world_size() - 1)
+    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:]}
+
+    def save(st: TrainState) -> None:
+        client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
+                  "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
+        if cfg.checkpoint.save_rng:
+            client["rng"] = ckpt.rng_state()
+        ckpt.save_checkpoint(engine, cfg.checkpoint.save, st.iteration, client_state=client, meta=meta)
+        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {cfg.checkpoint.save}")
+
+    try:
+        if not cfg.training.skip_train and state.iteration < layout.train_iters:
+            state = train(cfg, layout, engine, state, train_iter, valid_iter, loss_fn=loss_fn, dp_group=ps.dp_group,
+                          device=device, save_fn=save, tb=tb, start_time=start_time)
+        if valid_iter is not None and cfg.training.eval_iters:
+            run_validation(cfg, layout, engine, state, valid_iter, loss_fn, ps.dp_group, tb,
+                           f"iteration {state.iteration} on validation set")
+        if test_iter is not None and datasets[2] is not None and cfg.training.eval_iters:
+            run_validation(cfg, layout, engine, state, test_iter, loss_fn, ps.dp_group, tb,
+                           f"iteration {state.iteration} on test set")
+    finally:
+        tb.close()
+    return state
+
+
+def _one_line(exc: Exception) -> str:
+    """A DataLoader worker's error arrives wrapped in its traceback text; keep the message."""
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    prefix = f"{type(exc).__module__}.{type(exc).__name__}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
+def main(argv=None) -> int:
+    cfg, ignored = parse_args(argv)
+    try:
+        if cfg.dry_run:
+            return dry_run(cfg, ignored)
+        run(cfg, ignored)
+        return 0
+    except (ConfigError, DataError, TrainingStopped) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,124 @@
+"""Start-up: rank discovery, distributed init, process groups, seeds, model, DeepSpeed engine."""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from megatron_ds.config import Config, Layout
+from megatron_ds.launch import apply_dist_env, discover_dist_env
+from megatron_ds.parallel.groups import ParallelState
+from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.training.checkpointing import install_safe_loading
+from megatron_ds.training.log import print_rank0
+from megatron_ds.training.lr_schedule import LRSchedule
+from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
+
+
+def discover_world(cfg: Config):
+    """Rank/world from whichever launcher started us; exported for deepspeed/torch env:// init."""
+    env = discover_dist_env(use_mpi=cfg.parallel.use_mpi, local_rank_arg=cfg.parallel.local_rank)
+    apply_dist_env(env)
+    return env
+
+
+def select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config, device: torch.device) -> None:
+    import deepspeed  # noqa: PLC0415 - heavy; keep --dry-run and --help fast
+
+    backend = cfg.parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def params_dtype(layout: Layout) -> torch.dtype:
+    # DeepSpeed keeps fp32 master weights itself; the module holds the compute precision.
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
+
+
+def build_model(cfg: Config, layout: Layout, ps: ParallelState):
+    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel)."""
+    from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
+
+    common = dict(padded_vocab_size=layout.padded_vocab_size, tp_group=ps.tp_group,
+                  sequence_parallel=cfg.parallel.sequence_parallel,
+                  reset_attention_mask=cfg.data.reset_attention_mask,
+                  recompute=layout.recompute, recompute_num_layers=cfg.training.recompute_num_layers,
+                  seed=cfg.training.seed)
+    if layout.use_pipeline:
+        return build_pipeline_gpt(layout.model, topology=ps.topology,
+                                  partition_method=cfg.parallel.pipeline_partition_method, **common)
+    return build_sequential_gpt(layout.model, **common)
+
+
+@dataclass
+class Runtime:
+    engine: object
+    optimizer_desc: str
+    scheduler: LRSchedule
+    ps: ParallelState
+    device: torch.device
+
+
+def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.device) -> Runtime:
+    import deepspeed  # noqa: PLC0415
+
+    seed_everything(cfg.training.seed)
+    model = build_model(cfg, layout, ps)
+    if layout.precision != "fp32":
+        model = model.to(params_dtype(layout))
+    model = model.to(device)
+    optimizer, desc = build_optimizer(model, cfg.optimizer, device)
+    guarded = layout.precision == "fp32" and layout.zero_stage == 0
+    if guarded:
+        optimizer = GuardedOptimizer(optimizer, cfg.optimizer.clip_grad)
+    scheduler = LRSchedule(optimizer, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+                           warmup_steps=layout.lr_warmup_iters, decay_steps=layout.lr_decay_iters,
+                           decay_style=cfg.optimizer.lr_decay_style)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=layout.ds_config, mpu=None if layout.use_pipeline else ps,
+                                           dist_init_required=False)
+    if guarded:
+        optimizer.mpu = engine.mpu if engine.mpu is not None else ps
+    install_safe_loading(engine)
+    # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
+    # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
+    set_parallel_seeds(cfg.training.seed + 100 * ps.pp_rank, ps.tp_rank)
+    return Runtime(engine=engine, optimizer_desc=desc, scheduler=scheduler, ps=ps, device=device)
+
+
+def describe_kernels(device: torch.device, optimizer_desc: str) -> str:
+    try:
+        from megatron_ds.model.fused import describe_kernels as model_kernels  # noqa: PLC0415
+        kernels = model_kernels()
+    except ImportError:
+        kernels = {}
+    parts = [f"{k}: {v}" for k, v in kernels.items()] + [f"optimizer: {optimizer_desc}"]
+    sdpa = "flash/efficient SDPA kernels" if device.type == "cuda" else "SDPA math kernel (CPU)"
+    parts.append(f"attention: {sdpa}")
+    return ", ".join(parts)
+
+
+def log_startup(cfg: Config, layout: Layout, rt: Runtime, ignored: list[str]) -> None:
+    print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
+    print_rank0(f"> kernels: {describe_kernels(rt.device, rt.optimizer_desc)}")
+    if ignored:
+        print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(sorted(set(ignored)))}")
+    if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):
+        print(f"> {rt.ps.describe()}", flush=True)

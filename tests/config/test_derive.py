@@ -1,0 +1,166 @@
+"""derive(): every rejection by its message, and the derived values against hand computation."""
+import pytest
+
+from megatron_ds.config import ConfigError, count_parameters, derive, pad_vocab_size, parse_args, resolve_model_config
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3").split()
+
+
+def make(*extra, world=1, vocab=1000, template=None, device="cpu"):
+    cfg, _ = parse_args(BASE + list(extra))
+    return derive(cfg, world, vocab_size=vocab, ds_template=template, device_type=device)
+
+
+def rejects(match, *extra, **kw):
+    with pytest.raises(ConfigError, match=match):
+        make(*extra, **kw)
+
+
+def test_world_not_divisible_by_tp_pp():
+    rejects(r"world size 6 is not divisible by TP x PP = 2 x 2 = 4", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "2", world=6)
+
+
+def test_heads_not_divisible_by_tp():
+    rejects(r"--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 3",
+            "--tensor-model-parallel-size", "3", world=3)
+
+
+def test_kv_heads_not_divisible_by_tp():
+    rejects(r"--num-key-value-heads 2 is not divisible by --tensor-model-parallel-size 4",
+            "--num-key-value-heads", "2", "--tensor-model-parallel-size", "4", world=4)
+
+
+def test_layers_not_divisible_by_pp():
+    rejects(r"--num-layers 4 is not divisible by --pipeline-model-parallel-size 3",
+            "--pipeline-model-parallel-size", "3", world=3)
+
+
+def test_global_batch_not_divisible():
+    rejects(r"--global-batch-size 6 is not divisible by --micro-batch-size 2 x DP 2 = 4",
+            "--global-batch-size", "6", world=2)
+
+
+def test_seq_length_above_positions():
+    rejects(r"--seq-length 32 exceeds --max-position-embeddings 16", "--max-position-embeddings", "16")
+
+
+def test_zero2_with_pipeline():
+    rejects(r"ZeRO stage 2 cannot be combined with DeepSpeed's pipeline engine", "--zero-stage", "2",
+            "--pipeline-model-parallel-size", "2", world=2)
+
+
+def test_zero3_allowed_without_pipeline():
+    layout = make("--zero-stage", "3", "--no-pipeline-parallel", world=2)
+    assert layout.ds_config["zero_optimization"]["stage"] == 3 and not layout.use_pipeline
+
+
+def test_json_train_batch_size_conflict():
+    rejects(r"train_batch_size = 64 contradicts --global-batch-size: 4", "--global-batch-size", "4",
+            template={"train_batch_size": 64})
+
+
+def test_json_micro_batch_conflict():
+    rejects(r"train_micro_batch_size_per_gpu = 8 contradicts --micro-batch-size: 2",
+            template={"train_micro_batch_size_per_gpu": 8})
+
+
+def test_json_fp16_block_vs_bf16():
+    rejects(r'"fp16.enabled" = True contradicts the precision flag: --bf16', "--bf16", template={"fp16": {"enabled": True}})
+
+
+def test_json_bf16_block_vs_fp32():
+    rejects(r'"bf16.enabled" = True contradicts the precision flag: fp32 \(neither', template={"bf16": {"enabled": True}})
+
+
+def test_json_zero_stage_conflict():
+    rejects(r'"zero_optimization.stage" = 2 contradicts --zero-stage: 1', "--zero-stage", "1",
+            template={"zero_optimization": {"stage": 2}})
+
+
+def test_fp16_on_cpu():
+    rejects(r"--fp16 needs a GPU", "--fp16", device="cpu")
+
+
+def test_other_rejections():
+    rejects(r"--fp16 and --bf16 are both set", "--fp16", "--bf16", device="cuda")
+    rejects(r"--sequence-parallel needs --tensor-model-parallel-size > 1", "--sequence-parallel")
+    rejects(r"--no-pipeline-parallel needs --pipeline-model-parallel-size 1", "--no-pipeline-parallel",
+            "--pipeline-model-parallel-size", "2", world=2)
+    rejects(r'"optimizer"/"scheduler" block', template={"optimizer": {"type": "Adam"}})
+    rejects(r"--data-impl lazy is not supported", "--data-impl", "lazy")
+
+
+def test_missing_required():
+    cfg, _ = parse_args(["--num-layers", "2"])
+    with pytest.raises(ConfigError, match="--hidden-size is required"):
+        derive(cfg, 1, vocab_size=10)
+
+
+def test_derived_values():
+    layout = make("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--global-batch-size", "16", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50",
+                  world=8, vocab=50257, template={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5}})
+    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
+    assert layout.grad_accum_steps == 16 // (2 * 2)
+    assert layout.padded_vocab_size == 50432  # next multiple of 128 * 2 above 50257
+    assert layout.lr_warmup_iters == 5 and layout.lr_decay_iters == 50
+    ds = layout.ds_config
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 5}  # JSON knobs kept
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+
+
+def test_fp16_loss_scale_knobs_from_json_win():
+    layout = make("--fp16", device="cuda", template={"fp16": {"enabled": "auto", "loss_scale_window": 500}})
+    assert layout.ds_config["fp16"]["enabled"] is True
+    assert layout.ds_config["fp16"]["loss_scale_window"] == 500
+    assert layout.ds_config["fp16"]["initial_scale_power"] == 32
+
+
+def test_pad_vocab_size():
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(37, 4, 4) == 48
+    assert pad_vocab_size(48, 4, 4) == 48
+
+
+def test_resolve_swiglu_and_rope():
+    cfg, _ = parse_args(BASE + ["--swiglu", "--use-rotary-position-embeddings", "--normalization", "RMSNorm"])
+    m = resolve_model_config(cfg.model)
+    assert m.ffn_hidden_size == int(4 * 64 * 2 / 3 / 64) * 64 == 128
+    assert m.position_embedding_type == "rope" and m.normalization == "rmsnorm"
+    assert m.num_key_value_heads == 8 and m.kv_channels == 8 and m.max_position_embeddings == 32
+
+
+def _count_by_hand(h, layers, vocab, seq, ffn):
+    # GPT-2: per layer 12h^2 + 13h (qkv 3h^2+3h, proj h^2+h, fc 4h^2+4h... with ffn = 4h), embeddings, final LN
+    per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 4 * h
+    return layers * per_layer + vocab * h + seq * h + 2 * h
+
+
+def test_parameter_count_gpt2_small():
+    cfg, _ = parse_args("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
+                        "--micro-batch-size 1 --train-iters 1 --lr 1".split())
+    m = resolve_model_config(cfg.model)
+    total, stages = count_parameters(m, 50304, 1, 1)
+    assert total == _count_by_hand(768, 12, 50304, 1024, 3072)
+    assert abs(total - 124.4e6) < 0.5e6  # the published GPT-2 small size (with the padded vocab)
+    assert stages[0].params_per_tp_rank == total
+
+
+def test_parameter_count_split_over_tp_pp():
+    cfg, _ = parse_args(BASE)
+    m = resolve_model_config(cfg.model)
+    total, _ = count_parameters(m, 1024, 1, 1)
+    _, stages = count_parameters(m, 1024, 2, 2)
+    h = 64
+    # each TP rank holds half of every split matrix; norms and row-parallel biases are replicated;
+    # the last stage holds a copy of the tied word embeddings.
+    replicated_per_layer = 4 * h + 2 * h
+    split_per_layer = (_count_by_hand(h, 1, 0, 0, 4 * h) - 2 * h - replicated_per_layer)
+    stage0 = 2 * (split_per_layer // 2 + replicated_per_layer) + 1024 * h // 2 + 32 * h
+    stage1 = 2 * (split_per_layer // 2 + replicated_per_layer) + 2 * h + 1024 * h // 2
+    assert [s.params_per_tp_rank for s in stages] == [stage0, stage1]
+    assert total == 4 * (split_per_layer + replicated_per_layer) + 1024 * h + 32 * h + 2 * h
