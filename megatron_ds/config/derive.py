@@ -195,6 +195,10 @@ def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_ba
         # DeepSpeed's plain fp32 path neither skips non-finite steps nor reports the pre-clip norm;
         # training.optimizer.GuardedOptimizer clips there instead, so DeepSpeed must not clip too.
         ds["gradient_clipping"] = 0.0
+    # DeepSpeed's pipeline partitions activations over TP ranks assuming they are replicated; under
+    # sequence parallelism they are already split (and differ per rank), so that must be off.
+    sp = cfg.parallel.sequence_parallel
+    ds.setdefault("pipeline", {}).update(pipe_partitioned=not sp, grad_partitioned=not sp)
     ds.setdefault("steps_per_print", 10 ** 9)  # we print Megatron's iteration line ourselves
     ds.setdefault("wall_clock_breakdown", False)
     return ds

@@ -2,7 +2,7 @@
 
 Micro-batches have the shape DeepSpeed's pipeline engine expects, ``(inputs, labels)`` with
 ``inputs = (tokens, position_ids)`` for the first stage and ``labels = (labels, loss_mask)`` for
-the loss on the last stage. With --reset-attention-mask the per-sample mask is a third input.
+the loss on the last stage.
 """
 from __future__ import annotations
 
@@ -88,12 +88,11 @@ class BatchCollator:
                             f"data set {self.source}: was it preprocessed with another tokenizer?")
         tokens = torch.from_numpy(text[:, :-1].copy())
         labels = torch.from_numpy(text[:, 1:].copy())
-        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, self.eod, self.cfg.reset_position_ids, self.cfg.reset_attention_mask, self.cfg.eod_mask_loss)
-        inputs = (tokens, position_ids)
-        if self.cfg.reset_attention_mask:
-            inputs = inputs + (attention_mask,)
-        return inputs, (labels, loss_mask.float())
+        # The mask is not built here: with --reset-attention-mask the model derives document ids
+        # from the EOD tokens itself (a [b, s] tensor instead of a [b, 1, s, s] mask).
+        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, self.eod, self.cfg.reset_position_ids, False, self.cfg.eod_mask_loss)
+        return (tokens, position_ids), (labels, loss_mask.float())
 
 
 def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_samples: int,
@@ -104,14 +103,27 @@ def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_
     sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                  micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
                                  data_parallel_size=dp_size)
+    # A private generator: creating an iterator would otherwise draw its worker seed from the
+    # global torch RNG, which drives dropout, and a resumed run would draw at a different time.
+    generator = torch.Generator().manual_seed(consumed_samples)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
                                        collate_fn=collator, pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=cfg.num_workers > 0)
+                                       persistent_workers=cfg.num_workers > 0, generator=generator)
 
 
-def cycle(loader):
-    """The pipeline engine pulls micro-batches from a plain iterator; None for stages without data."""
-    return iter(loader) if loader is not None else None
+def cycle(loader, *, repeat: bool = False):
+    """The iterator the engine pulls micro-batches from; None for stages without data. Validation
+    and test loaders repeat (evaluations may outnumber the samples reserved for them); training
+    never silently wraps around."""
+    if loader is None:
+        return None
+    if not repeat:
+        return iter(loader)
+
+    def forever():
+        while True:
+            yield from loader
+    return forever()
 
 
 def describe_source(cfg: DataConfig) -> str:

@@ -59,22 +59,33 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
+    def _grads_for_norm(self, params):
+        """As DeepSpeed's bf16 optimizer selects them: each gradient counted once across the model
+        copies -- tied copies marked ds_pipe_replicated skipped, TP-replicated ones only on TP rank 0."""
+        tp_rank = self.mpu.get_tensor_model_parallel_rank() if self.mpu is not None else 0
+        return [p.grad for p in params
+                if not getattr(p, "ds_pipe_replicated", False)
+                and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))]
+
     @torch.no_grad()
     def step(self, closure=None):
-        from deepspeed.runtime.utils import get_grad_norm  # noqa: PLC0415 - heavy import, runtime only
+        from deepspeed.runtime.utils import get_global_norm_of_tensors  # noqa: PLC0415 - heavy import
 
         params = self._params()
-        norm = float(get_grad_norm(params, mpu=self.mpu))
-        self._global_grad_norm = norm
-        # DeepSpeed's norm helpers report a non-finite norm as -1 (or inf/nan depending on version)
-        self.overflow = not (norm >= 0.0 and norm != float("inf"))
+        grads = self._grads_for_norm(params)
+        if grads:
+            norm = float(get_global_norm_of_tensors(grads, mpu=self.mpu))
+        else:  # this rank holds nothing to count, but must still join the reduction
+            norm = float(get_global_norm_of_tensors([torch.zeros(1, device=params[0].device)], mpu=self.mpu))
+        # DeepSpeed's helper reports a non-finite norm as -1
+        self.overflow = not (0.0 <= norm < float("inf"))
+        self._global_grad_norm = norm if not self.overflow else float("inf")
         if self.overflow:
             for p in params:
                 p.grad = None
             return None
         if self.clip_grad > 0 and norm > self.clip_grad:
-            coef = self.clip_grad / (norm + 1e-6)
-            torch._foreach_mul_([p.grad for p in params], coef)
+            torch._foreach_mul_([p.grad for p in params], self.clip_grad / (norm + 1e-6))
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True):

@@ -1,6 +1,7 @@
 """pretrain_gpt.py's body: parse -> validate -> initialize -> build -> load -> train -> save."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -52,13 +53,13 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
                     ds_template=load_ds_template(cfg.deepspeed.deepspeed_config), device_type=device.type)
     init_distributed(cfg, device)
     from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
-    from megatron_ds.model.pipeline import gpt_loss_fn  # noqa: PLC0415
+    from megatron_ds.model.gpt import gpt_loss_fn  # noqa: PLC0415
 
     ps = ParallelState(layout.tp, layout.pp, layout.dp)
-    rt = build_engine(cfg, layout, ps, device)
+    rt = build_engine(cfg, layout, ps, device, tokenizer.eod)
     log_startup(cfg, layout, rt, ignored)
     engine = rt.engine
-    loss_fn = gpt_loss_fn(tp_group=ps.tp_group)
+    loss_fn = functools.partial(gpt_loss_fn, tp_group=ps.tp_group)
 
     state = TrainState()
     signature = ckpt.layout_signature(layout)
@@ -84,7 +85,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
                             micro_batch_size=layout.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size)
                if needs_data else None
                for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0))]
-    train_iter, valid_iter, test_iter = (cycle(loader) for loader in loaders)
+    train_iter = cycle(loaders[0])
+    valid_iter, test_iter = (cycle(loader, repeat=True) for loader in loaders[1:])
     if datasets[1] is None:
         valid_iter = None
 

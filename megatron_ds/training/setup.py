@@ -52,15 +52,16 @@ def params_dtype(layout: Layout) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
 
 
-def build_model(cfg: Config, layout: Layout, ps: ParallelState):
+def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int):
     """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel)."""
     from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
 
-    common = dict(padded_vocab_size=layout.padded_vocab_size, tp_group=ps.tp_group,
+    common = dict(padded_vocab_size=layout.padded_vocab_size, tp_group=ps.tp_group, seed=cfg.training.seed,
                   sequence_parallel=cfg.parallel.sequence_parallel,
-                  reset_attention_mask=cfg.data.reset_attention_mask,
-                  recompute=layout.recompute, recompute_num_layers=cfg.training.recompute_num_layers,
-                  seed=cfg.training.seed)
+                  reset_attention_mask=cfg.data.reset_attention_mask, eod_token=eod_token,
+                  recompute_granularity=layout.recompute,
+                  activation_checkpoint_interval=(cfg.training.recompute_num_layers
+                                                  if layout.recompute == "full" else 0))
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=cfg.parallel.pipeline_partition_method, **common)
@@ -76,11 +77,11 @@ class Runtime:
     device: torch.device
 
 
-def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.device) -> Runtime:
+def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
     import deepspeed  # noqa: PLC0415
 
     seed_everything(cfg.training.seed)
-    model = build_model(cfg, layout, ps)
+    model = build_model(cfg, layout, ps, eod_token)
     if layout.precision != "fp32":
         model = model.to(params_dtype(layout))
     model = model.to(device)
@@ -110,8 +111,6 @@ def describe_kernels(device: torch.device, optimizer_desc: str) -> str:
     except ImportError:
         kernels = {}
     parts = [f"{k}: {v}" for k, v in kernels.items()] + [f"optimizer: {optimizer_desc}"]
-    sdpa = "flash/efficient SDPA kernels" if device.type == "cuda" else "SDPA math kernel (CPU)"
-    parts.append(f"attention: {sdpa}")
     return ", ".join(parts)
 
 

@@ -1,0 +1,310 @@
+"""GPT pretraining samples over a Megatron indexed dataset, with Megatron's index semantics.
+
+Three index arrays turn a set of documents into fixed-length samples (same arrays, hence the
+same samples, as Megatron-LM's GPTDataset for the same data, split, sample count, length, seed):
+- doc_idx: the documents repeated once per epoch, shuffled. When the last epoch is needed for
+  less than 80% of its samples it is shuffled separately, so those samples are drawn from the
+  whole epoch rather than piling up on the documents that happen to land early in a global
+  shuffle;
+- sample_idx: where each sample starts in the token stream of doc_idx (helpers.build_sample_idx).
+  A sample is seq_length + 1 tokens (inputs plus the shifted labels) and consecutive samples
+  share one token, so no token is lost as a label;
+- shuffle_idx: a permutation of the samples (the separate last epoch's samples again kept apart).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from megatron_ds.data import helpers
+from megatron_ds.data.index_cache import CacheTimings, cache_dirs, load_or_build, mmap_restore, mmap_state
+
+# Megatron's threshold: a last epoch used for less than this fraction is shuffled on its own.
+SEPARATE_LAST_EPOCH_FRACTION = 0.80
+_INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Fewest epochs whose tokens give num_samples samples: smallest e with (e*T - 1) // s >= n."""
+    needed = num_samples * seq_length + 1  # (e*T - 1) // s >= n  <=>  e*T >= n*s + 1
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: int, num_samples: int) -> bool:
+    if num_epochs == 1:
+        return False
+    from_full_epochs = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    last_epoch_samples = num_samples - from_full_epochs
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    return last_epoch_samples < int(SEPARATE_LAST_EPOCH_FRACTION * samples_per_epoch)
+
+
+def _shuffled_epochs(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    doc_idx = np.tile(documents, num_epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
+
+
+def _shuffled_range(start: int, stop: int, dtype, rng: np.random.RandomState) -> np.ndarray:
+    idx = np.arange(start, stop, dtype=dtype)
+    rng.shuffle(idx)
+    return idx
+
+
+def build_index_mappings(documents, sizes, num_samples: int, seq_length: int, seed: int,
+                         log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
+    """doc_idx, sample_idx and shuffle_idx for `num_samples` samples of the given documents.
+
+    One RandomState(seed) draws, in order: the doc_idx shuffle(s), then the shuffle_idx
+    shuffle(s); Megatron's order, which the arrays depend on.
+    """
+    documents = np.asarray(documents)
+    tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    separate = separate_last_epoch(num_epochs, tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed=seed)
+    # int32 as Megatron stores them, unless the dataset has too many documents for that.
+    documents = documents.astype(np.int32 if len(sizes) <= np.iinfo(np.int32).max else np.int64)
+
+    start = time.time()
+    if separate:
+        doc_idx = np.concatenate([_shuffled_epochs(documents, num_epochs - 1, rng),
+                                  _shuffled_epochs(documents, 1, rng)])
+    else:
+        doc_idx = _shuffled_epochs(documents, num_epochs, rng)
+    log(f" > doc_idx: {len(doc_idx)} entries over {num_epochs} epoch(s) "
+        f"(last epoch shuffled separately: {separate}) in {time.time() - start:.2f} s")
+
+    start = time.time()
+    sample_idx = helpers.build_sample_idx(np.asarray(sizes, dtype=np.int32), doc_idx, seq_length, num_epochs,
+                                          tokens_per_epoch)
+    log(f" > sample_idx: {len(sample_idx) - 1} samples in {time.time() - start:.2f} s")
+
+    start = time.time()
+    total = sample_idx.shape[0] - 1
+    first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    shuffle_idx = _shuffled_range(0, first, dtype, rng)
+    if first != total:
+        shuffle_idx = np.concatenate([shuffle_idx, _shuffled_range(first, total, dtype, rng)])
+    log(f" > shuffle_idx: {len(shuffle_idx)} entries in {time.time() - start:.2f} s")
+    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+
+def _describe_documents(documents: np.ndarray) -> str:
+    if len(documents) and np.array_equal(documents, np.arange(documents[0], documents[0] + len(documents))):
+        return f"[{int(documents[0])}, {int(documents[0]) + len(documents)})"
+    return f"{len(documents)} listed, md5 {hashlib.md5(np.ascontiguousarray(documents, np.int64).tobytes()).hexdigest()}"
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """`dataset[i]` = {"text": int64 array of seq_length + 1 tokens}, the i-th shuffled sample."""
+
+    def __init__(self, name: str, data_prefix: str, documents, indexed_dataset, num_samples: int, seq_length: int,
+                 seed: int, *, split: str = "", data_cache_path: str | None = None,
+                 log: Callable[[str], None] = print, cache_timings: CacheTimings = CacheTimings()):
+        documents = np.asarray(documents)
+        sizes = indexed_dataset.sizes
+        if len(documents) == 0:
+            raise ValueError(f"{name} split of {data_prefix} has no documents")
+        if documents.min() < 0 or documents.max() >= len(sizes):
+            raise ValueError(f"{name}: document indices must lie in [0, {len(sizes)}) for {data_prefix}")
+        if seq_length < 1 or num_samples < 0:
+            raise ValueError(f"{name}: seq_length must be >= 1 and num_samples >= 0, got {seq_length}, {num_samples}")
+        tokens = int(np.sum(sizes[documents], dtype=np.int64))
+        if tokens == 0:
+            raise ValueError(f"the {name} split of {data_prefix} (documents {_describe_documents(documents)}) "
+                             "has no tokens")
+        self.name, self.data_prefix, self.seq_length = name, str(data_prefix), int(seq_length)
+        self.indexed_dataset = indexed_dataset
+        self.desc = "\n".join([
+            "megatron_ds GPTDataset index v1",
+            f"data prefix: {os.path.abspath(self.data_prefix)}",
+            f"dataset: {len(sizes)} sequences",
+            f"name: {name}",
+            f"split: {split}",
+            f"documents: {_describe_documents(documents)} with {tokens} tokens",
+            f"number of samples: {int(num_samples)}",
+            f"sequence length: {self.seq_length}",
+            f"seed: {int(seed)}",
+        ])
+        helpers.announce_backend(log)
+        log(f" > {name}: {len(documents)} documents, {tokens} tokens")
+        if tokens <= seq_length:
+            log(f" > WARNING: the {name} split of {data_prefix} has {tokens} tokens, fewer than one sample of "
+                f"{seq_length + 1}; each sample repeats its documents several times")
+        look, build_dir = cache_dirs(self.data_prefix, data_cache_path)
+        arrays = load_or_build(
+            self.desc, _INDEX_NAMES,
+            lambda: build_index_mappings(documents, sizes, int(num_samples), self.seq_length, int(seed), log),
+            search_dirs=look, build_dir=build_dir, log=log, timings=cache_timings)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (arrays[n] for n in _INDEX_NAMES)
+        log(f" > {name}: {len(self)} samples available, {int(num_samples)} requested")
+
+    def __len__(self) -> int:
+        # Row k + 1 of sample_idx is where sample k ends, hence one row more than samples.
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, idx) -> dict[str, np.ndarray]:
+        n = len(self)
+        if not -n <= idx < n:
+            raise IndexError(f"sample {idx} out of range for {self.name} with {n} samples")
+        k = int(self.shuffle_idx[idx])
+        first_doc, first_offset = (int(v) for v in self.sample_idx[k])
+        last_doc, last_offset = (int(v) for v in self.sample_idx[k + 1])
+        get = self.indexed_dataset.get
+        if first_doc == last_doc:
+            sample = get(self.doc_idx[first_doc], offset=first_offset, length=last_offset - first_offset + 1)
+        else:
+            parts = [get(self.doc_idx[first_doc], offset=first_offset)]
+            parts += [get(self.doc_idx[d]) for d in range(first_doc + 1, last_doc)]
+            parts.append(get(self.doc_idx[last_doc], length=last_offset + 1))
+            sample = np.concatenate(parts)
+        return {"text": np.asarray(sample, dtype=np.int64)}
+
+    def __getstate__(self):
+        return mmap_state(self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(mmap_restore(state))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building train / valid / test datasets from command-line style arguments.
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1', or '1') -> three fractions summing to 1; missing parts are 0."""
+    text = str(split)
+    sep = "," if "," in text else "/"
+    try:
+        parts = [float(p) for p in text.split(sep)]
+    except ValueError:
+        raise ValueError(f"--split {text!r} is not a list of numbers like '949,50,1'") from None
+    parts = (parts + [0.0, 0.0])[:3]
+    if any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {text!r} needs non-negative parts with a positive sum")
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[int]:
+    """Document boundaries [0, a, b, num_documents]: split s is documents [bounds[s], bounds[s+1]).
+
+    Megatron's rounding: each part is round(fraction * n) documents, then every boundary is moved
+    by the rounding excess so the last one lands on n.
+    """
+    bounds = [0]
+    for fraction in parse_split(split):
+        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    return [bounds[0]] + [b - excess for b in bounds[1:]]
+
+
+def _open_indexed(prefix: str, log):
+    from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
+
+    if not dataset_exists(prefix):
+        hint = " (give the path without the .bin/.idx suffix)" if prefix.endswith((".bin", ".idx")) else ""
+        raise FileNotFoundError(f"no dataset at {prefix}: expected {prefix}.bin and {prefix}.idx{hint}")
+    start = time.time()
+    indexed = MMapIndexedDataset(prefix)
+    log(f" > opened {prefix}: {len(indexed.sizes)} documents in {time.time() - start:.3f} s")
+    return indexed
+
+
+def _split_datasets(prefix, split, num_samples, **kw) -> list[GPTDataset | None]:
+    log = kw["log"]
+    indexed = _open_indexed(prefix, log)
+    n = len(indexed.sizes)
+    bounds, fractions = split_document_ranges(split, n), parse_split(split)
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        lo, hi = bounds[s], bounds[s + 1]
+        log(f"    {name}: document indices in [{lo}, {hi}) total of {hi - lo} documents")
+        if hi <= lo:
+            if fractions[s] > 0 and num_samples[s] > 0:
+                raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "
+                                 f"({n} in total); use more data or change --split")
+            out.append(None)
+            continue
+        out.append(GPTDataset(name, prefix, np.arange(lo, hi, dtype=np.int64), indexed, num_samples[s],
+                              split=split, **kw))
+    return out
+
+
+def _whole_dataset(name, data_path, num_samples, **kw):
+    """A dataset over all documents of data_path (a PATH or a W1 PATH1 W2 PATH2 ... blend)."""
+    from megatron_ds.data.blendable_dataset import blended_num_samples, parse_data_path
+
+    prefixes, weights = parse_data_path(data_path)
+    if weights is None:
+        return _all_documents(name, prefixes[0], num_samples, **kw)
+    counts = [c[0] for c in blended_num_samples(weights, [num_samples])]
+    parts = [_all_documents(name, p, c, **kw) for p, c in zip(prefixes, counts)]
+    return _blend(parts, weights, sum(counts), prefixes[0], **kw)
+
+
+def _all_documents(name, prefix, num_samples, **kw):
+    indexed = _open_indexed(prefix, kw["log"])
+    return GPTDataset(name, prefix, np.arange(len(indexed.sizes), dtype=np.int64), indexed, num_samples,
+                      split="all", **kw)
+
+
+def _blend(parts, weights, size, first_prefix, *, data_cache_path, log, cache_timings, **_):
+    from megatron_ds.data.blendable_dataset import BlendableDataset
+
+    # A component is None only for a split nobody asked samples from; drop it with its weight.
+    kept = [(d, w) for d, w in zip(parts, weights) if d is not None]
+    if not kept:
+        return None
+    datasets, kept_weights = zip(*kept)
+    _, cache_dir = cache_dirs(first_prefix, data_cache_path)
+    return BlendableDataset(datasets, kept_weights, size, cache_dir=cache_dir, log=log, cache_timings=cache_timings)
+
+
+def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", train_valid_test_num_samples,
+                                    seq_length: int, seed: int, train_data_path=None, valid_data_path=None,
+                                    test_data_path=None, data_cache_path: str | None = None,
+                                    log: Callable[[str], None] = print,
+                                    cache_timings: CacheTimings = CacheTimings()):
+    """(train, valid, test) datasets, each a GPTDataset, a BlendableDataset or None.
+
+    data_path (`PATH` or `W1 PATH1 W2 PATH2 ...`, a string or list of words) is split into
+    documents by `split`; or train/valid/test_data_path each give a whole dataset (or blend).
+    """
+    from megatron_ds.data.blendable_dataset import blended_num_samples, parse_data_path
+
+    nums = [int(n) for n in train_valid_test_num_samples]
+    if len(nums) != 3 or min(nums) < 0:
+        raise ValueError(f"train_valid_test_num_samples must be three counts >= 0, got {train_valid_test_num_samples}")
+    kw = dict(seq_length=int(seq_length), seed=int(seed), data_cache_path=data_cache_path, log=log,
+              cache_timings=cache_timings)
+    separate = (train_data_path, valid_data_path, test_data_path)
+    if data_path:
+        if any(separate):
+            raise ValueError("--data-path cannot be combined with --train-data-path/--valid-data-path/"
+                             "--test-data-path; use one or the other")
+        prefixes, weights = parse_data_path(data_path)
+        log(f" > building train, valid, test datasets from {' '.join(prefixes)} with --split {split}")
+        if weights is None:
+            return tuple(_split_datasets(prefixes[0], split, nums, **kw))
+        counts = blended_num_samples(weights, nums)
+        per_dataset = [_split_datasets(p, split, c, **kw) for p, c in zip(prefixes, counts)]
+        return tuple(
+            _blend([parts[s] for parts in per_dataset], weights, sum(c[s] for c in counts), prefixes[0], **kw)
+            for s in range(3)
+        )
+    if not any(separate):
+        raise ValueError("no data given: pass --data-path, or --train-data-path (and optionally "
+                         "--valid-data-path/--test-data-path)")
+    log(" > building datasets from separate train/valid/test paths (--split is ignored)")
+    return tuple(None if path is None else _whole_dataset(name, path, nums[s], **kw)
+                 for s, (name, path) in enumerate(zip(SPLIT_NAMES, separate)))

@@ -1,0 +1,61 @@
+"""Masks and position ids against Megatron's per-EOD loops, for every flag combination."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ds.data.batch import get_ltor_masks_and_position_ids, gpt_batch_from_samples
+
+EOD = 7
+
+
+def reference_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """Megatron's get_ltor_masks_and_position_ids: loops over every EOD of every row."""
+    b, s = data.shape
+    att_b = b if reset_attention_mask else 1
+    attention = torch.tril(torch.ones((att_b, s, s))).view(att_b, 1, s, s)
+    loss_mask = torch.ones((b, s))
+    if eod_mask_loss:
+        loss_mask[data == eod] = 0.0
+    position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).repeat(b, 1)
+    for row in range(b):
+        prev = 0
+        for i in [j for j in range(s) if data[row, j] == eod]:
+            if reset_attention_mask:
+                attention[row, 0, i + 1:, :i + 1] = 0
+            if reset_position_ids:
+                position_ids[row, i + 1:] -= i + 1 - prev
+                prev = i + 1
+    return attention < 0.5, loss_mask, position_ids
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)))
+def test_masks_match_loop_reference(flags):
+    gen = torch.Generator().manual_seed(sum(f << i for i, f in enumerate(flags)))
+    for _ in range(5):
+        data = torch.randint(0, 10, (3, 23), generator=gen)  # EOD (7) about every 10 tokens
+        data[0, 0] = EOD  # an EOD at the very start ...
+        data[1, -1] = EOD  # ... and at the very end
+        data[2, 5:8] = EOD  # and back to back
+        got = get_ltor_masks_and_position_ids(data, EOD, *flags)
+        expected = reference_masks(data, EOD, *flags)
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape
+            assert torch.equal(g, e)
+
+
+def test_batch_from_samples_shifts_labels():
+    rng = np.random.default_rng(0)
+    samples = rng.integers(0, 10, (4, 17))
+    batch = gpt_batch_from_samples({"text": torch.from_numpy(samples)}, EOD, reset_position_ids=True,
+                                   eod_mask_loss=True)
+    assert torch.equal(batch.tokens, torch.from_numpy(samples[:, :-1]))
+    assert torch.equal(batch.labels, torch.from_numpy(samples[:, 1:]))
+    assert batch.tokens.dtype == torch.long and batch.attention_mask.shape == (1, 1, 16, 16)
+    expected = reference_masks(batch.tokens, EOD, True, False, True)
+    assert torch.equal(batch.loss_mask, expected[1]) and torch.equal(batch.position_ids, expected[2])
+    tokens, labels, loss_mask, attention_mask, position_ids = gpt_batch_from_samples(samples, EOD)
+    assert torch.equal(tokens, batch.tokens) and torch.equal(labels, batch.labels)
+    with pytest.raises(ValueError, match="seq_length \\+ 1"):
+        gpt_batch_from_samples(np.zeros((2, 1), dtype=np.int64), EOD)
