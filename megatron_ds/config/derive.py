@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.parallel.utils import pad_vocab_size
 
 
 class ConfigError(ValueError):
@@ -24,13 +25,6 @@ def _need(value, flag: str):
     if value is None:
         raise ConfigError(f"{flag} is required")
     return value
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round up to a multiple of divisible_by * TP so every TP shard is equal
-    and GEMM-friendly."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def resolve_model_config(m: ModelConfig) -> ModelConfig:

@@ -60,16 +60,18 @@ def layout_signature(layout) -> dict:
         sig["max_position_embeddings"] = m.max_position_embeddings
     sig.update(padded_vocab_size=layout.padded_vocab_size, tensor_model_parallel_size=layout.tp,
                pipeline_model_parallel_size=layout.pp, data_parallel_size=layout.dp,
-               zero_stage=layout.zero_stage, use_pipeline=layout.use_pipeline)
+               zero_stage=layout.zero_stage, precision=layout.precision, use_pipeline=layout.use_pipeline)
     return sig
 
 
 def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool) -> None:
     """Raise ConfigError naming every field that differs."""
-    fields = [k for k in current if k not in ("data_parallel_size", "zero_stage")]
-    if load_optim and current.get("zero_stage", 0) > 0:
-        # ZeRO shards optimizer state over data parallel ranks: the shard files only fit the same DP.
-        fields += ["data_parallel_size", "zero_stage"]
+    optim_fields = ("data_parallel_size", "zero_stage", "precision")
+    fields = [k for k in current if k not in optim_fields]
+    if load_optim:
+        # ZeRO and DeepSpeed's bf16 optimizer shard optimizer state over data parallel ranks: the
+        # shard files only fit the same DP size, stage and precision.
+        fields += list(optim_fields)
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
     if diffs:
         raise ConfigError(f"checkpoint {path} does not match this run ({'; '.join(diffs)}); use the "
@@ -170,6 +172,12 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     dist.barrier()
 
 
+def _is_bf16_optimizer(optimizer) -> bool:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: PLC0415
+
+    return isinstance(optimizer, BF16_Optimizer)
+
+
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
                     log=print) -> tuple[int, dict]:
     """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none."""
@@ -187,10 +195,19 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
     check_compatible(saved["signature"], signature, os.path.join(load_dir, tag),
                      load_optim=load_optim and not finetune)
     load_optim = load_optim and not finetune
-    path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=load_optim, load_lr_scheduler_states=load_optim,
-        load_module_strict=True)
+    # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but
+    # reads it back from the module file, where it is not: load those files ourselves.
+    sharded_without_zero = _is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
+    # no_grad: DeepSpeed re-broadcasts tied weights in place while loading, which autograd would
+    # otherwise record (and warn about in the next backward).
+    with torch.no_grad():
+        path, client_state = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=load_optim and not sharded_without_zero,
+            load_lr_scheduler_states=load_optim, load_module_strict=True)
     if path is None:
         raise ConfigError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}")
+    if sharded_without_zero and load_optim and not engine._load_zero_checkpoint(load_dir, tag):
+        raise ConfigError(f"{os.path.join(load_dir, tag)} has no bf16 optimizer state files; "
+                          f"pass --no-load-optim to load the weights only")
     log(f"loaded checkpoint {os.path.join(load_dir, tag)} (iteration {iteration})")
     return (0 if finetune else iteration), (client_state or {})

@@ -66,11 +66,16 @@ def build_datasets(cfg: DataConfig, *, num_samples: tuple[int, int, int], seq_le
         raise ConfigError("--data-path (or --train-data-path) is required; or pass --mock-data for synthetic data")
     from megatron_ds.data import build_train_valid_test_datasets  # noqa: PLC0415
 
-    return build_train_valid_test_datasets(
-        data_path=cfg.data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
-        seq_length=seq_length, seed=seed, train_data_path=cfg.train_data_path,
-        valid_data_path=cfg.valid_data_path, test_data_path=cfg.test_data_path,
-        data_cache_path=cfg.data_cache_path, log=log)
+    try:
+        return build_train_valid_test_datasets(
+            data_path=cfg.data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
+            seq_length=seq_length, seed=seed, train_data_path=cfg.train_data_path,
+            valid_data_path=cfg.valid_data_path, test_data_path=cfg.test_data_path,
+            data_cache_path=cfg.data_cache_path, log=log)
+    except (ValueError, OSError) as exc:
+        # the data package reports bad paths, splits, blends and corrupt files with these types and
+        # a message written for the user; a traceback would bury it
+        raise DataError(str(exc)) from None
 
 
 class BatchCollator:

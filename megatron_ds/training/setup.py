@@ -9,7 +9,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron_ds.config import Config, Layout
+from megatron_ds.config import Config, ConfigError, Layout
 from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
@@ -21,7 +21,10 @@ from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
 
 def discover_world(cfg: Config):
     """Rank/world from whichever launcher started us; exported for deepspeed/torch env:// init."""
-    env = discover_dist_env(use_mpi=cfg.parallel.use_mpi, local_rank_arg=cfg.parallel.local_rank)
+    try:
+        env = discover_dist_env(use_mpi=cfg.parallel.use_mpi, local_rank_arg=cfg.parallel.local_rank)
+    except ValueError as exc:  # inconsistent launcher variables: the message says which
+        raise ConfigError(str(exc)) from None
     apply_dist_env(env)
     return env
 
@@ -82,6 +85,9 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
 
     seed_everything(cfg.training.seed)
     model = build_model(cfg, layout, ps, eod_token)
+    if cfg.parallel.sequence_parallel:
+        from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks  # noqa: PLC0415
+        register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if layout.precision != "fp32":
         model = model.to(params_dtype(layout))
     model = model.to(device)

@@ -48,6 +48,10 @@ def test_layouts_match_single_process(reference, tp, pp, dp):
     assert losses[-1] < losses[0]
 
 
+def test_sequence_parallel_tp2_pp2_matches_single_process(reference):
+    assert _losses(2, 2, 1, ["--sequence-parallel"]) == pytest.approx(reference, rel=RTOL)
+
+
 def test_llama_style_tp2_matches_single_process():
     ref = _losses(1, 1, 1, LLAMA_FLAGS)
     assert _losses(2, 1, 1, LLAMA_FLAGS) == pytest.approx(ref, rel=RTOL)

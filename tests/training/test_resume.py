@@ -24,6 +24,7 @@ def _run(world, argv):
     ("pp1", 1, []),
     ("zero1_dp2", 2, ["--zero-stage", "1"]),
     ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+    ("bf16_pp2", 2, ["--bf16", "--pipeline-model-parallel-size", "2"]),
 ])
 def test_resume_equals_straight_run(tmp_path, name, world, extra):
     straight = _run(world, RUN + extra)

@@ -1,0 +1,17 @@
+"""The GPT model: tensor parallel transformer layers, and the layer specs that build it as a DeepSpeed
+``PipelineModule`` or as one plain module.
+
+    specs/builders  pipeline.py    gpt_layer_specs, build_pipeline_gpt, build_sequential_gpt
+    GPT pieces      gpt.py         embedding, final norm, output head, gpt_loss_fn
+    blocks          transformer.py attention (SDPA, GQA, rope), MLP (GeLU / SwiGLU), layer
+    kernels         fused.py       optional apex norms; describe_kernels() for the start-up log
+"""
+from megatron_ds.model.fused import describe_kernels
+from megatron_ds.model.gpt import document_ids, gpt_loss_fn
+from megatron_ds.model.pipeline import (PARTITION_METHOD, GPTPipelineModel, GPTSequential, build_pipeline_gpt,
+                                        build_sequential_gpt, gpt_layer_specs, pipeline_engine_config)
+from megatron_ds.model.transformer import ParallelTransformerLayer
+
+__all__ = ["PARTITION_METHOD", "GPTPipelineModel", "GPTSequential", "ParallelTransformerLayer", "build_pipeline_gpt",
+           "build_sequential_gpt", "describe_kernels", "document_ids", "gpt_layer_specs", "gpt_loss_fn",
+           "pipeline_engine_config"]

@@ -1,0 +1,62 @@
+"""Optional fast kernels, detected once, with torch-native fallbacks.
+
+Apex is the classic source of build failures on clusters, so it is never required: when its fused
+normalization extension imports, the norms use it; otherwise torch's own LayerNorm/RMSNorm (fused
+CUDA kernels in recent torch anyway). Attention always goes through
+``torch.nn.functional.scaled_dot_product_attention``, which picks flash / memory-efficient kernels
+on GPU and the math kernel on CPU by itself. ``describe_kernels()`` says what is active so start-up
+can log it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=None)
+def apex_norm_classes():
+    """(FusedLayerNorm, FusedRMSNorm) from apex, or None when apex or its CUDA extension is missing.
+
+    The import of ``apex.normalization`` succeeds even when apex was installed without its CUDA
+    extensions (and PyPI's "apex" is an unrelated package); the layers would then fail on first
+    use, hours into a job. So the compiled extension itself must be importable too.
+    """
+    if importlib.util.find_spec("apex") is None:
+        return None
+    try:
+        from apex.normalization import FusedLayerNorm, FusedRMSNorm
+
+        importlib.import_module("fused_layer_norm_cuda")
+    except Exception:  # noqa: BLE001 - any broken apex install means "use torch"
+        return None
+    return FusedLayerNorm, FusedRMSNorm
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_supports_gqa() -> bool:
+    """Whether this torch's scaled_dot_product_attention takes ``enable_gqa`` (torch >= 2.5).
+
+    Native grouped-query attention reads each K/V head once; without it K/V are expanded with
+    repeat_interleave (same numbers, more memory)."""
+    q = torch.zeros(1, 2, 1, 1)
+    kv = torch.zeros(1, 1, 1, 1)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+def describe_kernels() -> dict:
+    """Which implementation each fused piece uses in this process (for the start-up log)."""
+    apex = apex_norm_classes() is not None
+    return {
+        "layernorm": "apex FusedLayerNorm" if apex else "torch.nn.LayerNorm",
+        "rmsnorm": "apex FusedRMSNorm" if apex else "torch.nn.RMSNorm",
+        "attention": "torch scaled_dot_product_attention (flash/efficient kernels on GPU, math on CPU)",
+        "grouped_query_attention": "native (enable_gqa)" if sdpa_supports_gqa() else "repeat_interleave",
+    }

@@ -1,0 +1,129 @@
+"""The GPT-specific pieces around the transformer layers: embedding, final norm, output head, loss.
+
+Each piece is a module whose forward takes one object (a tensor or a tuple), so they chain as
+DeepSpeed pipeline layers (see ``pipeline.py``):
+
+    (tokens, position_ids)  --GPTEmbedding-->  hidden [s, b, h]  (or (hidden, document_ids))
+    --ParallelTransformerLayer x N-->  --FinalNorm-->  hidden  --output head-->  logits [b, s, V/tp]
+
+Logits stay split over the vocabulary (each tensor parallel rank holds V/tp columns); the loss is
+the vocab-parallel cross entropy, so the full [b, s, V] tensor never exists.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_ds.model.norms import build_norm
+from megatron_ds.model.transformer import hidden_dropout, split_hidden_and_documents
+from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
+from megatron_ds.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
+from megatron_ds.parallel.mappings import scatter_to_sequence_parallel_region
+
+
+def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """``[batch, seq]`` index of the document each token belongs to, for ``--reset-attention-mask``.
+
+    An end-of-document token belongs to the document it ends (Megatron's mask lets it see its own
+    document), so a token's id is the number of EOD tokens strictly before it.
+    """
+    is_eod = (tokens == eod_token).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+class GPTEmbedding(nn.Module):
+    """Word embeddings (split over the vocabulary) + learned positions (replicated), dropout,
+    transposed to ``[s, b, h]`` and, under sequence parallelism, split along the sequence.
+
+    With ``eod_token`` set (``--reset-attention-mask``) the output is ``(hidden, document_ids)``.
+    ``max_position_embeddings=None`` builds no position table (rope / no positions); the copy of
+    the word embeddings that serves as the tied output layer on the last pipeline stage is built
+    that way too, since it needs only the word embedding weight.
+    """
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
+                 init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.dropout = dropout
+        self.eod_token = eod_token
+        init = init_method_normal(init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp_group=tp_group,
+                                                      init_method=init, params_dtype=params_dtype, device=device)
+        self.position_embeddings = None
+        if max_position_embeddings is not None:
+            # Initialized like the tensor parallel layers (fp32 on the CPU generator, then moved), so
+            # the numbers do not depend on the device or dtype the model is built for.
+            table = torch.empty(max_position_embeddings, hidden_size, dtype=torch.float32)
+            init(table)
+            self.position_embeddings = nn.Embedding.from_pretrained(table.to(device=device, dtype=params_dtype),
+                                                                    freeze=False)
+        # Parameter-less projection by the (tied) word embedding weight: the output layer.
+        self._output_projection = ColumnParallelLinear(
+            hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
+            sequence_parallel=sequence_parallel, skip_weight_param_allocation=True)
+
+    def forward(self, inputs):
+        tokens, position_ids = inputs
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        x = hidden_dropout(x, self.dropout, self.training, self.sequence_parallel)
+        return x if self.eod_token is None else (x, document_ids(tokens, self.eod_token))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output layer tied to the word embeddings: ``[s, b, h]`` -> ``[b, s, V/tp]``."""
+        out, _ = self._output_projection(hidden, weight=self.word_embeddings.weight)
+        return out.transpose(0, 1)
+
+
+def tied_output_logits(embedding: GPTEmbedding, inputs) -> torch.Tensor:
+    """``TiedLayerSpec`` forward_fn of the output layer: project with the shared word embedding."""
+    hidden, _ = split_hidden_and_documents(inputs)
+    return embedding.logits(hidden)
+
+
+class GPTOutputHead(nn.Module):
+    """Untied output layer (``--untie-embeddings-and-output-weights``): ``[s, b, h]`` -> ``[b, s, V/tp]``."""
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.output_layer = ColumnParallelLinear(
+            hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
+            init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype, device=device)
+
+    def forward(self, inputs) -> torch.Tensor:
+        hidden, _ = split_hidden_and_documents(inputs)
+        out, _ = self.output_layer(hidden)
+        return out.transpose(0, 1)
+
+
+class FinalNorm(nn.Module):
+    """The norm after the last transformer layer; drops the document ids, which end here."""
+
+    def __init__(self, normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.final_layernorm = build_norm(normalization, hidden_size, eps, sequence_parallel=sequence_parallel,
+                                          params_dtype=params_dtype, device=device)
+
+    def forward(self, inputs) -> torch.Tensor:
+        hidden, _ = split_hidden_and_documents(inputs)
+        return self.final_layernorm(hidden)
+
+
+def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None) -> torch.Tensor:
+    """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
+
+    ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``.
+    """
+    labels, loss_mask = labels_and_mask
+    losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group)
+    return masked_token_loss(losses, loss_mask)

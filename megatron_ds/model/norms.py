@@ -1,0 +1,53 @@
+"""LayerNorm / RMSNorm: apex's fused kernels when importable, torch's otherwise.
+
+Both implementations name their parameters ``weight`` (and ``bias`` for LayerNorm), so checkpoints
+move freely between a machine with apex and one without.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_ds.model.fused import apex_norm_classes
+
+
+class _RMSNorm(nn.Module):
+    """RMSNorm for torch < 2.4, which has no ``torch.nn.RMSNorm``. Computed in fp32 (the mean of
+    squares underflows/overflows in half precision), returned in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
+               params_dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
+    """A normalization layer over the last dimension.
+
+    Under sequence parallelism each tensor parallel rank normalizes a different slice of the
+    sequence, so the norm's weight gradients are partial sums; the parameters are tagged
+    ``sequence_parallel=True`` so the training loop all-reduces them over the tensor parallel group
+    (``megatron_ds.parallel.layers.allreduce_sequence_parallel_grads``).
+    """
+    kind = normalization.lower()
+    if kind not in ("layernorm", "rmsnorm"):
+        raise ValueError(f"unknown normalization {normalization!r}; use layernorm or rmsnorm")
+    apex = apex_norm_classes()
+    if apex is not None:
+        fused_layernorm, fused_rmsnorm = apex
+        cls = fused_layernorm if kind == "layernorm" else fused_rmsnorm
+        norm = cls(hidden_size, eps=eps).to(device=device, dtype=params_dtype)
+    elif kind == "layernorm":
+        norm = nn.LayerNorm(hidden_size, eps=eps, device=device, dtype=params_dtype)
+    else:
+        rms_cls = getattr(nn, "RMSNorm", _RMSNorm)
+        norm = rms_cls(hidden_size, eps=eps, device=device, dtype=params_dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = sequence_parallel
+    return norm

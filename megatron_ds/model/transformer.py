@@ -1,0 +1,197 @@
+"""Pre-LN transformer layer with tensor parallel attention and MLP.
+
+Activations are ``[seq, batch, hidden]`` (Megatron's layout); under sequence parallelism the
+sequence dimension is split over the tensor parallel ranks outside attention/MLP, i.e. in the norm,
+dropout and residual regions.
+
+A layer's input and output are the hidden state, or ``(hidden, document_ids)`` when attention is
+restricted to each document (``--reset-attention-mask``): the ``[batch, seq]`` document ids are all
+a layer needs to rebuild the mask, so they, not a ``[batch, 1, seq, seq]`` mask, are what travels
+with the hidden state between pipeline stages.
+
+Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.query_key_value``,
+``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``,
+``mlp.dense_4h_to_h``) so familiar conversion tools and habits carry over.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.model.fused import sdpa_supports_gqa
+from megatron_ds.model.norms import build_norm
+from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
+from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
+                                         scaled_init_method_normal)
+from megatron_ds.parallel.random import checkpoint, get_rng_tracker
+from megatron_ds.parallel.utils import divide, tp_world_size
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` document ids -> ``[batch, 1, seq, seq]`` bool mask, True where a query may
+    attend to a key: the key is not in the future and belongs to the same document."""
+    seq = document_ids.shape[1]
+    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return same_document & causal
+
+
+def split_hidden_and_documents(inputs):
+    """A layer's input is the hidden state or ``(hidden, document_ids)``; return both (ids or None)."""
+    if isinstance(inputs, (tuple, list)):
+        hidden, document_ids = inputs
+        return hidden, document_ids
+    return inputs, None
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention; heads (query and key/value alike) are split over the tensor parallel ranks.
+
+    The fused QKV projection is laid out per key/value group: ``heads_per_group`` query heads, then
+    that group's key head, then its value head. A contiguous block of groups per rank is then
+    exactly that rank's heads, for multi-head (one query head per group) and grouped-query
+    attention alike.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False):
+        super().__init__()
+        tp = tp_world_size(tp_group)
+        d = cfg.kv_channels
+        self.kv_channels = d
+        self.heads_per_group = divide(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.num_groups = divide(cfg.num_key_value_heads, tp)
+        self.num_heads = self.num_groups * self.heads_per_group
+        self.attention_dropout = cfg.attention_dropout
+        self.recompute_core = recompute_core
+        self.rope_dim = (rotary_dim(d, cfg.rotary_percent)
+                         if cfg.position_embedding_type == "rope" else None)
+        self.rope_theta = cfg.rope_theta
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=params_dtype, device=device)
+        self.query_key_value = ColumnParallelLinear(
+            cfg.hidden_size, qkv_size, gather_output=False,
+            init_method=init_method_normal(cfg.init_method_std), **common)
+        self.dense = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
+            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
+        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.num_heads, self.kv_channels)
+        k = qkv[:, :, :, self.heads_per_group]
+        v = qkv[:, :, :, self.heads_per_group + 1]
+        if self.rope_dim is not None:
+            cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and self.training:
+            # Selective recompute: the attention core's activations (softmax inputs/outputs when
+            # not fused, the dropout mask) are the s^2-sized ones; recompute only those.
+            context = checkpoint(self._core, q, k, v, mask)
+        else:
+            context = self._core(q, k, v, mask)
+        out, _ = self.dense(context)
+        return out
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        extra = {}
+        if self.heads_per_group > 1:
+            if sdpa_supports_gqa():
+                extra["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(self.heads_per_group, dim=1)
+                v = v.repeat_interleave(self.heads_per_group, dim=1)
+        p = self.attention_dropout if self.training else 0.0
+        if p > 0.0:
+            # Each rank holds different heads, so their dropout masks must differ: draw them from
+            # the tensor parallel RNG stream.
+            with get_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                     is_causal=mask is None, **extra)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.kv_channels)
+
+
+class ParallelMLP(nn.Module):
+    """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        ffn = cfg.ffn_hidden_size
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=params_dtype, device=device)
+        # SwiGLU fuses [gate; up] into one projection. Every rank needs its slice of the gate AND
+        # the matching slice of up, so the rows are split with stride 2: rank r holds
+        # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.
+        self.dense_h_to_4h = ColumnParallelLinear(
+            cfg.hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
+            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.swiglu else 1, **common)
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn, cfg.hidden_size, input_is_parallel=True,
+            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, _ = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x)
+        out, _ = self.dense_4h_to_h(x)
+        return out
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on the (replicated or sequence-sharded) hidden state.
+
+    Replicated activations must get the same mask on every tensor parallel rank: the default
+    generator, seeded identically across TP ranks. Sequence-sharded activations are different
+    tokens on each rank and should get independent masks: the tensor parallel stream (as Megatron).
+    """
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class ParallelTransformerLayer(nn.Module):
+    """One pre-LN block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``.
+
+    The class name is what the pipeline partitioner balances on
+    (``megatron_ds.model.pipeline.PARTITION_METHOD``); keep the two in sync.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False):
+        super().__init__()
+        self.layer_number = layer_number
+        self.dropout_p = cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        norm = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+        parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+                        device=device)
+        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
+        self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, **parallel)
+        self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
+                                                   **norm)
+        self.mlp = ParallelMLP(cfg, **parallel)
+
+    def forward(self, inputs):
+        hidden, document_ids = split_hidden_and_documents(inputs)
+        mask = None if document_ids is None else document_causal_mask(document_ids)
+        drop = dict(p=self.dropout_p, training=self.training, sequence_parallel=self.sequence_parallel)
+        hidden = hidden + hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask), **drop)
+        hidden = hidden + hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)), **drop)
+        return hidden if document_ids is None else (hidden, document_ids)

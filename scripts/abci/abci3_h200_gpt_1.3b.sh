@@ -1,0 +1,91 @@
+#!/bin/bash
+#PBS -q rt_HF
+#PBS -l select=1
+#PBS -l walltime=24:00:00
+#PBS -j oe
+#PBS -k oed
+# GPT 1.3B on one ABCI 3.0 H200 node (8 x H200 141 GB): bf16, ZeRO-1, data parallel 8. The
+# memory allows micro batch 4 at sequence 2048 without activation checkpointing (~46 GB of
+# activations + ~10 GB of weights/grads/optimizer per GPU), which is faster than recomputing.
+#
+# Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
+#   qsub -P GROUP scripts/abci/abci3_h200_gpt_1.3b.sh
+#   qsub -P GROUP -l select=2 scripts/abci/abci3_h200_gpt_1.3b.sh            # more nodes, more DP
+# Interactive debugging:
+#   qsub -I -P GROUP -q rt_HF -l select=1 -l walltime=1:00:00
+#   cd <repo> && bash scripts/abci/abci3_h200_gpt_1.3b.sh --train-iters 20
+# Check the configuration without GPUs (e.g. on the login node):
+#   NUM_NODES=1 DRY_RUN=1 bash scripts/abci/abci3_h200_gpt_1.3b.sh
+# -k oed: PBS otherwise shows the job's output only when it ends; the training log is also
+# written live to $LOG_DIR/train.<job id>.log.
+# Arguments after the script name are appended to the pretrain flags (the last value wins).
+# Resubmitting the same script resumes from the latest checkpoint in CHECKPOINT_DIR.
+set -euo pipefail
+cd "${PBS_O_WORKDIR:-$PWD}"  # PBS starts jobs in $HOME
+
+# Schedulers run a spooled copy of this file, so find the repository from the submit directory.
+for MEGATRON_DS_ROOT in "${MEGATRON_DS_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." \
+    2>/dev/null && pwd)" "$PWD"; do
+  [ -n "$MEGATRON_DS_ROOT" ] && [ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] && break
+done
+[ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] || {
+  echo "ERROR: megatron_ds repository not found: qsub from its root or set MEGATRON_DS_ROOT" >&2
+  exit 1
+}
+source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
+
+# ---- Configuration: every variable can be overridden from the environment -----------------
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+WORK_DIR=${WORK_DIR:-$PWD}                 # data/, checkpoints/ and runs/ live under it
+DATA_DIR=${DATA_DIR:-$WORK_DIR/data}       # filled by dataset/*.sh
+VOCAB_FILE=${VOCAB_FILE:-$DATA_DIR/gpt2/gpt2-vocab.json}
+MERGE_FILE=${MERGE_FILE:-$DATA_DIR/gpt2/gpt2-merges.txt}
+# A prefix of .bin/.idx files, or a weighted blend "W1 PREFIX1 W2 PREFIX2 ..."
+DATA_PATH=${DATA_PATH:-$DATA_DIR/tinystories/tinystories_train_text_document}
+RUN_NAME=${RUN_NAME:-gpt_1.3b}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-$WORK_DIR/checkpoints/$RUN_NAME}
+RUN_DIR=${RUN_DIR:-$WORK_DIR/runs/$RUN_NAME}
+LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
+
+TP=${TP:-1}
+PP=${PP:-1}
+ZERO_STAGE=${ZERO_STAGE:-1}
+DS_CONFIG=${DS_CONFIG:-$MEGATRON_DS_ROOT/ds_configs/zero${ZERO_STAGE}_bf16.json}
+NUM_LAYERS=${NUM_LAYERS:-24}
+HIDDEN_SIZE=${HIDDEN_SIZE:-2048}
+NUM_HEADS=${NUM_HEADS:-16}
+SEQ_LENGTH=${SEQ_LENGTH:-2048}
+MICRO_BATCH=${MICRO_BATCH:-4}
+GLOBAL_BATCH=${GLOBAL_BATCH:-512}
+TRAIN_ITERS=${TRAIN_ITERS:-300000}
+LR=${LR:-2.0e-4}
+MIN_LR=${MIN_LR:-2.0e-5}
+SAVE_INTERVAL=${SAVE_INTERVAL:-1000}
+# Stop and save 15 minutes before the walltime (24:00:00) so the job is never killed mid-write.
+EXIT_DURATION_IN_MINS=${EXIT_DURATION_IN_MINS:-1425}
+
+# ---- Launch ---------------------------------------------------------------------------------
+require_file "$DS_CONFIG"
+require_data_path "$DATA_PATH"
+set_tokenizer_args
+setup_job
+
+ARGS=(
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+  --train-iters "$TRAIN_ITERS" --lr-decay-iters "$TRAIN_ITERS"
+  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
+  --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+  --bf16
+  --data-path "${DATA_PATH_ARGS[@]}" --data-impl mmap --split "949,50,1"
+  "${TOKENIZER_ARGS[@]}"
+  --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+  --eval-interval 1000 --eval-iters 10 --log-interval 10
+  --tensorboard-dir "$TENSORBOARD_DIR" --exit-duration-in-mins "$EXIT_DURATION_IN_MINS"
+  --deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
+  --distributed-backend nccl --seed 1234
+)
+launch_training "${ARGS[@]}" "$@"

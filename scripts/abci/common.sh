@@ -1,0 +1,227 @@
+# shellcheck shell=bash
+# Shared helpers for the ABCI job scripts in this folder. Sourced, never run on its own.
+#
+# A job script calls, in order:
+#   setup_job            detect the scheduler, load modules, write the hostfile, export
+#                        MASTER_ADDR/MASTER_PORT, compute NUM_NODES and WORLD_SIZE
+#   require_file F ...   fail before mpirun if an input is missing (a clear line, not a traceback
+#                        from every rank)
+#   require_data_path P  the same for a Megatron --data-path (prefixes or a weighted blend);
+#                        sets DATA_PATH_ARGS
+#   set_tokenizer_args   checks the tokenizer files, sets TOKENIZER_ARGS
+#   launch_training ARGS mpirun -np WORLD_SIZE ... $PYTHON $MEGATRON_DS_ENTRY ARGS --use-mpi,
+#                        output also appended to $LOG_DIR/train.<job id>.log
+#
+# Everything below can be overridden from the environment (or `qsub -v VAR=...`).
+
+# ---------------------------------------------------------------- modules
+# `module load` names per system. Set one to "" to skip it (e.g. when your venv ships its own
+# NCCL); set CUDA_MODULE etc. to override regardless of the system. Check `module avail` after
+# system updates: these are the versions the scripts were written against.
+: "${ABCI2_CUDA_MODULE=cuda/12.1/12.1.1}"
+: "${ABCI2_CUDNN_MODULE=cudnn/8.9/8.9.7}"
+: "${ABCI2_NCCL_MODULE=nccl/2.18/2.18.5-1}"
+: "${ABCI2_HPCX_MODULE=hpcx/2.12}"
+: "${ABCI3_CUDA_MODULE=cuda/12.6/12.6.1}"
+: "${ABCI3_CUDNN_MODULE=cudnn/9.5/9.5.1}"
+: "${ABCI3_NCCL_MODULE=nccl/2.23/2.23.4-1}"
+: "${ABCI3_HPCX_MODULE=hpcx/2.20}"
+
+abci_note() { echo "[abci] $*"; }
+abci_die() { echo "[abci] ERROR: $*" >&2; exit 1; }
+
+# SCHEDULER=sge (ABCI 2.0, Grid Engine), pbs (ABCI 3.0, PBS Professional) or none (a plain
+# shell: only DRY_RUN=1 or a single-node run on this host make sense there).
+detect_scheduler() {
+  if [ -n "${PBS_NODEFILE:-}" ] || [ -n "${PBS_JOBID:-}" ]; then
+    SCHEDULER=pbs
+  elif [ -n "${SGE_JOB_HOSTLIST:-}" ]; then
+    SCHEDULER=sge
+  else
+    SCHEDULER=none
+  fi
+}
+
+load_modules() {
+  local cuda cudnn nccl hpcx
+  case "$SCHEDULER" in
+    pbs) cuda=${CUDA_MODULE-$ABCI3_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI3_CUDNN_MODULE}
+         nccl=${NCCL_MODULE-$ABCI3_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI3_HPCX_MODULE} ;;
+    *)   cuda=${CUDA_MODULE-$ABCI2_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI2_CUDNN_MODULE}
+         nccl=${NCCL_MODULE-$ABCI2_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI2_HPCX_MODULE} ;;
+  esac
+  # Batch jobs start non-login shells where `module` may not be defined yet.
+  if ! command -v module >/dev/null 2>&1 && [ -f /etc/profile.d/modules.sh ]; then
+    # shellcheck disable=SC1091
+    source /etc/profile.d/modules.sh
+  fi
+  if ! command -v module >/dev/null 2>&1; then
+    abci_note "no 'module' command here: skipping module loads ($cuda $cudnn $nccl $hpcx)"
+    return 0
+  fi
+  local name restore_u=0
+  # Module init scripts read unset variables; don't let the job's `set -u` kill them.
+  case $- in *u*) restore_u=1; set +u ;; esac
+  for name in $cuda $cudnn $nccl $hpcx; do
+    module load "$name" || abci_die "module load $name failed: check 'module avail' and set the" \
+      "matching *_MODULE variable (see the top of scripts/abci/common.sh)"
+  done
+  [ "$restore_u" = 1 ] && set -u
+  return 0
+}
+
+# The scheduler's hosts, unique, in order: SGE lists each host once, PBS once per slot.
+scheduler_hosts() {
+  local list
+  case "$SCHEDULER" in
+    sge) list=$SGE_JOB_HOSTLIST ;;
+    pbs) list=${PBS_NODEFILE:-} ;;
+    *)   echo localhost; return 0 ;;
+  esac
+  if [ -z "$list" ] || [ ! -r "$list" ]; then
+    abci_die "$SCHEDULER host list '${list}' is missing or unreadable"
+  fi
+  awk 'NF && !seen[$1]++ { print $1 }' "$list"
+}
+
+# Numeric job id: SGE's JOB_ID, PBS's PBS_JOBID minus its ".server" suffix (and "[i]" of arrays).
+scheduler_job_id() {
+  local id=""
+  case "$SCHEDULER" in
+    sge) id=${JOB_ID:-} ;;
+    pbs) id=${PBS_JOBID:-}; id=${id%%.*}; id=${id%%\[*} ;;
+  esac
+  case "$id" in ''|*[!0-9]*) echo "" ;; *) echo "$id" ;; esac
+}
+
+# Writes "host slots=GPUS_PER_NODE" per node into the node-local scratch dir; sets HOSTFILE,
+# NUM_NODES, WORLD_SIZE and FIRST_HOST as shell variables only: an exported WORLD_SIZE would reach
+# every rank and contradict the launcher's own (or a DRY_RUN's).
+build_hostfile() {
+  local hosts dir requested=${NUM_NODES:-}
+  hosts=$(scheduler_hosts) || exit 1
+  [ -n "$hosts" ] || abci_die "the $SCHEDULER host list is empty"
+  dir=${SGE_LOCALDIR:-${PBS_LOCALDIR:-}}
+  [ -n "$dir" ] && [ -d "$dir" ] || dir=$(mktemp -d)
+  HOSTFILE="$dir/hostfile"
+  echo "$hosts" | awk -v slots="$GPUS_PER_NODE" '{ print $1 " slots=" slots }' > "$HOSTFILE"
+  NUM_NODES=$(wc -l < "$HOSTFILE" | tr -d ' ')
+  if [ "$SCHEDULER" = none ] && [ -n "$requested" ] && [ "$requested" != 1 ]; then
+    # No scheduler: only a DRY_RUN validating an N-node job (e.g. on a login node) can use N > 1.
+    [ "${DRY_RUN:-0}" = 1 ] || abci_die "NUM_NODES=$requested without a scheduler: submit with" \
+      "qsub, or add DRY_RUN=1 to only validate the configuration"
+    NUM_NODES=$requested
+  elif [ "$SCHEDULER" != none ] && [ -n "$requested" ] && [ "$requested" != "$NUM_NODES" ]; then
+    abci_note "warning: ignoring NUM_NODES=$requested: the $SCHEDULER job has $NUM_NODES nodes"
+  fi
+  if [ "$SCHEDULER" = sge ] && [ -n "${NHOSTS:-}" ] && [ "$NHOSTS" != "$NUM_NODES" ]; then
+    abci_note "warning: NHOSTS=$NHOSTS but $SGE_JOB_HOSTLIST lists $NUM_NODES hosts; using the list"
+  fi
+  WORLD_SIZE=$((NUM_NODES * GPUS_PER_NODE))
+  FIRST_HOST=$(echo "$hosts" | head -n 1)
+}
+
+# MASTER_ADDR: the first host (rank 0 runs there: -map-by slot fills hosts in hostfile order).
+# MASTER_PORT: 10000 + JOB_ID % 50000, so two jobs sharing a node never pick the same port.
+export_master() {
+  local job_id
+  job_id=$(scheduler_job_id)
+  : "${MASTER_ADDR:=$FIRST_HOST}"
+  if [ -z "${MASTER_PORT:-}" ]; then
+    if [ -n "$job_id" ]; then MASTER_PORT=$((10000 + job_id % 50000)); else MASTER_PORT=29500; fi
+  fi
+  export MASTER_ADDR MASTER_PORT
+}
+
+setup_job() {
+  [ -n "${GPUS_PER_NODE:-}" ] || abci_die "GPUS_PER_NODE is not set (the job script sets it)"
+  detect_scheduler
+  load_modules
+  build_hostfile
+  export_master
+  JOB_NUMBER=$(scheduler_job_id); JOB_NUMBER=${JOB_NUMBER:-local}
+  # mpirun -x of an unset variable only warns, but remote ranks would then lose the value.
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+  : "${MEGATRON_DS_ENTRY:=$MEGATRON_DS_ROOT/pretrain_gpt.py}"
+  if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$MEGATRON_DS_ROOT/.venv/bin/python" ]; then
+      # The Makefile's venv; its bin/ goes on PATH so mpirun -x PATH carries it to every rank.
+      PYTHON="$MEGATRON_DS_ROOT/.venv/bin/python"
+      export PATH="$MEGATRON_DS_ROOT/.venv/bin:$PATH"
+    else
+      PYTHON=python3
+    fi
+  fi
+  export MEGATRON_DS_ENTRY PYTHON
+  abci_note "scheduler=$SCHEDULER nodes=$NUM_NODES gpus/node=$GPUS_PER_NODE world=$WORLD_SIZE" \
+    "master=$MASTER_ADDR:$MASTER_PORT hostfile=$HOSTFILE"
+  sed 's/^/[abci]   /' "$HOSTFILE"
+}
+
+require_file() {
+  local f
+  for f in "$@"; do
+    [ -f "$f" ] || abci_die "missing input file: $f (set its variable at the top of the job" \
+      "script; for data and vocabularies see dataset/README.md)"
+  done
+}
+
+# A --data-path is "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ...": every prefix needs .bin and .idx.
+# Sets DATA_PATH_ARGS, the words to put after --data-path.
+require_data_path() {
+  local item
+  read -r -a DATA_PATH_ARGS <<< "$1"
+  [ "${#DATA_PATH_ARGS[@]}" -gt 0 ] || abci_die "DATA_PATH is empty"
+  for item in "${DATA_PATH_ARGS[@]}"; do
+    case "$item" in
+      ''|*[!0-9.eE+-]*) require_file "$item.bin" "$item.idx" ;;
+      *) ;;  # a blend weight
+    esac
+  done
+}
+
+# TOKENIZER_ARGS for --tokenizer-type: GPT-2 BPE needs VOCAB_FILE + MERGE_FILE; SentencePiece
+# and HF tokenizers need TOKENIZER_MODEL. The data must have been preprocessed with the same one.
+# shellcheck disable=SC2034  # TOKENIZER_ARGS is read by the job script
+set_tokenizer_args() {
+  case "${TOKENIZER_TYPE:=GPT2BPETokenizer}" in
+    GPT2BPETokenizer)
+      require_file "$VOCAB_FILE" "$MERGE_FILE"
+      TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE"
+                      --merge-file "$MERGE_FILE") ;;
+    *)
+      [ -n "${TOKENIZER_MODEL:-}" ] || abci_die "TOKENIZER_TYPE=$TOKENIZER_TYPE needs" \
+        "TOKENIZER_MODEL (the tokenizer the data was preprocessed with)"
+      [ -e "$TOKENIZER_MODEL" ] || abci_die "missing tokenizer: TOKENIZER_MODEL=$TOKENIZER_MODEL"
+      TOKENIZER_ARGS=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL") ;;
+  esac
+}
+
+# Runs the entry point on every GPU of every node. DRY_RUN=1 validates the configuration with one
+# local process instead (pretrain_gpt.py --dry-run --world-size N), e.g. on a login node.
+launch_training() {
+  local -a cmd extra exports
+  cmd=("$PYTHON" "$MEGATRON_DS_ENTRY" "$@")
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    abci_note "DRY_RUN: ${cmd[*]} --dry-run --world-size $WORLD_SIZE"
+    "${cmd[@]}" --dry-run --world-size "$WORLD_SIZE"
+    return
+  fi
+  command -v "${MPIRUN:-mpirun}" >/dev/null 2>&1 || abci_die "mpirun not found: load the hpcx" \
+    "module (HPCX_MODULE) or put Open MPI on PATH"
+  read -r -a extra <<< "${MPIRUN_EXTRA_ARGS:-}"
+  exports=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
+  local name
+  # Remote ranks start with a fresh environment: forward the Python path and NCCL tuning too.
+  for name in $(compgen -e | grep -E '^(PYTHONPATH|NCCL_[A-Z0-9_]+)$' || true); do
+    exports+=(-x "$name")
+  done
+  local log_file="${LOG_DIR:-$PWD/logs}/train.$JOB_NUMBER.log"
+  mkdir -p "$(dirname "$log_file")"
+  abci_note "log: $log_file"
+  # tee: PBS shows the job's stdout only at the end (unless -k oed); the log file is live.
+  "${MPIRUN:-mpirun}" -np "$WORLD_SIZE" -npernode "$GPUS_PER_NODE" -hostfile "$HOSTFILE" \
+    "${exports[@]}" -bind-to none -map-by slot "${extra[@]}" \
+    "${cmd[@]}" --use-mpi 2>&1 | tee -a "$log_file"
+  return "${PIPESTATUS[0]}"
+}

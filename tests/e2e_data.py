@@ -1,0 +1,19 @@
+"""Real preprocessed data for end-to-end tests, made once per test session (offline): a corpus of
+standard-library docstrings, a byte-level BPE trained on it, and .bin/.idx from preprocess_data."""
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_e2e_data(workdir: Path, corpus_mb: float = 1.0, vocab_size: int = 1024) -> dict:
+    sys.path.insert(0, str(REPO / "tools"))
+    from quickstart import prepare_data
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        prefix, vocab, merges = prepare_data(str(workdir), corpus_mb, vocab_size, workers=2)
+    return {"prefix": prefix, "vocab": vocab, "merges": merges}
