@@ -87,8 +87,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
     m = layout.model
     flops = mlog.model_flops_per_iteration(layout.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
                                            layout.padded_vocab_size, layout.recompute == "full")
-    window_start, window_iters = time.time(), 0
-    skipped_before = engine.skipped_steps
+    window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
+    window_skipped = engine.skipped_steps
     last_saved = state.iteration
     while state.iteration < layout.train_iters:
         loss = train_step(engine, train_iter, layout, loss_fn, dp_group)
@@ -98,6 +98,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
         if not math.isfinite(loss):
             state.nan_iterations += 1
             state.consecutive_nans += 1
+            window_nans += 1
             if state.consecutive_nans >= t.max_consecutive_nan_iters:
                 raise TrainingStopped(f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
                                       f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
@@ -105,6 +106,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
         else:
             state.consecutive_nans = 0
             state.history.append((state.iteration, loss))
+            window_losses.append(loss)
 
         if state.iteration % lg.log_interval == 0 or state.iteration == layout.train_iters:
             if device.type == "cuda":
@@ -113,23 +115,26 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             grad_norm = engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
             lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else cfg.optimizer.lr
+            # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
+            mean_loss = sum(window_losses) / len(window_losses) if window_losses else None
             line = mlog.iteration_line(
                 iteration=state.iteration, train_iters=layout.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
-                global_batch_size=layout.global_batch_size, loss=loss, loss_scale=_loss_scale(engine),
-                grad_norm=grad_norm, skipped=engine.skipped_steps - skipped_before, nans=state.nan_iterations,
+                global_batch_size=layout.global_batch_size, loss=mean_loss, loss_scale=_loss_scale(engine),
+                grad_norm=grad_norm, skipped=engine.skipped_steps - window_skipped, nans=window_nans,
                 samples_per_s=layout.global_batch_size / elapsed,
                 tokens_per_s_per_gpu=layout.global_batch_size * m.seq_length / elapsed / layout.world_size,
                 tflops_per_gpu=flops / elapsed / layout.world_size / 1e12, mem_gb=mlog.peak_memory_gb(device))
             mlog.print_last_rank(line)
             tb.scalars(state.iteration, {
-                "lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
                 "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
                 "batch-size": layout.global_batch_size if lg.log_batch_size_to_tensorboard else None,
                 "mem-peak-GB": mlog.peak_memory_gb(device) if lg.log_memory_to_tensorboard else None,
                 "loss-scale": _loss_scale(engine),
             })
-            window_start, window_iters = time.time(), 0
+            window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
+            window_skipped = engine.skipped_steps
 
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
             run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb,

@@ -25,30 +25,16 @@ for MEGATRON_DS_ROOT in "${MEGATRON_DS_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[
     2>/dev/null && pwd)" "$PWD"; do
   [ -n "$MEGATRON_DS_ROOT" ] && [ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] && break
 done
-[ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] || {
-  echo "ERROR: megatron_ds repository not found: qsub from its root or set MEGATRON_DS_ROOT" >&2
-  exit 1
-}
+[ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] || { echo "ERROR: megatron_ds repository not" \
+  "found: qsub from its root or set MEGATRON_DS_ROOT" >&2; exit 1; }
 source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
-WORK_DIR=${WORK_DIR:-$PWD}                 # data/, checkpoints/ and runs/ live under it
-DATA_DIR=${DATA_DIR:-$WORK_DIR/data}       # filled by dataset/*.sh
-VOCAB_FILE=${VOCAB_FILE:-$DATA_DIR/gpt2/gpt2-vocab.json}
-MERGE_FILE=${MERGE_FILE:-$DATA_DIR/gpt2/gpt2-merges.txt}
-# A prefix of .bin/.idx files, or a weighted blend "W1 PREFIX1 W2 PREFIX2 ..."
-DATA_PATH=${DATA_PATH:-$DATA_DIR/tinystories/tinystories_train_text_document}
 RUN_NAME=${RUN_NAME:-gpt_13b}
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-$WORK_DIR/checkpoints/$RUN_NAME}
-RUN_DIR=${RUN_DIR:-$WORK_DIR/runs/$RUN_NAME}
-LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
-TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
 
 TP=${TP:-4}
 PP=${PP:-8}
-ZERO_STAGE=${ZERO_STAGE:-1}
-DS_CONFIG=${DS_CONFIG:-$MEGATRON_DS_ROOT/ds_configs/zero${ZERO_STAGE}_fp16.json}
 NUM_LAYERS=${NUM_LAYERS:-40}
 HIDDEN_SIZE=${HIDDEN_SIZE:-5120}
 NUM_HEADS=${NUM_HEADS:-40}
@@ -62,28 +48,14 @@ SAVE_INTERVAL=${SAVE_INTERVAL:-500}
 # Stop and save 20 minutes before h_rt (24:00:00): a 13B checkpoint (~200 GB with optimizer
 # states) takes minutes to write, and a job killed mid-write leaves only the previous one.
 EXIT_DURATION_IN_MINS=${EXIT_DURATION_IN_MINS:-1420}
+# Data, tokenizer and output paths, ZERO_STAGE and DS_CONFIG: the shared defaults in common.sh.
+set_job_defaults fp16
 
 # ---- Launch ---------------------------------------------------------------------------------
-require_file "$DS_CONFIG"
-require_data_path "$DATA_PATH"
-set_tokenizer_args
-setup_job
-
+prepare_training  # checks the inputs, sets up the job and GPT_ARGS (common.sh)
 ARGS=(
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
-  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
-  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
-  --train-iters "$TRAIN_ITERS" --lr-decay-iters "$TRAIN_ITERS"
-  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
-  --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+  "${GPT_ARGS[@]}"
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
   --fp16 --checkpoint-activations
-  --data-path "${DATA_PATH_ARGS[@]}" --data-impl mmap --split "949,50,1"
-  "${TOKENIZER_ARGS[@]}"
-  --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
-  --eval-interval 1000 --eval-iters 10 --log-interval 10
-  --tensorboard-dir "$TENSORBOARD_DIR" --exit-duration-in-mins "$EXIT_DURATION_IN_MINS"
-  --deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
-  --distributed-backend nccl --seed 1234
 )
 launch_training "${ARGS[@]}" "$@"

@@ -32,32 +32,16 @@ for MEGATRON_DS_ROOT in "${MEGATRON_DS_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[
     2>/dev/null && pwd)" "$PWD"; do
   [ -n "$MEGATRON_DS_ROOT" ] && [ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] && break
 done
-[ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] || {
-  echo "ERROR: megatron_ds repository not found: qsub from its root or set MEGATRON_DS_ROOT" >&2
-  exit 1
-}
+[ -f "$MEGATRON_DS_ROOT/scripts/abci/common.sh" ] || { echo "ERROR: megatron_ds repository not" \
+  "found: qsub from its root or set MEGATRON_DS_ROOT" >&2; exit 1; }
 source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-WORK_DIR=${WORK_DIR:-$PWD}                 # data/, checkpoints/ and runs/ live under it
-DATA_DIR=${DATA_DIR:-$WORK_DIR/data}       # filled by dataset/*.sh
-VOCAB_FILE=${VOCAB_FILE:-$DATA_DIR/gpt2/gpt2-vocab.json}
-MERGE_FILE=${MERGE_FILE:-$DATA_DIR/gpt2/gpt2-merges.txt}
-# A prefix of .bin/.idx files, or a weighted blend "W1 PREFIX1 W2 PREFIX2 ..."
-DATA_PATH=${DATA_PATH:-$DATA_DIR/tinystories/tinystories_train_text_document}
 RUN_NAME=${RUN_NAME:-llama_7b}
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-$WORK_DIR/checkpoints/$RUN_NAME}
-RUN_DIR=${RUN_DIR:-$WORK_DIR/runs/$RUN_NAME}
-LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
-TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-GPT2BPETokenizer}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 
 TP=${TP:-2}
 PP=${PP:-1}
-ZERO_STAGE=${ZERO_STAGE:-1}
-DS_CONFIG=${DS_CONFIG:-$MEGATRON_DS_ROOT/ds_configs/zero${ZERO_STAGE}_bf16.json}
 NUM_LAYERS=${NUM_LAYERS:-32}
 HIDDEN_SIZE=${HIDDEN_SIZE:-4096}
 NUM_HEADS=${NUM_HEADS:-32}
@@ -73,31 +57,17 @@ SAVE_INTERVAL=${SAVE_INTERVAL:-500}
 # Stop and save 20 minutes before the walltime (24:00:00): a 7B checkpoint with optimizer
 # states (~110 GB) takes minutes to write.
 EXIT_DURATION_IN_MINS=${EXIT_DURATION_IN_MINS:-1420}
+# Data, tokenizer and output paths, ZERO_STAGE and DS_CONFIG: the shared defaults in common.sh.
+set_job_defaults bf16
 
 # ---- Launch ---------------------------------------------------------------------------------
-require_file "$DS_CONFIG"
-require_data_path "$DATA_PATH"
-set_tokenizer_args
-setup_job
-
+prepare_training  # checks the inputs, sets up the job and GPT_ARGS (common.sh)
 ARGS=(
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
-  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+  "${GPT_ARGS[@]}"
   --ffn-hidden-size "$FFN_HIDDEN_SIZE" --num-key-value-heads "$NUM_KV_HEADS"
   --use-rotary-position-embeddings --swiglu --normalization rmsnorm --disable-bias-linear
   --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0
-  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
-  --train-iters "$TRAIN_ITERS" --lr-decay-iters "$TRAIN_ITERS"
-  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
-  --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
   --bf16
-  --data-path "${DATA_PATH_ARGS[@]}" --data-impl mmap --split "949,50,1"
-  "${TOKENIZER_ARGS[@]}"
-  --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
-  --eval-interval 1000 --eval-iters 10 --log-interval 10
-  --tensorboard-dir "$TENSORBOARD_DIR" --exit-duration-in-mins "$EXIT_DURATION_IN_MINS"
-  --deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
-  --distributed-backend nccl --seed 1234
 )
 launch_training "${ARGS[@]}" "$@"

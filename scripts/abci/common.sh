@@ -1,16 +1,25 @@
 # shellcheck shell=bash
 # Shared helpers for the ABCI job scripts in this folder. Sourced, never run on its own.
 #
-# A job script calls, in order:
-#   setup_job            detect the scheduler, load modules, write the hostfile, export
-#                        MASTER_ADDR/MASTER_PORT, compute NUM_NODES and WORLD_SIZE
+# A job script sets its own defaults (GPUS_PER_NODE, RUN_NAME, model sizes, TP/PP, batch sizes,
+# learning rates, SAVE_INTERVAL, EXIT_DURATION_IN_MINS), then calls, in order:
+#   set_job_defaults P   the defaults all jobs share, for the variables still unset: data,
+#                        tokenizer and output paths, ZERO_STAGE, DS_CONFIG (P: fp16 or bf16)
+#   prepare_training     the steps below, from require_file to set_gpt_args
+#   launch_training ARGS mpirun -np WORLD_SIZE ... $PYTHON $MEGATRON_DS_ENTRY ARGS --use-mpi,
+#                        output also appended to $LOG_DIR/train.<job id>.log. ARGS: GPT_ARGS,
+#                        the job's model-specific flags, then the arguments given to the script
+#
+# prepare_training, step by step (inputs are checked before any module is loaded):
 #   require_file F ...   fail before mpirun if an input is missing (a clear line, not a traceback
 #                        from every rank)
 #   require_data_path P  the same for a Megatron --data-path (prefixes or a weighted blend);
 #                        sets DATA_PATH_ARGS
 #   set_tokenizer_args   checks the tokenizer files, sets TOKENIZER_ARGS
-#   launch_training ARGS mpirun -np WORLD_SIZE ... $PYTHON $MEGATRON_DS_ENTRY ARGS --use-mpi,
-#                        output also appended to $LOG_DIR/train.<job id>.log
+#   setup_job            detect the scheduler, load modules, write the hostfile, export
+#                        MASTER_ADDR/MASTER_PORT, compute NUM_NODES and WORLD_SIZE
+#   set_gpt_args         sets GPT_ARGS, the pretrain flags every job script passes, from the
+#                        job's variables
 #
 # Everything below can be overridden from the environment (or `qsub -v VAR=...`).
 
@@ -158,11 +167,39 @@ setup_job() {
   sed 's/^/[abci]   /' "$HOSTFILE"
 }
 
+# The defaults every job script shares, each only where the variable is unset or empty, so the
+# environment (or `qsub -v`) overrides any of them. Called after the job script's own defaults:
+# the output paths build on its RUN_NAME. $1 (fp16 on V100, which has no bf16; else bf16) picks
+# the DeepSpeed template, and must match the precision flag the job script passes.
+set_job_defaults() {
+  case "${1:-}" in
+    fp16|bf16) ;;
+    *) abci_die "set_job_defaults needs the precision, fp16 or bf16 (got '${1:-}')" ;;
+  esac
+  [ -n "${RUN_NAME:-}" ] || abci_die "RUN_NAME is not set (the job script sets it)"
+  WORK_DIR=${WORK_DIR:-$PWD}                 # data/, checkpoints/ and runs/ live under it
+  DATA_DIR=${DATA_DIR:-$WORK_DIR/data}       # filled by dataset/*.sh
+  VOCAB_FILE=${VOCAB_FILE:-$DATA_DIR/gpt2/gpt2-vocab.json}
+  MERGE_FILE=${MERGE_FILE:-$DATA_DIR/gpt2/gpt2-merges.txt}
+  # GPT-2 BPE with the two files above, or e.g. SentencePieceTokenizer with TOKENIZER_MODEL
+  # (see set_tokenizer_args): the one the data was preprocessed with.
+  TOKENIZER_TYPE=${TOKENIZER_TYPE:-GPT2BPETokenizer}
+  TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+  # A prefix of .bin/.idx files, or a weighted blend "W1 PREFIX1 W2 PREFIX2 ..."
+  DATA_PATH=${DATA_PATH:-$DATA_DIR/tinystories/tinystories_train_text_document}
+  CHECKPOINT_DIR=${CHECKPOINT_DIR:-$WORK_DIR/checkpoints/$RUN_NAME}
+  RUN_DIR=${RUN_DIR:-$WORK_DIR/runs/$RUN_NAME}
+  LOG_DIR=${LOG_DIR:-$RUN_DIR/logs}
+  TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
+  ZERO_STAGE=${ZERO_STAGE:-1}
+  DS_CONFIG=${DS_CONFIG:-$MEGATRON_DS_ROOT/ds_configs/zero${ZERO_STAGE}_$1.json}
+}
+
 require_file() {
   local f
   for f in "$@"; do
-    [ -f "$f" ] || abci_die "missing input file: $f (set its variable at the top of the job" \
-      "script; for data and vocabularies see dataset/README.md)"
+    [ -f "$f" ] || abci_die "missing input file: $f (set its variable from the environment, see" \
+      "set_job_defaults in scripts/abci/common.sh; for data and vocabularies see dataset/README.md)"
   done
 }
 
@@ -182,7 +219,6 @@ require_data_path() {
 
 # TOKENIZER_ARGS for --tokenizer-type: GPT-2 BPE needs VOCAB_FILE + MERGE_FILE; SentencePiece
 # and HF tokenizers need TOKENIZER_MODEL. The data must have been preprocessed with the same one.
-# shellcheck disable=SC2034  # TOKENIZER_ARGS is read by the job script
 set_tokenizer_args() {
   case "${TOKENIZER_TYPE:=GPT2BPETokenizer}" in
     GPT2BPETokenizer)
@@ -195,6 +231,40 @@ set_tokenizer_args() {
       [ -e "$TOKENIZER_MODEL" ] || abci_die "missing tokenizer: TOKENIZER_MODEL=$TOKENIZER_MODEL"
       TOKENIZER_ARGS=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL") ;;
   esac
+}
+
+# GPT_ARGS: the pretrain flags every job script passes, from the variables. The job script adds
+# its model-specific ones (precision, weight decay and Adam betas, activation checkpointing,
+# architecture; none of them repeats a flag here), then the arguments given to it: a user's flag
+# comes last and wins.
+# shellcheck disable=SC2034  # GPT_ARGS is read by the job script
+set_gpt_args() {
+  GPT_ARGS=(
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
+    --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+    --train-iters "$TRAIN_ITERS" --lr-decay-iters "$TRAIN_ITERS"
+    --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01
+    --clip-grad 1.0
+    --data-path "${DATA_PATH_ARGS[@]}" --data-impl mmap --split "949,50,1"
+    "${TOKENIZER_ARGS[@]}"
+    --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL"
+    --eval-interval 1000 --eval-iters 10 --log-interval 10
+    --tensorboard-dir "$TENSORBOARD_DIR" --exit-duration-in-mins "$EXIT_DURATION_IN_MINS"
+    --deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
+    --distributed-backend nccl --seed 1234
+  )
+}
+
+# The inputs are checked before setup_job loads modules: a wrong path fails in seconds, with
+# nothing started.
+prepare_training() {
+  require_file "$DS_CONFIG"
+  require_data_path "$DATA_PATH"
+  set_tokenizer_args
+  setup_job
+  set_gpt_args
 }
 
 # Runs the entry point on every GPU of every node. DRY_RUN=1 validates the configuration with one

@@ -58,14 +58,27 @@ def _parse(stdout):
     return its, vals
 
 
+def _check_tensorboard(tb_dir, losses, vals):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"lm loss", "learning-rate", "grad-norm", "lm loss validation", "lm loss validation ppl"} <= set(scalars)
+    logged = [e.value for e in acc.Scalars("lm loss")]
+    # the printed values are rounded to 7 significant digits
+    assert logged == pytest.approx(losses, rel=1e-6)
+    assert acc.Scalars("lm loss validation")[0].value == pytest.approx(float(vals[0][1]), rel=1e-6)
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_train_and_resume_with_launcher(tmp_path, e2e_data, launcher):
     bindir = Path(sys.executable).parent
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
            if launcher == "torchrun" else [str(bindir / "deepspeed"), "--num_gpus", "2",
                                            "--master_port", str(29700 + os.getpid() % 200)])
-    ckpt = str(tmp_path / "ckpt")
-    out = _train(cmd, e2e_data, ckpt, 30)
+    ckpt, tb_dir = str(tmp_path / "ckpt"), tmp_path / "tb"
+    out = _train(cmd, e2e_data, ckpt, 30, ["--tensorboard-dir", str(tb_dir), "--log-validation-ppl-to-tensorboard"])
     its, vals = _parse(out)
     assert [int(r["it"]) for r in its] == list(range(2, 31, 2))
     for r in its:
@@ -81,6 +94,7 @@ def test_train_and_resume_with_launcher(tmp_path, e2e_data, launcher):
     assert math.exp(float(vals[0][1])) == pytest.approx(float(vals[0][2]), rel=1e-5)
     assert "WARNING: ignoring flags with no effect here: --no-masked-softmax-fusion" in out
     assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text() == "30"
+    _check_tensorboard(tb_dir, losses, vals)
 
     resumed = _train(cmd, e2e_data, ckpt, 34, ["--load", ckpt])
     its2, _ = _parse(resumed)

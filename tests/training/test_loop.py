@@ -1,0 +1,128 @@
+"""The training loop's bookkeeping (NaN losses, logging, exits) and the NaN-skipping optimizer."""
+import math
+import re
+
+import pytest
+import torch
+
+from megatron_ds.config import derive, parse_args
+from megatron_ds.training import log as mlog
+from megatron_ds.training.loop import TrainingStopped, TrainState, train
+from tests.distributed import run_distributed
+
+ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "
+        "--global-batch-size 2 --lr 1e-3 --log-interval 2 --mock-data --vocab-size 64").split()
+
+
+class StubEngine:
+    """Stands in for DeepSpeed's pipeline engine: returns scripted losses."""
+
+    def __init__(self, losses):
+        self.losses = list(losses)
+        self.skipped_steps = 0
+        self.lr_scheduler = None
+        self.optimizer = None
+
+    def train_batch(self, data_iter=None):
+        loss = self.losses.pop(0)
+        if not math.isfinite(loss):
+            self.skipped_steps += 1  # what DeepSpeed's optimizers do with a non-finite gradient
+        return torch.tensor(loss)
+
+    def get_global_grad_norm(self):
+        return 1.0
+
+
+def _train(losses, *extra):
+    cfg, _ = parse_args(ARGS + ["--train-iters", str(len(losses)), *extra])
+    layout = derive(cfg, 1, vocab_size=64, device_type="cpu")
+    saved = []
+    state = train(cfg, layout, StubEngine(losses), TrainState(), None, None, loss_fn=None, dp_group=None,
+                  device=torch.device("cpu"), save_fn=lambda st: saved.append(st.iteration),
+                  tb=mlog.TensorBoard(None, False), start_time=0.0)
+    return state, saved
+
+
+def test_nan_iterations_are_counted_and_logged(capsys):
+    state, _ = _train([4.0, float("nan"), 3.0, 2.0])
+    assert state.nan_iterations == 1
+    assert state.history == [(1, 4.0), (3, 3.0), (4, 2.0)]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    # the mean over the logging window excludes the NaN: (4.0) at iteration 2, (3.0 + 2.0) / 2 at 4
+    assert "lm loss: 4.000000E+00" in lines[0] and "number of nan iterations:   1" in lines[0]
+    assert "number of skipped iterations:   1" in lines[0]
+    # both counts are per logging window, as in Megatron
+    assert "lm loss: 2.500000E+00" in lines[1] and "number of skipped iterations:   0" in lines[1]
+    assert "number of nan iterations:   0" in lines[1]
+
+
+def test_too_many_nans_in_a_row_stop_the_run():
+    with pytest.raises(TrainingStopped, match=r"NaN/inf for 3 iterations in a row \(last at iteration 4\)"):
+        _train([1.0, float("nan"), float("inf"), float("nan"), 1.0], "--max-consecutive-nan-iters", "3")
+
+
+def test_exit_interval_saves_and_stops():
+    state, saved = _train([1.0] * 6, "--exit-interval", "3", "--save", "unused", "--save-interval", "100")
+    assert state.iteration == 3 and saved == [3]
+
+
+def test_final_save_when_interval_does_not_divide():
+    state, saved = _train([1.0] * 5, "--save", "unused", "--save-interval", "2")
+    assert saved == [2, 4, 5]
+
+
+def test_model_flops_formula():
+    # DESIGN.md section 7, evaluated by hand for B=8, s=1024, l=24, h=1024, V=50304
+    expected = 72 * 8 * 1024 * 24 * 1024 ** 2 * (1 + 1024 / (6 * 1024) + 50304 / (12 * 24 * 1024))
+    assert mlog.model_flops_per_iteration(8, 1024, 24, 1024, 50304, False) == pytest.approx(expected)
+    assert mlog.model_flops_per_iteration(8, 1024, 24, 1024, 50304, True) == pytest.approx(expected * 96 / 72)
+
+
+def _guarded_skip(rank, world):
+    """A real DeepSpeed engine (fp32, ZeRO 0) with our optimizer guard: a NaN gradient skips the step."""
+    import deepspeed
+
+    from megatron_ds.training.lr_schedule import LRSchedule
+    from megatron_ds.training.optimizer import GuardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), clip_grad=1.0)
+    sched = LRSchedule(opt, max_lr=0.1, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="linear")
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                      config={"train_batch_size": 1, "gradient_clipping": 0.0})
+    opt.mpu = None
+    poison = {"on": False}
+    model.weight.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
+    x = torch.randn(1, 4)
+    results = []
+    for on in (False, True, False):
+        poison["on"] = on
+        before = model.weight.detach().clone()
+        loss = engine(x).pow(2).sum()
+        engine.backward(loss)
+        engine.step()
+        results.append((not torch.equal(before, model.weight.detach()), engine.skipped_steps, sched.num_steps,
+                        opt._global_grad_norm))
+    return results
+
+
+def test_guarded_optimizer_skips_non_finite_steps():
+    (moved1, skip1, sched1, norm1), (moved2, skip2, sched2, norm2), (moved3, skip3, sched3, _) = \
+        run_distributed(_guarded_skip, 1, timeout=300)[0]
+    assert moved1 and skip1 == 0 and sched1 == 1 and 0 < norm1 < math.inf
+    assert not moved2 and skip2 == 1 and sched2 == 1 and norm2 == math.inf  # skipped: no update, LR held
+    assert moved3 and skip3 == 1 and sched3 == 2
+
+
+def test_iteration_line_matches_megatron_shape():
+    line = mlog.iteration_line(iteration=100, train_iters=1000, consumed_samples=3200, elapsed_ms=812.3,
+                               lr=1.5e-4, global_batch_size=32, loss=6.123456, loss_scale=1.0, grad_norm=1.234,
+                               skipped=0, nans=0, samples_per_s=39.4, tokens_per_s_per_gpu=1000.0,
+                               tflops_per_gpu=12.5, mem_gb=3.2)
+    # the exact prefix from DESIGN.md section 2 item 4
+    assert line.startswith(" iteration      100/    1000 | consumed samples:         3200 | elapsed time per "
+                           "iteration (ms): 812.3 | learning rate: 1.500E-04 | global batch size:    32 | "
+                           "lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
+                           "iterations:   0 | number of nan iterations:   0 |")
+    assert re.search(r"TFLOP/s per GPU: 12\.50 \| peak memory \(GB\): 3\.20 \|$", line)
