@@ -50,13 +50,14 @@ setup(
         "numpy>=1.24",
         "regex",
         "tokenizers>=0.15",
+        "tiktoken>=0.5",  # the fast GPT-2 BPE path (HF tokenizers is the fallback)
         "sentencepiece>=0.1.99",
         "tqdm",
         "safetensors",
     ],
     extras_require={
         "tensorboard": ["tensorboard"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers", "tiktoken"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

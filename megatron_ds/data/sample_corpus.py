@@ -38,7 +38,7 @@ def stdlib_documents(limit: int | None = None) -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for path in sorted(stdlib.rglob("*.py")):
-        if {"site-packages", "dist-packages", "test", "tests"} & set(path.parts):
+        if {"site-packages", "dist-packages"} & set(path.parts):
             continue
         text = module_text(path)
         if text:

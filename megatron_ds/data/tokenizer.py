@@ -1,0 +1,435 @@
+"""Tokenizers selected by `--tokenizer-type`, with Megatron's names, ids and EOD conventions.
+
+Every tokenizer has `.name`, `.vocab_size` (unpadded; padding for tensor parallel is derived by the
+config), `.eod`, `.tokenize(text)`, `.tokenize_batch(texts)` (the fast, batched path used by
+preprocessing), `.detokenize(ids)` and, where meaningful, `.vocab` / `.inv_vocab`.
+
+Nothing here touches the network: HF tokenizers load from a local `tokenizer.json` only.
+(This module is `tokenizer.py`, not `tokenizers/`, so that `import tokenizers` keeps meaning the
+HF package everywhere.)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+VALID_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HFTokenizer",
+    "NullTokenizer",
+)
+# Megatron-LM spells the HF tokenizer type differently from Megatron-DeepSpeed; accept both.
+_ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the given files/flags."""
+
+
+class AbstractTokenizer:
+    name = "abstract"
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids) -> str:
+        raise NotImplementedError
+
+    @property
+    def vocab(self) -> dict:
+        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
+
+    @property
+    def inv_vocab(self) -> dict:
+        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
+
+
+def _require_file(path, flag, tokenizer_type):
+    if not path:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type})")
+    return str(path)
+
+
+def clean_text(text: str) -> str:
+    """Replace lone surrogates (JSON allows "\\ud800" escapes) by U+FFFD so the text is valid
+    UTF-8; surrogate pairs become the character they encode. Megatron crashes on such lines."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+# GPT-2's pattern regrouped for speed; it splits text identically. tiktoken's regex engine runs a
+# pattern containing a look-ahead on a slow backtracking VM, but hands each look-ahead-free
+# sub-expression to a fast automaton. Grouping the first six alternatives makes them one such
+# sub-expression (ordered alternation is associative), and `\s+(?!\S)|\s+` equals
+# `\s+(?!\S)|\s` because the first branch fails only on a single whitespace character followed by
+# a non-space. About 1.8x faster; tests/data/test_tokenizer.py checks ids against the reference.
+_FAST_GPT2_PATTERN = r"""(?:'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s"""
+
+
+def _tiktoken_ranks(vocab, merge_file):
+    """tiktoken's mergeable ranks for this vocab/merges pair, or None when the pair is not laid out
+    like GPT-2's (ids = the 256 bytes in byte-to-unicode order, then one new token per merge in
+    merge order). tiktoken merges by the rank of the merged token, which equals following the
+    merge list for files with that layout (OpenAI encodes GPT-2 itself this way); for any other
+    layout we stay with HF tokenizers, which follows the merge list literally."""
+    from megatron_ds.data.bpe_reference import bytes_to_unicode, read_merges
+
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    to_latin1 = {ord(c): b for c, b in byte_decoder.items()}  # token.translate(...) -> one char per byte
+    chars = sorted(byte_decoder)  # GPT-2 numbers the byte tokens in the order of their characters
+    ranks = {}
+    for rank, ch in enumerate(chars):
+        if vocab.get(ch) != rank:
+            return None
+        ranks[bytes([byte_decoder[ch]])] = rank
+    for rank, (left, right) in enumerate(read_merges(merge_file), start=len(chars)):
+        token = left + right
+        if vocab.get(token) != rank:
+            return None
+        ranks[token.translate(to_latin1).encode("latin-1")] = rank
+    return ranks
+
+
+class GPT2BPETokenizer(AbstractTokenizer):
+    """GPT-2 byte-level BPE from vocab.json + merges.txt, encoded natively.
+
+    backend "tiktoken" (the fastest; used for GPT-2-layout files, see _tiktoken_ranks) or
+    "tokenizers" (HF; any vocab/merges). tests/data/test_tokenizer.py proves both give the ids of
+    bpe_reference.py. As in Megatron and GPT-2's own encoder, `<|endoftext|>` inside the input text
+    is ordinary text, encoded piece by piece; only `eod` is the special id.
+    """
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file, merge_file, backend="auto"):
+        with open(vocab_file, encoding="utf-8") as f:
+            self._vocab = json.load(f)
+        if "<|endoftext|>" not in self._vocab:
+            raise TokenizerError(f"{vocab_file} has no <|endoftext|> entry; it is not a GPT-2 style vocab.json")
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._eod = self._vocab["<|endoftext|>"]
+        ranks = None
+        if backend in ("auto", "tiktoken"):
+            try:
+                import tiktoken
+            except ImportError:
+                tiktoken = None
+            ranks = _tiktoken_ranks(self._vocab, merge_file) if tiktoken else None
+            if ranks is None and backend == "tiktoken":
+                raise TokenizerError(f"{vocab_file} / {merge_file} cannot use the tiktoken backend "
+                                     "(not installed, or the files are not in GPT-2's layout)")
+        if ranks is not None:
+            specials = {t: i for t, i in self._vocab.items() if i >= len(ranks)}
+            enc = tiktoken.Encoding(f"gpt2bpe-{os.path.basename(str(vocab_file))}", pat_str=_FAST_GPT2_PATTERN,
+                                    mergeable_ranks=ranks, special_tokens=specials)
+            # The core's method skips a Python wrapper per call; the public one is the fallback.
+            core = getattr(enc, "_core_bpe", None)
+            self._encode_one = core.encode_ordinary if hasattr(core, "encode_ordinary") else enc.encode_ordinary
+            self.backend, self._decode = "tiktoken", enc.decode
+        elif backend in ("auto", "tokenizers"):
+            self.backend = "tokenizers"
+            self._build_hf(vocab_file, merge_file)
+        else:
+            raise TokenizerError(f"unknown GPT-2 BPE backend {backend!r}; use auto, tiktoken or tokenizers")
+
+    def _build_hf(self, vocab_file, merge_file):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        # No normalizer, no prefix space, GPT-2's regex, no post-processor: GPT-2's pipeline.
+        tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        self._encode_one = lambda text: tok.encode(text, add_special_tokens=False).ids
+        self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+    @property
+    def vocab_size(self):
+        return len(self._vocab)
+
+    @property
+    def eod(self):
+        return self._eod
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv_vocab
+
+    def tokenize(self, text):
+        try:
+            return self._encode_one(text)
+        except (UnicodeEncodeError, TypeError):  # lone surrogates (HF raises TypeError for them)
+            return self._encode_one(clean_text(text))
+
+    def tokenize_batch(self, texts):
+        # A plain loop over the native call: one core per worker process is the parallelism
+        # model, and per-call overhead is tiny next to the encoding itself.
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids):
+        return self._decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(AbstractTokenizer):
+    """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
+    them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos). `eod` is <EOD>.
+    Special-token strings inside text map to their ids, as in Megatron."""
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file):
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        n = self._sp.get_piece_size()
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(n)}
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._special: dict[str, int] = {}
+        self._add_specials(n)
+
+    def _add_specials(self, n):
+        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            self._add_special(token)
+        sp = self._sp
+        for sp_id, fallback in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")):
+            self._add_special(self._sp.id_to_piece(sp_id) if 0 <= sp_id < n else fallback)
+        self._eod = self._vocab["<EOD>"]
+
+    def _add_special(self, token):
+        if token not in self._vocab:
+            new_id = len(self._vocab)
+            self._vocab[token], self._inv_vocab[new_id] = new_id, token
+        self._special[token] = self._vocab[token]
+
+    @property
+    def vocab_size(self):
+        return len(self._vocab)
+
+    @property
+    def eod(self):
+        return self._eod
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv_vocab
+
+    def _encode(self, text_or_texts):
+        try:
+            return self._sp.encode(text_or_texts, out_type=int, num_threads=1)
+        except RuntimeError:  # lone surrogates cannot cross into C++
+            if isinstance(text_or_texts, str):
+                return self._sp.encode(clean_text(text_or_texts), out_type=int)
+            return self._sp.encode([clean_text(t) for t in text_or_texts], out_type=int, num_threads=1)
+
+    def tokenize(self, text):
+        ids, start = [], 0
+        while self._special:
+            # The earliest special token wins; text between them goes through SentencePiece.
+            hits = [(text.find(t, start), t) for t in self._special]
+            hits = [(pos, t) for pos, t in hits if pos >= 0]
+            if not hits:
+                break
+            pos, token = min(hits)
+            ids.extend(self._encode(text[start:pos]))
+            ids.append(self._special[token])
+            start = pos + len(token)
+        ids.extend(self._encode(text[start:]))
+        return ids
+
+    def tokenize_batch(self, texts):
+        texts = list(texts)
+        plain = [i for i, t in enumerate(texts) if not any(s in t for s in self._special)]
+        out: list = [None] * len(texts)
+        # One thread: preprocessing parallelises over worker processes, one core each.
+        for i, ids in zip(plain, self._encode([texts[i] for i in plain])):
+            out[i] = ids
+        for i, t in enumerate(texts):
+            if out[i] is None:
+                out[i] = self.tokenize(t)
+        return out
+
+    def detokenize(self, ids):
+        # Megatron's rendering: each special token surrounded by spaces between decoded spans.
+        ids = [int(i) for i in ids]
+        special_ids = {i: t for t, i in self._special.items()}
+        parts, last = [], 0
+        for k, i in enumerate(ids):
+            if i in special_ids:
+                parts.append(self._sp.decode(ids[last:k]) + " " + special_ids[i] + " ")
+                last = k + 1
+        parts.append(self._sp.decode(ids[last:]))
+        return "".join(parts)
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's GPTSentencePieceTokenizer: the model's own pieces only, eod = the model's eos."""
+
+    name = "GPTSentencePieceTokenizer"
+
+    def _add_specials(self, n):
+        if self._sp.eos_id() < 0:
+            raise TokenizerError("the SentencePiece model defines no eos piece, "
+                                 "which GPTSentencePieceTokenizer uses as eod")
+        self._eod = self._sp.eos_id()
+
+
+def _find_hf_tokenizer_json(path, tokenizer_type):
+    if not path:
+        raise TokenizerError(
+            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (a tokenizer.json or its directory)")
+    path = str(path)
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(candidate):
+            raise TokenizerError(f"{path} has no tokenizer.json (hub names are not downloaded; pass a local file)")
+        return candidate
+    if not os.path.isfile(path):
+        raise TokenizerError(
+            f"--tokenizer-model {path} does not exist; HFTokenizer loads a local tokenizer.json or a "
+            "directory holding one and never downloads from the hub"
+        )
+    return path
+
+
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
+
+
+class HFTokenizer(AbstractTokenizer):
+    """A local HF `tokenizer.json`. eod is the eos token from a neighbouring tokenizer_config.json,
+    else the first of the usual end-of-text tokens the vocabulary has. Encoding adds the
+    tokenizer's own special tokens (e.g. BOS for Llama), as Megatron's HF tokenizer does."""
+
+    name = "HFTokenizer"
+
+    def __init__(self, tokenizer_model):
+        from tokenizers import Tokenizer
+
+        path = _find_hf_tokenizer_json(tokenizer_model, self.name)
+        self._tok = Tokenizer.from_file(path)
+        self._vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._eod = self._vocab.get(self._eos_token(path, self._vocab))
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+
+    @staticmethod
+    def _eos_token(path, vocab):
+        config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if eos in vocab:
+                return eos
+        for name in _EOS_NAMES:
+            if name in vocab:
+                return name
+        raise TokenizerError(
+            f"cannot tell the end-of-document token of {path}: put a tokenizer_config.json with "
+            f"\"eos_token\" next to it, or add one of {list(_EOS_NAMES)} to the vocabulary"
+        )
+
+    @property
+    def vocab_size(self):
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self):
+        return self._eod
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv_vocab
+
+    def tokenize(self, text):
+        try:
+            return self._tok.encode(text).ids
+        except (UnicodeEncodeError, TypeError):  # lone surrogates
+            return self._tok.encode(clean_text(text)).ids
+
+    def tokenize_batch(self, texts):
+        texts = list(texts)
+        try:
+            return [e.ids for e in self._encode_batch(texts)]
+        except (UnicodeEncodeError, TypeError):
+            return [e.ids for e in self._encode_batch([clean_text(t) for t in texts])]
+
+    def detokenize(self, ids):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class NullTokenizer(AbstractTokenizer):
+    """Text is already token ids, space separated. eod = N, so the vocabulary holds N + 1 ids."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size):
+        self._n = int(vocab_size)
+
+    @property
+    def vocab_size(self):
+        return self._n + 1
+
+    @property
+    def eod(self):
+        return self._n
+
+    def tokenize(self, text):
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError as exc:
+            raise TokenizerError(f"NullTokenizer expects space-separated integers, got {text[:60]!r}") from exc
+        if ids and (min(ids) < 0 or max(ids) > self._n):
+            raise TokenizerError(f"NullTokenizer ids must lie in [0, {self._n}], got {min(ids)}..{max(ids)}")
+        return ids
+
+    def detokenize(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
+                    vocab_size=None, log=print):
+    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given."""
+    kind = _ALIASES.get(tokenizer_type, tokenizer_type)
+    if kind == "GPT2BPETokenizer":
+        tok = GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", kind),
+                               _require_file(merge_file, "--merge-file", kind))
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        cls = SentencePieceTokenizer if kind == "SentencePieceTokenizer" else GPTSentencePieceTokenizer
+        tok = cls(_require_file(tokenizer_model, "--tokenizer-model", kind))
+    elif kind == "HFTokenizer":
+        tok = HFTokenizer(tokenizer_model)
+    elif kind == "NullTokenizer":
+        if vocab_size is None:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")
+        tok = NullTokenizer(vocab_size)
+    else:
+        raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(VALID_TYPES)}")
+    if log:
+        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, eod id {tok.eod}")
+    return tok

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Train a tokenizer on your own JSONL corpus, offline.
+
+    # GPT-2 style byte-level BPE: writes OUT/vocab.json + OUT/merges.txt
+    python tools/train_tokenizer.py --input corpus/ --type bpe --vocab-size 32000 --output-dir tok/
+    # SentencePiece: writes OUT/tokenizer.model (+ tokenizer.vocab)
+    python tools/train_tokenizer.py --input corpus/ --type sentencepiece --vocab-size 32000 --output-dir tok/
+
+The BPE files use GPT-2's exact layout (ids: the 256 byte symbols in GPT-2's order, then one token
+per merge in merge order, then <|endoftext|>), so `--tokenizer-type GPT2BPETokenizer --vocab-file
+tok/vocab.json --merge-file tok/merges.txt` reads them like GPT-2's own files, fast path included.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from itertools import islice
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling preprocess_data
+
+from megatron_ds.data.bpe_reference import bytes_to_unicode  # noqa: E402
+from preprocess_data import PreprocessError, iter_json_texts, resolve_inputs  # noqa: E402
+
+EOD = "<|endoftext|>"
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="a .jsonl/.jsonl.gz file, a glob, or a directory of them")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--type", choices=["bpe", "sentencepiece"], default="bpe")
+    p.add_argument("--vocab-size", type=int, required=True, help="total size, special tokens included")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--min-frequency", type=int, default=2, help="bpe: a pair must occur this often to be merged")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece algorithm")
+    p.add_argument("--character-coverage", type=float, default=0.9995, help="sentencepiece")
+    p.add_argument("--byte-fallback", action="store_true", help="sentencepiece: unknown characters become byte pieces")
+    p.add_argument("--max-docs", type=int, default=None, help="train on at most this many documents")
+    args = p.parse_args(argv)
+    if args.type == "bpe" and args.vocab_size < 257:
+        p.error(f"--vocab-size {args.vocab_size} is too small: byte-level BPE needs 256 byte tokens + {EOD}")
+    return args
+
+
+def _texts(args):
+    texts = (text for _, text in iter_json_texts(resolve_inputs(args.input), args.json_keys))
+    return islice(texts, args.max_docs) if args.max_docs else texts
+
+
+def gpt2_layout(merges):
+    """vocab (token -> id) in GPT-2's layout for these merges. A merge whose result already exists
+    keeps its place in merges.txt but adds no token."""
+    vocab = {ch: i for i, ch in enumerate(sorted(bytes_to_unicode().values()))}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    vocab[EOD] = len(vocab)
+    return vocab
+
+
+def train_bpe(args, log):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=args.vocab_size - 1,  # the last id is <|endoftext|>, added below
+        min_frequency=args.min_frequency,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=sys.stderr.isatty(),
+    )
+    tok.train_from_iterator(_texts(args), trainer=trainer)
+    raw = json.loads(tok.to_str())["model"]["merges"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in raw]
+    vocab = gpt2_layout(merges)
+    os.makedirs(args.output_dir, exist_ok=True)
+    vocab_path, merges_path = os.path.join(args.output_dir, "vocab.json"), os.path.join(args.output_dir, "merges.txt")
+    with open(vocab_path, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merges_path, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+        f.writelines(f"{a} {b}\n" for a, b in merges)
+    log(f"> trained byte-level BPE: {len(vocab)} tokens ({len(merges)} merges)")
+    log(f"> use: --tokenizer-type GPT2BPETokenizer --vocab-file {vocab_path} --merge-file {merges_path}")
+    return vocab_path, merges_path
+
+
+def train_sentencepiece(args, log):
+    import sentencepiece as spm
+
+    def sentences():
+        # SentencePiece trains on lines; it skips lines over max_sentence_length on its own.
+        for text in _texts(args):
+            yield from (line for line in text.split("\n") if line.strip())
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    prefix = os.path.join(args.output_dir, "tokenizer")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences(),
+        model_prefix=prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        byte_fallback=args.byte_fallback,
+        hard_vocab_limit=False,  # a small demo corpus gets a smaller vocabulary, not an error
+        minloglevel=1,
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    log(f"> trained SentencePiece ({args.model_type}): {sp.get_piece_size()} pieces")
+    log(f"> use: --tokenizer-type SentencePieceTokenizer --tokenizer-model {prefix}.model")
+    return (prefix + ".model",)
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    try:
+        (train_bpe if args.type == "bpe" else train_sentencepiece)(args, log)
+    except PreprocessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
