@@ -57,6 +57,26 @@ class AbstractTokenizer:
         raise NotImplementedError(f"{self.name} has no vocabulary mapping")
 
 
+class _MappedTokenizer(AbstractTokenizer):
+    """A tokenizer holding its vocabulary as dicts (`_vocab`, `_inv_vocab`) and its `_eod` id."""
+
+    @property
+    def vocab_size(self):
+        return len(self._vocab)
+
+    @property
+    def eod(self):
+        return self._eod
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        return self._inv_vocab
+
+
 def _require_file(path, flag, tokenizer_type):
     if not path:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
@@ -104,7 +124,7 @@ def _tiktoken_ranks(vocab, merge_file):
     return ranks
 
 
-class GPT2BPETokenizer(AbstractTokenizer):
+class GPT2BPETokenizer(_MappedTokenizer):
     """GPT-2 byte-level BPE from vocab.json + merges.txt, encoded natively.
 
     backend "tiktoken" (the fastest; used for GPT-2-layout files, see _tiktoken_ranks) or
@@ -156,22 +176,6 @@ class GPT2BPETokenizer(AbstractTokenizer):
         self._encode_one = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
 
-    @property
-    def vocab_size(self):
-        return len(self._vocab)
-
-    @property
-    def eod(self):
-        return self._eod
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
-
     def tokenize(self, text):
         try:
             return self._encode_one(text)
@@ -187,7 +191,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
         return self._decode([int(i) for i in ids])
 
 
-class SentencePieceTokenizer(AbstractTokenizer):
+class SentencePieceTokenizer(_MappedTokenizer):
     """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
     them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos). `eod` is <EOD>.
     Special-token strings inside text map to their ids, as in Megatron."""
@@ -217,22 +221,6 @@ class SentencePieceTokenizer(AbstractTokenizer):
             new_id = len(self._vocab)
             self._vocab[token], self._inv_vocab[new_id] = new_id, token
         self._special[token] = self._vocab[token]
-
-    @property
-    def vocab_size(self):
-        return len(self._vocab)
-
-    @property
-    def eod(self):
-        return self._eod
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
 
     def _encode(self, text_or_texts):
         try:
@@ -315,7 +303,7 @@ def _find_hf_tokenizer_json(path, tokenizer_type):
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 
 
-class HFTokenizer(AbstractTokenizer):
+class HFTokenizer(_MappedTokenizer):
     """A local HF `tokenizer.json`. eod is the eos token from a neighbouring tokenizer_config.json,
     else the first of the usual end-of-text tokens the vocabulary has. Encoding adds the
     tokenizer's own special tokens (e.g. BOS for Llama), as Megatron's HF tokenizer does."""
@@ -353,18 +341,6 @@ class HFTokenizer(AbstractTokenizer):
     @property
     def vocab_size(self):
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eod(self):
-        return self._eod
-
-    @property
-    def vocab(self):
-        return self._vocab
-
-    @property
-    def inv_vocab(self):
-        return self._inv_vocab
 
     def tokenize(self, text):
         try:

@@ -116,12 +116,15 @@ def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_
                                        persistent_workers=cfg.num_workers > 0, generator=generator)
 
 
-def cycle(loader, *, repeat: bool = False):
-    """The iterator the engine pulls micro-batches from; None for stages without data. Validation
-    and test loaders repeat (evaluations may outnumber the samples reserved for them); training
-    never silently wraps around."""
-    if loader is None:
+def stage_iterator(dataset, loader, *, repeat: bool = False):
+    """What this rank hands the engine for one split: None when the split does not exist (so no
+    rank runs it); an empty iterator on middle pipeline stages, which read no data but must still
+    join every train/eval schedule; else the loader's micro-batches. Validation and test repeat
+    (evaluations may outnumber the samples reserved for them); training never silently wraps."""
+    if dataset is None:
         return None
+    if loader is None:
+        return iter(())
     if not repeat:
         return iter(loader)
 

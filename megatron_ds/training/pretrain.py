@@ -12,7 +12,7 @@ import torch
 from megatron_ds.config import Config, ConfigError, derive, load_ds_template, parse_args
 from megatron_ds.training import log as mlog
 from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
-                                       build_tokenizer_for, cycle, describe_source)
+                                       build_tokenizer_for, describe_source, stage_iterator)
 from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
 
 
@@ -85,10 +85,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
                             micro_batch_size=layout.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size)
                if needs_data else None
                for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0))]
-    train_iter = cycle(loaders[0])
-    valid_iter, test_iter = (cycle(loader, repeat=True) for loader in loaders[1:])
-    if datasets[1] is None:
-        valid_iter = None
+    train_iter, valid_iter, test_iter = (stage_iterator(ds, loader, repeat=i > 0)
+                                         for i, (ds, loader) in enumerate(zip(datasets, loaders)))
 
     tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
                           == torch.distributed.get_world_size() - 1)
@@ -109,7 +107,7 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
         if valid_iter is not None and cfg.training.eval_iters:
             run_validation(cfg, layout, engine, state, valid_iter, loss_fn, ps.dp_group, tb,
                            f"iteration {state.iteration} on validation set")
-        if test_iter is not None and datasets[2] is not None and cfg.training.eval_iters:
+        if test_iter is not None and cfg.training.eval_iters:
             run_validation(cfg, layout, engine, state, test_iter, loss_fn, ps.dp_group, tb,
                            f"iteration {state.iteration} on test set")
     finally:

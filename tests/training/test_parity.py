@@ -40,7 +40,8 @@ def reference():
     return _losses(1, 1, 1)
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)])
+# (1, 4, 1) has middle stages that read no data but join every schedule, validation included
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 4, 1)])
 def test_layouts_match_single_process(reference, tp, pp, dp):
     losses = _losses(tp, pp, dp)
     assert losses == pytest.approx(reference, rel=RTOL)
