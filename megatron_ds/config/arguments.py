@@ -36,10 +36,11 @@ IGNORED_FLAGS: dict[str, int] = {
         "--use-cpu-initialization", "--log-num-zeros-in-grad", "--no-scatter-gather-tensors-in-pipeline",
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
         "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
-        "--no-initialization", "--no-load-lr-state", "--fp16-lm-cross-entropy",
+        "--no-initialization", "--no-load-lr-state", "--fp16-lm-cross-entropy", "--log-params-norm",
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
+        "--tensorboard-log-interval",  # scalars are written every --log-interval
         "--ds-inference", "--pipeline-model-parallel-split-rank", "--memory-centric-tiled-linear",
     )},
 }

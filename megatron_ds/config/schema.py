@@ -172,8 +172,9 @@ class TrainingConfig:
     """Recompute each transformer layer in backward (same as --recompute-granularity full)."""
     recompute_granularity: Optional[str] = meta(None, choices=("full", "selective"))
     """Activation recomputation: full layers, or selective (attention core only)."""
-    recompute_method: str = meta("uniform", choices=("uniform", "block"))
-    """How recomputed layers are grouped (uniform chunks of --recompute-num-layers)."""
+    recompute_method: str = meta("uniform", choices=("uniform",))
+    """How recomputed layers are grouped: uniform chunks of --recompute-num-layers (Megatron's
+    "block" method is not supported)."""
     recompute_num_layers: int = meta(1, flags=("--recompute-num-layers", "--checkpoint-num-layers"))
     """Layers per recomputed chunk."""
     deepspeed_activation_checkpointing: bool = False
@@ -248,8 +249,6 @@ class LoggingConfig:
     """Print the iteration line every this many iterations."""
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard scalars here."""
-    tensorboard_log_interval: int = 1
-    """TensorBoard write interval in iterations."""
     log_validation_ppl_to_tensorboard: bool = False
     """Also write validation perplexity to TensorBoard."""
     log_memory_to_tensorboard: bool = False
@@ -258,8 +257,6 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
-    log_params_norm: bool = False
-    """Print the norm of all parameters on the iteration line."""
 
 
 @dataclass
@@ -291,21 +288,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Config":
-        """Inverse of to_dict (used when a checkpoint's resolved config is read back)."""
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in d:
-                continue
-            sub = f.default_factory
-            if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
-                known = {sf.name for sf in dataclasses.fields(sub)}
-                kwargs[f.name] = sub(**{k: v for k, v in d[f.name].items() if k in known})
-            else:
-                kwargs[f.name] = d[f.name]
-        return cls(**kwargs)
 
 
 SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "deepspeed")

@@ -37,7 +37,7 @@ def peak_memory_gb(device: torch.device) -> float:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
                    global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
-                   tflops_per_gpu: float, mem_gb: float, params_norm: float | None = None) -> str:
+                   tflops_per_gpu: float, mem_gb: float) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
@@ -50,8 +50,6 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     parts.append(f" loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
-    if params_norm is not None:
-        parts.append(f" params norm: {params_norm:.3f}")
     parts += [
         f" number of skipped iterations: {skipped:3d}",
         f" number of nan iterations: {nans:3d}",

@@ -94,6 +94,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
         loss = train_step(engine, train_iter, layout, loss_fn, dp_group)
         state.iteration += 1
         state.consumed_train_samples += layout.global_batch_size
+        if t.empty_unused_memory_level >= 1 and device.type == "cuda":
+            torch.cuda.empty_cache()
         window_iters += 1
         if not math.isfinite(loss):
             state.nan_iterations += 1
@@ -157,6 +159,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
 
 def run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb, label: str) -> float:
     loss = evaluate(engine, valid_iter, layout, loss_fn, dp_group, cfg.training.eval_iters)
+    if cfg.training.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
     state.consumed_valid_samples += cfg.training.eval_iters * layout.global_batch_size
     mlog.print_last_rank(mlog.validation_lines(label, loss))
     values = {"lm loss validation": loss}

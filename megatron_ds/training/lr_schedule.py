@@ -19,6 +19,7 @@ class LRSchedule:
         self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, 1)
         self.decay_style = decay_style
         self.num_steps = last_step
+        self.override = False  # --override-lr-scheduler: keep this run's shape when loading
         self._apply()
 
     def lr_at(self, step: int) -> float:
@@ -54,9 +55,10 @@ class LRSchedule:
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
                 "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
 
-    def load_state_dict(self, state: dict, *, override: bool = False) -> None:
-        """Restore the step; with override (--override-lr-scheduler) keep this run's shape."""
-        if not override:
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step and, unless self.override, the checkpoint's schedule shape (DeepSpeed
+        calls this while loading a checkpoint)."""
+        if not self.override:
             self.max_lr, self.min_lr = state["max_lr"], state["min_lr"]
             self.warmup_steps, self.decay_steps = state["warmup_steps"], state["decay_steps"]
             self.decay_style = state["decay_style"]

@@ -126,3 +126,27 @@ def test_iteration_line_matches_megatron_shape():
                            "lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
                            "iterations:   0 | number of nan iterations:   0 |")
     assert re.search(r"TFLOP/s per GPU: 12\.50 \| peak memory \(GB\): 3\.20 \|$", line)
+
+
+def test_lr_schedule_against_formulas_and_override():
+    from megatron_ds.training.lr_schedule import LRSchedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    s = LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
+    assert [s.lr_at(i) for i in (0, 2, 4)] == [0.0, 0.5, 1.0]  # linear warmup
+    assert s.lr_at(9) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * 0.5) + 1))  # half-way
+    assert s.lr_at(14) == pytest.approx(0.1) and s.lr_at(20) == 0.1
+    s.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    lin = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="linear")
+    assert lin.lr_at(3) == pytest.approx(0.7)
+    # loading takes the checkpoint's shape, unless --override-lr-scheduler keeps this run's
+    saved = dict(s.state_dict(), max_lr=2.0, num_steps=6)
+    fresh = LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
+    fresh.load_state_dict(saved)
+    assert (fresh.max_lr, fresh.num_steps) == (2.0, 6)
+    fresh = LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
+    fresh.override = True
+    fresh.load_state_dict(saved)
+    assert (fresh.max_lr, fresh.num_steps) == (1.0, 6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(fresh.lr_at(6))
