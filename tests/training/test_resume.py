@@ -90,3 +90,23 @@ def test_finetune_loads_weights_and_restarts_at_iteration_one(tmp_path):
     # their loss there is clearly below a fresh model's (~0.2 nats here; run-to-run noise is 0)
     assert tuned[0][1] < fresh[0][1] - 0.05
     assert trained[0] == fresh[0]  # same seed, same first batch: the comparison is like for like
+
+
+class _Payload:
+    """Stands for an arbitrary pickled object (which could run code when unpickled)."""
+
+
+def test_checkpoint_files_load_weights_only(tmp_path):
+    import torch
+
+    from megatron_ds.config import ConfigError
+    from megatron_ds.training.checkpointing import WeightsOnlyCheckpointEngine, rng_state
+
+    engine = WeightsOnlyCheckpointEngine()
+    good = tmp_path / "good.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "rng": rng_state(), "iteration": 5}, good)
+    assert engine.load(str(good))["iteration"] == 5  # our own client state passes weights_only
+    bad = tmp_path / "bad.pt"
+    torch.save({"module": {}, "extra": _Payload()}, bad)
+    with pytest.raises(ConfigError, match="refusing to unpickle .*bad.pt"):
+        engine.load(str(bad))
