@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -33,34 +32,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from megatron_ds.data.bpe_reference import ReferenceBPE  # noqa: E402
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
-from megatron_ds.data.sample_corpus import stdlib_documents  # noqa: E402
+from megatron_ds.data.sample_corpus import stdlib_documents, write_corpus  # noqa: E402
 from megatron_ds.data.tokenizer import build_tokenizer  # noqa: E402
 
 SHARED_GPT2 = ROOT / ".." / "shared" / "data" / "gpt2"
-
-
-def build_corpus(path: Path, target_mb: float, seed=1234):
-    """Write >= target_mb of JSONL; returns (documents, UTF-8 bytes of their text)."""
-    base = stdlib_documents()
-    rng = random.Random(seed)
-    docs, text_bytes, out_bytes = [], 0, 0
-    with open(path, "w", encoding="utf-8") as f:
-        repeat = 0
-        while out_bytes < target_mb * 1e6:
-            order = list(range(len(base)))
-            rng.shuffle(order)
-            for i in order:
-                paragraphs = base[i].split("\n\n")
-                if repeat:  # later copies shuffle paragraphs so documents are not verbatim repeats
-                    rng.shuffle(paragraphs)
-                text = "\n\n".join(paragraphs)
-                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
-                f.write(line)
-                docs.append(text)
-                text_bytes += len(text.encode("utf-8"))
-                out_bytes += len(line.encode("utf-8"))
-            repeat += 1
-    return docs, text_bytes, len(base)
 
 
 def tokenizer_files(tmp: Path, corpus: Path):
@@ -131,7 +106,7 @@ def time_encoder(make_encoder, texts, nbytes, repeat):
 
 
 def write_subset(path, docs, mb):
-    """The first `mb` of documents (the first copy of the modules: fresh text for the reference's
+    """The first `mb` of the modules' documents (each seen once: fresh text for the reference's
     word cache, as on a real corpus) as JSONL; returns (texts, text bytes)."""
     picked, size = [], 0
     with open(path, "w", encoding="utf-8") as f:
@@ -163,9 +138,10 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         corpus = tmp / "corpus.jsonl"
         t0 = time.perf_counter()
-        docs, text_bytes, unique = build_corpus(corpus, args.corpus_mb)
+        base = stdlib_documents()
+        n_docs, text_bytes = write_corpus(corpus, args.corpus_mb, base=base)
         print(f"machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f}")
-        print(f"corpus: {len(docs)} documents ({unique} stdlib modules, repeated with shuffled paragraphs), "
+        print(f"corpus: {n_docs} documents ({len(base)} stdlib modules, repeated with shuffled paragraphs), "
               f"{corpus.stat().st_size / 1e6:.1f} MB JSONL, {text_bytes / 1e6:.1f} MB text "
               f"(built in {time.perf_counter() - t0:.0f}s)")
         vocab, merges, tok_desc = tokenizer_files(tmp, corpus)
@@ -181,7 +157,7 @@ def main(argv=None) -> int:
             print(f"outputs byte-identical across worker counts: {len(outs) == 1}")
 
         sub = tmp / "subset.jsonl"
-        texts, nbytes = write_subset(sub, docs, args.ref_mb)
+        texts, nbytes = write_subset(sub, base, args.ref_mb)
         print(f"-- {nbytes / 1e6:.1f} MB subset, 1 worker, tokenizers built outside the timing")
         ref_pipe = run_pipeline(sub, vocab, merges, tmp / "ref", 1, nbytes, args.repeat,
                                 make_tokenizer=lambda: ReferenceTokenizer(vocab, merges))

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make_e2e_data(workdir: Path, corpus_mb: float = 1.0, vocab_size: int = 1024) -> dict:
-    sys.path.insert(0, str(REPO / "tools"))
-    from quickstart import prepare_data
+    from quickstart import prepare_data  # tools/ is on sys.path (pytest's pythonpath setting)
 
     with contextlib.redirect_stdout(io.StringIO()):
         prefix, vocab, merges = prepare_data(str(workdir), corpus_mb, vocab_size, workers=2)

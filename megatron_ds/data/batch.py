@@ -13,36 +13,45 @@ import numpy as np
 import torch
 
 
+def _eod_before(is_eod: torch.Tensor) -> torch.Tensor:
+    """True at token j when token j - 1 is an EOD: token j starts a new document (the EOD itself
+    closes the previous one)."""
+    eod_before = torch.zeros_like(is_eod)
+    eod_before[:, 1:] = is_eod[:, :-1]
+    return eod_before
+
+
+def loss_mask_and_position_ids(tokens: torch.Tensor, eod_token: int, reset_position_ids: bool,
+                               eod_mask_loss: bool):
+    """(loss_mask float [b, s], position_ids long [b, s]): what training needs per micro-batch.
+    The model derives attention across documents itself, so no [s, s] mask is built here."""
+    batch, seq = tokens.shape
+    positions = torch.arange(seq, dtype=torch.long, device=tokens.device)
+    is_eod = tokens == eod_token
+    loss_mask = torch.ones((batch, seq), dtype=torch.float, device=tokens.device)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    if reset_position_ids:
+        starts = torch.where(_eod_before(is_eod), positions, torch.zeros_like(positions))
+        position_ids = positions - torch.cummax(starts, dim=1).values
+    else:
+        position_ids = positions.unsqueeze(0).expand(batch, seq)
+    return loss_mask, position_ids
+
+
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int, reset_position_ids: bool,
                                     reset_attention_mask: bool, eod_mask_loss: bool):
-    """(attention_mask, loss_mask, position_ids) for left-to-right tokens [b, s].
+    """(attention_mask, loss_mask, position_ids) for left-to-right tokens [b, s], as Megatron's
+    function of this name returns them.
 
     attention_mask: bool [b (1 unless reset_attention_mask), 1, s, s], True where attention is
     NOT allowed (Megatron's convention). loss_mask: float [b, s]. position_ids: long [b, s].
     """
-    batch, seq = tokens.shape
-    device = tokens.device
-    positions = torch.arange(seq, dtype=torch.long, device=device)
-    is_eod = tokens == eod_token
-
-    loss_mask = torch.ones((batch, seq), dtype=torch.float, device=device)
-    if eod_mask_loss:
-        loss_mask[is_eod] = 0.0
-
-    # Token j belongs to the document that starts right after the last EOD before j (the EOD
-    # itself closes the previous document).
-    eod_before = torch.zeros_like(is_eod)
-    eod_before[:, 1:] = is_eod[:, :-1]
-
-    if reset_position_ids:
-        starts = torch.where(eod_before, positions, torch.zeros_like(positions))
-        position_ids = positions - torch.cummax(starts, dim=1).values
-    else:
-        position_ids = positions.unsqueeze(0).expand(batch, seq)
-
-    causal = torch.ones((seq, seq), dtype=torch.bool, device=device).tril_()
+    seq = tokens.shape[1]
+    loss_mask, position_ids = loss_mask_and_position_ids(tokens, eod_token, reset_position_ids, eod_mask_loss)
+    causal = torch.ones((seq, seq), dtype=torch.bool, device=tokens.device).tril_()
     if reset_attention_mask:
-        document = torch.cumsum(eod_before, dim=1)
+        document = torch.cumsum(_eod_before(tokens == eod_token), dim=1)
         allowed = causal & (document[:, :, None] == document[:, None, :])
         attention_mask = ~allowed.unsqueeze(1)
     else:
@@ -56,14 +65,15 @@ class GPTBatch(NamedTuple):
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
 
 
 def gpt_batch_from_samples(samples, eod_token: int, reset_position_ids: bool = False,
                            reset_attention_mask: bool = False, eod_mask_loss: bool = False,
-                           device: torch.device | str | None = None) -> GPTBatch:
-    """samples: int [b, s + 1] (numpy, tensor, or a collated {"text": ...}) -> GPTBatch of [b, s] tensors."""
+                           device: torch.device | str | None = None, with_attention_mask: bool = True) -> GPTBatch:
+    """samples: int [b, s + 1] (numpy, tensor, or a collated {"text": ...}) -> GPTBatch of [b, s] tensors.
+    with_attention_mask=False skips the [s, s] mask (attention_mask is None): the training path."""
     if isinstance(samples, dict):
         samples = samples["text"]
     if isinstance(samples, np.ndarray):
@@ -73,6 +83,10 @@ def gpt_batch_from_samples(samples, eod_token: int, reset_position_ids: bool = F
         raise ValueError(f"samples must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(samples.shape)}")
     tokens = samples[:, :-1].contiguous()
     labels = samples[:, 1:].contiguous()
-    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss)
+    if with_attention_mask:
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss)
+    else:
+        attention_mask = None
+        loss_mask, position_ids = loss_mask_and_position_ids(tokens, eod_token, reset_position_ids, eod_mask_loss)
     return GPTBatch(tokens, labels, loss_mask, attention_mask, position_ids)

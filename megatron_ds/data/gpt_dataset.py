@@ -263,7 +263,7 @@ def _blend(parts, weights, size, first_prefix, *, data_cache_path, log, cache_ti
 
     # A component is None only for a split nobody asked samples from; drop it with its weight.
     kept = [(d, w) for d, w in zip(parts, weights) if d is not None]
-    if not kept:
+    if not kept or size == 0:  # a blend nobody asked samples from is no dataset, like a plain split
         return None
     datasets, kept_weights = zip(*kept)
     _, cache_dir = cache_dirs(first_prefix, data_cache_path)

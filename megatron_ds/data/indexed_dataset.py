@@ -81,13 +81,6 @@ def _memmap(path, dtype, offset, count):
     return np.memmap(path, mode="r", dtype=dtype, offset=offset, shape=(count,)).view(np.ndarray)
 
 
-def _warmup(path, chunk=100 << 20):
-    """Read the file once so later random access hits the page cache (Megatron's skip_warmup=False)."""
-    with open(path, "rb") as f:
-        while f.read(chunk):
-            pass
-
-
 class _Index:
     """The parsed `.idx` file: header fields plus memmapped sizes, pointers and doc_idx."""
 
@@ -140,9 +133,8 @@ class _Index:
 class MMapIndexedDataset:
     """Zero-copy reader. `ds[i]` is sequence i as a read-only view into the mapped `.bin`."""
 
-    def __init__(self, path_prefix, skip_warmup=True):
+    def __init__(self, path_prefix):
         self._prefix = str(path_prefix)
-        self._skip_warmup = skip_warmup
         self._open()
 
     def _open(self):
@@ -156,23 +148,16 @@ class MMapIndexedDataset:
                 f"{bin_path}: {have} bytes but its index needs {need} "
                 f"({len(self._index.sizes)} sequences of {self._index.dtype.name}); the data file is truncated"
             )
-        if not self._skip_warmup:
-            _warmup(idx_path)
-            _warmup(bin_path)
         self._bin = _memmap(bin_path, np.uint8, 0, have)
 
     # DataLoader workers pickle datasets: a memmap would pickle as a full in-memory copy of the
     # data, so ship the path and map the files again on the other side.
     def __getstate__(self):
-        return {"path_prefix": self._prefix, "skip_warmup": True}
+        return {"path_prefix": self._prefix}
 
     def __setstate__(self, state):
-        self._prefix, self._skip_warmup = state["path_prefix"], state["skip_warmup"]
+        self._prefix = state["path_prefix"]
         self._open()
-
-    @property
-    def path_prefix(self) -> str:
-        return self._prefix
 
     @property
     def dtype(self) -> np.dtype:
@@ -227,10 +212,6 @@ class MMapIndexedDataset:
 
     def num_tokens(self) -> int:
         return int(np.sum(self.sizes, dtype=np.int64))
-
-    @staticmethod
-    def exists(path_prefix) -> bool:
-        return dataset_exists(path_prefix)
 
 
 def write_index(path, dtype, sizes, doc_idx):
@@ -299,16 +280,6 @@ class MMapIndexedDatasetBuilder:
 
     def end_document(self):
         self._doc_ends.append(np.array([self._num_seqs], dtype=np.int64))
-
-    def add_document(self, tokens, lengths):
-        """A whole document: `tokens` holds its sequences back to back, `lengths` their sizes."""
-        arr = self._as_array(tokens)
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if int(lengths.sum()) != arr.size:
-            raise IndexedDatasetError(
-                f"sequence lengths sum to {int(lengths.sum())} but the document has {arr.size} tokens")
-        self._write(arr, lengths)
-        self.end_document()
 
     def add_documents(self, tokens, lengths, seqs_per_doc=None):
         """Many documents in one write (the preprocessing fast path): `tokens` back to back,

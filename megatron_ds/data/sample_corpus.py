@@ -33,7 +33,7 @@ def module_text(path: Path) -> str | None:
     return text if text.strip() else None
 
 
-def stdlib_documents(limit: int | None = None) -> list[str]:
+def stdlib_documents() -> list[str]:
     """One document per standard-library module (sorted by path, so the list is deterministic)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs = []
@@ -43,13 +43,11 @@ def stdlib_documents(limit: int | None = None) -> list[str]:
         text = module_text(path)
         if text:
             docs.append(text)
-            if limit is not None and len(docs) >= limit:
-                break
     return docs
 
 
-def write_corpus(path, target_mb: float, seed: int = 1234, key: str = "text", base: list[str] | None = None):
-    """Write >= target_mb of JSONL ({key: text} per line). Later copies of the base documents
+def write_corpus(path, target_mb: float, seed: int = 1234, base: list[str] | None = None):
+    """Write >= target_mb of JSONL ({"text": text} per line). Later copies of the base documents
     shuffle their paragraphs so documents are not verbatim repeats.
     Returns (documents written, UTF-8 bytes of their text)."""
     base = base if base is not None else stdlib_documents()
@@ -64,7 +62,7 @@ def write_corpus(path, target_mb: float, seed: int = 1234, key: str = "text", ba
                 if repeat:
                     rng.shuffle(paragraphs)
                 text = "\n\n".join(paragraphs)
-                line = json.dumps({key: text}, ensure_ascii=False) + "\n"
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
                 f.write(line)
                 written += 1
                 text_bytes += len(text.encode("utf-8"))

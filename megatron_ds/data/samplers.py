@@ -6,8 +6,6 @@ even with a different number of data-loader workers, continues with exactly the 
 """
 from __future__ import annotations
 
-import torch
-
 
 def _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
     if total_samples <= 0:
@@ -56,41 +54,3 @@ class PretrainingSampler:
             rest = list(range(first, min(first + self.micro_batch_size, self.total_samples)))
             if rest:
                 yield rest
-
-
-class RandomPretrainingSampler:
-    """Random order that changes every epoch (seeded by seed + epoch).
-
-    Each rank owns a fixed contiguous bucket of the dataset and draws from a permutation of it, so
-    ranks never overlap. The tail that does not fill a global micro-batch is left out. Megatron's
-    MegatronPretrainingRandomSampler semantics (with an explicit seed).
-    """
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                 data_parallel_size: int, seed: int = 0):
-        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.total_samples, self.consumed_samples = int(total_samples), int(consumed_samples)
-        self.micro_batch_size, self.seed = int(micro_batch_size), int(seed)
-        self.data_parallel_rank, self.data_parallel_size = int(data_parallel_rank), int(data_parallel_size)
-        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
-        self.usable = self.total_samples - self.total_samples % self.global_micro_batch
-        if self.usable == 0:
-            raise ValueError(f"{total_samples} samples cannot fill one global micro-batch of {self.global_micro_batch}")
-
-    def __len__(self) -> int:
-        return self.total_samples
-
-    def __iter__(self):
-        # One epoch (what is left of it) per iteration; iterating again continues with the next.
-        epoch, in_epoch = divmod(self.consumed_samples, self.usable)
-        if in_epoch % self.global_micro_batch:
-            raise ValueError(f"consumed_samples {self.consumed_samples} is not a multiple of the global "
-                             f"micro-batch {self.global_micro_batch}")
-        bucket = self.usable // self.data_parallel_size
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        order = torch.randperm(bucket, generator=generator)
-        order = order[in_epoch // self.data_parallel_size:] + self.data_parallel_rank * bucket
-        for batch in order.split(self.micro_batch_size):
-            self.consumed_samples += self.global_micro_batch
-            yield batch.tolist()

@@ -182,11 +182,6 @@ class GPT2BPETokenizer(_MappedTokenizer):
         except (UnicodeEncodeError, TypeError):  # lone surrogates (HF raises TypeError for them)
             return self._encode_one(clean_text(text))
 
-    def tokenize_batch(self, texts):
-        # A plain loop over the native call: one core per worker process is the parallelism
-        # model, and per-call overhead is tiny next to the encoding itself.
-        return [self.tokenize(t) for t in texts]
-
     def detokenize(self, ids):
         return self._decode([int(i) for i in ids])
 

@@ -9,9 +9,8 @@
 from megatron_ds.model.fused import describe_kernels
 from megatron_ds.model.gpt import document_ids, gpt_loss_fn
 from megatron_ds.model.pipeline import (PARTITION_METHOD, GPTPipelineModel, GPTSequential, build_pipeline_gpt,
-                                        build_sequential_gpt, gpt_layer_specs, pipeline_engine_config)
+                                        build_sequential_gpt, gpt_layer_specs)
 from megatron_ds.model.transformer import ParallelTransformerLayer
 
 __all__ = ["PARTITION_METHOD", "GPTPipelineModel", "GPTSequential", "ParallelTransformerLayer", "build_pipeline_gpt",
-           "build_sequential_gpt", "describe_kernels", "document_ids", "gpt_layer_specs", "gpt_loss_fn",
-           "pipeline_engine_config"]
+           "build_sequential_gpt", "describe_kernels", "document_ids", "gpt_layer_specs", "gpt_loss_fn"]

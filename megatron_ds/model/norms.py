@@ -32,8 +32,8 @@ def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_par
 
     Under sequence parallelism each tensor parallel rank normalizes a different slice of the
     sequence, so the norm's weight gradients are partial sums; the parameters are tagged
-    ``sequence_parallel=True`` so the training loop all-reduces them over the tensor parallel group
-    (``megatron_ds.parallel.layers.allreduce_sequence_parallel_grads``).
+    ``sequence_parallel=True`` so their gradients are summed over the tensor parallel group
+    (``megatron_ds.parallel.layers.register_sequence_parallel_grad_hooks``, installed by training).
     """
     kind = normalization.lower()
     if kind not in ("layernorm", "rmsnorm"):

@@ -23,7 +23,8 @@ loop seeded (``megatron_ds.parallel.random.set_parallel_seeds``).
 
 With tensor and pipeline parallelism together, DeepSpeed by default splits each activation over
 the tensor parallel ranks before sending it ("pipe_partitioned"). That assumes every TP rank holds
-the same activation, which is false under sequence parallelism: use ``pipeline_engine_config``.
+the same activation, which is false under sequence parallelism: ``megatron_ds.config.derive`` turns
+it off in the DeepSpeed JSON then.
 """
 from __future__ import annotations
 
@@ -64,10 +65,6 @@ def _check(model_cfg: ModelConfig, tp: int, padded_vocab_size: int, reset_attent
                          f"megatron_ds.config.derive.resolve_model_config first")
     if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings is None:
         raise ValueError("learned absolute positions need max_position_embeddings")
-    for what, n in (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.num_key_value_heads),
-                    ("ffn_hidden_size", m.ffn_hidden_size), ("padded_vocab_size", padded_vocab_size)):
-        if n % tp:
-            raise ValueError(f"{what} {n} is not divisible by the tensor parallel size {tp}")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ValueError(f"num_attention_heads {m.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads {m.num_key_value_heads}")
@@ -120,13 +117,6 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     return specs
 
 
-def pipeline_engine_config(sequence_parallel: bool) -> dict:
-    """The ``"pipeline"`` block for the DeepSpeed JSON. DeepSpeed's activation/gradient partitioning
-    over tensor parallel ranks assumes replicated activations; sequence parallel ones are already
-    split (and differ per rank), so partitioning must be off for them."""
-    return {"pipe_partitioned": not sequence_parallel, "grad_partitioned": not sequence_parallel}
-
-
 class _LayerInitSeeder:
     """``seed_fn`` for PipelineModule: seed torch with ``base_seed + layer index`` while layers are
     being built; a no-op afterwards (DeepSpeed also calls it before each layer's forward)."""
@@ -168,10 +158,15 @@ class GPTPipelineModel(PipelineModule):
                 base_seed=seed, partition_method=partition_method,
                 activation_checkpoint_interval=activation_checkpoint_interval,
                 # Ours replays the tensor parallel RNG stream too, so recomputed dropout is exact.
-                activation_checkpoint_func=checkpoint,
-                # Only transformer layers: the embedding's integer inputs carry no gradient to recompute for.
-                checkpointable_layers=[TRANSFORMER_LAYER_CLASS])
+                activation_checkpoint_func=checkpoint)
         seeder.building = False
+
+    def _is_checkpointable(self, funcs) -> bool:
+        """Recompute every chunk that holds a transformer layer. DeepSpeed's rule wants every
+        member of a chunk checkpointable, so with --recompute-num-layers > 1 the chunks that also
+        hold the embedding or the head would silently keep all their activations. Our checkpoint
+        is non-reentrant, so integer inputs and parameter-free members inside a chunk are fine."""
+        return any(isinstance(f, ParallelTransformerLayer) for f in funcs)
 
 
 def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,

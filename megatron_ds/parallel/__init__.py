@@ -3,7 +3,7 @@ RNG-restoring activation checkpointing. Process groups live in ``groups.py`` (im
 it pulls in DeepSpeed's topology)."""
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         allreduce_sequence_parallel_grads, init_method_normal,
+                                         init_method_normal,
                                          register_sequence_parallel_grad_hooks, scaled_init_method_normal)
 from megatron_ds.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                            gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
@@ -13,8 +13,7 @@ from megatron_ds.parallel.random import RNGStatesTracker, checkpoint, get_rng_tr
 from megatron_ds.parallel.utils import divide, pad_vocab_size, tp_rank, tp_world_size
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_sequence_parallel_grads",
-    "init_method_normal", "register_sequence_parallel_grad_hooks", "scaled_init_method_normal",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_method_normal", "register_sequence_parallel_grad_hooks", "scaled_init_method_normal",
     "masked_token_loss", "vocab_parallel_cross_entropy", "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",

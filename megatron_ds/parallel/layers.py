@@ -23,7 +23,7 @@ Parameter attributes, read by DeepSpeed and by our checkpoint tools:
   leaves out the unflagged parameters of every stage but the first.)
 - `sequence_parallel=True` on replicated parameters whose gradients are partial under sequence
   parallelism (each rank saw only its part of the sequence): layer norms, and RowParallelLinear's
-  bias. `allreduce_sequence_parallel_grads` sums them over the group after backward.
+  bias. `register_sequence_parallel_grad_hooks` makes them sum over the group inside backward.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ds.parallel.mappings import (
     all_gather_along_first_dim,
@@ -244,23 +243,6 @@ class VocabParallelEmbedding(torch.nn.Module):
         local_ids = (input_ids - self.vocab_start_index).masked_fill(not_mine, 0)
         output = F.embedding(local_ids, self.weight).masked_fill(not_mine.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel_region(output, self.tp_group)
-
-
-def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group) -> None:
-    """Sum the gradients of parameters marked `sequence_parallel` over the tensor-parallel group.
-    Call after backward and before the optimizer (and before gradients are reduced over data
-    parallel ranks). One collective per dtype."""
-    if tp_world_size(tp_group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in module.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=tp_group)
-        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(summed)
 
 
 def register_sequence_parallel_grad_hooks(module: torch.nn.Module, tp_group) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from megatron_ds.config import ConfigError, DataConfig
-from megatron_ds.data.batch import get_ltor_masks_and_position_ids
+from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import PretrainingSampler
 
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
@@ -85,19 +85,17 @@ class BatchCollator:
         self.cfg, self.eod, self.vocab_size, self.source = cfg, eod, vocab_size, source
 
     def __call__(self, samples):
-        text = np.stack([s["text"] for s in samples]).astype(np.int64)
-        bad = text.max(initial=0), text.min(initial=0)
-        if bad[0] >= self.vocab_size or bad[1] < 0:
-            value = bad[0] if bad[0] >= self.vocab_size else bad[1]
+        text = np.stack([s["text"] for s in samples])
+        low, high = text.min(initial=0), text.max(initial=0)
+        if high >= self.vocab_size or low < 0:
+            value = high if high >= self.vocab_size else low
             raise DataError(f"token id {value} is outside the model's vocabulary (size {self.vocab_size}) in "
                             f"data set {self.source}: was it preprocessed with another tokenizer?")
-        tokens = torch.from_numpy(text[:, :-1].copy())
-        labels = torch.from_numpy(text[:, 1:].copy())
-        # The mask is not built here: with --reset-attention-mask the model derives document ids
-        # from the EOD tokens itself (a [b, s] tensor instead of a [b, 1, s, s] mask).
-        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, self.eod, self.cfg.reset_position_ids, False, self.cfg.eod_mask_loss)
-        return (tokens, position_ids), (labels, loss_mask.float())
+        # No attention mask: with --reset-attention-mask the model derives document ids from the
+        # EOD tokens itself (a [b, s] tensor instead of a [b, 1, s, s] mask).
+        b = gpt_batch_from_samples(text, self.eod, self.cfg.reset_position_ids, eod_mask_loss=self.cfg.eod_mask_loss,
+                                   with_attention_mask=False)
+        return (b.tokens, b.position_ids), (b.labels, b.loss_mask)
 
 
 def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_samples: int,

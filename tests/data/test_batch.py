@@ -57,5 +57,10 @@ def test_batch_from_samples_shifts_labels():
     assert torch.equal(batch.loss_mask, expected[1]) and torch.equal(batch.position_ids, expected[2])
     tokens, labels, loss_mask, attention_mask, position_ids = gpt_batch_from_samples(samples, EOD)
     assert torch.equal(tokens, batch.tokens) and torch.equal(labels, batch.labels)
+    # the training path skips the [s, s] mask; loss mask and positions are the reference's still
+    lean = gpt_batch_from_samples(samples, EOD, reset_position_ids=True, eod_mask_loss=True,
+                                  with_attention_mask=False)
+    assert lean.attention_mask is None
+    assert torch.equal(lean.loss_mask, expected[1]) and torch.equal(lean.position_ids, expected[2])
     with pytest.raises(ValueError, match="seq_length \\+ 1"):
         gpt_batch_from_samples(np.zeros((2, 1), dtype=np.int64), EOD)

@@ -3,6 +3,7 @@ import pickle
 import struct
 
 import numpy as np
+import torch
 import pytest
 
 from megatron_ds.data.indexed_dataset import (
@@ -52,7 +53,8 @@ def test_builder_matches_spec_bytes(tmp_path):
     b.add_item([1, 2, 3])
     b.add_item(np.array([4], dtype=np.int64))
     b.end_document()
-    b.add_document([5, 6], [2])
+    b.add_item(torch.tensor([5, 6]))
+    b.end_document()
     b.add_documents(np.array([65535]), [1])
     b.finalize(f"{prefix}.idx")
     assert (tmp_path / "built.idx").read_bytes() == spec_idx_bytes(8, 2, SEQS, DOC_IDX)

@@ -1,17 +1,13 @@
 """tools/merge_datasets.py: the merged dataset is the concatenation of its inputs."""
 import importlib
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
 merge_datasets = importlib.import_module("merge_datasets")
 
 

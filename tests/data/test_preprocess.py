@@ -4,7 +4,6 @@ import gzip
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool(name):
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))
-    return importlib.import_module(name)
+    return importlib.import_module(name)  # tools/ is on sys.path (pytest's pythonpath setting)
 
 
 preprocess_data = _tool("preprocess_data")

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from megatron_ds.data.samplers import PretrainingSampler, RandomPretrainingSampler
+from megatron_ds.data.samplers import PretrainingSampler
 
 
 def reference_pretraining(total, consumed, micro, rank, dp, drop_last):
@@ -50,24 +50,3 @@ def test_pretraining_errors():
         PretrainingSampler(10, 10, 1, 0, 1)
     with pytest.raises(ValueError, match="data_parallel_rank 2"):
         PretrainingSampler(10, 0, 1, 2, 2)
-
-
-def test_random_sampler_resume_and_disjoint_ranks():
-    total, micro, dp = 103, 3, 2  # 103 % 6 = 1 sample left out per epoch
-    usable = total - total % (micro * dp)
-
-    def run(consumed, rank, steps):
-        return list(itertools.islice(iter(RandomPretrainingSampler(total, consumed, micro, rank, dp, seed=5)), steps))
-
-    epoch0 = [run(0, r, usable // (micro * dp)) for r in range(dp)]
-    seen = sorted(i for rank_batches in epoch0 for b in rank_batches for i in b)
-    assert seen == list(range(usable))  # one epoch covers every usable sample once, ranks disjoint
-    assert seen != [i for b in epoch0[0] for i in b]  # and it is shuffled
-    for rank in range(dp):
-        assert run(4 * micro * dp, rank, 5) == epoch0[rank][4:9]  # resume mid-epoch
-    # The next epoch uses a new order.
-    assert run(usable, 0, 3) != epoch0[0][:3]
-    # Iterating again continues with the next epoch (consumed samples advance as batches are drawn).
-    sampler = RandomPretrainingSampler(total, 0, micro, 0, dp, seed=5)
-    first, second = list(sampler), list(sampler)
-    assert first == epoch0[0] and second == run(usable, 0, len(second))

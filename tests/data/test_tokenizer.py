@@ -3,7 +3,6 @@ when the real GPT-2 files are present), Megatron's EOD conventions, and clear er
 import importlib
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -72,9 +71,7 @@ def fuzz_texts(n, seed):
 
 
 def _tool(name):
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))
-    return importlib.import_module(name)
+    return importlib.import_module(name)  # tools/ is on sys.path (pytest's pythonpath setting)
 
 
 def training_corpus(path, n_docs=400, seed=0):

@@ -1,7 +1,6 @@
 """tools/train_tokenizer.py: GPT-2-layout BPE files and SentencePiece models usable by our tokenizers."""
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,6 @@ from megatron_ds.data.tokenizer import build_tokenizer
 from tests.data.test_tokenizer import VARIED, fuzz_texts, training_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
 train_tokenizer = importlib.import_module("train_tokenizer")
 
 

@@ -35,7 +35,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 _BASE = dict(num_layers=4, seq_length=SEQ, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
              attention_dropout=0.0, init_method_std=0.1)
 CASES = {
-    "gpt2-full-recompute": (dict(), dict(), 1),
+    # recompute interval 2: chunks that mix the embedding or the head with transformer layers
+    "gpt2-full-recompute": (dict(), dict(), 2),
     "llama-selective-recompute-reset-mask": (
         dict(num_key_value_heads=2, ffn_hidden_size=64, use_rotary_position_embeddings=True, swiglu=True,
              normalization="rmsnorm", add_bias_linear=False, untie_embeddings_and_output_weights=True),
@@ -152,11 +153,32 @@ def test_pipeline_of_two_stages_trains_like_the_sequential_model(name):
         assert torch.equal(stages[0]["final"][key], stages[1]["final"][key])
 
 
-def test_pipeline_engine_config_disables_partitioning_under_sequence_parallel():
-    from megatron_ds.model.pipeline import pipeline_engine_config
+def _recompute_chunks(rank, world_size, interval):
+    import deepspeed
 
-    assert pipeline_engine_config(True) == {"pipe_partitioned": False, "grad_partitioned": False}
-    assert pipeline_engine_config(False) == {"pipe_partitioned": True, "grad_partitioned": True}
+    from megatron_ds.model.pipeline import build_pipeline_gpt
+    from megatron_ds.parallel.groups import ParallelState
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ps = ParallelState(1, 1)
+    cfg = _case("gpt2-full-recompute")[0]
+    model = build_pipeline_gpt(cfg, ps.topology, padded_vocab_size=VOCAB, tp_group=ps.tp_group,
+                               seed=1, activation_checkpoint_interval=interval)
+    funcs = model.forward_funcs
+    recomputed = set()
+    for start in range(0, len(funcs), interval):
+        chunk = funcs[start:start + interval]
+        if model._is_checkpointable(chunk):
+            recomputed.update(type(f).__name__ + str(i) for i, f in enumerate(chunk, start))
+    return sorted(n for n in recomputed if n.startswith("ParallelTransformerLayer"))
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_full_recompute_covers_every_transformer_layer(interval):
+    """DeepSpeed chunks a stage by --recompute-num-layers from its first module; chunks that also
+    hold the embedding or the head must still be recomputed."""
+    layers = run_distributed(_recompute_chunks, 1, interval, timeout=300)[0]
+    assert len(layers) == _BASE["num_layers"]
 
 
 def test_partition_method_matches_config_default():

@@ -21,7 +21,7 @@ from megatron_ds.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    allreduce_sequence_parallel_grads,
+    register_sequence_parallel_grad_hooks,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -98,6 +98,7 @@ def _check_row(group, input_is_parallel, skip_bias_add, sequence_parallel):
     y_nobias = xd @ wd.t()
     ((y_nobias + bd) * g).sum().backward()
 
+    register_sequence_parallel_grad_hooks(layer, group)  # what training does at start-up
     x_in = _leaf(_chunk(x, -1, group) if input_is_parallel else x)
     y, out_bias = layer(x_in)
     expected = y_nobias if skip_bias_add else y_nobias + bd
@@ -113,7 +114,6 @@ def _check_row(group, input_is_parallel, skip_bias_add, sequence_parallel):
     (y * g_local).sum().backward()
     if sequence_parallel:
         assert layer.bias.sequence_parallel, tag
-        allreduce_sequence_parallel_grads(layer, group)
 
     expected_xgrad = _chunk(xd.grad, -1, group) if input_is_parallel else xd.grad
     torch.testing.assert_close(x_in.grad, expected_xgrad, **TOL, msg=tag)

@@ -106,7 +106,6 @@ def test_train_and_resume_with_launcher(tmp_path, e2e_data, launcher):
 
 def test_wrong_tokenizer_data_is_reported(tmp_path, e2e_data):
     """Data made with a bigger vocabulary than the model's tokenizer: a message, not a device assert."""
-    from megatron_ds.training.pretrain import main
 
     # NullTokenizer with 100 ids claims a vocabulary far smaller than the BPE ids in the data
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
