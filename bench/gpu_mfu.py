@@ -39,6 +39,8 @@ def run(model: str, iters: int, micro: int, recompute: bool) -> tuple[float, flo
     from megatron_ds.training.pretrain import main
 
     layers, hidden, heads = MODELS[model]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # models run one after another in this process
     argv = (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} --seq-length 2048 "
             f"--max-position-embeddings 2048 --micro-batch-size {micro} --global-batch-size {micro} "
             f"--train-iters {iters} --lr 1e-4 --mock-data --vocab-size 50257 --bf16 --log-interval 1 "

@@ -36,7 +36,7 @@ IGNORED_FLAGS: dict[str, int] = {
         "--use-cpu-initialization", "--log-num-zeros-in-grad", "--no-scatter-gather-tensors-in-pipeline",
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
         "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
-        "--no-initialization", "--no-load-lr-state", "--fp16-lm-cross-entropy", "--log-params-norm",
+        "--no-initialization", "--fp16-lm-cross-entropy", "--log-params-norm",
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",

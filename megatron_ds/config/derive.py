@@ -148,6 +148,36 @@ def _json_conflict(name: str, json_value, flag: str, cli_value) -> ConfigError:
                        f"remove it from the JSON (the command line owns it) or change the flag")
 
 
+# fp16 knob in the JSON: (flag, TrainingConfig field, Megatron's default, flag value -> JSON value)
+_LOSS_SCALE_KNOBS = {
+    "loss_scale": ("--loss-scale", "loss_scale", 0, float),  # 0 = dynamic
+    "initial_scale_power": ("--initial-loss-scale", "initial_loss_scale", 32, lambda v: int(math.log2(v))),
+    "loss_scale_window": ("--loss-scale-window", "loss_scale_window", 1000, int),
+    "hysteresis": ("--hysteresis", "hysteresis", 2, int),
+    "min_loss_scale": ("--min-loss-scale", "min_loss_scale", 1, float),
+}
+
+
+def _merge_loss_scale_knobs(fp16: dict, t) -> None:
+    """The JSON owns the loss-scale knobs, but a flag given on the command line must not be
+    dropped silently: it fills the JSON's gap, agrees with it, or is a conflict."""
+    for key, (flag, name, default, to_json) in _LOSS_SCALE_KNOBS.items():
+        value = getattr(t, name)
+        if value is None:
+            fp16.setdefault(key, default)
+        elif key in fp16 and fp16[key] != to_json(value):
+            raise _json_conflict(f'"fp16.{key}"', fp16[key], flag, value)
+        else:
+            fp16[key] = to_json(value)
+
+
+def guards_optimizer(precision: str, zero_stage: int) -> bool:
+    """DeepSpeed's plain fp32 path (no ZeRO, no bf16/fp16 optimizer) neither skips non-finite steps
+    nor reports the pre-clip norm; there training.optimizer.GuardedOptimizer clips and skips, and
+    DeepSpeed must not clip too."""
+    return precision == "fp32" and zero_stage == 0
+
+
 def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_batch: int, gas: int,
                     precision: str, zero_stage: int) -> dict:
     """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions."""
@@ -168,13 +198,7 @@ def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_ba
         block["enabled"] = want
         ds[name] = block
     if precision == "fp16":
-        t = cfg.training
-        fp16 = ds["fp16"]
-        fp16.setdefault("loss_scale", t.loss_scale or 0)  # 0 = dynamic
-        fp16.setdefault("initial_scale_power", int(math.log2(t.initial_loss_scale)))
-        fp16.setdefault("loss_scale_window", t.loss_scale_window)
-        fp16.setdefault("hysteresis", t.hysteresis)
-        fp16.setdefault("min_loss_scale", t.min_loss_scale)
+        _merge_loss_scale_knobs(ds["fp16"], cfg.training)
     zero = ds.setdefault("zero_optimization", {})
     if zero.get("stage", zero_stage) != zero_stage:
         raise _json_conflict('"zero_optimization.stage"', zero["stage"], "--zero-stage", zero_stage)
@@ -185,10 +209,8 @@ def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_ba
     if ds.get("gradient_clipping", cfg.optimizer.clip_grad) != cfg.optimizer.clip_grad:
         raise _json_conflict("gradient_clipping", ds["gradient_clipping"], "--clip-grad", cfg.optimizer.clip_grad)
     ds["gradient_clipping"] = cfg.optimizer.clip_grad
-    if precision == "fp32" and zero_stage == 0:
-        # DeepSpeed's plain fp32 path neither skips non-finite steps nor reports the pre-clip norm;
-        # training.optimizer.GuardedOptimizer clips there instead, so DeepSpeed must not clip too.
-        ds["gradient_clipping"] = 0.0
+    if guards_optimizer(precision, zero_stage):
+        ds["gradient_clipping"] = 0.0  # our optimizer guard clips instead (see guards_optimizer)
     # DeepSpeed's pipeline partitions activations over TP ranks assuming they are replicated; under
     # sequence parallelism they are already split (and differ per rank), so that must be off.
     sp = cfg.parallel.sequence_parallel
@@ -277,6 +299,8 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
                           "choose one")
     warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else warmup_abs
     _need(o.lr, "--lr")
+    if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
+        raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set; choose one")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
 

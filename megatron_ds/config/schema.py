@@ -159,15 +159,15 @@ class TrainingConfig:
     bf16: bool = False
     """bf16 mixed precision."""
     loss_scale: Optional[float] = None
-    """Static loss scale for fp16 (default dynamic)."""
-    initial_loss_scale: float = 2.0 ** 32
-    """Initial dynamic loss scale."""
-    min_loss_scale: float = 1.0
-    """Minimum dynamic loss scale."""
-    loss_scale_window: int = 1000
-    """Steps without overflow before the loss scale grows."""
-    hysteresis: int = 2
-    """Overflows tolerated before the loss scale shrinks."""
+    """Static loss scale for fp16 (default: the JSON's, else dynamic)."""
+    initial_loss_scale: Optional[float] = None
+    """Initial dynamic loss scale (default: the JSON's, else 2^32)."""
+    min_loss_scale: Optional[float] = None
+    """Minimum dynamic loss scale (default: the JSON's, else 1)."""
+    loss_scale_window: Optional[int] = None
+    """Steps without overflow before the loss scale grows (default: the JSON's, else 1000)."""
+    hysteresis: Optional[int] = None
+    """Overflows tolerated before the loss scale shrinks (default: the JSON's, else 2)."""
     checkpoint_activations: bool = False
     """Recompute each transformer layer in backward (same as --recompute-granularity full)."""
     recompute_granularity: Optional[str] = meta(None, choices=("full", "selective"))
@@ -237,6 +237,8 @@ class CheckpointConfig:
     """Do not load optimizer state."""
     load_rng: bool = meta(True, flags=("--no-load-rng",), invert=True)
     """Do not load RNG state."""
+    load_lr_state: bool = meta(True, flags=("--no-load-lr-state",), invert=True)
+    """Do not load the learning-rate schedule's state (start this run's schedule afresh)."""
     save_rng: bool = meta(True, flags=("--no-save-rng",), invert=True)
     """Do not save RNG state."""
     finetune: bool = False

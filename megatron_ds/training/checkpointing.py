@@ -142,8 +142,14 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
                                   f"this file was not written by megatron_ds") from None
 
 
-def install_safe_loading(engine) -> None:
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(config_params=engine._config)
+def install_safe_loading(engine, log=print) -> None:
+    """Swap DeepSpeed's default torch checkpoint engine for the weights-only one. Another engine
+    configured in the JSON (a fast or decoupled writer) is left alone, with a note."""
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(config_params=engine._config)
+    else:
+        log(f"NOTE: checkpoint engine {type(engine.checkpoint_engine).__name__} from the DeepSpeed JSON is "
+            f"used as is (its loads are not restricted to weights_only)")
 
 
 def read_tracker(load_dir: str) -> int | None:
@@ -179,7 +185,7 @@ def _is_bf16_optimizer(optimizer) -> bool:
 
 
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
-                    log=print) -> tuple[int, dict]:
+                    load_lr_state: bool = True, log=print) -> tuple[int, dict]:
     """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none."""
     iteration = read_tracker(load_dir)
     if iteration is None:
@@ -203,7 +209,7 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
     with torch.no_grad():
         path, client_state = engine.load_checkpoint(
             load_dir, tag=tag, load_optimizer_states=load_optim and not sharded_without_zero,
-            load_lr_scheduler_states=load_optim, load_module_strict=True)
+            load_lr_scheduler_states=load_optim and load_lr_state, load_module_strict=True)
     if path is None:
         raise ConfigError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}")
     if sharded_without_zero and load_optim and not engine._load_zero_checkpoint(load_dir, tag):

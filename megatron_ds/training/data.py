@@ -101,8 +101,6 @@ class BatchCollator:
 def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_samples: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int):
     """A DataLoader over this data parallel rank's micro-batches, starting after consumed_samples."""
-    if dataset is None:
-        return None
     sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                  micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
                                  data_parallel_size=dp_size)
@@ -114,21 +112,23 @@ def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_
                                        persistent_workers=cfg.num_workers > 0, generator=generator)
 
 
-def stage_iterator(dataset, loader, *, repeat: bool = False):
+def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False):
     """What this rank hands the engine for one split: None when the split does not exist (so no
     rank runs it); an empty iterator on middle pipeline stages, which read no data but must still
-    join every train/eval schedule; else the loader's micro-batches. Validation and test repeat
-    (evaluations may outnumber the samples reserved for them); training never silently wraps."""
+    join every train/eval schedule; else micro-batches from `make_loader(consumed_samples)`.
+    Validation and test repeat from their first sample once exhausted (evaluations may outnumber
+    the samples reserved for them, e.g. after a resume with other intervals); training never wraps."""
     if dataset is None:
         return None
-    if loader is None:
+    if not reads_data:
         return iter(())
     if not repeat:
-        return iter(loader)
+        return iter(make_loader(consumed))
 
     def forever():
+        yield from make_loader(consumed % len(dataset))
         while True:
-            yield from loader
+            yield from make_loader(0)
     return forever()
 
 

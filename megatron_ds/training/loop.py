@@ -23,8 +23,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
-    skipped_at_start: int = 0
-    history: list = field(default_factory=list)  # (iteration, loss) on the rank that logs
+    exited_early: bool = False  # stopped by --exit-interval / --exit-duration-in-mins
+    history: list = field(default_factory=list)  # (iteration, loss) of finite losses: tests read it
 
 
 def _plain_loss(engine, batch, loss_fn):
@@ -138,6 +138,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
             window_skipped = engine.skipped_steps
 
+        # Validation and saving are kept out of the next log line's time per iteration.
+        paused = time.time()
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
             run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb,
                            f"iteration {state.iteration}")
@@ -151,7 +153,9 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             last_saved = state.iteration
         if exit_now:
             mlog.print_rank0(f"exiting at iteration {state.iteration} (--exit-interval/--exit-duration-in-mins)")
+            state.exited_early = True
             break
+        window_start += time.time() - paused
     if cfg.checkpoint.save and last_saved != state.iteration:
         save_fn(state)
     return state

@@ -19,7 +19,10 @@ class LRSchedule:
         self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, 1)
         self.decay_style = decay_style
         self.num_steps = last_step
-        self.override = False  # --override-lr-scheduler: keep this run's shape when loading
+        # what loading a checkpoint whose schedule differs does: keep this run's shape
+        # (--override-lr-scheduler), take the checkpoint's (--use-checkpoint-lr-scheduler), or stop
+        self.override = False
+        self.use_checkpoint = False
         self._apply()
 
     def lr_at(self, step: int) -> float:
@@ -56,11 +59,19 @@ class LRSchedule:
                 "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the step and, unless self.override, the checkpoint's schedule shape (DeepSpeed
-        calls this while loading a checkpoint)."""
+        """Restore the step (DeepSpeed calls this while loading a checkpoint). A schedule shape that
+        differs from this run's is an error unless a flag says which one wins, as in Megatron."""
+        shape = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+        diffs = [f"{k}: checkpoint {state[k]!r} vs now {getattr(self, k)!r}" for k in shape
+                 if state[k] != getattr(self, k)]
+        if diffs and not (self.override or self.use_checkpoint):
+            from megatron_ds.config import ConfigError  # noqa: PLC0415
+
+            raise ConfigError(f"the learning-rate schedule differs from the checkpoint's ({'; '.join(diffs)}); "
+                              f"pass --override-lr-scheduler to use this run's or "
+                              f"--use-checkpoint-lr-scheduler to keep the checkpoint's")
         if not self.override:
-            self.max_lr, self.min_lr = state["max_lr"], state["min_lr"]
-            self.warmup_steps, self.decay_steps = state["warmup_steps"], state["decay_steps"]
-            self.decay_style = state["decay_style"]
+            for k in shape:
+                setattr(self, k, state[k])
         self.num_steps = state["num_steps"]
         self._apply()

@@ -31,7 +31,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.
         try:
             from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency
             return FusedAdam(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam"
-        except ImportError:
+        except (ImportError, RuntimeError):  # RuntimeError: apex installed without its CUDA extensions
             return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
 

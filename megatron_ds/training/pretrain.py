@@ -65,9 +65,11 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     signature = ckpt.layout_signature(layout)
     if cfg.checkpoint.load:
         rt.scheduler.override = cfg.optimizer.override_lr_scheduler
+        rt.scheduler.use_checkpoint = cfg.optimizer.use_checkpoint_lr_scheduler
         iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
                                                  load_optim=cfg.checkpoint.load_optim,
-                                                 finetune=cfg.checkpoint.finetune, log=mlog.print_rank0)
+                                                 finetune=cfg.checkpoint.finetune,
+                                                 load_lr_state=cfg.checkpoint.load_lr_state, log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -78,15 +80,19 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
 
     datasets = build_datasets(cfg.data, num_samples=_num_samples(cfg, layout), seq_length=layout.model.seq_length,
                               seed=cfg.training.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
-    # Only the first stage (tokens) and the last stage (labels) read data.
-    needs_data = ps.is_first_stage or ps.is_last_stage
     collator = BatchCollator(cfg.data, tokenizer.eod, tokenizer.vocab_size, describe_source(cfg.data))
-    loaders = [build_loader(ds, cfg.data, collator, consumed_samples=consumed,
-                            micro_batch_size=layout.micro_batch_size, dp_rank=ps.dp_rank, dp_size=ps.dp_size)
-               if needs_data else None
-               for ds, consumed in zip(datasets, (state.consumed_train_samples, state.consumed_valid_samples, 0))]
-    train_iter, valid_iter, test_iter = (stage_iterator(ds, loader, repeat=i > 0)
-                                         for i, (ds, loader) in enumerate(zip(datasets, loaders)))
+
+    def iterator(dataset, consumed, repeat):
+        make = functools.partial(build_loader, dataset, cfg.data, collator, micro_batch_size=layout.micro_batch_size,
+                                 dp_rank=ps.dp_rank, dp_size=ps.dp_size)
+        # Only the first stage (tokens) and the last stage (labels) read data.
+        return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
+                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat)
+
+    training = not cfg.training.skip_train and state.iteration < layout.train_iters
+    train_iter = iterator(datasets[0], state.consumed_train_samples, False) if training else None
+    valid_iter = iterator(datasets[1], state.consumed_valid_samples, True)
+    test_iter = iterator(datasets[2], 0, True)
 
     tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
                           == torch.distributed.get_world_size() - 1)
@@ -101,13 +107,16 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
         mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {cfg.checkpoint.save}")
 
     try:
-        if not cfg.training.skip_train and state.iteration < layout.train_iters:
+        if training:
             state = train(cfg, layout, engine, state, train_iter, valid_iter, loss_fn=loss_fn, dp_group=ps.dp_group,
                           device=device, save_fn=save, tb=tb, start_time=start_time)
-        if valid_iter is not None and cfg.training.eval_iters:
+        # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
+        # does: the final passes would eat the margin left before the scheduler kills it.
+        final_eval = not state.exited_early and cfg.training.eval_iters
+        if valid_iter is not None and final_eval:
             run_validation(cfg, layout, engine, state, valid_iter, loss_fn, ps.dp_group, tb,
                            f"iteration {state.iteration} on validation set")
-        if test_iter is not None and cfg.training.eval_iters:
+        if test_iter is not None and final_eval:
             run_validation(cfg, layout, engine, state, test_iter, loss_fn, ps.dp_group, tb,
                            f"iteration {state.iteration} on test set")
     finally:

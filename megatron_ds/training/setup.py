@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 
 from megatron_ds.config import Config, ConfigError, Layout
+from megatron_ds.config.derive import guards_optimizer
 from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
@@ -42,12 +41,6 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     backend = cfg.parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def params_dtype(layout: Layout) -> torch.dtype:
@@ -83,7 +76,9 @@ class Runtime:
 def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
     import deepspeed  # noqa: PLC0415
 
-    seed_everything(cfg.training.seed)
+    # Model init draws from the default generators (identically on every rank); the tracker's
+    # streams are re-seeded per stage after the build below.
+    set_parallel_seeds(cfg.training.seed, ps.tp_rank)
     model = build_model(cfg, layout, ps, eod_token)
     if cfg.parallel.sequence_parallel:
         from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks  # noqa: PLC0415
@@ -92,7 +87,7 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
         model = model.to(params_dtype(layout))
     model = model.to(device)
     optimizer, desc = build_optimizer(model, cfg.optimizer, device)
-    guarded = layout.precision == "fp32" and layout.zero_stage == 0
+    guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
         optimizer = GuardedOptimizer(optimizer, cfg.optimizer.clip_grad)
     scheduler = LRSchedule(optimizer, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
@@ -103,14 +98,14 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
                                            dist_init_required=False)
     if guarded:
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
-    install_safe_loading(engine)
+    install_safe_loading(engine, log=print_rank0)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
     set_parallel_seeds(cfg.training.seed + 100 * ps.pp_rank, ps.tp_rank)
     return Runtime(engine=engine, optimizer_desc=desc, scheduler=scheduler, ps=ps, device=device)
 
 
-def describe_kernels(device: torch.device, optimizer_desc: str) -> str:
+def describe_kernels(optimizer_desc: str) -> str:
     try:
         from megatron_ds.model.fused import describe_kernels as model_kernels  # noqa: PLC0415
         kernels = model_kernels()
@@ -122,7 +117,7 @@ def describe_kernels(device: torch.device, optimizer_desc: str) -> str:
 
 def log_startup(cfg: Config, layout: Layout, rt: Runtime, ignored: list[str]) -> None:
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    print_rank0(f"> kernels: {describe_kernels(rt.device, rt.optimizer_desc)}")
+    print_rank0(f"> kernels: {describe_kernels(rt.optimizer_desc)}")
     if ignored:
         print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(sorted(set(ignored)))}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):

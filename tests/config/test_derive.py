@@ -113,11 +113,26 @@ def test_derived_values():
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
 
 
-def test_fp16_loss_scale_knobs_from_json_win():
-    layout = make("--fp16", device="cuda", template={"fp16": {"enabled": "auto", "loss_scale_window": 500}})
-    assert layout.ds_config["fp16"]["enabled"] is True
-    assert layout.ds_config["fp16"]["loss_scale_window"] == 500
-    assert layout.ds_config["fp16"]["initial_scale_power"] == 32
+def test_fp16_loss_scale_knobs_merge():
+    # the JSON's knob kept, a flag fills a gap, Megatron's defaults fill the rest
+    layout = make("--fp16", "--loss-scale", "4096", device="cuda",
+                  template={"fp16": {"enabled": "auto", "loss_scale_window": 500}})
+    fp16 = layout.ds_config["fp16"]
+    assert fp16["enabled"] is True and fp16["loss_scale_window"] == 500 and fp16["loss_scale"] == 4096.0
+    assert fp16["initial_scale_power"] == 32 and fp16["hysteresis"] == 2 and fp16["min_loss_scale"] == 1
+
+
+def test_fp16_loss_scale_flag_contradicting_json():
+    rejects(r'"fp16.initial_scale_power" = 16 contradicts --initial-loss-scale: 1024', "--fp16",
+            "--initial-loss-scale", "1024", device="cuda", template={"fp16": {"initial_scale_power": 16}})
+
+
+def test_sequence_parallel_turns_off_pipeline_partitioning():
+    # DeepSpeed's pipe/grad partitioning assumes TP ranks hold the same activation
+    sp = make("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2).ds_config["pipeline"]
+    plain = make("--tensor-model-parallel-size", "2", world=2).ds_config["pipeline"]
+    assert sp == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert plain == {"pipe_partitioned": True, "grad_partitioned": True}
 
 
 def test_pad_vocab_size():

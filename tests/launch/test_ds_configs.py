@@ -24,15 +24,17 @@ def load_strict(path):
     return json.loads(path.read_text(), object_pairs_hook=no_duplicates)
 
 
-def fill_from_cli(template, precision, micro_batch=2, grad_accum=4):
-    """What the README says the CLI does: "auto" follows --fp16/--bf16, batch sizes are added."""
-    config = json.loads(json.dumps(template))
-    for block in ("fp16", "bf16"):
-        if block in config and config[block].get("enabled") == "auto":
-            config[block]["enabled"] = block == precision
-    config.update(train_micro_batch_size_per_gpu=micro_batch,
-                  gradient_accumulation_steps=grad_accum)
-    return config
+def fill_from_cli(path, precision, micro_batch=2, global_batch=8):
+    """The DeepSpeed JSON megatron_ds really builds from a template and a command line."""
+    from megatron_ds.config import derive, load_ds_template, parse_args
+
+    stage = int(NAME.match(path.name).group(1))
+    argv = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --train-iters 1 --lr 1e-3 "
+            f"--micro-batch-size {micro_batch} --global-batch-size {global_batch} --deepspeed_config {path}").split()
+    argv += [f"--{precision}"] if precision != "fp32" else []
+    argv += ["--no-pipeline-parallel"] if stage >= 2 else []  # ZeRO 2/3 need the plain engine
+    cfg, _ = parse_args(argv)
+    return derive(cfg, 1, vocab_size=100, ds_template=load_ds_template(str(path)), device_type="cuda").ds_config
 
 
 def test_every_stage_and_precision_is_shipped():
@@ -62,12 +64,13 @@ def test_template_contents(path):
 def test_deepspeed_accepts_filled_template(path, precision):
     """DeepSpeed validates zero_optimization etc. with pydantic and rejects unknown keys."""
     from deepspeed.runtime.config import DeepSpeedConfig  # heavy import: only in this test
-    stage, template_precision = NAME.match(path.name).groups()
-    config = DeepSpeedConfig(fill_from_cli(load_strict(path), precision))
+    stage = NAME.match(path.name).group(1)
+    config = DeepSpeedConfig(fill_from_cli(path, precision))
     assert config.zero_optimization_stage == int(stage)
-    assert config.train_batch_size == 2 * 4  # micro x accumulation x world size 1
-    assert config.float16_config.enabled == (precision == "fp16" == template_precision)
-    assert config.bfloat16_config.enabled == (precision == "bf16" == template_precision)
+    assert config.train_batch_size == 8 and config.gradient_accumulation_steps == 4  # 8 / (micro 2 x DP 1)
+    # the command line's precision wins whatever block the template carries
+    assert config.float16_config.enabled == (precision == "fp16")
+    assert config.bfloat16_config.enabled == (precision == "bf16")
 
 
 def test_readme_lists_every_template():

@@ -18,11 +18,13 @@ def test_h200_job_script_trains_and_resumes(tmp_path, e2e_data):
     job = FakeJob(tmp_path, "pbs")
     env = dict(TINY, MEGATRON_DS_ENTRY="", PYTHON="", DATA_PATH=e2e_data["prefix"], VOCAB_FILE=e2e_data["vocab"],
                MERGE_FILE=e2e_data["merges"])
-    first = job.run("abci3_h200_gpt_1.3b.sh", *CPU_ARGS, TRAIN_ITERS=3, **env)
+    # a job chain: the first job stops early (as at its walltime), the resubmitted one finishes
+    first = job.run("abci3_h200_gpt_1.3b.sh", *CPU_ARGS, "--exit-interval", "3", TRAIN_ITERS=5, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     log = first.stdout
     assert "world size 2 = TP 1 x PP 2 x DP 1 (pipeline engine, ZeRO 1, bf16)" in log
-    assert [int(i) for i in re.findall(r"^ iteration\s+(\d+)/\s+3 \|", log, re.M)] == [1, 2, 3]
+    assert [int(i) for i in re.findall(r"^ iteration\s+(\d+)/\s+5 \|", log, re.M)] == [1, 2, 3]
+    assert "validation loss" not in log  # an early exit leaves right after its save
     ckpt = job.work / "checkpoints" / "gpt_1.3b"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
 

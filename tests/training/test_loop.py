@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from megatron_ds.config import derive, parse_args
+from megatron_ds.config import ConfigError, derive, parse_args
 from megatron_ds.training import log as mlog
 from megatron_ds.training.loop import TrainingStopped, TrainState, train
 from tests.distributed import run_distributed
@@ -63,7 +63,7 @@ def test_too_many_nans_in_a_row_stop_the_run():
 
 def test_exit_interval_saves_and_stops():
     state, saved = _train([1.0] * 6, "--exit-interval", "3", "--save", "unused", "--save-interval", "100")
-    assert state.iteration == 3 and saved == [3]
+    assert state.iteration == 3 and saved == [3] and state.exited_early
 
 
 def test_final_save_when_interval_does_not_divide():
@@ -140,13 +140,22 @@ def test_lr_schedule_against_formulas_and_override():
     assert opt.param_groups[0]["lr"] == 0.25
     lin = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="linear")
     assert lin.lr_at(3) == pytest.approx(0.7)
-    # loading takes the checkpoint's shape, unless --override-lr-scheduler keeps this run's
+    # loading: the same shape restores the step; a different one is an error unless a flag decides
+    def fresh():
+        return LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
+
+    same = fresh()
+    same.load_state_dict(dict(s.state_dict(), num_steps=6))
+    assert same.num_steps == 6 and opt.param_groups[0]["lr"] == pytest.approx(same.lr_at(6))
     saved = dict(s.state_dict(), max_lr=2.0, num_steps=6)
-    fresh = LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
-    fresh.load_state_dict(saved)
-    assert (fresh.max_lr, fresh.num_steps) == (2.0, 6)
-    fresh = LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
-    fresh.override = True
-    fresh.load_state_dict(saved)
-    assert (fresh.max_lr, fresh.num_steps) == (1.0, 6)
-    assert opt.param_groups[0]["lr"] == pytest.approx(fresh.lr_at(6))
+    with pytest.raises(ConfigError, match=r"max_lr: checkpoint 2.0 vs now 1.0.*--override-lr-scheduler"):
+        fresh().load_state_dict(saved)
+    kept = fresh()
+    kept.use_checkpoint = True
+    kept.load_state_dict(saved)
+    assert (kept.max_lr, kept.num_steps) == (2.0, 6)
+    mine = fresh()
+    mine.override = True
+    mine.load_state_dict(saved)
+    assert (mine.max_lr, mine.num_steps) == (1.0, 6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(mine.lr_at(6))

@@ -39,6 +39,14 @@ def test_resume_equals_straight_run(tmp_path, name, world, extra):
     assert first + second == straight
 
 
+def test_resubmitting_a_finished_run_is_harmless(tmp_path):
+    """The last job of a chain finds the run complete: no training, no sampler running dry."""
+    ckpt = str(tmp_path / "ckpt")
+    _run(1, RUN + ["--train-iters", "2", "--save", ckpt])
+    assert _run(1, RUN + ["--train-iters", "2", "--load", ckpt, "--save", ckpt]) == []
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
 def test_load_with_other_shape_fails_fast(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     _run(1, RUN + ["--train-iters", "1", "--save", ckpt])
