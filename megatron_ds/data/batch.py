@@ -35,7 +35,9 @@ def loss_mask_and_position_ids(tokens: torch.Tensor, eod_token: int, reset_posit
         starts = torch.where(_eod_before(is_eod), positions, torch.zeros_like(positions))
         position_ids = positions - torch.cummax(starts, dim=1).values
     else:
-        position_ids = positions.unsqueeze(0).expand(batch, seq)
+        # repeat, not expand: a stride-0 view shares one memory location per column, and the
+        # DataLoader's pin-memory thread (every CUDA run) refuses to copy such a tensor.
+        position_ids = positions.unsqueeze(0).repeat(batch, 1)
     return loss_mask, position_ids
 
 
@@ -81,8 +83,10 @@ def gpt_batch_from_samples(samples, eod_token: int, reset_position_ids: bool = F
     samples = samples.to(device=device, dtype=torch.long)
     if samples.dim() != 2 or samples.shape[1] < 2:
         raise ValueError(f"samples must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(samples.shape)}")
-    tokens = samples[:, :-1].contiguous()
-    labels = samples[:, 1:].contiguous()
+    # clone, not contiguous(): with batch 1 both slices are already contiguous views of `samples`;
+    # each tensor of a micro-batch owns its memory (pinning and worker transfer copy it whole).
+    tokens = samples[:, :-1].clone(memory_format=torch.contiguous_format)
+    labels = samples[:, 1:].clone(memory_format=torch.contiguous_format)
     if with_attention_mask:
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
             tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss)

@@ -64,3 +64,34 @@ def test_batch_from_samples_shifts_labels():
     assert torch.equal(lean.loss_mask, expected[1]) and torch.equal(lean.position_ids, expected[2])
     with pytest.raises(ValueError, match="seq_length \\+ 1"):
         gpt_batch_from_samples(np.zeros((2, 1), dtype=np.int64), EOD)
+
+
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Dense, not a view: no dimension of size > 1 with stride 0 (which makes several elements one
+    memory location: the DataLoader's pin-memory thread refuses such a tensor), contiguous, and the
+    tensor's elements are exactly its storage."""
+    no_broadcast = all(stride != 0 for size, stride in zip(t.shape, t.stride()) if size > 1)
+    return (no_broadcast and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("reset_position_ids", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_collated_tensors_own_their_memory(batch_size, reset_position_ids, num_workers):
+    """Regression: position_ids used to be an expand()ed [b, s] view of one arange row, which
+    crashed every CUDA run in the pin-memory thread at the first batch. Checked through the real
+    collator and DataLoader (in-process and through a worker); the pinned path is tests/gpu."""
+    from megatron_ds.config import DataConfig
+    from megatron_ds.training.data import BatchCollator, MockGPTDataset
+
+    cfg = DataConfig(reset_position_ids=reset_position_ids, eod_mask_loss=True)
+    collator = BatchCollator(cfg, eod=EOD, vocab_size=16, source="test")
+    loader = torch.utils.data.DataLoader(MockGPTDataset(6, 12, 16, seed=1), batch_size=batch_size,
+                                         collate_fn=collator, num_workers=num_workers)
+    for inputs, labels in loader:
+        tensors = [*inputs, *labels]
+        assert len(tensors) == 4
+        for t in tensors:
+            assert _owns_its_memory(t), (tuple(t.shape), t.stride())
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 4  # no two share storage
