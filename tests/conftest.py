@@ -1,7 +1,22 @@
 """Session-wide fixtures."""
 import pytest
+import torch
 
 from tests.e2e_data import make_e2e_data
+
+# Fix this process's view of the GPUs before any test changes CUDA_VISIBLE_DEVICES (the CUDA
+# runtime reads it once, on first use): tests marked `gpu` keep seeing the real devices.
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request, monkeypatch):
+    """The CPU suite runs on the CPU on a machine with GPUs too: in-process runs through
+    DS_ACCELERATOR=cpu (megatron_ds.training.device), and launched processes (torchrun, mpirun,
+    the CLIs) additionally see no GPU. Tests marked `gpu` get the environment untouched."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ nothing but `import torch`. That gives what a "spawn" child gets while skipping 
 more on a busy 2-core box) of importing torch in every child; set START_METHOD = "spawn" to
 compare. A child gets the standard launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and an initialized gloo default process group, so code
-that calls `deepspeed.init_distributed()` finds the group already there.
+that calls `deepspeed.init_distributed()` finds the group already there. Children run on the CPU
+even where GPUs exist (DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES=""; `env` may override them).
 
 Rendezvous: the parent process hosts the TCPStore, bound to a port the OS picks (port 0), and the
 children connect to it as clients (TORCHELASTIC_USE_AGENT_STORE=True, the mechanism torchrun uses).
@@ -81,6 +82,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, env: dict 
     __tracebackhide__ = True  # pytest: show the failing rank's traceback, not this helper's frames
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    # gloo processes on the CPU, also on a machine with GPUs (ranks > 0 would have no GPU of their
+    # own there); `env` may override both.
+    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     store = _start_store(timeout)
     try:
         with tempfile.TemporaryDirectory(prefix="run_distributed_") as workdir:

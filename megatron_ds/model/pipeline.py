@@ -134,7 +134,9 @@ class _LayerInitSeeder:
 @contextlib.contextmanager
 def _restore_default_rng():
     """Building seeds the default generators per layer; give the caller's state back afterwards."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # Only a CUDA generator already in use: asking for the current device would create a CUDA
+    # context on GPU 0 in a CPU run (DS_ACCELERATOR=cpu) on a GPU machine.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         yield
 

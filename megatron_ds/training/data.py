@@ -12,6 +12,7 @@ import torch
 from megatron_ds.config import ConfigError, DataConfig
 from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import PretrainingSampler
+from megatron_ds.training.device import pin_memory
 
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
 
@@ -108,7 +109,7 @@ def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_
     # global torch RNG, which drives dropout, and a resumed run would draw at a different time.
     generator = torch.Generator().manual_seed(consumed_samples)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
-                                       collate_fn=collator, pin_memory=torch.cuda.is_available(),
+                                       collate_fn=collator, pin_memory=pin_memory(),
                                        persistent_workers=cfg.num_workers > 0, generator=generator)
 
 

@@ -18,11 +18,13 @@ from megatron_ds.training.loop import TrainingStopped, TrainState, run_validatio
 
 def dry_run(cfg: Config, ignored: list[str]) -> int:
     """Validate and print the resolved layout without starting anything distributed."""
+    from megatron_ds.training.device import device_type  # noqa: PLC0415
+
     world = cfg.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = build_tokenizer_for(cfg.data, log=lambda *a: None)
     layout = derive(cfg, world, vocab_size=tokenizer.vocab_size,
                     ds_template=load_ds_template(cfg.deepspeed.deepspeed_config),
-                    device_type="cuda" if torch.cuda.is_available() or cfg.training.fp16 else "cpu")
+                    device_type="cuda" if device_type() == "cuda" or cfg.training.fp16 else "cpu")
     print(layout.summary())
     print(f"micro-batches per step per data parallel rank: {layout.grad_accum_steps}")
     if ignored:
@@ -47,7 +49,7 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
 
     start_time = time.time()
     env = discover_world(cfg)
-    device = select_device(env.local_rank)
+    device = select_device(env.local_rank, env.local_world_size)
     tokenizer = build_tokenizer_for(cfg.data, log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
     layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size,
                     ds_template=load_ds_template(cfg.deepspeed.deepspeed_config), device_type=device.type)

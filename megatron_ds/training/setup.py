@@ -28,11 +28,12 @@ def discover_world(cfg: Config):
     return env
 
 
-def select_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def select_device(local_rank: int, local_world_size: int | None = None) -> torch.device:
+    """cuda:LOCAL_RANK, or the CPU (DS_ACCELERATOR=cpu or no GPU); a rank without a GPU is a
+    one-line ConfigError (see megatron_ds.training.device)."""
+    from megatron_ds.training.device import select_device as select  # noqa: PLC0415
+
+    return select(local_rank, local_world_size)
 
 
 def init_distributed(cfg: Config, device: torch.device) -> None:
