@@ -41,7 +41,7 @@ def no_gpu_message(local_rank: int, device_count: int, local_world_size: int | N
     processes = f" for {local_world_size} processes on this node" if local_world_size else ""
     return (f"LOCAL_RANK {local_rank} has no GPU: {device_count} CUDA device(s) visible{processes} "
             f"(CUDA_VISIBLE_DEVICES={visible}); start at most one process per GPU (mpirun -npernode, "
-            f"torchrun/deepspeed --nproc_per_node, GPUS_PER_NODE in the job scripts), "
+            f"torchrun --nproc_per_node, deepspeed --num_gpus, GPUS_PER_NODE in the job scripts), "
             f"or set {CPU_SWITCH}=cpu to train on the CPU with gloo")
 
 

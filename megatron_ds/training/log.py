@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from megatron_ds.training.flops import model_flops_per_iteration  # noqa: F401 - the iteration line's TFLOP/s
+
 
 def print_rank0(*args, **kwargs) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -18,13 +20,6 @@ def print_last_rank(*args) -> None:
     if not torch.distributed.is_initialized() or \
             torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         print(*args, flush=True)
-
-
-def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                              full_recompute: bool) -> float:
-    """DESIGN.md section 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)); 96 with full recompute."""
-    factor = 96 if full_recompute else 72
-    return factor * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -85,8 +85,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
           dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float) -> TrainState:
     t, lg = cfg.training, cfg.logging
     m = layout.model
-    flops = mlog.model_flops_per_iteration(layout.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
-                                           layout.padded_vocab_size, layout.recompute == "full")
+    flops = mlog.model_flops_per_iteration(m, layout.global_batch_size, layout.padded_vocab_size,
+                                           layout.recompute == "full")
     window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
     window_skipped = engine.skipped_steps
     last_saved = state.iteration

@@ -1,0 +1,46 @@
+"""Model FLOPs of one training iteration: the matmuls the model really runs (DESIGN.md section 7).
+
+Per token and transformer layer, forward, counting a multiply-add as 2 FLOPs (d = kv_channels,
+a = query heads, g = key/value heads, f = ffn size, s = sequence length, h = hidden size):
+
+    QKV projection          2 h (a + 2 g) d         grouped-query attention has fewer K/V heads
+    attention scores        2 s a d                 every query against all s keys, as Megatron
+    attention over values   2 s a d                 counts it (the causal half is not subtracted)
+    output projection       2 a d h
+    MLP                     2 h f x (3 with SwiGLU's gate, else 2)
+
+plus the output layer, 2 h V per token (V the padded vocabulary: the matmul runs over it; tied or
+untied, it is one matmul). Backward costs two forwards (gradients for inputs and weights): x3.
+Full recompute runs the transformer layers' forward once more, except each layer's last matmul
+(the MLP's output projection): torch's non-reentrant checkpoint (megatron_ds.parallel.random)
+stops recomputing once every tensor backward needs is back. The output layer is not inside a
+recomputed chunk, so it stays x3. (Megatron's closed form, 96 instead of 72, scales everything by
+4; this counts what runs.) Selective recompute is not counted, as in Megatron.
+Embedding lookups, norms and element-wise work are not matmuls and are not counted.
+
+For GPT-2 shapes (a = g, a d = h, f = 4h, no SwiGLU) this is the closed form
+``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``.
+"""
+from __future__ import annotations
+
+
+def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_channels: int, ffn: int,
+                                  swiglu: bool, seq: int) -> int:
+    qkv = 2 * hidden * (heads + 2 * kv_heads) * kv_channels
+    attention = 2 * 2 * seq * heads * kv_channels  # scores and values
+    projection = 2 * heads * kv_channels * hidden
+    mlp = 2 * hidden * ffn * (3 if swiglu else 2)
+    return qkv + attention + projection + mlp
+
+
+def model_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool) -> float:
+    """FLOPs of one iteration over ``batch`` sequences (the global batch) of ``model.seq_length``
+    tokens; ``model`` is a resolved ``ModelConfig`` (every size set)."""
+    m = model
+    tokens = batch * m.seq_length
+    layer = layer_forward_flops_per_token(hidden=m.hidden_size, heads=m.num_attention_heads,
+                                          kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
+                                          ffn=m.ffn_hidden_size, swiglu=m.swiglu, seq=m.seq_length)
+    output_layer = 2 * m.hidden_size * padded_vocab_size
+    recompute = layer - 2 * m.ffn_hidden_size * m.hidden_size if full_recompute else 0
+    return float(tokens * (m.num_layers * (3 * layer + recompute) + 3 * output_layer))
