@@ -59,4 +59,6 @@ def describe_kernels() -> dict:
         "rmsnorm": "apex FusedRMSNorm" if apex else "torch.nn.RMSNorm",
         "attention": "torch scaled_dot_product_attention (flash/efficient kernels on GPU, math on CPU)",
         "grouped_query_attention": "native (enable_gqa)" if sdpa_supports_gqa() else "repeat_interleave",
+        "cross_entropy": "chunked over tokens for bf16/fp16 logits (no fp32 [tokens, vocab] copy), "
+                         "vocab-parallel",
     }

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.transformer import hidden_dropout, split_hidden_and_documents
+from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 from megatron_ds.parallel.mappings import scatter_to_sequence_parallel_region
@@ -125,5 +126,9 @@ def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None) -> torc
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``.
     """
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group)
+    if output.dtype in (torch.bfloat16, torch.float16):
+        # fp32 math a chunk of tokens at a time: no fp32 copy of the [tokens, vocab/tp] logits
+        losses = chunked_vocab_parallel_cross_entropy(output, labels, tp_group)
+    else:
+        losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group)
     return masked_token_loss(losses, loss_mask)
