@@ -9,7 +9,7 @@ PIP     := $(PY) -m pip
 # DeepSpeed must not try to compile its CUDA ops at install time.
 export DS_BUILD_OPS ?= 0
 
-.PHONY: venv install test test-fast quickstart bench clean
+.PHONY: venv install test test-gpu test-fast quickstart bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml requirements.txt requirements-test.txt megatron_ds/data/helpers.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q --timeout=900 tests
+
+# The tests marked `gpu` (tests/gpu and a few more): the real CLI, kernels and data path on CUDA
+# (about 5-10 minutes on one GPU). `make test` runs them too where CUDA exists; without, they skip.
+test-gpu: install
+	$(PY) -m pytest -q --timeout=900 -m gpu tests
 
 quickstart: install
 	$(PY) tools/quickstart.py

@@ -9,6 +9,16 @@ from tests.e2e_data import make_e2e_data
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, with a reason -ra reports, where there is no CUDA device."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device (make test-gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_marked_gpu(request, monkeypatch):
     """The CPU suite runs on the CPU on a machine with GPUs too: in-process runs through
