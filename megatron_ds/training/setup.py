@@ -49,8 +49,12 @@ def params_dtype(layout: Layout) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
 
 
-def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int):
-    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel)."""
+def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int, device=None):
+    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel).
+
+    Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
+    generator (device-independent numbers) and moved at once, so the whole fp32 model never
+    exists on the host and no second copy is made afterwards."""
     from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
 
     common = dict(padded_vocab_size=layout.padded_vocab_size, tp_group=ps.tp_group, seed=cfg.training.seed,
@@ -58,7 +62,8 @@ def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int):
                   reset_attention_mask=cfg.data.reset_attention_mask, eod_token=eod_token,
                   recompute_granularity=layout.recompute,
                   activation_checkpoint_interval=(cfg.training.recompute_num_layers
-                                                  if layout.recompute == "full" else 0))
+                                                  if layout.recompute == "full" else 0),
+                  params_dtype=params_dtype(layout), device=device)
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=cfg.parallel.pipeline_partition_method, **common)
@@ -80,7 +85,7 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage after the build below.
     set_parallel_seeds(cfg.training.seed, ps.tp_rank)
-    model = build_model(cfg, layout, ps, eod_token)
+    model = build_model(cfg, layout, ps, eod_token, device)
     if cfg.parallel.sequence_parallel:
         from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks  # noqa: PLC0415
         register_sequence_parallel_grad_hooks(model, ps.tp_group)

@@ -107,3 +107,22 @@ def test_cpu_training_on_a_gpu_machine():
         assert accelerator == "cpu"
         assert [it for it, _ in history] == [1, 2]
     assert results[0][0] == results[1][0]  # data parallel ranks report the same mean loss
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_built_in_place_equals_built_then_cast(dtype):
+    """Training builds the model directly in its compute precision on its device (no full fp32
+    copy first): the weights are exactly those of the fp32 build cast afterwards."""
+    from megatron_ds.config import derive, parse_args
+    from megatron_ds.model.pipeline import build_sequential_gpt
+    from tests.training.common import LLAMA_FLAGS
+
+    cfg, _ = parse_args(TINY_GPT + LLAMA_FLAGS + ["--train-iters", "1"])
+    layout = derive(cfg, 1, vocab_size=512, device_type="cpu")
+    direct = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=5,
+                                  params_dtype=dtype, device="cpu").state_dict()
+    cast = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=5).to(dtype)
+    cast = cast.state_dict()
+    assert direct.keys() == cast.keys()
+    for key in direct:
+        assert direct[key].dtype == dtype and torch.equal(direct[key], cast[key]), key
