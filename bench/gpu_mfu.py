@@ -21,8 +21,10 @@ import argparse
 import contextlib
 import gc
 import io
+import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -168,6 +170,7 @@ def parse(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, seq 64, 4 steps, eager baseline unless --baseline given: a quick "
                         "check that both sides run (any device)")
+    p.add_argument("--worker", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         explicit = argv is not None and "--baseline" in argv or argv is None and "--baseline" in sys.argv
@@ -177,11 +180,49 @@ def parse(argv=None):
     return args
 
 
+def _measure(side: str, model: str, args) -> tuple[float, float]:
+    """One side of one shape in a fresh process: nothing (GPU memory, compile caches, DeepSpeed
+    state) carries over from the other side or the previous shape."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--models", model, "--iters", str(args.iters),
+           "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length),
+           "--baseline", args.baseline] + (["--checkpoint-activations"] if args.checkpoint_activations else [])
+    # a port of our own: 29500 (the single-process default) may be taken by another job on the node
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not results:
+        raise SystemExit(f"{side} {model} failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(results[-1])
+    return result["seconds"], result["memory_gb"]
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(args, shape, precision) -> int:
+    if args.worker == "ours":
+        argv = our_argv(shape, args.seq_length, args.micro_batch_size, args.iters, args.checkpoint_activations,
+                        precision)
+        seconds, mem = run_ours(argv)
+    else:
+        seconds, mem = run_hf(shape, args.seq_length, args.micro_batch_size, args.iters,
+                              args.baseline == "compile", precision)
+    print(json.dumps({"seconds": seconds, "memory_gb": mem}), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     shapes = {**SHAPES, **SMOKE_SHAPES}
     cuda = torch.cuda.is_available()
-    precision = "bf16" if cuda or args.smoke else "fp32"
+    precision = "bf16"  # every shape of the goal is bf16 (CPU smoke runs too)
+    if args.worker:
+        return _worker(args, shapes[args.models[0]], precision)
     if not (cuda or args.dry_run or args.smoke):
         print("bench/gpu_mfu.py needs a CUDA GPU (or --dry-run / --smoke); none found", file=sys.stderr)
         return 2
@@ -197,11 +238,10 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(f"{model}: {ours_flops / 1e12:.2f} TFLOP per iteration | pretrain_gpt.py {' '.join(argv)}")
             continue
-        sec, mem = run_ours(argv)
+        sec, mem = _measure("ours", model, args)
         row = f"{model} | ours {_rate(ours_flops, sec, peak)} | {mem:.1f} GB"
         if args.baseline != "none":
-            hf_sec, hf_mem = run_hf(shape, args.seq_length, args.micro_batch_size, args.iters,
-                                    args.baseline == "compile", precision)
+            hf_sec, hf_mem = _measure("hf", model, args)
             row += (f" || HF + {args.baseline} {_rate(hf_flops, hf_sec, peak)} | {hf_mem:.1f} GB"
                     f" || ratio {(ours_flops / sec) / (hf_flops / hf_sec):.2f}x")
         print(row, flush=True)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch.helpers import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 # Where two runs are compared with a tolerance: GPU kernels are not bitwise reproducible from one
 # process to the next (atomics in attention and matmul backward, split-K choices), and bf16 rounds
@@ -33,7 +35,8 @@ def run_cli(argv: list[str], timeout: int = 300) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "DS_ACCELERATOR")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4")
+    # a port of our own: the single-process default (29500) may be held by another job
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)
     if proc.returncode != 0:
