@@ -98,4 +98,15 @@ def chunked_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, ta
         raise ValueError(f"chunked_vocab_parallel_cross_entropy: logits {tuple(vocab_parallel_logits.shape)} and "
                          f"target {tuple(target.shape)} disagree (expected logits = target shape + [vocab])")
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab_parallel_logits.shape[-1])
-    return _ChunkedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, real_vocab_size, chunk)
+    # The model hands over [b, s, V/tp] as a transposed view of [s, b, V/tp]: flattening that would
+    # copy all the logits (in forward and again in backward). Tokens are independent, so work in
+    # the memory order instead and put the per-token losses back in the caller's order.
+    lead = list(range(target.dim()))
+    order = sorted(lead, key=lambda d: -vocab_parallel_logits.stride(d))
+    permuted = vocab_parallel_logits.permute(*order, target.dim())
+    if order == lead or not permuted.is_contiguous():
+        return _ChunkedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, real_vocab_size,
+                                                       chunk)
+    loss = _ChunkedVocabParallelCrossEntropy.apply(permuted, target.permute(*order), tp_group, real_vocab_size,
+                                                   chunk)
+    return loss.permute(*sorted(lead, key=order.__getitem__))

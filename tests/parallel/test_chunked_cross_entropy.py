@@ -116,3 +116,27 @@ def test_model_loss_takes_the_chunked_path_for_bf16_logits(monkeypatch):
     old.backward()
     torch.testing.assert_close(loss, old, **FP32_TOL)
     torch.testing.assert_close(logits.grad, same.grad, **BF16_GRAD_TOL)
+
+
+def test_transposed_logits_are_read_in_place(monkeypatch):
+    """The model's logits are a [b, s, V] view of an [s, b, V] tensor: same losses and gradient as
+    from a contiguous copy, and no copy of the logits is made for the flattening."""
+    base = torch.randn(6, 3, 40, dtype=torch.bfloat16)  # [s, b, V]
+    target = torch.randint(0, 40, (3, 6))  # [b, s]
+    view = base.clone().requires_grad_(True)
+    dense = base.transpose(0, 1).contiguous().requires_grad_(True)
+    upstream = torch.randn(3, 6)
+    got = chunked_vocab_parallel_cross_entropy(view.transpose(0, 1), target, None, chunk_tokens=4)
+    want = chunked_vocab_parallel_cross_entropy(dense, target, None, chunk_tokens=4)
+    torch.testing.assert_close(got, want, **FP32_TOL)  # same fp32 arithmetic, other chunk boundaries
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(view.grad.transpose(0, 1), dense.grad, **FP32_TOL)
+    from megatron_ds.parallel import chunked_cross_entropy as module
+
+    seen = []
+    original = module._ChunkedVocabParallelCrossEntropy.apply
+    monkeypatch.setattr(module._ChunkedVocabParallelCrossEntropy, "apply",
+                        lambda x, *a: seen.append(x) or original(x, *a))
+    chunked_vocab_parallel_cross_entropy(view.transpose(0, 1), target, None)
+    assert seen[0].is_contiguous() and seen[0].data_ptr() == view.data_ptr()
