@@ -79,3 +79,22 @@ def test_llama_count_is_below_the_gpt2_formula():
     gpt2 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     ours = model_flops_per_iteration(layout.model, b, v, False)
     assert 1.08 < gpt2 / ours < 1.14  # "about 11%": a range, since the issue rounds
+
+
+def test_gpu_mfu_bench_dry_run(capsys):
+    """bench/gpu_mfu.py imports and plans its four shapes without a GPU; its GPT 1.3B count is
+    DESIGN.md's closed form (B 4, s 2048, l 24, h 2048, V 50304 padded)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_mfu.py"
+    spec = importlib.util.spec_from_file_location("gpu_mfu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()[1:]] == ["gpt-345m", "gpt-1.3b", "gpt-2.7b", "llama-1.3b"]
+    b, s, l, h, v = 4, 2048, 24, 2048, 50304
+    closed = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
+    printed = float(out.splitlines()[2].split(": ")[1].split(" TFLOP")[0])
+    assert printed == pytest.approx(closed / 1e12, abs=0.005)  # printed with 2 decimals
