@@ -24,7 +24,7 @@ test: install
 	$(PY) -m pytest -q --timeout=900 tests
 
 # The tests marked `gpu` (tests/gpu and a few more): the real CLI, kernels and data path on CUDA
-# (about 5-10 minutes on one GPU). `make test` runs them too where CUDA exists; without, they skip.
+# (sized for under 10 minutes on one GPU). `make test` runs them too where CUDA exists; without, they skip.
 test-gpu: install
 	$(PY) -m pytest -q --timeout=900 -m gpu tests
 
