@@ -341,7 +341,8 @@ stage_data() {
   abci_note "staging ${#sources[@]} files ($(du -shcL "${sources[@]}" 2>/dev/null | tail -n 1 | cut -f1)) to" \
     "$local_dir/data on $NUM_NODES node(s)"
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    abci_note "DRY_RUN: would copy ${sources[*]}"
+    abci_note "DRY_RUN: would copy ${sources[*]} (validating the shared copies)"
+    return 0
   elif [ "$NUM_NODES" -gt 1 ]; then
     "${MPIRUN:-mpirun}" -np "$NUM_NODES" -npernode 1 -hostfile "$HOSTFILE" bash -c "$script" stage "${files[@]}" \
       || abci_die "staging DATA_PATH to node-local storage failed (disk full? set STAGE_DATA=0)"
