@@ -92,7 +92,7 @@ class FakeJob:
             self.env = dict(PBS_NODEFILE=host_list, PBS_JOBID=f"{JOB_ID}.pbs1",
                             PBS_O_WORKDIR=self.work, PBS_LOCALDIR=self.local)
 
-    def run(self, script, *args, path_with_module=True, **overrides):
+    def run(self, script, *args, path_with_module=True, timeout=150, **overrides):
         path = os.environ["PATH"]
         if path_with_module:
             path = f"{self.root / 'bin'}:{path}"
@@ -102,7 +102,7 @@ class FakeJob:
         env.update({k: str(v) for k, v in overrides.items()})
         # SGE runs the script in the submit dir (-cwd); PBS starts elsewhere and the script cds.
         cwd = self.work if self.scheduler == "sge" else self.root
-        return run_bounded(["bash", ABCI / script, *args], env, cwd=cwd, timeout=150)
+        return run_bounded(["bash", ABCI / script, *args], env, cwd=cwd, timeout=timeout)
 
     def module_calls(self):
         return self.module_log.read_text().splitlines() if self.module_log.exists() else []
