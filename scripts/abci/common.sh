@@ -49,8 +49,9 @@
 #   scheduled before the GEMM that follows it (Megatron-LM's examples set it for TP/SP overlap).
 # - TORCH_NCCL_AVOID_RECORD_STREAMS=1: PyTorch frees NCCL buffers by stream sync instead of
 #   recordStream, which otherwise holds memory until the allocator notices (less peak memory).
-# - NCCL_IB_TIMEOUT: InfiniBand retry timeout exponent (4.096 us * 2^N); NCCL's default 20
-#   (~4 s). Raise it (e.g. 22) if large jobs die with "NET/IB ... timeout" on a busy fabric.
+# - NCCL_IB_TIMEOUT: InfiniBand retry timeout exponent (4.096 us * 2^N); unset keeps NCCL's
+#   default (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html). Raise it (e.g.
+#   22) if large jobs die with "NET/IB ... timeout" on a busy fabric.
 # - UCX_MAX_RNDV_RAILS / UCX_MAX_EAGER_RAILS: ABCI 3.0's multi-rail defaults for HPC-X/Intel MPI
 #   over the 8 NDR HCAs (4 lanes for large messages, 1 for small; valid 1-8,
 #   https://docs.abci.ai/v3/en/mpi/ "How to change the number of InfiniBand NDR"). They steer
