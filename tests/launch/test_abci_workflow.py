@@ -9,7 +9,6 @@ by a command that records its arguments. Expected values come from the ABCI fact
 """
 import filecmp
 import gzip
-import json
 import re
 import shlex
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.helpers import PROBE, PYTHON, REPO, clean_env, read_probes, requires_mpirun, run_bounded
-from tests.launch.test_abci_scripts import ABCI, EXPECTED_PORT, JOB_ID, JOB_SCRIPTS, FakeJob, module_defaults
+from tests.launch.test_abci_scripts import ABCI, EXPECTED_PORT, JOB_SCRIPTS, FakeJob, module_defaults
 
 # GPUs per node and nodes each script's header asks for (the layout is then the real one).
 LAYOUT = {"abci2_v100_gpt_345m.sh": (4, 1, "rt_F"), "abci2_v100_gpt_13b.sh": (4, 8, "rt_F"),
