@@ -45,6 +45,12 @@ def report() -> tuple[list[str], bool]:
     cuda = torch.cuda.is_available()
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})",
              f"torch: {torch.__version__}, built with CUDA {torch.version.cuda or 'none (CPU build)'}"]
+    nvcc = _nvcc_version()
+    if nvcc:
+        same = torch.version.cuda and torch.version.cuda.split(".")[0] == nvcc.split(".")[0]
+        lines.append(f"nvcc (the loaded CUDA module): {nvcc}" + (
+            "" if same else " -- torch was built with another CUDA major: extension builds (apex) will "
+            "fail; install torch for this CUDA (setup_env.sh TORCH_PIP_ARGS) or load the matching module"))
     if cuda:
         lines += _cuda_lines(torch)
     else:
@@ -61,6 +67,22 @@ def report() -> tuple[list[str], bool]:
 
     lines.append(f"dataset index helpers: {backend_description()}")
     return lines, cuda
+
+
+def _nvcc_version() -> str | None:
+    """CUDA release of the nvcc on PATH (what extension builds compile with), or None."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        return None
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else None
 
 
 def _apex_adam_ok() -> bool:

@@ -264,3 +264,19 @@ def test_shellcheck_clean():
     files = sorted(str(p.relative_to(REPO)) for p in [*ABCI.glob("*.sh"), *(REPO / "dataset").glob("*.sh")])
     result = subprocess.run(["shellcheck", "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_check_env_reports_the_cuda_of_extension_builds(tmp_path, monkeypatch, capsys):
+    import torch
+
+    import check_env
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\necho "Cuda compilation tools, release 12.8, V12.8.93"\n')
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{clean_env()['PATH']}")
+    assert check_env.main([]) == 0
+    out = capsys.readouterr().out
+    assert "[check] nvcc (the loaded CUDA module): 12.8" in out
+    mismatch = (torch.version.cuda or "none").split(".")[0] != "12"
+    assert ("another CUDA major" in out) == mismatch
+    assert check_env.main(["--require-cuda"]) == (0 if torch.cuda.is_available() else 1)
