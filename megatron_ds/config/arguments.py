@@ -142,6 +142,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                           "starting distributed; exits 0 if the run would start.")
     run.add_argument("--world-size", dest="world_size", type=int, default=argparse.SUPPRESS,
                      help="World size to validate against with --dry-run.")
+    run.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", default=argparse.SUPPRESS,
+                     help="With --dry-run: the GPU memory to check the per-GPU memory estimate against, "
+                          "in GB or as an ABCI resource type (rt_F, rt_AF, rt_HF) or GPU name (v100, h200).")
     compat = parser.add_argument_group("accepted for compatibility (no effect here)")
     for flag, nvals in IGNORED_FLAGS.items():
         compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, help=argparse.SUPPRESS)

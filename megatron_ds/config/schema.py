@@ -287,6 +287,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     dry_run: bool = False
     world_size: Optional[int] = None
+    gpu_memory_gb: Optional[str] = None  # --dry-run: GB, an ABCI resource type or a GPU name
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -27,11 +27,24 @@ def dry_run(cfg: Config, ignored: list[str]) -> int:
                     device_type="cuda" if device_type() == "cuda" or cfg.training.fp16 else "cpu")
     print(layout.summary())
     print(f"micro-batches per step per data parallel rank: {layout.grad_accum_steps}")
+    check_layout_memory(cfg, layout)
     if ignored:
         print(f"ignored flags (no effect here): {' '.join(sorted(set(ignored)))}")
     print("DeepSpeed config:")
     print(json.dumps(layout.ds_config, indent=2, sort_keys=True))
     return 0
+
+
+def check_layout_memory(cfg: Config, layout) -> None:
+    """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError (issue 13)."""
+    from megatron_ds.config import memory  # noqa: PLC0415
+
+    kw = dict(sequence_parallel=cfg.parallel.sequence_parallel,
+              recompute_num_layers=cfg.training.recompute_num_layers)
+    estimate = memory.estimate_memory(layout, **kw)
+    budget = memory.gpu_memory_bytes(cfg.gpu_memory_gb)
+    print(estimate.describe(budget))
+    memory.check_memory(layout, estimate, budget, **kw)
 
 
 def _num_samples(cfg: Config, layout) -> tuple[int, int, int]:

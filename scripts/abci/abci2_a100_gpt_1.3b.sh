@@ -11,7 +11,7 @@
 #   qsub -g GROUP -l rt_AF=2 scripts/abci/abci2_a100_gpt_1.3b.sh     # 2 nodes, DP 16
 # Interactive debugging on a node:
 #   qrsh -g GROUP -l rt_AF=1 -l h_rt=1:00:00
-#   cd <repo> && bash scripts/abci/abci2_a100_gpt_1.3b.sh --train-iters 20
+#   cd <repo> && bash scripts/abci/interactive.sh scripts/abci/abci2_a100_gpt_1.3b.sh --train-iters 20
 # Check the configuration without GPUs (e.g. on the login node):
 #   DRY_RUN=1 bash scripts/abci/abci2_a100_gpt_1.3b.sh
 # Arguments after the script name are appended to the pretrain flags (the last value wins).
@@ -28,6 +28,7 @@ done
 source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
+RESOURCE_TYPE=${RESOURCE_TYPE:-rt_AF}  # GPU memory for DRY_RUN's memory check
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-gpt_1.3b}
 

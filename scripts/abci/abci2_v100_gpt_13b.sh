@@ -13,7 +13,7 @@
 #   qsub -g GROUP -l rt_F=16 scripts/abci/abci2_v100_gpt_13b.sh      # DP 2
 # Interactive debugging (the same layout needs all 8 nodes):
 #   qrsh -g GROUP -l rt_F=8 -l h_rt=1:00:00
-#   cd <repo> && bash scripts/abci/abci2_v100_gpt_13b.sh --train-iters 20
+#   cd <repo> && bash scripts/abci/interactive.sh scripts/abci/abci2_v100_gpt_13b.sh --train-iters 20
 # Check the configuration without GPUs (e.g. on the login node):
 #   NUM_NODES=8 DRY_RUN=1 bash scripts/abci/abci2_v100_gpt_13b.sh
 # Arguments after the script name are appended to the pretrain flags (the last value wins).
@@ -30,6 +30,7 @@ done
 source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
+RESOURCE_TYPE=${RESOURCE_TYPE:-rt_F}  # GPU memory for DRY_RUN's memory check
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 RUN_NAME=${RUN_NAME:-gpt_13b}
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 #PBS -q rt_HF
-#PBS -l select=1
+#PBS -l select=1:mpiprocs=8
 #PBS -l walltime=24:00:00
 #PBS -j oe
 #PBS -k oed
@@ -10,14 +10,15 @@
 #
 # Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
 #   qsub -P GROUP scripts/abci/abci3_h200_gpt_1.3b.sh
-#   qsub -P GROUP -l select=2 scripts/abci/abci3_h200_gpt_1.3b.sh            # more nodes, more DP
+#   qsub -P GROUP -l select=2:mpiprocs=8 scripts/abci/abci3_h200_gpt_1.3b.sh   # more nodes, more DP
 # Interactive debugging:
-#   qsub -I -P GROUP -q rt_HF -l select=1 -l walltime=1:00:00
-#   cd <repo> && bash scripts/abci/abci3_h200_gpt_1.3b.sh --train-iters 20
+#   qsub -I -P GROUP -q rt_HF -l select=1:mpiprocs=8 -l walltime=1:00:00
+#   cd <repo> && bash scripts/abci/interactive.sh scripts/abci/abci3_h200_gpt_1.3b.sh --train-iters 20
 # Check the configuration without GPUs (e.g. on the login node):
 #   NUM_NODES=1 DRY_RUN=1 bash scripts/abci/abci3_h200_gpt_1.3b.sh
-# -k oed: PBS otherwise shows the job's output only when it ends; the training log is also
-# written live to $LOG_DIR/train.<job id>.log.
+# select=N:mpiprocs=8: N nodes, 8 MPI ranks each (rt_HF brings its 192 CPUs and 8 GPUs; see
+# https://docs.abci.ai/v3/en/mpi/). -k oed: PBS otherwise shows the job's output only when it
+# ends; the training log is also written live to $LOG_DIR/train.<job id>.log.
 # Arguments after the script name are appended to the pretrain flags (the last value wins).
 # Resubmitting the same script resumes from the latest checkpoint in CHECKPOINT_DIR.
 set -euo pipefail
@@ -33,6 +34,7 @@ done
 source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
+RESOURCE_TYPE=${RESOURCE_TYPE:-rt_HF}  # GPU memory for DRY_RUN's memory check
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-gpt_1.3b}
 

@@ -27,14 +27,42 @@
 # `module load` names per system. Set one to "" to skip it (e.g. when your venv ships its own
 # NCCL); set CUDA_MODULE etc. to override regardless of the system. Check `module avail` after
 # system updates: these are the versions the scripts were written against.
+# ABCI 2.0 (https://docs.abci.ai/en/environment-modules/): CUDA 12.1 is the newest with a cuDNN 8
+# and NCCL 2.18 build there, and hpcx/2.12 is its Open MPI.
 : "${ABCI2_CUDA_MODULE=cuda/12.1/12.1.1}"
 : "${ABCI2_CUDNN_MODULE=cudnn/8.9/8.9.7}"
 : "${ABCI2_NCCL_MODULE=nccl/2.18/2.18.5-1}"
 : "${ABCI2_HPCX_MODULE=hpcx/2.12}"
-: "${ABCI3_CUDA_MODULE=cuda/12.6/12.6.1}"
-: "${ABCI3_CUDNN_MODULE=cudnn/9.5/9.5.1}"
-: "${ABCI3_NCCL_MODULE=nccl/2.23/2.23.4-1}"
+# ABCI 3.0 (https://docs.abci.ai/v3/en/environment-modules/, module list of 2026-01): cuda
+# 11.8.0-13.0.1, cudnn 9.5.1-9.13.0, nccl 2.23.4-1-2.28.3-1, hpcx 2.20 (Open MPI 4.1.7,
+# https://docs.abci.ai/v3/en/mpi/). CUDA 12.8 matches PyTorch's cu128 wheels (setup_env.sh);
+# NCCL 2.27 is not older than the NCCL those wheels bundle: the module's library comes first on
+# LD_LIBRARY_PATH, and an older one than torch was built with fails at the first collective.
+: "${ABCI3_CUDA_MODULE=cuda/12.8/12.8.1}"
+: "${ABCI3_CUDNN_MODULE=cudnn/9.10/9.10.2}"
+: "${ABCI3_NCCL_MODULE=nccl/2.27/2.27.7-1}"
 : "${ABCI3_HPCX_MODULE=hpcx/2.20}"
+
+# ---------------------------------------------------------------- communication settings
+# Exported to every rank (each one overridable; set it to "" to leave it unset):
+# - CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware work queue, so a tensor-parallel collective is
+#   scheduled before the GEMM that follows it (Megatron-LM's examples set it for TP/SP overlap).
+# - TORCH_NCCL_AVOID_RECORD_STREAMS=1: PyTorch frees NCCL buffers by stream sync instead of
+#   recordStream, which otherwise holds memory until the allocator notices (less peak memory).
+# - NCCL_IB_TIMEOUT: InfiniBand retry timeout exponent (4.096 us * 2^N); unset keeps NCCL's
+#   default (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html). Raise it (e.g.
+#   22) if large jobs die with "NET/IB ... timeout" on a busy fabric.
+# - UCX_MAX_RNDV_RAILS / UCX_MAX_EAGER_RAILS: ABCI 3.0's multi-rail defaults for HPC-X/Intel MPI
+#   over the 8 NDR HCAs (4 lanes for large messages, 1 for small; valid 1-8,
+#   https://docs.abci.ai/v3/en/mpi/ "How to change the number of InfiniBand NDR"). They steer
+#   Open MPI's own traffic; NCCL talks to the HCAs itself (NCCL_IB_HCA selects them).
+: "${CUDA_DEVICE_MAX_CONNECTIONS=1}"
+: "${TORCH_NCCL_AVOID_RECORD_STREAMS=1}"
+: "${NCCL_IB_TIMEOUT=}"
+: "${ABCI3_UCX_MAX_RNDV_RAILS=4}"
+: "${ABCI3_UCX_MAX_EAGER_RAILS=1}"
+# Variables mpirun forwards to every rank (remote ranks start with a fresh environment).
+FORWARD_ENV_PATTERN=${FORWARD_ENV_PATTERN:-'^(PYTHONPATH|OMP_NUM_THREADS|CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_[A-Z0-9_]+|NCCL_[A-Z0-9_]+|UCX_[A-Z0-9_]+|HF_[A-Z0-9_]+)$'}
 
 abci_note() { echo "[abci] $*"; }
 abci_die() { echo "[abci] ERROR: $*" >&2; exit 1; }
@@ -110,8 +138,8 @@ build_hostfile() {
   local hosts dir requested=${NUM_NODES:-}
   hosts=$(scheduler_hosts) || exit 1
   [ -n "$hosts" ] || abci_die "the $SCHEDULER host list is empty"
-  dir=${SGE_LOCALDIR:-${PBS_LOCALDIR:-}}
-  [ -n "$dir" ] && [ -d "$dir" ] || dir=$(mktemp -d)
+  dir=$(node_local_dir)
+  [ -n "$dir" ] || dir=$(mktemp -d)
   HOSTFILE="$dir/hostfile"
   echo "$hosts" | awk -v slots="$GPUS_PER_NODE" '{ print $1 " slots=" slots }' > "$HOSTFILE"
   NUM_NODES=$(wc -l < "$HOSTFILE" | tr -d ' ')
@@ -142,12 +170,34 @@ export_master() {
   export MASTER_ADDR MASTER_PORT
 }
 
+# Exports the communication settings above that are non-empty.
+export_comm_env() {
+  local name
+  for name in CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_IB_TIMEOUT; do
+    if [ -n "${!name:-}" ]; then export "${name?}"; else unset "$name"; fi
+  done
+  if [ "$SCHEDULER" = pbs ]; then
+    : "${UCX_MAX_RNDV_RAILS=$ABCI3_UCX_MAX_RNDV_RAILS}" "${UCX_MAX_EAGER_RAILS=$ABCI3_UCX_MAX_EAGER_RAILS}"
+    for name in UCX_MAX_RNDV_RAILS UCX_MAX_EAGER_RAILS; do
+      if [ -n "${!name:-}" ]; then export "${name?}"; else unset "$name"; fi
+    done
+  fi
+}
+
+# The node-local scratch directory of the job: $SGE_LOCALDIR (ABCI 2.0) or $PBS_LOCALDIR (ABCI
+# 3.0, on the node's NVMe); empty outside a job.
+node_local_dir() {
+  local dir=${SGE_LOCALDIR:-${PBS_LOCALDIR:-}}
+  if [ -n "$dir" ] && [ -d "$dir" ]; then echo "$dir"; fi
+}
+
 setup_job() {
   [ -n "${GPUS_PER_NODE:-}" ] || abci_die "GPUS_PER_NODE is not set (the job script sets it)"
   detect_scheduler
   load_modules
   build_hostfile
   export_master
+  export_comm_env
   JOB_NUMBER=$(scheduler_job_id); JOB_NUMBER=${JOB_NUMBER:-local}
   # mpirun -x of an unset variable only warns, but remote ranks would then lose the value.
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
@@ -193,6 +243,13 @@ set_job_defaults() {
   TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
   ZERO_STAGE=${ZERO_STAGE:-1}
   DS_CONFIG=${DS_CONFIG:-$MEGATRON_DS_ROOT/ds_configs/zero${ZERO_STAGE}_$1.json}
+  # The GPU memory DRY_RUN checks the layout's estimate against: GB, or a resource type / GPU name
+  # (rt_F 16, rt_AF 40, rt_HF 141; see megatron_ds/config/memory.py). Default: the job's type.
+  GPU_MEMORY_GB=${GPU_MEMORY_GB:-${RESOURCE_TYPE:-}}
+  # STAGE_DATA=1 copies the DATA_PATH files to node-local storage first (stage_data); the index
+  # cache then goes to DATA_CACHE_PATH on the shared file system, built once for all nodes.
+  STAGE_DATA=${STAGE_DATA:-0}
+  DATA_CACHE_PATH=${DATA_CACHE_PATH:-}
 }
 
 require_file() {
@@ -257,6 +314,46 @@ set_gpt_args() {
   )
 }
 
+# STAGE_DATA=1: copy every DATA_PATH prefix's .bin/.idx into the node-local directory of every
+# node (one copy process per node, through mpirun), under a temporary name renamed when complete,
+# and point DATA_PATH_ARGS at the copies. Reading a multi-GB corpus from local NVMe keeps the
+# shared file system out of the data loader's path. The index cache stays shared (DATA_CACHE_PATH,
+# default $RUN_DIR/index-cache): built once, reused by resubmitted jobs.
+stage_data() {
+  local local_dir i item dest files=() sources=() new_args=() script
+  [ "${STAGE_DATA:-0}" = 1 ] || return 0
+  local_dir=$(node_local_dir)
+  if [ -z "$local_dir" ]; then
+    abci_note "STAGE_DATA=1 outside a job (no \$SGE_LOCALDIR/\$PBS_LOCALDIR): reading DATA_PATH in place"
+    return 0
+  fi
+  i=0
+  for item in "${DATA_PATH_ARGS[@]}"; do
+    case "$item" in
+      ''|*[!0-9.eE+-]*)
+        i=$((i + 1)); dest="$local_dir/data/${i}_$(basename "$item")"
+        files+=("$item.bin" "$dest.bin" "$item.idx" "$dest.idx"); sources+=("$item.bin" "$item.idx")
+        new_args+=("$dest") ;;
+      *) new_args+=("$item") ;;
+    esac
+  done
+  # shellcheck disable=SC2016  # expanded by the copying shell on each node
+  script='mkdir -p "$(dirname "$2")" && while [ $# -ge 2 ]; do cp "$1" "$2.part" && mv -f "$2.part" "$2" || exit 1; shift 2; done'
+  abci_note "staging ${#sources[@]} files ($(du -shcL "${sources[@]}" 2>/dev/null | tail -n 1 | cut -f1)) to" \
+    "$local_dir/data on $NUM_NODES node(s)"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    abci_note "DRY_RUN: would copy ${sources[*]} (validating the shared copies)"
+    return 0
+  elif [ "$NUM_NODES" -gt 1 ]; then
+    "${MPIRUN:-mpirun}" -np "$NUM_NODES" -npernode 1 -hostfile "$HOSTFILE" bash -c "$script" stage "${files[@]}" \
+      || abci_die "staging DATA_PATH to node-local storage failed (disk full? set STAGE_DATA=0)"
+  else
+    bash -c "$script" stage "${files[@]}" || abci_die "staging DATA_PATH to $local_dir failed (set STAGE_DATA=0)"
+  fi
+  DATA_PATH_ARGS=("${new_args[@]}")
+  DATA_CACHE_PATH=${DATA_CACHE_PATH:-$RUN_DIR/index-cache}
+}
+
 # The inputs are checked before setup_job loads modules: a wrong path fails in seconds, with
 # nothing started.
 prepare_training() {
@@ -264,34 +361,67 @@ prepare_training() {
   require_data_path "$DATA_PATH"
   set_tokenizer_args
   setup_job
+  stage_data
   set_gpt_args
+  if [ -n "${DATA_CACHE_PATH:-}" ]; then GPT_ARGS+=(--data-cache-path "$DATA_CACHE_PATH"); fi
 }
 
-# Runs the entry point on every GPU of every node. DRY_RUN=1 validates the configuration with one
-# local process instead (pretrain_gpt.py --dry-run --world-size N), e.g. on a login node.
+# MPIRUN_CMD: the mpirun command line that runs "$@" on every GPU of every node.
+build_mpirun_cmd() {
+  local -a extra exports
+  local name
+  read -r -a extra <<< "${MPIRUN_EXTRA_ARGS:-}"
+  exports=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
+  # Remote ranks start with a fresh environment: forward the Python path and the NCCL/UCX/torch
+  # communication settings (FORWARD_ENV_PATTERN) too.
+  for name in $(compgen -e | grep -E "$FORWARD_ENV_PATTERN" | sort || true); do
+    exports+=(-x "$name")
+  done
+  MPIRUN_CMD=("${MPIRUN:-mpirun}" -np "$WORLD_SIZE" -npernode "$GPUS_PER_NODE" -hostfile "$HOSTFILE"
+              "${exports[@]}" -bind-to none -map-by slot "${extra[@]}" "$@")
+}
+
+# DRY_RUN=1: print the launch (hostfile, the exact mpirun line, the variables it forwards), then
+# validate it with one local process (pretrain_gpt.py --dry-run --world-size N --gpu-memory-gb M,
+# which also checks the layout's per-GPU memory estimate). Its exit status is the job's.
+dry_run_launch() {
+  local name
+  abci_note "DRY_RUN: hostfile $HOSTFILE:"
+  sed 's/^/[abci]   /' "$HOSTFILE"
+  abci_note "DRY_RUN: mpirun line:"
+  printf '%q ' "${MPIRUN_CMD[@]}" | sed 's/ $//; s/^/[abci]   /'
+  echo
+  for name in MASTER_ADDR MASTER_PORT $(compgen -e | grep -E "$FORWARD_ENV_PATTERN" | sort || true); do
+    abci_note "DRY_RUN:   $name=${!name}"
+  done
+  if ! command -v "${MPIRUN:-mpirun}" >/dev/null 2>&1; then
+    abci_note "DRY_RUN: note: ${MPIRUN:-mpirun} is not on PATH here (the job loads ${HPCX_MODULE-hpcx})"
+  fi
+  local -a check=("$PYTHON" "$MEGATRON_DS_ENTRY" "$@" --dry-run --world-size "$WORLD_SIZE")
+  if [ -n "${GPU_MEMORY_GB:-}" ]; then check+=(--gpu-memory-gb "$GPU_MEMORY_GB"); fi
+  abci_note "DRY_RUN: ${check[*]}"
+  if "${check[@]}"; then
+    abci_note "DRY_RUN: OK: the job would start $WORLD_SIZE processes on $NUM_NODES node(s)"
+  else
+    abci_note "DRY_RUN: FAILED: fix the error above before submitting" >&2
+    return 1
+  fi
+}
+
+# Runs the entry point on every GPU of every node (or DRY_RUN=1: dry_run_launch), output also
+# appended to $LOG_DIR/train.<job id>.log.
 launch_training() {
-  local -a cmd extra exports
-  cmd=("$PYTHON" "$MEGATRON_DS_ENTRY" "$@")
+  build_mpirun_cmd "$PYTHON" "$MEGATRON_DS_ENTRY" "$@" --use-mpi
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    abci_note "DRY_RUN: ${cmd[*]} --dry-run --world-size $WORLD_SIZE"
-    "${cmd[@]}" --dry-run --world-size "$WORLD_SIZE"
+    dry_run_launch "$@"
     return
   fi
   command -v "${MPIRUN:-mpirun}" >/dev/null 2>&1 || abci_die "mpirun not found: load the hpcx" \
     "module (HPCX_MODULE) or put Open MPI on PATH"
-  read -r -a extra <<< "${MPIRUN_EXTRA_ARGS:-}"
-  exports=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
-  local name
-  # Remote ranks start with a fresh environment: forward the Python path and NCCL tuning too.
-  for name in $(compgen -e | grep -E '^(PYTHONPATH|NCCL_[A-Z0-9_]+)$' || true); do
-    exports+=(-x "$name")
-  done
   local log_file="${LOG_DIR:-$PWD/logs}/train.$JOB_NUMBER.log"
   mkdir -p "$(dirname "$log_file")"
   abci_note "log: $log_file"
   # tee: PBS shows the job's stdout only at the end (unless -k oed); the log file is live.
-  "${MPIRUN:-mpirun}" -np "$WORLD_SIZE" -npernode "$GPUS_PER_NODE" -hostfile "$HOSTFILE" \
-    "${exports[@]}" -bind-to none -map-by slot "${extra[@]}" \
-    "${cmd[@]}" --use-mpi 2>&1 | tee -a "$log_file"
+  "${MPIRUN_CMD[@]}" 2>&1 | tee -a "$log_file"
   return "${PIPESTATUS[0]}"
 }

@@ -92,7 +92,7 @@ class FakeJob:
             self.env = dict(PBS_NODEFILE=host_list, PBS_JOBID=f"{JOB_ID}.pbs1",
                             PBS_O_WORKDIR=self.work, PBS_LOCALDIR=self.local)
 
-    def run(self, script, *args, path_with_module=True, **overrides):
+    def run(self, script, *args, path_with_module=True, timeout=150, **overrides):
         path = os.environ["PATH"]
         if path_with_module:
             path = f"{self.root / 'bin'}:{path}"
@@ -102,7 +102,7 @@ class FakeJob:
         env.update({k: str(v) for k, v in overrides.items()})
         # SGE runs the script in the submit dir (-cwd); PBS starts elsewhere and the script cds.
         cwd = self.work if self.scheduler == "sge" else self.root
-        return run_bounded(["bash", ABCI / script, *args], env, cwd=cwd, timeout=150)
+        return run_bounded(["bash", ABCI / script, *args], env, cwd=cwd, timeout=timeout)
 
     def module_calls(self):
         return self.module_log.read_text().splitlines() if self.module_log.exists() else []
@@ -130,7 +130,8 @@ def test_headers(script):
     else:
         for line in ("#PBS -q rt_HF", "#PBS -k oed"):
             assert line in text.splitlines()
-        assert re.search(r"^#PBS -l select=\d+$", text, re.M)
+        # N nodes, 8 MPI ranks each (https://docs.abci.ai/v3/en/mpi/)
+        assert re.search(r"^#PBS -l select=\d+:mpiprocs=8$", text, re.M)
         assert 'cd "${PBS_O_WORKDIR' in text
         assert "qsub -P GROUP" in text and "qsub -I" in text
 
@@ -193,7 +194,8 @@ def test_multi_node_hostfile_and_dry_run(tmp_path, scheduler):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (job.local / "hostfile").read_text() == "g0001 slots=2\ng0002 slots=2\n"
     [report] = read_probes(job.probes)
-    assert report["argv"][-3:] == ["--dry-run", "--world-size", "4"]
+    resource = "rt_F" if scheduler == "sge" else "rt_HF"
+    assert report["argv"][-5:] == ["--dry-run", "--world-size", "4", "--gpu-memory-gb", resource]
     assert "--use-mpi" not in report["argv"]
     # The script exported the first host and the job's port for the real launch.
     assert (report["master_addr"], report["master_port"]) == ("g0001", EXPECTED_PORT)
@@ -205,7 +207,7 @@ def test_login_node_dry_run_takes_num_nodes(tmp_path):
     result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8, DRY_RUN=1)
     assert result.returncode == 0, result.stdout + result.stderr
     [report] = read_probes(job.probes)
-    assert report["argv"][-2:] == ["--world-size", "16"]  # 8 nodes x GPUS_PER_NODE=2
+    assert report["argv"][-4:-2] == ["--world-size", "16"]  # 8 nodes x GPUS_PER_NODE=2
     # Without a scheduler a real multi-node launch is refused, not attempted on this host.
     result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8)
     assert result.returncode != 0 and "NUM_NODES=8 without a scheduler" in result.stderr

@@ -1,0 +1,318 @@
+"""Per-GPU memory estimate of a layout, so an out-of-memory layout fails before the queue.
+
+``estimate_memory(layout)`` adds up, for the pipeline stage that needs the most, the bytes one GPU
+holds: weights, gradients and optimizer states (by precision and ZeRO stage, following what
+DeepSpeed's optimizer wrappers allocate), activations (by recompute setting and micro batch, times
+the micro-batches a 1F1B pipeline keeps in flight), the vocabulary-parallel logits and cross
+entropy, DeepSpeed's communication buckets and a runtime reserve. ``check_memory`` compares the
+total with the GPU's memory and, when it does not fit, raises a ``ConfigError`` naming the biggest
+term and the single changes (TP, PP, recompute, ZeRO, micro batch) that would fit.
+
+Pure arithmetic on the ``Layout``: ``pretrain_gpt.py --dry-run`` runs it on a login node.
+Sizes are decimal GB (1e9 bytes), as GPU memory is sold ("V100 16 GB"), which keeps the comparison
+on the safe side of the real capacity (16 GiB = 17.2 GB).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from megatron_ds.config.derive import ConfigError, Layout, count_parameters
+from megatron_ds.parallel.utils import pad_vocab_size
+
+GB = 1e9
+
+# GPU memory per device, GB, by ABCI resource type and by GPU name (--gpu-memory-gb accepts either).
+# ABCI 2.0: rt_F/rt_G.* are V100 16 GB nodes, rt_AF/rt_AG.small A100 40 GB; ABCI 3.0: rt_HF/rt_HG
+# H200 141 GB (https://docs.abci.ai/v3/en/job-execution/ "Available Resource Types";
+# https://docs.abci.ai/en/job-execution/ for ABCI 2.0).
+GPU_MEMORY_GB = {
+    "rt_F": 16, "rt_G.large": 16, "rt_G.small": 16, "rt_AF": 40, "rt_AG.small": 40,
+    "rt_HF": 141, "rt_HG": 141,
+    "v100": 16, "a100": 40, "a100-80": 80, "h100": 80, "h200": 141,
+}
+
+# CUDA context, NCCL's buffers and the caching allocator's fragmentation: none of it is a tensor
+# the terms above count. A fixed part (context + NCCL, ~1 GB in practice) and a share of the rest.
+RESERVE_FIXED_BYTES = int(1.5 * GB)
+RESERVE_FRACTION = 0.05
+
+# Bytes per logit element on the last stage: the head's output in the compute dtype (2), its fp32
+# copy, the shifted copy and exp() (4 each) inside the vocab-parallel cross entropy
+# (megatron_ds/parallel/cross_entropy.py), the softmax kept for backward being exp() divided in place.
+LOGIT_BYTES = 2 + 4 + 4 + 4
+
+
+def gpu_memory_bytes(value: str | float | None) -> float | None:
+    """--gpu-memory-gb: a number of GB, a resource type (rt_HF) or a GPU name (h200)."""
+    if value is None or value == "":
+        return None
+    key = str(value).strip()
+    if key.lower() in GPU_MEMORY_GB or key in GPU_MEMORY_GB:
+        return GPU_MEMORY_GB.get(key, GPU_MEMORY_GB.get(key.lower())) * GB
+    try:
+        gb = float(key)
+    except ValueError:
+        raise ConfigError(f"--gpu-memory-gb {value}: give GB (e.g. 40), an ABCI resource type "
+                          f"or a GPU name ({', '.join(sorted(GPU_MEMORY_GB))})") from None
+    if gb <= 0:
+        raise ConfigError(f"--gpu-memory-gb {value} must be positive")
+    return gb * GB
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of one tensor-parallel shard: replicated on every DP rank or split over
+    DP (ZeRO); ``transient`` parts exist only between backward and the optimizer step."""
+    weights: float
+    weights_split: float = 0.0
+    grads: float = 0.0
+    grads_split: float = 0.0
+    grads_transient: float = 0.0
+    grads_transient_split: float = 0.0
+    optimizer: float = 0.0
+    optimizer_split: float = 0.0
+    optimizer_path: str = ""
+
+
+def _dtype_bytes(name: str | None, default: int) -> int:
+    if name is None:
+        return default
+    return {"fp32": 4, "float32": 4, "float": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2,
+            "bfloat16": 2}.get(str(name).lower(), default)
+
+
+def state_bytes(layout: Layout) -> StateBytes:
+    """Which DeepSpeed optimizer wrapper this layout gets and what it allocates per parameter.
+
+    The choice follows DeepSpeed's ``engine._do_optimizer_sanity_check`` (0.19): ZeRO 1 with bf16
+    weights and fp32 gradient accumulation, or bf16 in the pipeline engine without ZeRO, uses
+    ``BF16_Optimizer``; other ZeRO stages ``DeepSpeedZeroOptimizer`` (stage 1/2) or stage 3; fp16
+    (and bf16 outside the pipeline engine) without ZeRO ``FP16_Optimizer``; fp32 without ZeRO the
+    bare torch optimizer. Adam keeps two fp32 moments (8 bytes) per parameter it steps.
+    """
+    lp = 4 if layout.precision == "fp32" else 2
+    acc = _dtype_bytes(((layout.ds_config.get("data_types") or {}).get("grad_accum_dtype")), lp)
+    zero = layout.zero_stage
+    if layout.precision == "fp32" and zero == 0:
+        # the gradients live from backward until the engine zeroes them after the step
+        return StateBytes(weights=4, grads_transient=4, optimizer=8, optimizer_path="torch AdamW, fp32")
+    bf16_wrapper = layout.precision == "bf16" and (
+        (zero == 1 and acc == 4) or (zero == 0 and layout.use_pipeline and acc == 2))
+    if bf16_wrapper:
+        # BF16_Optimizer: a full-size gradient accumulation buffer (acc bytes) beside the model's
+        # bf16 grads, which are folded into it after backward; fp32 master weights and moments
+        # split over DP; a gradient held in bf16 is cast to an fp32 partition for the step.
+        return StateBytes(weights=2, grads=acc, grads_transient=2,
+                          grads_transient_split=4 if acc != 4 else 0, optimizer_split=4 + 8,
+                          optimizer_path="DeepSpeed BF16_Optimizer")
+    if zero == 0:
+        # FP16_Optimizer: fp32 master weights and moments full size on every rank; the 16-bit
+        # gradients and their fp32 copy for the step are freed after it.
+        return StateBytes(weights=lp, grads_transient=lp + 4, optimizer=4 + 8,
+                          optimizer_path="DeepSpeed FP16_Optimizer")
+    if zero in (1, 2):
+        # DeepSpeedZeroOptimizer: stage 1 keeps the full 16-bit gradients until the reduction at
+        # the accumulation boundary, stage 2 only this rank's partition, plus the fp32 gradient of
+        # the master partition during the step; all of them are freed after it.
+        return StateBytes(weights=lp, grads_transient=lp if zero == 1 else 0,
+                          grads_transient_split=4 + (lp if zero == 2 else 0), optimizer_split=4 + 8,
+                          optimizer_path=f"DeepSpeed ZeRO stage {zero}")
+    return StateBytes(weights=0, weights_split=lp, grads_split=lp, grads_transient_split=4,
+                      optimizer_split=4 + 8, optimizer_path="DeepSpeed ZeRO stage 3")
+
+
+def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recompute: str | None) -> float:
+    """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
+
+    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
+    16-bit activations: s*b*h*(34 + 5*a*s/h) bytes per layer, with tensor parallelism
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)); sequence parallelism also splits the 10; selective recompute
+    drops the 5*a*s/h attention-score terms. fp32 activations double everything.
+    """
+    m = layout.model
+    s, b, h, a, t = m.seq_length, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
+    scores = 5 * a * s / h if recompute != "selective" else 0.0
+    replicated = 10 / t if sequence_parallel else 10
+    per_layer = s * b * h * (replicated + 24 / t + scores / t)
+    return per_layer * (2 if layout.precision == "fp32" else 1)
+
+
+def in_flight_micro_batches(layout: Layout, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once: DeepSpeed's 1F1B TrainSchedule keeps
+    min(stages - stage_id, micro_batches) buffers (at least 2) -- the first stage the most."""
+    if not layout.use_pipeline or layout.pp == 1:
+        return 1
+    return max(2, min(layout.pp - stage, layout.grad_accum_steps))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int  # the pipeline stage the terms are for (the one needing the most)
+    terms: tuple[tuple[str, float], ...]  # (name, bytes per GPU)
+    persistent: float  # weights + gradient buffers + optimizer states that live between steps
+    optimizer_path: str
+
+    @property
+    def total(self) -> float:
+        return sum(v for _, v in self.terms)
+
+    def biggest(self) -> tuple[str, float]:
+        return max(self.terms, key=lambda kv: kv[1])
+
+    def describe(self, budget: float | None = None) -> str:
+        parts = ", ".join(f"{name} {v / GB:.2f}" for name, v in self.terms)
+        head = f"memory per GPU (stage {self.stage}, GB): {parts}; total {self.total / GB:.2f}"
+        if budget is None:
+            return head + " (no --gpu-memory-gb given: not compared)"
+        verdict = "fits" if self.total <= budget else "DOES NOT FIT"
+        return head + f" of {budget / GB:.0f} GB: {verdict} ({self.optimizer_path})"
+
+
+def _stage_terms(layout: Layout, stage, sb: StateBytes, *, sequence_parallel: bool,
+                 recompute_num_layers: int) -> tuple[list[tuple[str, float]], float]:
+    p, dp, m = stage.params_per_tp_rank, layout.dp, layout.model
+    weights = p * (sb.weights + sb.weights_split / dp)
+    grad_buffers = p * (sb.grads + sb.grads_split / dp)
+    grads = grad_buffers + p * (sb.grads_transient + sb.grads_transient_split / dp)
+    optimizer = p * (sb.optimizer + sb.optimizer_split / dp)
+
+    layers = stage.layers[1] - stage.layers[0]
+    in_flight = in_flight_micro_batches(layout, stage.stage)
+    act_bytes = 4 if layout.precision == "fp32" else 2
+    shard = layout.tp if sequence_parallel else 1
+    sbh = m.seq_length * layout.micro_batch_size * m.hidden_size
+    if layout.recompute == "full":
+        # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time.
+        chunk = max(1, min(recompute_num_layers, layers))
+        kept = -(-layers // chunk) * sbh * act_bytes / shard
+        working = chunk * activation_bytes_per_layer(layout, sequence_parallel=sequence_parallel, recompute=None)
+        activations = in_flight * kept + working
+    else:
+        per_layer = activation_bytes_per_layer(layout, sequence_parallel=sequence_parallel,
+                                               recompute=layout.recompute)
+        activations = in_flight * layers * per_layer
+    activations += in_flight * sbh * act_bytes  # the stage's input/output hidden state buffers
+    logits = 0.0
+    if stage.stage == layout.pp - 1:
+        logits = m.seq_length * layout.micro_batch_size * layout.padded_vocab_size / layout.tp * LOGIT_BYTES
+    buckets = _bucket_bytes(layout, p)
+    terms = [("weights", weights), ("gradients", grads), ("optimizer states", optimizer),
+             ("activations", activations), ("logits", logits), ("communication buckets", buckets)]
+    reserve = RESERVE_FIXED_BYTES + RESERVE_FRACTION * sum(v for _, v in terms)
+    terms.append(("runtime reserve", reserve))
+    return terms, weights + grad_buffers + optimizer
+
+
+def _bucket_bytes(layout: Layout, params: int) -> float:
+    """DeepSpeedZeroOptimizer's gradient reduction buffers (reduce_bucket_size elements, two with
+    overlap_comm) and the all-gather of updated weights; never more than the parameters."""
+    zero_cfg = layout.ds_config.get("zero_optimization") or {}
+    if layout.zero_stage == 0 or state_bytes(layout).optimizer_path == "DeepSpeed BF16_Optimizer":
+        return 0.0
+    lp = 4 if layout.precision == "fp32" else 2
+    reduce_elems = min(float(zero_cfg.get("reduce_bucket_size", 5e8)), params)
+    copies = 2 if zero_cfg.get("overlap_comm") else 1
+    gather_key = "stage3_prefetch_bucket_size" if layout.zero_stage == 3 else "allgather_bucket_size"
+    gather_elems = min(float(zero_cfg.get(gather_key, 5e8)), params)
+    return (copies * reduce_elems + gather_elems) * lp
+
+
+def estimate_stages(layout: Layout, *, sequence_parallel: bool = False,
+                    recompute_num_layers: int = 1) -> list[MemoryEstimate]:
+    """One estimate per pipeline stage (a GPU of that stage)."""
+    sb = state_bytes(layout)
+    out = []
+    for stage in layout.stages:
+        terms, persistent = _stage_terms(layout, stage, sb, sequence_parallel=sequence_parallel,
+                                         recompute_num_layers=recompute_num_layers)
+        out.append(MemoryEstimate(stage.stage, tuple(terms), persistent, sb.optimizer_path))
+    return out
+
+
+def estimate_memory(layout: Layout, *, sequence_parallel: bool = False,
+                    recompute_num_layers: int = 1) -> MemoryEstimate:
+    """The estimate for the stage needing the most memory (see the module docstring)."""
+    return max(estimate_stages(layout, sequence_parallel=sequence_parallel,
+                               recompute_num_layers=recompute_num_layers), key=lambda e: e.total)
+
+
+def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, zero_stage: int | None = None,
+             recompute: str | None = "keep", micro_batch_size: int | None = None,
+             use_pipeline: bool | None = None) -> Layout:
+    """The layout with some choices changed (same world size and global batch), for suggestions."""
+    tp = tp or layout.tp
+    pp = pp or layout.pp
+    micro = micro_batch_size or layout.micro_batch_size
+    dp = layout.world_size // (tp * pp)
+    padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
+    total, stages = count_parameters(layout.model, padded, tp, pp)
+    return dataclasses.replace(
+        layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
+        total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
+        zero_stage=layout.zero_stage if zero_stage is None else zero_stage,
+        use_pipeline=layout.use_pipeline if use_pipeline is None else use_pipeline,
+        recompute=layout.recompute if recompute == "keep" else recompute)
+
+
+def _candidates(layout: Layout):
+    """(flag text, layout) for single changes that keep the layout valid."""
+    m, world = layout.model, layout.world_size
+    if layout.recompute != "full":
+        yield "--checkpoint-activations", relayout(layout, recompute="full")
+    for stage in range(layout.zero_stage + 1, 4):
+        if layout.dp == 1:
+            break
+        if stage >= 2 and layout.pp > 1:
+            break
+        extra = " --no-pipeline-parallel" if stage >= 2 and layout.use_pipeline else ""
+        yield f"--zero-stage {stage}{extra}", relayout(layout, zero_stage=stage, use_pipeline=(
+            False if stage >= 2 else None))
+    tp = layout.tp * 2
+    while world % (tp * layout.pp) == 0 and m.num_attention_heads % tp == 0 and \
+            m.num_key_value_heads % tp == 0 and m.ffn_hidden_size % tp == 0:
+        yield f"--tensor-model-parallel-size {tp}", relayout(layout, tp=tp)
+        tp *= 2
+    pp = layout.pp * 2
+    while world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and layout.zero_stage < 2:
+        yield f"--pipeline-model-parallel-size {pp}", relayout(layout, pp=pp)
+        pp *= 2
+    micro = layout.micro_batch_size // 2
+    while micro >= 1 and layout.global_batch_size % (micro * layout.dp) == 0:
+        yield f"--micro-batch-size {micro}", relayout(layout, micro_batch_size=micro)
+        micro //= 2
+
+
+def suggestions(layout: Layout, budget: float, *, sequence_parallel: bool = False,
+                recompute_num_layers: int = 1, limit: int = 4) -> list[str]:
+    """Changes (one, else two combined) whose estimate fits ``budget``, smallest total first."""
+    kw = dict(sequence_parallel=sequence_parallel, recompute_num_layers=recompute_num_layers)
+    singles = list(_candidates(layout))
+    fits = [(estimate_memory(lay, **kw).total, flag) for flag, lay in singles]
+    fits = [(total, flag) for total, flag in fits if total <= budget]
+    if not fits:
+        for (f1, l1), (f2, _) in itertools.combinations(singles, 2):
+            if f1.split()[0] == f2.split()[0]:
+                continue
+            for flag, lay in _candidates(l1):
+                if flag == f2:
+                    total = estimate_memory(lay, **kw).total
+                    if total <= budget:
+                        fits.append((total, f"{f1} {f2}"))
+    fits.sort()
+    return [f"{flag} (~{total / GB:.1f} GB)" for total, flag in fits[:limit]]
+
+
+def check_memory(layout: Layout, estimate: MemoryEstimate, budget: float | None, *,
+                 sequence_parallel: bool = False, recompute_num_layers: int = 1) -> None:
+    """Raise ConfigError when the estimate exceeds ``budget`` bytes (None: no check)."""
+    if budget is None or estimate.total <= budget:
+        return
+    name, value = estimate.biggest()
+    fixes = suggestions(layout, budget, sequence_parallel=sequence_parallel,
+                        recompute_num_layers=recompute_num_layers)
+    advice = ("would fit: " + "; ".join(fixes)) if fixes else \
+        "no single TP/PP/recompute/ZeRO/micro-batch change fits: use more GPUs or a smaller model"
+    raise ConfigError(f"estimated {estimate.total / GB:.1f} GB per GPU (stage {estimate.stage}) exceeds the "
+                      f"GPU's {budget / GB:.0f} GB; biggest term: {name} {value / GB:.1f} GB; {advice}")
