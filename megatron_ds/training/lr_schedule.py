@@ -10,6 +10,9 @@ import math
 
 
 class LRSchedule:
+    # what must agree between a checkpoint's schedule and this run's (see load_state_dict)
+    SHAPE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, last_step: int = 0):
         if decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
@@ -61,7 +64,7 @@ class LRSchedule:
     def load_state_dict(self, state: dict) -> None:
         """Restore the step (DeepSpeed calls this while loading a checkpoint). A schedule shape that
         differs from this run's is an error unless a flag says which one wins, as in Megatron."""
-        shape = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+        shape = self.SHAPE
         diffs = [f"{k}: checkpoint {state[k]!r} vs now {getattr(self, k)!r}" for k in shape
                  if state[k] != getattr(self, k)]
         if diffs and not (self.override or self.use_checkpoint):
