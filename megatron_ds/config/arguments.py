@@ -41,11 +41,16 @@ IGNORED_FLAGS: dict[str, int] = {
         # (megatron/initialize.py _initialize_mem_buffs; the checkpoint call sites pass
         # --distribute-saved-activations / DeepSpeed's partition_activations instead).
         "--distribute-checkpointed-activations",
+        # MoE switches, meaningless at --num-experts 1 (the only value accepted; see OFF_VALUE_FLAGS);
+        # Megatron-DeepSpeed's dense MoE-family scripts pass them anyway
+        "--create-moe-param-group", "--disable-moe-token-dropping",
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
         "--tensorboard-log-interval",  # scalars are written every --log-interval
         "--ds-inference", "--pipeline-model-parallel-split-rank", "--memory-centric-tiled-linear",
+        "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
+        "--moe-eval-capacity-factor", "--moe-min-capacity",
     )},
 }
 

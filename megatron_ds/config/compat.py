@@ -7,15 +7,18 @@ values involved. Everything here is a pure function of the flags and the DeepSpe
 """
 from __future__ import annotations
 
+import math
+
 from megatron_ds.config.schema import Config
 
-# flag -> (TrainingConfig field, key in the JSON's "fp16" block, DeepSpeed's default for that key)
+# flag -> (TrainingConfig field, key in the JSON's "fp16" block, DeepSpeed's default for that key,
+#          flag value -> JSON value)
 _LOSS_SCALE_FLAGS = {
-    "--loss-scale": ("loss_scale", "loss_scale", 0),  # 0 = dynamic
-    "--initial-loss-scale": ("initial_loss_scale", "initial_scale_power", 16),
-    "--min-loss-scale": ("min_loss_scale", "min_loss_scale", 1),
-    "--loss-scale-window": ("loss_scale_window", "loss_scale_window", 1000),
-    "--hysteresis": ("hysteresis", "hysteresis", 2),
+    "--loss-scale": ("loss_scale", "loss_scale", 0, float),  # 0 = dynamic
+    "--initial-loss-scale": ("initial_loss_scale", "initial_scale_power", 16, lambda v: math.log2(v)),
+    "--min-loss-scale": ("min_loss_scale", "min_loss_scale", 1, float),
+    "--loss-scale-window": ("loss_scale_window", "loss_scale_window", 1000, float),
+    "--hysteresis": ("hysteresis", "hysteresis", 2, float),
 }
 
 
@@ -36,22 +39,40 @@ def _loss_scale_flags(cfg: Config, template: dict | None) -> list[str]:
     here; a flag that would have mattered is named with the value actually used."""
     notes = []
     fp16 = (template or {}).get("fp16") or {}
-    for flag, (name, key, ds_default) in _LOSS_SCALE_FLAGS.items():
+    for flag, (name, key, ds_default, to_json) in _LOSS_SCALE_FLAGS.items():
         value = getattr(cfg.training, name)
         if value is None:
             continue
         setattr(cfg.training, name, None)
         if not cfg.training.fp16:
-            notes.append(f"{flag} {value:g} has no effect without --fp16 (as in Megatron-DeepSpeed)")
+            if flag == "--loss-scale":  # plain Megatron would apply it to bf16 too; DeepSpeed does not
+                notes.append(f"{flag} {value:g} has no effect without --fp16 (as in Megatron-DeepSpeed)")
             continue
-        used = f'DeepSpeed JSON "fp16.{key}" = {fp16[key]}' if key in fp16 else \
-            f'DeepSpeed\'s default "fp16.{key}" = {ds_default}'
+        used = fp16.get(key, ds_default)
+        if isinstance(used, (int, float)) and float(used) == to_json(value):
+            continue  # the flag agrees with what DeepSpeed uses: nothing lost
+        where = f'DeepSpeed JSON "fp16.{key}" = {used}' if key in fp16 else \
+            f'DeepSpeed\'s default "fp16.{key}" = {used}'
         notes.append(f"{flag} {value:g} has no effect with DeepSpeed (as in Megatron-DeepSpeed, whose "
-                     f"--deepspeed path never builds Megatron's loss scaler); using {used}. Set it in the "
+                     f"--deepspeed path never builds Megatron's loss scaler); using {where}. Set it in the "
                      f"JSON's \"fp16\" block instead")
     return notes
 
 
+def _disabled_legacy_curriculum(template: dict | None) -> list[str]:
+    """A top-level "curriculum_learning" block with "enabled": false (Megatron-DeepSpeed's MoE/curriculum
+    templates ship one) changes nothing in Megatron-DeepSpeed, but DeepSpeed >= 0.19 refuses the legacy
+    block even when disabled. The intent is unambiguous, so it is dropped; an enabled one stays and
+    is refused by DeepSpeed's parser (config/ds_validate.py)."""
+    block = (template or {}).get("curriculum_learning")
+    if isinstance(block, dict) and block.get("enabled") is False:
+        del template["curriculum_learning"]
+        return ['the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
+                '>= 0.19 refuses that block even when disabled; it had no effect)']
+    return []
+
+
 def megatron_overrides(cfg: Config, template: dict | None) -> list[str]:
-    """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` in place; returns the warnings."""
-    return _sequence_parallel_at_tp1(cfg) + _loss_scale_flags(cfg, template)
+    """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` and ``template`` in place; returns the
+    warnings."""
+    return _sequence_parallel_at_tp1(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)

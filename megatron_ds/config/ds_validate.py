@@ -45,7 +45,7 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
     try:
         DeepSpeedConfig(probe)
     except Exception as exc:  # noqa: BLE001 - pydantic / DeepSpeedConfigError / assertions: all are refusals
-        message = " ".join(str(exc).split()) or type(exc).__name__
+        message = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
         hint = f"; {_LEGACY_CURRICULUM}" if "curriculum_learning" in message and "Legacy" in message else ""
         raise ConfigError(f"DeepSpeed refuses {source}: {message}{hint}") from None
     finally:
