@@ -114,7 +114,7 @@ class TrainPlan:
     def begin(self, engine, state) -> int:
         """Set the engine's global batch for the next step; returns it."""
         batch = self.run.global_batch_at(state.consumed_train_samples)
-        if engine.train_batch_size() != batch:
+        if self.run.rampup is not None and engine.train_batch_size() != batch:
             engine.set_train_batch_size(batch)  # DeepSpeed keeps the micro batch, changes accumulation steps
         if isinstance(engine.lr_scheduler, ConsumedLRSchedule):
             engine.lr_scheduler.begin_iteration(batch, state.consumed_train_tokens)
