@@ -16,6 +16,7 @@ from megatron_ds.training import log as mlog
 from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
                                        build_tokenizer_for, describe_source, stage_iterator)
 from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
+from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
 def dry_run(cfg: Config, ignored: list[str]) -> int:
@@ -107,8 +108,12 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     valid_iter = iterator(datasets[1], state.consumed_valid_samples, True)
     test_iter = iterator(datasets[2], 0, True)
 
-    tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
-                          == torch.distributed.get_world_size() - 1)
+    last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    lg = cfg.logging
+    tb = ScalarWriters(mlog.TensorBoard(lg.tensorboard_dir, enabled_rank=last_rank),
+                       WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
+                             save_dir=lg.wandb_save_dir, checkpoint_dir=cfg.checkpoint.save, enabled_rank=last_rank,
+                             config=cfg.to_dict()))
     meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:]}
 
     def save(st: TrainState) -> None:
