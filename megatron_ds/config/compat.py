@@ -3,10 +3,12 @@
 A launch script that works with Megatron-DeepSpeed must not be refused for a flag that has no effect
 there; it must not be silently reinterpreted either. ``megatron_overrides`` applies Megatron-DeepSpeed's
 own overrides to a freshly parsed config (in place) and returns one warning per override, naming the
-values involved. Everything here is a pure function of the flags and the DeepSpeed JSON.
+values involved. Everything here depends only on the flags, the DeepSpeed JSON and whether wandb is
+installed.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from megatron_ds.config.schema import Config
@@ -72,7 +74,18 @@ def _disabled_legacy_curriculum(template: dict | None) -> list[str]:
     return []
 
 
+def _wandb_missing(cfg: Config) -> list[str]:
+    """Megatron-DeepSpeed goes on without W&B when wandb is not installed (megatron/global_vars.py);
+    so do we, but --dry-run says so before the queue rather than in the job's log."""
+    lg = cfg.logging
+    if (lg.wandb_project or lg.wandb_exp_name) and importlib.util.find_spec("wandb") is None:
+        return ["--wandb-project/--wandb-name given but the wandb package is not installed (pip install wandb): "
+                "the run will not log to W&B"]
+    return []
+
+
 def megatron_overrides(cfg: Config, template: dict | None) -> list[str]:
     """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` and ``template`` in place; returns the
     warnings."""
-    return _sequence_parallel_at_tp1(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
+    return (_sequence_parallel_at_tp1(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
+            + _wandb_missing(cfg))
