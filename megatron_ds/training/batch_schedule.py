@@ -81,9 +81,9 @@ class ConsumedLRSchedule(LRSchedule):
 
     def load_state_dict(self, state: dict) -> None:
         # tokens first: the base class recomputes the LR from them
-        self.num_tokens = state["num_tokens"]
+        self.num_tokens = state.get("num_tokens", 0)  # absent: an iteration-counted schedule (refused below)
         if self.warmup_tokens is None:
-            self.decay_start_tokens = state["decay_start_tokens"]
+            self.decay_start_tokens = state.get("decay_start_tokens")
         super().load_state_dict(state)
 
 

@@ -161,3 +161,11 @@ def test_lr_state_round_trip_mid_schedule():
     other = ConsumedLRSchedule(opt, **{**kw, "decay_tokens": 30000})
     with pytest.raises(ConfigError, match="decay_tokens: checkpoint 20000 vs now 30000"):
         other.load_state_dict(a.state_dict())
+    # switching between iteration-counted and sample/token-counted schedules mid-run: units differ
+    from megatron_ds.training.lr_schedule import LRSchedule
+
+    plain = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="cosine")
+    with pytest.raises(ConfigError, match="counts samples and tokens but this run's counts iterations"):
+        plain.load_state_dict(a.state_dict())
+    with pytest.raises(ConfigError, match="counts iterations but this run's counts samples and tokens"):
+        ConsumedLRSchedule(opt, **kw).load_state_dict(plain.state_dict())
