@@ -7,9 +7,12 @@ Sources (repository: path):
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M,13B,1.3B_rope_slw,
       1.3B_megatron_checkpointing}.sh with rebase/ds_config_gpt_TEMPLATE.json / ds_config_gpt_slw_TEMPLATE.json
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh
-  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense.sh (+ MoE/ds_config_gpt_TEMPLATE.json)
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh
+      (+ MoE/ds_config_gpt_TEMPLATE.json)
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M_flashattn,1.3B_rope}.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/sequence_parallel/ds_pretrain_gpt_1.3B_seq_parallel_32k.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/ds_pretrain_gpt_350M.sh (+ its JSON template)
   deepspeedai/Megatron-DeepSpeed: examples/pretrain_gpt.sh, examples/pretrain_gpt_distributed_with_mp.sh,
       examples/pretrain_gpt3_175B.sh
   llm-jp/Megatron-DeepSpeed: scripts/abci/1.3B/dp2_tp2_pp2_zero1.sh (ABCI, mpirun, W&B flags)
@@ -145,17 +148,18 @@ def _gpt3_175b(files) -> list[str]:
             "--tensorboard-dir", files["tb"], "--fp16", "--activations-checkpoint-method", "uniform"]
 
 
-def _moe_dense_13b(files) -> list[str]:
-    """examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense.sh (EP_SIZE=1, CL_ENABLED=false, 64 GPUs)."""
+def _moe_dense(files, *, layers, hidden, heads, gbs, lr, min_lr, batch, mp, init_std, rampup) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh (EP_SIZE=1, CL_ENABLED=false, 64 GPUs)."""
     return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-            "--tensor-model-parallel-size", "4", "--moe-expert-parallel-size", "1", "--num-experts", "1",
+            "--tensor-model-parallel-size", str(mp), "--moe-expert-parallel-size", "1", "--num-experts", "1",
             "--moe-loss-coeff", "0.01", "--moe-train-capacity-factor", "1.0", "--moe-eval-capacity-factor", "1.0",
-            "--moe-min-capacity", "4", "--init-method-std", "0.014", "--lr-decay-tokens", "260000000000",
-            "--lr-warmup-tokens", "375000000", "--micro-batch-size", "2", "--exit-duration-in-mins", "30000000",
-            "--rampup-batch-size", "32", "32", "1953125", "--global-batch-size", "512", "--num-layers", "24",
-            "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
-            "--max-position-embeddings", "2048", "--train-tokens", "300000000000", "--train-samples", "439453125",
-            "--lr", "2.0e-4", "--min-lr", "2.0e-5", "--lr-decay-style", "cosine", "--split", "98,2,0",
+            "--moe-min-capacity", "4", "--init-method-std", str(init_std), "--lr-decay-tokens", "260000000000",
+            "--lr-warmup-tokens", "375000000", "--micro-batch-size", str(batch), "--exit-duration-in-mins", "30000000",
+            *(["--rampup-batch-size", *rampup] if rampup else []), "--global-batch-size", str(gbs),
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", "2048", "--max-position-embeddings", "2048", "--train-tokens", "300000000000",
+            "--train-samples", "439453125", "--lr", lr, "--min-lr", min_lr, "--lr-decay-style", "cosine",
+            "--split", "98,2,0",
             "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "10", "--save-interval", "1000",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0", "--fp16",
             "--load", files["ckpt"], "--save", files["ckpt"], "--tensorboard-queue-size", "1",
@@ -166,8 +170,8 @@ def _moe_dense_13b(files) -> list[str]:
             "--pipeline-model-parallel-size", "1", "--deepspeed-activation-checkpointing"]
 
 
-def _moe_json() -> dict:
-    return {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
+def _moe_json(gbs, mbs) -> dict:
+    return {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": mbs, "steps_per_print": 10,
             "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": True,
             "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                      "min_loss_scale": 1, "initial_scale_power": 11},
@@ -176,6 +180,38 @@ def _moe_json() -> dict:
                                     "max_difficulty": 2048, "schedule_type": "fixed_linear",
                                     "schedule_config": {"total_curriculum_step": 110916, "difficulty_step": 8}},
             "wall_clock_breakdown": False}
+
+
+def _offload_pp_350m(files) -> list[str]:
+    """examples_deepspeed/offload_pp/ds_pretrain_gpt_350M.sh (16 GPUs, EP_SIZE=1, ZeRO-3 optimizer offload)."""
+    return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "1", "--num-experts", "1",
+            "--moe-loss-coeff", "0.01", "--moe-train-capacity-factor", "1.0", "--moe-eval-capacity-factor", "1.0",
+            "--moe-min-capacity", "4", "--init-method-std", "0.014", "--lr-decay-tokens", "260000000000",
+            "--lr-warmup-tokens", "375000000", "--micro-batch-size", "2", "--exit-duration-in-mins", "30000000",
+            "--rampup-batch-size", "32", "32", "1953125", "--global-batch-size", "256", "--num-layers", "24",
+            "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--train-tokens", "300000000000", "--train-samples", "439453125",
+            "--lr", "3.0e-4", "--min-lr", "3.0e-5", "--lr-decay-style", "cosine", "--split", "98,2,0",
+            "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "10", "--save-interval", "1000",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0", "--fp16",
+            "--load", files["ckpt"], "--save", files["ckpt"], "--tensorboard-queue-size", "1",
+            "--log-timers-to-tensorboard", "--timing-log-level", "1", "--no-pipeline-parallel", "--cpu-optimizer",
+            "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", files["tb"],
+            "--checkpoint-activations", "--vocab-file", files["vocab"], "--merge-file", files["merges"],
+            "--data-path", files["data"], "--data-impl", "mmap", "--deepspeed", "--deepspeed_config", files["json"],
+            "--pipeline-model-parallel-size", "1", "--deepspeed-activation-checkpointing"]
+
+
+def _offload_json() -> dict:
+    """offload_pp/ds_config_gpt_TEMPLATE.json as the script fills it: bf16 on although it passes --fp16."""
+    return {"train_batch_size": 256, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                                    "ratio": 0.3}},
+            "gradient_clipping": 1.0, "prescale_gradients": False,
+            "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
+                     "min_loss_scale": 1, "initial_scale_power": 11},
+            "bf16": {"enabled": True}, "wall_clock_breakdown": False}
 
 
 def scripts(files: dict) -> list[Script]:
@@ -205,8 +241,25 @@ def scripts(files: dict) -> list[Script]:
                "megatron_gpt/run_fp16.sh", 8, _universal(f, "fp16"), _universal_json("fp16"),
                notes=['--loss-scale 12 has no effect with DeepSpeed', '"fp16.loss_scale" = 0']),
         Script("moe_family_1.3B_dense", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
-               "ds_pretrain_gpt_1.3B_dense.sh", 64, _moe_dense_13b(f), _moe_json(),
+               "ds_pretrain_gpt_1.3B_dense.sh", 64, _moe_dense(
+                   f, layers=24, hidden=2048, heads=16, gbs=512, lr="2.0e-4", min_lr="2.0e-5", batch=2, mp=4,
+                   init_std=0.014, rampup=("32", "32", "1953125")), _moe_json(512, 2),
                notes=['disabled legacy "curriculum_learning" block is dropped']),
+        Script("moe_family_6.7B_dense", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_6.7B_dense.sh", 64, _moe_dense(
+                   f, layers=32, hidden=4096, heads=32, gbs=1024, lr="1.2e-4", min_lr="1.2e-5", batch=4, mp=8,
+                   init_std=0.01, rampup=("32", "32", "4882812")), _moe_json(1024, 4)),
+        Script("moe_family_350M_dense", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_350M_dense.sh", 64, _moe_dense(
+                   f, layers=24, hidden=1024, heads=16, gbs=256, lr="3.0e-4", min_lr="3.0e-5", batch=4, mp=1,
+                   init_std=0.014, rampup=None), _moe_json(256, 4)),
+        Script("rebase_125M_flashattn", rb + "ds_pretrain_gpt_125M_flashattn.sh", 8, _rebase(
+            f, layers=12, hidden=768, heads=12, gbs=256, lr="6.0e-4", min_lr="1.0e-6", init_std=0.02, mp=2, pp=2,
+            no_pp=False, zero=1, batch=2, tail=["--use-flash-attn"]), _rebase_template(256, 2, 10, 1, False)),
+        Script("rebase_1.3B_rope", rb + "ds_pretrain_gpt_1.3B_rope.sh", 64, _rebase(
+            f, layers=24, hidden=2048, heads=16, gbs=512, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013, mp=4, pp=8,
+            no_pp=False, zero=1, batch=2, extra=["--use-rotary-position-embeddings", "--rotary-percent", "0.25"]),
+            _rebase_template(512, 2, 10, 1, False)),
         Script("megatron_pretrain_gpt", "deepspeedai/Megatron-DeepSpeed: examples/pretrain_gpt.sh", 1,
                _megatron_example(f, distributed_mp=False)),
         Script("megatron_pretrain_gpt_distributed_with_mp", "deepspeedai/Megatron-DeepSpeed: "
@@ -235,6 +288,9 @@ def scripts(files: dict) -> list[Script]:
                        extra=["--ds-sequence-parallel-size", "4"], tail=["--use-flash-attn-triton"]),
                _rebase_template(2, 1, 10, 1, False),
                refused=r"--ds-sequence-parallel-size 4: DeepSpeed-Ulysses sequence parallelism is not supported"),
+        Script("offload_pp_350M", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/"
+               "ds_pretrain_gpt_350M.sh", 16, _offload_pp_350m(f), _offload_json(),
+               refused=r"--cpu-optimizer: put \"offload_optimizer\""),
         Script("zero_bubble_zbh1_1.3b", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/"
                "zbh1_pretrain_gpt_1.3b.sh", 8,
                _rebase(f, layers=24, hidden=2048, heads=16, gbs=16, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013,
