@@ -59,7 +59,7 @@ UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
     "--num-layers-per-virtual-pipeline-stage": (1, "interleaved pipeline schedules are not supported by "
                                                    "DeepSpeed's pipeline engine; drop the flag"),
     "--cpu-optimizer": (0, "put \"offload_optimizer\": {\"device\": \"cpu\"} under \"zero_optimization\" "
-                           "in the DeepSpeed JSON instead"),
+                           "and \"zero_force_ds_cpu_optimizer\": false in the DeepSpeed JSON instead"),
     "--use-distributed-optimizer": (0, "use --zero-stage 1 (DeepSpeed ZeRO shards optimizer state)"),
     "--curriculum-learning-legacy": (0, "curriculum learning is not supported"),
     "--enable-zbh1-pipeline": (0, "zero-bubble pipeline schedules are not supported (DeepSpeed's pipeline "

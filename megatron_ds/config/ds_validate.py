@@ -24,6 +24,12 @@ _NOT_IMPLEMENTED = (
      "data_efficiency.data_routing (random-LTD) is not supported; remove the block"),
     (lambda ds: "compression_training" in ds,
      "compression_training is not supported; remove the block"),
+    # deepspeed/runtime/engine.py refuses ZeRO-Offload with a client optimizer (megatron_ds passes its
+    # own AdamW) unless told otherwise -- at start-up, after the queue, so it is checked here
+    (lambda ds: (((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+                 in ("cpu", "nvme") and ds.get("zero_force_ds_cpu_optimizer", True) is not False),
+     "zero_optimization.offload_optimizer needs \"zero_force_ds_cpu_optimizer\": false (megatron_ds "
+     "passes its own AdamW to DeepSpeed, which otherwise refuses ZeRO-Offload at start-up)"),
 )
 
 _LEGACY_CURRICULUM = ("megatron_ds does not implement the legacy sequence-length warmup either (Megatron-"

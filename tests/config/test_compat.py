@@ -68,3 +68,10 @@ def test_deepspeed_parser_refusals(extra, message):
 def test_deepspeed_parser_accepts_a_merged_config():
     # train_batch_size is left to derive() (it knows DP): 8 != 2 x 2 x world 1 must not be refused here
     validate_with_deepspeed(_ds(zero_optimization={"stage": 1}, bf16={"enabled": True}), "x.json")
+
+
+def test_zero_offload_needs_the_client_optimizer_switch():
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match='"zero_force_ds_cpu_optimizer": false'):
+        validate_with_deepspeed(_ds(**offload), "x.json")
+    validate_with_deepspeed(_ds(**offload, zero_force_ds_cpu_optimizer=False), "x.json")
