@@ -34,6 +34,18 @@ def _sequence_parallel_at_tp1(cfg: Config) -> list[str]:
     return []
 
 
+def _old_recompute_flag(cfg: Config) -> list[str]:
+    """Megatron-LM before the recompute rename (v2.x, which Megatron-DeepSpeed's examples/pretrain_gpt3_175B.sh
+    still uses): ParallelTransformer.forward ran ``_checkpointed_forward`` whenever
+    ``activations_checkpoint_method is not None`` -- the flag alone meant full recomputation."""
+    t = cfg.training
+    if t.activations_checkpoint_method is not None:
+        t.recompute_method = t.activations_checkpoint_method
+        if t.recompute_granularity is None:
+            t.checkpoint_activations = True
+    return []
+
+
 def _loss_scale_flags(cfg: Config, template: dict | None) -> list[str]:
     """Megatron-DeepSpeed's get_megatron_optimizer() returns the bare optimizer under --deepspeed before
     it builds Megatron's grad scaler from --loss-scale & co (megatron/optimizer/__init__.py), so those
@@ -87,5 +99,5 @@ def _wandb_missing(cfg: Config) -> list[str]:
 def megatron_overrides(cfg: Config, template: dict | None) -> list[str]:
     """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` and ``template`` in place; returns the
     warnings."""
-    return (_sequence_parallel_at_tp1(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
+    return (_sequence_parallel_at_tp1(cfg) + _old_recompute_flag(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
             + _wandb_missing(cfg))

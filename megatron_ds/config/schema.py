@@ -181,10 +181,11 @@ class TrainingConfig:
     """Recompute each transformer layer in backward (same as --recompute-granularity full)."""
     recompute_granularity: Optional[str] = meta(None, choices=("full", "selective"))
     """Activation recomputation: full layers, or selective (attention core only)."""
-    recompute_method: str = meta("uniform", choices=("uniform",),
-                                 flags=("--recompute-method", "--activations-checkpoint-method"))
+    recompute_method: str = meta("uniform", choices=("uniform",))
     """How recomputed layers are grouped: uniform chunks of --recompute-num-layers (Megatron's
     "block" method is not supported)."""
+    activations_checkpoint_method: Optional[str] = meta(None, choices=("uniform",))
+    """Old Megatron-LM name of --recompute-method; as there, setting it turns on full recomputation."""
     recompute_num_layers: int = meta(1, flags=("--recompute-num-layers", "--checkpoint-num-layers",
                                                "--activations-checkpoint-num-layers"))
     """Layers per recomputed chunk."""

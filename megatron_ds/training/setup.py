@@ -12,9 +12,9 @@ from megatron_ds.config.derive import guards_optimizer
 from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.training.batch_schedule import make_lr_schedule
 from megatron_ds.training.checkpointing import install_safe_loading
 from megatron_ds.training.log import print_rank0
-from megatron_ds.training.batch_schedule import make_lr_schedule
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
 

@@ -32,9 +32,16 @@ def test_refused_with_reason(flag, reason, capsys):
 
 
 def test_old_and_new_spellings():
+    from megatron_ds.config.compat import megatron_overrides
+
     cfg, ignored = parse_args(["--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers",
                                "2", "--distribute-checkpointed-activations", "--wandb-name", "run1"])
-    assert cfg.training.recompute_method == "uniform" and cfg.training.recompute_num_layers == 2
+    assert not cfg.training.checkpoint_activations
+    megatron_overrides(cfg, None)
+    # old Megatron-LM: the method alone turned on full recomputation (transformer.py ran
+    # _checkpointed_forward whenever activations_checkpoint_method was set)
+    assert cfg.training.checkpoint_activations and cfg.training.recompute_method == "uniform"
+    assert cfg.training.recompute_num_layers == 2
     assert ignored == ["--distribute-checkpointed-activations"] and cfg.logging.wandb_exp_name == "run1"
     cfg, _ = parse_args(["--wandb-exp-name", "run2"])  # deepspeedai/Megatron-DeepSpeed's spelling
     assert cfg.logging.wandb_exp_name == "run2"
