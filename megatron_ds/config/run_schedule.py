@@ -116,10 +116,10 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
     if rampup is not None and t.train_samples is None:
         raise ScheduleError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
                             "iteration-based training)")
-    for flag, value in (("--train-tokens", t.train_tokens), ("--lr-warmup-tokens", o.lr_warmup_tokens),
-                        ("--lr-decay-tokens", o.lr_decay_tokens)):
-        if value is not None and value < 0 or (flag != "--lr-warmup-tokens" and value == 0):
-            raise ScheduleError(f"{flag} must be positive (got {value})")
+    for flag, value, least in (("--train-tokens", t.train_tokens, 1), ("--lr-warmup-tokens", o.lr_warmup_tokens, 0),
+                               ("--lr-decay-tokens", o.lr_decay_tokens, 1)):
+        if value is not None and value < least:
+            raise ScheduleError(f"{flag} must be {'positive' if least else 'non-negative'} (got {value})")
     if t.train_samples is not None:
         decay = o.lr_decay_samples or t.train_samples
         warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_samples
