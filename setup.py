@@ -57,6 +57,7 @@ setup(
     ],
     extras_require={
         "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],  # --wandb-project / --wandb-name (works offline: WANDB_MODE=offline)
         "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     ext_modules=ext_modules,

@@ -37,26 +37,44 @@ IGNORED_FLAGS: dict[str, int] = {
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
         "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
         "--no-initialization", "--fp16-lm-cross-entropy", "--log-params-norm",
+        # Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed path never uses
+        # (megatron/initialize.py _initialize_mem_buffs; the checkpoint call sites pass
+        # --distribute-saved-activations / DeepSpeed's partition_activations instead).
+        "--distribute-checkpointed-activations",
+        # MoE switches, meaningless at --num-experts 1 (the only value accepted; see OFF_VALUE_FLAGS);
+        # Megatron-DeepSpeed's dense MoE-family scripts pass them anyway
+        "--create-moe-param-group", "--disable-moe-token-dropping",
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
         "--tensorboard-log-interval",  # scalars are written every --log-interval
         "--ds-inference", "--pipeline-model-parallel-split-rank", "--memory-centric-tiled-linear",
+        "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
+        "--moe-eval-capacity-factor", "--moe-min-capacity",
     )},
 }
 
 # flag -> what to do instead
 UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
-    "--rampup-batch-size": (3, "batch-size ramp-up is not supported; use a fixed --global-batch-size"),
     "--num-layers-per-virtual-pipeline-stage": (1, "interleaved pipeline schedules are not supported by "
                                                    "DeepSpeed's pipeline engine; drop the flag"),
-    "--ds-sequence-parallel-size": (1, "DeepSpeed-Ulysses sequence parallelism is not supported; use "
-                                       "--sequence-parallel with --tensor-model-parallel-size"),
     "--cpu-optimizer": (0, "put \"offload_optimizer\": {\"device\": \"cpu\"} under \"zero_optimization\" "
-                           "in the DeepSpeed JSON instead"),
+                           "and \"zero_force_ds_cpu_optimizer\": false in the DeepSpeed JSON instead"),
     "--use-distributed-optimizer": (0, "use --zero-stage 1 (DeepSpeed ZeRO shards optimizer state)"),
-    "--num-experts": (-1, "mixture-of-experts models are not supported"),
     "--curriculum-learning-legacy": (0, "curriculum learning is not supported"),
+    "--enable-zbh1-pipeline": (0, "zero-bubble pipeline schedules are not supported (DeepSpeed's pipeline "
+                                  "engine runs 1F1B here); drop the flag"),
+    "--enable-zbh1-exact-semantics": (0, "zero-bubble pipeline schedules are not supported; drop the flag"),
+    "--universal-checkpoint": (0, "loading DeepSpeed universal checkpoints is not supported; resume with the "
+                                  "TP/PP the checkpoint was saved with (--no-load-optim if DP changes)"),
+}
+
+# Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off
+# (upstream scripts pass it explicitly): flag -> (nargs, off value, what to do instead).
+OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
+    "--ds-sequence-parallel-size": ("?", "1", "DeepSpeed-Ulysses sequence parallelism is not supported; use "
+                                              "--sequence-parallel with --tensor-model-parallel-size"),
+    "--num-experts": ("+", "1", "mixture-of-experts models are not supported"),  # upstream nargs='+', default [1]
 }
 
 
@@ -117,6 +135,14 @@ class _Unsupported(argparse.Action):
         parser.error(f"{option_string}: {UNSUPPORTED_FLAGS[option_string][1]}")
 
 
+class _OffValue(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _, off, reason = OFF_VALUE_FLAGS[option_string]
+        given = values if isinstance(values, list) else [values]
+        if any(v != off for v in given):
+            parser.error(f"{option_string} {' '.join(given)}: {reason} ({option_string} {off} is accepted)")
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors as one line plus a pointer to --help: the full usage of ~150 flags buries the message."""
 
@@ -151,6 +177,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     for flag, (nvals, _) in UNSUPPORTED_FLAGS.items():
         nargs = "*" if nvals < 0 else nvals
         parser.add_argument(flag, action=_Unsupported, nargs=nargs, help=argparse.SUPPRESS)
+    for flag, (nargs, _, _) in OFF_VALUE_FLAGS.items():
+        parser.add_argument(flag, action=_OffValue, nargs=nargs, const="1", help=argparse.SUPPRESS)
     return parser
 
 

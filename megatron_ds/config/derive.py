@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
+from megatron_ds.config.run_schedule import RunSchedule, ScheduleError, build_run_schedule
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -76,6 +76,8 @@ class Layout:
     train_iters: int
     lr_decay_iters: int
     lr_warmup_iters: int
+    run: RunSchedule  # ramp-up, token target, LR spans in samples/tokens
+    notes: tuple[str, ...]  # Megatron-DeepSpeed overrides applied here too, printed once as warnings
     vocab_size: int
     padded_vocab_size: int
     precision: str  # "fp32" | "fp16" | "bf16"
@@ -101,6 +103,13 @@ class Layout:
             f" {'swiglu' if m.swiglu else 'gelu'}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
             f"parameters: {self.total_params / 1e6:,.1f}M total",
         ]
+        r = self.run
+        if r.rampup is not None:
+            lines.insert(2, f"batch ramp-up: global {r.rampup.start} + {r.rampup.increment} every "
+                            f"{r.rampup.samples_per_increment:,.0f} samples up to {r.rampup.final} after "
+                            f"{r.rampup.samples:,} samples")
+        if r.train_tokens is not None:
+            lines.insert(2, f"train until {r.train_tokens:,} tokens ({self.train_iters} iterations at most)")
         for s in self.stages:
             lines.append(f"  stage {s.stage}: layers {s.layers[0]}-{s.layers[1] - 1},"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
@@ -148,29 +157,6 @@ def _json_conflict(name: str, json_value, flag: str, cli_value) -> ConfigError:
                        f"remove it from the JSON (the command line owns it) or change the flag")
 
 
-# fp16 knob in the JSON: (flag, TrainingConfig field, Megatron's default, flag value -> JSON value)
-_LOSS_SCALE_KNOBS = {
-    "loss_scale": ("--loss-scale", "loss_scale", 0, float),  # 0 = dynamic
-    "initial_scale_power": ("--initial-loss-scale", "initial_loss_scale", 32, lambda v: int(math.log2(v))),
-    "loss_scale_window": ("--loss-scale-window", "loss_scale_window", 1000, int),
-    "hysteresis": ("--hysteresis", "hysteresis", 2, int),
-    "min_loss_scale": ("--min-loss-scale", "min_loss_scale", 1, float),
-}
-
-
-def _merge_loss_scale_knobs(fp16: dict, t) -> None:
-    """The JSON owns the loss-scale knobs, but a flag given on the command line must not be
-    dropped silently: it fills the JSON's gap, agrees with it, or is a conflict."""
-    for key, (flag, name, default, to_json) in _LOSS_SCALE_KNOBS.items():
-        value = getattr(t, name)
-        if value is None:
-            fp16.setdefault(key, default)
-        elif key in fp16 and fp16[key] != to_json(value):
-            raise _json_conflict(f'"fp16.{key}"', fp16[key], flag, value)
-        else:
-            fp16[key] = to_json(value)
-
-
 def guards_optimizer(precision: str, zero_stage: int) -> bool:
     """DeepSpeed's plain fp32 path (no ZeRO, no bf16/fp16 optimizer) neither skips non-finite steps
     nor reports the pre-clip norm; there training.optimizer.GuardedOptimizer clips and skips, and
@@ -179,14 +165,20 @@ def guards_optimizer(precision: str, zero_stage: int) -> bool:
 
 
 def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_batch: int, gas: int,
-                    precision: str, zero_stage: int) -> dict:
-    """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions."""
+                    precision: str, zero_stage: int, notes: list | None = None) -> dict:
+    """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions.
+    A stale batch size / accumulation count in the JSON loses to the command line with a note, as in
+    Megatron-DeepSpeed, whose train loop calls engine.set_train_batch_size(DP x micro x micro-batches)
+    before every step (megatron/training.py train); a different micro-batch size would really break."""
     ds = copy.deepcopy(template or {})
     for key, value, flag in (("train_batch_size", global_batch, "--global-batch-size"),
                              ("train_micro_batch_size_per_gpu", micro, "--micro-batch-size"),
                              ("gradient_accumulation_steps", gas, "global/(micro x DP)")):
         if ds.get(key, "auto") not in ("auto", value):
-            raise _json_conflict(key, ds[key], flag, value)
+            if key == "train_micro_batch_size_per_gpu" or notes is None:
+                raise _json_conflict(key, ds[key], flag, value)
+            notes.append(f"DeepSpeed JSON {key} = {ds[key]} is overridden by {flag}: {value} "
+                         f"(the command line sets the engine's batch, as in Megatron-DeepSpeed)")
         ds[key] = value
     for name in ("fp16", "bf16"):
         block = ds.get(name) or {}
@@ -197,8 +189,6 @@ def build_ds_config(cfg: Config, template: dict | None, *, micro: int, global_ba
             raise _json_conflict(f'"{name}.enabled"', enabled, "the precision flag", cli)
         block["enabled"] = want
         ds[name] = block
-    if precision == "fp16":
-        _merge_loss_scale_knobs(ds["fp16"], cfg.training)
     zero = ds.setdefault("zero_optimization", {})
     if zero.get("stage", zero_stage) != zero_stage:
         raise _json_conflict('"zero_optimization.stage"', zero["stage"], "--zero-stage", zero_stage)
@@ -298,6 +288,12 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
         raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are both set; "
                           "choose one")
     warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else warmup_abs
+    try:
+        run = build_run_schedule(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp)
+    except ScheduleError as exc:
+        raise ConfigError(str(exc)) from None
+    if run.rampup is not None:
+        train_iters = run.train_iters_for_samples(t.train_samples)
     _need(o.lr, "--lr")
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
         raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set; choose one")
@@ -313,11 +309,12 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
                                                         or t.deepspeed_activation_checkpointing) else None)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     total, stages = count_parameters(m, padded, tp, pp)
+    notes: list[str] = []
     ds = build_ds_config(cfg, ds_template, micro=micro, global_batch=global_batch, gas=gas,
-                         precision=precision, zero_stage=zero_stage)
+                         precision=precision, zero_stage=zero_stage, notes=notes)
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=micro,
                   global_batch_size=global_batch, grad_accum_steps=gas, train_iters=train_iters,
-                  lr_decay_iters=decay, lr_warmup_iters=warmup, vocab_size=vocab_size,
+                  lr_decay_iters=decay, lr_warmup_iters=warmup, run=run, notes=tuple(notes), vocab_size=vocab_size,
                   padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,
                   use_pipeline=use_pipeline, recompute=recompute, model=m, total_params=total,
                   stages=stages, ds_config=ds)

@@ -76,7 +76,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel size (stages)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism for LayerNorm/dropout regions (needs TP > 1)."""
+    """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""
@@ -113,6 +113,10 @@ class OptimizerConfig:
     """Warmup iterations."""
     lr_warmup_samples: int = 0
     """Warmup samples (with --train-samples)."""
+    lr_decay_tokens: Optional[int] = None
+    """Tokens to decay over; overrides the iteration/sample decay span (Megatron-DeepSpeed)."""
+    lr_warmup_tokens: Optional[int] = None
+    """Tokens to warm up over; overrides the iteration/sample warmup (Megatron-DeepSpeed)."""
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and norm weights)."""
     clip_grad: float = 1.0
@@ -138,10 +142,15 @@ class TrainingConfig:
     """Samples per micro-batch per data parallel rank."""
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all data parallel ranks (default micro * DP)."""
+    rampup_batch_size: Optional[list] = meta(None, nargs="*")
+    """Batch-size ramp-up `START INCREMENT SAMPLES`: start at global batch START and grow by INCREMENT
+    in equal sample intervals until --global-batch-size is reached after SAMPLES samples (Megatron)."""
     train_iters: Optional[int] = None
     """Optimizer steps to train for."""
     train_samples: Optional[int] = None
     """Samples to train for (alternative to --train-iters)."""
+    train_tokens: Optional[int] = None
+    """Stop once this many tokens are consumed (with --train-samples/--train-iters as a cap)."""
     exit_interval: Optional[int] = None
     """Save (if --save) and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: Optional[float] = None
@@ -175,7 +184,10 @@ class TrainingConfig:
     recompute_method: str = meta("uniform", choices=("uniform",))
     """How recomputed layers are grouped: uniform chunks of --recompute-num-layers (Megatron's
     "block" method is not supported)."""
-    recompute_num_layers: int = meta(1, flags=("--recompute-num-layers", "--checkpoint-num-layers"))
+    activations_checkpoint_method: Optional[str] = meta(None, choices=("uniform",))
+    """Old Megatron-LM name of --recompute-method; as there, setting it turns on full recomputation."""
+    recompute_num_layers: int = meta(1, flags=("--recompute-num-layers", "--checkpoint-num-layers",
+                                               "--activations-checkpoint-num-layers"))
     """Layers per recomputed chunk."""
     deepspeed_activation_checkpointing: bool = False
     """Megatron-DeepSpeed flag; our checkpointing already restores RNG state, so this only implies
@@ -208,7 +220,8 @@ class DataConfig:
     """Data loader worker processes."""
     tokenizer_type: Optional[str] = None
     """Tokenizer the data was preprocessed with: GPT2BPETokenizer, SentencePieceTokenizer,
-    GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer."""
+    GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer (default GPT2BPETokenizer, the
+    args_defaults of Megatron-DeepSpeed's pretrain_gpt.py; --mock-data alone needs none)."""
     vocab_file: Optional[str] = None
     """GPT-2 vocab.json."""
     merge_file: Optional[str] = None
@@ -259,6 +272,15 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project: log the TensorBoard scalars there too (needs `pip install wandb`;
+    WANDB_MODE=offline on nodes without internet, `wandb sync` later)."""
+    wandb_exp_name: Optional[str] = meta(None, flags=("--wandb-exp-name", "--wandb-name"))
+    """Weights & Biases run name."""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases entity (user or team)."""
+    wandb_save_dir: Optional[str] = None
+    """Directory for W&B's local run files (default: ./wandb)."""
 
 
 @dataclass

@@ -33,12 +33,14 @@ class MockTokenizer:
 def build_tokenizer_for(cfg: DataConfig, log=print):
     from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer  # noqa: PLC0415
 
-    if cfg.tokenizer_type is None:
-        if cfg.mock_data:
+    tokenizer_type = cfg.tokenizer_type
+    if tokenizer_type is None:
+        if cfg.mock_data and not cfg.vocab_file:
             return MockTokenizer(cfg.vocab_size or GPT2_VOCAB_SIZE)
-        raise ConfigError("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and --merge-file)")
+        # Megatron-DeepSpeed's pretrain_gpt.py passes args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}
+        tokenizer_type = "GPT2BPETokenizer"
     try:
-        return build_tokenizer(cfg.tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
+        return build_tokenizer(tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
                                tokenizer_model=cfg.tokenizer_model, vocab_size=cfg.vocab_size, log=log)
     except TokenizerError as exc:
         raise ConfigError(str(exc)) from None

@@ -32,10 +32,14 @@ def peak_memory_gb(device: torch.device) -> float:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
                    global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
-                   tflops_per_gpu: float, mem_gb: float) -> str:
+                   tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
+    ]
+    if consumed_tokens is not None:  # token-based runs: Megatron-DeepSpeed's field, in its place
+        parts.append(f" consumed tokens: {consumed_tokens:12d}")
+    parts += [
         f" elapsed time per iteration (ms): {elapsed_ms:.1f}",
         f" learning rate: {lr:.3E}",
         f" global batch size: {global_batch_size:5d}",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_ds.config import Config, Layout
 from megatron_ds.training import log as mlog
+from megatron_ds.training.batch_schedule import TrainPlan
 
 
 class TrainingStopped(RuntimeError):
@@ -20,6 +21,7 @@ class TrainingStopped(RuntimeError):
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_train_tokens: int = 0
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
@@ -39,12 +41,15 @@ def train_step(engine, data_iter, layout: Layout, loss_fn, dp_group) -> float:
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
-    for _ in range(layout.grad_accum_steps):
+    steps = engine.gradient_accumulation_steps()  # changes during a batch-size ramp-up
+    for i in range(steps):
+        # explicit boundary: DeepSpeed's own count (micro_steps % steps) drifts when steps changes
+        engine.set_gradient_accumulation_boundary(i == steps - 1)
         loss = _plain_loss(engine, next(data_iter), loss_fn)
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
-    total /= layout.grad_accum_steps
+    total /= steps
     dist.all_reduce(total, group=dp_group)
     return float(total) / dist.get_world_size(dp_group)
 
@@ -55,7 +60,9 @@ def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: i
     total = 0.0
     if layout.use_pipeline:
         for _ in range(eval_iters):
-            total += float(engine.eval_batch(data_iter=data_iter, reduce_output="avg", bcast_loss=True))
+            # at the final global batch (also during a ramp-up), as consumed_valid_samples counts it
+            total += float(engine.eval_batch(data_iter=data_iter, reduce_output="avg", bcast_loss=True,
+                                             num_micro_batches=layout.grad_accum_steps))
         return total / eval_iters
     engine.eval()
     acc = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -90,10 +97,12 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
     window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
     window_skipped = engine.skipped_steps
     last_saved = state.iteration
-    while state.iteration < layout.train_iters:
+    plan = TrainPlan(layout)
+    while plan.keep_going(state):
+        batch = plan.begin(engine, state)
         loss = train_step(engine, train_iter, layout, loss_fn, dp_group)
         state.iteration += 1
-        state.consumed_train_samples += layout.global_batch_size
+        plan.end(state, batch)
         if t.empty_unused_memory_level >= 1 and device.type == "cuda":
             torch.cuda.empty_cache()
         window_iters += 1
@@ -110,7 +119,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             state.history.append((state.iteration, loss))
             window_losses.append(loss)
 
-        if state.iteration % lg.log_interval == 0 or state.iteration == layout.train_iters:
+        if state.iteration % lg.log_interval == 0 or not plan.keep_going(state):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.time() - window_start) / window_iters
@@ -122,16 +131,18 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             line = mlog.iteration_line(
                 iteration=state.iteration, train_iters=layout.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
-                global_batch_size=layout.global_batch_size, loss=mean_loss, loss_scale=_loss_scale(engine),
+                consumed_tokens=state.consumed_train_tokens if layout.run.counts_tokens else None,
+                global_batch_size=batch, loss=mean_loss, loss_scale=_loss_scale(engine),
                 grad_norm=grad_norm, skipped=engine.skipped_steps - window_skipped, nans=window_nans,
-                samples_per_s=layout.global_batch_size / elapsed,
-                tokens_per_s_per_gpu=layout.global_batch_size * m.seq_length / elapsed / layout.world_size,
-                tflops_per_gpu=flops / elapsed / layout.world_size / 1e12, mem_gb=mlog.peak_memory_gb(device))
+                samples_per_s=batch / elapsed,
+                tokens_per_s_per_gpu=batch * m.seq_length / elapsed / layout.world_size,
+                tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
+                mem_gb=mlog.peak_memory_gb(device))
             mlog.print_last_rank(line)
             tb.scalars(state.iteration, {
                 "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
                 "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
-                "batch-size": layout.global_batch_size if lg.log_batch_size_to_tensorboard else None,
+                "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
                 "mem-peak-GB": mlog.peak_memory_gb(device) if lg.log_memory_to_tensorboard else None,
                 "loss-scale": _loss_scale(engine),
             })

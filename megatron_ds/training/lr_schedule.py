@@ -10,6 +10,9 @@ import math
 
 
 class LRSchedule:
+    # what must agree between a checkpoint's schedule and this run's (see load_state_dict)
+    SHAPE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, last_step: int = 0):
         if decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
@@ -61,7 +64,15 @@ class LRSchedule:
     def load_state_dict(self, state: dict) -> None:
         """Restore the step (DeepSpeed calls this while loading a checkpoint). A schedule shape that
         differs from this run's is an error unless a flag says which one wins, as in Megatron."""
-        shape = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+        shape = self.SHAPE
+        if ("num_tokens" in state) != ("num_tokens" in self.state_dict()):
+            from megatron_ds.config import ConfigError  # noqa: PLC0415
+
+            raise ConfigError("the checkpoint's learning-rate schedule counts {} but this run's counts {} "
+                              "(--rampup-batch-size / --lr-warmup-tokens / --lr-decay-tokens differ); resume with "
+                              "the checkpoint's flags, or pass --no-load-lr-state to start the schedule afresh"
+                              .format(*(("samples and tokens", "iterations") if "num_tokens" in state
+                                        else ("iterations", "samples and tokens"))))
         diffs = [f"{k}: checkpoint {state[k]!r} vs now {getattr(self, k)!r}" for k in shape
                  if state[k] != getattr(self, k)]
         if diffs and not (self.override or self.use_checkpoint):

@@ -10,10 +10,13 @@ import time
 import torch
 
 from megatron_ds.config import Config, ConfigError, derive, load_ds_template, parse_args
+from megatron_ds.config.compat import megatron_overrides
+from megatron_ds.config.ds_validate import validate_with_deepspeed
 from megatron_ds.training import log as mlog
 from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
                                        build_tokenizer_for, describe_source, stage_iterator)
 from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
+from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
 def dry_run(cfg: Config, ignored: list[str]) -> int:
@@ -22,10 +25,14 @@ def dry_run(cfg: Config, ignored: list[str]) -> int:
 
     world = cfg.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer = build_tokenizer_for(cfg.data, log=lambda *a: None)
-    layout = derive(cfg, world, vocab_size=tokenizer.vocab_size,
-                    ds_template=load_ds_template(cfg.deepspeed.deepspeed_config),
+    template = load_ds_template(cfg.deepspeed.deepspeed_config)
+    notes = megatron_overrides(cfg, template)
+    layout = derive(cfg, world, vocab_size=tokenizer.vocab_size, ds_template=template,
                     device_type="cuda" if device_type() == "cuda" or cfg.training.fp16 else "cpu")
+    validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
     print(layout.summary())
+    for note in notes + list(layout.notes):
+        print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {layout.grad_accum_steps}")
     check_layout_memory(cfg, layout)
     if ignored:
@@ -64,8 +71,11 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     env = discover_world(cfg)
     device = select_device(env.local_rank, env.local_world_size)
     tokenizer = build_tokenizer_for(cfg.data, log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
-    layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size,
-                    ds_template=load_ds_template(cfg.deepspeed.deepspeed_config), device_type=device.type)
+    template = load_ds_template(cfg.deepspeed.deepspeed_config)
+    notes = megatron_overrides(cfg, template)
+    layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size, ds_template=template,
+                    device_type=device.type)
+    validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
     init_distributed(cfg, device)
     from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
     from megatron_ds.model.gpt import gpt_loss_fn  # noqa: PLC0415
@@ -73,6 +83,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     ps = ParallelState(layout.tp, layout.pp, layout.dp)
     rt = build_engine(cfg, layout, ps, device, tokenizer.eod)
     log_startup(cfg, layout, rt, ignored)
+    for note in notes + list(layout.notes):
+        mlog.print_rank0(f"WARNING: {note}")
     engine = rt.engine
     loss_fn = functools.partial(gpt_loss_fn, tp_group=ps.tp_group)
 
@@ -88,6 +100,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
+            state.consumed_train_tokens = client.get("consumed_train_tokens",
+                                                     state.consumed_train_samples * layout.model.seq_length)
             state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
             state.nan_iterations = client.get("nan_iterations", 0)
         if client.get("rng") is not None and cfg.checkpoint.load_rng and not cfg.checkpoint.finetune:
@@ -109,12 +123,17 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     valid_iter = iterator(datasets[1], state.consumed_valid_samples, True)
     test_iter = iterator(datasets[2], 0, True)
 
-    tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
-                          == torch.distributed.get_world_size() - 1)
+    last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    lg = cfg.logging
+    tb = ScalarWriters(mlog.TensorBoard(lg.tensorboard_dir, enabled_rank=last_rank),
+                       WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
+                             save_dir=lg.wandb_save_dir, checkpoint_dir=cfg.checkpoint.save, enabled_rank=last_rank,
+                             config=cfg.to_dict()))
     meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:]}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
+                  "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if cfg.checkpoint.save_rng:
             client["rng"] = ckpt.rng_state()

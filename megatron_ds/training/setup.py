@@ -12,6 +12,7 @@ from megatron_ds.config.derive import guards_optimizer
 from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.training.batch_schedule import make_lr_schedule
 from megatron_ds.training.checkpointing import install_safe_loading
 from megatron_ds.training.log import print_rank0
 from megatron_ds.training.lr_schedule import LRSchedule
@@ -96,9 +97,7 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
         optimizer = GuardedOptimizer(optimizer, cfg.optimizer.clip_grad)
-    scheduler = LRSchedule(optimizer, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-                           warmup_steps=layout.lr_warmup_iters, decay_steps=layout.lr_decay_iters,
-                           decay_style=cfg.optimizer.lr_decay_style)
+    scheduler = make_lr_schedule(optimizer, cfg, layout)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=layout.ds_config, mpu=None if layout.use_pipeline else ps,
                                            dist_init_required=False)

@@ -56,9 +56,13 @@ def test_zero3_allowed_without_pipeline():
     assert layout.ds_config["zero_optimization"]["stage"] == 3 and not layout.use_pipeline
 
 
-def test_json_train_batch_size_conflict():
-    rejects(r"train_batch_size = 64 contradicts --global-batch-size: 4", "--global-batch-size", "4",
-            template={"train_batch_size": 64})
+def test_json_train_batch_size_loses_to_the_command_line_with_a_note():
+    # Megatron-DeepSpeed calls engine.set_train_batch_size(DP x micro x micro-batches) before every step
+    # (megatron/training.py train), so a stale JSON train_batch_size has no effect there either.
+    layout = make("--global-batch-size", "4", template={"train_batch_size": 64, "gradient_accumulation_steps": 7})
+    assert layout.ds_config["train_batch_size"] == 4 and layout.ds_config["gradient_accumulation_steps"] == 2
+    assert any("train_batch_size = 64 is overridden by --global-batch-size: 4" in n for n in layout.notes)
+    assert any("gradient_accumulation_steps = 7 is overridden" in n for n in layout.notes)
 
 
 def test_json_micro_batch_conflict():
@@ -85,7 +89,6 @@ def test_fp16_on_cpu():
 
 def test_other_rejections():
     rejects(r"--fp16 and --bf16 are both set", "--fp16", "--bf16", device="cuda")
-    rejects(r"--sequence-parallel needs --tensor-model-parallel-size > 1", "--sequence-parallel")
     rejects(r"--no-pipeline-parallel needs --pipeline-model-parallel-size 1", "--no-pipeline-parallel",
             "--pipeline-model-parallel-size", "2", world=2)
     rejects(r'"optimizer"/"scheduler" block', template={"optimizer": {"type": "Adam"}})
@@ -113,18 +116,22 @@ def test_derived_values():
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
 
 
-def test_fp16_loss_scale_knobs_merge():
-    # the JSON's knob kept, a flag fills a gap, Megatron's defaults fill the rest
-    layout = make("--fp16", "--loss-scale", "4096", device="cuda",
-                  template={"fp16": {"enabled": "auto", "loss_scale_window": 500}})
-    fp16 = layout.ds_config["fp16"]
-    assert fp16["enabled"] is True and fp16["loss_scale_window"] == 500 and fp16["loss_scale"] == 4096.0
-    assert fp16["initial_scale_power"] == 32 and fp16["hysteresis"] == 2 and fp16["min_loss_scale"] == 1
+def test_fp16_loss_scale_knobs_come_from_the_json_only():
+    # Megatron-DeepSpeed's get_megatron_optimizer() returns before building its grad scaler under
+    # --deepspeed (megatron/optimizer/__init__.py), so --loss-scale & co have no effect; DeepSpeed's
+    # engine reads the JSON's fp16 block (its own defaults fill the rest).
+    from megatron_ds.config.compat import megatron_overrides
 
-
-def test_fp16_loss_scale_flag_contradicting_json():
-    rejects(r'"fp16.initial_scale_power" = 16 contradicts --initial-loss-scale: 1024', "--fp16",
-            "--initial-loss-scale", "1024", device="cuda", template={"fp16": {"initial_scale_power": 16}})
+    template = {"fp16": {"enabled": "auto", "loss_scale_window": 500}}
+    cfg, _ = parse_args(BASE + ["--fp16", "--loss-scale", "4096", "--loss-scale-window", "100"])
+    notes = megatron_overrides(cfg, template)
+    layout = derive(cfg, 1, vocab_size=1000, ds_template=template, device_type="cuda")
+    assert layout.ds_config["fp16"] == {"enabled": True, "loss_scale_window": 500}
+    assert any('--loss-scale 4096 has no effect with DeepSpeed' in n and 'default "fp16.loss_scale" = 0' in n
+               for n in notes)
+    assert any('--loss-scale-window 100' in n and 'JSON "fp16.loss_scale_window" = 500' in n for n in notes)
+    cfg, _ = parse_args(BASE + ["--bf16", "--loss-scale", "12"])  # universal_checkpointing/run_bf16.sh
+    assert megatron_overrides(cfg, None) == ["--loss-scale 12 has no effect without --fp16 (as in Megatron-DeepSpeed)"]
 
 
 def test_sequence_parallel_turns_off_pipeline_partitioning():
@@ -179,3 +186,14 @@ def test_parameter_count_split_over_tp_pp():
     stage1 = 2 * (split_per_layer // 2 + replicated_per_layer) + 2 * h + 1024 * h // 2
     assert [s.params_per_tp_rank for s in stages] == [stage0, stage1]
     assert total == 4 * (split_per_layer + replicated_per_layer) + 1024 * h + 32 * h + 2 * h
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
+    # Megatron-DeepSpeed's validate_args: "if args.tensor_model_parallel_size == 1: args.sequence_parallel = False"
+    from megatron_ds.config.compat import megatron_overrides
+
+    cfg, _ = parse_args(BASE + ["--sequence-parallel"])
+    notes = megatron_overrides(cfg, None)
+    assert cfg.parallel.sequence_parallel is False and "--sequence-parallel is turned off" in notes[0]
+    cfg, _ = parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    assert megatron_overrides(cfg, None) == [] and cfg.parallel.sequence_parallel is True

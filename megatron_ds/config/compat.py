@@ -1,0 +1,103 @@
+"""What Megatron-DeepSpeed silently overrides or ignores, done the same way here but said once.
+
+A launch script that works with Megatron-DeepSpeed must not be refused for a flag that has no effect
+there; it must not be silently reinterpreted either. ``megatron_overrides`` applies Megatron-DeepSpeed's
+own overrides to a freshly parsed config (in place) and returns one warning per override, naming the
+values involved. Everything here depends only on the flags, the DeepSpeed JSON and whether wandb is
+installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from megatron_ds.config.schema import Config
+
+# flag -> (TrainingConfig field, key in the JSON's "fp16" block, DeepSpeed's default for that key,
+#          flag value -> JSON value)
+_LOSS_SCALE_FLAGS = {
+    "--loss-scale": ("loss_scale", "loss_scale", 0, float),  # 0 = dynamic
+    "--initial-loss-scale": ("initial_loss_scale", "initial_scale_power", 16, lambda v: math.log2(v)),
+    "--min-loss-scale": ("min_loss_scale", "min_loss_scale", 1, float),
+    "--loss-scale-window": ("loss_scale_window", "loss_scale_window", 1000, float),
+    "--hysteresis": ("hysteresis", "hysteresis", 2, float),
+}
+
+
+def _sequence_parallel_at_tp1(cfg: Config) -> list[str]:
+    # megatron/arguments.py validate_args: "disable sequence parallelism when tp=1 to avoid change in
+    # numerics when sequence_parallelism is enabled" -- it sets args.sequence_parallel = False.
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
+        cfg.parallel.sequence_parallel = False
+        return ["--sequence-parallel is turned off: --tensor-model-parallel-size is 1 (Megatron-DeepSpeed "
+                "does the same; sequence parallelism splits activations across tensor parallel ranks)"]
+    return []
+
+
+def _old_recompute_flag(cfg: Config) -> list[str]:
+    """Megatron-LM before the recompute rename (v2.x, which Megatron-DeepSpeed's examples/pretrain_gpt3_175B.sh
+    still uses): ParallelTransformer.forward ran ``_checkpointed_forward`` whenever
+    ``activations_checkpoint_method is not None`` -- the flag alone meant full recomputation."""
+    t = cfg.training
+    if t.activations_checkpoint_method is not None:
+        t.recompute_method = t.activations_checkpoint_method
+        if t.recompute_granularity is None:
+            t.checkpoint_activations = True
+    return []
+
+
+def _loss_scale_flags(cfg: Config, template: dict | None) -> list[str]:
+    """Megatron-DeepSpeed's get_megatron_optimizer() returns the bare optimizer under --deepspeed before
+    it builds Megatron's grad scaler from --loss-scale & co (megatron/optimizer/__init__.py), so those
+    flags have no effect there: DeepSpeed's engine scales the loss from the JSON's "fp16" block. Same
+    here; a flag that would have mattered is named with the value actually used."""
+    notes = []
+    fp16 = (template or {}).get("fp16") or {}
+    for flag, (name, key, ds_default, to_json) in _LOSS_SCALE_FLAGS.items():
+        value = getattr(cfg.training, name)
+        if value is None:
+            continue
+        setattr(cfg.training, name, None)
+        if not cfg.training.fp16:
+            if flag == "--loss-scale":  # plain Megatron would apply it to bf16 too; DeepSpeed does not
+                notes.append(f"{flag} {value:g} has no effect without --fp16 (as in Megatron-DeepSpeed)")
+            continue
+        used = fp16.get(key, ds_default)
+        if isinstance(used, (int, float)) and float(used) == to_json(value):
+            continue  # the flag agrees with what DeepSpeed uses: nothing lost
+        where = f'DeepSpeed JSON "fp16.{key}" = {used}' if key in fp16 else \
+            f'DeepSpeed\'s default "fp16.{key}" = {used}'
+        notes.append(f"{flag} {value:g} has no effect with DeepSpeed (as in Megatron-DeepSpeed, whose "
+                     f"--deepspeed path never builds Megatron's loss scaler); using {where}. Set it in the "
+                     f"JSON's \"fp16\" block instead")
+    return notes
+
+
+def _disabled_legacy_curriculum(template: dict | None) -> list[str]:
+    """A top-level "curriculum_learning" block with "enabled": false (Megatron-DeepSpeed's MoE/curriculum
+    templates ship one) changes nothing in Megatron-DeepSpeed, but DeepSpeed >= 0.19 refuses the legacy
+    block even when disabled. The intent is unambiguous, so it is dropped; an enabled one stays and
+    is refused by DeepSpeed's parser (config/ds_validate.py)."""
+    block = (template or {}).get("curriculum_learning")
+    if isinstance(block, dict) and block.get("enabled") is False:
+        del template["curriculum_learning"]
+        return ['the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
+                '>= 0.19 refuses that block even when disabled; it had no effect)']
+    return []
+
+
+def _wandb_missing(cfg: Config) -> list[str]:
+    """Megatron-DeepSpeed goes on without W&B when wandb is not installed (megatron/global_vars.py);
+    so do we, but --dry-run says so before the queue rather than in the job's log."""
+    lg = cfg.logging
+    if (lg.wandb_project or lg.wandb_exp_name) and importlib.util.find_spec("wandb") is None:
+        return ["--wandb-project/--wandb-name given but the wandb package is not installed (pip install wandb): "
+                "the run will not log to W&B"]
+    return []
+
+
+def megatron_overrides(cfg: Config, template: dict | None) -> list[str]:
+    """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` and ``template`` in place; returns the
+    warnings."""
+    return (_sequence_parallel_at_tp1(cfg) + _old_recompute_flag(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
+            + _wandb_missing(cfg))

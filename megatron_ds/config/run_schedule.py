@@ -1,0 +1,132 @@
+"""How long a run lasts and how its batch size and learning rate progress, as pure functions.
+
+Megatron-DeepSpeed semantics, transcribed from its sources:
+
+* Batch-size ramp-up (``--rampup-batch-size START INCREMENT SAMPLES``, megatron/microbatches.py
+  ``RampupBatchsizeNumMicroBatches``): over ``(GLOBAL - START) / INCREMENT`` equal intervals of
+  ``SAMPLES / intervals`` samples the global batch grows from START by INCREMENT; after SAMPLES consumed
+  samples it is ``--global-batch-size``. Only sample-based runs may ramp (megatron/arguments.py:
+  "expected no batch-size rampup for iteration-based training").
+* The number of iterations of a ramped ``--train-samples`` run is megatron/training.py
+  ``update_train_iters``: iterate the ramp until more than SAMPLES samples are consumed, then whole
+  global batches of what is left (a partial last batch is dropped).
+* Token-based training (``--train-tokens``): the loop runs ``while iteration < train_iters and
+  consumed_train_tokens < train_tokens`` (megatron/training.py ``train``); ``--train-samples`` /
+  ``--train-iters`` stay a cap. Tokens consumed per iteration are ``global batch x seq_length``.
+* The learning rate is scheduled in samples (megatron/training.py ``get_optimizer_param_scheduler``:
+  iteration spans are multiplied by the global batch size) unless ``--lr-warmup-tokens`` /
+  ``--lr-decay-tokens`` switch warmup / decay to consumed tokens
+  (megatron/optimizer_param_scheduler.py ``get_lr``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ScheduleError(ValueError):
+    """A bad ramp-up / token setting (derive() turns it into a ConfigError)."""
+
+
+@dataclass(frozen=True)
+class Rampup:
+    start: int
+    increment: int
+    samples: int
+    final: int  # --global-batch-size
+
+    @property
+    def samples_per_increment(self) -> float:
+        return self.samples / ((self.final - self.start) // self.increment)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """RampupBatchsizeNumMicroBatches.update(consumed_samples)."""
+        if consumed_samples > self.samples:
+            return self.final
+        steps = int(consumed_samples / self.samples_per_increment)
+        return self.start + steps * self.increment
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    """Ramp-up, the token target and the LR schedule's spans (in samples / tokens)."""
+    seq_length: int
+    global_batch_size: int  # after any ramp-up
+    rampup: Rampup | None
+    train_tokens: int | None
+    lr_warmup_samples: float
+    lr_decay_samples: int
+    lr_warmup_tokens: int | None
+    lr_decay_tokens: int | None
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Token-based run: the iteration line shows consumed tokens (Megatron-DeepSpeed's field)."""
+        return self.train_tokens is not None or self.lr_decay_tokens is not None \
+            or self.lr_warmup_tokens is not None
+
+    @property
+    def needs_sample_lr(self) -> bool:
+        """The LR schedule must count samples/tokens rather than iterations (ramp-up or token spans)."""
+        return self.rampup is not None or self.lr_decay_tokens is not None or self.lr_warmup_tokens is not None
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        return self.rampup.global_batch_at(consumed_samples) if self.rampup else self.global_batch_size
+
+    def train_iters_for_samples(self, train_samples: int) -> int:
+        """megatron/training.py update_train_iters."""
+        if self.rampup is None:
+            return train_samples // self.global_batch_size
+        iterations = consumed = 0
+        while consumed <= self.rampup.samples:
+            consumed += self.rampup.global_batch_at(consumed)
+            iterations += 1
+        return iterations + (train_samples - consumed) // self.global_batch_size
+
+
+def parse_rampup(values: list | None, global_batch: int, micro_dp: int) -> Rampup | None:
+    """Validate --rampup-batch-size as Megatron does, plus what would fail mid-run there: every batch
+    size of the ramp must split into micro-batches over the data parallel ranks."""
+    if values is None:
+        return None
+    if len(values) != 3:
+        raise ScheduleError(f"--rampup-batch-size takes 3 values: START INCREMENT SAMPLES (got {' '.join(values)})")
+    try:
+        start, increment, samples = (int(v) for v in values)
+    except ValueError:
+        raise ScheduleError(f"--rampup-batch-size values must be integers (got {' '.join(values)})") from None
+    if start <= 0 or increment <= 0 or samples < 0:
+        raise ScheduleError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be "
+                            f"positive and SAMPLES non-negative")
+    if start > global_batch or (global_batch - start) % increment:
+        raise ScheduleError(f"--rampup-batch-size: --global-batch-size {global_batch} minus START {start} must be "
+                            f"a non-negative multiple of INCREMENT {increment}")
+    if start == global_batch:
+        return None  # nothing to ramp: Megatron would divide by zero intervals
+    if start % micro_dp or increment % micro_dp:
+        raise ScheduleError(f"--rampup-batch-size: START {start} and INCREMENT {increment} must be multiples of "
+                            f"--micro-batch-size x DP = {micro_dp} (every batch size of the ramp is split into "
+                            f"micro-batches over the data parallel ranks)")
+    return Rampup(start, increment, samples, global_batch)
+
+
+def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: int) -> RunSchedule:
+    """The RunSchedule of TrainingConfig ``t`` and OptimizerConfig ``o`` (spans as in Megatron's
+    get_optimizer_param_scheduler: iteration counts times the global batch size)."""
+    rampup = parse_rampup(t.rampup_batch_size, global_batch, micro_dp)
+    if rampup is not None and t.train_samples is None:
+        raise ScheduleError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
+                            "iteration-based training)")
+    for flag, value, least in (("--train-tokens", t.train_tokens, 1), ("--lr-warmup-tokens", o.lr_warmup_tokens, 0),
+                               ("--lr-decay-tokens", o.lr_decay_tokens, 1)):
+        if value is not None and value < least:
+            raise ScheduleError(f"{flag} must be {'positive' if least else 'non-negative'} (got {value})")
+    if t.train_samples is not None:
+        decay = o.lr_decay_samples or t.train_samples
+        warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_samples
+    else:
+        decay = (o.lr_decay_iters or t.train_iters or 0) * global_batch
+        warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None \
+            else o.lr_warmup_iters * global_batch
+    return RunSchedule(seq_length=seq_length, global_batch_size=global_batch, rampup=rampup,
+                       train_tokens=t.train_tokens, lr_warmup_samples=warmup, lr_decay_samples=decay,
+                       lr_warmup_tokens=o.lr_warmup_tokens, lr_decay_tokens=o.lr_decay_tokens)

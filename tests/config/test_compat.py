@@ -1,0 +1,84 @@
+"""Megatron-DeepSpeed flags accepted, warned or refused with the reason; the DeepSpeed JSON checked by
+DeepSpeed's own parser."""
+import pytest
+
+from megatron_ds.config import ConfigError, parse_args
+from megatron_ds.config.ds_validate import validate_with_deepspeed
+from megatron_ds.training.data import MockTokenizer, build_tokenizer_for
+
+
+def refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_upstream_off_values_are_accepted_and_on_values_refused(capsys):
+    # Megatron-DeepSpeed's defaults: --ds-sequence-parallel-size 1, --num-experts [1] (nargs='+')
+    parse_args(["--ds-sequence-parallel-size", "1", "--num-experts", "1"])
+    parse_args(["--num-experts", "1", "1"])
+    assert "--num-experts 8: mixture-of-experts models are not supported (--num-experts 1 is accepted)" in \
+        refused(["--num-experts", "8"], capsys)
+    assert "--ds-sequence-parallel-size 2: DeepSpeed-Ulysses" in refused(["--ds-sequence-parallel-size", "2"], capsys)
+
+
+@pytest.mark.parametrize("flag,reason", [
+    ("--universal-checkpoint", "loading DeepSpeed universal checkpoints is not supported"),
+    ("--enable-zbh1-pipeline", "zero-bubble pipeline schedules are not supported"),
+    ("--curriculum-learning-legacy", "curriculum learning is not supported"),
+])
+def test_refused_with_reason(flag, reason, capsys):
+    assert reason in refused([flag], capsys)
+
+
+def test_old_and_new_spellings():
+    from megatron_ds.config.compat import megatron_overrides
+
+    cfg, ignored = parse_args(["--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers",
+                               "2", "--distribute-checkpointed-activations", "--wandb-name", "run1"])
+    assert not cfg.training.checkpoint_activations
+    megatron_overrides(cfg, None)
+    # old Megatron-LM: the method alone turned on full recomputation (transformer.py ran
+    # _checkpointed_forward whenever activations_checkpoint_method was set)
+    assert cfg.training.checkpoint_activations and cfg.training.recompute_method == "uniform"
+    assert cfg.training.recompute_num_layers == 2
+    assert ignored == ["--distribute-checkpointed-activations"] and cfg.logging.wandb_exp_name == "run1"
+    cfg, _ = parse_args(["--wandb-exp-name", "run2"])  # deepspeedai/Megatron-DeepSpeed's spelling
+    assert cfg.logging.wandb_exp_name == "run2"
+
+
+def test_tokenizer_defaults_to_gpt2_bpe(tmp_path):
+    """pretrain_gpt.py in Megatron-DeepSpeed: pretrain(..., args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})."""
+    cfg, _ = parse_args(["--vocab-file", str(tmp_path / "missing.json"), "--merge-file", str(tmp_path / "m.txt")])
+    with pytest.raises(ConfigError, match="GPT2BPETokenizer"):  # it tried the GPT-2 BPE files
+        build_tokenizer_for(cfg.data, log=lambda *a: None)
+    cfg, _ = parse_args(["--mock-data"])  # synthetic data alone still needs no tokenizer files
+    assert isinstance(build_tokenizer_for(cfg.data, log=lambda *a: None), MockTokenizer)
+
+
+def _ds(**extra) -> dict:
+    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **extra}
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"zero_optimization": {"stage": 1, "overlap_com": True}}, r"DeepSpeed refuses x.json: .*overlap_com"),
+    ({"curriculum_learning": {"enabled": True}},
+     r"Legacy top-level 'curriculum_learning' has been removed.*megatron_ds does not implement"),
+    ({"data_efficiency": {"enabled": True, "data_sampling": {"curriculum_learning": {"enabled": True}}}},
+     r"needs Megatron-DeepSpeed's data-efficiency data loader"),
+])
+def test_deepspeed_parser_refusals(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_with_deepspeed(_ds(**extra), "x.json")
+
+
+def test_deepspeed_parser_accepts_a_merged_config():
+    # train_batch_size is left to derive() (it knows DP): 8 != 2 x 2 x world 1 must not be refused here
+    validate_with_deepspeed(_ds(zero_optimization={"stage": 1}, bf16={"enabled": True}), "x.json")
+
+
+def test_zero_offload_needs_the_client_optimizer_switch():
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match='"zero_force_ds_cpu_optimizer": false'):
+        validate_with_deepspeed(_ds(**offload), "x.json")
+    validate_with_deepspeed(_ds(**offload, zero_force_ds_cpu_optimizer=False), "x.json")
