@@ -338,14 +338,17 @@ stage_data() {
     esac
   done
   # shellcheck disable=SC2016  # expanded by the copying shell on each node
-  script='mkdir -p "$(dirname "$2")" && while [ $# -ge 2 ]; do cp "$1" "$2.part" && mv -f "$2.part" "$2" || exit 1; shift 2; done'
+  script='mkdir -p "$(dirname "$2")" && while [ $# -ge 2 ]; do cp "$1" "$2.part.$$" && mv -f "$2.part.$$" "$2" || exit 1; shift 2; done'
   abci_note "staging ${#sources[@]} files ($(du -shcL "${sources[@]}" 2>/dev/null | tail -n 1 | cut -f1)) to" \
     "$local_dir/data on $NUM_NODES node(s)"
   if [ "${DRY_RUN:-0}" = 1 ]; then
     abci_note "DRY_RUN: would copy ${sources[*]} (validating the shared copies)"
     return 0
   elif [ "$NUM_NODES" -gt 1 ]; then
-    "${MPIRUN:-mpirun}" -np "$NUM_NODES" -npernode 1 -hostfile "$HOSTFILE" bash -c "$script" stage "${files[@]}" \
+    local -a extra
+    read -r -a extra <<< "${MPIRUN_EXTRA_ARGS:-}"
+    "${MPIRUN:-mpirun}" -np "$NUM_NODES" -npernode 1 -hostfile "$HOSTFILE" "${extra[@]}" \
+      bash -c "$script" stage "${files[@]}" \
       || abci_die "staging DATA_PATH to node-local storage failed (disk full? set STAGE_DATA=0)"
   else
     bash -c "$script" stage "${files[@]}" || abci_die "staging DATA_PATH to $local_dir failed (set STAGE_DATA=0)"

@@ -210,10 +210,10 @@ def test_parameter_state_matches_real_engines(tmp_path):
             expected_path = {"BF16_Optimizer": "DeepSpeed BF16_Optimizer", "GuardedOptimizer": "torch AdamW, fp32",
                              "DeepSpeedZeroOptimizer": "DeepSpeed ZeRO stage 2"}[optimizer_class]
             assert path_name == expected_path
-            # 10%: the engine also keeps the last micro-batch's pipeline buffers, the loss, the LR
-            # scheduler's and loss scaler's scalars, small communication tensors and the alignment
-            # padding of its flat buffers; the model's states are ~90% of the bytes of this model.
-            assert measured == pytest.approx(estimated, rel=0.10), (case, measured, estimated)
+            # 5%: measured exceeds the estimate by 0-2.3% here: the last micro-batch's pipeline
+            # buffers, the loss, the LR scheduler's and loss scaler's scalars, small communication
+            # tensors and the alignment padding of DeepSpeed's flat buffers, left out by the estimate.
+            assert measured == pytest.approx(estimated, rel=0.05), (case, measured, estimated)
 
 
 # --------------------------------------------------------------------------- measured on GPU

@@ -1,9 +1,11 @@
 """The ABCI 3.0 job scripts driving the real pretrain_gpt.py: a simulated PBS job on localhost,
 Open MPI's mpirun starting 2 ranks that find each other through --use-mpi, 2 pipeline stages, real
 preprocessed data, a checkpoint, and the resubmitted job resuming from it (as a job chain does)."""
+import filecmp
 import re
+from pathlib import Path
 
-from tests.launch.helpers import requires_mpirun
+from tests.launch.helpers import free_port, requires_mpirun
 from tests.launch.test_abci_scripts import FakeJob
 
 TINY = dict(TP=1, PP=2, ZERO_STAGE=1, NUM_LAYERS=2, HIDDEN_SIZE=64, NUM_HEADS=4, SEQ_LENGTH=64, MICRO_BATCH=2,
@@ -58,7 +60,10 @@ def test_multi_node_job_script_trains_on_two_nodes(tmp_path, e2e_data):
                PYTHON="", GPUS_PER_NODE=1, DATA_PATH=e2e_data["prefix"], VOCAB_FILE=e2e_data["vocab"],
                MERGE_FILE=e2e_data["merges"],
                # the simulated host names don't resolve: rank 0's address is this machine's
-               MASTER_ADDR="127.0.0.1", MPIRUN_EXTRA_ARGS=f"--mca plm_rsh_agent {agent}")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),  # not the job id's port: other
+               # test runs on this machine may hold it
+               MPIRUN_EXTRA_ARGS=f"--mca plm_rsh_agent {agent}",
+               STAGE_DATA=1)  # each node copies the data to its $PBS_LOCALDIR first (through mpirun)
     result = job.run("abci3_h200_llama_7b.sh", *CPU_ARGS, "--eval-iters", "0", TRAIN_ITERS=3, timeout=600, **env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (job.local / "hostfile").read_text() == "hnode001 slots=1\nhnode002 slots=1\n"
@@ -67,3 +72,9 @@ def test_multi_node_job_script_trains_on_two_nodes(tmp_path, e2e_data):
     assert "world size 2 = TP 1 x PP 1 x DP 2 (pipeline engine, ZeRO 1, bf16)" in log
     assert [int(i) for i in re.findall(r"^ iteration\s+(\d+)/\s+3 \|", log, re.M)] == [1, 2, 3]
     assert (job.work / "checkpoints" / "llama_7b" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    # the staged copies (the simulated nodes share one $PBS_LOCALDIR) are the shared files
+    staged = job.local / "data" / ("1_" + Path(e2e_data["prefix"]).name)
+    for suffix in (".bin", ".idx"):
+        assert filecmp.cmp(f"{staged}{suffix}", e2e_data["prefix"] + suffix, shallow=False)
+    assert not list((job.local / "data").glob("*.part*"))
+    assert (job.work / "runs" / "llama_7b" / "index-cache").is_dir()  # the shared index cache
