@@ -37,6 +37,7 @@ IGNORED_FLAGS: dict[str, int] = {
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
         "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
         "--no-initialization", "--fp16-lm-cross-entropy", "--log-params-norm",
+        "--exit-signal-handler",  # SIGTERM/SIGUSR1 handling is on by default here
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
