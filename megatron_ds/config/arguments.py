@@ -15,6 +15,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import typing
 from functools import lru_cache
@@ -120,6 +121,12 @@ class _Unsupported(argparse.Action):
 
 class _Parser(argparse.ArgumentParser):
     """Errors as one line plus a pointer to --help: the full usage of ~150 flags buries the message."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # `--lr -1e-3` must reach the range check (which names the flag) rather than fail as
+        # "expected one argument": before Python 3.13, argparse takes -1e-3 for an option.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")

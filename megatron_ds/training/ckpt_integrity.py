@@ -35,6 +35,9 @@ META = "megatron_ds_config.json"  # written by checkpointing.py after all ranks'
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP = re.compile(r"^global_step(\d+)$")
 _CHUNK = 16 << 20
+# Checkpoints found damaged by choose_checkpoint in this process (path -> problem), so that
+# protect_newer moves them aside instead of hashing them again or calling them complete.
+_found_damaged: dict[str, str] = {}
 
 
 def crc32_file(path: str) -> int:
@@ -226,6 +229,7 @@ def choose_checkpoint(load_dir: str, *, exact_step: int | None = None, log=print
                     f"--ckpt-step {skipped[0]} to demand the damaged one)")
             return step
         log(f"WARNING: checkpoint damaged: {problem}")
+        _found_damaged[os.path.realpath(os.path.join(load_dir, f"global_step{step}"))] = problem
         skipped.append(step)
     if skipped:
         raise ConfigError(f"no complete checkpoint in --load {load_dir} (tried iterations "
@@ -243,7 +247,7 @@ def protect_newer(save_dir: str, start_iteration: int, *, log=print) -> None:
             if step <= start_iteration:
                 continue
             path = os.path.join(save_dir, f"global_step{step}")
-            problem = quick_status(path)
+            problem = _found_damaged.get(os.path.realpath(path)) or quick_status(path)
             if problem is None:
                 error = (f"--save {save_dir} already holds a complete checkpoint at iteration {step}, "
                          f"newer than this run's start ({start_iteration}), and would be overwritten: "
@@ -251,7 +255,7 @@ def protect_newer(save_dir: str, start_iteration: int, *, log=print) -> None:
                 break
             aside = _free_name(f"{path}.damaged")
             os.rename(path, aside)
-            log(f"WARNING: moved the incomplete checkpoint {path} aside to {aside} ({problem})")
+            log(f"WARNING: moved the damaged checkpoint {path} aside to {aside} ({problem})")
     error = _broadcast(error)
     if error:
         raise ConfigError(error)
