@@ -148,8 +148,8 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = None
     """Save (if --save) and exit once this many minutes have passed (keep it under the walltime)."""
     exit_signal_handler: bool = meta(True, flags=("--no-exit-signal-handler",), invert=True)
-    """Do not handle SIGTERM/SIGUSR1 (by default the first one finishes the iteration, saves and exits 0;
-    a second one exits at once)."""
+    """Do not handle SIGTERM/SIGUSR1/SIGUSR2 (by default the first one finishes the iteration, saves and
+    exits 0; a second one exits at once)."""
     eval_interval: int = 1000
     """Run validation every this many iterations."""
     eval_iters: int = 100

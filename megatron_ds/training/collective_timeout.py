@@ -15,9 +15,28 @@ import re
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 _PREFIX = "megatron_ds/collective_failed/"
+
+
+def apply_timeout_to_new_groups(timeout: timedelta, log=print) -> None:
+    """Give process groups made later by new_group() without a timeout -- DeepSpeed's pipeline and
+    data parallel groups, where a hung rank is first waited for -- the run's timeout instead of
+    torch's default (30 min for gloo). Megatron passes its timeout to every new_group; DeepSpeed
+    does not, so torch's default is changed: a module global that torch reads at each new_group
+    (distributed_c10d._get_default_timeout, torch 2.x), checked here so a torch without it only
+    loses this, with a note."""
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    if not (hasattr(c10d, "default_pg_timeout") and hasattr(c10d, "_get_default_timeout")):
+        log(f"NOTE: torch {torch.__version__} has no default process-group timeout to set: groups made by "
+            f"DeepSpeed keep torch's own timeout")
+        return
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -55,18 +74,18 @@ class CollectiveWatch:
         except RuntimeError:  # the store's host (rank 0) is gone too
             return None
 
-    def describe(self, exc: BaseException, iteration: int, operation: str) -> str:
-        """The one line for a failed collective (waits up to a grace period for the other ranks)."""
-        grace = min(30.0, max(3.0, self.timeout_minutes * 60.0 / 2))
+    def describe(self, exc: BaseException, where: str) -> str:
+        """The one line for a failed collective (waits up to a grace period for the other ranks:
+        theirs time out within the skew between ranks of the moment they started waiting)."""
+        grace = min(10.0, max(3.0, self.timeout_minutes * 60.0 / 4))
         missing = self._missing(grace)
         text = str(exc)
         kind = re.search(r"for (\w+) operation", text)
-        what = f"{operation} (gloo {kind.group(1)})" if kind else operation
+        what = f"{where} (gloo {kind.group(1)})" if kind else where
         if "timed out" in text.lower() or "timeout" in text.lower():
-            head = (f"a collective in {what} at iteration {iteration} timed out after "
-                    f"--distributed-timeout-minutes {self.timeout_minutes:g}")
+            head = f"a collective in {what} timed out after --distributed-timeout-minutes {self.timeout_minutes:g}"
         else:
-            head = f"a collective in {what} at iteration {iteration} failed ({text.strip().splitlines()[0][:160]})"
+            head = f"a collective in {what} failed ({text.strip().splitlines()[0][:160]})"
         if missing:
             tail = f"; rank(s) {', '.join(map(str, missing))} never arrived: look at their logs (hung or dead)"
         elif missing == []:

@@ -147,7 +147,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
             save_fn(state)
             last_saved = state.iteration
         if exit_now:
-            state.stop_reason = {"signal": "SIGTERM/SIGUSR1 received",
+            state.stop_reason = {"signal": "stop signal received",
                                  "time": "--exit-duration-in-mins"}.get(stop, "--exit-interval")
             mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True

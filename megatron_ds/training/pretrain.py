@@ -54,6 +54,12 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     save_lock, watch = _startup_checks(cfg, layout)
     try:
         return _run(cfg, ignored, layout, device, tokenizer, start_time, watch)
+    except TrainingStopped:
+        raise
+    except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
+        if not is_collective_failure(exc):
+            raise
+        raise TrainingStopped(watch.describe(exc, "set-up, checkpoint loading or validation")) from None
     finally:
         if save_lock is not None:
             save_lock.release()
@@ -143,7 +149,8 @@ def _run(cfg: Config, ignored: list[str], layout, device, tokenizer, start_time,
             except RuntimeError as exc:
                 if not is_collective_failure(exc):
                     raise
-                raise TrainingStopped(watch.describe(exc, state.iteration + 1, "the training loop")) from None
+                where = f"the training loop at iteration {state.iteration + 1}"
+                raise TrainingStopped(watch.describe(exc, where)) from None
         # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
         # does: the final passes would eat the margin left before the scheduler kills it.
         final_eval = not state.exited_early and cfg.training.eval_iters

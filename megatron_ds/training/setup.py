@@ -13,6 +13,7 @@ from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.training.checkpointing import install_safe_loading
+from megatron_ds.training.collective_timeout import apply_timeout_to_new_groups
 from megatron_ds.training.log import print_rank0
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
@@ -40,6 +41,7 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     import deepspeed  # noqa: PLC0415 - heavy; keep --dry-run and --help fast
 
     backend = cfg.parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    apply_timeout_to_new_groups(timedelta(minutes=cfg.parallel.distributed_timeout_minutes), log=print_rank0)
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))

@@ -1,7 +1,8 @@
-"""Walltime signals: SIGTERM / SIGUSR1 finish the iteration, save, and exit 0.
+"""Walltime signals: SIGTERM / SIGUSR1 / SIGUSR2 finish the iteration, save, and exit 0.
 
-Schedulers (Grid Engine, PBS), ``qdel``, preemption, torchrun and mpirun all deliver SIGTERM or
-SIGUSR1, but not necessarily to every rank: mpirun forwards to its children, a scheduler may
+PBS sends SIGTERM at walltime and on ``qdel`` (``qsig -s SIGUSR1`` on request); Grid Engine sends
+SIGUSR1 when a soft limit (``-l s_rt``) passes and, with ``-notify``, SIGUSR2 before the SIGKILL
+of ``qdel`` or ``h_rt``; torchrun and mpirun forward what they get. Not necessarily to every rank: mpirun forwards to its children, a scheduler may
 signal one node's processes first, torchrun forwards to its own node's workers only. The handler
 therefore only records the signal; at the end of every iteration all ranks agree with one small
 all-reduce (MAX of [signal seen, time limit passed]) that also carries --exit-duration-in-mins,
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-HANDLED = (signal.SIGTERM, signal.SIGUSR1)
+HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 REPEAT_WINDOW_S = 3.0
 
 
