@@ -110,3 +110,15 @@ def test_port_clash_without_launcher_is_one_line(tmp_path):
         f"error: MASTER_PORT {port} on 127.0.0.1 is already in use (another run on this host?); set MASTER_PORT "
         f"to a free port, or start with torchrun --standalone, which picks one")
     assert "Traceback" not in result.stderr
+
+
+def test_dp_change_on_load_names_no_load_optim():
+    from megatron_ds.config import ConfigError
+    from megatron_ds.training.checkpointing import check_compatible
+
+    saved = {"num_layers": 2, "data_parallel_size": 2, "zero_stage": 1, "precision": "bf16"}
+    now = {"num_layers": 2, "data_parallel_size": 4, "zero_stage": 1, "precision": "bf16"}
+    with pytest.raises(ConfigError, match=r"data_parallel_size: checkpoint 2 vs now 4.*; or pass --no-load-optim "
+                                          r"to load the weights only$"):
+        check_compatible(saved, now, "ckpt/global_step6", load_optim=True)
+    check_compatible(saved, now, "ckpt/global_step6", load_optim=False)  # weights only: DP may change
