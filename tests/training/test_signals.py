@@ -123,6 +123,21 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(tmp_path, straight):
     assert losses == straight
 
 
+def test_sigterm_under_deepspeed_launcher_saves_and_resumes_exactly(tmp_path, straight):
+    # DeepSpeed's launch.py sends SIGTERM to one worker after the other, SIGKILLing each after 30 s:
+    # the first worker's signal is enough, the ranks agree on it and all save.
+    import base64
+    import json
+
+    from tests.launch.helpers import free_port
+
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    launcher = [PYTHON, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    _, losses = _interrupt_and_resume(tmp_path, launcher, lambda job: os.kill(job.proc.pid, signal.SIGTERM))
+    assert losses == straight
+
+
 @requires_mpirun
 def test_sigterm_to_one_rank_under_mpirun_saves_and_resumes_exactly(tmp_path, straight):
     from tests.launch.helpers import free_port

@@ -122,3 +122,17 @@ def test_dp_change_on_load_names_no_load_optim():
                                           r"to load the weights only$"):
         check_compatible(saved, now, "ckpt/global_step6", load_optim=True)
     check_compatible(saved, now, "ckpt/global_step6", load_optim=False)  # weights only: DP may change
+
+
+def test_not_enough_room_for_one_checkpoint(tmp_path):
+    from megatron_ds.config import ConfigError
+    from megatron_ds.training.startup_checks import check_save_dir, checkpoint_bytes
+
+    class Layout:  # what checkpoint_bytes reads: 13B parameters in bf16 with Adam
+        total_params, precision = 13_000_000_000, "bf16"
+
+    assert checkpoint_bytes(Layout) == 13_000_000_000 * (2 + 12)  # bf16 weights + fp32 master and moments
+    with pytest.raises(ConfigError, match=r"has [0-9.]+ GB free, but one checkpoint needs about 1000000000\.0 GB"):
+        check_save_dir(str(tmp_path / "ckpt"), 10 ** 18)
+    check_save_dir(str(tmp_path / "ckpt"), 1)
+    assert os.listdir(tmp_path / "ckpt") == []  # the write probe leaves nothing behind
