@@ -250,8 +250,11 @@ def protect_newer(save_dir: str, start_iteration: int, *, log=print) -> None:
             problem = _found_damaged.get(os.path.realpath(path)) or quick_status(path)
             if problem is None:
                 error = (f"--save {save_dir} already holds a complete checkpoint at iteration {step}, "
-                         f"newer than this run's start ({start_iteration}), and would be overwritten: "
-                         f"pass --load {save_dir} to continue from it, or use another --save directory")
+                         f"newer than this run's start ({start_iteration}), and would be overwritten: ")
+                error += (f"pass --load {save_dir} to continue from it, or use another --save directory"
+                          if start_iteration == 0 else
+                          f"to go back to iteration {start_iteration} on purpose, move {path} (and any newer) "
+                          f"elsewhere first, or use another --save directory")
                 break
             aside = _free_name(f"{path}.damaged")
             os.rename(path, aside)

@@ -62,3 +62,21 @@ def test_candidates_follow_tracker_then_older(tmp_path):
     assert ci.verify(str(legacy)) is None
     os.remove(legacy / ci.META)  # neither manifest nor config: an interrupted save
     assert "is incomplete" in ci.verify(str(legacy))
+
+
+def test_newer_checkpoints_are_never_overwritten(tmp_path):
+    import pytest
+
+    from megatron_ds.config import ConfigError
+
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    os.truncate(tmp_path / "global_step6" / "mp_rank_00_model_states.pt", 10)
+    notes = []
+    # going back to 2 on purpose (e.g. the tracker edited after a loss spike): 4 is complete, so no
+    with pytest.raises(ConfigError, match=r"complete checkpoint at iteration 4, newer than this run's start \(2\).*"
+                                          r"to go back to iteration 2 on purpose, move .*global_step4"):
+        ci.protect_newer(str(tmp_path), 2, log=notes.append)
+    # the damaged 6 was moved aside on the way (a damaged checkpoint is not worth refusing for)
+    assert os.path.isdir(tmp_path / "global_step6.damaged") and "moved the damaged checkpoint" in notes[0]
+    ci.protect_newer(str(tmp_path), 4, log=notes.append)  # resuming from the newest: nothing to protect
