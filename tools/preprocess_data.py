@@ -62,6 +62,8 @@ def get_args(argv=None):
     g.add_argument("--lang", default="english",
                    help="accepted for Megatron compatibility (the splitter is language-neutral)")
     g.add_argument("--strict", action="store_true", help="a malformed line is an error instead of being skipped")
+    g.add_argument("--allow-empty", action="store_true",
+                   help="write an empty data set (with a warning) when the input has no documents, instead of failing")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, help="GPT2BPETokenizer, SentencePieceTokenizer, "
                    "GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer")
@@ -370,6 +372,18 @@ class Outputs:
                 os.remove(self.tmp[key][1])
 
 
+def _check_not_empty(outputs, args, log) -> None:
+    """A data set without a single token trains on nothing: fail, unless --allow-empty says it is meant."""
+    empty = [key for key in outputs.prefixes if outputs.tokens[key] == 0]
+    if not empty:
+        return
+    what = f"no documents with text under key(s) {', '.join(empty)} in {args.input}"
+    if not args.allow_empty:
+        raise PreprocessError(f"{what}; nothing to write (check --input and --json-keys, or pass "
+                              f"--allow-empty to write an empty data set anyway)")
+    log(f"WARNING: {what}: writing an EMPTY data set because of --allow-empty")
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -407,6 +421,7 @@ def run(args, log=lambda msg: print(msg, file=sys.stderr), tokenizer=None):
             outputs.write(result["keys"])
             blank += result["blank"]
             progress.update(result["docs"], result["bytes"])
+        _check_not_empty(outputs, args, log)
         outputs.commit()
     except BaseException:
         outputs.abort()

@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,10 @@ def launcher_cmd(launcher: str, nproc: int) -> list[str]:
 
 def train(args, data_prefix: str, vocab: str, merges: str, train_iters: int, load: bool, log_path: str) -> list:
     ckpt = os.path.join(args.workdir, "checkpoints")
+    if not load and os.path.isdir(ckpt):
+        # A rerun starts over: training refuses to overwrite the checkpoints of the previous run.
+        print(f"   (removing the previous run's {ckpt})", flush=True)
+        shutil.rmtree(ckpt)
     flags = [
         "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
         "--max-position-embeddings", "128", "--micro-batch-size", "4", "--global-batch-size", "16",

@@ -15,6 +15,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import typing
 from functools import lru_cache
@@ -44,6 +45,7 @@ IGNORED_FLAGS: dict[str, int] = {
         # MoE switches, meaningless at --num-experts 1 (the only value accepted; see OFF_VALUE_FLAGS);
         # Megatron-DeepSpeed's dense MoE-family scripts pass them anyway
         "--create-moe-param-group", "--disable-moe-token-dropping",
+        "--exit-signal-handler",  # SIGTERM/SIGUSR1 handling is on by default here
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
@@ -145,6 +147,12 @@ class _OffValue(argparse.Action):
 
 class _Parser(argparse.ArgumentParser):
     """Errors as one line plus a pointer to --help: the full usage of ~150 flags buries the message."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # `--lr -1e-3` must reach the range check (which names the flag) rather than fail as
+        # "expected one argument": before Python 3.13, argparse takes -1e-3 for an option.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.run_schedule import RunSchedule, ScheduleError, build_run_schedule
+from megatron_ds.config.checks import check_ranges
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -218,6 +219,7 @@ def _check_divisible(a: int, b: int, message: str) -> None:
 def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict | None = None,
            device_type: str = "cuda") -> Layout:
     """Validate ``cfg`` for ``world_size`` processes and compute everything that follows from it."""
+    check_ranges(cfg)  # out-of-range numbers by flag name, before any check below reads them
     par, t, o = cfg.parallel, cfg.training, cfg.optimizer
     m = resolve_model_config(cfg.model)
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size

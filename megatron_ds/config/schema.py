@@ -85,8 +85,9 @@ class ParallelConfig:
     """DeepSpeed PipelineModule partition method; the default balances transformer layers."""
     distributed_backend: str = meta(None, choices=("nccl", "gloo", "ccl", "mpi"))
     """torch.distributed backend (default nccl on GPU, gloo on CPU)."""
-    distributed_timeout_minutes: int = 10
-    """Timeout of collective operations, in minutes."""
+    distributed_timeout_minutes: float = 10
+    """Timeout of collective operations, in minutes (fractions allowed, e.g. 0.5); a rank that never
+    arrives ends the run after this long with a line naming the operation."""
     use_mpi: bool = meta(False, flags=("--use-mpi", "--deepspeed_mpi", "--deepspeed-mpi"))
     """Take rank and world size from Open MPI / PMI variables (jobs launched with mpirun)."""
     local_rank: Optional[int] = meta(None, flags=("--local_rank", "--local-rank"))
@@ -155,6 +156,9 @@ class TrainingConfig:
     """Save (if --save) and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: Optional[float] = None
     """Save (if --save) and exit once this many minutes have passed (keep it under the walltime)."""
+    exit_signal_handler: bool = meta(True, flags=("--no-exit-signal-handler",), invert=True)
+    """Do not handle SIGTERM/SIGUSR1/SIGUSR2 (by default the first one finishes the iteration, saves and
+    exits 0; a second one exits at once)."""
     eval_interval: int = 1000
     """Run validation every this many iterations."""
     eval_iters: int = 100
@@ -256,6 +260,11 @@ class CheckpointConfig:
     """Do not save RNG state."""
     finetune: bool = False
     """Load weights only and start from iteration 0 (implies --no-load-optim --no-load-rng)."""
+    ckpt_step: Optional[int] = None
+    """Load exactly this iteration's checkpoint from --load (an error if it is damaged) instead of the
+    newest complete one (Megatron-LM's --ckpt-step)."""
+    keep_last: Optional[int] = None
+    """After each complete save, delete complete checkpoints in --save older than the newest N."""
 
 
 @dataclass

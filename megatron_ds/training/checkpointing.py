@@ -29,6 +29,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from megatron_ds.config import ConfigError
 from megatron_ds.parallel.random import get_rng_tracker
+from megatron_ds.training import ckpt_integrity
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DS_TRACKER = "latest"
@@ -74,8 +75,10 @@ def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool)
         fields += list(optim_fields)
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
     if diffs:
+        hint = ("; or pass --no-load-optim to load the weights only" if any(
+            saved.get(k) != current[k] for k in optim_fields if k in fields) else "")
         raise ConfigError(f"checkpoint {path} does not match this run ({'; '.join(diffs)}); use the "
-                          f"checkpoint's settings (or convert the checkpoint)")
+                          f"checkpoint's settings (or convert the checkpoint){hint}")
 
 
 def rng_state() -> dict:
@@ -127,6 +130,13 @@ def _allowed_globals() -> list:
     return allowed
 
 
+def _is_zip(path: str) -> bool:
+    """torch.save writes zip archives; a zeroed or foreign file is not one (and must not be
+    reported as a pickle with forbidden objects)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, but loading with weights_only=True."""
 
@@ -135,8 +145,10 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
             try:
                 return torch.load(path, map_location=map_location, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - re-raised with the file and the remedy
-                if "weights_only" not in str(exc) and "Unsupported global" not in str(exc):
-                    raise
+                if not _is_zip(path) or ("weights_only" not in str(exc) and "Unsupported global" not in str(exc)):
+                    # a damaged file in a checkpoint without a manifest (older than manifests)
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise ConfigError(f"cannot read checkpoint file {path}: {first}") from None
                 raise ConfigError(f"refusing to unpickle {path}: it holds objects outside the allowlist "
                                   f"({str(exc).splitlines()[0]}). Only load checkpoints you trust; "
                                   f"this file was not written by megatron_ds") from None
@@ -154,27 +166,26 @@ def install_safe_loading(engine, log=print) -> None:
 
 def read_tracker(load_dir: str) -> int | None:
     """The iteration in Megatron's tracker file, or None when there is no checkpoint."""
-    path = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{path} should hold an iteration number, found {text!r}") from None
+    iteration, problem = ckpt_integrity.read_tracker(load_dir)
+    if problem:
+        raise ConfigError(problem)
+    return iteration
 
 
-def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict) -> None:
+def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
+                    keep_last: int | None = None, log=print) -> None:
     tag = checkpoint_tag(iteration)
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
     if dist.get_rank() == 0:
         _atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
+    ckpt_integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
+    if dist.get_rank() == 0:
         _atomic_write(os.path.join(save_dir, TRACKER), str(iteration))
         _atomic_write(os.path.join(save_dir, DS_TRACKER), tag)
+        if keep_last:
+            ckpt_integrity.prune(save_dir, iteration, keep_last, log=log)
     dist.barrier()
 
 
@@ -185,9 +196,10 @@ def _is_bf16_optimizer(optimizer) -> bool:
 
 
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
-                    load_lr_state: bool = True, log=print) -> tuple[int, dict]:
-    """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none."""
-    iteration = read_tracker(load_dir)
+                    load_lr_state: bool = True, exact_step: int | None = None, log=print) -> tuple[int, dict]:
+    """Load the newest complete checkpoint in load_dir (or exactly `exact_step`, --ckpt-step).
+    Returns (iteration, client_state); (0, {}) if there is none."""
+    iteration = ckpt_integrity.choose_checkpoint(load_dir, exact_step=exact_step, log=log)
     if iteration is None:
         log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
         return 0, {}

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_ds.config import Config, Layout
 from megatron_ds.training import log as mlog
 from megatron_ds.training.batch_schedule import TrainPlan
+from megatron_ds.training.signals import StopSignals, agreed_stop
 
 
 class TrainingStopped(RuntimeError):
@@ -25,7 +26,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
-    exited_early: bool = False  # stopped by --exit-interval / --exit-duration-in-mins
+    exited_early: bool = False  # stopped by --exit-interval / --exit-duration-in-mins / a signal
+    stop_reason: str | None = None
     history: list = field(default_factory=list)  # (iteration, loss) of finite losses: tests read it
 
 
@@ -79,17 +81,9 @@ def _loss_scale(engine) -> float:
     return float(scale) if scale else 1.0
 
 
-def _should_exit_by_time(start: float, minutes: float | None, device) -> bool:
-    """All ranks must agree, or some would save while others train on."""
-    if minutes is None:
-        return False
-    flag = torch.tensor([1 if (time.time() - start) / 60.0 > minutes else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, valid_iter, *, loss_fn,
-          dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float) -> TrainState:
+          dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float,
+          stop_signals: StopSignals | None = None) -> TrainState:
     t, lg = cfg.training, cfg.logging
     m = layout.model
     flops = mlog.model_flops_per_iteration(m, layout.global_batch_size, layout.padded_vocab_size,
@@ -157,13 +151,16 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
 
         saving_due = cfg.checkpoint.save and cfg.checkpoint.save_interval and \
             state.iteration % cfg.checkpoint.save_interval == 0
-        exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or \
-            _should_exit_by_time(start_time, t.exit_duration_in_mins, device)
+        # All ranks must agree, or some would save while others train on (signals.agreed_stop).
+        stop = agreed_stop(stop_signals, start_time, t.exit_duration_in_mins, device)
+        exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or stop is not None
         if cfg.checkpoint.save and (saving_due or exit_now):
             save_fn(state)
             last_saved = state.iteration
         if exit_now:
-            mlog.print_rank0(f"exiting at iteration {state.iteration} (--exit-interval/--exit-duration-in-mins)")
+            state.stop_reason = {"signal": "stop signal received",
+                                 "time": "--exit-duration-in-mins"}.get(stop, "--exit-interval")
+            mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True
             break
         window_start += time.time() - paused

@@ -15,6 +15,7 @@ from megatron_ds.config.ds_validate import validate_with_deepspeed
 from megatron_ds.training import log as mlog
 from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
                                        build_tokenizer_for, describe_source, stage_iterator)
+from megatron_ds.training.collective_timeout import is_collective_failure
 from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
@@ -63,9 +64,7 @@ def _num_samples(cfg: Config, layout) -> tuple[int, int, int]:
 
 def run(cfg: Config, ignored: list[str]) -> TrainState:
     # DeepSpeed and the model are imported here, not at module level: --dry-run and --help stay fast.
-    from megatron_ds.training import checkpointing as ckpt  # noqa: PLC0415
-    from megatron_ds.training.setup import (build_engine, discover_world, init_distributed,  # noqa: PLC0415
-                                            log_startup, select_device)
+    from megatron_ds.training.setup import discover_world, init_distributed, select_device  # noqa: PLC0415
 
     start_time = time.time()
     env = discover_world(cfg)
@@ -77,6 +76,36 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
                     device_type=device.type)
     validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
     init_distributed(cfg, device)
+    save_lock, watch = _startup_checks(cfg, layout)
+    try:
+        return _run(cfg, ignored, notes, layout, device, tokenizer, start_time, watch)
+    except TrainingStopped:
+        raise
+    except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
+        if not is_collective_failure(exc):
+            raise
+        raise TrainingStopped(watch.describe(exc, "set-up, checkpoint loading or validation")) from None
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+
+
+def _startup_checks(cfg: Config, layout):
+    """Before any compute: every rank is there, --save is usable and ours (see startup_checks)."""
+    from megatron_ds.training.collective_timeout import CollectiveWatch  # noqa: PLC0415
+    from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier  # noqa: PLC0415
+
+    startup_barrier(cfg.parallel.distributed_timeout_minutes)
+    watch = CollectiveWatch(cfg.parallel.distributed_timeout_minutes)
+    lock = prepare_save_dir(cfg.checkpoint.save, layout, log=mlog.print_rank0) if cfg.checkpoint.save else None
+    return lock, watch
+
+
+def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, tokenizer, start_time, watch) -> TrainState:
+    from megatron_ds.training import checkpointing as ckpt  # noqa: PLC0415
+    from megatron_ds.training.ckpt_integrity import protect_newer  # noqa: PLC0415
+    from megatron_ds.training.setup import build_engine, log_startup  # noqa: PLC0415
+    from megatron_ds.training.signals import StopSignals  # noqa: PLC0415
     from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
     from megatron_ds.model.gpt import gpt_loss_fn  # noqa: PLC0415
 
@@ -96,7 +125,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
         iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
                                                  load_optim=cfg.checkpoint.load_optim,
                                                  finetune=cfg.checkpoint.finetune,
-                                                 load_lr_state=cfg.checkpoint.load_lr_state, log=mlog.print_rank0)
+                                                 load_lr_state=cfg.checkpoint.load_lr_state,
+                                                 exact_step=cfg.checkpoint.ckpt_step, log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -106,6 +136,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
             state.nan_iterations = client.get("nan_iterations", 0)
         if client.get("rng") is not None and cfg.checkpoint.load_rng and not cfg.checkpoint.finetune:
             ckpt.set_rng_state(client["rng"])
+    if cfg.checkpoint.save:
+        protect_newer(cfg.checkpoint.save, state.iteration, log=mlog.print_rank0)
 
     datasets = build_datasets(cfg.data, num_samples=_num_samples(cfg, layout), seq_length=layout.model.seq_length,
                               seed=cfg.training.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
@@ -137,13 +169,22 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if cfg.checkpoint.save_rng:
             client["rng"] = ckpt.rng_state()
-        ckpt.save_checkpoint(engine, cfg.checkpoint.save, st.iteration, client_state=client, meta=meta)
+        ckpt.save_checkpoint(engine, cfg.checkpoint.save, st.iteration, client_state=client, meta=meta,
+                             keep_last=cfg.checkpoint.keep_last, log=mlog.print_rank0)
         mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {cfg.checkpoint.save}")
 
+    stop_signals = StopSignals(cfg.training.exit_signal_handler).__enter__()
     try:
         if training:
-            state = train(cfg, layout, engine, state, train_iter, valid_iter, loss_fn=loss_fn, dp_group=ps.dp_group,
-                          device=device, save_fn=save, tb=tb, start_time=start_time)
+            try:
+                state = train(cfg, layout, engine, state, train_iter, valid_iter, loss_fn=loss_fn,
+                              dp_group=ps.dp_group, device=device, save_fn=save, tb=tb, start_time=start_time,
+                              stop_signals=stop_signals)
+            except RuntimeError as exc:
+                if not is_collective_failure(exc):
+                    raise
+                where = f"the training loop at iteration {state.iteration + 1}"
+                raise TrainingStopped(watch.describe(exc, where)) from None
         # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
         # does: the final passes would eat the margin left before the scheduler kills it.
         final_eval = not state.exited_early and cfg.training.eval_iters
@@ -154,6 +195,7 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
             run_validation(cfg, layout, engine, state, test_iter, loss_fn, ps.dp_group, tb,
                            f"iteration {state.iteration} on test set")
     finally:
+        stop_signals.__exit__(None, None, None)
         tb.close()
     return state
 

@@ -14,9 +14,11 @@ from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.training.batch_schedule import make_lr_schedule
 from megatron_ds.training.checkpointing import install_safe_loading
+from megatron_ds.training.collective_timeout import apply_timeout_to_new_groups
 from megatron_ds.training.log import print_rank0
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
+from megatron_ds.training.startup_checks import explain_init_error
 
 
 def discover_world(cfg: Config):
@@ -41,8 +43,15 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     import deepspeed  # noqa: PLC0415 - heavy; keep --dry-run and --help fast
 
     backend = cfg.parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    apply_timeout_to_new_groups(timedelta(minutes=cfg.parallel.distributed_timeout_minutes), log=print_rank0)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    except Exception as exc:  # a port clash becomes one line; anything else stays as it is
+        clash = explain_init_error(exc)
+        if clash is None:
+            raise
+        raise clash from None
 
 
 def params_dtype(layout: Layout) -> torch.dtype:

@@ -3,6 +3,12 @@
 #$ -l h_rt=24:00:00
 #$ -j y
 #$ -cwd
+# Ending well: SIGTERM, SIGUSR1 or SIGUSR2 make every rank finish its iteration, save a complete
+# checkpoint and exit 0 (a second signal stops at once). Grid Engine sends SIGUSR1 when a soft limit
+# passes and SIGKILL `notify` seconds later (a queue setting, 60 s by default): `qsub -l s_rt=23:40:00`
+# (under h_rt, where the site allows s_rt) asks for that signal ahead of the walltime; `qsub -notify`
+# adds SIGUSR2 before qdel's SIGKILL. EXIT_DURATION_IN_MINS below stops on time without any signal.
+#
 # GPT 1.3B on one ABCI 2.0 A100 node (8 x A100 40 GB): bf16, ZeRO-1, data parallel 8,
 # activation checkpointing (micro batch 4 at sequence 2048 would not fit 40 GB without it).
 #

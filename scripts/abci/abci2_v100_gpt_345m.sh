@@ -3,6 +3,12 @@
 #$ -l h_rt=24:00:00
 #$ -j y
 #$ -cwd
+# Ending well: SIGTERM, SIGUSR1 or SIGUSR2 make every rank finish its iteration, save a complete
+# checkpoint and exit 0 (a second signal stops at once). Grid Engine sends SIGUSR1 when a soft limit
+# passes and SIGKILL `notify` seconds later (a queue setting, 60 s by default): `qsub -l s_rt=23:40:00`
+# (under h_rt, where the site allows s_rt) asks for that signal ahead of the walltime; `qsub -notify`
+# adds SIGUSR2 before qdel's SIGKILL. EXIT_DURATION_IN_MINS below stops on time without any signal.
+#
 # GPT 345M (Megatron's GPT-2 medium) on one ABCI 2.0 V100 node: 4 x V100 16 GB, fp16, ZeRO-1.
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):

@@ -4,6 +4,12 @@
 #PBS -l walltime=24:00:00
 #PBS -j oe
 #PBS -k oed
+# Ending well: SIGTERM, SIGUSR1 or SIGUSR2 make every rank finish its iteration, save a complete
+# checkpoint and exit 0 (a second signal stops at once). PBS sends SIGTERM at the walltime and on qdel,
+# and SIGKILL after the queue's kill_delay (often seconds: too short for a large checkpoint); it has
+# no option for a signal ahead of the walltime, so EXIT_DURATION_IN_MINS below stops on time, and
+# `qsig -s SIGUSR1 <job id>` asks a running job to save and stop now.
+#
 # GPT 1.3B on one ABCI 3.0 H200 node (8 x H200 141 GB): bf16, ZeRO-1, data parallel 8. The
 # memory allows micro batch 4 at sequence 2048 without activation checkpointing (~46 GB of
 # activations + ~10 GB of weights/grads/optimizer per GPU), which is faster than recomputing.

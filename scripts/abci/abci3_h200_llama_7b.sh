@@ -4,6 +4,12 @@
 #PBS -l walltime=24:00:00
 #PBS -j oe
 #PBS -k oed
+# Ending well: SIGTERM, SIGUSR1 or SIGUSR2 make every rank finish its iteration, save a complete
+# checkpoint and exit 0 (a second signal stops at once). PBS sends SIGTERM at the walltime and on qdel,
+# and SIGKILL after the queue's kill_delay (often seconds: too short for a large checkpoint); it has
+# no option for a signal ahead of the walltime, so EXIT_DURATION_IN_MINS below stops on time, and
+# `qsig -s SIGUSR1 <job id>` asks a running job to save and stop now.
+#
 # A 7B Llama-style model on 2 ABCI 3.0 H200 nodes (16 x H200 141 GB): rotary embeddings, SwiGLU,
 # RMSNorm, grouped-query attention (8 key/value heads), no linear biases, untied output layer;
 # bf16, TP 2 (inside a node), ZeRO-1 over DP 8. Sequence 4096 fits without activation

@@ -424,6 +424,10 @@ launch_training() {
   local log_file="${LOG_DIR:-$PWD/logs}/train.$JOB_NUMBER.log"
   mkdir -p "$(dirname "$log_file")"
   abci_note "log: $log_file"
+  # A scheduler's SIGTERM/SIGUSR1/SIGUSR2 (walltime, qdel, qsig, s_rt) reaches every process of the
+  # job: the ranks finish the iteration, save and exit, mpirun forwards it. This shell and tee ignore
+  # it so that they outlive the save: the job must not end (and its ranks be killed) mid-save.
+  trap '' TERM USR1 USR2
   # tee: PBS shows the job's stdout only at the end (unless -k oed); the log file is live.
   "${MPIRUN_CMD[@]}" 2>&1 | tee -a "$log_file"
   return "${PIPESTATUS[0]}"

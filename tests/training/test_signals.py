@@ -1,0 +1,179 @@
+"""SIGTERM / SIGUSR1 through real launchers: every rank finishes the iteration, saves a complete
+checkpoint with the tracker and exits 0; resuming from it gives the same losses as a run that was
+never interrupted. Under mpirun only rank 1 gets the signal: the ranks agree on it collectively.
+
+Losses are compared as printed (7 significant digits): the resumed run repeats the same float
+operations on the same state, so any lost state (weights, Adam moments, LR step, data position,
+dropout RNG -- dropout is on) shows as a different digit; identical floats print identically.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.training.ckpt_integrity import TRACKER, verify
+from tests.launch.helpers import PYTHON, REPO, clean_env, requires_mpirun
+from tests.training.cli import SMALL_GPT, iterations
+
+ITERS = 40
+ARGS = SMALL_GPT + ["--pipeline-model-parallel-size", "2", "--train-iters", str(ITERS),
+                    "--lr-decay-iters", str(ITERS), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--shutdown-timeout", "120"]
+
+
+def _mpirun(port):
+    return ["mpirun", "-np", "2", "--oversubscribe", "-bind-to", "none", "-x", f"MASTER_PORT={port}",
+            "-x", "MASTER_ADDR=127.0.0.1", PYTHON]
+
+
+class Job:
+    """A launcher run with its output in files, so the test can watch it while it runs."""
+
+    def __init__(self, cmd, workdir: Path, name: str):
+        self.out_path, self.err_path = workdir / f"{name}.out", workdir / f"{name}.err"
+        self.tag = uuid.uuid4().hex
+        env = clean_env(MEGATRON_DS_TEST_TAG=self.tag)
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, cwd=workdir,
+                                         start_new_session=True)
+
+    def wait_for(self, pattern: str, timeout=600):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if re.search(pattern, self.out_path.read_text(), re.M):
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited before {pattern!r}:\n{self.out_path.read_text()[-3000:]}\n"
+                            f"{self.err_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"no {pattern!r} after {timeout}s")
+
+    def finish(self, timeout=600):
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running after {timeout}s:\n{self.err_path.read_text()[-3000:]}")
+        return rc, self.out_path.read_text(), self.err_path.read_text()
+
+    def kill(self):
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def rank_pids(self, rank):
+        """pids of this job's training processes of one rank (found by the tag in their environment)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"MEGATRON_DS_TEST_TAG={self.tag}".encode() in env and b"pretrain_gpt.py" in cmd and \
+                    f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+                pids.append(int(entry.name))
+        return pids
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run's printed losses."""
+    rc, out, err = Job(TORCHRUN + [REPO / "pretrain_gpt.py", *ARGS], tmp_path_factory.mktemp("straight"),
+                       "straight").finish()
+    assert rc == 0, err[-3000:]
+    losses = iterations(out)
+    assert [it for it, _ in losses] == list(range(1, ITERS + 1))
+    return losses
+
+
+def _interrupt_and_resume(tmp_path, launcher, send):
+    ckpt = str(tmp_path / "ckpt")
+    job = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, "--save", ckpt, "--save-interval", "1000"],
+              tmp_path, "first")
+    job.wait_for(r"^ iteration\s+3/")
+    send(job)
+    rc, out, err = job.finish()
+    first = iterations(out)
+    stopped = first[-1][0]
+    assert stopped < ITERS, "the signal came too late to test anything"
+    assert f"saved checkpoint at iteration {stopped} to {ckpt}" in out
+    assert f"exiting at iteration {stopped} (stop signal received)" in out
+    assert "received SIGTERM: finishing this iteration, then saving and exiting" in err
+    assert open(os.path.join(ckpt, TRACKER)).read() == str(stopped)
+    assert verify(os.path.join(ckpt, f"global_step{stopped}")) is None  # complete, every CRC matches
+    rc2, out2, err2 = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, "--load", ckpt, "--save", ckpt],
+                          tmp_path, "second").finish()
+    assert rc2 == 0, err2[-3000:]
+    return rc, first + iterations(out2)
+
+
+def test_sigterm_under_torchrun_saves_and_resumes_exactly(tmp_path, straight):
+    # torchrun forwards SIGTERM to its workers and SIGKILLs them after --shutdown-timeout (30 s by
+    # default); the workers' save finishes well inside the 120 s given here. torchrun itself then
+    # reports the signal with its own traceback and a non-zero status, which is its behaviour.
+    _, losses = _interrupt_and_resume(tmp_path, TORCHRUN, lambda job: os.kill(job.proc.pid, signal.SIGTERM))
+    assert losses == straight
+
+
+def test_sigterm_under_deepspeed_launcher_saves_and_resumes_exactly(tmp_path, straight):
+    # DeepSpeed's launch.py sends SIGTERM to one worker after the other, SIGKILLing each after 30 s:
+    # the first worker's signal is enough, the ranks agree on it and all save.
+    import base64
+    import json
+
+    from tests.launch.helpers import free_port
+
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    launcher = [PYTHON, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    _, losses = _interrupt_and_resume(tmp_path, launcher, lambda job: os.kill(job.proc.pid, signal.SIGTERM))
+    assert losses == straight
+
+
+@requires_mpirun
+def test_sigterm_to_one_rank_under_mpirun_saves_and_resumes_exactly(tmp_path, straight):
+    from tests.launch.helpers import free_port
+
+    def to_rank_1(job):
+        [pid] = job.rank_pids(1)
+        os.kill(pid, signal.SIGTERM)
+
+    launcher = _mpirun(free_port()) + []
+    rc, losses = _interrupt_and_resume(tmp_path, launcher, to_rank_1)
+    assert rc == 0  # every rank exited 0, so mpirun does too
+    assert losses == straight
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from megatron_ds.training.signals import StopSignals
+with StopSignals() as s:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)  # the same event again (a launcher forwarding it): ignored
+    time.sleep(0.2)
+    print("first:", s.name, flush=True)
+    time.sleep(float(sys.argv[1]))
+    os.kill(os.getpid(), signal.SIGTERM)  # a second request, later: exits at once
+    time.sleep(30)
+print("not reached", flush=True)
+"""
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    from megatron_ds.training.signals import REPEAT_WINDOW_S
+
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, str(REPEAT_WINDOW_S + 0.5)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=clean_env())
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stdout == "first: SIGUSR1\n"
+    assert proc.stderr.splitlines()[-1] == "received SIGTERM again: exiting now, without saving"
+    assert time.time() - started < 25  # not the 30 s sleep: it left at once
