@@ -48,8 +48,6 @@ IGNORED_FLAGS: dict[str, int] = {
 # flag -> what to do instead
 UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
     "--rampup-batch-size": (3, "batch-size ramp-up is not supported; use a fixed --global-batch-size"),
-    "--num-layers-per-virtual-pipeline-stage": (1, "interleaved pipeline schedules are not supported by "
-                                                   "DeepSpeed's pipeline engine; drop the flag"),
     "--ds-sequence-parallel-size": (1, "DeepSpeed-Ulysses sequence parallelism is not supported; use "
                                        "--sequence-parallel with --tensor-model-parallel-size"),
     "--cpu-optimizer": (0, "put \"offload_optimizer\": {\"device\": \"cpu\"} under \"zero_optimization\" "

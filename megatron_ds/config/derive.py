@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.parallel.schedules import ScheduleError, check_schedule, describe_assignment, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
 
 
@@ -69,6 +70,7 @@ class Layout:
     world_size: int
     tp: int
     pp: int
+    virtual_pp: int  # model chunks per pipeline rank (> 1: interleaved 1F1B schedule)
     dp: int
     micro_batch_size: int
     global_batch_size: int
@@ -102,8 +104,11 @@ class Layout:
             f"parameters: {self.total_params / 1e6:,.1f}M total",
         ]
         for s in self.stages:
-            lines.append(f"  stage {s.stage}: layers {s.layers[0]}-{s.layers[1] - 1},"
+            layers = "" if self.virtual_pp > 1 else f" layers {s.layers[0]}-{s.layers[1] - 1},"
+            lines.append(f"  stage {s.stage}:{layers}"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
+        if self.pp > 1:
+            lines += describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
         return "\n".join(lines)
 
 
@@ -225,6 +230,19 @@ def _check_divisible(a: int, b: int, message: str) -> None:
         raise ConfigError(message)
 
 
+def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
+    """Model chunks per pipeline rank, refusing what the interleaved schedule cannot run."""
+    try:
+        v = virtual_pipeline_size(num_layers, pp, par.num_layers_per_virtual_pipeline_stage,
+                                  par.virtual_pipeline_model_parallel_size)
+        check_schedule(pp, micro_batches, v)
+    except ScheduleError as exc:
+        raise ConfigError(str(exc)) from None
+    if v > 1 and par.no_pipeline_parallel:
+        raise ConfigError("--no-pipeline-parallel cannot run the interleaved pipeline schedule; drop one of them")
+    return v
+
+
 def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict | None = None,
            device_type: str = "cuda") -> Layout:
     """Validate ``cfg`` for ``world_size`` processes and compute everything that follows from it."""
@@ -263,6 +281,7 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
                      f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
                      f"{micro} x DP {dp} = {micro * dp}; use a multiple of {micro * dp}")
     gas = global_batch // (micro * dp)
+    virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
 
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; choose one")
@@ -315,7 +334,7 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
     total, stages = count_parameters(m, padded, tp, pp)
     ds = build_ds_config(cfg, ds_template, micro=micro, global_batch=global_batch, gas=gas,
                          precision=precision, zero_stage=zero_stage)
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=micro,
+    return Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                   global_batch_size=global_batch, grad_accum_steps=gas, train_iters=train_iters,
                   lr_decay_iters=decay, lr_warmup_iters=warmup, vocab_size=vocab_size,
                   padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,
