@@ -89,11 +89,16 @@ class Layout:
     stages: tuple[StageParams, ...]
     ds_config: dict = field(hash=False)
 
+    def _engine_name(self) -> str:
+        if self.virtual_pp > 1:
+            return "interleaved pipeline schedule on the plain engine"
+        return "pipeline engine" if self.use_pipeline else "plain engine"
+
     def summary(self) -> str:
         m = self.model
         lines = [
             f"world size {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
-            f" ({'pipeline engine' if self.use_pipeline else 'plain engine'}, ZeRO {self.zero_stage},"
+            f" ({self._engine_name()}, ZeRO {self.zero_stage},"
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
             f" per step = global {self.global_batch_size}; {self.train_iters} iterations",

@@ -175,9 +175,13 @@ def describe_assignment(num_layers: int, pp: int, v: int, m: int) -> list[str]:
         parts = []
         for c in range(v):
             layers = chunk_layer_range(num_layers, pp, v, rank, c)
-            parts.append(f"chunk {c}: layers {layers.start}-{layers.stop - 1}")
-        extra = (" + embedding" if rank == 0 else "") + (" + final norm and output layer" if rank == pp - 1 else "")
-        lines.append(f"  rank {rank}: " + "; ".join(parts) + extra)
+            members = [f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"]
+            if rank == 0 and c == 0:
+                members.insert(0, "embedding")
+            if rank == pp - 1 and c == v - 1:
+                members.append("final norm, output layer")
+            parts.append(f"chunk {c}: " + ", ".join(members))
+        lines.append(f"  rank {rank}: " + "; ".join(parts))
     lines.append(f"predicted bubble: (p-1)/(v m) = {pp - 1}/({v} x {m}) = {bubble_fraction(pp, m, v):.1%} of compute"
                  f" (1F1B: (p-1)/m = {bubble_fraction(pp, m):.1%}); ideal efficiency "
                  f"{ideal_efficiency(pp, m, v):.1%}")

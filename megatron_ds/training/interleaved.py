@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P
 from megatron_ds.parallel.schedules import FORWARD, forward_only_schedule, pipeline_schedule
 from megatron_ds.training import interleaved_ds
+from megatron_ds.training.log import print_rank0
 
 
 class InterleavedPipeline:
@@ -216,5 +217,9 @@ def wrap_engine(engine, cfg, layout, ps) -> InterleavedPipeline:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
     specs = activation_specs(layout, sequence_parallel=cfg.parallel.sequence_parallel,
                              reset_attention_mask=cfg.data.reset_attention_mask, dtype=dtype)
+    if layout.precision == "bf16" and not interleaved_ds.accumulates_grads_in_fp32(engine):
+        print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
+                    "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "
+                    "\"data_types\": {\"grad_accum_dtype\": \"fp32\"} (ds_configs/zero1_bf16.json)")
     return InterleavedPipeline(engine, ps, micro_batches=layout.grad_accum_steps, activation_specs=specs,
                                loss_fn=engine.module.loss_fn)

@@ -33,6 +33,11 @@ def _is_bf16_optimizer(optimizer) -> bool:
     return isinstance(optimizer, BF16_Optimizer)
 
 
+def accumulates_grads_in_fp32(engine) -> bool:
+    """Whether the engine's optimizer sums micro-batch gradients in fp32 (bf16 runs)."""
+    return _is_bf16_optimizer(engine.optimizer)
+
+
 def loss_scale(engine) -> float:
     """The factor the engine's ``backward`` multiplies a loss by (1 without fp16 loss scaling)."""
     if not engine.fp16_enabled():

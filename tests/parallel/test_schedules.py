@@ -189,6 +189,6 @@ def test_micro_batches_must_be_a_multiple_of_pp():
 
 def test_dry_run_lines_name_layers_and_bubble():
     text = "\n".join(describe_assignment(8, 2, 2, 4))
-    assert "rank 0: chunk 0: layers 0-1; chunk 1: layers 4-5 + embedding" in text
-    assert "rank 1: chunk 0: layers 2-3; chunk 1: layers 6-7 + final norm and output layer" in text
+    assert "rank 0: chunk 0: embedding, layers 0-1; chunk 1: layers 4-5" in text
+    assert "rank 1: chunk 0: layers 2-3; chunk 1: layers 6-7, final norm, output layer" in text
     assert "(p-1)/(v m) = 1/(2 x 4) = 12.5%" in text and "(p-1)/m = 25.0%" in text
