@@ -190,7 +190,8 @@ class GPTSequential(nn.Module):
     returns the vocab-parallel logits ``[b, s, V/tp]``; ``loss_fn(logits, (labels, loss_mask))``.
 
     ``activation_checkpoint_interval > 0`` recomputes runs of that many consecutive transformer
-    layers in backward (full recompute).
+    layers in backward (full recompute). ``layer_indices`` builds only those specs (a chunk of the
+    interleaved schedule, ``megatron_ds.model.interleaved``), seeded and named by their index.
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,

@@ -167,7 +167,10 @@ class InterleavedPipeline:
         if self.ps.dp_rank == 0:
             os.makedirs(path, exist_ok=True)
             for name, module in self.model.layer_files(self.ps.tp_rank):
-                self.engine.checkpoint_engine.save(module.state_dict(), os.path.join(path, name))
+                # clones: a parameter may be a view into an optimizer's flat buffer, which torch.save
+                # would write whole (DeepSpeed's PipelineModule clones for the same reason)
+                state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                self.engine.checkpoint_engine.save(state, os.path.join(path, name))
         return self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
                                            save_latest=save_latest, **kwargs)
 
