@@ -16,8 +16,10 @@ from packaging.version import Version
 
 from megatron_ds.config import ConfigError
 
-# Checked against 0.19 (the CI version); the attributes below exist unchanged since 0.16.
-SUPPORTED = (Version("0.16"), Version("0.20"))
+# Checked against 0.19 (what requirements.txt resolves to). Older releases scale fp16 losses in
+# a different place (FP16_Optimizer.backward) than loss_scale below mirrors, so they are refused
+# for this schedule rather than trusted blindly.
+SUPPORTED = (Version("0.19"), Version("0.20"))
 
 
 def check_version() -> None:
@@ -39,15 +41,19 @@ def accumulates_grads_in_fp32(engine) -> bool:
 
 
 def loss_scale(engine) -> float:
-    """The factor the engine's ``backward`` multiplies a loss by (1 without fp16 loss scaling)."""
-    if not engine.fp16_enabled():
-        return 1.0
+    """The factor ``engine.backward`` multiplies a loss by: DeepSpeed 0.19 scales only through a
+    ZeRO-family optimizer's ``scale_if_loss`` (the bf16 optimizer has no scaler) or torch's
+    GradScaler under ZeRO 0 with torch autocast; otherwise the loss goes in unscaled."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer  # noqa: PLC0415
+
     opt = engine.optimizer
-    scaler = getattr(opt, "loss_scaler", None)
-    if scaler is not None:  # ZeRO optimizers
-        return float(scaler.loss_scale)
-    config = getattr(opt, "loss_scale_config", None)  # FP16_Optimizer (0.19)
-    return float(config.cur_scale if config is not None else opt.cur_scale)
+    if isinstance(opt, ZeROOptimizer):
+        if getattr(opt, "custom_loss_scaler", False):
+            return float(opt.external_loss_scale)
+        scaler = getattr(opt, "loss_scaler", None)
+        return float(scaler.loss_scale) if scaler is not None else 1.0
+    gradscaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(gradscaler.get_scale()) if gradscaler is not None else 1.0
 
 
 def accumulated_grad(engine, param):

@@ -49,9 +49,10 @@ def test_pp2_v2_matches_single_process(reference):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_v2_matches_single_process(reference):
-    # Megatron-LM's spelling of the chunk count
-    losses = _losses(4, TINY_GPT + STEPS + _layout(2, 2) + ["--virtual-pipeline-model-parallel-size", "2"])
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp_sequence_parallel"])
+def test_tp2_pp2_v2_matches_single_process(reference, extra):
+    # Megatron-LM's spelling of the chunk count; sequence parallelism sends [s/tp, b, h] shards
+    losses = _losses(4, TINY_GPT + STEPS + _layout(2, 2) + ["--virtual-pipeline-model-parallel-size", "2"] + extra)
     assert [x for _, x in losses] == pytest.approx([x for _, x in reference], rel=RTOL)
 
 
