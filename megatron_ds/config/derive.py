@@ -113,7 +113,9 @@ class Layout:
             lines.append(f"  stage {s.stage}:{layers}"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
         if self.pp > 1:
-            lines += describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
+            schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
+            # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
+            lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
         return "\n".join(lines)
 
 

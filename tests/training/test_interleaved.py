@@ -58,8 +58,10 @@ def test_tp2_pp2_v2_matches_single_process(reference, extra):
 
 @pytest.mark.slow
 def test_pp4_v2_matches_single_process():
-    # 8 layers: 4 ranks x 2 chunks of one layer; 4 micro-batches per step, a multiple of PP 4
-    argv = TINY_GPT + STEPS + ["--num-layers", "8"]
+    """8 layers: 4 ranks x 2 chunks of one layer; 4 micro-batches per step, a multiple of PP 4.
+    Attention within documents: the [b, s] int64 document ids travel with the hidden state."""
+    argv = TINY_GPT + STEPS + ["--num-layers", "8", "--reset-attention-mask", "--reset-position-ids",
+                               "--eod-mask-loss"]
     ref = _losses(1, argv)
     losses = _losses(4, argv + _layout(1, 4) + INTERLEAVE)
     assert [x for _, x in losses] == pytest.approx([x for _, x in ref], rel=RTOL)
