@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megatron_ds.config.run_schedule import RunSchedule, ScheduleError, build_run_schedule
 from megatron_ds.config.checks import check_ranges
 from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.parallel.schedules import ScheduleError, check_schedule, describe_assignment, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
 
 
@@ -70,6 +71,7 @@ class Layout:
     world_size: int
     tp: int
     pp: int
+    virtual_pp: int  # model chunks per pipeline rank (> 1: interleaved 1F1B schedule)
     dp: int
     micro_batch_size: int
     global_batch_size: int
@@ -90,11 +92,16 @@ class Layout:
     stages: tuple[StageParams, ...]
     ds_config: dict = field(hash=False)
 
+    def _engine_name(self) -> str:
+        if self.virtual_pp > 1:
+            return "interleaved pipeline schedule on the plain engine"
+        return "pipeline engine" if self.use_pipeline else "plain engine"
+
     def summary(self) -> str:
         m = self.model
         lines = [
             f"world size {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
-            f" ({'pipeline engine' if self.use_pipeline else 'plain engine'}, ZeRO {self.zero_stage},"
+            f" ({self._engine_name()}, ZeRO {self.zero_stage},"
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
             f" per step = global {self.global_batch_size}; {self.train_iters} iterations",
@@ -112,8 +119,13 @@ class Layout:
         if r.train_tokens is not None:
             lines.insert(2, f"train until {r.train_tokens:,} tokens ({self.train_iters} iterations at most)")
         for s in self.stages:
-            lines.append(f"  stage {s.stage}: layers {s.layers[0]}-{s.layers[1] - 1},"
+            layers = "" if self.virtual_pp > 1 else f" layers {s.layers[0]}-{s.layers[1] - 1},"
+            lines.append(f"  stage {s.stage}:{layers}"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
+        if self.pp > 1:
+            schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
+            # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
+            lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
         return "\n".join(lines)
 
 
@@ -216,6 +228,19 @@ def _check_divisible(a: int, b: int, message: str) -> None:
         raise ConfigError(message)
 
 
+def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
+    """Model chunks per pipeline rank, refusing what the interleaved schedule cannot run."""
+    try:
+        v = virtual_pipeline_size(num_layers, pp, par.num_layers_per_virtual_pipeline_stage,
+                                  par.virtual_pipeline_model_parallel_size)
+        check_schedule(pp, micro_batches, v)
+    except ScheduleError as exc:
+        raise ConfigError(str(exc)) from None
+    if v > 1 and par.no_pipeline_parallel:
+        raise ConfigError("--no-pipeline-parallel cannot run the interleaved pipeline schedule; drop one of them")
+    return v
+
+
 def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict | None = None,
            device_type: str = "cuda") -> Layout:
     """Validate ``cfg`` for ``world_size`` processes and compute everything that follows from it."""
@@ -255,6 +280,7 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
                      f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
                      f"{micro} x DP {dp} = {micro * dp}; use a multiple of {micro * dp}")
     gas = global_batch // (micro * dp)
+    virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
 
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; choose one")
@@ -314,7 +340,7 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
     notes: list[str] = []
     ds = build_ds_config(cfg, ds_template, micro=micro, global_batch=global_batch, gas=gas,
                          precision=precision, zero_stage=zero_stage, notes=notes)
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=micro,
+    return Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                   global_batch_size=global_batch, grad_accum_steps=gas, train_iters=train_iters,
                   lr_decay_iters=decay, lr_warmup_iters=warmup, run=run, notes=tuple(notes), vocab_size=vocab_size,
                   padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,

@@ -75,6 +75,11 @@ class ParallelConfig:
     """Tensor parallel size (ranks that split each layer)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel size (stages)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved 1F1B schedule: transformer layers per model chunk; each pipeline rank holds
+    num_layers / PP / this many chunks (Megatron's virtual pipeline stages)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved 1F1B schedule: model chunks per pipeline rank (Megatron-LM's spelling of the above)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
     no_pipeline_parallel: bool = False

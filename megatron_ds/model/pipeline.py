@@ -192,10 +192,12 @@ class GPTSequential(nn.Module):
     returns the vocab-parallel logits ``[b, s, V/tp]``; ``loss_fn(logits, (labels, loss_mask))``.
 
     ``activation_checkpoint_interval > 0`` recomputes runs of that many consecutive transformer
-    layers in backward (full recompute).
+    layers in backward (full recompute). ``layer_indices`` builds only those specs (a chunk of the
+    interleaved schedule, ``megatron_ds.model.interleaved``), seeded and named by their index.
     """
 
-    def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0):
+    def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
+                 layer_indices=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
         self.loss_fn = _loss_fn(tp_group)
@@ -204,9 +206,10 @@ class GPTSequential(nn.Module):
         # Per spec: (class name, tied key or None, parameters a stage building this spec first holds).
         self._layer_info: list[tuple[str, str | None, int]] = []
         with _restore_default_rng():
-            for idx, spec in enumerate(specs):
+            # layer_indices: build only those specs (a model chunk of the interleaved schedule)
+            for idx in range(len(specs)) if layer_indices is None else layer_indices:
                 torch.manual_seed(seed + idx)  # as _LayerInitSeeder does for layer idx
-                self._forward_funcs.append(self._build(idx, spec))
+                self._forward_funcs.append(self._build(idx, specs[idx]))
 
     def _build(self, idx: int, spec):
         if isinstance(spec, TiedLayerSpec):

@@ -61,13 +61,17 @@ def layout_signature(layout) -> dict:
         sig["max_position_embeddings"] = m.max_position_embeddings
     sig.update(padded_vocab_size=layout.padded_vocab_size, tensor_model_parallel_size=layout.tp,
                pipeline_model_parallel_size=layout.pp, data_parallel_size=layout.dp,
+               virtual_pipeline_model_parallel_size=layout.virtual_pp,
                zero_stage=layout.zero_stage, precision=layout.precision, use_pipeline=layout.use_pipeline)
     return sig
 
 
 def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool) -> None:
     """Raise ConfigError naming every field that differs."""
-    optim_fields = ("data_parallel_size", "zero_stage", "precision")
+    # The interleaved schedule orders and groups parameters differently: its optimizer state only
+    # fits an interleaved run with the same chunks, but its weights load anywhere (same layer files).
+    optim_fields = ("data_parallel_size", "zero_stage", "precision", "virtual_pipeline_model_parallel_size")
+    saved = {"virtual_pipeline_model_parallel_size": 1, **saved}  # checkpoints from before interleaving
     fields = [k for k in current if k not in optim_fields]
     if load_optim:
         # ZeRO and DeepSpeed's bf16 optimizer shard optimizer state over data parallel ranks: the

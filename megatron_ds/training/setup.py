@@ -74,10 +74,19 @@ def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int, 
                   activation_checkpoint_interval=(cfg.training.recompute_num_layers
                                                   if layout.recompute == "full" else 0),
                   params_dtype=params_dtype(layout), device=device)
+    if layout.virtual_pp > 1:
+        from megatron_ds.training.interleaved import build_interleaved_model  # noqa: PLC0415
+        return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=cfg.parallel.pipeline_partition_method, **common)
     return build_sequential_gpt(layout.model, **common)
+
+
+def model_is_plain(layout: Layout) -> bool:
+    """DeepSpeed's plain engine runs the model (--no-pipeline-parallel, or the interleaved
+    schedule, whose executor drives the plain engine); it then takes our groups as its mpu."""
+    return not layout.use_pipeline or layout.virtual_pp > 1
 
 
 @dataclass
@@ -108,11 +117,14 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
         optimizer = GuardedOptimizer(optimizer, cfg.optimizer.clip_grad)
     scheduler = make_lr_schedule(optimizer, cfg, layout)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=layout.ds_config, mpu=None if layout.use_pipeline else ps,
+                                           config=layout.ds_config, mpu=ps if model_is_plain(layout) else None,
                                            dist_init_required=False)
     if guarded:
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
     install_safe_loading(engine, log=print_rank0)
+    if layout.virtual_pp > 1:
+        from megatron_ds.training.interleaved import wrap_engine  # noqa: PLC0415
+        engine = wrap_engine(engine, cfg, layout, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
     set_parallel_seeds(cfg.training.seed + 100 * ps.pp_rank, ps.tp_rank)

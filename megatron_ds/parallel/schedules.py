@@ -1,0 +1,188 @@
+"""Pipeline schedules as data: the ordered (forward/backward, model chunk, micro-batch) steps of
+one pipeline rank for one optimizer step, separate from the code that executes them.
+
+Two schedules, both Megatron-LM's (Narayanan et al., SC21):
+
+* **1F1B** (``virtual_size == 1``): ``pp - rank - 1`` warm-up forwards, then alternate one forward
+  and one backward, then the remaining backwards. Bubble ``(p - 1) / m`` of the ideal step time.
+* **Interleaved 1F1B** (``virtual_size = v > 1``): every rank holds ``v`` model chunks, chunk ``c``
+  of rank ``r`` being virtual stage ``c * pp + r`` (layers ``[(c*pp + r) * L, (c*pp + r + 1) * L)``
+  for ``L`` layers per virtual stage), so a micro-batch visits every rank ``v`` times. Bubble
+  ``(p - 1) / (v m)``, for ``v`` times more point-to-point messages.
+
+The interleaved ordering is a transcription of ``forward_backward_pipelining_with_interleaving``
+in Megatron-DeepSpeed's ``megatron/core/pipeline_parallel/schedules.py`` (the copy of Megatron-LM's
+it ships; the same loop is in NVIDIA/Megatron-LM with ``microbatch_group_size_per_vp_stage`` = pp,
+its default):
+
+* forward step ``k`` runs chunk ``(k mod (pp v)) // pp`` (``get_model_chunk_id(k, forward=True)``),
+  backward step ``k`` the mirror chunk ``v - 1 - that``; each chunk takes its micro-batches in
+  order (per-chunk data iterators / FIFO of saved inputs), i.e. micro-batch
+  ``(k // (pp v)) * pp + k mod pp``;
+* warm-up ``min((pp - rank - 1) * 2 + (v - 1) * pp, m v)`` forwards, or all ``m v`` forwards when
+  ``m == pp`` (Megatron's ``all_warmup_microbatches``); then ``forward k + warmup, backward k``
+  pairs; then the remaining backwards;
+* it requires ``m % pp == 0`` ("number of microbatches is not divisible by
+  pipeline-model-parallel-size when using interleaved schedule"), and Megatron-DeepSpeed's
+  arguments require ``--num-layers`` divisible by ``--num-layers-per-virtual-pipeline-stage``, with
+  ``v = num_layers / pp / num_layers_per_virtual_pipeline_stage``.
+
+Megatron-DeepSpeed also asserts PP > 2 for interleaving; that is a limit of its paired
+send/receive calls, which with two ranks send both directions between the same pair at once. The
+executor here (``megatron_ds.training.interleaved``) posts independent tagged messages, so PP = 2
+interleaves too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # FORWARD | BACKWARD
+    chunk: int  # model chunk index on this rank (0 .. v-1)
+    microbatch: int  # 0 .. m-1
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.microbatch}"
+
+
+class ScheduleError(ValueError):
+    """The configuration cannot run the requested schedule; the message says why."""
+
+
+def model_chunk_id(k: int, pp: int, v: int, *, forward: bool) -> int:
+    """Megatron's ``get_model_chunk_id``: the chunk of this rank's ``k``-th forward (or backward)."""
+    chunk = (k % (pp * v)) // pp
+    return chunk if forward else v - 1 - chunk
+
+
+def microbatch_id(k: int, pp: int, v: int) -> int:
+    """The micro-batch of the ``k``-th forward (or backward): each chunk takes them in order,
+    ``pp`` at a time per round of the ``pp * v`` step groups."""
+    return (k // (pp * v)) * pp + k % pp
+
+
+def num_warmup_steps(pp: int, rank: int, v: int, m: int) -> int:
+    """Forwards run before the first backward on pipeline rank ``rank`` (training)."""
+    if v == 1:
+        return min(pp - rank - 1, m)  # forward_backward_pipelining_without_interleaving
+    if m == pp:
+        return m * v  # all_warmup_microbatches
+    return min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+
+
+def pipeline_schedule(pp: int, rank: int, m: int, v: int = 1) -> list[Step]:
+    """This rank's steps for one optimizer step of ``m`` micro-batches over ``v`` chunks per rank
+    (``v == 1``: plain 1F1B). Every step of the list runs in order; see the module docstring."""
+    check_schedule(pp, m, v)
+    if not 0 <= rank < pp:
+        raise ScheduleError(f"pipeline rank {rank} is outside 0..{pp - 1}")
+    total = m * v
+    warmup = num_warmup_steps(pp, rank, v, m)
+
+    def fwd(k: int) -> Step:
+        return Step(FORWARD, model_chunk_id(k, pp, v, forward=True), microbatch_id(k, pp, v))
+
+    def bwd(k: int) -> Step:
+        return Step(BACKWARD, model_chunk_id(k, pp, v, forward=False), microbatch_id(k, pp, v))
+
+    steps = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        steps += [fwd(k + warmup), bwd(k)]
+    steps += [bwd(k) for k in range(total - warmup, total)]
+    return steps
+
+
+def forward_only_schedule(m: int, v: int = 1, pp: int = 1) -> list[Step]:
+    """Evaluation: Megatron runs every forward in the training order, no backward."""
+    return [Step(FORWARD, model_chunk_id(k, pp, v, forward=True), microbatch_id(k, pp, v)) for k in range(m * v)]
+
+
+def check_schedule(pp: int, m: int, v: int) -> None:
+    if pp < 1 or m < 1 or v < 1:
+        raise ScheduleError(f"pipeline size {pp}, micro-batches {m} and chunks per rank {v} must be positive")
+    if v > 1 and pp < 2:
+        raise ScheduleError("the interleaved schedule needs --pipeline-model-parallel-size >= 2")
+    if v > 1 and m % pp:
+        # Megatron raises the same: each round of the schedule takes pp micro-batches per chunk.
+        raise ScheduleError(f"the interleaved schedule needs the micro-batches per step ({m} = global batch / "
+                            f"(micro batch x DP)) to be a multiple of --pipeline-model-parallel-size {pp}, as "
+                            f"Megatron requires; change --global-batch-size")
+
+
+def virtual_pipeline_size(num_layers: int, pp: int, layers_per_virtual_stage: int | None,
+                          virtual_size: int | None) -> int:
+    """``v`` from Megatron's two spellings, checked: ``--num-layers-per-virtual-pipeline-stage L``
+    (Megatron-DeepSpeed: ``v = num_layers // pp // L``) or ``--virtual-pipeline-model-parallel-size v``
+    (Megatron-LM). Neither given: 1 (no interleaving)."""
+    if layers_per_virtual_stage is None and virtual_size is None:
+        return 1
+    if layers_per_virtual_stage is not None and layers_per_virtual_stage < 1:
+        raise ScheduleError(f"--num-layers-per-virtual-pipeline-stage must be positive, got {layers_per_virtual_stage}")
+    if virtual_size is not None and virtual_size < 1:
+        raise ScheduleError(f"--virtual-pipeline-model-parallel-size must be positive, got {virtual_size}")
+    if num_layers % pp:
+        raise ScheduleError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    per_rank = num_layers // pp
+    if layers_per_virtual_stage is not None:
+        if per_rank % layers_per_virtual_stage:
+            raise ScheduleError(
+                f"cannot interleave: {num_layers} layers / PP {pp} = {per_rank} layers per pipeline rank, not "
+                f"divisible by --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}")
+        v = per_rank // layers_per_virtual_stage
+        if virtual_size is not None and virtual_size != v:
+            raise ScheduleError(
+                f"--virtual-pipeline-model-parallel-size {virtual_size} contradicts "
+                f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} ({num_layers} layers / PP {pp} "
+                f"/ {layers_per_virtual_stage} = {v} chunks per rank); give one of them")
+    else:
+        v = virtual_size
+        if per_rank % v:
+            raise ScheduleError(f"cannot interleave: {per_rank} layers per pipeline rank ({num_layers} / PP {pp}) "
+                                f"do not split into --virtual-pipeline-model-parallel-size {v} chunks")
+    if v > 1 and pp < 2:
+        raise ScheduleError("interleaving (virtual pipeline stages) needs --pipeline-model-parallel-size >= 2")
+    return v
+
+
+def chunk_layer_range(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> range:
+    """Transformer layers (0-based) of chunk ``chunk`` on pipeline rank ``rank``: Megatron's
+    assignment, virtual stage ``chunk * pp + rank`` of ``pp * v`` equal ones."""
+    per = num_layers // (pp * v)
+    stage = chunk * pp + rank
+    return range(stage * per, (stage + 1) * per)
+
+
+def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
+    """Idle time relative to the ideal compute time: ``(p - 1) / (v m)`` (1F1B: ``v = 1``)."""
+    return (pp - 1) / (v * m)
+
+
+def ideal_efficiency(pp: int, m: int, v: int = 1) -> float:
+    """Fraction of the step time spent computing: ``m / (m + (p - 1) / v)``."""
+    return m / (m + (pp - 1) / v)
+
+
+def describe_assignment(num_layers: int, pp: int, v: int, m: int) -> list[str]:
+    """Lines for --dry-run: each rank's chunks and layers, and the predicted bubble."""
+    lines = [f"pipeline schedule: {'interleaved 1F1B' if v > 1 else '1F1B'}, PP {pp} x {v} chunk(s) per rank, "
+             f"{m} micro-batches per step"]
+    for rank in range(pp):
+        parts = []
+        for c in range(v):
+            layers = chunk_layer_range(num_layers, pp, v, rank, c)
+            members = [f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"]
+            if rank == 0 and c == 0:
+                members.insert(0, "embedding")
+            if rank == pp - 1 and c == v - 1:
+                members.append("final norm, output layer")
+            parts.append(f"chunk {c}: " + ", ".join(members))
+        lines.append(f"  rank {rank}: " + "; ".join(parts))
+    lines.append(f"predicted bubble: (p-1)/(v m) = {pp - 1}/({v} x {m}) = {bubble_fraction(pp, m, v):.1%} of compute"
+                 f" (1F1B: (p-1)/m = {bubble_fraction(pp, m):.1%}); ideal efficiency "
+                 f"{ideal_efficiency(pp, m, v):.1%}")
+    return lines
