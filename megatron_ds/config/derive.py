@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from megatron_ds.config.run_schedule import RunSchedule, ScheduleError, build_run_schedule
 from megatron_ds.config.checks import check_ranges
 from megatron_ds.config.schema import Config, ModelConfig
-from megatron_ds.parallel.schedules import ScheduleError, check_schedule, describe_assignment, virtual_pipeline_size
+from megatron_ds.parallel.schedules import ScheduleError as PipelineScheduleError, check_schedule, describe_assignment, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
 
 
@@ -234,7 +234,7 @@ def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
         v = virtual_pipeline_size(num_layers, pp, par.num_layers_per_virtual_pipeline_stage,
                                   par.virtual_pipeline_model_parallel_size)
         check_schedule(pp, micro_batches, v)
-    except ScheduleError as exc:
+    except PipelineScheduleError as exc:
         raise ConfigError(str(exc)) from None
     if v > 1 and par.no_pipeline_parallel:
         raise ConfigError("--no-pipeline-parallel cannot run the interleaved pipeline schedule; drop one of them")
@@ -321,6 +321,11 @@ def derive(cfg: Config, world_size: int, *, vocab_size: int, ds_template: dict |
     except ScheduleError as exc:
         raise ConfigError(str(exc)) from None
     if run.rampup is not None:
+        if virtual_pp > 1:
+            # The interleaved schedule needs micro-batches per step to be a multiple of PP at every
+            # step (Megatron asserts the same); a ramp changes that count from step to step.
+            raise ConfigError("--rampup-batch-size cannot be combined with the interleaved pipeline schedule "
+                              "(--num-layers-per-virtual-pipeline-stage); drop one of them")
         train_iters = run.train_iters_for_samples(t.train_samples)
     _need(o.lr, "--lr")
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
