@@ -197,3 +197,12 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
     assert cfg.parallel.sequence_parallel is False and "--sequence-parallel is turned off" in notes[0]
     cfg, _ = parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
     assert megatron_overrides(cfg, None) == [] and cfg.parallel.sequence_parallel is True
+
+
+def test_rampup_with_interleaving_refused():
+    # BASE trains by iterations; ramp-up needs --train-samples (Megatron's rule), so swap them.
+    cfg, _ = parse_args([a for a in BASE if a not in ("--train-iters", "10")] + [
+        "--train-samples", "640", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "64"])
+    with pytest.raises(ConfigError, match="--rampup-batch-size cannot be combined with the interleaved"):
+        derive(cfg, 2, vocab_size=1000)
