@@ -58,6 +58,8 @@ setup(
     extras_require={
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],  # --wandb-project / --wandb-name (works offline: WANDB_MODE=offline)
+        # tools/checkpoint/to_hf.py and from_hf.py (Hugging Face export / import)
+        "hf": ["transformers"],
         "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     ext_modules=ext_modules,

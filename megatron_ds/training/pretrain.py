@@ -125,7 +125,7 @@ def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, toke
         iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
                                                  load_optim=cfg.checkpoint.load_optim,
                                                  finetune=cfg.checkpoint.finetune,
-                                                 load_lr_state=cfg.checkpoint.load_lr_state,
+                                                 load_lr_state=cfg.checkpoint.load_lr_state, ps=ps,
                                                  exact_step=cfg.checkpoint.ckpt_step, log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
@@ -161,7 +161,8 @@ def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, toke
                        WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
                              save_dir=lg.wandb_save_dir, checkpoint_dir=cfg.checkpoint.save, enabled_rank=last_rank,
                              config=cfg.to_dict()))
-    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:]}
+    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
+    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:], "vocab_size": tokenizer.vocab_size}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
