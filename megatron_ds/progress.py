@@ -44,6 +44,9 @@ class LineProgress:
             self._last = now
             self._print(now)
 
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        """tqdm's method; the lines carry no postfix."""
+
     def line(self, now: float | None = None) -> str:
         elapsed = (now or time.monotonic()) - self.start
         rate = self.n / elapsed if elapsed > 0 else 0.0
@@ -75,6 +78,9 @@ class _NoProgress:
     def update(self, n: int = 1) -> None:
         self.n += n
 
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -86,13 +92,14 @@ class _NoProgress:
 
 
 def progress(total: int | None = None, desc: str = "", unit: str = "it", *, enabled: bool = True,
-             stream=None, log_interval: float = DEFAULT_LOG_INTERVAL_S, force_lines: bool = False):
-    """A tqdm bar when ``stream`` (default stderr) is a terminal, else a ``LineProgress``."""
+             stream=None, log_interval: float = DEFAULT_LOG_INTERVAL_S, force_lines: bool = False, **tqdm_kwargs):
+    """A tqdm bar when ``stream`` (default stderr) is a terminal, else a ``LineProgress``.
+    ``tqdm_kwargs`` (e.g. ``unit_scale=True``) only apply to the bar."""
     if not enabled:
         return _NoProgress()
     stream = stream or sys.stderr
     if not force_lines and getattr(stream, "isatty", lambda: False)():
         from tqdm import tqdm  # noqa: PLC0415 - only needed on terminals
 
-        return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True)
+        return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, **tqdm_kwargs)
     return LineProgress(total, desc, unit, log_interval, stream)

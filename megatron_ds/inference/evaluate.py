@@ -62,6 +62,8 @@ def _window_batches(windows: list[Window], batch_size: int):
 def perplexity(model: InferenceModel, tokens: np.ndarray, *, window: int, stride: int, batch_size: int = 4,
                show_progress: bool = True) -> dict:
     """Sliding-window perplexity of a token stream (see the module docstring)."""
+    if model.max_positions is not None and window - 1 > model.max_positions:
+        raise ValueError(f"window {window} needs {window - 1} positions; the model has {model.max_positions}")
     windows = sliding_windows(len(tokens), window, stride)
     stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     nll, count = 0.0, 0
@@ -108,6 +110,8 @@ def lambada_accuracy(model: InferenceModel, samples: list[tuple[list, list]], *,
                      show_progress: bool = True) -> dict:
     """Teacher-forced last-word accuracy (every target token must be the argmax) and the targets' PPL.
     Rows are right-padded: with causal attention, padding after a sample cannot change it."""
+    if model.max_positions is not None:  # keep the end of a context too long for the positions
+        samples = [(c[max(0, len(c) + len(t) - 1 - model.max_positions):], t) for c, t in samples]
     correct, nll, count = 0, 0.0, 0
     with progress(total=len(samples), desc="lambada", unit="samples", enabled=show_progress) as bar:
         for start in range(0, len(samples), batch_size):

@@ -126,7 +126,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
                 grad_norm=grad_norm, skipped=engine.skipped_steps - window_skipped, nans=window_nans,
                 samples_per_s=layout.global_batch_size / elapsed,
                 tokens_per_s_per_gpu=layout.global_batch_size * m.seq_length / elapsed / layout.world_size,
-                tflops_per_gpu=flops / elapsed / layout.world_size / 1e12, mem_gb=mlog.peak_memory_gb(device))
+                tflops_per_gpu=flops / elapsed / layout.world_size / 1e12, mem_gb=mlog.peak_memory_gb(device),
+                eta_s=elapsed * (layout.train_iters - state.iteration))
             mlog.print_last_rank(line)
             tb.scalars(state.iteration, {
                 "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
