@@ -96,7 +96,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
 
     tb = mlog.TensorBoard(cfg.logging.tensorboard_dir, enabled_rank=torch.distributed.get_rank()
                           == torch.distributed.get_world_size() - 1)
-    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:]}
+    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
+    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:], "vocab_size": tokenizer.vocab_size}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,

@@ -1,0 +1,107 @@
+"""Finding and reading the files of a megatron_ds checkpoint, whatever layout wrote it.
+
+A checkpoint ``DIR/global_stepN/`` (see ``megatron_ds.training.checkpointing``) holds:
+
+- ``megatron_ds_config.json``: the saved run config and its layout signature (TP, PP, DP, ZeRO
+  stage, precision, padded vocabulary) -- everything needed to interpret the rest;
+- ``layer_{i:02d}-model_{t:02d}-model_states.pt``: DeepSpeed ``PipelineModule`` files, one per
+  *global* layer index ``i`` and tensor parallel rank ``t`` (the data parallel and pipeline
+  coordinates are not in the name, so these files mean the same at any PP or DP);
+- ``mp_rank_{m:02d}_model_states.pt``: one per TP x PP rank ``m = pp_rank * tp + tp_rank``
+  (DeepSpeed's "model parallel" rank): client state, LR scheduler, and, for the plain engine
+  (``--no-pipeline-parallel``), the module's weights under ``"module"``;
+- ``[bf16_]zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt``: ZeRO / bf16 optimizer shards.
+
+Files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay on disk until a
+slice of them is used, which keeps conversion memory near one layer even when a file (an
+optimizer shard) holds a whole pipeline stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+
+import torch
+
+from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
+from megatron_ds.training.checkpointing import META, _allowed_globals, checkpoint_tag, read_tracker
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def load_file(path: str) -> dict:
+    """torch.load a checkpoint file lazily (mmap) and safely (weights_only + DeepSpeed allowlist)."""
+    with torch.serialization.safe_globals(_allowed_globals()):
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as exc:  # files written without the zipfile format cannot be mapped
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@dataclasses.dataclass
+class CheckpointFiles:
+    """One saved checkpoint: where it is and what layout and model wrote it."""
+
+    path: str  # DIR/global_stepN
+    iteration: int
+    meta: dict  # megatron_ds_config.json
+    model: ModelConfig  # resolved
+    padded_vocab_size: int
+    vocab_size: int | None  # the tokenizer's real vocabulary, when the checkpoint recorded it
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    precision: str
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config", {})
+
+    def layer_file(self, layer: int, tp_rank: int) -> str:
+        return os.path.join(self.path, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
+
+    def has_layer_files(self) -> bool:
+        return any(_LAYER_FILE.search(p) for p in os.listdir(self.path))
+
+    def mp_file(self, mp_rank: int) -> str:
+        return os.path.join(self.path, f"mp_rank_{mp_rank:02d}_model_states.pt")
+
+    def optimizer_files(self) -> list[str]:
+        return sorted(glob.glob(os.path.join(self.path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+
+
+def resolve_iteration(load_dir: str, iteration: int | None) -> int:
+    if iteration is not None:
+        return iteration
+    found = read_tracker(load_dir)
+    if found is None:
+        raise ConfigError(f"{load_dir} has no latest_checkpointed_iteration.txt; pass the iteration to load")
+    return found
+
+
+def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFiles:
+    """The checkpoint in ``load_dir`` at ``iteration`` (default: the tracker's)."""
+    if not os.path.isdir(load_dir):
+        raise ConfigError(f"checkpoint directory {load_dir} does not exist")
+    iteration = resolve_iteration(load_dir, iteration)
+    path = os.path.join(load_dir, checkpoint_tag(iteration))
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"{meta_path} is missing: no complete megatron_ds checkpoint for iteration "
+                          f"{iteration} in {load_dir}")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    sig = meta["signature"]
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}))
+    return CheckpointFiles(
+        path=path, iteration=iteration, meta=meta, model=model, padded_vocab_size=sig["padded_vocab_size"],
+        vocab_size=meta.get("vocab_size"), tp=sig["tensor_model_parallel_size"],
+        pp=sig["pipeline_model_parallel_size"], dp=sig["data_parallel_size"], zero_stage=sig["zero_stage"],
+        precision=sig["precision"])
