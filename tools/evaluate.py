@@ -102,7 +102,7 @@ def evaluate(session, args) -> dict:
         results["perplexity"][path] = r
     if args.lambada:
         samples = lambada_samples(args.lambada, session.tokenizer, strict=not args.lambada_last_token)
-        r = lambada_accuracy(session.model, samples, pad_id=session.tokenizer.eod, batch_size=2 * args.batch_size,
+        r = lambada_accuracy(session.model, samples, pad_id=0, batch_size=2 * args.batch_size,
                              show_progress=session.is_main and not args.no_progress)
         r["strict"] = not args.lambada_last_token
         session.log(f"> lambada {args.lambada}: accuracy {r['accuracy']:.4f} ({r['correct']}/{r['samples']}), "

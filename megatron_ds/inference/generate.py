@@ -141,7 +141,8 @@ def generate(model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfi
     """Generate up to ``cfg.max_new_tokens`` tokens after each prompt (token id lists)."""
     cfg.check()
     _check_prompts(model, prompts, cfg.max_new_tokens)
-    batch = _Batch(prompts, cfg.max_new_tokens, eod, model.device)
+    # Padding (and finished rows) hold id 0: never attended to, and inside any vocabulary.
+    batch = _Batch(prompts, cfg.max_new_tokens, 0, model.device)
     generator = torch.Generator().manual_seed(cfg.seed)
     seen = torch.zeros((len(prompts), model.vocab_size), dtype=torch.bool, device=model.device)
     for i, prompt in enumerate(prompts):
@@ -156,7 +157,7 @@ def generate(model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfi
         cache.mask = attention_mask(batch.valid, start, col)
         logits = model.logits(batch.tokens[:, start:col], batch.positions(start, col), cache)[:, -1]
         token = _broadcast(next_tokens(logits, seen, cfg, generator), model.tp_group)
-        token = torch.where(done, torch.full_like(token, eod), token)
+        token = torch.where(done, torch.zeros_like(token), token)
         batch.tokens[:, col] = token
         seen[torch.arange(len(prompts)), token] = True
         for i in (~done).nonzero().flatten().tolist():
