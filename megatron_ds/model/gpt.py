@@ -8,6 +8,10 @@ DeepSpeed pipeline layers (see ``pipeline.py``):
 
 Logits stay split over the vocabulary (each tensor parallel rank holds V/tp columns); the loss is
 the vocab-parallel cross entropy, so the full [b, s, V] tensor never exists.
+
+Vocabulary padding (``--make-vocab-size-divisible-by`` x TP rows) changes nothing: given the real
+``vocab_size``, the output layers set the padding columns' logits to -inf, so no softmax, loss or
+sampling ever sees them, and the model computes the same function at any TP size.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from megatron_ds.model.transformer import hidden_dropout, split_hidden_and_docum
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 from megatron_ds.parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_ds.parallel.utils import tp_rank
 
 
 def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -31,6 +36,17 @@ def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
     return torch.cumsum(is_eod, dim=1) - is_eod
 
 
+def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int | None, tp_group) -> torch.Tensor:
+    """Set this rank's padding columns (global ids >= vocab_size) of ``[..., V/tp]`` logits to -inf,
+    in place (no second logits-sized tensor; autograd gives those columns zero gradient)."""
+    if vocab_size is not None:
+        local = logits.size(-1)
+        real_local = max(0, min(local, vocab_size - tp_rank(tp_group) * local))
+        if real_local < local:
+            logits[..., real_local:] = float("-inf")
+    return logits
+
+
 class GPTEmbedding(nn.Module):
     """Word embeddings (split over the vocabulary) + learned positions (replicated), dropout,
     transposed to ``[s, b, h]`` and, under sequence parallelism, split along the sequence.
@@ -38,13 +54,16 @@ class GPTEmbedding(nn.Module):
     With ``eod_token`` set (``--reset-attention-mask``) the output is ``(hidden, document_ids)``.
     ``max_position_embeddings=None`` builds no position table (rope / no positions); the copy of
     the word embeddings that serves as the tied output layer on the last pipeline stage is built
-    that way too, since it needs only the word embedding weight.
+    that way too, since it needs only the word embedding weight. ``vocab_size``: the real
+    vocabulary, whose padding columns ``logits`` masks (None: no masking).
     """
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None):
+                 params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
+        self.vocab_size = vocab_size
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = dropout
@@ -79,7 +98,7 @@ class GPTEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output layer tied to the word embeddings: ``[s, b, h]`` -> ``[b, s, V/tp]``."""
         out, _ = self._output_projection(hidden, weight=self.word_embeddings.weight)
-        return out.transpose(0, 1)
+        return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
 
 
 def tied_output_logits(embedding: GPTEmbedding, inputs) -> torch.Tensor:
@@ -92,8 +111,10 @@ class GPTOutputHead(nn.Module):
     """Untied output layer (``--untie-embeddings-and-output-weights``): ``[s, b, h]`` -> ``[b, s, V/tp]``."""
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
-                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None):
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
+                 vocab_size: int | None = None):
         super().__init__()
+        self.tp_group, self.vocab_size = tp_group, vocab_size
         self.output_layer = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
@@ -102,7 +123,7 @@ class GPTOutputHead(nn.Module):
     def forward(self, inputs) -> torch.Tensor:
         hidden, _ = split_hidden_and_documents(inputs)
         out, _ = self.output_layer(hidden)
-        return out.transpose(0, 1)
+        return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
 
 
 class FinalNorm(nn.Module):
@@ -119,11 +140,12 @@ class FinalNorm(nn.Module):
         return self.final_layernorm(hidden)
 
 
-def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None) -> torch.Tensor:
+def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
-    ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``.
+    ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
+    ``vocab_size``: the real vocabulary (padding columns excluded; None: no padding).
     """
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group)
+    losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group, vocab_size=vocab_size)
     return masked_token_loss(losses, loss_mask)

@@ -77,12 +77,13 @@ def _check(model_cfg: ModelConfig, tp: int, padded_vocab_size: int, reset_attent
 def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
                     reset_attention_mask: bool = False, eod_token: int | None = None,
-                    recompute_granularity: str | None = None) -> list:
+                    recompute_granularity: str | None = None, vocab_size: int | None = None) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
     builds layers that recompute their attention core; ``"full"`` is a matter of the builder's
-    ``activation_checkpoint_interval`` and changes nothing here.
+    ``activation_checkpoint_interval`` and changes nothing here. ``vocab_size`` (the real
+    vocabulary, <= padded) makes the output layer mask the padding columns (``model/gpt.py``).
     """
     m = model_cfg
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
@@ -90,13 +91,15 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout, **common)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     eod = eod_token if reset_attention_mask else None
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} must be in (0, padded_vocab_size {padded_vocab_size}]")
     tied = not m.untie_embeddings_and_output_weights
 
     specs = []
     if tied:
         specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, GPTEmbedding, m.hidden_size, padded_vocab_size,
                                    max_position_embeddings=positions, eod_token=eod,
-                                   tied_weight_attr=_TIED_WEIGHT_ATTR, **embedding))
+                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, **embedding))
     else:
         specs.append(LayerSpec(GPTEmbedding, m.hidden_size, padded_vocab_size, max_position_embeddings=positions,
                                eod_token=eod, **embedding))
@@ -110,10 +113,10 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         # position table (its weights come from the first stage's broadcast anyway).
         specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, GPTEmbedding, m.hidden_size, padded_vocab_size,
                                    max_position_embeddings=None, forward_fn=tied_output_logits,
-                                   tied_weight_attr=_TIED_WEIGHT_ATTR, **embedding))
+                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, **embedding))
     else:
         specs.append(LayerSpec(GPTOutputHead, m.hidden_size, padded_vocab_size, init_method_std=m.init_method_std,
-                               **common))
+                               vocab_size=vocab_size, **common))
     return specs
 
 

@@ -52,7 +52,8 @@ def build_model(cfg: Config, layout: Layout, ps: ParallelState, eod_token: int):
     """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel)."""
     from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
 
-    common = dict(padded_vocab_size=layout.padded_vocab_size, tp_group=ps.tp_group, seed=cfg.training.seed,
+    common = dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size,
+                  tp_group=ps.tp_group, seed=cfg.training.seed,
                   sequence_parallel=cfg.parallel.sequence_parallel,
                   reset_attention_mask=cfg.data.reset_attention_mask, eod_token=eod_token,
                   recompute_granularity=layout.recompute,
