@@ -110,20 +110,10 @@ class InferenceModel:
     def token_losses(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token negative log-likelihood ``[b, s]`` (fp32) of ``labels`` after ``tokens``."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        # The output layer sets the padded vocabulary's logits to -inf (built with vocab_size), so
+        # the softmax covers the real vocabulary only, as in training and in a HF export.
         logits = self.parallel_logits(tokens, positions).float()
-        # Padded vocabulary entries are never targets, but they are part of the softmax; a trained
-        # model gives them tiny probability, and excluding them matches what HF sees after export.
-        logits = _mask_padded_vocab(logits, self.vocab_size, self.tp_group)
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
-
-
-def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
-    per_rank = logits.shape[-1]
-    start = tp_rank(tp_group) * per_rank
-    if start + per_rank <= vocab_size:
-        return logits
-    ids = torch.arange(start, start + per_rank, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
 def build_inference_model(weights: ModelWeights, *, tp_group=None, device=None,
@@ -134,9 +124,11 @@ def build_inference_model(weights: ModelWeights, *, tp_group=None, device=None,
     if weights.padded_vocab_size % tp:
         raise ValueError(f"the checkpoint's padded vocabulary ({weights.padded_vocab_size}) does not split over "
                          f"tensor parallel size {tp}")
-    module = build_sequential_gpt(cfg, padded_vocab_size=weights.padded_vocab_size, tp_group=tp_group, seed=0)
+    vocab_size = min(weights.vocab_size or weights.padded_vocab_size, weights.padded_vocab_size)
+    module = build_sequential_gpt(cfg, padded_vocab_size=weights.padded_vocab_size, tp_group=tp_group, seed=0,
+                                  vocab_size=vocab_size)
     load_full_state_dict(module, weights.state_dict, tp_group)
     module.to(device=device, dtype=dtype)
     max_positions = cfg.max_position_embeddings if cfg.position_embedding_type == "learned_absolute" else None
-    return InferenceModel(module, vocab_size=weights.vocab_size or weights.padded_vocab_size,
+    return InferenceModel(module, vocab_size=vocab_size,
                           max_positions=max_positions, tp_group=tp_group)
