@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -86,25 +87,31 @@ def pick_dtype(arg: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_weights(args, log) -> tuple[ModelWeights, dict]:
-    """(weights, the tokenizer settings the model was trained with)."""
+    """(weights, the data/tokenizer settings the model was trained with)."""
     if args.load:
-        from megatron_ds.checkpoint import load_consolidated  # noqa: PLC0415 - heavy (DeepSpeed)
-
-        c = load_consolidated(args.load, args.iteration, log=log)
-        weights = ModelWeights(model=c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size,
-                               state_dict=c.state_dict)
-        return weights, dict(c.config.get("data", {}))
+        return _consolidated(args.load, args.iteration, log)
     return load_hf_export(args.hf_model, log)
 
 
-def load_hf_export(path: str, log) -> tuple[ModelWeights, dict]:
-    """A Hugging Face export (``tools/checkpoint/to_hf.py``): weights and its tokenizer directory."""
-    from megatron_ds.checkpoint.hf import import_hf  # noqa: PLC0415
+def _consolidated(load_dir: str, iteration: int | None, log) -> tuple[ModelWeights, dict]:
+    from megatron_ds.checkpoint import load_consolidated  # noqa: PLC0415 - heavy (DeepSpeed)
 
-    imported = import_hf(path, log=log)
-    weights = ModelWeights(model=imported.model, padded_vocab_size=imported.padded_vocab_size,
-                           vocab_size=imported.vocab_size, state_dict=imported.state_dict)
-    return weights, dict(imported.config.get("data", {})) if imported.config else {}
+    c = load_consolidated(load_dir, iteration, log=log)
+    weights = ModelWeights(model=c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size,
+                           state_dict=c.state_dict)
+    return weights, dict(c.config.get("data", {}))
+
+
+def load_hf_export(path: str, log) -> tuple[ModelWeights, dict]:
+    """A Hugging Face GPT-2 / Llama directory (e.g. from ``tools/checkpoint/to_hf.py``): imported into
+    a temporary checkpoint by ``megatron_ds.checkpoint.import_hf`` and consolidated from there."""
+    from megatron_ds.checkpoint.import_hf import import_hf  # noqa: PLC0415
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--hf-model {path} is not a directory")
+    with tempfile.TemporaryDirectory(prefix="hf_import_") as tmp:
+        import_hf(path, tmp, log=lambda *a: None)
+        return _consolidated(tmp, None, log)
 
 
 def tokenizer_from(args, trained: dict, log):
