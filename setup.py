@@ -57,6 +57,8 @@ setup(
     ],
     extras_require={
         "tensorboard": ["tensorboard"],
+        # tools/checkpoint/to_hf.py and from_hf.py (Hugging Face export / import)
+        "hf": ["transformers"],
         "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     ext_modules=ext_modules,

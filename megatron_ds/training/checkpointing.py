@@ -167,8 +167,13 @@ def read_tracker(load_dir: str) -> int | None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict) -> None:
+    from megatron_ds.checkpoint.reshard import optimizer_param_names  # noqa: PLC0415
+
     tag = checkpoint_tag(iteration)
     os.makedirs(save_dir, exist_ok=True)
+    # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
+    # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
+    client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
     if dist.get_rank() == 0:
@@ -185,8 +190,9 @@ def _is_bf16_optimizer(optimizer) -> bool:
 
 
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
-                    load_lr_state: bool = True, log=print) -> tuple[int, dict]:
-    """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none."""
+                    load_lr_state: bool = True, ps=None, log=print) -> tuple[int, dict]:
+    """Load the latest checkpoint in load_dir. Returns (iteration, client_state); (0, {}) if none.
+    A checkpoint of another layout (or an imported one) is resharded when ``ps`` is given."""
     iteration = read_tracker(load_dir)
     if iteration is None:
         log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
@@ -198,6 +204,14 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
                           f"but not the checkpoint it points to")
     with open(meta_path) as f:
         saved = json.load(f)
+    from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard  # noqa: PLC0415
+
+    if ps is not None and needs_reshard(saved, signature, load_optim=load_optim and not finetune):
+        shape = {k: v for k, v in signature.items() if k not in LAYOUT_FIELDS}
+        check_compatible(saved["signature"], shape, os.path.join(load_dir, tag), load_optim=False)
+        client = load_resharded(engine, load_dir, iteration, ps=ps, padded_vocab_size=signature["padded_vocab_size"],
+                                load_optim=load_optim and not finetune, load_lr_state=load_lr_state, log=log)
+        return (0 if finetune else client.get("iteration", iteration)), client
     check_compatible(saved["signature"], signature, os.path.join(load_dir, tag),
                      load_optim=load_optim and not finetune)
     load_optim = load_optim and not finetune

@@ -69,7 +69,8 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
         iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
                                                  load_optim=cfg.checkpoint.load_optim,
                                                  finetune=cfg.checkpoint.finetune,
-                                                 load_lr_state=cfg.checkpoint.load_lr_state, log=mlog.print_rank0)
+                                                 load_lr_state=cfg.checkpoint.load_lr_state, ps=ps,
+                                                 log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)

@@ -1,0 +1,118 @@
+"""Import a local Hugging Face GPT-2 or Llama directory as a megatron_ds checkpoint.
+
+The result is a weights-only checkpoint (``DIR/global_step0``, tracker 0) in the per-layer format
+of a TP 1 x PP 1 run, fp32. ``pretrain_gpt.py --load DIR`` (or ``--finetune``) at any layout
+reshards it on load (``megatron_ds.checkpoint.reshard``); the model flags must match, and the
+tool prints them. One layer is converted and written at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import torch
+
+from megatron_ds.checkpoint import hf
+from megatron_ds.checkpoint.progress import progress
+from megatron_ds.config import Config, ConfigError, ModelConfig
+from megatron_ds.training.checkpointing import META, SHAPE_FIELDS, TRACKER, checkpoint_tag
+
+
+class HFWeights:
+    """Lazy access to a directory's safetensors tensors by name (sharded or not)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open  # noqa: PLC0415
+
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise ConfigError(f"{hf_dir} has no model.safetensors(.index.json); save the model with "
+                              f"safe_serialization=True (pytorch_model.bin is not read: it is a pickle)")
+        self.handles = [safe_open(os.path.join(hf_dir, f), framework="pt") for f in files]
+        self.where = {name: h for h in self.handles for name in h.keys()}
+
+    def get(self, name: str) -> torch.Tensor | None:
+        for candidate in (name, name.removeprefix("transformer.")):  # GPT-2 hub files lack the prefix
+            if candidate in self.where:
+                return self.where[candidate].get_tensor(candidate).to(torch.float32)
+        return None
+
+    def require(self, name: str) -> torch.Tensor:
+        t = self.get(name)
+        if t is None:
+            raise ConfigError(f"the model has no tensor {name!r}")
+        return t
+
+
+def _tokenizer_settings(hf_dir: str, arch: str) -> dict:
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return dict(tokenizer_type="HFTokenizer", tokenizer_model=os.path.abspath(hf_dir))
+    if os.path.isfile(os.path.join(hf_dir, "vocab.json")) and os.path.isfile(os.path.join(hf_dir, "merges.txt")):
+        return dict(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.abspath(os.path.join(hf_dir, "vocab.json")),
+                    merge_file=os.path.abspath(os.path.join(hf_dir, "merges.txt")))
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        return dict(tokenizer_type="GPTSentencePieceTokenizer",
+                    tokenizer_model=os.path.abspath(os.path.join(hf_dir, "tokenizer.model")))
+    return {}
+
+
+def signature(m: ModelConfig, padded_vocab_size: int) -> dict:
+    """The layout signature a TP 1 x PP 1 fp32 run of ``m`` writes (``checkpointing.layout_signature``)."""
+    sig = {name: getattr(m, name) for name in SHAPE_FIELDS}
+    if m.position_embedding_type == "learned_absolute":
+        sig["max_position_embeddings"] = m.max_position_embeddings
+    sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+               data_parallel_size=1, zero_stage=0, precision="fp32", use_pipeline=True)
+    return sig
+
+
+def _layers(arch: str, m: ModelConfig, w: HFWeights):
+    """(global layer index, our layer state dict) for every layer that owns parameters."""
+    names = hf.embedding_names(arch)
+    embed = {"word_embeddings.weight": w.require(names["word_embeddings.weight"])}
+    if arch == hf.GPT2:
+        embed["position_embeddings.weight"] = w.require(names["position_embeddings.weight"])
+    yield 0, embed
+    for i in range(m.num_layers):
+        yield i + 1, hf.layer_from_hf(arch, m, i, w.get)
+    yield m.num_layers + 1, {k: w.require(names[k]) for k in names if k.startswith("final_layernorm.")
+                             and (arch == hf.GPT2 or k.endswith("weight"))}
+    if m.untie_embeddings_and_output_weights:
+        yield m.num_layers + 2, {"output_layer.weight": w.require(names["output_layer.weight"])}
+
+
+def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConfig:
+    """Write ``hf_dir``'s model as a checkpoint in ``save_dir``; returns our model config."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{hf_dir} has no config.json (a local transformers model directory is expected)")
+    with open(path) as f:
+        d = json.load(f)
+    arch, m = hf.model_config_from_hf(d)
+    vocab = d["vocab_size"]
+    weights = HFWeights(hf_dir)
+    tag_dir = os.path.join(save_dir, checkpoint_tag(0))
+    os.makedirs(tag_dir, exist_ok=True)
+    n = m.num_layers + 2 + int(m.untie_embeddings_and_output_weights)
+    for idx, tensors in progress(_layers(arch, m, weights), n, "import", log):
+        torch.save({k: v.contiguous() for k, v in tensors.items()},
+                   os.path.join(tag_dir, f"layer_{idx:02d}-model_00-model_states.pt"))
+    cfg = Config(model=dataclasses.replace(m))
+    for k, v in _tokenizer_settings(hf_dir, arch).items():
+        setattr(cfg.data, k, v)
+    meta = {"signature": signature(m, vocab), "config": cfg.to_dict(), "vocab_size": vocab, "weights_only": True,
+            "imported_from": os.path.abspath(hf_dir)}
+    with open(os.path.join(tag_dir, META), "w") as f:
+        json.dump(meta, f, indent=2)
+    with open(os.path.join(save_dir, TRACKER), "w") as f:
+        f.write("0")
+    log(f"imported {hf.ARCHITECTURES[arch]} from {hf_dir} into {save_dir}; train it with\n  "
+        + " ".join(hf.model_flags(m)) + f"\n  --load {save_dir} (continue) or --load {save_dir} --finetune")
+    return m

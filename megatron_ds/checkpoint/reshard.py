@@ -1,0 +1,219 @@
+"""Resume a checkpoint at another layout: TP, PP, DP, ZeRO stage (0-2), precision or padded
+vocabulary may all differ from the run that saved it; the model's shape may not.
+
+Every rank of the new run fills its own parameters and optimizer state from the saved files:
+
+- weights: each parameter's full tensor is rebuilt from the saved tensor parallel shards
+  (``tp.merge``), resized to this run's padded vocabulary, and this rank's shard taken
+  (``tp.split``). With optimizer state, the fp32 master weights are the source (bf16 runs).
+- optimizer state (fp32 masters, Adam ``exp_avg`` / ``exp_avg_sq``, step): read by parameter name
+  from the saved ZeRO / bf16 optimizer shards (DeepSpeed records each parameter's fragment in
+  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter)
+  or from the plain torch optimizer's state (fp32 ZeRO-0, whose parameter order this toolkit
+  records as ``optimizer_param_names``), and written into this run's optimizer through DeepSpeed's
+  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-2, bf16) or the
+  torch optimizer's state (fp32 ZeRO-0);
+- LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
+- RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
+  that no longer exists otherwise); the new run then keeps its freshly seeded streams.
+
+Files are memory-mapped and read parameter by parameter, one layer's shards at a time.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+from megatron_ds.checkpoint import tp as tp_rules
+from megatron_ds.checkpoint.consolidate import _LayerFileSource, _ModuleSource, layer_prefixes, merge_layer
+from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
+from megatron_ds.config import ConfigError
+
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
+                 "precision", "padded_vocab_size", "use_pipeline")
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
+    """Whether DeepSpeed's own loader cannot take this checkpoint as it is."""
+    if saved_meta.get("weights_only"):
+        return True
+    saved = saved_meta["signature"]
+    weights = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size", "use_pipeline")
+    optim = ("data_parallel_size", "zero_stage", "precision")
+    return any(saved.get(k) != current[k] for k in weights + (optim if load_optim else ()))
+
+
+def optimizer_param_names(engine) -> list[list[str]] | None:
+    """The parameter names of a plain torch optimizer's groups, in order (saved with each
+    checkpoint: its state is keyed by position only). None for DeepSpeed's own optimizers,
+    whose files name their parameters."""
+    opt = engine.optimizer
+    if hasattr(opt, "param_slice_mappings") or not hasattr(opt, "param_groups"):
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    try:
+        return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+    except KeyError:  # ZeRO's flat groups: not module parameters
+        return None
+
+
+class SavedOptimizer:
+    """A checkpoint's optimizer state by parameter name: full (TP-local) fp32 master and Adam
+    moments of each parameter on each saved TP x PP rank."""
+
+    def __init__(self, ckpt: CheckpointFiles):
+        self.ckpt = ckpt
+        self.step = None
+        self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
+        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t}
+        files = ckpt.optimizer_files()
+        if files:
+            for path in files:
+                self._index_zero_file(path)
+        else:
+            self._index_plain()
+
+    def _index_zero_file(self, path: str) -> None:
+        base = path.rsplit("/", 1)[-1]
+        dp = int(base.split("zero_pp_rank_")[1].split("_")[0])
+        mp = int(base.split("_mp_rank_")[1].split("_")[0])
+        osd = load_file(path)["optimizer_state_dict"]
+        state = osd["base_optimizer_state"]["state"]
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[g][k] for k in OPTIM_KEYS}}
+            self.step = float(state[g]["step"])
+            for name, frag in mapping.items():
+                self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
+
+    def _index_plain(self) -> None:
+        if self.ckpt.precision == "fp16":
+            raise ConfigError(f"{self.ckpt.path}: resharding the fp16 ZeRO-0 optimizer state is not supported; "
+                              f"resume it at its own layout or pass --no-load-optim")
+        for mp in range(self.ckpt.tp * self.ckpt.pp):
+            state = load_file(self.ckpt.mp_file(mp))
+            names = state.get("optimizer_param_names")
+            if names is None:
+                raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters (a checkpoint "
+                                  f"from before resharding existed); resume it at its own layout, or pass "
+                                  f"--no-load-optim to load the weights only")
+            opt = state["optimizer"]
+            order = [i for g in opt["param_groups"] for i in g["params"]]
+            for index, name in zip(order, [n for group in names for n in group]):
+                entry = opt["state"].get(index)
+                if entry:
+                    self.plain[name, mp] = {k: entry[k] for k in OPTIM_KEYS}
+                    self.step = float(entry["step"])
+
+    def _mp_ranks(self, tp_rank: int) -> list[int]:
+        return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
+
+    def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
+        """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
+        for mp in self._mp_ranks(tp_rank):  # a tied weight lives on two stages: the copies are equal
+            if (name, mp) in self.plain:
+                return self.plain[name, mp]
+            if (name, mp) in self.pieces:
+                pieces = sorted(self.pieces[name, mp], key=lambda p: p[0])
+                return {k: torch.cat([flat[k][start:start + numel] for _, flat, start, numel in pieces]).view(shape)
+                        for k in ("fp32", *OPTIM_KEYS)}
+        return None
+
+
+def _layer_of(name: str, prefixes: dict[str, int]) -> int:
+    for prefix, idx in prefixes.items():
+        if name.startswith(prefix):
+            return idx
+    raise ConfigError(f"parameter {name} belongs to no layer of the saved model")
+
+
+def _full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, dict[str, torch.Tensor]]:
+    """name -> {"weight", and with optimizer state "fp32", "exp_avg", "exp_avg_sq"} full tensors of a layer."""
+    shards = source.shards(idx, prefix)
+    weights = merge_layer(shards, prefix, ckpt.model)
+    out = {name: {"weight": w} for name, w in weights.items()}
+    if saved_opt is not None:
+        for name in weights:
+            local = name[len(prefix):]
+            per_rank = [saved_opt.tensors(name, t, shards[t][local].shape) for t in range(ckpt.tp)]
+            if any(p is None for p in per_rank):
+                raise ConfigError(f"{ckpt.path} has no optimizer state for {name}; pass --no-load-optim")
+            for key in per_rank[0]:
+                out[name][key] = tp_rules.merge(name, [p[key].float() for p in per_rank], ckpt.model)
+    return out
+
+
+def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_size: int, load_optim: bool,
+                   load_lr_state: bool, log: Callable = print) -> dict:
+    """Fill ``engine``'s parameters (and optimizer state) from a checkpoint saved at another
+    layout; ``ps`` is this run's ``ParallelState``. Returns the client state (without RNG states
+    that no longer apply)."""
+    ckpt = open_checkpoint(load_dir, iteration)
+    weights_only = ckpt.meta.get("weights_only", False)
+    load_optim = load_optim and not weights_only
+    saved_opt = SavedOptimizer(ckpt) if load_optim else None
+    source = _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
+    prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)}
+    params = dict(engine.module.named_parameters())
+    by_layer = collections.defaultdict(list)
+    for name in params:
+        by_layer[_layer_of(name, prefixes)].append(name)
+    setter = _StateSetter(engine)
+    for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
+        if idx not in by_layer:
+            continue
+        full = _full_tensors(ckpt, source, saved_opt, idx, prefix)
+        for name in by_layer[idx]:
+            if name not in full:
+                raise ConfigError(f"{ckpt.path} has no tensor for parameter {name}")
+            shard = {k: tp_rules.split(name, tp_rules.resize_vocab(name, t, padded_vocab_size), ps.tp_size,
+                                       ps.tp_rank, ckpt.model) for k, t in full[name].items()}
+            setter.set(params[name], shard)
+    if saved_opt is not None:
+        setter.set_step(saved_opt.step)
+    client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
+    log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
+        f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
+    return client
+
+
+class _StateSetter:
+    """Writes a parameter's shard into the module and, if given, the optimizer's state."""
+
+    def __init__(self, engine):
+        from megatron_ds.checkpoint import compat  # noqa: PLC0415
+
+        self.engine = engine
+        self.compat = compat
+
+    @torch.no_grad()
+    def set(self, param: torch.nn.Parameter, shard: dict[str, torch.Tensor]) -> None:
+        master = shard.get("fp32", shard["weight"])
+        param.data.copy_(master.to(param.dtype))
+        if "exp_avg" in shard:
+            self.compat.set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
+
+    def set_step(self, step: float) -> None:
+        self.compat.set_optimizer_step(self.engine, step)
+
+
+def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log: Callable) -> dict:
+    if ckpt.meta.get("weights_only"):
+        return {}
+    state = load_file(ckpt.mp_file(0))
+    client = {k: state[k] for k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
+                                    "nan_iterations") if k in state}
+    if (ckpt.tp, ckpt.pp) == (ps.tp_size, ps.pp_size):
+        mine = load_file(ckpt.mp_file(ps.pp_rank * ps.tp_size + ps.tp_rank))
+        if mine.get("rng") is not None:
+            client["rng"] = mine["rng"]
+    else:
+        log("NOTE: RNG states not restored (tensor/pipeline layout changed); dropout streams start afresh")
+    if load_lr_state and state.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for attr in ("global_steps", "global_samples", "skipped_steps"):
+        if attr in state:
+            setattr(engine, attr, state[attr])
+    return client

@@ -1,0 +1,139 @@
+"""Hugging Face export and import.
+
+- GPT-2-style (trained at TP 2 x PP 2) and Llama-style with GQA and an untied output layer
+  (trained at TP 2 x DP 2 with ZeRO-1) export to a directory that transformers loads with no
+  missing or unexpected weights, whose logits equal ours and whose greedy continuation equals ours.
+  Ours: the single-process model with the consolidated weights (tests/checkpoint/test_consolidate.py
+  ties those to the trained run). Tolerance: both fp32 on the same weights; different attention
+  kernels and summation orders give ~1e-7 relative differences on logits of size ~1: atol 1e-5.
+- import -> export reproduces the exported safetensors bitwise (pure reshuffling, fp32 throughout).
+- A Llama built by transformers, imported, and trained here for one step at TP 2 reports the
+  loss transformers computes for the same batch (fp32; atol 1e-5 on a loss of ~6).
+- The GPT-2 tokenizer files written by the export give, through AutoTokenizer, our token ids.
+"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.checkpoint.common import train
+from tests.distributed import run_distributed
+from tests.training.common import train_losses
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
+import from_hf  # noqa: E402
+import to_hf  # noqa: E402
+
+LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
+LAYOUTS = {"gpt2": ((2, 2, 1), []), "llama": ((2, 1, 2), ["--zero-stage", "1"])}
+GPT2_FILES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gpt2")
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def exported(request, tmp_path_factory):
+    style = request.param
+    (tp, pp, dp), extra = LAYOUTS[style]
+    ckpt = str(tmp_path_factory.mktemp(f"{style}-ckpt"))
+    train(style, tp, pp, dp, 2, ["--save", ckpt, "--vocab-size", "500", *extra])  # pads to 504 at TP 2
+    out = str(tmp_path_factory.mktemp(f"{style}-hf"))
+    assert to_hf.main(["--load", ckpt, "--out", out]) == 0
+    return style, ckpt, out
+
+
+def _ours(ckpt):
+    from megatron_ds.checkpoint import load_consolidated
+    from megatron_ds.model.pipeline import build_sequential_gpt
+
+    c = load_consolidated(ckpt, log=lambda *a: None)
+    model = build_sequential_gpt(c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)
+    model.load_state_dict(c.state_dict)
+    return model.eval()
+
+
+def _our_logits(model, tokens):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model((tokens, positions))
+
+
+def test_export_gives_our_logits_and_greedy_tokens(exported):
+    style, ckpt, out = exported
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[style]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert theirs.config.vocab_size == 500  # the padding rows are gone
+    theirs.eval()
+    ours = _ours(ckpt)
+    tokens = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = _our_logits(ours, tokens)
+        assert torch.isinf(want[..., 500:]).all()  # padded columns are masked
+        torch.testing.assert_close(theirs(input_ids=tokens).logits, want[..., :500], **LOGIT_TOL)
+        prompt = tokens[:, :8]
+        generated = theirs.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        seq = prompt
+        for _ in range(10):
+            seq = torch.cat([seq, _our_logits(ours, seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, seq)
+
+
+def test_import_export_round_trip_is_bitwise(exported, tmp_path):
+    from safetensors.torch import load_file
+
+    _, _, out = exported
+    assert from_hf.main(["--hf-dir", out, "--save", str(tmp_path / "imported")]) == 0
+    again = str(tmp_path / "again")
+    assert to_hf.main(["--load", str(tmp_path / "imported"), "--out", again]) == 0
+    a, b = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(again, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    ca, cb = (json.load(open(os.path.join(d, "config.json"))) for d in (out, again))
+    assert ca == cb
+
+
+def test_imported_llama_trains_with_the_loss_transformers_computes(tmp_path):
+    from megatron_ds.training.data import MockGPTDataset
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    hf_dir = str(tmp_path / "hf")
+    transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
+    assert from_hf.main(["--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")]) == 0
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-key-value-heads 2 --ffn-hidden-size 128 "
+            "--seq-length 32 --max-position-embeddings 32 --use-rotary-position-embeddings --swiglu "
+            "--normalization rmsnorm --disable-bias-linear --untie-embeddings-and-output-weights "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 1 --mock-data --vocab-size 512 "
+            "--make-vocab-size-divisible-by 4 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 "
+            "--eval-interval 1000 --eval-iters 1 --num-workers 0 --seed 1234 --tensor-model-parallel-size 2 "
+            f"--load {tmp_path / 'ckpt'}").split()
+    [(iteration, loss)] = run_distributed(train_losses, 2, argv, timeout=600)[-1]
+    assert iteration == 1
+    # the first global batch: samples 0-7 of the mock training set (seed 1234)
+    data = MockGPTDataset(8, 32, 512, 1234)
+    text = torch.stack([torch.as_tensor(data[i]["text"]) for i in range(8)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=text[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), text[:, 1:].reshape(-1))
+    assert loss == pytest.approx(expected.item(), abs=1e-5)
+
+
+@pytest.mark.skipif(not os.path.isdir(GPT2_FILES), reason="GPT-2 tokenizer files (../shared/data/gpt2) absent")
+def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
+    from megatron_ds.checkpoint.export import save_tokenizer
+    from megatron_ds.config import DataConfig
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    data = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.join(GPT2_FILES, "gpt2-vocab.json"),
+                      merge_file=os.path.join(GPT2_FILES, "gpt2-merges.txt"))
+    save_tokenizer(data, 50256, str(tmp_path), log=lambda *a: None)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=data.vocab_file, merge_file=data.merge_file)
+    text = "Hello world! Checkpoints that leave the toolkit,\n  with 123 numbers and ünïcode."
+    assert theirs(text)["input_ids"] == ours.tokenize(text)
+    assert theirs.eos_token_id == ours.eod == 50256

@@ -1,0 +1,38 @@
+"""Import a local Hugging Face transformers GPT-2 or Llama model directory (safetensors) as a
+megatron_ds checkpoint, for continued pretraining at any TP/PP/DP layout.
+
+    python tools/checkpoint/from_hf.py --hf-dir HF_DIR --save CHECKPOINT_DIR
+
+It prints the model flags to give pretrain_gpt.py together with ``--load CHECKPOINT_DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-dir", required=True, help="local transformers model directory (config.json + safetensors)")
+    p.add_argument("--save", required=True, help="checkpoint directory to write")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_ds.checkpoint.import_hf import import_hf  # noqa: PLC0415 - keep --help fast
+    from megatron_ds.config import ConfigError  # noqa: PLC0415
+
+    try:
+        import_hf(args.hf_dir, args.save)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
