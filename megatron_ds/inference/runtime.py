@@ -114,8 +114,9 @@ def load_hf_export(path: str, log) -> tuple[ModelWeights, dict]:
         return _consolidated(tmp, None, log)
 
 
-def tokenizer_from(args, trained: dict, log):
-    """The tokenizer the flags name, else the one the checkpoint recorded."""
+def tokenizer_from(args, trained: dict, log, model_vocab: int | None = None):
+    """The tokenizer the flags name, else the one the checkpoint recorded. A NullTokenizer without a
+    recorded size (e.g. an imported HF model) covers the model's vocabulary."""
     kind = args.tokenizer_type or trained.get("tokenizer_type") or "GPT2BPETokenizer"
     files = {k: getattr(args, k) or trained.get(k) for k in ("vocab_file", "merge_file", "tokenizer_model")}
     for name, path in files.items():
@@ -123,7 +124,7 @@ def tokenizer_from(args, trained: dict, log):
             flag = "--" + name.replace("_", "-")
             raise FileNotFoundError(f"{path} (the {flag} the checkpoint was trained with) does not exist here; "
                                     f"pass {flag}")
-    return build_tokenizer(kind, vocab_size=trained.get("vocab_size"), log=log, **files)
+    return build_tokenizer(kind, vocab_size=trained.get("vocab_size") or model_vocab, log=log, **files)
 
 
 def open_session(args) -> Session:
@@ -133,7 +134,7 @@ def open_session(args) -> Session:
     dtype = pick_dtype(args.dtype, device)
     weights, trained = load_weights(args, log)
     weights = dataclasses.replace(weights, model=resolve_model_config(weights.model))
-    tokenizer = tokenizer_from(args, trained, log)
+    tokenizer = tokenizer_from(args, trained, log, weights.vocab_size)
     weights = dataclasses.replace(weights, vocab_size=weights.vocab_size or tokenizer.vocab_size)
     model = build_inference_model(weights, tp_group=tp_group, device=device, dtype=dtype)
     m = weights.model

@@ -132,7 +132,7 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
 
     export = str(tmp_path / "hf")
     export_hf(checkpoints[1, 2], export, dtype="fp32", log=lambda *a: None)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     ids = [(i * 37 + i // 7) % 500 for i in range(300)]
     text = tmp_path / "ids.txt"
     text.write_text(" ".join(map(str, ids)))
