@@ -69,7 +69,7 @@ PRESETS = {
     # bf16 units, and this shape reached the lowest validation loss in the time budget.
     "cpu": Preset(layers=4, hidden=256, heads=4, seq=128, micro=4, global_batch=16, iters=300, resume_iters=20,
                   lr=2e-3, precision="fp32", corpus_mb=4.0, vocab=4096, heldout_modules=40, new_tokens=32,
-                  eval_tokens=20000),
+                  eval_tokens=10000),
     "gpu": Preset(layers=8, hidden=512, heads=8, seq=512, micro=8, global_batch=64, iters=1000, resume_iters=50,
                   lr=1e-3, precision="bf16", corpus_mb=20.0, vocab=8192, heldout_modules=40, new_tokens=64,
                   eval_tokens=100000),

@@ -3,7 +3,6 @@ second run reuses them (no training) and still evaluates and generates."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
