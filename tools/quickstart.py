@@ -267,6 +267,12 @@ def train_stages(args, preset: Preset, data: tuple) -> dict:
         losses, valid = train(args, flags, nproc, ckpt, os.path.join(args.workdir, "resume.log"))
         summary["losses"] += losses
         summary["validation"] += valid
+    if not summary["validation"]:  # both stages reused: the last run's figures are in its logs
+        for name in ("train.log", "resume.log"):
+            path = os.path.join(args.workdir, name)
+            if os.path.exists(path):
+                summary["validation"] += [(float(m.group(1)), float(m.group(2)))
+                                          for m in map(VALID_RE.match, open(path)) if m]
     return summary
 
 
