@@ -84,10 +84,18 @@ def run_batches(session, prompts: list[str], cfg: SamplingConfig, batch_size: in
         gen = generate(session.model, ids, cfg, eod=tok.eod)
         session.log(f"> generated {gen.new_tokens} tokens for {len(chunk)} prompt(s) in {gen.seconds:.2f} s: "
                     f"{gen.tokens_per_second:.1f} tokens/s")
-        for prompt, new in zip(chunk, gen.tokens):
+        for prompt, prompt_ids, new in zip(chunk, ids, gen.tokens):
             text_ids = new[:-1] if new and new[-1] == tok.eod and cfg.stop_at_eod else new
-            results.append({"prompt": prompt, "generated": tok.detokenize(text_ids), "new_tokens": len(new)})
+            results.append({"prompt": prompt, "generated": continuation(tok, prompt_ids, text_ids),
+                            "new_tokens": len(new)})
     return results
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add to the prompt: decoded together with the prompt, so spaces and
+    characters split across tokens come out as they would in the whole text."""
+    before, full = tok.detokenize(prompt_ids), tok.detokenize(prompt_ids + new_ids)
+    return full[len(before):] if full.startswith(before) else tok.detokenize(new_ids)
 
 
 def interactive(session, cfg: SamplingConfig) -> None:

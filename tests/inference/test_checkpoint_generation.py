@@ -155,3 +155,22 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
     reference = str(tmp_path / "gen_ckpt.jsonl")
     assert generate_samples(_generate_argv(checkpoints[1, 2], reference)) == 0
     assert _read(out) == _read(reference)
+
+
+def test_interactive_mode_and_help(checkpoints, monkeypatch, capsys):
+    from generate_samples_gpt import main
+
+    answers = iter(["5 17 33 9 100 7", ""])  # a prompt, then an empty line ends the session
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
+    assert main(["--load", checkpoints[1, 1], "--tokenizer-type", "NullTokenizer", "--greedy",
+                 "--max-new-tokens", str(NEW), "--no-stop-at-eod"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out
+    printed = [line for line in out.splitlines() if line.startswith("5 17 33 9 100 7")]
+    assert len(printed) == 1 and len(printed[0].split()) == 6 + NEW
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for word in ("--load", "--hf-model", "--top-p", "--repetition-penalty", "interactively", "torchrun"):
+        assert word in help_text
