@@ -181,11 +181,14 @@ def parallel_layout() -> tuple[int, int, int]:
 def train_flags(preset: Preset, data_prefix: str, vocab: str, merges: str, ckpt: str, train_iters: int,
                 log_interval: int, tp: int, pp: int) -> list[str]:
     total = preset.iters
+    # Whole micro-batches per data parallel replica, whatever the GPU count.
+    dp_micro = preset.micro * (parallel_layout()[0] // (tp * pp))
+    global_batch = max(preset.global_batch // dp_micro, 1) * dp_micro
     flags = [
         "--num-layers", str(preset.layers), "--hidden-size", str(preset.hidden),
         "--num-attention-heads", str(preset.heads), "--seq-length", str(preset.seq),
         "--max-position-embeddings", str(preset.seq), "--micro-batch-size", str(preset.micro),
-        "--global-batch-size", str(preset.global_batch), "--tensor-model-parallel-size", str(tp),
+        "--global-batch-size", str(global_batch), "--tensor-model-parallel-size", str(tp),
         "--pipeline-model-parallel-size", str(pp), "--train-iters", str(train_iters),
         "--lr", str(preset.lr), "--min-lr", str(preset.lr / 10), "--lr-decay-style", "cosine",
         "--lr-warmup-iters", str(max(total // 20, 1)), "--lr-decay-iters", str(total),
