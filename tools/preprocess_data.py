@@ -37,6 +37,7 @@ from megatron_ds.data.indexed_dataset import (  # noqa: E402
     index_file_path,
 )
 from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
+from megatron_ds.progress import progress  # noqa: E402
 
 MAX_REPORTED = 5  # malformed lines shown individually; the rest only counted
 _CHUNK_BYTES = 8 << 20  # a chunk also ends at this many bytes, so huge documents don't pile up
@@ -293,11 +294,23 @@ class Progress:
         self.start = self.last_print = time.time()
         self.docs = self.bytes = 0
         self.next_report = log_interval
+        # On a terminal a bar over the input bytes (megatron_ds.progress); in a log, the lines below.
+        self.bar = None
+        if self.stream.isatty():
+            self.bar = progress(total=reader.disk_total, desc="preprocess", unit="B", stream=self.stream,
+                                unit_scale=True)
 
     def update(self, docs, nbytes, final=False):
         self.docs += docs
         self.bytes += nbytes
         now = time.time()
+        if self.bar is not None:
+            self.bar.update(self.reader.disk_done - self.bar.n)
+            self.bar.set_postfix_str(f"{self.docs} docs", refresh=False)
+            if final:
+                self.bar.close()
+                print(self.line(now), file=self.stream, flush=True)
+            return
         if final or (self.docs >= self.next_report and now - self.last_print >= 1.0):
             self.next_report = (self.docs // self.log_interval + 1) * self.log_interval
             self.last_print = now

@@ -79,7 +79,9 @@ class ParallelAttention(nn.Module):
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """``kv_cache`` (a ``megatron_ds.model.kv_cache.LayerKVCache``, inference only): ``x`` holds
+        the positions after the cached ones; they are appended and attention covers all of them."""
         qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
@@ -87,8 +89,14 @@ class ParallelAttention(nn.Module):
         k = qkv[:, :, :, self.heads_per_group]
         v = qkv[:, :, :, self.heads_per_group + 1]
         if self.rope_dim is not None:
-            cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device)
+            if kv_cache is None:
+                cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device)
+            else:  # new positions start at the cache offset; one table for the whole generation
+                cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, q.device)
+                cos, sin = cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.store(k, v)
         if self.recompute_core and self.training:
             # Selective recompute: the attention core's activations (softmax inputs/outputs when
             # not fused, the dropout mask) are the s^2-sized ones; recompute only those.
@@ -188,10 +196,12 @@ class ParallelTransformerLayer(nn.Module):
                                                    **norm)
         self.mlp = ParallelMLP(cfg, **parallel)
 
-    def forward(self, inputs):
+    def forward(self, inputs, kv_cache=None):
         hidden, document_ids = split_hidden_and_documents(inputs)
         mask = None if document_ids is None else document_causal_mask(document_ids)
+        if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too
+            mask, kv_cache = kv_cache.mask, kv_cache.layer(self.layer_number)
         drop = dict(p=self.dropout_p, training=self.training, sequence_parallel=self.sequence_parallel)
-        hidden = hidden + hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask), **drop)
+        hidden = hidden + hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask, kv_cache), **drop)
         hidden = hidden + hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)), **drop)
         return hidden if document_ids is None else (hidden, document_ids)

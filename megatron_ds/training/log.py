@@ -1,6 +1,7 @@
 """Megatron's log lines (existing log parsers keep working) and optional TensorBoard scalars."""
 from __future__ import annotations
 
+import datetime
 import math
 import resource
 import sys
@@ -32,7 +33,8 @@ def peak_memory_gb(device: torch.device) -> float:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float, lr: float,
                    global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
-                   tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None) -> str:
+                   tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None,
+                   eta_s: float | None = None) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
@@ -57,6 +59,8 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
         f" TFLOP/s per GPU: {tflops_per_gpu:.2f}",
         f" peak memory (GB): {mem_gb:.2f}",
     ]
+    if eta_s is not None:  # after Megatron's fields, so their parsers are unaffected
+        parts.append(f" ETA: {datetime.timedelta(seconds=int(eta_s))}")
     return "".join(p + " |" for p in parts)
 
 

@@ -131,7 +131,8 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
                 samples_per_s=batch / elapsed,
                 tokens_per_s_per_gpu=batch * m.seq_length / elapsed / layout.world_size,
                 tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
-                mem_gb=mlog.peak_memory_gb(device))
+                mem_gb=mlog.peak_memory_gb(device),
+                eta_s=elapsed * (layout.train_iters - state.iteration))
             mlog.print_last_rank(line)
             tb.scalars(state.iteration, {
                 "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,

@@ -27,7 +27,7 @@ ITERATION_RE = re.compile(
     r" number of skipped iterations:\s+(?P<skipped>\d+) \|"
     r" number of nan iterations:\s+(?P<nans>\d+) \|"
     r" samples per second: [0-9.]+ \| tokens per second per GPU: [0-9.]+ \| TFLOP/s per GPU: [0-9.]+ \|"
-    r" peak memory \(GB\): [0-9.]+ \|$")
+    r" peak memory \(GB\): [0-9.]+ \|( ETA: [0-9:]+ \|)?$")
 VALIDATION_RE = re.compile(r"^ validation loss at iteration (\d+) \| lm loss value: ([0-9.]+E[+-]\d+) \|"
                            r" lm loss PPL: ([0-9.]+E[+-]\d+) \| $")
 

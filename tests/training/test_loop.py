@@ -129,6 +129,11 @@ def test_iteration_line_matches_megatron_shape():
                            "lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
                            "iterations:   0 | number of nan iterations:   0 |")
     assert re.search(r"TFLOP/s per GPU: 12\.50 \| peak memory \(GB\): 3\.20 \|$", line)
+    with_eta = mlog.iteration_line(iteration=100, train_iters=1000, consumed_samples=3200, elapsed_ms=812.3,
+                                   lr=1.5e-4, global_batch_size=32, loss=6.1, loss_scale=1.0, grad_norm=1.2,
+                                   skipped=0, nans=0, samples_per_s=39.4, tokens_per_s_per_gpu=1000.0,
+                                   tflops_per_gpu=12.5, mem_gb=3.2, eta_s=900 * 0.8123)
+    assert with_eta.endswith("| peak memory (GB): 3.20 | ETA: 0:12:11 |")  # 900 iterations left x 0.81 s
 
 
 def test_lr_schedule_against_formulas_and_override():

@@ -1,0 +1,62 @@
+"""Tiny models with known weights for the inference tests."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_ds.config.derive import resolve_model_config
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.inference.model import ModelWeights
+from megatron_ds.model.pipeline import build_sequential_gpt
+
+PADDED_VOCAB = 128
+VOCAB = 120  # real vocabulary; ids 120..127 are padding and must never be generated
+EOD = 3
+
+
+def gpt2_config(**over) -> ModelConfig:
+    # init std 0.2 (not 0.02): logits of a random model are then far apart, so greedy choices are
+    # not near-ties that rounding differences between two correct computations could flip.
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+                      max_position_embeddings=48, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)
+    return resolve_model_config(dataclasses.replace(cfg, **over))
+
+
+def llama_config(**over) -> ModelConfig:
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      ffn_hidden_size=48, seq_length=32, use_rotary_position_embeddings=True, swiglu=True,
+                      normalization="rmsnorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)
+    return resolve_model_config(dataclasses.replace(cfg, **over))
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config}
+
+
+def random_weights(cfg: ModelConfig, seed: int = 7) -> ModelWeights:
+    module = build_sequential_gpt(cfg, padded_vocab_size=PADDED_VOCAB, seed=seed)
+    return ModelWeights(model=cfg, padded_vocab_size=PADDED_VOCAB, vocab_size=VOCAB,
+                        state_dict={k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def prompts(lengths=(5, 9, 2), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_greedy(weights: ModelWeights, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decoding written independently of the engine: one prompt (no padding, no cache), the
+    training-path forward over the whole sequence for every token. Also returns the smallest gap
+    between the best and second-best logit seen, to show the choices were not near-ties."""
+    module = build_sequential_gpt(weights.model, padded_vocab_size=weights.padded_vocab_size, seed=0).eval()
+    module.load_state_dict(weights.state_dict)
+    tokens, margin = list(prompt), float("inf")
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.tensor([tokens])
+            logits = module((ids, torch.arange(len(tokens))[None]))[0, -1, :weights.vocab_size]
+            top2 = torch.topk(logits, 2).values
+            margin = min(margin, float(top2[0] - top2[1]))
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):], margin
