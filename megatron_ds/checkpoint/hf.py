@@ -190,44 +190,50 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
 
     kind = d.get("model_type")
     if kind == "gpt2":
-        act = d.get("activation_function", "gelu_new")
-        if act != "gelu":
-            raise ConfigError(f"activation_function {act!r}: this toolkit's GeLU is the exact (erf) one, so only "
-                              f"GPT-2 models with activation_function 'gelu' import exactly")
-        if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn") or not d.get(
-                "scale_attn_weights", True):
-            raise ConfigError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
-                              "scale_attn_weights false) have no equivalent here")
-        h = d["n_embd"]
-        m = ModelConfig(num_layers=d["n_layer"], hidden_size=h, num_attention_heads=d["n_head"],
-                        ffn_hidden_size=d.get("n_inner") or 4 * h, seq_length=d["n_positions"],
-                        max_position_embeddings=d["n_positions"], layernorm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-                        hidden_dropout=d.get("resid_pdrop", 0.1), attention_dropout=d.get("attn_pdrop", 0.1),
-                        init_method_std=d.get("initializer_range", 0.02))
-        return GPT2, resolve_model_config(m)
+        return GPT2, resolve_model_config(_gpt2_config(d))
     if kind == "llama":
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ConfigError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} has no equivalent here "
-                              f"(plain rotary embeddings only)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {d['hidden_act']!r}: only SwiGLU (silu) Llama models import")
-        if bool(d.get("attention_bias")) != bool(d.get("mlp_bias")):
-            raise ConfigError("attention_bias and mlp_bias differ; here one flag (--disable-bias-linear) "
-                              "decides both")
-        heads = d["num_attention_heads"]
-        m = ModelConfig(num_layers=d["num_hidden_layers"], hidden_size=d["hidden_size"], num_attention_heads=heads,
-                        num_key_value_heads=d.get("num_key_value_heads") or heads,
-                        ffn_hidden_size=d["intermediate_size"], kv_channels=d.get("head_dim") or d["hidden_size"] // heads,
-                        seq_length=d["max_position_embeddings"], max_position_embeddings=d["max_position_embeddings"],
-                        position_embedding_type="rope", rope_theta=float(d.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-                        normalization="rmsnorm", layernorm_epsilon=d.get("rms_norm_eps", 1e-6), swiglu=True,
-                        add_bias_linear=bool(d.get("attention_bias")),
-                        untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
-                        hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0)),
-                        init_method_std=d.get("initializer_range", 0.02))
-        return LLAMA, resolve_model_config(m)
+        return LLAMA, resolve_model_config(_llama_config(d))
     raise ConfigError(f"model_type {kind!r}: only gpt2 and llama models import")
+
+
+def _gpt2_config(d: dict) -> ModelConfig:
+    act = d.get("activation_function", "gelu_new")
+    if act != "gelu":
+        raise ConfigError(f"activation_function {act!r}: this toolkit's GeLU is the exact (erf) one, so only "
+                          f"GPT-2 models with activation_function 'gelu' import exactly")
+    if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn") or not d.get(
+            "scale_attn_weights", True):
+        raise ConfigError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
+                          "scale_attn_weights false) have no equivalent here")
+    h = d["n_embd"]
+    return ModelConfig(num_layers=d["n_layer"], hidden_size=h, num_attention_heads=d["n_head"],
+                       ffn_hidden_size=d.get("n_inner") or 4 * h, seq_length=d["n_positions"],
+                       max_position_embeddings=d["n_positions"], layernorm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+                       hidden_dropout=d.get("resid_pdrop", 0.1), attention_dropout=d.get("attn_pdrop", 0.1),
+                       init_method_std=d.get("initializer_range", 0.02))
+
+
+def _llama_config(d: dict) -> ModelConfig:
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} has no equivalent here "
+                          f"(plain rotary embeddings only)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {d['hidden_act']!r}: only SwiGLU (silu) Llama models import")
+    if bool(d.get("attention_bias")) != bool(d.get("mlp_bias")):
+        raise ConfigError("attention_bias and mlp_bias differ; here one flag (--disable-bias-linear) decides both")
+    heads, positions = d["num_attention_heads"], d["max_position_embeddings"]
+    theta = float(d.get("rope_theta") or rope.get("rope_theta", 10000.0))  # transformers 4 / 5 spelling
+    return ModelConfig(num_layers=d["num_hidden_layers"], hidden_size=d["hidden_size"], num_attention_heads=heads,
+                       num_key_value_heads=d.get("num_key_value_heads") or heads,
+                       ffn_hidden_size=d["intermediate_size"],
+                       kv_channels=d.get("head_dim") or d["hidden_size"] // heads,
+                       seq_length=positions, max_position_embeddings=positions, position_embedding_type="rope",
+                       rope_theta=theta, normalization="rmsnorm", layernorm_epsilon=d.get("rms_norm_eps", 1e-6),
+                       swiglu=True, add_bias_linear=bool(d.get("attention_bias")),
+                       untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
+                       hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0)),
+                       init_method_std=d.get("initializer_range", 0.02))
 
 
 def model_flags(m: ModelConfig) -> list[str]:

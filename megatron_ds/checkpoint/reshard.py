@@ -81,7 +81,9 @@ class SavedOptimizer:
         dp = int(base.split("zero_pp_rank_")[1].split("_")[0])
         mp = int(base.split("_mp_rank_")[1].split("_")[0])
         osd = load_file(path)["optimizer_state_dict"]
-        state = osd["base_optimizer_state"]["state"]
+        base = osd["base_optimizer_state"]
+        # a torch state dict, or (ZeRO's elastic_checkpoint) one state per group
+        state = base["state"] if isinstance(base, dict) else dict(enumerate(base))
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[g][k] for k in OPTIM_KEYS}}
             self.step = float(state[g]["step"])

@@ -74,5 +74,4 @@ class LRSchedule:
             for k in shape:
                 setattr(self, k, state[k])
         self.num_steps = state["num_steps"]
-        self._apply()  # the optimizer's lr follows (a resharded load restores no optimizer param groups)
         self._apply()

@@ -137,3 +137,26 @@ def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
     text = "Hello world! Checkpoints that leave the toolkit,\n  with 123 numbers and ünïcode."
     assert theirs(text)["input_ids"] == ours.tokenize(text)
     assert theirs.eos_token_id == ours.eod == 50256
+
+
+def test_what_the_target_cannot_express_is_refused_by_flag():
+    from megatron_ds.checkpoint.hf import choose_architecture
+    from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
+
+    def arch(**kw):
+        return choose_architecture(resolve_model_config(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                                    seq_length=16, **kw)))
+
+    assert arch() == "gpt2"
+    assert arch(use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm",
+                num_key_value_heads=2, add_bias_linear=False, untie_embeddings_and_output_weights=True) == "llama"
+    with pytest.raises(ConfigError, match="--swiglu"):
+        arch(swiglu=True)
+    with pytest.raises(ConfigError, match="--num-key-value-heads 2"):
+        arch(num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="--normalization layernorm"):
+        arch(use_rotary_position_embeddings=True, swiglu=True)
+    with pytest.raises(ConfigError, match="--rotary-percent 0.5"):
+        arch(use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm", rotary_percent=0.5)
+    with pytest.raises(ConfigError, match="without positions"):
+        arch(position_embedding_type="none")
