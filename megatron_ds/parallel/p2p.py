@@ -66,6 +66,8 @@ class PipelineP2P:
         """Send ``tensors`` (from virtual ``stage``) onwards: activations to the next rank,
         gradients to the previous one. Returns at once."""
         dst = self.next_rank if kind == ACTIVATION else self.prev_rank
+        # forget finished sends, so their buffers (activations) are freed during the step
+        self._pending = [(req, t) for req, t in self._pending if not req.is_completed()]
         for i, tensor in enumerate(tensors):
             tensor = tensor.contiguous()
             req = dist.isend(tensor, dst=dst, group=self.groups[kind], tag=self._tag(kind, stage, microbatch, i))
