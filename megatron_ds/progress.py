@@ -103,3 +103,11 @@ def progress(total: int | None = None, desc: str = "", unit: str = "it", *, enab
 
         return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, **tqdm_kwargs)
     return LineProgress(total, desc, unit, log_interval, stream)
+
+
+def track(items, total: int | None, desc: str, unit: str = "it", **kwargs):
+    """Iterate over ``items`` showing ``progress`` (one update per item)."""
+    with progress(total=total, desc=desc, unit=unit, **kwargs) as bar:
+        for item in items:
+            yield item
+            bar.update(1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from megatron_ds.progress import LineProgress, progress
+from megatron_ds.progress import LineProgress, progress, track
 
 
 class _Tty(io.StringIO):
@@ -46,3 +46,10 @@ def test_terminal_gets_a_tqdm_bar_and_disabled_is_silent():
     with progress(total=3, stream=quiet, enabled=False) as bar:
         bar.update(3)
     assert quiet.getvalue() == ""
+
+
+def test_track_yields_every_item_and_reports_the_count():
+    out = io.StringIO()
+    assert list(track(iter("abcd"), 4, "export", unit="layers", stream=out, log_interval=3600)) == list("abcd")
+    assert out.getvalue().splitlines() == [out.getvalue().splitlines()[0]]
+    assert out.getvalue().startswith("export: 4/4 layers (100%)")

@@ -16,7 +16,7 @@ import torch
 from megatron_ds.checkpoint import hf
 from megatron_ds.checkpoint.consolidate import iter_consolidated_layers, layer_prefixes
 from megatron_ds.checkpoint.files import CheckpointFiles, open_checkpoint
-from megatron_ds.checkpoint.progress import progress
+from megatron_ds.progress import track
 from megatron_ds.config import ConfigError, DataConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +139,7 @@ def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtyp
     n_layers = ckpt.model.num_layers
     layers = iter_consolidated_layers(ckpt, log=lambda *a: None)
     total = len(layer_prefixes(ckpt.model, ckpt.padded_vocab_size))
-    for idx, tensors in progress(layers, total, "export", log):
+    for idx, tensors in track(layers, total, "export", unit="layers"):
         for name, tensor in _to_hf_layer(arch, ckpt, idx, n_layers, tensors, vocab).items():
             writer.add(name, tensor.to(torch_dtype))
     size = writer.close()

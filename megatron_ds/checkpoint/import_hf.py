@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import hf
-from megatron_ds.checkpoint.progress import progress
+from megatron_ds.progress import track
 from megatron_ds.config import Config, ConfigError, ModelConfig
 from megatron_ds.training.checkpointing import META, SHAPE_FIELDS, TRACKER, checkpoint_tag
 
@@ -101,7 +101,7 @@ def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConf
     tag_dir = os.path.join(save_dir, checkpoint_tag(0))
     os.makedirs(tag_dir, exist_ok=True)
     n = m.num_layers + 2 + int(m.untie_embeddings_and_output_weights)
-    for idx, tensors in progress(_layers(arch, m, weights), n, "import", log):
+    for idx, tensors in track(_layers(arch, m, weights), n, "import", unit="layers"):
         torch.save({k: v.contiguous() for k, v in tensors.items()},
                    os.path.join(tag_dir, f"layer_{idx:02d}-model_00-model_states.pt"))
     cfg = Config(model=dataclasses.replace(m))
