@@ -3,6 +3,7 @@ standard-library docstrings, a byte-level BPE trained on it, and .bin/.idx from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 from pathlib import Path
 
@@ -10,8 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_e2e_data(workdir: Path, corpus_mb: float = 1.0, vocab_size: int = 1024) -> dict:
-    from quickstart import prepare_data  # tools/ is on sys.path (pytest's pythonpath setting)
+    from quickstart import PRESETS, prepare_data  # tools/ is on sys.path (pytest's pythonpath setting)
 
+    preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=corpus_mb, vocab=vocab_size)
     with contextlib.redirect_stdout(io.StringIO()):
-        prefix, vocab, merges = prepare_data(str(workdir), corpus_mb, vocab_size, workers=2)
+        prefix, vocab, merges, _, _ = prepare_data(str(workdir), preset, workers=2)
     return {"prefix": prefix, "vocab": vocab, "merges": merges}

@@ -76,11 +76,11 @@ def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool)
     if load_optim:
         # ZeRO and DeepSpeed's bf16 optimizer shard optimizer state over data parallel ranks: the
         # shard files only fit the same DP size, stage and precision.
-        fields += list(optim_fields)
+        fields += [k for k in optim_fields if k in current]
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
     if diffs:
         hint = ("; or pass --no-load-optim to load the weights only" if any(
-            saved.get(k) != current[k] for k in optim_fields if k in fields) else "")
+            saved.get(k) != current[k] for k in optim_fields if k in fields and k in current) else "")
         raise ConfigError(f"checkpoint {path} does not match this run ({'; '.join(diffs)}); use the "
                           f"checkpoint's settings (or convert the checkpoint){hint}")
 

@@ -127,8 +127,14 @@ class InterleavedPipeline:
         return self._mean_loss(losses)
 
     @torch.no_grad()
-    def eval_batch(self, data_iter, reduce_output: str = "avg", bcast_loss: bool = True) -> torch.Tensor:
-        """Forward-only over the schedule's forward order; the mean loss on every rank."""
+    def eval_batch(self, data_iter, reduce_output: str = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> torch.Tensor:
+        """Forward-only over the schedule's forward order; the mean loss on every rank.
+        ``num_micro_batches`` (PipelineEngine's argument) must be the schedule's: derive() refuses
+        batch-size ramp-ups with interleaving, so the count never changes."""
+        if num_micro_batches is not None and num_micro_batches != self.m:
+            raise ValueError(f"the interleaved schedule runs {self.m} micro-batches per batch, "
+                             f"not {num_micro_batches}")
         self.engine.eval()
         batches = self._read(data_iter)
         losses = []
