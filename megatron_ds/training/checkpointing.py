@@ -198,7 +198,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     dist.barrier()
 
 
-def _is_bf16_optimizer(optimizer) -> bool:
+def is_bf16_optimizer(optimizer) -> bool:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: PLC0415
 
     return isinstance(optimizer, BF16_Optimizer)
@@ -234,7 +234,7 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
     load_optim = load_optim and not finetune
     # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but
     # reads it back from the module file, where it is not: load those files ourselves.
-    sharded_without_zero = _is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
+    sharded_without_zero = is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
     # no_grad: DeepSpeed re-broadcasts tied weights in place while loading, which autograd would
     # otherwise record (and warn about in the next backward).
     with torch.no_grad():

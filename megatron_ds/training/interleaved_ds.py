@@ -15,6 +15,7 @@ import deepspeed
 from packaging.version import Version
 
 from megatron_ds.config import ConfigError
+from megatron_ds.training.checkpointing import is_bf16_optimizer
 
 # Checked against 0.19 (what requirements.txt resolves to). Older releases scale fp16 losses in
 # a different place (FP16_Optimizer.backward) than loss_scale below mirrors, so they are refused
@@ -29,15 +30,9 @@ def check_version() -> None:
                           f"found {deepspeed.__version__} (megatron_ds/training/interleaved_ds.py lists what it uses)")
 
 
-def _is_bf16_optimizer(optimizer) -> bool:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: PLC0415
-
-    return isinstance(optimizer, BF16_Optimizer)
-
-
 def accumulates_grads_in_fp32(engine) -> bool:
     """Whether the engine's optimizer sums micro-batch gradients in fp32 (bf16 runs)."""
-    return _is_bf16_optimizer(engine.optimizer)
+    return is_bf16_optimizer(engine.optimizer)
 
 
 def loss_scale(engine) -> float:
@@ -59,7 +54,7 @@ def loss_scale(engine) -> float:
 def accumulated_grad(engine, param):
     """The step's accumulated gradient of ``param`` before the data parallel reduction, as
     ``PipelineEngine._exec_reduce_tied_grads`` finds it; None if it has none."""
-    return getattr(param, "_hp_grad", None) if _is_bf16_optimizer(engine.optimizer) else param.grad
+    return getattr(param, "_hp_grad", None) if is_bf16_optimizer(engine.optimizer) else param.grad
 
 
 def use_layer_file_checkpoints(engine, load_module) -> None:
