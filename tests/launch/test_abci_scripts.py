@@ -13,12 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.helpers import (PROBE, PYTHON, REPO, clean_env, read_probes, requires_mpirun,
+from tests.launch.helpers import (PROBE, PYTHON, REPO, clean_env, free_port, read_probes, requires_mpirun,
                                   run_bounded)
 
 ABCI = REPO / "scripts" / "abci"
 JOB_SCRIPTS = sorted(p.name for p in ABCI.glob("abci*.sh"))
-JOB_ID = 12345
+
+def _job_id_for_a_free_port() -> int:
+    """A job id whose derived port is free now, so two suites on one host (or a port left in
+    TIME_WAIT by an earlier test) do not collide as a fixed id's port would."""
+    port = free_port()
+    return port - 10000 if 10000 <= port < 60000 else 12345
+
+
+JOB_ID = _job_id_for_a_free_port()
 EXPECTED_PORT = 10000 + JOB_ID % 50000
 
 # Flags each script must pass beyond the common ones (the layouts named in its header).
