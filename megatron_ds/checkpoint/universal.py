@@ -84,6 +84,37 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     return info
 
 
+def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, log: Callable = print) -> str:
+    """Run DeepSpeed's ``ds_to_universal`` on a checkpoint of ours after checking that it can take
+    it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``)."""
+    from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415
+
+    from megatron_ds.checkpoint.files import load_file, open_checkpoint  # noqa: PLC0415
+
+    ckpt = open_checkpoint(load_dir, iteration)
+    if ckpt.zero_stage == 0:
+        # ds_to_universal reads each parameter's fragments from ZeRO optimizer files
+        # (*_optim_states.pt with param_slice_mappings) and its shapes from the mp_rank files'
+        # param_shapes; without ZeRO, DeepSpeed writes no such files for fp32 (the torch optimizer's
+        # state sits in the mp_rank files) and no param_shapes for bf16.
+        raise ConfigError(f"{ckpt.path} was saved without ZeRO (--zero-stage 0, {ckpt.precision}): DeepSpeed's "
+                          f"ds_to_universal needs ZeRO-1/2 optimizer files; load it directly with --load at any "
+                          f"layout (megatron_ds reshards it), or resume and save once with --zero-stage 1")
+    if ckpt.zero_stage == 3:
+        raise ConfigError(f"{ckpt.path} was saved with ZeRO-3, which this conversion does not support; load it "
+                          f"with --load instead")
+    if UC_INFO not in load_file(ckpt.mp_file(0)):
+        raise ConfigError(f"{ckpt.path} was saved before megatron_ds recorded {UC_INFO}; load it with --load (at any "
+                          f"layout) and save it once")
+    out = f"{ckpt.path}_universal"
+    log(f"converting {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, {ckpt.precision}) "
+        f"to {out} with DeepSpeed's ds_to_universal")
+    ds_to_universal.main(argparse.Namespace(input_folder=ckpt.path, output_folder=out, num_extract_workers=workers,
+                                            num_merge_workers=max(1, workers // 2), keep_temp_folder=False,
+                                            strict=True, inject_missing_state=False))
+    return out
+
+
 # ---------------------------------------------------------------- reading
 def _load(path: str):
     """torch.load a universal file lazily and without arbitrary unpickling: tensors, numbers and the
