@@ -116,14 +116,25 @@ def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, lo
 
 
 # ---------------------------------------------------------------- reading
-def _load(path: str):
-    """torch.load a universal file lazily and without arbitrary unpickling: tensors, numbers and the
-    few plain classes these files hold (DeepSpeed's SubparamShape, Megatron's argparse Namespace)."""
+def _safe_globals() -> list:
+    """Plain data classes these files hold besides tensors: DeepSpeed's SubparamShape (ds_to_universal's
+    merge notes), Megatron's argparse Namespace (``args``) and numpy arrays (the numpy RNG state in
+    Megatron's ``rng_state``; torch's documentation lists these numpy entries for weights_only)."""
+    import numpy as np  # noqa: PLC0415
     from deepspeed.checkpoint.universal_checkpoint import SubparamShape  # noqa: PLC0415
 
     from megatron_ds.training.checkpointing import _allowed_globals  # noqa: PLC0415
 
-    with torch.serialization.safe_globals([*_allowed_globals(), SubparamShape, argparse.Namespace]):
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    # files pickled under numpy 1 name it numpy.core.multiarray, numpy 2 numpy._core.multiarray
+    return [*_allowed_globals(), SubparamShape, argparse.Namespace, reconstruct,
+            (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
+
+
+def _load(path: str):
+    """torch.load a universal file lazily and without arbitrary unpickling (``_safe_globals``)."""
+    with torch.serialization.safe_globals(_safe_globals()):
         try:
             try:
                 return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -134,8 +145,9 @@ def _load(path: str):
         except FileNotFoundError:
             raise
         except Exception as exc:  # noqa: BLE001 - one line naming the file
-            raise ConfigError(f"cannot read universal checkpoint file {path}: "
-                              f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            why = next((ln.strip() for ln in lines if "Unsupported global" in ln), lines[0])
+            raise ConfigError(f"cannot read universal checkpoint file {path}: {why}") from None
 
 
 def find_universal(load_dir: str) -> str:

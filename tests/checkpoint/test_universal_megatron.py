@@ -12,8 +12,11 @@ Tolerance: both fp32 on the same weights; the TP split and the attention kernels
 orders (~1e-7 relative per op), a loss of ~5-10: abs 1e-4.
 """
 import argparse
+import collections
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +131,11 @@ def _write_universal(params: dict, args: argparse.Namespace, ckpt_dir: str, *, p
              "lr_scheduler": {"max_lr": 1e-3, "lr_warmup_steps": 2 * gbs, "num_steps": ITERATION * gbs,
                               "lr_decay_style": "cosine", "lr_decay_steps": 6 * gbs, "min_lr": 0.0, "start_wd": 0.01,
                               "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 6 * gbs},
+             "param_shapes": [collections.OrderedDict((n, t.shape) for n, t in params.items())],
+             "ds_config": {"train_batch_size": gbs, "bf16": {"enabled": False}}, "ds_version": "0.14.0",
+             # megatron/checkpointing.py get_rng_state(): numpy's state holds an ndarray
+             "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
              "args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "tokens": ITERATION * gbs * SEQ,
              "universal_checkpoint_info": {"universal_checkpoint_version": 0.2, "original_vocab_size": VOCAB,
                                            "padded_vocab_size": args.padded_vocab_size}}
@@ -143,7 +151,7 @@ def _args(saved_tp: int, **model) -> argparse.Namespace:
                 tensor_model_parallel_size=saved_tp, pipeline_model_parallel_size=2, global_batch_size=GBS,
                 consumed_train_samples=ITERATION * GBS, consumed_valid_samples=0, num_experts=[1],
                 make_vocab_size_divisible_by=128, padded_vocab_size=128 * saved_tp, rampup_batch_size=None,
-                normalization="layernorm", add_position_embedding=True, use_rotary_position_embeddings=False,
+                params_dtype=torch.float32, normalization="layernorm", add_position_embedding=True, use_rotary_position_embeddings=False,
                 add_bias_linear=True, swiglu=False, untie_embeddings_and_output_weights=False, apply_layernorm_1p=False)
     return argparse.Namespace(**{**base, **model})
 
@@ -211,3 +219,26 @@ def test_megatron_deepspeed_universal_checkpoint_gives_transformers_loss(tmp_pat
     [(iteration, loss)] = run_distributed(train_losses, c["tp"], argv, timeout=600)[-1]
     assert iteration == ITERATION + 1
     assert loss == pytest.approx(_hf_loss(hf), abs=1e-4)
+
+
+def test_parameter_names_of_every_scheme_map_and_the_rest_is_refused():
+    """GPTModelPipe (tied), GPTModel (--no-pipeline-parallel, language_model.py / transformer.py
+    names) and ours give the same canonical keys; MoE experts are refused naming the parameter."""
+    from megatron_ds.checkpoint import megatron_names
+    from megatron_ds.config import ConfigError
+
+    pipe = ["tied_modules.embed.word_embeddings.weight", "2.self_attention.query_key_value.weight",
+            "3.mlp.dense_4h_to_h.bias", "4.weight", "5.lm_head.weight"]
+    plain = ["language_model.embedding.word_embeddings.weight",
+             "language_model.encoder.layers.0.self_attention.query_key_value.weight",
+             "language_model.encoder.layers.1.mlp.dense_4h_to_h.bias", "language_model.encoder.final_layernorm.weight",
+             "language_model.output_layer.weight"]
+    ours = ["0.word_embeddings.weight", "1.self_attention.query_key_value.weight", "2.mlp.dense_4h_to_h.bias",
+            "3.final_layernorm.weight", "4.output_layer.weight"]
+    keys = [("word_embeddings",), ("block", 0, "self_attention.query_key_value.weight"),
+            ("block", 1, "mlp.dense_4h_to_h.bias"), ("final_layernorm", "weight"), ("output_layer",)]
+    for names in (pipe, plain, ours):
+        assert megatron_names.index(names) == dict(zip(keys, names))
+    assert [megatron_names.canonical(n, ours=True) for n in ours] == keys
+    with pytest.raises(ConfigError, match=r"2\.mlp\.deepspeed_moe\.experts.* mixture-of-experts"):
+        megatron_names.index(pipe + ["2.mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.weight"])
