@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import types
 from typing import Callable
 
@@ -86,9 +88,8 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
 
 def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, log: Callable = print) -> str:
     """Run DeepSpeed's ``ds_to_universal`` on a checkpoint of ours after checking that it can take
-    it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``)."""
-    from deepspeed.checkpoint import ds_to_universal  # noqa: PLC0415
-
+    it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
+    The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
     from megatron_ds.checkpoint.files import load_file, open_checkpoint  # noqa: PLC0415
 
     ckpt = open_checkpoint(load_dir, iteration)
@@ -109,9 +110,12 @@ def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, lo
     out = f"{ckpt.path}_universal"
     log(f"converting {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, {ckpt.precision}) "
         f"to {out} with DeepSpeed's ds_to_universal")
-    ds_to_universal.main(argparse.Namespace(input_folder=ckpt.path, output_folder=out, num_extract_workers=workers,
-                                            num_merge_workers=max(1, workers // 2), keep_temp_folder=False,
-                                            strict=True, inject_missing_state=False))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt.path,
+           "--output_folder", out, "--num_extract_workers", str(workers),
+           "--num_merge_workers", str(max(1, workers // 2))]
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc != 0:
+        raise ConfigError(f"DeepSpeed's ds_to_universal failed (exit {rc}) converting {ckpt.path}; its message is above")
     return out
 
 
