@@ -250,8 +250,7 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
                                                                  "swiglu")})
     padded = signature["padded_vocab_size"]
     setter = _StateSetter(engine)
-    params = list(engine.module.named_parameters())
-    for n, (name, param) in enumerate(params):
+    for name, param in engine.module.named_parameters():
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")
         if tp_rules.is_vocab_param(name) and full["fp32"].shape[0] > padded and (real or 0) > padded:
