@@ -65,8 +65,6 @@ UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
     "--enable-zbh1-pipeline": (0, "zero-bubble pipeline schedules are not supported (DeepSpeed's pipeline "
                                   "engine runs 1F1B here); drop the flag"),
     "--enable-zbh1-exact-semantics": (0, "zero-bubble pipeline schedules are not supported; drop the flag"),
-    "--universal-checkpoint": (0, "loading DeepSpeed universal checkpoints is not supported; resume with the "
-                                  "TP/PP the checkpoint was saved with (--no-load-optim if DP changes)"),
 }
 
 # Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off

@@ -265,6 +265,9 @@ class CheckpointConfig:
     """Do not save RNG state."""
     finetune: bool = False
     """Load weights only and start from iteration 0 (implies --no-load-optim --no-load-rng)."""
+    universal_checkpoint: bool = False
+    """--load holds a DeepSpeed universal checkpoint (ds_to_universal's output, found through
+    DIR/latest_universal), ours or Megatron-DeepSpeed's; loaded at any TP/PP/DP/ZeRO 0-2/precision."""
     ckpt_step: Optional[int] = None
     """Load exactly this iteration's checkpoint from --load (an error if it is damaged) instead of the
     newest complete one (Megatron-LM's --ckpt-step)."""

@@ -185,6 +185,10 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
     # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
+    if "signature" in meta:  # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py)
+        from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info  # noqa: PLC0415
+
+        client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
     if dist.get_rank() == 0:
@@ -205,11 +209,17 @@ def is_bf16_optimizer(optimizer) -> bool:
 
 
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
-                    load_lr_state: bool = True, exact_step: int | None = None, ps=None,
+                    load_lr_state: bool = True, exact_step: int | None = None, ps=None, universal: bool = False,
                     log=print) -> tuple[int, dict]:
     """Load the newest complete checkpoint in load_dir (or exactly `exact_step`, --ckpt-step).
     Returns (iteration, client_state); (0, {}) if there is none. A checkpoint of another layout
-    (or an imported one) is resharded when ``ps`` is given."""
+    (or an imported one) is resharded when ``ps`` is given; ``universal``: a DeepSpeed universal one."""
+    if universal:
+        from megatron_ds.checkpoint.universal import load_universal  # noqa: PLC0415
+
+        client = load_universal(engine, load_dir, signature=signature, ps=ps, load_optim=load_optim and not finetune,
+                                load_lr_state=load_lr_state, log=log)
+        return (0 if finetune else client["iteration"]), client
     iteration = ckpt_integrity.choose_checkpoint(load_dir, exact_step=exact_step, log=log)
     if iteration is None:
         log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")

@@ -126,6 +126,7 @@ def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, toke
                                                  load_optim=cfg.checkpoint.load_optim,
                                                  finetune=cfg.checkpoint.finetune,
                                                  load_lr_state=cfg.checkpoint.load_lr_state, ps=ps,
+                                                 universal=cfg.checkpoint.universal_checkpoint,
                                                  exact_step=cfg.checkpoint.ckpt_step, log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration

@@ -6,7 +6,8 @@ merges and data paths are replaced (test fixtures); the world size is what the s
 Sources (repository: path):
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M,13B,1.3B_rope_slw,
       1.3B_megatron_checkpointing}.sh with rebase/ds_config_gpt_TEMPLATE.json / ds_config_gpt_slw_TEMPLATE.json
-  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh,
+      run_universal_bf16.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh
       (+ MoE/ds_config_gpt_TEMPLATE.json)
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M_flashattn,1.3B_rope}.sh
@@ -87,12 +88,14 @@ def _rebase(files, *, layers, hidden, heads, gbs, lr, min_lr, init_std, mp, pp, 
     return argv
 
 
-def _universal(files, dtype: str) -> list[str]:
-    """universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh, DEBUG_MODE=1, TP=PP=DP=2, SP=1."""
+def _universal(files, dtype: str, *, resume: bool = False) -> list[str]:
+    """universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh, DEBUG_MODE=1, TP=PP=DP=2, SP=1;
+    ``resume``: run_universal_bf16.sh (DP=1, GLOBAL_BATCH=4, --universal-checkpoint)."""
     return ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--ds-sequence-parallel-size", "1", "--num-layers", "4", "--hidden-size", "512",
             "--num-attention-heads", "32", "--seq-length", "512", "--loss-scale", "12",
-            "--max-position-embeddings", "512", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--max-position-embeddings", "512", "--micro-batch-size", "2",
+            "--global-batch-size", "4" if resume else "16",
             "--train-iters", "100000", "--lr", "6.0e-3", "--min-lr", "6.0e-4", "--lr-decay-style", "cosine",
             "--log-interval", "1", "--eval-iters", "40", "--eval-interval", "10", "--data-path", files["data"],
             "--vocab-file", files["vocab"], "--merge-file", files["merges"], "--save-interval", "100",
@@ -101,11 +104,11 @@ def _universal(files, dtype: str) -> list[str]:
             "--exit-interval", "200", "--save", files["ckpt"], "--load", files["ckpt"],
             "--make-vocab-size-divisible-by", "256", "--tensorboard-dir", files["tb"],
             "--deepspeed", f"--deepspeed_config={files['json']}", "--zero-stage=1",
-            "--deepspeed-activation-checkpointing"]
+            "--deepspeed-activation-checkpointing"] + (["--universal-checkpoint"] if resume else [])
 
 
-def _universal_json(dtype: str) -> dict:
-    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+def _universal_json(dtype: str, gbs: int = 16) -> dict:
+    ds = {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
           "zero_optimization": {"stage": 1}, "wall_clock_breakdown": False}
     if dtype == "bf16":
         ds.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
@@ -240,6 +243,9 @@ def scripts(files: dict) -> list[Script]:
         Script("universal_ckpt_fp16", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/"
                "megatron_gpt/run_fp16.sh", 8, _universal(f, "fp16"), _universal_json("fp16"),
                notes=['--loss-scale 12 has no effect with DeepSpeed', '"fp16.loss_scale" = 0']),
+        Script("universal_ckpt_bf16_resume", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/"
+               "universal_checkpointing/megatron_gpt/run_universal_bf16.sh", 4, _universal(f, "bf16", resume=True),
+               _universal_json("bf16", 4), notes=["--loss-scale 12 has no effect without --fp16"]),
         Script("moe_family_1.3B_dense", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
                "ds_pretrain_gpt_1.3B_dense.sh", 64, _moe_dense(
                    f, layers=24, hidden=2048, heads=16, gbs=512, lr="2.0e-4", min_lr="2.0e-5", batch=2, mp=4,

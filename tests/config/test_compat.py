@@ -23,12 +23,18 @@ def test_upstream_off_values_are_accepted_and_on_values_refused(capsys):
 
 
 @pytest.mark.parametrize("flag,reason", [
-    ("--universal-checkpoint", "loading DeepSpeed universal checkpoints is not supported"),
     ("--enable-zbh1-pipeline", "zero-bubble pipeline schedules are not supported"),
     ("--curriculum-learning-legacy", "curriculum learning is not supported"),
 ])
 def test_refused_with_reason(flag, reason, capsys):
     assert reason in refused([flag], capsys)
+
+
+def test_universal_checkpoint_is_accepted():
+    # Megatron-DeepSpeed: megatron/arguments.py `--universal-checkpoint` (store_true); loading is
+    # tested in tests/checkpoint/test_universal.py
+    cfg, _ = parse_args(["--universal-checkpoint", "--load", "ckpt"])
+    assert cfg.checkpoint.universal_checkpoint and not parse_args([])[0].checkpoint.universal_checkpoint
 
 
 def test_old_and_new_spellings():
