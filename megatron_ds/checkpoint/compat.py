@@ -1,10 +1,11 @@
 """The one place where resharding touches DeepSpeed internals (checked against the version).
 
 Optimizer state is written through DeepSpeed's public ``safe_set_full_fp32_param`` /
-``safe_set_full_optimizer_state``, which need each parameter's link to its optimizer-state
-fragments. DeepSpeed (0.16-0.19) makes those links lazily at the first optimizer step
+``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), which under ZeRO 1-2 and bf16 need each
+parameter's link to its optimizer-state fragments. DeepSpeed (0.16-0.19) makes those links lazily at the first optimizer step
 (``_lazy_init_hp_params_optimizer_state``) and only once the base optimizer has state for its flat
 partitions: before the first step we create that state (zeros, as Adam would) and make the links.
+ZeRO-3 needs the state too (its setters index ``optimizer.state[flat partition]``).
 """
 from __future__ import annotations
 
@@ -25,20 +26,26 @@ def _check_version() -> None:
 
 
 def _flat_partitions(opt) -> list[torch.Tensor] | None:
-    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):  # ZeRO 1-2, bf16
+    # ZeRO 1-2, bf16, ZeRO-3
+    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat"):
         if hasattr(opt, attr):
             return getattr(opt, attr)
     return None
 
 
-def _link_optimizer_state(opt) -> None:
-    if getattr(opt, "_hp_optimizer_states_linked", True):
-        return
+def _create_optimizer_state(opt) -> None:
+    """Adam's state for each flat partition, as its first step would create it (zeros)."""
     for flat in _flat_partitions(opt):
         state = opt.optimizer.state[flat]
         if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat),
-                         exp_avg_sq=torch.zeros_like(flat))
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat.detach()),
+                         exp_avg_sq=torch.zeros_like(flat.detach()))
+
+
+def _link_optimizer_state(opt) -> None:
+    if getattr(opt, "_hp_optimizer_states_linked", True):
+        return
+    _create_optimizer_state(opt)
     opt._lazy_init_hp_params_optimizer_state()
 
 
@@ -47,9 +54,30 @@ def _torch_optimizer(engine):
     return getattr(opt, "inner", opt)  # GuardedOptimizer wraps the torch one
 
 
+@torch.no_grad()
+def set_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """A parameter's (tensor parallel local) weight. A ZeRO-3 parameter holds only its data parallel
+    partition: it is gathered (DeepSpeed's public ``GatheredParameters``), written on data parallel
+    rank 0 and re-partitioned from there on leaving the context."""
+    if not hasattr(param, "ds_id"):
+        param.data.copy_(value.to(param.dtype))
+        return
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if torch.distributed.get_rank(group=param.ds_process_group) == 0:
+            param.data.copy_(value.to(device=param.device, dtype=param.dtype).view(param.shape))
+
+
 def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
     """This rank's shard of a parameter's fp32 master and Adam moments, into the engine's optimizer."""
     _check_version()
+    if hasattr(param, "ds_id"):  # ZeRO-3: Adam's state is also made at the first step
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
+
+        _create_optimizer_state(engine.optimizer)
+        safe_set_full_fp32_param(param, master.to(param.device).reshape(-1))
+        for key, value in moments.items():
+            safe_set_full_optimizer_state(param, value.to(param.device).reshape(-1), key)
+        return
     if hasattr(param, "_hp_mapping"):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
 

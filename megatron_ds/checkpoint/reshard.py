@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import tp as tp_rules
-from megatron_ds.checkpoint.consolidate import _LayerFileSource, _ModuleSource, layer_prefixes, merge_layer
+from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source, merge_layer
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
 from megatron_ds.config import ConfigError
 
@@ -64,13 +64,19 @@ class SavedOptimizer:
     """A checkpoint's optimizer state by parameter name: full (TP-local) fp32 master and Adam
     moments of each parameter on each saved TP x PP rank."""
 
-    def __init__(self, ckpt: CheckpointFiles):
+    def __init__(self, ckpt: CheckpointFiles, *, with_moments: bool = True):
         self.ckpt = ckpt
         self.step = None
         self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
         self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t}
+        self.zero3 = None
         files = ckpt.optimizer_files()
-        if files:
+        if ckpt.zero_stage == 3:
+            from megatron_ds.checkpoint.zero3 import Zero3State  # noqa: PLC0415
+
+            self.zero3 = Zero3State(ckpt, with_moments=with_moments)
+            self.step = self.zero3.step
+        elif files:
             for path in files:
                 self._index_zero_file(path)
         else:
@@ -115,6 +121,8 @@ class SavedOptimizer:
     def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
         """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
         for mp in self._mp_ranks(tp_rank):  # a tied weight lives on two stages: the copies are equal
+            if self.zero3 is not None and self.zero3.has(name, mp):
+                return self.zero3.tensors(name, mp)
             if (name, mp) in self.plain:
                 return self.plain[name, mp]
             if (name, mp) in self.pieces:
@@ -156,7 +164,7 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     weights_only = ckpt.meta.get("weights_only", False)
     load_optim = load_optim and not weights_only
     saved_opt = SavedOptimizer(ckpt) if load_optim else None
-    source = _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
+    source = layer_source(ckpt)
     prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)}
     params = dict(engine.module.named_parameters())
     by_layer = collections.defaultdict(list)
@@ -193,7 +201,7 @@ class _StateSetter:
     @torch.no_grad()
     def set(self, param: torch.nn.Parameter, shard: dict[str, torch.Tensor]) -> None:
         master = shard.get("fp32", shard["weight"])
-        param.data.copy_(master.to(param.dtype))
+        self.compat.set_weight(param, master)
         if "exp_avg" in shard:
             self.compat.set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
 
