@@ -113,3 +113,18 @@ def test_zero1_tp2_resumes_into_zero3_dp2(chain):
                                                                       **FP32["loss"])
     _same_weights(_weights(chain["a"], 6), _weights(chain["c"], 6))
     _same_optimizer_state(_optimizer_state(chain["a"], 6), _optimizer_state(chain["c"], 6))
+
+
+def test_zero3_checkpoint_exports_to_hf(chain, tmp_path):
+    """tools/checkpoint/to_hf.py on a ZeRO-3 checkpoint: the weights come from the partitions."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
+    import to_hf
+
+    out = str(tmp_path / "hf")
+    assert to_hf.main(["--load", chain["a"], "--iteration", "6", "--out", out]) == 0
+    wte = load_file(os.path.join(out, "model.safetensors"))["transformer.wte.weight"]
+    assert torch.equal(wte, _weights(chain["a"], 6)["tied_modules.embed.word_embeddings.weight"])
