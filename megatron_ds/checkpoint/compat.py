@@ -86,6 +86,9 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
         for key, value in moments.items():
             safe_set_full_optimizer_state(param, value.to(param.device), key)
         return
+    if _is_fp16_optimizer(engine.optimizer):
+        _set_fp16_optimizer_state(engine.optimizer, param, master, moments)
+        return
     if _flat_partitions(engine.optimizer) is not None:
         raise ConfigError(f"DeepSpeed's optimizer holds a parameter of shape {tuple(param.shape)} without a "
                           f"fragment mapping; cannot reshard its state")
@@ -94,10 +97,41 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
                         **{k: v.to(device=param.device, dtype=param.dtype).clone() for k, v in moments.items()}}
 
 
+def _is_fp16_optimizer(opt) -> bool:
+    """DeepSpeed's FP16_Optimizer (fp32_groups_flat) or FP16_UnfusedOptimizer (fp32_groups), ZeRO-0."""
+    return hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups"))
+
+
+def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
+    """The fp32 master and Adam moments of ``param`` in DeepSpeed's ZeRO-0 fp16 optimizers: a slice
+    of the group's flat master (FP16_Optimizer: the group's parameters concatenated in order) or
+    the parameter's own fp32 copy (FP16_UnfusedOptimizer), and the torch optimizer's state of it."""
+    for g, group in enumerate(opt.fp16_groups):
+        j = next((j for j, p in enumerate(group) if p is param), None)
+        if j is None:
+            continue
+        if hasattr(opt, "fp32_groups_flat"):
+            fp32 = opt.fp32_groups_flat[g]
+            offset = sum(p.numel() for p in group[:j])
+            place = lambda t: t.detach().narrow(0, offset, param.numel())  # noqa: E731
+        else:
+            fp32 = opt.fp32_groups[g][j]
+            place = lambda t: t.detach().view(-1)  # noqa: E731
+        state = opt.optimizer.state[fp32]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(fp32.detach()),
+                         exp_avg_sq=torch.zeros_like(fp32.detach()))
+        place(fp32).copy_(master.reshape(-1))
+        for key, value in moments.items():
+            place(state[key]).copy_(value.reshape(-1))
+        return
+    raise ConfigError(f"DeepSpeed's fp16 optimizer does not hold a parameter of shape {tuple(param.shape)}")
+
+
 def set_optimizer_step(engine, step: float) -> None:
     """Adam's step count (bias correction) on every state entry of the engine's base optimizer."""
     opt = engine.optimizer
-    base = opt.optimizer if _flat_partitions(opt) is not None else _torch_optimizer(engine)
+    base = opt.optimizer if _flat_partitions(opt) is not None or _is_fp16_optimizer(opt) else _torch_optimizer(engine)
     fused = bool(base.defaults.get("fused") or base.defaults.get("capturable"))
     for param, state in base.state.items():
         if "step" in state:  # fused/capturable torch Adam keeps the step on the parameter's device

@@ -54,8 +54,11 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     if hasattr(opt, "param_slice_mappings") or not hasattr(opt, "param_groups"):
         return None
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    # DeepSpeed's fp16 optimizers (ZeRO-0) hold fp32 copies; their fp16_groups are the module's
+    groups = opt.fp16_groups if hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups") else [
+        g["params"] for g in opt.param_groups]
     try:
-        return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+        return [[names[id(p)] for p in g] for g in groups]
     except KeyError:  # ZeRO's flat groups: not module parameters
         return None
 
@@ -68,7 +71,7 @@ class SavedOptimizer:
         self.ckpt = ckpt
         self.step = None
         self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
-        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t}
+        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
         self.zero3 = None
         files = ckpt.optimizer_files()
         if ckpt.zero_stage == 3:
@@ -97,23 +100,20 @@ class SavedOptimizer:
                 self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
 
     def _index_plain(self) -> None:
-        if self.ckpt.precision == "fp16":
-            raise ConfigError(f"{self.ckpt.path}: resharding the fp16 ZeRO-0 optimizer state is not supported; "
-                              f"resume it at its own layout or pass --no-load-optim")
-        for mp in range(self.ckpt.tp * self.ckpt.pp):
-            state = load_file(self.ckpt.mp_file(mp))
-            names = state.get("optimizer_param_names")
-            if names is None:
-                raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters (a checkpoint "
-                                  f"from before resharding existed); resume it at its own layout, or pass "
-                                  f"--no-load-optim to load the weights only")
-            opt = state["optimizer"]
-            order = [i for g in opt["param_groups"] for i in g["params"]]
-            for index, name in zip(order, [n for group in names for n in group]):
-                entry = opt["state"].get(index)
-                if entry:
-                    self.plain[name, mp] = {k: entry[k] for k in OPTIM_KEYS}
-                    self.step = float(entry["step"])
+        """fp32 / fp16 ZeRO-0: a torch optimizer's positional state (``plain_optim``)."""
+        from megatron_ds.checkpoint import plain_optim  # noqa: PLC0415
+
+        for t in range(self.ckpt.tp):
+            mps = self._mp_ranks(t)
+            states = [load_file(self.ckpt.mp_file(mp)) for mp in mps]
+            names = [state.get("optimizer_param_names") for state in states]
+            if any(n is None for n in names):  # saved before the names were recorded
+                names = plain_optim.reconstruct_names(self.ckpt, states, t)
+            shapes = plain_optim.saved_shapes(self.ckpt, t)
+            for mp, state, group_names in zip(mps, states, names):
+                found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
+                self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
+                self.step = step if step is not None else self.step
 
     def _mp_ranks(self, tp_rank: int) -> list[int]:
         return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
