@@ -128,6 +128,20 @@ def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tens
     raise ConfigError(f"DeepSpeed's fp16 optimizer does not hold a parameter of shape {tuple(param.shape)}")
 
 
+def set_loss_scale(engine, saved: dict) -> bool:
+    """An fp16 ZeRO-0 checkpoint's dynamic loss scaler state into an fp16 ZeRO-0 run's optimizer
+    (both keep it in ``loss_scale_config``); False where this run has no such scaler."""
+    config = getattr(engine.optimizer, "loss_scale_config", None)
+    if config is None or not _is_fp16_optimizer(engine.optimizer):
+        return False
+    if saved.get("dynamic_loss_scale") != config.dynamic_loss_scale:
+        return False  # static vs dynamic: this run's configuration decides
+    for key, value in saved.items():
+        if key != "dynamic_loss_scale" and hasattr(config, key):
+            setattr(config, key, value)
+    return True
+
+
 def set_optimizer_step(engine, step: float) -> None:
     """Adam's step count (bias correction) on every state entry of the engine's base optimizer."""
     opt = engine.optimizer

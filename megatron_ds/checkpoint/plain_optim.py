@@ -30,6 +30,8 @@ from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.config import ConfigError
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+# What DeepSpeed's ZeRO-0 fp16 optimizers save of their loss scaler (their state_dict())
+LOSS_SCALE_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
 
 class _Named(torch.nn.Module):

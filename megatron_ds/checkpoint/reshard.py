@@ -73,6 +73,7 @@ class SavedOptimizer:
         self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
         self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
         self.zero3 = None
+        self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
         files = ckpt.optimizer_files()
         if ckpt.zero_stage == 3:
             from megatron_ds.checkpoint.zero3 import Zero3State  # noqa: PLC0415
@@ -110,6 +111,8 @@ class SavedOptimizer:
             if any(n is None for n in names):  # saved before the names were recorded
                 names = plain_optim.reconstruct_names(self.ckpt, states, t)
             shapes = plain_optim.saved_shapes(self.ckpt, t)
+            self.loss_scale = {k: states[0]["optimizer"][k] for k in plain_optim.LOSS_SCALE_KEYS
+                               if k in states[0]["optimizer"]} or None
             for mp, state, group_names in zip(mps, states, names):
                 found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
                 self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
@@ -183,6 +186,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)
+        if saved_opt.loss_scale and setter.compat.set_loss_scale(engine, saved_opt.loss_scale):
+            log(f"fp16 loss scale {saved_opt.loss_scale.get('cur_scale')} carried over")
     client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
