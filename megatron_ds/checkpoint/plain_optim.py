@@ -131,6 +131,12 @@ def _sizes(groups: list[list[str]], shapes: dict[str, torch.Size], flat: bool) -
 def reconstruct_names(ckpt: CheckpointFiles, states: list[dict], tp_rank: int) -> list[list[list[str]]]:
     """Per pipeline stage (the mp_rank files of ``tp_rank``), the optimizer's groups of parameter
     names (see the module docstring)."""
+    if ckpt.meta["signature"].get("virtual_pipeline_model_parallel_size", 1) > 1:
+        # the interleaved schedule's chunks hold non-consecutive layers of identical shapes: an
+        # order rebuilt wrongly could not be caught by the shape checks
+        raise ConfigError(f"{ckpt.path} (interleaved pipeline schedule) does not name its optimizer's parameters "
+                          f"(a checkpoint from before resharding existed); resume it at its own layout, or pass "
+                          f"--no-load-optim to load the weights only")
     layout = _Layout(ckpt, tp_rank)
     shapes = layout.shapes()
     out, start = [], 0
@@ -153,33 +159,43 @@ def index_state(ckpt: CheckpointFiles, mp: int, opt: dict, names: list[list[str]
                 shapes: dict[str, torch.Size]) -> tuple[dict[str, dict[str, torch.Tensor]], float | None]:
     """{name: {"exp_avg", "exp_avg_sq"[, "fp32"]}} of one mp rank's saved optimizer, and Adam's step."""
     torch_state = opt.get("optimizer_state_dict", opt)
-    state, step, out = torch_state["state"], None, {}
+    index = _index_flat if "fp32_groups_flat" in opt else _index_per_parameter
+    out, step = {}, None
     for g, (group, group_names) in enumerate(zip(torch_state["param_groups"], names)):
-        if len(group_names) != len(group["params"]) and "fp32_groups_flat" not in opt:
-            raise ConfigError(f"{ckpt.mp_file(mp)}: optimizer group {g} has {len(group['params'])} parameters, "
-                              f"the recorded names {len(group_names)}")
-        if "fp32_groups_flat" in opt:
-            entry, offset = state.get(group["params"][0]), 0
-            flat = opt["fp32_groups_flat"][g]
-            for name in group_names:
-                n = shapes[name].numel()
-                view = lambda t, o=offset, n=n, s=shapes[name]: t[o:o + n].view(s)  # noqa: E731
-                out[name] = {"fp32": view(flat), **({k: view(entry[k]) for k in OPTIM_KEYS} if entry else {})}
-                offset += n
-            if offset != flat.numel():
-                raise ConfigError(f"{ckpt.mp_file(mp)}: fp16 optimizer group {g} holds {flat.numel()} elements, "
-                                  f"its parameters {offset}")
-            step = float(entry["step"]) if entry else step
-            continue
-        for j, (index, name) in enumerate(zip(group["params"], group_names)):
-            entry = state.get(index)
-            found = {"fp32": opt["fp32_groups"][g][j]} if "fp32_groups" in opt else {}
-            if entry:
-                found.update({k: entry[k] for k in OPTIM_KEYS})
-                step = float(entry["step"])
-            for t in found.values():
-                if t.shape != shapes[name]:
-                    raise ConfigError(f"{ckpt.mp_file(mp)}: optimizer state of {name} has shape {tuple(t.shape)}, "
-                                      f"the parameter {tuple(shapes[name])}")
-            out[name] = found
+        found, group_step = index(ckpt.mp_file(mp), opt, torch_state["state"], g, group["params"], group_names,
+                                  shapes)
+        out.update(found)
+        step = group_step if group_step is not None else step
+    return out, step
+
+
+def _index_flat(path, opt, state, g, positions, names, shapes):
+    """FP16_Optimizer: one flat fp32 master (and flat moments) per group, parameters in order."""
+    entry, flat, offset, out = state.get(positions[0]), opt["fp32_groups_flat"][g], 0, {}
+    for name in names:
+        n = shapes[name].numel()
+        view = lambda t, o=offset, n=n, s=shapes[name]: t[o:o + n].view(s)  # noqa: E731
+        out[name] = {"fp32": view(flat), **({k: view(entry[k]) for k in OPTIM_KEYS} if entry else {})}
+        offset += n
+    if offset != flat.numel():
+        raise ConfigError(f"{path}: fp16 optimizer group {g} holds {flat.numel()} elements, its parameters {offset}")
+    return out, float(entry["step"]) if entry else None
+
+
+def _index_per_parameter(path, opt, state, g, positions, names, shapes):
+    """A torch optimizer's own state (fp32), or FP16_UnfusedOptimizer's over per-parameter fp32 copies."""
+    if len(names) != len(positions):
+        raise ConfigError(f"{path}: optimizer group {g} has {len(positions)} parameters, the names {len(names)}")
+    out, step = {}, None
+    for j, (position, name) in enumerate(zip(positions, names)):
+        entry = state.get(position)
+        found = {"fp32": opt["fp32_groups"][g][j]} if "fp32_groups" in opt else {}
+        if entry:
+            found.update({k: entry[k] for k in OPTIM_KEYS})
+            step = float(entry["step"])
+        for t in found.values():
+            if t.shape != shapes[name]:
+                raise ConfigError(f"{path}: optimizer state of {name} has shape {tuple(t.shape)}, the parameter "
+                                  f"{tuple(shapes[name])}")
+        out[name] = found
     return out, step

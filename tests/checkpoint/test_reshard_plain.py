@@ -125,15 +125,17 @@ def fp32_pp2(tmp_path_factory):
     return losses, ckpt
 
 
-_DERIVED: dict = {}
+def _convert_all(rank, world_size, src, dsts):
+    for kind, dst in dsts.items():
+        _convert(rank, world_size, src, dst, kind)
 
 
-def _derived(fp32_pp2, tmp_path_factory, kind):
-    if kind not in _DERIVED:
-        dst = str(tmp_path_factory.mktemp(kind) / "ckpt")
-        run_distributed(_convert, 1, fp32_pp2[1], dst, kind)
-        _DERIVED[kind] = dst
-    return _DERIVED[kind]
+@pytest.fixture(scope="module")
+def derived(fp32_pp2, tmp_path_factory):
+    """kind -> the derived step-3 checkpoint (one process writes them all: DeepSpeed imports once)."""
+    dsts = {kind: str(tmp_path_factory.mktemp(kind) / "ckpt") for kind in KINDS}
+    run_distributed(_convert_all, 1, fp32_pp2[1], dsts)
+    return dsts
 
 
 def _saved(path):
@@ -148,9 +150,9 @@ def _saved(path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_zero0_optimizer_state_is_read_by_name(fp32_pp2, tmp_path_factory, kind):
+def test_zero0_optimizer_state_is_read_by_name(fp32_pp2, derived, kind):
     _, ckpt = fp32_pp2
-    (want, want_step), (got, got_step) = _saved(ckpt), _saved(_derived(fp32_pp2, tmp_path_factory, kind))
+    (want, want_step), (got, got_step) = _saved(ckpt), _saved(derived[kind])
     weights = _weights(ckpt, 3)
     assert want_step == got_step == 3
     assert sorted(want) == sorted(got)
@@ -161,9 +163,9 @@ def test_zero0_optimizer_state_is_read_by_name(fp32_pp2, tmp_path_factory, kind)
             assert torch.equal(got[name]["fp32"], weights[name]), name
 
 
-def test_fp16_flat_resumes_at_dp2_zero1(fp32_pp2, tmp_path_factory, tmp_path):
+def test_fp16_flat_resumes_at_dp2_zero1(fp32_pp2, derived, tmp_path):
     straight, _ = fp32_pp2
-    ckpt = _derived(fp32_pp2, tmp_path_factory, "fp16-flat")
+    ckpt = derived["fp16-flat"]
     out = str(tmp_path / "resumed")
     resumed = _run((1, 1, 2), ["--zero-stage", "1", "--load", ckpt, "--save", out])
     assert [it for it, _ in resumed] == [4, 5, 6]
