@@ -2,10 +2,13 @@
 
 Optimizer state is written through DeepSpeed's public ``safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), which under ZeRO 1-2 and bf16 need each
-parameter's link to its optimizer-state fragments. DeepSpeed (0.16-0.19) makes those links lazily at the first optimizer step
-(``_lazy_init_hp_params_optimizer_state``) and only once the base optimizer has state for its flat
-partitions: before the first step we create that state (zeros, as Adam would) and make the links.
-ZeRO-3 needs the state too (its setters index ``optimizer.state[flat partition]``).
+parameter's link to its optimizer-state fragments. DeepSpeed (0.16-0.19) makes those links lazily
+at the first optimizer step (``_lazy_init_hp_params_optimizer_state``) and only once the base
+optimizer has state for its flat partitions: before the first step we create that state (zeros,
+as Adam would) and make the links. ZeRO-3 needs the state too (its setters index
+``optimizer.state[flat partition]``). DeepSpeed's ZeRO-0 fp16 optimizers have no such setters:
+their fp32 copies (``fp32_groups_flat`` / ``fp32_groups``, the layout their ``state_dict()``
+saves) and the torch optimizer's state of them are written directly.
 """
 from __future__ import annotations
 

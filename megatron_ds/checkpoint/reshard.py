@@ -1,4 +1,4 @@
-"""Resume a checkpoint at another layout: TP, PP, DP, ZeRO stage (0-2), precision or padded
+"""Resume a checkpoint at another layout: TP, PP, DP, ZeRO stage (0-3), precision or padded
 vocabulary may all differ from the run that saved it; the model's shape may not.
 
 Every rank of the new run fills its own parameters and optimizer state from the saved files:
@@ -8,11 +8,14 @@ Every rank of the new run fills its own parameters and optimizer state from the 
   (``tp.split``). With optimizer state, the fp32 master weights are the source (bf16 runs).
 - optimizer state (fp32 masters, Adam ``exp_avg`` / ``exp_avg_sq``, step): read by parameter name
   from the saved ZeRO / bf16 optimizer shards (DeepSpeed records each parameter's fragment in
-  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter)
-  or from the plain torch optimizer's state (fp32 ZeRO-0, whose parameter order this toolkit
-  records as ``optimizer_param_names``), and written into this run's optimizer through DeepSpeed's
-  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-2, bf16) or the
-  torch optimizer's state (fp32 ZeRO-0);
+  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter),
+  from ZeRO-3's flat partitions (``zero3``) or from the ZeRO-0 torch / fp16 optimizer's positional
+  state (``plain_optim``: by the ``optimizer_param_names`` this toolkit records, or the order
+  rebuilt for older checkpoints), and written into this run's optimizer through DeepSpeed's
+  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), its
+  fp16 optimizer's fp32 copies (fp16 ZeRO-0) or the torch optimizer's state (fp32 ZeRO-0);
+  ZeRO-3 weights through ``GatheredParameters`` (``compat``);
+- fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
   that no longer exists otherwise); the new run then keeps its freshly seeded streams.
@@ -51,7 +54,8 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     checkpoint: its state is keyed by position only). None for DeepSpeed's own optimizers,
     whose files name their parameters."""
     opt = engine.optimizer
-    if hasattr(opt, "param_slice_mappings") or not hasattr(opt, "param_groups"):
+    if any(hasattr(opt, a) for a in ("param_slice_mappings", "fp32_partitioned_groups_flat")) or not hasattr(
+            opt, "param_groups"):  # ZeRO 1-3, bf16: their files name the parameters
         return None
     names = {id(p): n for n, p in engine.module.named_parameters()}
     # DeepSpeed's fp16 optimizers (ZeRO-0) hold fp32 copies; their fp16_groups are the module's
