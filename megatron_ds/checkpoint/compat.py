@@ -1,10 +1,14 @@
 """The one place where resharding touches DeepSpeed internals (checked against the version).
 
 Optimizer state is written through DeepSpeed's public ``safe_set_full_fp32_param`` /
-``safe_set_full_optimizer_state``, which need each parameter's link to its optimizer-state
-fragments. DeepSpeed (0.16-0.19) makes those links lazily at the first optimizer step
-(``_lazy_init_hp_params_optimizer_state``) and only once the base optimizer has state for its flat
-partitions: before the first step we create that state (zeros, as Adam would) and make the links.
+``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), which under ZeRO 1-2 and bf16 need each
+parameter's link to its optimizer-state fragments. DeepSpeed (0.16-0.19) makes those links lazily
+at the first optimizer step (``_lazy_init_hp_params_optimizer_state``) and only once the base
+optimizer has state for its flat partitions: before the first step we create that state (zeros,
+as Adam would) and make the links. ZeRO-3 needs the state too (its setters index
+``optimizer.state[flat partition]``). DeepSpeed's ZeRO-0 fp16 optimizers have no such setters:
+their fp32 copies (``fp32_groups_flat`` / ``fp32_groups``, the layout their ``state_dict()``
+saves) and the torch optimizer's state of them are written directly.
 """
 from __future__ import annotations
 
@@ -25,20 +29,26 @@ def _check_version() -> None:
 
 
 def _flat_partitions(opt) -> list[torch.Tensor] | None:
-    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):  # ZeRO 1-2, bf16
+    # ZeRO 1-2, bf16, ZeRO-3
+    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat"):
         if hasattr(opt, attr):
             return getattr(opt, attr)
     return None
 
 
-def _link_optimizer_state(opt) -> None:
-    if getattr(opt, "_hp_optimizer_states_linked", True):
-        return
+def _create_optimizer_state(opt) -> None:
+    """Adam's state for each flat partition, as its first step would create it (zeros)."""
     for flat in _flat_partitions(opt):
         state = opt.optimizer.state[flat]
         if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat),
-                         exp_avg_sq=torch.zeros_like(flat))
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat.detach()),
+                         exp_avg_sq=torch.zeros_like(flat.detach()))
+
+
+def _link_optimizer_state(opt) -> None:
+    if getattr(opt, "_hp_optimizer_states_linked", True):
+        return
+    _create_optimizer_state(opt)
     opt._lazy_init_hp_params_optimizer_state()
 
 
@@ -47,9 +57,30 @@ def _torch_optimizer(engine):
     return getattr(opt, "inner", opt)  # GuardedOptimizer wraps the torch one
 
 
+@torch.no_grad()
+def set_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """A parameter's (tensor parallel local) weight. A ZeRO-3 parameter holds only its data parallel
+    partition: it is gathered (DeepSpeed's public ``GatheredParameters``), written on data parallel
+    rank 0 and re-partitioned from there on leaving the context."""
+    if not hasattr(param, "ds_id"):
+        param.data.copy_(value.to(param.dtype))
+        return
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if torch.distributed.get_rank(group=param.ds_process_group) == 0:
+            param.data.copy_(value.to(device=param.device, dtype=param.dtype).view(param.shape))
+
+
 def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
     """This rank's shard of a parameter's fp32 master and Adam moments, into the engine's optimizer."""
     _check_version()
+    if hasattr(param, "ds_id"):  # ZeRO-3: Adam's state is also made at the first step
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
+
+        _create_optimizer_state(engine.optimizer)
+        safe_set_full_fp32_param(param, master.to(param.device).reshape(-1))
+        for key, value in moments.items():
+            safe_set_full_optimizer_state(param, value.to(param.device).reshape(-1), key)
+        return
     if hasattr(param, "_hp_mapping"):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
 
@@ -57,6 +88,9 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
         safe_set_full_fp32_param(param, master.to(param.device))
         for key, value in moments.items():
             safe_set_full_optimizer_state(param, value.to(param.device), key)
+        return
+    if _is_fp16_optimizer(engine.optimizer):
+        _set_fp16_optimizer_state(engine.optimizer, param, master, moments)
         return
     if _flat_partitions(engine.optimizer) is not None:
         raise ConfigError(f"DeepSpeed's optimizer holds a parameter of shape {tuple(param.shape)} without a "
@@ -66,10 +100,55 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
                         **{k: v.to(device=param.device, dtype=param.dtype).clone() for k, v in moments.items()}}
 
 
+def _is_fp16_optimizer(opt) -> bool:
+    """DeepSpeed's FP16_Optimizer (fp32_groups_flat) or FP16_UnfusedOptimizer (fp32_groups), ZeRO-0."""
+    return hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups"))
+
+
+def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
+    """The fp32 master and Adam moments of ``param`` in DeepSpeed's ZeRO-0 fp16 optimizers: a slice
+    of the group's flat master (FP16_Optimizer: the group's parameters concatenated in order) or
+    the parameter's own fp32 copy (FP16_UnfusedOptimizer), and the torch optimizer's state of it."""
+    for g, group in enumerate(opt.fp16_groups):
+        j = next((j for j, p in enumerate(group) if p is param), None)
+        if j is None:
+            continue
+        if hasattr(opt, "fp32_groups_flat"):
+            fp32 = opt.fp32_groups_flat[g]
+            offset = sum(p.numel() for p in group[:j])
+            place = lambda t: t.detach().narrow(0, offset, param.numel())  # noqa: E731
+        else:
+            fp32 = opt.fp32_groups[g][j]
+            place = lambda t: t.detach().view(-1)  # noqa: E731
+        state = opt.optimizer.state[fp32]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(fp32.detach()),
+                         exp_avg_sq=torch.zeros_like(fp32.detach()))
+        place(fp32).copy_(master.reshape(-1))
+        for key, value in moments.items():
+            place(state[key]).copy_(value.reshape(-1))
+        return
+    raise ConfigError(f"DeepSpeed's fp16 optimizer does not hold a parameter of shape {tuple(param.shape)}")
+
+
+def set_loss_scale(engine, saved: dict) -> bool:
+    """An fp16 ZeRO-0 checkpoint's dynamic loss scaler state into an fp16 ZeRO-0 run's optimizer
+    (both keep it in ``loss_scale_config``); False where this run has no such scaler."""
+    config = getattr(engine.optimizer, "loss_scale_config", None)
+    if config is None or not _is_fp16_optimizer(engine.optimizer):
+        return False
+    if saved.get("dynamic_loss_scale") != config.dynamic_loss_scale:
+        return False  # static vs dynamic: this run's configuration decides
+    for key, value in saved.items():
+        if key != "dynamic_loss_scale" and hasattr(config, key):
+            setattr(config, key, value)
+    return True
+
+
 def set_optimizer_step(engine, step: float) -> None:
     """Adam's step count (bias correction) on every state entry of the engine's base optimizer."""
     opt = engine.optimizer
-    base = opt.optimizer if _flat_partitions(opt) is not None else _torch_optimizer(engine)
+    base = opt.optimizer if _flat_partitions(opt) is not None or _is_fp16_optimizer(opt) else _torch_optimizer(engine)
     fused = bool(base.defaults.get("fused") or base.defaults.get("capturable"))
     for param, state in base.state.items():
         if "step" in state:  # fused/capturable torch Adam keeps the step on the parameter's device

@@ -1,6 +1,6 @@
 """Any megatron_ds checkpoint -> full, unsharded fp32 weights for a single-process model.
 
-``load_consolidated(dir)`` reads a checkpoint written at any TP / PP / DP / ZeRO stage (0-2) /
+``load_consolidated(dir)`` reads a checkpoint written at any TP / PP / DP / ZeRO stage (0-3) /
 precision and returns the state dict of ``build_sequential_gpt(c.model,
 padded_vocab_size=c.padded_vocab_size, tp_group=None, seed=...)``, key for key, so that
 ``model.load_state_dict(c.state_dict)`` works. ``iter_consolidated_layers`` yields the same
@@ -12,8 +12,11 @@ wrote them: DeepSpeed names layer files by *global* layer index and tensor paral
 checkpoint means the same whichever pipeline partition or data parallel size wrote it.
 
 Weights come from the module files, i.e. the numbers the saved model computed with (bf16 or fp16
-runs: their half-precision weights, exactly representable in fp32). The fp32 master copies in the
-optimizer files are what ``megatron_ds.checkpoint.reshard`` resumes training from.
+runs: their half-precision weights, exactly representable in fp32). ``from_masters=True`` takes
+the fp32 master copies in the optimizer files instead (what ``megatron_ds.checkpoint.reshard``
+resumes training from). ZeRO-3 checkpoints keep the weights only there: they are read from the
+masters, rounded to the training precision unless ``from_masters`` (so both ways agree with the
+other stages).
 """
 from __future__ import annotations
 
@@ -67,8 +70,7 @@ class _ModuleSource:
             state = load_file(ckpt.mp_file(t))
             if not state.get("module"):
                 raise ConfigError(f"{ckpt.path} has neither pipeline layer files nor module weights in "
-                                  f"{ckpt.mp_file(t)}" + (" (ZeRO-3 checkpoints are not supported here)"
-                                                          if ckpt.zero_stage == 3 else ""))
+                                  f"{ckpt.mp_file(t)}")
             self.modules.append(state["module"])
 
     def shards(self, idx: int, prefix: str) -> list[dict]:
@@ -87,6 +89,17 @@ class _LayerFileSource:
             raise ConfigError(f"checkpoint {self.ckpt.path} is incomplete: {exc.filename} is missing") from None
 
 
+def layer_source(ckpt: CheckpointFiles, *, from_masters: bool = False):
+    """Where a layer's tensor parallel shards come from: the module's weights (layer files or the
+    plain engine's module), or the optimizer's fp32 masters (``from_masters``; ZeRO-3 checkpoints
+    always, rounded to the training precision unless ``from_masters``: ZeRO-3 keeps no other copy)."""
+    if from_masters or ckpt.zero_stage == 3:
+        from megatron_ds.checkpoint.masters import MasterSource  # noqa: PLC0415 - it builds on this module
+
+        return MasterSource(ckpt, exact=from_masters)
+    return _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
+
+
 def merge_layer(shards: list[dict], prefix: str, model: ModelConfig) -> dict[str, torch.Tensor]:
     """One layer's full fp32 tensors, keyed with ``prefix``, from its tensor parallel shards."""
     out = {}
@@ -98,24 +111,28 @@ def merge_layer(shards: list[dict], prefix: str, model: ModelConfig) -> dict[str
 
 
 def iter_consolidated_layers(load_dir: str | CheckpointFiles, iteration: int | None = None, *,
+                             from_masters: bool = False,
                              log: Callable = print) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Yield ``(global layer index, {state-dict key: full fp32 tensor})`` layer by layer."""
+    """Yield ``(global layer index, {state-dict key: full fp32 tensor})`` layer by layer (the fp32
+    master weights of the optimizer files with ``from_masters``)."""
     ckpt = load_dir if isinstance(load_dir, CheckpointFiles) else open_checkpoint(load_dir, iteration)
-    source = _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
+    source = layer_source(ckpt, from_masters=from_masters)
     prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size)
     for n, (idx, prefix) in enumerate(prefixes):
         yield idx, merge_layer(source.shards(idx, prefix), prefix, ckpt.model)
         log(f"consolidated layer {n + 1}/{len(prefixes)} of {ckpt.path}")
 
 
-def load_consolidated(load_dir: str, iteration: int | None = None, *, log: Callable = print) -> Consolidated:
+def load_consolidated(load_dir: str, iteration: int | None = None, *, from_masters: bool = False,
+                      log: Callable = print) -> Consolidated:
     """The whole model's full fp32 weights from the checkpoint in ``load_dir`` (tracker's iteration
-    unless ``iteration`` is given). See the module docstring."""
+    unless ``iteration`` is given; the optimizer's fp32 masters with ``from_masters``). See the
+    module docstring."""
     ckpt = open_checkpoint(load_dir, iteration)
     log(f"reading {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision})")
     state: dict[str, torch.Tensor] = {}
-    for _, tensors in iter_consolidated_layers(ckpt, log=lambda *a: None):
+    for _, tensors in iter_consolidated_layers(ckpt, from_masters=from_masters, log=lambda *a: None):
         state.update(tensors)
     return Consolidated(model=ckpt.model, padded_vocab_size=ckpt.padded_vocab_size, vocab_size=ckpt.vocab_size,
                         iteration=ckpt.iteration, config=ckpt.config, state_dict=state)

@@ -117,9 +117,11 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
 
 
 def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
-              vocab_size: int | None = None, data_overrides: dict | None = None,
+              vocab_size: int | None = None, data_overrides: dict | None = None, from_masters: bool = False,
               max_shard_bytes: int = 5 * 2**30, log: Callable = print) -> str:
-    """Write the checkpoint as a transformers model directory; returns the architecture name."""
+    """Write the checkpoint as a transformers model directory; returns the architecture name.
+    ``from_masters``: the optimizer's fp32 master weights instead of the module's (bf16/fp16 runs:
+    the bits their rounding dropped; ``megatron_ds.checkpoint.masters``)."""
     ckpt = open_checkpoint(load_dir, iteration)
     arch = hf.choose_architecture(ckpt.model)
     data = _data_config(ckpt, data_overrides or {})
@@ -133,11 +135,12 @@ def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtyp
     torch_dtype = DTYPES[dtype or ckpt.precision]
     os.makedirs(out_dir, exist_ok=True)
     eod = tokenizer.eod if tokenizer else None
-    log(f"exporting {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, {ckpt.precision}) as {hf.ARCHITECTURES[arch]} "
+    log(f"exporting {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, {ckpt.precision}"
+        f"{', fp32 master weights' if from_masters else ''}) as {hf.ARCHITECTURES[arch]} "
         f"({torch_dtype}, vocabulary {vocab} of {ckpt.padded_vocab_size} rows) to {out_dir}")
     writer = ShardWriter(out_dir, max_shard_bytes)
     n_layers = ckpt.model.num_layers
-    layers = iter_consolidated_layers(ckpt, log=lambda *a: None)
+    layers = iter_consolidated_layers(ckpt, from_masters=from_masters, log=lambda *a: None)
     total = len(layer_prefixes(ckpt.model, ckpt.padded_vocab_size))
     for idx, tensors in track(layers, total, "export", unit="layers"):
         for name, tensor in _to_hf_layer(arch, ckpt, idx, n_layers, tensors, vocab).items():

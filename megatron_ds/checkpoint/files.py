@@ -10,7 +10,9 @@ A checkpoint ``DIR/global_stepN/`` (see ``megatron_ds.training.checkpointing``) 
 - ``mp_rank_{m:02d}_model_states.pt``: one per TP x PP rank ``m = pp_rank * tp + tp_rank``
   (DeepSpeed's "model parallel" rank): client state, LR scheduler, and, for the plain engine
   (``--no-pipeline-parallel``), the module's weights under ``"module"``;
-- ``[bf16_]zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt``: ZeRO / bf16 optimizer shards.
+- ``[bf16_]zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt``: ZeRO / bf16 optimizer shards;
+- ZeRO-3 only: ``zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt`` instead of the mp_rank files,
+  the weights in the optimizer shards (``megatron_ds.checkpoint.zero3``).
 
 Files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay on disk until a
 slice of them is used, which keeps conversion memory near one layer even when a file (an
@@ -26,6 +28,7 @@ import re
 
 import torch
 
+from megatron_ds.checkpoint.zero3 import model_states_file
 from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
 from megatron_ds.training.checkpointing import META, _allowed_globals, checkpoint_tag, read_tracker
 
@@ -70,6 +73,8 @@ class CheckpointFiles:
         return any(_LAYER_FILE.search(p) for p in os.listdir(self.path))
 
     def mp_file(self, mp_rank: int) -> str:
+        if self.zero_stage == 3:  # ZeRO-3 writes the client state with every data parallel rank's shapes
+            return model_states_file(self.path, 0, mp_rank)
         return os.path.join(self.path, f"mp_rank_{mp_rank:02d}_model_states.pt")
 
     def optimizer_files(self) -> list[str]:

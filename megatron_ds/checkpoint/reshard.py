@@ -1,4 +1,4 @@
-"""Resume a checkpoint at another layout: TP, PP, DP, ZeRO stage (0-2), precision or padded
+"""Resume a checkpoint at another layout: TP, PP, DP, ZeRO stage (0-3), precision or padded
 vocabulary may all differ from the run that saved it; the model's shape may not.
 
 Every rank of the new run fills its own parameters and optimizer state from the saved files:
@@ -8,11 +8,14 @@ Every rank of the new run fills its own parameters and optimizer state from the 
   (``tp.split``). With optimizer state, the fp32 master weights are the source (bf16 runs).
 - optimizer state (fp32 masters, Adam ``exp_avg`` / ``exp_avg_sq``, step): read by parameter name
   from the saved ZeRO / bf16 optimizer shards (DeepSpeed records each parameter's fragment in
-  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter)
-  or from the plain torch optimizer's state (fp32 ZeRO-0, whose parameter order this toolkit
-  records as ``optimizer_param_names``), and written into this run's optimizer through DeepSpeed's
-  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-2, bf16) or the
-  torch optimizer's state (fp32 ZeRO-0);
+  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter),
+  from ZeRO-3's flat partitions (``zero3``) or from the ZeRO-0 torch / fp16 optimizer's positional
+  state (``plain_optim``: by the ``optimizer_param_names`` this toolkit records, or the order
+  rebuilt for older checkpoints), and written into this run's optimizer through DeepSpeed's
+  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), its
+  fp16 optimizer's fp32 copies (fp16 ZeRO-0) or the torch optimizer's state (fp32 ZeRO-0);
+  ZeRO-3 weights through ``GatheredParameters`` (``compat``);
+- fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
   that no longer exists otherwise); the new run then keeps its freshly seeded streams.
@@ -27,7 +30,7 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import tp as tp_rules
-from megatron_ds.checkpoint.consolidate import _LayerFileSource, _ModuleSource, layer_prefixes, merge_layer
+from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source, merge_layer
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
 from megatron_ds.config import ConfigError
 
@@ -51,11 +54,15 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     checkpoint: its state is keyed by position only). None for DeepSpeed's own optimizers,
     whose files name their parameters."""
     opt = engine.optimizer
-    if hasattr(opt, "param_slice_mappings") or not hasattr(opt, "param_groups"):
+    if any(hasattr(opt, a) for a in ("param_slice_mappings", "fp32_partitioned_groups_flat")) or not hasattr(
+            opt, "param_groups"):  # ZeRO 1-3, bf16: their files name the parameters
         return None
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    # DeepSpeed's fp16 optimizers (ZeRO-0) hold fp32 copies; their fp16_groups are the module's
+    groups = opt.fp16_groups if hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups") else [
+        g["params"] for g in opt.param_groups]
     try:
-        return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+        return [[names[id(p)] for p in g] for g in groups]
     except KeyError:  # ZeRO's flat groups: not module parameters
         return None
 
@@ -64,13 +71,20 @@ class SavedOptimizer:
     """A checkpoint's optimizer state by parameter name: full (TP-local) fp32 master and Adam
     moments of each parameter on each saved TP x PP rank."""
 
-    def __init__(self, ckpt: CheckpointFiles):
+    def __init__(self, ckpt: CheckpointFiles, *, with_moments: bool = True):
         self.ckpt = ckpt
         self.step = None
         self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
-        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t}
+        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
+        self.zero3 = None
+        self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
         files = ckpt.optimizer_files()
-        if files:
+        if ckpt.zero_stage == 3:
+            from megatron_ds.checkpoint.zero3 import Zero3State  # noqa: PLC0415
+
+            self.zero3 = Zero3State(ckpt, with_moments=with_moments)
+            self.step = self.zero3.step
+        elif files:
             for path in files:
                 self._index_zero_file(path)
         else:
@@ -91,23 +105,22 @@ class SavedOptimizer:
                 self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
 
     def _index_plain(self) -> None:
-        if self.ckpt.precision == "fp16":
-            raise ConfigError(f"{self.ckpt.path}: resharding the fp16 ZeRO-0 optimizer state is not supported; "
-                              f"resume it at its own layout or pass --no-load-optim")
-        for mp in range(self.ckpt.tp * self.ckpt.pp):
-            state = load_file(self.ckpt.mp_file(mp))
-            names = state.get("optimizer_param_names")
-            if names is None:
-                raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters (a checkpoint "
-                                  f"from before resharding existed); resume it at its own layout, or pass "
-                                  f"--no-load-optim to load the weights only")
-            opt = state["optimizer"]
-            order = [i for g in opt["param_groups"] for i in g["params"]]
-            for index, name in zip(order, [n for group in names for n in group]):
-                entry = opt["state"].get(index)
-                if entry:
-                    self.plain[name, mp] = {k: entry[k] for k in OPTIM_KEYS}
-                    self.step = float(entry["step"])
+        """fp32 / fp16 ZeRO-0: a torch optimizer's positional state (``plain_optim``)."""
+        from megatron_ds.checkpoint import plain_optim  # noqa: PLC0415
+
+        for t in range(self.ckpt.tp):
+            mps = self._mp_ranks(t)
+            states = [load_file(self.ckpt.mp_file(mp)) for mp in mps]
+            names = [state.get("optimizer_param_names") for state in states]
+            if any(n is None for n in names):  # saved before the names were recorded
+                names = plain_optim.reconstruct_names(self.ckpt, states, t)
+            shapes = plain_optim.saved_shapes(self.ckpt, t)
+            self.loss_scale = {k: states[0]["optimizer"][k] for k in plain_optim.LOSS_SCALE_KEYS
+                               if k in states[0]["optimizer"]} or None
+            for mp, state, group_names in zip(mps, states, names):
+                found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
+                self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
+                self.step = step if step is not None else self.step
 
     def _mp_ranks(self, tp_rank: int) -> list[int]:
         return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
@@ -115,6 +128,8 @@ class SavedOptimizer:
     def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
         """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
         for mp in self._mp_ranks(tp_rank):  # a tied weight lives on two stages: the copies are equal
+            if self.zero3 is not None and self.zero3.has(name, mp):
+                return self.zero3.tensors(name, mp)
             if (name, mp) in self.plain:
                 return self.plain[name, mp]
             if (name, mp) in self.pieces:
@@ -156,7 +171,7 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     weights_only = ckpt.meta.get("weights_only", False)
     load_optim = load_optim and not weights_only
     saved_opt = SavedOptimizer(ckpt) if load_optim else None
-    source = _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
+    source = layer_source(ckpt)
     prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)}
     params = dict(engine.module.named_parameters())
     by_layer = collections.defaultdict(list)
@@ -175,6 +190,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)
+        if saved_opt.loss_scale and setter.compat.set_loss_scale(engine, saved_opt.loss_scale):
+            log(f"fp16 loss scale {saved_opt.loss_scale.get('cur_scale')} carried over")
     client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
@@ -193,7 +210,7 @@ class _StateSetter:
     @torch.no_grad()
     def set(self, param: torch.nn.Parameter, shard: dict[str, torch.Tensor]) -> None:
         master = shard.get("fp32", shard["weight"])
-        param.data.copy_(master.to(param.dtype))
+        self.compat.set_weight(param, master)
         if "exp_avg" in shard:
             self.compat.set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
 

@@ -2,6 +2,7 @@
 directory: GPT2LMHeadModel for GPT-2-style models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm.
 
     python tools/checkpoint/to_hf.py --load CHECKPOINT_DIR --out HF_DIR [--iteration N] [--dtype bf16]
+        [--from-fp32-masters]
 
 Then ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTokenizer`` load it.
 """
@@ -21,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracker's)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="weight dtype (default: the training precision)")
+    p.add_argument("--from-fp32-masters", action="store_true",
+                   help="export the optimizer's fp32 master weights instead of the module's weights (bf16/fp16 "
+                        "runs: more precise, e.g. with --dtype fp32; needs the optimizer files)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="real vocabulary size, for older checkpoints that do not record it")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, if it moved since training")
@@ -39,7 +43,7 @@ def main(argv=None) -> int:
         export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
                   data_overrides=dict(vocab_file=args.vocab_file, merge_file=args.merge_file,
                                       tokenizer_model=args.tokenizer_model),
-                  max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+                  from_masters=args.from_fp32_masters, max_shard_bytes=int(args.max_shard_size_gb * 2**30))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
