@@ -211,7 +211,7 @@ def test_no_torch_compile_means_eager(monkeypatch):
     assert fusions.compile_unavailable() == "this torch has no torch.compile"
     x, bias, residual = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
     assert torch.equal(fusions.bias_dropout_add(True, x, bias, residual, None), residual + (x + bias))
-    assert fusions.describe_fusions().startswith("eager (torch.compile unavailable")
+    assert fusions.describe_fusions().endswith(" eager (torch.compile unavailable: this torch has no torch.compile)")
 
 
 def test_cpu_runs_eager_unless_forced():
