@@ -58,12 +58,13 @@ def compile_unavailable() -> str | None:
 
 
 _COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx")
-_FAILED: dict[str, str] = {}  # function name -> why its compilation failed (then eager from there on)
+_FAILED: dict[str, str] = {}  # function name -> why its compilation failed (then all eager from there on)
 
 
 class _Fusable:
-    """A small function with a lazily compiled twin. ``call(compiled, *args)`` runs the compiled
-    version when asked and available, otherwise the function itself (the same math)."""
+    """A small function with a lazily compiled twin. ``fusable(compiled, *args)`` runs the compiled
+    version when asked and available, otherwise the function itself (the same math). One failed
+    compilation turns all of them eager: a compiler broken for one is broken for the others."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -85,7 +86,7 @@ class _Fusable:
                 reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
                 _FAILED[self.name] = reason
                 print(f"WARNING: torch.compile of the fused {self.name} failed ({reason}); "
-                      f"it runs eagerly from now on", file=sys.stderr, flush=True)
+                      f"the fusions run eagerly from now on", file=sys.stderr, flush=True)
         return self.fn(*args)
 
 

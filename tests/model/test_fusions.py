@@ -187,7 +187,7 @@ def test_compile_failure_falls_back_to_eager_with_one_line(monkeypatch, capsys):
     assert torch.equal(fusable(True, x, bias), torch.nn.functional.gelu(x + bias))  # no second attempt, no line
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert lines == ["WARNING: torch.compile of the fused bias_gelu failed (InternalTorchDynamoError: inductor "
-                     "exploded); it runs eagerly from now on"]
+                     "exploded); the fusions run eagerly from now on"]
     assert "eager (torch.compile unavailable: bias_gelu: InternalTorchDynamoError: inductor exploded)" in \
         fusions.describe_fusions()
 
