@@ -22,7 +22,7 @@ masks from a different seed sequence.
 
 When the compiled functions run: on CUDA, and on the CPU only with ``--fusions-on-cpu`` (inductor
 compiles C++ for every function in every process: minutes of start-up for a small CPU run, no
-gain). Shapes are dynamic (``dynamic=True``) so KV-cache decoding and varying micro-batch shapes
+gain); elsewhere the layers take their unfused path, bit for bit as without the flags. Shapes are dynamic (``dynamic=True``) so KV-cache decoding and varying micro-batch shapes
 reuse one graph instead of recompiling per length. When ``torch.compile`` is missing or fails, the
 eager function runs instead and one line says so.
 """
@@ -149,5 +149,5 @@ def describe_fusions(model_cfg=None) -> str:
     if why is not None:
         return f"{'+'.join(names)} eager (torch.compile unavailable: {why})"
     where = "CUDA and CPU (--fusions-on-cpu)" if model_cfg is not None and model_cfg.fusions_on_cpu else \
-        "CUDA (eager on CPU unless --fusions-on-cpu)"
+        "CUDA (unfused on CPU unless --fusions-on-cpu)"
     return f"{'+'.join(names)} with torch.compile on {where}"

@@ -77,16 +77,16 @@ class ParallelAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
             init_method=init_method_normal(cfg.init_method_std), **common)
-        # With bias-dropout fusion the layer adds the bias inside the fused residual function.
+        self.bias_dropout_fusion = cfg.bias_dropout_fusion
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
-            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers),
-            skip_bias_add=cfg.bias_dropout_fusion, **common)
+            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv_cache=None):
         """``kv_cache`` (a ``megatron_ds.model.kv_cache.LayerKVCache``, inference only): ``x`` holds
         the positions after the cached ones; they are appended and attention covers all of them.
-        Returns ``(output, bias)``: the bias is not yet added when bias-dropout fusion is on, else None."""
+        Returns ``(output, bias)``: the bias is not yet added when the compiled bias-dropout fusion
+        runs (the layer adds it there), else None."""
         qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
@@ -99,8 +99,8 @@ class ParallelAttention(nn.Module):
             else:  # new positions start at the cache offset; one table for the whole generation
                 cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, q.device)
                 cos, sin = cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
-            if self.rope_fusion:
-                q, k = rope_qk(use_compiled(q, self.fusions_on_cpu), q, k, cos, sin)
+            if self.rope_fusion and use_compiled(q, self.fusions_on_cpu):
+                q, k = rope_qk(True, q, k, cos, sin)
             else:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
@@ -111,7 +111,8 @@ class ParallelAttention(nn.Module):
             context = checkpoint(self._core, q, k, v, mask)
         else:
             context = self._core(q, k, v, mask)
-        return self.dense(context)
+        # with the compiled bias-dropout-add the bias is added there (Megatron's skip_bias_add)
+        return self.dense(context, skip_bias_add=self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         s, b = q.shape[:2]
@@ -144,7 +145,7 @@ class ParallelMLP(nn.Module):
         self.swiglu = cfg.swiglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
         self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else cfg.bias_gelu_fusion and cfg.add_bias_linear
-        self.fusions_on_cpu = cfg.fusions_on_cpu
+        self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device)
@@ -153,25 +154,25 @@ class ParallelMLP(nn.Module):
         # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
-            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.swiglu else 1,
-            skip_bias_add=self.fuse_activation, **common)
+            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.swiglu else 1, **common)
         self.dense_4h_to_h = RowParallelLinear(
             ffn, cfg.hidden_size, input_is_parallel=True,
-            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers),
-            skip_bias_add=cfg.bias_dropout_fusion, **common)
+            init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
 
     def forward(self, x: torch.Tensor):
         """Returns ``(output, bias)`` as ``ParallelAttention.forward``."""
-        x, bias = self.dense_h_to_4h(x)
-        if self.fuse_activation:  # the column-parallel bias is added inside the fused function
-            compiled = use_compiled(x, self.fusions_on_cpu)
-            x = bias_swiglu(compiled, x, bias) if self.swiglu else bias_gelu(compiled, x, bias)
+        compiled = use_compiled(x, self.fusions_on_cpu)
+        fuse = self.fuse_activation and compiled
+        # fused: the column-parallel bias is added inside the compiled function (skip_bias_add)
+        x, bias = self.dense_h_to_4h(x, skip_bias_add=fuse)
+        if fuse:
+            x = bias_swiglu(True, x, bias) if self.swiglu else bias_gelu(True, x, bias)
         elif self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
         else:
             x = F.gelu(x)
-        return self.dense_4h_to_h(x)
+        return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -222,11 +223,13 @@ class ParallelTransformerLayer(nn.Module):
         return hidden if document_ids is None else (hidden, document_ids)
 
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + dropout(x + bias)``; ``bias`` is None unless bias-dropout fusion is on."""
-        if not self.bias_dropout_fusion:
+        """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.
+        Where the fusions are not compiled (the CPU by default) this is the unfused path, so the
+        numbers are bit for bit those without fusion there."""
+        if not (self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu)):
             return residual + hidden_dropout(x, self.dropout_p, self.training, self.sequence_parallel)
         p = self.dropout_p if self.training else 0.0
         mask = dropout_mask(x, p, self.sequence_parallel) if p > 0.0 else None
         if bias is None and mask is None:  # one add: nothing to fuse
             return residual + x
-        return bias_dropout_add(use_compiled(x, self.fusions_on_cpu), x, bias, residual, mask)
+        return bias_dropout_add(True, x, bias, residual, mask)
