@@ -60,6 +60,9 @@ setup(
         "wandb": ["wandb"],  # --wandb-project / --wandb-name (works offline: WANDB_MODE=offline)
         # tools/checkpoint/to_hf.py and from_hf.py (Hugging Face export / import)
         "hf": ["transformers"],
+        # liger-kernel's Triton fused linear + cross entropy (CUDA; megatron_ds/model/liger.py). Install
+        # torch for your CUDA first: pip must not replace it.
+        "gpu": ["liger-kernel>=0.5"],
         "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     ext_modules=ext_modules,

@@ -14,6 +14,11 @@ bf16 autocast with fused AdamW -- the usual HF recipe -- compiled with torch.com
     python bench/gpu_mfu.py --models gpt-1.3b --micro-batch-size 8
     python bench/gpu_mfu.py --dry-run               # what would run, and each shape's FLOPs
     python bench/gpu_mfu.py --smoke                 # tiny shapes, a few steps, any device (CPU too)
+    python bench/gpu_mfu.py --fusions both          # ours with the fused kernels off, then on: the gain
+
+``--fusions off`` runs ours with Megatron-LM's --no-bias-gelu-fusion --no-bias-swiglu-fusion
+--no-bias-dropout-fusion --no-rope-fusion and --no-liger-kernel (megatron_ds/model/fusions.py,
+liger.py); ``on`` (the default) is what a user gets.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ SHAPES = {  # layers, hidden, heads, ffn (None: 4h, GeLU), llama-style
 SMOKE_SHAPES = {"gpt-tiny": (2, 64, 4, None, False), "llama-tiny": (2, 64, 4, 176, True)}
 LLAMA_FLAGS = ("--use-rotary-position-embeddings --swiglu --normalization rmsnorm --disable-bias-linear "
                "--untie-embeddings-and-output-weights").split()
+FUSIONS_OFF = ("--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+               "--no-liger-kernel").split()
 # dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets)
 PEAKS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0}
 
@@ -53,7 +60,8 @@ def device_peak() -> tuple[str, float]:
     return name, next((peak for key, peak in PEAKS.items() if key in name), float("nan"))
 
 
-def our_argv(shape, seq: int, micro: int, iters: int, recompute: bool, precision: str) -> list[str]:
+def our_argv(shape, seq: int, micro: int, iters: int, recompute: bool, precision: str,
+             fusions: bool = True) -> list[str]:
     layers, hidden, heads, ffn, llama = shape
     argv = (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} --seq-length {seq} "
             f"--max-position-embeddings {seq} --micro-batch-size {micro} --global-batch-size {micro} "
@@ -64,7 +72,7 @@ def our_argv(shape, seq: int, micro: int, iters: int, recompute: bool, precision
         argv += LLAMA_FLAGS + ["--ffn-hidden-size", str(ffn)]
     if recompute:
         argv.append("--checkpoint-activations")
-    return argv
+    return argv + ([] if fusions else FUSIONS_OFF)
 
 
 def model_flops(argv: list[str], micro: int, vocab: int | None = None) -> float:
@@ -166,6 +174,9 @@ def parse(argv=None):
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--baseline", choices=("compile", "eager", "none"), default="compile")
+    p.add_argument("--fusions", choices=("on", "off", "both"), default="on",
+                   help="ours with the fused kernels (compiled bias-GeLU/SwiGLU/dropout-add/RoPE, liger's "
+                        "linear + cross entropy) on, off, or both one after the other")
     p.add_argument("--dry-run", action="store_true", help="print each shape's command and FLOPs; run nothing")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, seq 64, 4 steps, eager baseline unless --baseline given: a quick "
@@ -180,12 +191,13 @@ def parse(argv=None):
     return args
 
 
-def _measure(side: str, model: str, args) -> tuple[float, float]:
+def _measure(side: str, model: str, args, fusions: str = "on") -> tuple[float, float]:
     """One side of one shape in a fresh process: nothing (GPU memory, compile caches, DeepSpeed
     state) carries over from the other side or the previous shape."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--models", model, "--iters", str(args.iters),
            "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length),
-           "--baseline", args.baseline] + (["--checkpoint-activations"] if args.checkpoint_activations else [])
+           "--baseline", args.baseline, "--fusions", fusions] + (["--checkpoint-activations"]
+                                                                   if args.checkpoint_activations else [])
     # a port of our own: 29500 (the single-process default) may be taken by another job on the node
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -207,7 +219,7 @@ def _free_port() -> int:
 def _worker(args, shape, precision) -> int:
     if args.worker == "ours":
         argv = our_argv(shape, args.seq_length, args.micro_batch_size, args.iters, args.checkpoint_activations,
-                        precision)
+                        precision, fusions=args.fusions != "off")
         seconds, mem = run_ours(argv)
     else:
         seconds, mem = run_hf(shape, args.seq_length, args.micro_batch_size, args.iters,
@@ -228,7 +240,8 @@ def main(argv=None) -> int:
         return 2
     name, peak = device_peak()
     print(f"device: {name} (bf16 peak {peak} TFLOP/s) | seq {args.seq_length} | micro batch "
-          f"{args.micro_batch_size} | {args.iters} iterations | baseline: HF + {args.baseline}")
+          f"{args.micro_batch_size} | {args.iters} iterations | baseline: HF + {args.baseline} | "
+          f"fusions: {args.fusions}")
     for model in args.models:
         shape = shapes[model]
         argv = our_argv(shape, args.seq_length, args.micro_batch_size, args.iters, args.checkpoint_activations,
@@ -236,10 +249,17 @@ def main(argv=None) -> int:
         ours_flops = model_flops(argv, args.micro_batch_size)
         hf_flops = model_flops(argv, args.micro_batch_size, vocab=VOCAB)  # HF does not pad the vocabulary
         if args.dry_run:
-            print(f"{model}: {ours_flops / 1e12:.2f} TFLOP per iteration | pretrain_gpt.py {' '.join(argv)}")
+            print(f"{model}: {ours_flops / 1e12:.2f} TFLOP per iteration | pretrain_gpt.py {' '.join(argv)}"
+                  + (f" (fusions off: + {' '.join(FUSIONS_OFF)})" if args.fusions != "on" else ""))
             continue
-        sec, mem = _measure("ours", model, args)
-        row = f"{model} | ours {_rate(ours_flops, sec, peak)} | {mem:.1f} GB"
+        if args.fusions == "both":
+            off_sec, off_mem = _measure("ours", model, args, "off")
+            print(f"{model} | ours, fusions off {_rate(ours_flops, off_sec, peak)} | {off_mem:.1f} GB", flush=True)
+        fusions = "off" if args.fusions == "off" else "on"
+        sec, mem = _measure("ours", model, args, fusions)
+        row = f"{model} | ours, fusions {fusions} {_rate(ours_flops, sec, peak)} | {mem:.1f} GB"
+        if args.fusions == "both":
+            row += f" | fusion gain {off_sec / sec:.2f}x"
         if args.baseline != "none":
             hf_sec, hf_mem = _measure("hf", model, args)
             row += (f" || HF + {args.baseline} {_rate(hf_flops, hf_sec, peak)} | {hf_mem:.1f} GB"

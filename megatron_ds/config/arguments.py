@@ -25,8 +25,8 @@ from megatron_ds.config.schema import SECTIONS, Config
 # flag -> number of values it takes (0 = boolean switch)
 IGNORED_FLAGS: dict[str, int] = {
     **{f: 0 for f in (
-        "--no-masked-softmax-fusion", "--masked-softmax-fusion", "--no-bias-gelu-fusion",
-        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--masked-softmax-fusion",
+        "--no-gradient-accumulation-fusion",
         "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce",
         "--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
         "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling",

@@ -49,18 +49,33 @@ class ModelConfig:
     """Rotary base frequency."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings apply to."""
+    apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
+    """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
     normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
     """Normalization layer."""
     layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))
     """Epsilon of LayerNorm / RMSNorm."""
     swiglu: bool = False
     """SwiGLU MLP instead of GeLU."""
+    bias_gelu_fusion: bool = meta(True, flags=("--no-bias-gelu-fusion",), invert=True)
+    """Do not fuse the MLP's bias add and GeLU into one compiled kernel."""
+    bias_swiglu_fusion: bool = meta(True, flags=("--no-bias-swiglu-fusion",), invert=True)
+    """Do not fuse the MLP's bias add and SwiGLU into one compiled kernel."""
     add_bias_linear: bool = meta(True, flags=("--disable-bias-linear",), invert=True)
     """Disable biases in the linear layers (Llama style)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output projection instead of reusing the input embedding."""
     hidden_dropout: float = 0.1
     """Dropout after attention and MLP."""
+    bias_dropout_fusion: bool = meta(True, flags=("--no-bias-dropout-fusion",), invert=True)
+    """Do not fuse bias add, dropout and residual add into one compiled kernel."""
+    fusions_on_cpu: bool = False
+    """Also compile the fusions above when running on the CPU. Off by default: the fused functions
+    are compiled (torch.compile) on CUDA only, because inductor builds C++ for each of them in
+    every process, which costs a CPU run minutes of start-up for no gain; tests use this."""
+    liger_kernel: bool = meta(True, flags=("--no-liger-kernel",), invert=True)
+    """Do not use liger-kernel's fused linear + cross entropy where it applies (installed with
+    `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1)."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02

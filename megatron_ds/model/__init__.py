@@ -5,6 +5,8 @@
     GPT pieces      gpt.py         embedding, final norm, output head, gpt_loss_fn
     blocks          transformer.py attention (SDPA, GQA, rope), MLP (GeLU / SwiGLU), layer
     kernels         fused.py       optional apex norms; describe_kernels() for the start-up log
+                    fusions.py     compiled bias-GeLU / bias-SwiGLU / bias-dropout-add / RoPE
+                    liger.py       liger-kernel's fused linear + cross entropy (optional extra)
 """
 from megatron_ds.model.fused import describe_kernels
 from megatron_ds.model.gpt import document_ids, gpt_loss_fn

@@ -4,8 +4,10 @@ Apex is the classic source of build failures on clusters, so it is never require
 normalization extension imports, the norms use it; otherwise torch's own LayerNorm/RMSNorm (fused
 CUDA kernels in recent torch anyway). Attention always goes through
 ``torch.nn.functional.scaled_dot_product_attention``, which picks flash / memory-efficient kernels
-on GPU and the math kernel on CPU by itself. ``describe_kernels()`` says what is active so start-up
-can log it.
+on GPU and the math kernel on CPU by itself. Bias-GeLU, bias-SwiGLU, bias-dropout-add and RoPE
+are compiled with ``torch.compile`` (``fusions.py``), and liger-kernel's fused linear + cross entropy
+replaces the output layer and loss where it applies (``liger.py``). ``describe_kernels()`` says what
+is active so start-up can log it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from megatron_ds.model.fusions import describe_fusions
+from megatron_ds.model.liger import describe_liger
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,14 +56,17 @@ def sdpa_supports_gqa() -> bool:
     return True
 
 
-def describe_kernels() -> dict:
-    """Which implementation each fused piece uses in this process (for the start-up log)."""
+def describe_kernels(model_cfg=None, tp: int = 1) -> dict:
+    """Which implementation each fused piece uses in this process (for the start-up log); given the
+    (resolved) model config and tensor parallel size, for that model."""
     apex = apex_norm_classes() is not None
     return {
         "layernorm": "apex FusedLayerNorm" if apex else "torch.nn.LayerNorm",
         "rmsnorm": "apex FusedRMSNorm" if apex else "torch.nn.RMSNorm",
         "attention": "torch scaled_dot_product_attention (flash/efficient kernels on GPU, math on CPU)",
         "grouped_query_attention": "native (enable_gqa)" if sdpa_supports_gqa() else "repeat_interleave",
+        "elementwise fusions": describe_fusions(model_cfg),
+        "output layer + loss": describe_liger(model_cfg, tp),
         "cross_entropy": "chunked over tokens for bf16/fp16 logits (no fp32 [tokens, vocab] copy), "
                          "vocab-parallel",
     }

@@ -12,12 +12,17 @@ the vocab-parallel cross entropy, so the full [b, s, V] tensor never exists.
 Vocabulary padding (``--make-vocab-size-divisible-by`` x TP rows) changes nothing: given the real
 ``vocab_size``, the output layers set the padding columns' logits to -inf, so no softmax, loss or
 sampling ever sees them, and the model computes the same function at any TP size.
+
+With liger-kernel installed, on CUDA at TP 1 while training, the output layers hand
+``HiddenForLoss(hidden, weight, vocab_size)`` to the loss instead of logits and the loss fuses
+the projection (``model/liger.py``; ``fused_loss=False`` or ``--no-liger-kernel`` turns it off).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.transformer import hidden_dropout, split_hidden_and_documents
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
@@ -62,9 +67,9 @@ class GPTEmbedding(nn.Module):
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, fused_loss: bool = False):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.fused_loss = vocab_size, fused_loss
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = dropout
@@ -98,7 +103,10 @@ class GPTEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output layer tied to the word embeddings: ``[s, b, h]`` -> ``[b, s, V/tp]``."""
-        out, _ = self._output_projection(hidden, weight=self.word_embeddings.weight)
+        weight = self.word_embeddings.weight
+        if use_fused_linear_loss(self.fused_loss, self.training, hidden, weight, self.tp_group):
+            return HiddenForLoss(hidden, weight, self.vocab_size)
+        out, _ = self._output_projection(hidden, weight=weight)
         return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
 
 
@@ -113,9 +121,9 @@ class GPTOutputHead(nn.Module):
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, fused_loss: bool = False):
         super().__init__()
-        self.tp_group, self.vocab_size = tp_group, vocab_size
+        self.tp_group, self.vocab_size, self.fused_loss = tp_group, vocab_size, fused_loss
         self.output_layer = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
@@ -123,6 +131,8 @@ class GPTOutputHead(nn.Module):
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _ = split_hidden_and_documents(inputs)
+        if use_fused_linear_loss(self.fused_loss, self.training, hidden, self.output_layer.weight, self.tp_group):
+            return HiddenForLoss(hidden, self.output_layer.weight, self.vocab_size)
         out, _ = self.output_layer(hidden)
         return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
 
@@ -148,6 +158,8 @@ def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_s
     ``vocab_size``: the real vocabulary (padding columns excluded; None: no padding).
     """
     labels, loss_mask = labels_and_mask
+    if isinstance(output, HiddenForLoss):  # liger's fused projection + loss (model/liger.py)
+        return fused_linear_loss(output, labels, loss_mask)
     if output.dtype in (torch.bfloat16, torch.float16):
         # fp32 math a chunk of tokens at a time: no fp32 copy of the [tokens, vocab/tp] logits
         losses = chunked_vocab_parallel_cross_entropy(output, labels, tp_group, real_vocab_size=vocab_size)

@@ -89,6 +89,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout, **common)
+    fused_loss = m.liger_kernel  # liger's fused linear + cross entropy where it applies (model/liger.py)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     eod = eod_token if reset_attention_mask else None
     if vocab_size is not None and not 0 < vocab_size <= padded_vocab_size:
@@ -99,7 +100,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     if tied:
         specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, GPTEmbedding, m.hidden_size, padded_vocab_size,
                                    max_position_embeddings=positions, eod_token=eod,
-                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, **embedding))
+                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, fused_loss=fused_loss,
+                                   **embedding))
     else:
         specs.append(LayerSpec(GPTEmbedding, m.hidden_size, padded_vocab_size, max_position_embeddings=positions,
                                eod_token=eod, **embedding))
@@ -113,10 +115,11 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         # position table (its weights come from the first stage's broadcast anyway).
         specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, GPTEmbedding, m.hidden_size, padded_vocab_size,
                                    max_position_embeddings=None, forward_fn=tied_output_logits,
-                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, **embedding))
+                                   tied_weight_attr=_TIED_WEIGHT_ATTR, vocab_size=vocab_size, fused_loss=fused_loss,
+                                   **embedding))
     else:
         specs.append(LayerSpec(GPTOutputHead, m.hidden_size, padded_vocab_size, init_method_std=m.init_method_std,
-                               vocab_size=vocab_size, **common))
+                               vocab_size=vocab_size, fused_loss=fused_loss, **common))
     return specs
 
 

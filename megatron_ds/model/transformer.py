@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fused import sdpa_supports_gqa
+from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, dropout_mask, rope_qk, use_compiled
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
@@ -69,19 +70,23 @@ class ParallelAttention(nn.Module):
         self.rope_dim = (rotary_dim(d, cfg.rotary_percent)
                          if cfg.position_embedding_type == "rope" else None)
         self.rope_theta = cfg.rope_theta
+        self.rope_fusion, self.fusions_on_cpu = cfg.apply_rope_fusion, cfg.fusions_on_cpu
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device)
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
             init_method=init_method_normal(cfg.init_method_std), **common)
+        self.bias_dropout_fusion = cfg.bias_dropout_fusion
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv_cache=None):
         """``kv_cache`` (a ``megatron_ds.model.kv_cache.LayerKVCache``, inference only): ``x`` holds
-        the positions after the cached ones; they are appended and attention covers all of them."""
+        the positions after the cached ones; they are appended and attention covers all of them.
+        Returns ``(output, bias)``: the bias is not yet added when the compiled bias-dropout fusion
+        runs (the layer adds it there), else None."""
         qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
@@ -94,7 +99,10 @@ class ParallelAttention(nn.Module):
             else:  # new positions start at the cache offset; one table for the whole generation
                 cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, q.device)
                 cos, sin = cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if self.rope_fusion and use_compiled(q, self.fusions_on_cpu):
+                q, k = rope_qk(True, q, k, cos, sin)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.store(k, v)
         if self.recompute_core and self.training:
@@ -103,8 +111,8 @@ class ParallelAttention(nn.Module):
             context = checkpoint(self._core, q, k, v, mask)
         else:
             context = self._core(q, k, v, mask)
-        out, _ = self.dense(context)
-        return out
+        # with the compiled bias-dropout-add the bias is added there (Megatron's skip_bias_add)
+        return self.dense(context, skip_bias_add=self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         s, b = q.shape[:2]
@@ -135,6 +143,9 @@ class ParallelMLP(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.swiglu = cfg.swiglu
+        # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
+        self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else cfg.bias_gelu_fusion and cfg.add_bias_linear
+        self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device)
@@ -148,15 +159,20 @@ class ParallelMLP(nn.Module):
             ffn, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, _ = self.dense_h_to_4h(x)
-        if self.swiglu:
+    def forward(self, x: torch.Tensor):
+        """Returns ``(output, bias)`` as ``ParallelAttention.forward``."""
+        compiled = use_compiled(x, self.fusions_on_cpu)
+        fuse = self.fuse_activation and compiled
+        # fused: the column-parallel bias is added inside the compiled function (skip_bias_add)
+        x, bias = self.dense_h_to_4h(x, skip_bias_add=fuse)
+        if fuse:
+            x = bias_swiglu(True, x, bias) if self.swiglu else bias_gelu(True, x, bias)
+        elif self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
         else:
             x = F.gelu(x)
-        out, _ = self.dense_4h_to_h(x)
-        return out
+        return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -187,6 +203,7 @@ class ParallelTransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.dropout_p = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
+        self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         norm = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
         parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
                         device=device)
@@ -201,7 +218,18 @@ class ParallelTransformerLayer(nn.Module):
         mask = None if document_ids is None else document_causal_mask(document_ids)
         if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too
             mask, kv_cache = kv_cache.mask, kv_cache.layer(self.layer_number)
-        drop = dict(p=self.dropout_p, training=self.training, sequence_parallel=self.sequence_parallel)
-        hidden = hidden + hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask, kv_cache), **drop)
-        hidden = hidden + hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)), **drop)
+        hidden = self._residual(*self.self_attention(self.input_layernorm(hidden), mask, kv_cache), hidden)
+        hidden = self._residual(*self.mlp(self.post_attention_layernorm(hidden)), hidden)
         return hidden if document_ids is None else (hidden, document_ids)
+
+    def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.
+        Where the fusions are not compiled (the CPU by default) this is the unfused path, so the
+        numbers are bit for bit those without fusion there."""
+        if not (self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu)):
+            return residual + hidden_dropout(x, self.dropout_p, self.training, self.sequence_parallel)
+        p = self.dropout_p if self.training else 0.0
+        mask = dropout_mask(x, p, self.sequence_parallel) if p > 0.0 else None
+        if bias is None and mask is None:  # one add: nothing to fuse
+            return residual + x
+        return bias_dropout_add(True, x, bias, residual, mask)

@@ -148,7 +148,10 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None):
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, skip_bias_add: bool | None = None):
+        """``skip_bias_add`` overrides the layer's setting for this call (a caller that fuses the
+        bias only on some devices)."""
+        skip_bias_add = self.skip_bias_add if skip_bias_add is None else skip_bias_add
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True: "
@@ -158,14 +161,14 @@ class ColumnParallelLinear(torch.nn.Module):
             raise ValueError(f"ColumnParallelLinear: weight passed to forward has shape {tuple(weight.shape)}, "
                              f"expected {(self.output_size_per_partition, self.input_size)}")
 
-        bias = None if self.skip_bias_add else self.bias
+        bias = None if skip_bias_add else self.bias
         if self.sequence_parallel and tp_world_size(self.tp_group) > 1:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)
         else:
             output = F.linear(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.tp_group)
-        return output, (self.bias if self.skip_bias_add else None)
+        return output, (self.bias if skip_bias_add else None)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -202,7 +205,8 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor):
+    def forward(self, input_: torch.Tensor, skip_bias_add: bool | None = None):
+        """``skip_bias_add``: as ColumnParallelLinear.forward."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_parallel_region(input_, self.tp_group)
         partial = F.linear(input_, self.weight)
@@ -210,7 +214,7 @@ class RowParallelLinear(torch.nn.Module):
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
             output = reduce_from_tensor_parallel_region(partial, self.tp_group)
-        if self.skip_bias_add:
+        if self.skip_bias_add if skip_bias_add is None else skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None
 

@@ -132,10 +132,10 @@ def build_engine(cfg: Config, layout: Layout, ps: ParallelState, device: torch.d
     return Runtime(engine=engine, optimizer_desc=desc, scheduler=scheduler, ps=ps, device=device)
 
 
-def describe_kernels(optimizer_desc: str) -> str:
+def describe_kernels(optimizer_desc: str, model_cfg=None, tp: int = 1) -> str:
     try:
         from megatron_ds.model.fused import describe_kernels as model_kernels  # noqa: PLC0415
-        kernels = model_kernels()
+        kernels = model_kernels(model_cfg, tp)
     except ImportError:
         kernels = {}
     parts = [f"{k}: {v}" for k, v in kernels.items()] + [f"optimizer: {optimizer_desc}"]
@@ -144,7 +144,7 @@ def describe_kernels(optimizer_desc: str) -> str:
 
 def log_startup(cfg: Config, layout: Layout, rt: Runtime, ignored: list[str]) -> None:
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    print_rank0(f"> kernels: {describe_kernels(rt.optimizer_desc)}")
+    print_rank0(f"> kernels: {describe_kernels(rt.optimizer_desc, layout.model, layout.tp)}")
     if ignored:
         print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(sorted(set(ignored)))}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):

@@ -331,7 +331,8 @@ def test_configuration_errors_are_one_line_messages():
 
 def test_describe_kernels_names_every_piece():
     kernels = describe_kernels()
-    assert set(kernels) == {"layernorm", "rmsnorm", "attention", "grouped_query_attention", "cross_entropy"}
+    assert set(kernels) == {"layernorm", "rmsnorm", "attention", "grouped_query_attention", "elementwise fusions",
+                            "output layer + loss", "cross_entropy"}
     assert all(isinstance(v, str) and v for v in kernels.values())
 
 

@@ -1,0 +1,153 @@
+"""Fused elementwise work of the transformer layer, compiled with ``torch.compile``.
+
+Megatron-LM fuses the same pieces the same way: ``megatron/core/jit.py`` sets ``jit_fuser =
+torch.compile`` on torch >= 2.2 and decorates ``bias_gelu`` (fusions/fused_bias_gelu.py),
+``bias_swiglu`` (fused_bias_swiglu.py) and ``bias_dropout_add`` (fused_bias_dropout.py), switched
+off by ``--no-bias-gelu-fusion``, ``--no-bias-swiglu-fusion``, ``--no-bias-dropout-fusion`` and
+``--no-rope-fusion`` (dest ``apply_rope_fusion``). A GPU profile of this model showed copies and
+unfused elementwise kernels (bias adds, residual adds, RoPE's ``cat`` and products, SwiGLU's
+product) at 27% / 41% of kernel time for GPT-2 / Llama style; each function below becomes one kernel
+forward and one backward.
+
+The math is the unfused path's, operation for operation (exact GeLU with ``erf``, not Megatron's
+tanh approximation), so the eager version of each function computes the same numbers as the layer
+without fusion, and the compiled one does too up to how inductor rounds in half precision.
+
+Dropout: the mask is drawn outside the compiled function exactly as eager ``F.dropout`` draws it
+on the CPU (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``) from whichever generator is current,
+so the streams keep their meaning (the default generator for replicated activations: the same
+mask on every tensor parallel rank; the tensor parallel stream under sequence parallelism), and
+activation recompute replays them as before. Inductor's own in-kernel RNG would draw different
+masks from a different seed sequence.
+
+When the compiled functions run: on CUDA, and on the CPU only with ``--fusions-on-cpu`` (inductor
+compiles C++ for every function in every process: minutes of start-up for a small CPU run, no
+gain); elsewhere the layers take their unfused path, bit for bit as without the flags. Shapes are dynamic (``dynamic=True``) so KV-cache decoding and varying micro-batch shapes
+reuse one graph instead of recompiling per length. When ``torch.compile`` is missing or fails, the
+eager function runs instead and one line says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.model.rotary import apply_rotary
+from megatron_ds.parallel.random import get_rng_tracker
+
+MIN_TORCH_FOR_COMPILE = (2, 2)
+"""Megatron-LM's threshold too (megatron/core/jit.py: torch.compile from 2.2; nvFuser before)."""
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def compile_unavailable() -> str | None:
+    """Why ``torch.compile`` cannot be used in this process, or None when it can."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if _torch_version() < MIN_TORCH_FOR_COMPILE:
+        return f"torch {torch.__version__} < 2.2"
+    if _FAILED:
+        return "; ".join(f"{name}: {reason}" for name, reason in _FAILED.items())
+    return None
+
+
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx")
+_FAILED: dict[str, str] = {}  # function name -> why its compilation failed (then all eager from there on)
+
+
+class _Fusable:
+    """A small function with a lazily compiled twin. ``fusable(compiled, *args)`` runs the compiled
+    version when asked and available, otherwise the function itself (the same math). One failed
+    compilation turns all of them eager: a compiler broken for one is broken for the others."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = fn.__name__.lstrip("_")
+        self._compiled = None
+
+    def __call__(self, compiled: bool, *args):
+        if compiled and compile_unavailable() is None:
+            if self._compiled is None:
+                self._compiled = torch.compile(self.fn, dynamic=True)
+            try:
+                return self._compiled(*args)
+            except Exception as exc:
+                # Only the compiler's own failures; anything else (a real error, an out-of-memory,
+                # activation recompute's early-stop signal) goes on up.
+                if not type(exc).__module__.startswith(_COMPILER_MODULES):
+                    raise
+                text = str(exc).strip()
+                reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+                _FAILED[self.name] = reason
+                print(f"WARNING: torch.compile of the fused {self.name} failed ({reason}); "
+                      f"the fusions run eagerly from now on", file=sys.stderr, flush=True)
+        return self.fn(*args)
+
+
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias)
+
+
+def _bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        x = x + bias
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        x = x + bias
+    if mask is not None:
+        x = x * mask
+    return residual + x
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # one graph for both: one compile, and q and k share the cos/sin reads
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+bias_gelu = _Fusable(_bias_gelu)
+bias_swiglu = _Fusable(_bias_swiglu)
+bias_dropout_add = _Fusable(_bias_dropout_add)
+rope_qk = _Fusable(_rope_qk)
+
+
+def dropout_mask(x: torch.Tensor, p: float, sequence_parallel: bool) -> torch.Tensor:
+    """The scaled keep-mask eager ``F.dropout(x, p, True)`` multiplies by on the CPU, drawn from
+    the same generator ``megatron_ds.model.transformer.hidden_dropout`` would use."""
+    fork = get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
+    with fork:
+        return torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+
+
+def use_compiled(x: torch.Tensor, on_cpu: bool) -> bool:
+    """Whether the compiled functions should run for a tensor on ``x``'s device."""
+    return x.device.type == "cuda" or on_cpu
+
+
+def describe_fusions(model_cfg=None) -> str:
+    """For the start-up line: which fusions this model uses and how they run in this process."""
+    names = ["bias_gelu", "bias_swiglu", "bias_dropout_add", "rope"]
+    if model_cfg is not None:
+        m = model_cfg
+        wanted = {"bias_gelu": m.bias_gelu_fusion and not m.swiglu and m.add_bias_linear,
+                  "bias_swiglu": m.bias_swiglu_fusion and m.swiglu, "bias_dropout_add": m.bias_dropout_fusion,
+                  "rope": m.apply_rope_fusion and m.position_embedding_type == "rope"}
+        names = [name for name in names if wanted[name]]
+        if not names:
+            return "off"
+    why = compile_unavailable()
+    if why is not None:
+        return f"{'+'.join(names)} eager (torch.compile unavailable: {why})"
+    where = "CUDA and CPU (--fusions-on-cpu)" if model_cfg is not None and model_cfg.fusions_on_cpu else \
+        "CUDA (unfused on CPU unless --fusions-on-cpu)"
+    return f"{'+'.join(names)} with torch.compile on {where}"

@@ -1,0 +1,155 @@
+"""The fused fast paths on CUDA against their unfused references, outputs and gradients: each
+compiled function (bias-GeLU, bias-SwiGLU, bias-dropout-add, RoPE), a whole model with and without
+them, liger-kernel's fused linear + cross entropy where installed, and the real CLI's start-up line
+and losses with the fusions on and off."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.model import fusions, liger
+from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin
+from tests.gpu.helpers import RUN_TO_RUN, SHAPE, run_cli
+from tests.model.test_fusions import FLAGS, model_config
+
+pytestmark = pytest.mark.gpu
+
+# Tolerances. fp32: inductor's exp/erf/tanh are not ATen's and it may contract a*b+c into an FMA:
+# a few ulps of O(1) values, 1e-5 is far above that and far below a wrong bias, mask or rotation
+# (O(0.1)). bf16: eager rounds every intermediate to bf16 (2^-8 = 3.9e-3 relative) while the
+# compiled kernel keeps intermediates in fp32 and rounds once at the store, so they differ by up to
+# the ~3 roundings of the eager chain (GeLU: add, erf, products) of O(1) values: 2e-2.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(*shapes, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(s, device="cuda", generator=gen).to(dtype).requires_grad_(True) for s in shapes]
+
+
+def _compare(fusable, reference, args, dtype):
+    """Compiled ``fusable`` vs ``reference`` (the unfused torch ops) on the same inputs: outputs and
+    the gradients of every tensor input, for a random upstream gradient."""
+    twins = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+             for a in args]
+    got = fusable(True, *args)
+    want = reference(*twins)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    upstream = [torch.randn_like(w) for w in want]
+    torch.autograd.backward(got, upstream)
+    torch.autograd.backward(want, upstream)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+    for a, t in zip(args, twins):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            torch.testing.assert_close(a.grad, t.grad, **TOL[dtype])
+    assert fusions.compile_unavailable() is None and fusable._compiled is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_gelu(dtype):
+    x, bias = _inputs((64, 2, 256), (256,), dtype=dtype)
+    _compare(fusions.bias_gelu, lambda x, b: F.gelu(x + b), (x, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_swiglu(dtype, with_bias):
+    x, bias = _inputs((64, 2, 512), (512,), dtype=dtype)
+    bias = bias if with_bias else None
+
+    def reference(x, b):
+        gate, up = (x if b is None else x + b).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    _compare(fusions.bias_swiglu, reference, (x, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_dropout_add(dtype):
+    """With the mask the fused path draws; the reference is residual + F.dropout(x + bias) with the
+    same mask applied by hand (CUDA's F.dropout draws with its own kernel)."""
+    x, bias, residual = _inputs((64, 2, 256), (256,), (64, 2, 256), dtype=dtype)
+    mask = fusions.dropout_mask(x.detach(), 0.1, False)
+    assert mask.dtype == dtype and ((mask == 0) | ((mask.float() - 1 / 0.9).abs() < 1e-2)).all()
+    _compare(fusions.bias_dropout_add, lambda x, b, r, m: r + (x + b) * m, (x, bias, residual, mask), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # whole head, and --rotary-percent 0.5
+def test_rope(dtype, rotary_dim):
+    q, k = _inputs((128, 2, 8, 64), (128, 2, 2, 64), dtype=dtype)
+    cos, sin = rotary_cos_sin(128, rotary_dim, 10000.0, q.device)
+    _compare(fusions.rope_qk, lambda q, k, c, s: (apply_rotary(q, c, s), apply_rotary(k, c, s)),
+             (q, k, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_model_step_with_and_without_fusions(name):
+    """One bf16 training step of the tiny test model on the GPU: loss and gradients with the
+    compiled fusions against the model without (dropout 0: CUDA's F.dropout and our mask draw
+    differently). bf16 through two layers and the loss: 2e-2 as for the functions above."""
+    kw = dict(padded_vocab_size=128, vocab_size=120, seed=7, params_dtype=torch.bfloat16, device="cuda")
+    results = []
+    for fused in (False, True):
+        cfg = dataclasses.replace(model_config(name, fused), hidden_dropout=0.0, fusions_on_cpu=False, liger_kernel=False)
+        model = build_sequential_gpt(cfg, **kw)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 120, (2, 12), generator=gen).cuda()
+        labels = torch.randint(0, 120, (2, 12), generator=gen).cuda()
+        loss = model.loss_fn(model((tokens, torch.arange(12, device="cuda").expand_as(tokens))),
+                             (labels, torch.ones(2, 12, device="cuda")))
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-2, atol=2e-2)
+    for n, g in results[1][1].items():
+        torch.testing.assert_close(g, results[0][1][n], rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.skipif(liger.liger_fused_linear_cross_entropy()[0] is None,
+                    reason="liger-kernel not usable here (pip install megatron_ds[gpu])")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_liger_fused_linear_cross_entropy_matches_the_vocab_parallel_loss(name):
+    """bf16 model at TP 1: liger's fused projection + loss against the logits + chunked vocab-parallel
+    cross entropy, loss and gradients. Both reduce in fp32 from bf16 logits/products: the loss
+    agrees to ~1e-3 relative; gradients are rounded to bf16 once on each side (2 roundings of
+    2^-8 relative): 2e-2. Padded rows (120..127) of the output weight get exactly zero gradient."""
+    kw = dict(padded_vocab_size=128, vocab_size=120, seed=7, params_dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 120, (2, 64), generator=gen).cuda()
+    labels = torch.randint(0, 120, (2, 64), generator=gen).cuda()
+    loss_mask = (torch.rand(2, 64, generator=gen) > 0.2).float().cuda()
+    results = []
+    for use_liger in (False, True):
+        cfg = dataclasses.replace(model_config(name, True), hidden_dropout=0.0, fusions_on_cpu=False,
+                                  seq_length=64, max_position_embeddings=64, liger_kernel=use_liger)
+        model = build_sequential_gpt(cfg, **kw)
+        out = model((tokens, torch.arange(64, device="cuda").expand_as(tokens)))
+        assert isinstance(out, liger.HiddenForLoss) == use_liger
+        loss = model.loss_fn(out, (labels, loss_mask))
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-3, atol=1e-3)
+    for n, g in results[1][1].items():
+        torch.testing.assert_close(g, results[0][1][n], rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}: {m}")
+        if "word_embeddings" in n or "output_layer" in n:
+            assert torch.count_nonzero(g[120:]) == 0, n
+
+
+def test_cli_logs_the_fusions_and_trains_alike_with_them_off():
+    """The real CLI on one GPU, Llama options, bf16: the start-up line names the compiled fusions,
+    and the losses with Megatron-LM's --no-*-fusion flags follow the fused run's (RUN_TO_RUN: bf16
+    and GPU kernels are not bitwise reproducible between two processes, let alone two kernels)."""
+    argv = SHAPE + ["--mock-data", "--vocab-size", "1024", "--bf16", "--train-iters", "8", "--swiglu",
+                    "--use-rotary-position-embeddings", "--normalization", "rmsnorm"]
+    fused = run_cli(argv)
+    plain = run_cli(argv + list(FLAGS) + ["--no-liger-kernel"])
+    assert "elementwise fusions: bias_swiglu+bias_dropout_add+rope with torch.compile on CUDA" in fused["stdout"]
+    assert "elementwise fusions: off" in plain["stdout"]
+    assert len(fused["losses"]) == len(plain["losses"]) == 8
+    torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(plain["losses"]), **RUN_TO_RUN)
