@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.checkpoint.common import layout_flags
-from tests.checkpoint.test_reshard import FP32, _weights
+from tests.checkpoint.test_reshard import FP32, _optimizer_state, _weights
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
 
@@ -52,22 +52,6 @@ def chain(tmp_path_factory):
     _point_tracker(b, 5)
     resumed_c = _run((1, 1, 2), [*ZERO3, "--load", b, "--save", c])
     return dict(a=a, b=b, c=c, straight=straight, resumed_b=resumed_b, resumed_c=resumed_c)
-
-
-def _optimizer_state(path, iteration):
-    """{name: {"fp32", "exp_avg", "exp_avg_sq"}} full tensors (real vocabulary rows), and Adam's step."""
-    from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source
-    from megatron_ds.checkpoint.files import open_checkpoint
-    from megatron_ds.checkpoint.reshard import SavedOptimizer, _full_tensors
-
-    ckpt = open_checkpoint(path, iteration)
-    saved = SavedOptimizer(ckpt)
-    out = {}
-    for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size):
-        for name, t in _full_tensors(ckpt, layer_source(ckpt), saved, idx, prefix).items():
-            out[name] = {k: v[:500] if v.ndim == 2 and v.shape[0] in (500, 504) else v
-                         for k, v in t.items() if k != "weight"}
-    return out, saved.step
 
 
 def _same_weights(want, got):
