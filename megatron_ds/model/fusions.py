@@ -57,25 +57,32 @@ def compile_unavailable() -> str | None:
     return None
 
 
-_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx")
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "triton")
 _FAILED: dict[str, str] = {}  # function name -> why its compilation failed (then all eager from there on)
 
 
 class _Fusable:
     """A small function with a lazily compiled twin. ``fusable(compiled, *args)`` runs the compiled
     version when asked and available, otherwise the function itself (the same math). One failed
-    compilation turns all of them eager: a compiler broken for one is broken for the others."""
+    compilation turns all of them eager: a compiler broken for one is broken for the others.
+
+    Inductor compiles a graph's backward lazily, at the first backward, where a failure could no
+    longer fall back: so the first compiled call of each kind of input (device, dtypes, which need
+    gradients) first runs forward and backward once on detached copies, and only a twin that got
+    through both is used."""
 
     def __init__(self, fn):
         self.fn = fn
         self.name = fn.__name__.lstrip("_")
         self._compiled = None
+        self._proven: set[tuple] = set()
 
     def __call__(self, compiled: bool, *args):
         if compiled and compile_unavailable() is None:
             if self._compiled is None:
                 self._compiled = torch.compile(self.fn, dynamic=True)
             try:
+                self._prove(args)
                 return self._compiled(*args)
             except Exception as exc:
                 # Only the compiler's own failures; anything else (a real error, an out-of-memory,
@@ -88,6 +95,25 @@ class _Fusable:
                 print(f"WARNING: torch.compile of the fused {self.name} failed ({reason}); "
                       f"the fusions run eagerly from now on", file=sys.stderr, flush=True)
         return self.fn(*args)
+
+    def _prove(self, args) -> None:
+        """Forward and backward of the compiled twin on copies of ``args`` (once per kind)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        backward = torch.is_grad_enabled() and any(a.requires_grad for a in tensors)
+        key = (backward, *((a.device.type, a.dtype, a.requires_grad) for a in tensors))
+        if key in self._proven:
+            return
+        if backward:  # without one the real call is the probe (its failure is caught)
+            copies = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                      for a in args]
+            # identity saved-tensor hooks: the innermost pair wins, so activation checkpointing's
+            # hooks (which would count the probe's tensors as the layer's) never see the probe
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = self._compiled(*copies)
+                outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+                torch.autograd.grad(outs, [c for c in copies if isinstance(c, torch.Tensor) and c.requires_grad],
+                                    [torch.ones_like(o) for o in outs], allow_unused=True)
+        self._proven.add(key)
 
 
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,51 @@ def test_compile_failure_falls_back_to_eager_with_one_line(monkeypatch, capsys):
         fusions.describe_fusions()
 
 
+def test_a_compile_failure_in_backward_falls_back_before_the_real_call(monkeypatch, capsys):
+    """Inductor compiles a backward at its first use, too late to fall back: the first call of a
+    kind proves forward and backward on copies, so the failure is met while eager can take over."""
+    class FakeInductorError(RuntimeError):
+        pass
+    FakeInductorError.__module__ = "torch._inductor.exc"  # how the fallback recognises the compiler's errors
+
+    class BrokenBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise FakeInductorError("backward codegen failed")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: (lambda *args: BrokenBackward.apply(fn(*args))))
+    monkeypatch.setattr(fusions, "_FAILED", {})
+    fusable = fusions._Fusable(fusions._bias_gelu)
+    x, bias = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    fusable(True, x, bias).square().sum().backward()  # would raise if the broken twin had been used
+    x_ref, bias_ref = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    torch.nn.functional.gelu(x_ref + bias_ref).square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(bias.grad, bias_ref.grad)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert lines == ["WARNING: torch.compile of the fused bias_gelu failed (FakeInductorError: backward codegen "
+                     "failed); the fusions run eagerly from now on"]
+
+
+def test_the_backward_probe_is_invisible_to_activation_checkpointing():
+    """The first compiled call inside a checkpointed function: the probe's own autograd graph must
+    not be packed by the checkpoint's saved-tensor hooks (its recompute would disagree), and the
+    gradients are those of the function without checkpointing."""
+    from megatron_ds.parallel.random import checkpoint
+    fusable = fusions._Fusable(fusions._bias_gelu)
+    x, bias = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    checkpoint(lambda a, b: fusable(True, a, b) * 2, x, bias).square().sum().backward()
+    x_ref, bias_ref = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    (fusions._bias_gelu(x_ref, bias_ref) * 2).square().sum().backward()
+    assert fusions.compile_unavailable() is None and fusable._proven
+    # inductor's C++ GeLU (erf) on the CPU in fp32 differs from ATen's by a few ulp
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias.grad, bias_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_errors_that_are_not_the_compilers_go_on_up(monkeypatch):
     """A real error inside the function (or recompute's early-stop signal) is not a compile failure."""
     def compile_that_works(fn, **kwargs):
