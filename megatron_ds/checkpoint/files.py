@@ -105,6 +105,9 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFi
     sig = meta["signature"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}))
+    # --fusions-on-cpu was where the saving run compiled its kernels, not a property of the model:
+    # a CPU tool reading this checkpoint should not spend minutes compiling them for no gain
+    model = dataclasses.replace(model, fusions_on_cpu=False)
     return CheckpointFiles(
         path=path, iteration=iteration, meta=meta, model=model, padded_vocab_size=sig["padded_vocab_size"],
         vocab_size=meta.get("vocab_size"), tp=sig["tensor_model_parallel_size"],

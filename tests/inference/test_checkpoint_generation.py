@@ -76,6 +76,20 @@ def test_checkpoints_of_any_layout_generate_the_same_tokens(checkpoints, tmp_pat
         assert r["generated"].split() == [str(t) for t in tokens]
 
 
+def test_a_checkpoint_saved_with_fusions_on_cpu_is_read_without(checkpoints, tmp_path):
+    """--fusions-on-cpu is the saving run's kernel choice: the tools that read the checkpoint on a
+    CPU take the unfused path (no minutes of compiling) unless they ask otherwise."""
+    import shutil
+
+    from megatron_ds.checkpoint.files import META, open_checkpoint
+    load = shutil.copytree(checkpoints[1, 1], tmp_path / "ckpt")
+    meta_path = next(load.glob(f"*/{META}"))
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["model"]["fusions_on_cpu"] = True
+    meta_path.write_text(json.dumps(meta))
+    assert open_checkpoint(str(load)).model.fusions_on_cpu is False
+
+
 def test_evaluate_cli_on_a_pipeline_checkpoint(checkpoints, tmp_path):
     from evaluate import main
 
