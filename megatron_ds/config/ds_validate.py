@@ -24,6 +24,14 @@ _NOT_IMPLEMENTED = (
      "data_efficiency.data_routing (random-LTD) is not supported; remove the block"),
     (lambda ds: "compression_training" in ds,
      "compression_training is not supported; remove the block"),
+    # deepspeed/runtime/checkpoint_engine/utils.py (0.19) picks its Fast/Decoupled engines for
+    # "checkpoint": {"writer": ...}; they read the DeepSpeed launcher's CROSS_SIZE (a KeyError under
+    # mpirun), the decoupled one writes after save_checkpoint returns (the manifest would checksum
+    # half-written files), and with bf16 it cannot send the optimizer's non-leaf tensors to its writer
+    (lambda ds: (ds.get("checkpoint") or {}).get("writer") is not None,
+     "checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported: they need "
+     "DeepSpeed's own launcher and finish writing after the save returns, before megatron_ds checks the "
+     "files; remove the \"writer\" block"),
     # deepspeed/runtime/engine.py refuses ZeRO-Offload with a client optimizer (megatron_ds passes its
     # own AdamW) unless told otherwise -- at start-up, after the queue, so it is checked here
     (lambda ds: (((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
