@@ -127,15 +127,40 @@ def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recom
     """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
 
     Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
-    16-bit activations: s*b*h*(34 + 5*a*s/h) bytes per layer, with tensor parallelism
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)); sequence parallelism also splits the 10; selective recompute
-    drops the 5*a*s/h attention-score terms. fp32 activations double everything.
+    count s*b*h*(34 + 5*a*s/h) bytes for a GPT layer in 16 bits (with tensor parallelism the 24 of
+    the 34 kept inside the tensor parallel region divide by t; sequence parallelism divides the
+    other 10 too). The 5*a*s/h are the [s, s] attention scores, softmax and dropout mask, which the
+    fused attention kernels this model runs on a GPU (flash / memory-efficient
+    scaled_dot_product_attention) never store: they keep q, k, v, the output and an fp32 logsumexp
+    per head and position, and redraw the dropout mask. The rest is counted by what this model's
+    layer saves, which reproduces the 34 for GPT shapes and follows the model's ffn size, SwiGLU
+    and grouped-query attention (tests/config/test_memory.py measures it with saved-tensor hooks):
+
+      replicated: both norms' inputs 2+2, the QKV and first MLP linear inputs 2+2, one dropout mask
+        after attention and one after the MLP when hidden dropout is on (2 bytes: the fused
+        bias-dropout-add multiplies by a mask in the activations' dtype; 1 byte, CUDA's bool mask,
+        with --no-bias-dropout-fusion)
+      split by t: q, k, v 2*(a + 2*g)*d/h (g key/value heads, d channels per head), the attention
+        output 2*a*d/h, the logsumexp 4*a/h, with RoPE the rotated copies of q and k 2*(a + g)*d/h
+        (v, a view of the fused QKV output, keeps that whole output alive); GeLU MLP 2*f/h (its input) + 2*f/h (the second linear's
+        input), SwiGLU 4*f/h (gate and up) + 2*f/h (SiLU(gate)) + 2*f/h (the product)
+
+    Selective recompute re-runs the attention core, so its output and logsumexp are not kept.
+    fp32 activations double everything.
     """
     m = layout.model
     s, b, h, a, t = m.seq_length, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
-    scores = 5 * a * s / h if recompute != "selective" else 0.0
-    replicated = 10 / t if sequence_parallel else 10
-    per_layer = s * b * h * (replicated + 24 / t + scores / t)
+    d = m.kv_channels or h // a
+    g = m.num_key_value_heads or a
+    f = m.ffn_hidden_size or 4 * h
+    masks = 2 * (2 if m.bias_dropout_fusion else 1) if m.hidden_dropout > 0 else 0
+    replicated = 2 + 2 + 2 + 2 + masks
+    qkv = 2 * (a + 2 * g) * d / h
+    rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" else 0.0
+    core = 2 * a * d / h + 4 * a / h if recompute != "selective" else 0.0
+    mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
+    split = qkv + rope + core + mlp
+    per_layer = s * b * h * ((replicated / t if sequence_parallel else replicated) + split / t)
     return per_layer * (2 if layout.precision == "fp32" else 1)
 
 

@@ -104,16 +104,17 @@ def test_dry_run_prints_the_full_launch(tmp_path, script, e2e_data):
 
 
 def test_dry_run_fails_when_the_layout_does_not_fit(tmp_path, e2e_data):
-    # The 7B Llama without tensor parallelism: ~100 GB of activations at sequence 4096 on 141 GB.
+    # The 7B Llama without tensor parallelism at micro batch 8: ~160 GB of activations at sequence
+    # 4096 (flash attention: ~0.7 GB per layer and sample, 16 layers per stage, 2 in flight) on 141 GB.
     job, env = real_job(tmp_path, "abci3_h200_llama_7b.sh", e2e_data, ("n1", "n2"))
-    result = job.run("abci3_h200_llama_7b.sh", DRY_RUN=1, TP=1, **env)
+    result = job.run("abci3_h200_llama_7b.sh", DRY_RUN=1, TP=1, MICRO_BATCH=8, **env)
     assert result.returncode == 1, result.stdout[-3000:]
     assert "DOES NOT FIT" in result.stdout
     assert "biggest term: activations" in result.stderr and "would fit:" in result.stderr
     assert "--checkpoint-activations" in result.stderr or "--tensor-model-parallel-size" in result.stderr
     assert "DRY_RUN: FAILED" in result.stderr
     # and the GPU memory is overridable: on 300 GB GPUs the same layout passes
-    result = job.run("abci3_h200_llama_7b.sh", DRY_RUN=1, TP=1, GPU_MEMORY_GB=300, **env)
+    result = job.run("abci3_h200_llama_7b.sh", DRY_RUN=1, TP=1, MICRO_BATCH=8, GPU_MEMORY_GB=300, **env)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
