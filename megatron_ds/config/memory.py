@@ -15,10 +15,12 @@ on the safe side of the real capacity (16 GiB = 17.2 GB).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 from dataclasses import dataclass
 
 from megatron_ds.config.derive import ConfigError, Layout, count_parameters
+from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
 from megatron_ds.parallel.utils import pad_vocab_size
 
 GB = 1e9
@@ -38,10 +40,36 @@ GPU_MEMORY_GB = {
 RESERVE_FIXED_BYTES = int(1.5 * GB)
 RESERVE_FRACTION = 0.05
 
-# Bytes per logit element on the last stage: the head's output in the compute dtype (2), its fp32
-# copy, the shifted copy and exp() (4 each) inside the vocab-parallel cross entropy
-# (megatron_ds/parallel/cross_entropy.py), the softmax kept for backward being exp() divided in place.
-LOGIT_BYTES = 2 + 4 + 4 + 4
+# Bytes per logit element on the last stage (tests/config/test_memory.py measures what is saved).
+# fp32: the reference vocab-parallel cross entropy (parallel/cross_entropy.py) holds the logits, a
+# shifted copy and exp() (turned into the softmax kept for backward) at once. bf16/fp16: the chunked
+# one (parallel/chunked_cross_entropy.py) keeps only the half-precision logits, and backward makes
+# their gradient while they are alive; its fp32 chunks (a copy, exp, a gradient) are a fixed extra.
+LOGIT_BYTES_FP32 = 4 + 4 + 4
+LOGIT_BYTES_HALF = 2 + 2
+CHUNK_BYTES = 3 * CHUNK_ELEMENTS * 4
+
+
+def _liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def logits_bytes(layout: Layout) -> float:
+    """The last stage's output layer and loss beyond the hidden states, one micro-batch.
+
+    Where liger-kernel's fused linear + cross entropy runs (model/liger.py: installed, tensor
+    parallel size 1, --liger-kernel, weights not ZeRO-3 partitions; on the GPU) no [tokens, vocab]
+    tensor exists: it computes the gradients during forward a chunk of about tokens*h logits at a
+    time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
+    m = layout.model
+    tokens = m.seq_length * layout.micro_batch_size
+    vocab = layout.padded_vocab_size / layout.tp
+    if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
+        act_bytes = 4 if layout.precision == "fp32" else 2
+        return tokens * m.hidden_size * (act_bytes + 4 + act_bytes) + vocab * m.hidden_size * act_bytes
+    if layout.precision == "fp32":
+        return tokens * vocab * LOGIT_BYTES_FP32
+    return tokens * vocab * LOGIT_BYTES_HALF + min(CHUNK_BYTES, tokens * vocab * 4 * 3)
 
 
 def gpu_memory_bytes(value: str | float | None) -> float | None:
@@ -221,7 +249,7 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes, *, sequence_parallel: bo
     activations += in_flight * sbh * act_bytes  # the stage's input/output hidden state buffers
     logits = 0.0
     if stage.stage == layout.pp - 1:
-        logits = m.seq_length * layout.micro_batch_size * layout.padded_vocab_size / layout.tp * LOGIT_BYTES
+        logits = logits_bytes(layout)
     buckets = _bucket_bytes(layout, p)
     terms = [("weights", weights), ("gradients", grads), ("optimizer states", optimizer),
              ("activations", activations), ("logits", logits), ("communication buckets", buckets)]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from megatron_ds.config import derive, load_ds_template, parse_args
+from megatron_ds.config import memory
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
-                                       gpu_memory_bytes)
+                                       gpu_memory_bytes, logits_bytes)
 from megatron_ds.training.pretrain import main as pretrain_main
 from tests.distributed import run_distributed
 
@@ -93,6 +94,66 @@ def test_activation_term_is_what_a_layer_saves(case):
         assert estimated < s * b * h * (34 + 5 * a * s / h) / 2  # the unfused count would double it
 
 
+def _saved_by_the_loss(dtype, tokens, vocab, hidden) -> int:
+    """Bytes the output layer + gpt_loss_fn keep for backward (saved-tensor hooks), the hidden
+    states and the weight left out."""
+    from megatron_ds.model.gpt import gpt_loss_fn
+
+    weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    x = torch.randn(tokens, 1, hidden, dtype=dtype, requires_grad=True)
+    labels, mask = torch.randint(0, vocab, (1, tokens)), torch.ones(1, tokens)
+    outside = {weight.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in outside:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        gpt_loss_fn((x @ weight.t()).transpose(0, 1), (labels, mask))
+    return sum(saved.values())
+
+
+def test_logits_term_is_what_the_loss_keeps():
+    """bf16: the chunked cross entropy keeps the bf16 logits (and per-token scalars), and backward
+    adds their bf16 gradient; fp32: the reference keeps the fp32 softmax, and its forward briefly
+    holds the logits, a shifted copy and exp() at once -- the larger, which the estimate counts."""
+    s, b, vocab, h = 512, 1, 4096, 64
+    _, layout = _layout(_gpt_flags(2, h, 4, s, b, 1) + ["--bf16", "--vocab-size", str(vocab),
+                                                         "--make-vocab-size-divisible-by", "1"], 1)
+    elements = s * b * layout.padded_vocab_size
+    kept = _saved_by_the_loss(torch.bfloat16, s * b, layout.padded_vocab_size, h)
+    assert kept == pytest.approx(elements * 2, rel=0.01)  # per-token scalars: < 1%
+    fixed = min(memory.CHUNK_BYTES, elements * 12)
+    assert logits_bytes(layout) - fixed == pytest.approx(kept + elements * 2, rel=0.01)
+    kept = _saved_by_the_loss(torch.float32, s * b, layout.padded_vocab_size, h)
+    assert kept == pytest.approx(elements * 4, rel=0.01)
+    _, layout = _layout(_gpt_flags(2, h, 4, s, b, 1) + ["--vocab-size", str(vocab), "--make-vocab-size-divisible-by", "1"], 1)
+    assert logits_bytes(layout) == elements * (4 + 4 + 4)
+
+
+def test_logits_term_with_liger_where_it_runs(monkeypatch):
+    """liger's fused linear + cross entropy (model/liger.py) makes no [tokens, vocab] tensor; it
+    runs only at tensor parallel size 1, with --liger-kernel, when installed."""
+    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16"]
+    _, layout = _layout(flags, 1)
+    monkeypatch.setattr(memory, "_liger_installed", lambda: False)
+    unfused = logits_bytes(layout)
+    assert unfused > 2048 * 8 * layout.padded_vocab_size * 4  # GPT 1.3B at micro batch 8: ~3.3 GB of bf16 logits + gradient
+    monkeypatch.setattr(memory, "_liger_installed", lambda: True)
+    fused = logits_bytes(layout)
+    assert fused < unfused / 5
+    # the weight's gradient (bf16, [vocab, h]) is the largest part, the rest scales with the tokens
+    assert fused > layout.padded_vocab_size * 2048 * 2
+    assert logits_bytes(_layout(flags + ["--no-liger-kernel"], 1)[1]) == unfused
+    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16"], 2)[1]
+    monkeypatch.setattr(memory, "_liger_installed", lambda: False)
+    without = logits_bytes(tp2)
+    monkeypatch.setattr(memory, "_liger_installed", lambda: True)
+    assert logits_bytes(tp2) == without
+
+
 def test_full_recompute_keeps_one_input_per_layer_and_one_layers_working_set():
     s, b, h, a, layers = 1024, 2, 1024, 16, 24
     cfg, layout = _layout(_gpt_flags(layers, h, a, s, b, 2) + ["--bf16"], 1)
@@ -114,7 +175,7 @@ def test_pipeline_first_stage_holds_the_most_micro_batches():
     assert acts == pytest.approx([k * (2 * per_layer + boundary) for k in (4, 3, 2, 2)], rel=1e-9)
     # only the last stage computes the logits: [s, b, V/t] with the fp32 cross-entropy copies
     logits = [dict(e.terms)["logits"] for e in estimate_stages(layout)]
-    assert logits[:3] == [0, 0, 0] and logits[3] == 256 * 1 * layout.padded_vocab_size * (2 + 4 + 4 + 4)
+    assert logits[:3] == [0, 0, 0] and logits[3] == logits_bytes(layout) > 0
 
 
 def test_seven_billion_on_one_80gb_gpu_is_refused():
