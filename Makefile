@@ -8,6 +8,9 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 # DeepSpeed must not try to compile its CUDA ops at install time.
 export DS_BUILD_OPS ?= 0
+# DeepSpeed JIT-compiles a small CPU op on first use into torch's extension cache; one cache shared
+# by several venvs (checkouts side by side) is rebuilt whenever another venv's torch uses it.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv install test test-gpu test-fast quickstart bench clean
 
