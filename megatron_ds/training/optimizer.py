@@ -48,6 +48,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.inner = inner
         self.clip_grad = clip_grad
         self.mpu = None  # set once the engine exists
+        # both read by DeepSpeed's engine after each step (checked: ds_compat._READ_BY_DEEPSPEED)
         self.overflow = False
         self._global_grad_norm = 0.0
         # share, not copy, the inner optimizer's state so schedulers and checkpoints see one truth
