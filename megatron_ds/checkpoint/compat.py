@@ -1,55 +1,22 @@
-"""The one place where resharding touches DeepSpeed internals (checked against the version).
+"""Writing resharded weights and optimizer state into a live engine.
 
 Optimizer state is written through DeepSpeed's public ``safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), which under ZeRO 1-2 and bf16 need each
-parameter's link to its optimizer-state fragments. DeepSpeed (0.16-0.19) makes those links lazily
-at the first optimizer step (``_lazy_init_hp_params_optimizer_state``) and only once the base
-optimizer has state for its flat partitions: before the first step we create that state (zeros,
-as Adam would) and make the links. ZeRO-3 needs the state too (its setters index
-``optimizer.state[flat partition]``). DeepSpeed's ZeRO-0 fp16 optimizers have no such setters:
-their fp32 copies (``fp32_groups_flat`` / ``fp32_groups``, the layout their ``state_dict()``
-saves) and the torch optimizer's state of them are written directly.
+parameter's link to its optimizer-state fragments. DeepSpeed makes those links lazily at the first
+optimizer step and only once the base optimizer has state for its flat partitions: before the
+first step we create that state (zeros, as Adam would) and make the links. ZeRO-3 needs the state
+too (its setters index ``optimizer.state[flat partition]``). DeepSpeed's ZeRO-0 fp16 optimizers
+have no such setters: their fp32 copies (the layout their ``state_dict()`` saves) and the torch
+optimizer's state of them are written directly. The DeepSpeed internals this touches are in
+``megatron_ds.ds_compat`` (checked against the version at start-up).
 """
 from __future__ import annotations
 
 import deepspeed
 import torch
-from packaging.version import Version
 
+from megatron_ds import ds_compat
 from megatron_ds.config import ConfigError
-
-_TESTED = (Version("0.16"), Version("0.20"))
-
-
-def _check_version() -> None:
-    v = Version(deepspeed.__version__.split("+")[0])
-    if not _TESTED[0] <= v < _TESTED[1]:
-        raise ConfigError(f"resharding optimizer state was written for DeepSpeed {_TESTED[0]} to <{_TESTED[1]}, "
-                          f"found {deepspeed.__version__}; resume at the saved layout or pass --no-load-optim")
-
-
-def _flat_partitions(opt) -> list[torch.Tensor] | None:
-    # ZeRO 1-2, bf16, ZeRO-3
-    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat"):
-        if hasattr(opt, attr):
-            return getattr(opt, attr)
-    return None
-
-
-def _create_optimizer_state(opt) -> None:
-    """Adam's state for each flat partition, as its first step would create it (zeros)."""
-    for flat in _flat_partitions(opt):
-        state = opt.optimizer.state[flat]
-        if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat.detach()),
-                         exp_avg_sq=torch.zeros_like(flat.detach()))
-
-
-def _link_optimizer_state(opt) -> None:
-    if getattr(opt, "_hp_optimizer_states_linked", True):
-        return
-    _create_optimizer_state(opt)
-    opt._lazy_init_hp_params_optimizer_state()
 
 
 def _torch_optimizer(engine):
@@ -62,37 +29,36 @@ def set_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """A parameter's (tensor parallel local) weight. A ZeRO-3 parameter holds only its data parallel
     partition: it is gathered (DeepSpeed's public ``GatheredParameters``), written on data parallel
     rank 0 and re-partitioned from there on leaving the context."""
-    if not hasattr(param, "ds_id"):
+    if not ds_compat.is_zero3_param(param):
         param.data.copy_(value.to(param.dtype))
         return
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-        if torch.distributed.get_rank(group=param.ds_process_group) == 0:
+        if torch.distributed.get_rank(group=ds_compat.zero3_param_group(param)) == 0:
             param.data.copy_(value.to(device=param.device, dtype=param.dtype).view(param.shape))
 
 
 def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
     """This rank's shard of a parameter's fp32 master and Adam moments, into the engine's optimizer."""
-    _check_version()
-    if hasattr(param, "ds_id"):  # ZeRO-3: Adam's state is also made at the first step
+    if ds_compat.is_zero3_param(param):  # ZeRO-3: Adam's state is also made at the first step
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
 
-        _create_optimizer_state(engine.optimizer)
+        ds_compat.create_optimizer_state(engine.optimizer)
         safe_set_full_fp32_param(param, master.to(param.device).reshape(-1))
         for key, value in moments.items():
             safe_set_full_optimizer_state(param, value.to(param.device).reshape(-1), key)
         return
-    if hasattr(param, "_hp_mapping"):
+    if ds_compat.has_fragment_mapping(param):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
 
-        _link_optimizer_state(engine.optimizer)
+        ds_compat.link_hp_optimizer_state(engine.optimizer)
         safe_set_full_fp32_param(param, master.to(param.device))
         for key, value in moments.items():
             safe_set_full_optimizer_state(param, value.to(param.device), key)
         return
-    if _is_fp16_optimizer(engine.optimizer):
+    if ds_compat.is_fp16_optimizer(engine.optimizer):
         _set_fp16_optimizer_state(engine.optimizer, param, master, moments)
         return
-    if _flat_partitions(engine.optimizer) is not None:
+    if ds_compat.flat_partitions(engine.optimizer) is not None:
         raise ConfigError(f"DeepSpeed's optimizer holds a parameter of shape {tuple(param.shape)} without a "
                           f"fragment mapping; cannot reshard its state")
     opt = _torch_optimizer(engine)
@@ -100,27 +66,20 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
                         **{k: v.to(device=param.device, dtype=param.dtype).clone() for k, v in moments.items()}}
 
 
-def _is_fp16_optimizer(opt) -> bool:
-    """DeepSpeed's FP16_Optimizer (fp32_groups_flat) or FP16_UnfusedOptimizer (fp32_groups), ZeRO-0."""
-    return hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups"))
-
-
 def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
     """The fp32 master and Adam moments of ``param`` in DeepSpeed's ZeRO-0 fp16 optimizers: a slice
     of the group's flat master (FP16_Optimizer: the group's parameters concatenated in order) or
     the parameter's own fp32 copy (FP16_UnfusedOptimizer), and the torch optimizer's state of it."""
-    for g, group in enumerate(opt.fp16_groups):
+    for g, group in enumerate(ds_compat.fp16_optimizer_groups(opt)):
         j = next((j for j, p in enumerate(group) if p is param), None)
         if j is None:
             continue
-        if hasattr(opt, "fp32_groups_flat"):
-            fp32 = opt.fp32_groups_flat[g]
-            offset = sum(p.numel() for p in group[:j])
+        fp32, offset = ds_compat.fp16_optimizer_master(opt, g, j)
+        if offset is not None:
             place = lambda t: t.detach().narrow(0, offset, param.numel())  # noqa: E731
         else:
-            fp32 = opt.fp32_groups[g][j]
             place = lambda t: t.detach().view(-1)  # noqa: E731
-        state = opt.optimizer.state[fp32]
+        state = ds_compat.base_optimizer(opt).state[fp32]
         if not state:
             state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(fp32.detach()),
                          exp_avg_sq=torch.zeros_like(fp32.detach()))
@@ -134,8 +93,8 @@ def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tens
 def set_loss_scale(engine, saved: dict) -> bool:
     """An fp16 ZeRO-0 checkpoint's dynamic loss scaler state into an fp16 ZeRO-0 run's optimizer
     (both keep it in ``loss_scale_config``); False where this run has no such scaler."""
-    config = getattr(engine.optimizer, "loss_scale_config", None)
-    if config is None or not _is_fp16_optimizer(engine.optimizer):
+    config = ds_compat.fp16_loss_scale_config(engine.optimizer)
+    if config is None:
         return False
     if saved.get("dynamic_loss_scale") != config.dynamic_loss_scale:
         return False  # static vs dynamic: this run's configuration decides
@@ -148,7 +107,8 @@ def set_loss_scale(engine, saved: dict) -> bool:
 def set_optimizer_step(engine, step: float) -> None:
     """Adam's step count (bias correction) on every state entry of the engine's base optimizer."""
     opt = engine.optimizer
-    base = opt.optimizer if _flat_partitions(opt) is not None or _is_fp16_optimizer(opt) else _torch_optimizer(engine)
+    wraps = ds_compat.flat_partitions(opt) is not None or ds_compat.is_fp16_optimizer(opt)
+    base = ds_compat.base_optimizer(opt) if wraps else _torch_optimizer(engine)
     fused = bool(base.defaults.get("fused") or base.defaults.get("capturable"))
     for param, state in base.state.items():
         if "step" in state:  # fused/capturable torch Adam keeps the step on the parameter's device

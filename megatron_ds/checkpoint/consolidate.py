@@ -24,7 +24,7 @@ import dataclasses
 from typing import Callable, Iterator
 
 import torch
-from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds.config import ConfigError, ModelConfig
 from megatron_ds.checkpoint import tp as tp_rules

@@ -28,16 +28,17 @@ import re
 
 import torch
 
+from megatron_ds import ds_compat
 from megatron_ds.checkpoint.zero3 import model_states_file
 from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
-from megatron_ds.training.checkpointing import META, _allowed_globals, checkpoint_tag, read_tracker
+from megatron_ds.training.checkpointing import META, checkpoint_tag, read_tracker
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
 def load_file(path: str) -> dict:
     """torch.load a checkpoint file lazily (mmap) and safely (weights_only + DeepSpeed allowlist)."""
-    with torch.serialization.safe_globals(_allowed_globals()):
+    with torch.serialization.safe_globals(ds_compat.checkpoint_safe_globals()):
         try:
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except RuntimeError as exc:  # files written without the zipfile format cannot be mapped

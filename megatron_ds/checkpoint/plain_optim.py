@@ -24,7 +24,7 @@ against the saved state, and a mismatch is refused in one line.
 from __future__ import annotations
 
 import torch
-from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.config import ConfigError

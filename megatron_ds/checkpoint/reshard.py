@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from megatron_ds import ds_compat
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source, merge_layer
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
@@ -54,12 +55,11 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     checkpoint: its state is keyed by position only). None for DeepSpeed's own optimizers,
     whose files name their parameters."""
     opt = engine.optimizer
-    if any(hasattr(opt, a) for a in ("param_slice_mappings", "fp32_partitioned_groups_flat")) or not hasattr(
-            opt, "param_groups"):  # ZeRO 1-3, bf16: their files name the parameters
-        return None
+    if ds_compat.names_its_parameters_in_files(opt) or not hasattr(opt, "param_groups"):
+        return None  # ZeRO 1-3, bf16: their files name the parameters
     names = {id(p): n for n, p in engine.module.named_parameters()}
     # DeepSpeed's fp16 optimizers (ZeRO-0) hold fp32 copies; their fp16_groups are the module's
-    groups = opt.fp16_groups if hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups") else [
+    groups = ds_compat.fp16_optimizer_groups(opt) if ds_compat.is_fp16_optimizer(opt) else [
         g["params"] for g in opt.param_groups]
     try:
         return [[names[id(p)] for p in g] for g in groups]
@@ -232,7 +232,5 @@ def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log
         log("NOTE: RNG states not restored (tensor/pipeline layout changed); dropout streams start afresh")
     if load_lr_state and state.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for attr in ("global_steps", "global_samples", "skipped_steps"):
-        if attr in state:
-            setattr(engine, attr, state[attr])
+    ds_compat.set_engine_counters(engine, state)
     return client

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from megatron_ds import ds_compat
 from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.config import ConfigError
@@ -127,12 +128,10 @@ def _safe_globals() -> list:
     import numpy as np  # noqa: PLC0415
     from deepspeed.checkpoint.universal_checkpoint import SubparamShape  # noqa: PLC0415
 
-    from megatron_ds.training.checkpointing import _allowed_globals  # noqa: PLC0415
-
     reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
     dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
     # files pickled under numpy 1 name it numpy.core.multiarray, numpy 2 numpy._core.multiarray
-    return [*_allowed_globals(), SubparamShape, argparse.Namespace, reconstruct,
+    return [*ds_compat.checkpoint_safe_globals(), SubparamShape, argparse.Namespace, reconstruct,
             (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
 
 
@@ -299,9 +298,7 @@ def _client_state(uc: UniversalCheckpoint, engine, ps, *, load_lr_state: bool, l
     sched = st.get("lr_scheduler")
     if load_lr_state and sched is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sched if uc.ours else _megatron_schedule(sched, uc.args, uc.path))
-    for attr in ("global_steps", "global_samples", "skipped_steps"):
-        if attr in st:
-            setattr(engine, attr, st[attr])
+    ds_compat.set_engine_counters(engine, st)
     return client
 
 

@@ -49,7 +49,7 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
     for refused, why in _NOT_IMPLEMENTED:
         if refused(ds_config):
             raise ConfigError(f"{source}: {why}")
-    from deepspeed.runtime.config import DeepSpeedConfig  # noqa: PLC0415 - heavy; only when validating
+    from megatron_ds.ds_compat import DeepSpeedConfig  # noqa: PLC0415 - heavy; only when validating
 
     probe = copy.deepcopy(ds_config)
     probe.pop("train_batch_size", None)  # checked by derive() against the real DP size

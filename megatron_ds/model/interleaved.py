@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
+from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.pipeline import GPTSequential, gpt_layer_specs
 from megatron_ds.parallel.schedules import chunk_layer_range
@@ -66,7 +67,7 @@ class GPTModelChunks(nn.Module):
             if pp_rank != 0:
                 # DeepSpeed's marker: count this copy's gradient once (on the first stage) in the
                 # global grad norm, as PipelineModule marks its tied copies.
-                self.tied_weight.ds_pipe_replicated = True
+                ds_compat.mark_pipe_replicated(self.tied_weight)
         self.tie_group = tie_group if self.tied_weight is not None else None
         self.sync_tied_weights()
 

@@ -32,12 +32,12 @@ import contextlib
 import functools
 import re
 
+import deepspeed
 import torch
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.utils import partition_balanced
-from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_loss_fn, tied_output_logits
 from megatron_ds.model.transformer import ParallelTransformerLayer
@@ -169,6 +169,7 @@ class GPTPipelineModel(PipelineModule):
                 activation_checkpoint_func=checkpoint)
         seeder.building = False
 
+    @ds_compat.overrides_deepspeed_hook
     def _is_checkpointable(self, funcs) -> bool:
         """Recompute every chunk that holds a transformer layer. DeepSpeed's rule wants every
         member of a chunk checkpointable, so with --recompute-num-layers > 1 the chunks that also
@@ -233,7 +234,7 @@ class GPTSequential(nn.Module):
             # The output layer reads the word embedding outside the embedding's own forward;
             # ZeRO-3 (--no-pipeline-parallel) must keep it gathered for this module's forward.
             for weight in tied_weights:
-                register_external_parameter(self, weight)
+                deepspeed.zero.register_external_parameter(self, weight)
             return functools.partial(spec.forward_fn, module)
         module = spec.build() if isinstance(spec, LayerSpec) else spec
         if isinstance(module, nn.Module):
@@ -269,7 +270,7 @@ class GPTSequential(nn.Module):
         # DeepSpeed matches the layer type as a case-insensitive regex on the class name.
         pattern = re.compile(partition_method.split(":", 1)[1], re.IGNORECASE)
         weights = [1 if pattern.search(name) else 0 for name, _, _ in self._layer_info]
-        parts = partition_balanced(weights=weights, num_parts=num_stages)
+        parts = ds_compat.partition_balanced(weights=weights, num_parts=num_stages)
         counts = []
         for stage in range(num_stages):
             built, total = set(), 0

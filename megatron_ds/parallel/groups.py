@@ -9,7 +9,8 @@ when the model is not a pipeline.
 from __future__ import annotations
 
 import torch.distributed as dist
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from megatron_ds.ds_compat import PipeModelDataParallelTopology
 
 
 def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:

@@ -25,9 +25,9 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
+from megatron_ds import ds_compat
 from megatron_ds.config import ConfigError
+from megatron_ds.ds_compat import TorchCheckpointEngine
 from megatron_ds.parallel.random import get_rng_tracker
 from megatron_ds.training import ckpt_integrity
 
@@ -113,27 +113,6 @@ def _to_tuple(x):
     return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _allowed_globals() -> list:
-    """DeepSpeed objects found inside its optimizer/engine states (plain data classes and enums)."""
-    allowed = []
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: PLC0415
-        allowed += [LossScaler, DynamicLossScaler]
-    except ImportError:
-        pass
-    try:
-        from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: PLC0415
-        allowed.append(ZeroStageEnum)
-    except ImportError:
-        pass
-    try:
-        from deepspeed.utils.tensor_fragment import fragment_address  # noqa: PLC0415
-        allowed.append(fragment_address)
-    except ImportError:
-        pass
-    return allowed
-
-
 def _is_zip(path: str) -> bool:
     """torch.save writes zip archives; a zeroed or foreign file is not one (and must not be
     reported as a pickle with forbidden objects)."""
@@ -145,7 +124,7 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, but loading with weights_only=True."""
 
     def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(_allowed_globals()):
+        with torch.serialization.safe_globals(ds_compat.checkpoint_safe_globals()):
             try:
                 return torch.load(path, map_location=map_location, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - re-raised with the file and the remedy
@@ -161,10 +140,11 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
 def install_safe_loading(engine, log=print) -> None:
     """Swap DeepSpeed's default torch checkpoint engine for the weights-only one. Another engine
     configured in the JSON (a fast or decoupled writer) is left alone, with a note."""
-    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
-        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(config_params=engine._config)
+    if ds_compat.is_default_checkpoint_engine(engine):
+        safe = WeightsOnlyCheckpointEngine(config_params=ds_compat.engine_config(engine))
+        ds_compat.set_checkpoint_engine(engine, safe)
     else:
-        log(f"NOTE: checkpoint engine {type(engine.checkpoint_engine).__name__} from the DeepSpeed JSON is "
+        log(f"NOTE: checkpoint engine {type(ds_compat.checkpoint_engine(engine)).__name__} from the DeepSpeed JSON is "
             f"used as is (its loads are not restricted to weights_only)")
 
 
@@ -200,12 +180,6 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
         if keep_last:
             ckpt_integrity.prune(save_dir, iteration, keep_last, log=log)
     dist.barrier()
-
-
-def is_bf16_optimizer(optimizer) -> bool:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: PLC0415
-
-    return isinstance(optimizer, BF16_Optimizer)
 
 
 def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool, finetune: bool,
@@ -244,7 +218,7 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
     load_optim = load_optim and not finetune
     # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but
     # reads it back from the module file, where it is not: load those files ourselves.
-    sharded_without_zero = is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
+    sharded_without_zero = ds_compat.is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
     # no_grad: DeepSpeed re-broadcasts tied weights in place while loading, which autograd would
     # otherwise record (and warn about in the next backward).
     with torch.no_grad():
@@ -253,7 +227,7 @@ def load_checkpoint(engine, load_dir: str, *, signature: dict, load_optim: bool,
             load_lr_scheduler_states=load_optim and load_lr_state, load_module_strict=True)
     if path is None:
         raise ConfigError(f"DeepSpeed could not load {os.path.join(load_dir, tag)}")
-    if sharded_without_zero and load_optim and not engine._load_zero_checkpoint(load_dir, tag):
+    if sharded_without_zero and load_optim and not ds_compat.load_bf16_optimizer_files(engine, load_dir, tag):
         raise ConfigError(f"{os.path.join(load_dir, tag)} has no bf16 optimizer state files; "
                           f"pass --no-load-optim to load the weights only")
     log(f"loaded checkpoint {os.path.join(load_dir, tag)} (iteration {iteration})")

@@ -26,17 +26,13 @@ def apply_timeout_to_new_groups(timeout: timedelta, log=print) -> None:
     data parallel groups, where a hung rank is first waited for -- the run's timeout instead of
     torch's default (30 min for gloo). Megatron passes its timeout to every new_group; DeepSpeed
     does not, so torch's default is changed: a module global that torch reads at each new_group
-    (distributed_c10d._get_default_timeout, torch 2.x), checked here so a torch without it only
-    loses this, with a note."""
-    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    (``ds_compat.set_default_group_timeout``), checked there so a torch without it only loses
+    this, with a note."""
+    from megatron_ds.ds_compat import set_default_group_timeout  # noqa: PLC0415
 
-    if not (hasattr(c10d, "default_pg_timeout") and hasattr(c10d, "_get_default_timeout")):
+    if not set_default_group_timeout(timeout):
         log(f"NOTE: torch {torch.__version__} has no default process-group timeout to set: groups made by "
             f"DeepSpeed keep torch's own timeout")
-        return
-    c10d.default_pg_timeout = timeout
-    if hasattr(c10d, "default_pg_nccl_timeout"):
-        c10d.default_pg_nccl_timeout = timeout
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -31,9 +31,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from megatron_ds import ds_compat
 from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P
 from megatron_ds.parallel.schedules import FORWARD, forward_only_schedule, pipeline_schedule
-from megatron_ds.training import interleaved_ds
 from megatron_ds.training.log import print_rank0
 
 
@@ -41,7 +41,6 @@ class InterleavedPipeline:
     """This rank's executor; ``activation_specs``: (shape, dtype) of what crosses a stage boundary."""
 
     def __init__(self, engine, ps, *, micro_batches: int, activation_specs: list, loss_fn):
-        interleaved_ds.check_version()
         self.engine = engine
         self.model = engine.module  # GPTModelChunks
         self.ps = ps
@@ -53,7 +52,7 @@ class InterleavedPipeline:
         self.eval_schedule = forward_only_schedule(micro_batches, self.v, self.pp)
         self.p2p = PipelineP2P(ps, num_virtual_stages=self.num_stages, micro_batches=micro_batches)
         self._load_dir = None
-        interleaved_ds.use_layer_file_checkpoints(engine, self._load_layer_files)
+        ds_compat.use_layer_file_checkpoints(engine, self._load_layer_files)
 
     def __getattr__(self, name):  # only for names this object does not have: the engine's
         return getattr(self.__dict__["engine"], name)
@@ -100,7 +99,7 @@ class InterleavedPipeline:
             outputs = [t for t in _as_tuple(out) if t.is_floating_point()]
             specs = [s for s in self.activation_specs if s[1].is_floating_point]
             grads = self.p2p.recv(specs, kind=GRADIENT, stage=stage + 1, microbatch=j, device=self.engine.device)
-            scale = interleaved_ds.loss_scale(self.engine)
+            scale = ds_compat.backward_loss_scale(self.engine)
             surrogate = sum(torch.sum(o.float() * g.float()) for o, g in zip(outputs, grads)) / scale
             self.engine.backward(surrogate, scale_wrt_gas=False)
         if stage > 0:
@@ -148,7 +147,7 @@ class InterleavedPipeline:
         weight = self.model.tied_weight
         if self.model.tie_group is None:
             return
-        grad = interleaved_ds.accumulated_grad(self.engine, weight)
+        grad = ds_compat.accumulated_grad(self.engine, weight)
         if grad is None:  # keep the collective matched: the peer reduces its gradient
             grad = torch.zeros_like(weight)
         dist.all_reduce(grad, group=self.model.tie_group)
@@ -176,7 +175,7 @@ class InterleavedPipeline:
                 # clones: a parameter may be a view into an optimizer's flat buffer, which torch.save
                 # would write whole (DeepSpeed's PipelineModule clones for the same reason)
                 state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-                self.engine.checkpoint_engine.save(state, os.path.join(path, name))
+                ds_compat.checkpoint_engine(self.engine).save(state, os.path.join(path, name))
         return self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
                                            save_latest=save_latest, **kwargs)
 
@@ -192,7 +191,7 @@ class InterleavedPipeline:
             path = os.path.join(self._load_dir, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} is missing: the checkpoint holds no weights for this layer")
-            module.load_state_dict(self.engine.checkpoint_engine.load(path, map_location=self.engine.device),
+            module.load_state_dict(ds_compat.checkpoint_engine(self.engine).load(path, map_location=self.engine.device),
                                    strict=strict)
         self.model.sync_tied_weights()
 
@@ -226,7 +225,7 @@ def wrap_engine(engine, cfg, layout, ps) -> InterleavedPipeline:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
     specs = activation_specs(layout, sequence_parallel=cfg.parallel.sequence_parallel,
                              reset_attention_mask=cfg.data.reset_attention_mask, dtype=dtype)
-    if layout.precision == "bf16" and not interleaved_ds.accumulates_grads_in_fp32(engine):
+    if layout.precision == "bf16" and not ds_compat.accumulates_grads_in_fp32(engine):
         print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
                     "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "
                     "\"data_types\": {\"grad_accum_dtype\": \"fp32\"} (ds_configs/zero1_bf16.json)")

@@ -76,9 +76,9 @@ def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: i
 
 
 def _loss_scale(engine) -> float:
-    opt = getattr(engine, "optimizer", None)
-    scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
-    return float(scale) if scale else 1.0
+    from megatron_ds.ds_compat import reported_loss_scale  # noqa: PLC0415
+
+    return reported_loss_scale(engine)
 
 
 def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, valid_iter, *, loss_fn,

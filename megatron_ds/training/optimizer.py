@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ds import ds_compat
 from megatron_ds.config import OptimizerConfig
 
 
@@ -47,14 +48,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.inner = inner
         self.clip_grad = clip_grad
         self.mpu = None  # set once the engine exists
+        # both read by DeepSpeed's engine after each step (checked: ds_compat._READ_BY_DEEPSPEED)
         self.overflow = False
         self._global_grad_norm = 0.0
         # share, not copy, the inner optimizer's state so schedulers and checkpoints see one truth
         self.param_groups = inner.param_groups
         self.state = inner.state
         self.defaults = inner.defaults
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._zero_grad_profile_name = "GuardedOptimizer.zero_grad"
+        ds_compat.act_as_torch_optimizer(self, "GuardedOptimizer.zero_grad")
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -64,12 +65,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         copies -- tied copies marked ds_pipe_replicated skipped, TP-replicated ones only on TP rank 0."""
         tp_rank = self.mpu.get_tensor_model_parallel_rank() if self.mpu is not None else 0
         return [p.grad for p in params
-                if not getattr(p, "ds_pipe_replicated", False)
+                if not ds_compat.is_pipe_replicated(p)
                 and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))]
 
     @torch.no_grad()
     def step(self, closure=None):
-        from deepspeed.runtime.utils import get_global_norm_of_tensors  # noqa: PLC0415 - heavy import
+        from megatron_ds.ds_compat import get_global_norm_of_tensors  # noqa: PLC0415 - imports deepspeed
 
         params = self._params()
         grads = self._grads_for_norm(params)
@@ -85,7 +86,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 p.grad = None
             return None
         if self.clip_grad > 0 and norm > self.clip_grad:
-            torch._foreach_mul_([p.grad for p in params], self.clip_grad / (norm + 1e-6))
+            ds_compat.scale_grads_([p.grad for p in params], self.clip_grad / (norm + 1e-6))
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True):

@@ -12,6 +12,7 @@ import torch
 from megatron_ds.config import Config, ConfigError, derive, load_ds_template, parse_args
 from megatron_ds.config.compat import megatron_overrides
 from megatron_ds.config.ds_validate import validate_with_deepspeed
+from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.training import log as mlog
 from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
                                        build_tokenizer_for, describe_source, stage_iterator)
@@ -30,6 +31,7 @@ def dry_run(cfg: Config, ignored: list[str]) -> int:
     notes = megatron_overrides(cfg, template)
     layout = derive(cfg, world, vocab_size=tokenizer.vocab_size, ds_template=template,
                     device_type="cuda" if device_type() == "cuda" or cfg.training.fp16 else "cpu")
+    check_deepspeed(interleaved=layout.virtual_pp > 1)  # once, before DeepSpeed is first used
     validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
     print(layout.summary())
     for note in notes + list(layout.notes):
@@ -74,6 +76,7 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
     notes = megatron_overrides(cfg, template)
     layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size, ds_template=template,
                     device_type=device.type)
+    check_deepspeed(interleaved=layout.virtual_pp > 1)  # once, before DeepSpeed is first used
     validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
     init_distributed(cfg, device)
     save_lock, watch = _startup_checks(cfg, layout)

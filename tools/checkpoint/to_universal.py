@@ -29,8 +29,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.universal import convert  # noqa: PLC0415 - keep --help fast
     from megatron_ds.config import ConfigError  # noqa: PLC0415
+    from megatron_ds.ds_compat import check_deepspeed  # noqa: PLC0415
 
     try:
+        check_deepspeed()  # the universal format is DeepSpeed's internal layout of its files
         out = convert(args.load, args.iteration, workers=args.workers)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

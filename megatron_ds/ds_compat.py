@@ -1,0 +1,369 @@
+"""Every DeepSpeed (and torch) internal megatron_ds relies on, behind one version check.
+
+DeepSpeed's public API (``deepspeed.initialize``, ``deepspeed.pipe``, ``deepspeed.zero``,
+``safe_set_full_*``, ``deepspeed.comm``, the accelerator) is used where it is needed. What is not
+public -- engine and optimizer attributes, underscore methods, classes under ``deepspeed.runtime``,
+hooks our subclasses override -- is reached only through the names below, each commented with the
+DeepSpeed attribute it relies on and the releases it was checked against. ``check_deepspeed()``
+runs once at start-up (training, dry runs, the universal-checkpoint converter): a DeepSpeed outside
+``TESTED`` or one that lost a hook listed here fails there, with one message, instead of at the
+first use or -- for an overridden hook that was renamed -- silently never.
+
+Import cost: ``deepspeed`` is imported only when a function here is called or a name of
+``_INTERNAL_NAMES`` is first looked up, so importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from megatron_ds.config import ConfigError
+
+# setup.py's "deepspeed>=0.16,<0.20"; CI and the test suite run 0.19.x.
+TESTED = ("0.16", "0.20")
+# The interleaved pipeline schedule mirrors where 0.19 applies the fp16 loss scale (loss_scale
+# below); older releases scale in FP16_Optimizer.backward, so it is refused there.
+INTERLEAVED_MINIMUM = "0.19"
+
+# Names under deepspeed.runtime (not exported publicly) that megatron_ds imports, all present in
+# 0.16-0.19: looked up lazily through this module (``from megatron_ds.ds_compat import X``).
+_INTERNAL_NAMES = {
+    "TorchCheckpointEngine": "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine",  # subclassed
+    "partition_balanced": "deepspeed.runtime.utils",  # PipelineModule's stage partitioning
+    "get_global_norm_of_tensors": "deepspeed.runtime.utils",  # returns -1 for a non-finite norm
+    "PipeModelDataParallelTopology": "deepspeed.runtime.pipe.topology",  # axes pipe, data, model
+    "DeepSpeedConfig": "deepspeed.runtime.config",  # validates a JSON as deepspeed.initialize would
+    "ZeROOptimizer": "deepspeed.runtime.base_optimizer",  # base of the ZeRO and bf16 optimizers
+    "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",  # keeps the accumulated grad in _hp_grad
+}
+
+# Methods megatron_ds calls, replaces on an instance or overrides in a subclass:
+# (module, class, attribute, who relies on it).
+_HOOKS = (
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
+     "overridden by megatron_ds.model.pipeline.GPTPipelineModel"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint", "bf16 ZeRO-0 checkpoint loading"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "module_state_dict", "interleaved schedule's layer files"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "load_module_state_dict", "interleaved schedule's layer files"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "_lazy_init_hp_params_optimizer_state",
+     "optimizer-state resharding"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_lazy_init_hp_params_optimizer_state",
+     "optimizer-state resharding"),
+)
+
+# Attributes DeepSpeed reads from the client optimizer it is given (GuardedOptimizer sets them):
+# (module, class, method whose source reads it, attribute). DeepSpeedEngine._take_model_step, 0.16-0.19.
+_READ_BY_DEEPSPEED = (
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", "_global_grad_norm"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", "overflow"),
+)
+
+PIPELINE_CHECKPOINT_HOOK = "_is_checkpointable"
+
+
+def _internal(name: str):
+    return getattr(importlib.import_module(_INTERNAL_NAMES[name]), name)
+
+
+def __getattr__(name: str):  # PEP 562: ``from megatron_ds.ds_compat import X`` for X in _INTERNAL_NAMES
+    if name not in _INTERNAL_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _internal(name)
+
+
+# --- the check ------------------------------------------------------------------------------------
+def _version(text: str):
+    from packaging.version import Version  # noqa: PLC0415
+
+    return Version(text.split("+")[0])
+
+
+def incompatible(problem: str) -> ConfigError:
+    """The one message for a DeepSpeed megatron_ds was not written for."""
+    import deepspeed  # noqa: PLC0415
+
+    return ConfigError(f"DeepSpeed {deepspeed.__version__} cannot be used: {problem}; megatron_ds is tested with "
+                       f"DeepSpeed >= {TESTED[0]}, < {TESTED[1]}: install one (pip install 'deepspeed>={TESTED[0]},"
+                       f"<{TESTED[1]}'); megatron_ds/ds_compat.py lists the DeepSpeed internals it relies on")
+
+
+def missing_hooks() -> list[str]:
+    """``module.Class.attribute`` of every internal listed above that this DeepSpeed lacks."""
+    missing = []
+    for name, module in _INTERNAL_NAMES.items():
+        if not hasattr(_import(module), name):
+            missing.append(f"{module}.{name}")
+    for module, cls, attr, _ in _HOOKS:
+        if not hasattr(getattr(_import(module), cls, None), attr):
+            missing.append(f"{module}.{cls}.{attr}")
+    for module, cls, method, attr in _READ_BY_DEEPSPEED:
+        fn = getattr(getattr(_import(module), cls, None), method, None)
+        if fn is None or attr not in _source(fn):
+            missing.append(f"{module}.{cls}.{method} reading .{attr}")
+    return missing
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):  # installed without sources: nothing to check against
+        return "".join(a for *_, a in _READ_BY_DEEPSPEED)
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def check_deepspeed(*, interleaved: bool = False) -> None:
+    """Raise the one ConfigError unless the installed DeepSpeed is in ``TESTED`` (and, with
+    ``interleaved``, at least ``INTERLEAVED_MINIMUM``) and has every internal listed here."""
+    import deepspeed  # noqa: PLC0415
+
+    found = _version(deepspeed.__version__)
+    if not _version(TESTED[0]) <= found < _version(TESTED[1]):
+        raise incompatible("it is outside the tested range")
+    if interleaved and found < _version(INTERLEAVED_MINIMUM):
+        raise incompatible(f"the interleaved pipeline schedule needs DeepSpeed >= {INTERLEAVED_MINIMUM}")
+    missing = missing_hooks()
+    if missing:
+        raise incompatible(f"it lacks {', '.join(missing)}")
+
+
+def overrides_deepspeed_hook(fn):
+    """Decorator for a subclass method that overrides a DeepSpeed hook listed in ``_HOOKS``: fails
+    at import, with the one message, if the base class no longer has it (it would never be called)."""
+    entry = next((h for h in _HOOKS if h[2] == fn.__name__), None)
+    if entry is None:
+        raise AssertionError(f"{fn.__qualname__}: add the DeepSpeed hook {fn.__name__} to ds_compat._HOOKS")
+    if not hasattr(getattr(_import(entry[0]), entry[1], None), entry[2]):
+        raise incompatible(f"it lacks {entry[0]}.{entry[1]}.{entry[2]}")
+    return fn
+
+
+# --- engine ---------------------------------------------------------------------------------------
+def engine_config(engine):
+    """The engine's parsed DeepSpeedConfig (``engine._config``, 0.16-0.19), as checkpoint engines take it."""
+    return engine._config
+
+
+def checkpoint_engine(engine):
+    """The object the engine reads and writes checkpoint files with (``engine.checkpoint_engine``, 0.16-0.19)."""
+    return engine.checkpoint_engine
+
+
+def set_checkpoint_engine(engine, replacement) -> None:
+    """Make ``engine.save_checkpoint`` / ``load_checkpoint`` use ``replacement`` (``engine.checkpoint_engine``)."""
+    engine.checkpoint_engine = replacement
+
+
+def is_default_checkpoint_engine(engine) -> bool:
+    """Whether the engine's checkpoint engine is DeepSpeed's plain torch one (not one from the JSON)."""
+    return type(checkpoint_engine(engine)) is _internal("TorchCheckpointEngine")
+
+
+def load_bf16_optimizer_files(engine, load_dir: str, tag: str) -> bool:
+    """The bf16 optimizer's ``bf16_zero_*`` files under ZeRO-0, which DeepSpeed 0.19's
+    ``load_checkpoint`` does not read there (``engine._load_zero_checkpoint``, 0.16-0.19)."""
+    return bool(engine._load_zero_checkpoint(load_dir, tag))
+
+
+def set_engine_counters(engine, state: dict) -> None:
+    """The engine's step counters (``global_steps``, ``global_samples``, ``skipped_steps``
+    attributes, 0.16-0.19) from a checkpoint's state, as ``load_checkpoint`` restores them."""
+    for attr in ("global_steps", "global_samples", "skipped_steps"):
+        if attr in state:
+            setattr(engine, attr, state[attr])
+
+
+def use_layer_file_checkpoints(engine, load_module) -> None:
+    """Make ``engine.save_checkpoint`` write no module weights into its ``mp_rank_*`` file (None,
+    as ``PipelineEngine.module_state_dict`` returns after writing its per-layer files) and make
+    ``engine.load_checkpoint`` read the module through ``load_module(strict)`` instead (instance
+    overrides of ``module_state_dict`` / ``load_module_state_dict``, 0.16-0.19)."""
+    engine.module_state_dict = lambda *args, **kwargs: None
+
+    def load_module_state_dict(checkpoint=None, strict=True, *args, **kwargs):
+        load_module(strict)
+
+    engine.load_module_state_dict = load_module_state_dict
+
+
+def is_bf16_optimizer(optimizer) -> bool:
+    """DeepSpeed's BF16_Optimizer (``deepspeed.runtime.bf16_optimizer``, 0.16-0.19)."""
+    return isinstance(optimizer, _internal("BF16_Optimizer"))
+
+
+def accumulates_grads_in_fp32(engine) -> bool:
+    """Whether the engine's optimizer sums micro-batch gradients in fp32 (the bf16 optimizer's ``_hp_grad``)."""
+    return is_bf16_optimizer(engine.optimizer)
+
+
+def backward_loss_scale(engine) -> float:
+    """The factor ``engine.backward`` multiplies a loss by: DeepSpeed 0.19 scales only through a
+    ZeRO-family optimizer's ``scale_if_loss`` (``custom_loss_scaler`` / ``external_loss_scale`` /
+    ``loss_scaler.loss_scale``; the bf16 optimizer has none) or the engine's
+    ``torch_autocast_z0_gradscaler`` under ZeRO 0 with torch autocast; else the loss goes in unscaled."""
+    opt = engine.optimizer
+    if isinstance(opt, _internal("ZeROOptimizer")):
+        if getattr(opt, "custom_loss_scaler", False):
+            return float(opt.external_loss_scale)
+        scaler = getattr(opt, "loss_scaler", None)
+        return float(scaler.loss_scale) if scaler is not None else 1.0
+    gradscaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(gradscaler.get_scale()) if gradscaler is not None else 1.0
+
+
+def reported_loss_scale(engine) -> float:
+    """The fp16 loss scale for the log: the optimizer's ``cur_scale`` (fp16 ZeRO-0 optimizers) or
+    its ``loss_scaler.cur_scale`` (ZeRO), 0.16-0.19; 1.0 without a scaler."""
+    opt = getattr(engine, "optimizer", None)
+    scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+    return float(scale) if scale else 1.0
+
+
+def accumulated_grad(engine, param):
+    """The step's accumulated gradient of ``param`` before the data parallel reduction, as
+    ``PipelineEngine._exec_reduce_tied_grads`` (0.19) finds it: ``param._hp_grad`` under the bf16
+    optimizer, else ``param.grad``; None if it has none."""
+    return getattr(param, "_hp_grad", None) if is_bf16_optimizer(engine.optimizer) else param.grad
+
+
+# --- optimizer internals (resharding writes optimizer state) ------------------------------------
+def flat_partitions(opt) -> list[torch.Tensor] | None:
+    """This rank's flat fp32 partitions: ``single_partition_of_fp32_groups`` (ZeRO 1-2),
+    ``fp32_groups_flat_partition`` (bf16), ``fp32_partitioned_groups_flat`` (ZeRO-3), 0.16-0.19."""
+    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_partitioned_groups_flat"):
+        if hasattr(opt, attr):
+            return getattr(opt, attr)
+    return None
+
+
+def base_optimizer(opt):
+    """The torch optimizer a DeepSpeed optimizer wraps (its ``optimizer`` attribute, 0.16-0.19)."""
+    return opt.optimizer
+
+
+def names_its_parameters_in_files(opt) -> bool:
+    """Whether the optimizer's checkpoint files name their parameters: ZeRO 1-2 and bf16
+    (``param_slice_mappings``) and ZeRO-3 (``fp32_partitioned_groups_flat``), 0.16-0.19."""
+    return any(hasattr(opt, a) for a in ("param_slice_mappings", "fp32_partitioned_groups_flat"))
+
+
+def create_optimizer_state(opt) -> None:
+    """Adam's state for each flat partition, as its first step would create it (zeros)."""
+    for flat in flat_partitions(opt):
+        state = base_optimizer(opt).state[flat]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat.detach()),
+                         exp_avg_sq=torch.zeros_like(flat.detach()))
+
+
+def link_hp_optimizer_state(opt) -> None:
+    """Link each parameter to its optimizer-state fragments before the first step (DeepSpeed makes
+    the links lazily there: ``_hp_optimizer_states_linked`` / ``_lazy_init_hp_params_optimizer_state``
+    of the ZeRO 1-2 and bf16 optimizers, 0.16-0.19), creating the state they link to first."""
+    if getattr(opt, "_hp_optimizer_states_linked", True):
+        return
+    create_optimizer_state(opt)
+    opt._lazy_init_hp_params_optimizer_state()
+
+
+def mark_pipe_replicated(param) -> None:
+    """Count this copy of a tied weight once in the global grad norm, as PipelineModule marks its
+    tied copies (``param.ds_pipe_replicated``, read by DeepSpeed's norm helpers, 0.16-0.19)."""
+    param.ds_pipe_replicated = True
+
+
+def is_pipe_replicated(param) -> bool:
+    """Whether ``param`` is such a copy (``ds_pipe_replicated``)."""
+    return bool(getattr(param, "ds_pipe_replicated", False))
+
+
+def is_zero3_param(param) -> bool:
+    """Whether ZeRO-3 partitioned ``param`` (it gets a ``ds_id``, 0.16-0.19)."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_param_group(param):
+    """The data parallel group a ZeRO-3 parameter is partitioned over (``ds_process_group``, 0.16-0.19)."""
+    return param.ds_process_group
+
+
+def has_fragment_mapping(param) -> bool:
+    """Whether ZeRO 1-2 / bf16 mapped ``param`` to optimizer-state fragments (``param._hp_mapping``, 0.16-0.19)."""
+    return hasattr(param, "_hp_mapping")
+
+
+def is_fp16_optimizer(opt) -> bool:
+    """DeepSpeed's FP16_Optimizer (``fp32_groups_flat``) or FP16_UnfusedOptimizer (``fp32_groups``),
+    both with ``fp16_groups`` (ZeRO-0, 0.16-0.19)."""
+    return hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups"))
+
+
+def fp16_optimizer_groups(opt) -> list:
+    """A ZeRO-0 fp16 optimizer's groups of the module's parameters (``fp16_groups``, 0.16-0.19)."""
+    return opt.fp16_groups
+
+
+def fp16_optimizer_master(opt, g: int, j: int) -> tuple[torch.Tensor, int | None]:
+    """The fp32 master holding parameter ``j`` of group ``g`` of a ZeRO-0 fp16 optimizer and its
+    offset in it: FP16_Optimizer's flat group master (``fp32_groups_flat[g]``, the group's
+    parameters concatenated in order), or FP16_UnfusedOptimizer's own copy (``fp32_groups[g][j]``,
+    offset None), 0.16-0.19."""
+    if hasattr(opt, "fp32_groups_flat"):
+        return opt.fp32_groups_flat[g], sum(p.numel() for p in opt.fp16_groups[g][:j])
+    return opt.fp32_groups[g][j], None
+
+
+def fp16_loss_scale_config(opt):
+    """A ZeRO-0 fp16 optimizer's loss scaler settings/state (``loss_scale_config``, 0.19); None elsewhere."""
+    config = getattr(opt, "loss_scale_config", None)
+    return config if config is not None and is_fp16_optimizer(opt) else None
+
+
+# --- torch internals ------------------------------------------------------------------------------
+def scale_grads_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiply gradients in place, one fused kernel per device (``torch._foreach_mul_``, torch 2.x)."""
+    torch._foreach_mul_(grads, factor)
+
+
+def set_default_group_timeout(timeout) -> bool:
+    """Make later ``new_group()`` calls without a timeout use ``timeout``: torch 2.x reads the module
+    globals ``distributed_c10d.default_pg_timeout`` / ``default_pg_nccl_timeout`` through
+    ``_get_default_timeout`` at each new_group. False (nothing changed) where this torch lacks them."""
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    if not (hasattr(c10d, "default_pg_timeout") and hasattr(c10d, "_get_default_timeout")):
+        return False
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
+    return True
+
+
+def act_as_torch_optimizer(opt, profile_name: str) -> None:
+    """The attributes torch.optim.Optimizer.__init__ would set (its step hooks and zero_grad's
+    profiling name, torch 2.x) on a wrapper that shares another optimizer's state instead."""
+    opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = {}, {}
+    opt._zero_grad_profile_name = profile_name
+
+
+def checkpoint_safe_globals() -> list:
+    """DeepSpeed objects found inside its optimizer/engine states (plain data classes and enums),
+    for ``torch.load(weights_only=True)``: loss scalers, ZeroStageEnum, fragment_address (0.16-0.19;
+    each skipped where a release lacks it)."""
+    allowed = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            mod = importlib.import_module(module)
+            allowed += [getattr(mod, name) for name in names]
+        except (ImportError, AttributeError):
+            pass
+    return allowed
