@@ -169,12 +169,13 @@ def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recom
         bias-dropout-add multiplies by a mask in the activations' dtype; 1 byte, CUDA's bool mask,
         with --no-bias-dropout-fusion)
       split by t: q, k, v 2*(a + 2*g)*d/h (g key/value heads, d channels per head), the attention
-        output 2*a*d/h, the logsumexp 4*a/h, with RoPE the rotated copies of q and k 2*(a + g)*d/h
-        (v, a view of the fused QKV output, keeps that whole output alive); GeLU MLP 2*f/h (its input) + 2*f/h (the second linear's
-        input), SwiGLU 4*f/h (gate and up) + 2*f/h (SiLU(gate)) + 2*f/h (the product)
+        output 2*a*d/h (also the output projection's input), the logsumexp 4*a/h, with RoPE the
+        rotated copies of q and k 2*(a + g)*d/h (v, a view of the fused QKV output, keeps that
+        whole output alive); GeLU MLP 2*f/h (its input) + 2*f/h (the second linear's input),
+        SwiGLU 4*f/h (gate and up) + 2*f/h (SiLU(gate)) + 2*f/h (the product)
 
-    Selective recompute re-runs the attention core, so its output and logsumexp are not kept.
-    fp32 activations double everything.
+    Selective recompute re-runs the attention core from q, k, v: its logsumexp is not kept (the
+    output still is, as the projection's input). fp32 activations double everything.
     """
     m = layout.model
     s, b, h, a, t = m.seq_length, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
@@ -185,7 +186,7 @@ def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recom
     replicated = 2 + 2 + 2 + 2 + masks
     qkv = 2 * (a + 2 * g) * d / h
     rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" else 0.0
-    core = 2 * a * d / h + 4 * a / h if recompute != "selective" else 0.0
+    core = 2 * a * d / h + (4 * a / h if recompute != "selective" else 0.0)
     mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if sequence_parallel else replicated) + split / t)
