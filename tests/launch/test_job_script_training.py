@@ -62,11 +62,12 @@ def test_multi_node_job_script_trains_on_two_nodes(tmp_path, e2e_data):
                # the simulated host names don't resolve: rank 0's address is this machine's
                MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),  # not the job id's port: other
                # test runs on this machine may hold it
-               # routed=direct: Open MPI 4.1's default tree routing once lost a simulated daemon here
-               # under load ("does not know how to route a message ... set the MCA param
-               # routed=direct", mpirun exit 139; the same message as open-mpi/ompi#6786, #12359);
-               # with two daemons on one machine the tree buys nothing
-               MPIRUN_EXTRA_ARGS=f"--mca plm_rsh_agent {agent} --mca routed direct",
+               # rtc_hwloc_vmhole=none: each Open MPI 4.1 daemon maps its hardware topology into
+               # shared memory at a hole of its address space (orte/mca/rtc/hwloc); with both
+               # simulated "nodes" on one machine a daemon now and then segfaulted there
+               # (hwloc_shmem_topology_write), which killed the job. "none" skips that sharing (an
+               # optimisation: each process reads the topology itself); real nodes run one daemon each
+               MPIRUN_EXTRA_ARGS=f"--mca plm_rsh_agent {agent} --mca rtc_hwloc_vmhole none",
                STAGE_DATA=1)  # each node copies the data to its $PBS_LOCALDIR first (through mpirun)
     result = job.run("abci3_h200_llama_7b.sh", *CPU_ARGS, "--eval-iters", "0", TRAIN_ITERS=3, timeout=600, **env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
