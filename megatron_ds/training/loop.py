@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_ds import ds_compat
 from megatron_ds.config import Config, Layout
 from megatron_ds.training import log as mlog
 from megatron_ds.training.batch_schedule import TrainPlan
@@ -75,12 +76,6 @@ def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: i
     return float(acc) / (eval_iters * layout.grad_accum_steps * dist.get_world_size(dp_group))
 
 
-def _loss_scale(engine) -> float:
-    from megatron_ds.ds_compat import reported_loss_scale  # noqa: PLC0415
-
-    return reported_loss_scale(engine)
-
-
 def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, valid_iter, *, loss_fn,
           dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float,
           stop_signals: StopSignals | None = None) -> TrainState:
@@ -126,7 +121,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
                 iteration=state.iteration, train_iters=layout.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
                 consumed_tokens=state.consumed_train_tokens if layout.run.counts_tokens else None,
-                global_batch_size=batch, loss=mean_loss, loss_scale=_loss_scale(engine),
+                global_batch_size=batch, loss=mean_loss, loss_scale=ds_compat.reported_loss_scale(engine),
                 grad_norm=grad_norm, skipped=engine.skipped_steps - window_skipped, nans=window_nans,
                 samples_per_s=batch / elapsed,
                 tokens_per_s_per_gpu=batch * m.seq_length / elapsed / layout.world_size,
@@ -139,7 +134,7 @@ def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, va
                 "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
                 "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
                 "mem-peak-GB": mlog.peak_memory_gb(device) if lg.log_memory_to_tensorboard else None,
-                "loss-scale": _loss_scale(engine),
+                "loss-scale": ds_compat.reported_loss_scale(engine),
             })
             window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
             window_skipped = engine.skipped_steps
