@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.config.derive import resolve_model_config  # noqa: E402
+from megatron_ds.config.layout import resolve_model_config  # noqa: E402
 from megatron_ds.config.schema import ModelConfig  # noqa: E402
 from megatron_ds.inference.generate import SamplingConfig, generate  # noqa: E402
 from megatron_ds.inference.model import ModelWeights, build_inference_model  # noqa: E402

@@ -78,11 +78,11 @@ def our_argv(shape, seq: int, micro: int, iters: int, recompute: bool, precision
 def model_flops(argv: list[str], micro: int, vocab: int | None = None) -> float:
     """Model FLOPs of one iteration of this shape (vocab: the output layer's width; default ours,
     i.e. padded)."""
-    from megatron_ds.config import derive, parse_args
+    from megatron_ds.config import parse_args, resolve
     from megatron_ds.training.flops import model_flops_per_iteration
 
     cfg, _ = parse_args(argv)
-    layout = derive(cfg, 1, vocab_size=VOCAB, device_type="cpu")
+    layout = resolve(cfg, world_size=1, vocab_size=VOCAB, device_type="cpu").layout
     return model_flops_per_iteration(layout.model, micro, vocab or layout.padded_vocab_size,
                                      layout.recompute == "full")
 

@@ -5,7 +5,7 @@ cost a fixed time.
 Each layer's forward sleeps ``--fwd-ms`` and its backward ``--bwd-ms`` (a timed sleep, so CPU
 contention from other processes barely matters: the ranks wait, they do not compute). The
 pipeline runs on ``--pp`` gloo processes on this host with the real executor
-(``megatron_ds.training.interleaved.InterleavedPipeline`` on DeepSpeed's plain engine, real
+(``megatron_ds.training.interleaved_pipeline.InterleavedPipeline`` on DeepSpeed's plain engine, real
 point-to-point messages, engine backward and optimizer step), once with ``v = 1`` chunk per rank
 (1F1B) and once with ``--v`` chunks (interleaved). One step's compute per rank is
 ``m * layers_per_rank * (fwd + bwd)``; the ideal step time adds the bubble:
@@ -92,7 +92,7 @@ def _worker(rank, world, port, v, args, queue):
     import deepspeed
 
     from megatron_ds.parallel.groups import ParallelState
-    from megatron_ds.training.interleaved import InterleavedPipeline
+    from megatron_ds.training.interleaved_pipeline import InterleavedPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from megatron_ds.config import ConfigError
+from megatron_ds.errors import ConfigError
 
 # setup.py's "deepspeed>=0.16,<0.20"; CI and the test suite run 0.19.x.
 TESTED = ("0.16", "0.20")

@@ -11,7 +11,7 @@ import deepspeed
 import pytest
 
 from megatron_ds import ds_compat
-from megatron_ds.config import ConfigError
+from megatron_ds.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -40,7 +40,7 @@ def _cuda_lines(torch) -> list[str]:
 def report() -> tuple[list[str], bool]:
     import torch
 
-    from megatron_ds.model.fused import describe_kernels
+    from megatron_ds.model.kernels import describe_kernels
 
     cuda = torch.cuda.is_available()
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})",

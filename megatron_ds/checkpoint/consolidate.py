@@ -24,11 +24,11 @@ import dataclasses
 from typing import Callable, Iterator
 
 import torch
-from deepspeed.pipe import TiedLayerSpec
 
-from megatron_ds.config import ConfigError, ModelConfig
 from megatron_ds.checkpoint import tp as tp_rules
-from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
+from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
+from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.config.schema import ModelConfig
 
 
 @dataclasses.dataclass
@@ -39,65 +39,6 @@ class Consolidated:
     iteration: int
     config: dict  # the saved run config (Config.to_dict() of the run that wrote it)
     state_dict: dict[str, torch.Tensor]
-
-
-def layer_prefixes(model: ModelConfig, padded_vocab_size: int) -> list[tuple[int, str]]:
-    """(global layer index, state-dict prefix) of every layer that owns parameters, in order.
-
-    Read from the model's own layer specs, so the names follow the model code: a tied module is
-    ``tied_modules.<key>.`` (stored once, in the file of its first layer), others ``<index>.``.
-    """
-    from megatron_ds.model.pipeline import gpt_layer_specs  # noqa: PLC0415 - heavy import
-
-    out, seen = [], set()
-    for idx, spec in enumerate(gpt_layer_specs(model, padded_vocab_size=padded_vocab_size)):
-        if isinstance(spec, TiedLayerSpec):
-            if spec.key in seen:
-                continue  # the tied output layer: the same weights, not saved again
-            seen.add(spec.key)
-            out.append((idx, f"tied_modules.{spec.key}."))
-        else:
-            out.append((idx, f"{idx}."))
-    return out
-
-
-class _ModuleSource:
-    """Per-layer tensor parallel shards from the plain engine's mp_rank files (module under "module")."""
-
-    def __init__(self, ckpt: CheckpointFiles):
-        self.modules = []
-        for t in range(ckpt.tp):
-            state = load_file(ckpt.mp_file(t))
-            if not state.get("module"):
-                raise ConfigError(f"{ckpt.path} has neither pipeline layer files nor module weights in "
-                                  f"{ckpt.mp_file(t)}")
-            self.modules.append(state["module"])
-
-    def shards(self, idx: int, prefix: str) -> list[dict]:
-        return [{k[len(prefix):]: v for k, v in m.items() if k.startswith(prefix)} for m in self.modules]
-
-
-class _LayerFileSource:
-    def __init__(self, ckpt: CheckpointFiles):
-        self.ckpt = ckpt
-
-    def shards(self, idx: int, prefix: str) -> list[dict]:
-        paths = [self.ckpt.layer_file(idx, t) for t in range(self.ckpt.tp)]
-        try:
-            return [load_file(p) for p in paths]
-        except FileNotFoundError as exc:
-            raise ConfigError(f"checkpoint {self.ckpt.path} is incomplete: {exc.filename} is missing") from None
-
-
-def layer_source(ckpt: CheckpointFiles, *, from_masters: bool = False):
-    """Where a layer's tensor parallel shards come from: the module's weights (layer files or the
-    plain engine's module), or the optimizer's fp32 masters (``from_masters``; ZeRO-3 checkpoints
-    always, rounded to the training precision unless ``from_masters``: ZeRO-3 keeps no other copy)."""
-    if from_masters or ckpt.zero_stage == 3:
-        from megatron_ds.checkpoint.masters import MasterSource  # noqa: PLC0415 - it builds on this module
-
-        return MasterSource(ckpt, exact=from_masters)
-    return _LayerFileSource(ckpt) if ckpt.has_layer_files() else _ModuleSource(ckpt)
 
 
 def merge_layer(shards: list[dict], prefix: str, model: ModelConfig) -> dict[str, torch.Tensor]:

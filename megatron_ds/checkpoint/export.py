@@ -14,12 +14,13 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import hf
-from megatron_ds.checkpoint.consolidate import iter_consolidated_layers, layer_prefixes
-from megatron_ds.checkpoint.files import CheckpointFiles, open_checkpoint
+from megatron_ds.checkpoint.consolidate import iter_consolidated_layers
+from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
+from megatron_ds.checkpoint.sources import DTYPES
+from megatron_ds.config.schema import DataConfig
+from megatron_ds.data.tokenizer import MockTokenizer, build_tokenizer_for
+from megatron_ds.errors import ConfigError
 from megatron_ds.progress import track
-from megatron_ds.config import ConfigError, DataConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ShardWriter:
@@ -69,8 +70,6 @@ def _data_config(ckpt: CheckpointFiles, overrides: dict) -> DataConfig:
 
 def _tokenizer(data: DataConfig, log: Callable):
     """Our tokenizer for the saved run (None for mock data / NullTokenizer)."""
-    from megatron_ds.training.data import MockTokenizer, build_tokenizer_for  # noqa: PLC0415
-
     if data.tokenizer_type in (None, "NullTokenizer"):
         return None
     try:
@@ -121,7 +120,7 @@ def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtyp
               max_shard_bytes: int = 5 * 2**30, log: Callable = print) -> str:
     """Write the checkpoint as a transformers model directory; returns the architecture name.
     ``from_masters``: the optimizer's fp32 master weights instead of the module's (bf16/fp16 runs:
-    the bits their rounding dropped; ``megatron_ds.checkpoint.masters``)."""
+    the bits their rounding dropped; ``megatron_ds.checkpoint.sources.MasterSource``)."""
     ckpt = open_checkpoint(load_dir, iteration)
     arch = hf.choose_architecture(ckpt.model)
     data = _data_config(ckpt, data_overrides or {})

@@ -1,6 +1,6 @@
 """Finding and reading the files of a megatron_ds checkpoint, whatever layout wrote it.
 
-A checkpoint ``DIR/global_stepN/`` (see ``megatron_ds.training.checkpointing``) holds:
+A checkpoint ``DIR/global_stepN/`` (``megatron_ds.checkpoint.format``) holds:
 
 - ``megatron_ds_config.json``: the saved run config and its layout signature (TP, PP, DP, ZeRO
   stage, precision, padded vocabulary) -- everything needed to interpret the rest;
@@ -22,18 +22,54 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import re
 
 import torch
+from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint.zero3 import model_states_file
-from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
-from megatron_ds.training.checkpointing import META, checkpoint_tag, read_tracker
+from megatron_ds.checkpoint.format import META, read_meta, step_dir, tracked_iteration
+from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.errors import ConfigError
+from megatron_ds.model.pipeline import gpt_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
+
+
+def layer_file_name(layer: int, tp_rank: int) -> str:
+    """DeepSpeed ``PipelineModule``'s per-layer file: global layer index, tensor parallel rank."""
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def model_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
+    """ZeRO-3's client state (and empty module) of data parallel rank ``dp_rank``, model parallel ``mp_rank``."""
+    return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
+
+
+def optim_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
+    """A ZeRO optimizer shard of data parallel rank ``dp_rank``, model parallel rank ``mp_rank``."""
+    return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def layer_prefixes(model: ModelConfig, padded_vocab_size: int) -> list[tuple[int, str]]:
+    """(global layer index, state-dict prefix) of every layer that owns parameters, in order.
+
+    Read from the model's own layer specs, so the names follow the model code: a tied module is
+    ``tied_modules.<key>.`` (stored once, in the file of its first layer), others ``<index>.``.
+    """
+    out, seen = [], set()
+    for idx, spec in enumerate(gpt_layer_specs(model, padded_vocab_size=padded_vocab_size)):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key in seen:
+                continue  # the tied output layer: the same weights, not saved again
+            seen.add(spec.key)
+            out.append((idx, f"tied_modules.{spec.key}."))
+        else:
+            out.append((idx, f"{idx}."))
+    return out
 
 
 def load_file(path: str) -> dict:
@@ -68,7 +104,7 @@ class CheckpointFiles:
         return self.meta.get("config", {})
 
     def layer_file(self, layer: int, tp_rank: int) -> str:
-        return os.path.join(self.path, f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt")
+        return os.path.join(self.path, layer_file_name(layer, tp_rank))
 
     def has_layer_files(self) -> bool:
         return any(_LAYER_FILE.search(p) for p in os.listdir(self.path))
@@ -85,7 +121,7 @@ class CheckpointFiles:
 def resolve_iteration(load_dir: str, iteration: int | None) -> int:
     if iteration is not None:
         return iteration
-    found = read_tracker(load_dir)
+    found = tracked_iteration(load_dir)
     if found is None:
         raise ConfigError(f"{load_dir} has no latest_checkpointed_iteration.txt; pass the iteration to load")
     return found
@@ -96,13 +132,11 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFi
     if not os.path.isdir(load_dir):
         raise ConfigError(f"checkpoint directory {load_dir} does not exist")
     iteration = resolve_iteration(load_dir, iteration)
-    path = os.path.join(load_dir, checkpoint_tag(iteration))
-    meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
-        raise ConfigError(f"{meta_path} is missing: no complete megatron_ds checkpoint for iteration "
+    path = step_dir(load_dir, iteration)
+    if not os.path.isfile(os.path.join(path, META)):
+        raise ConfigError(f"{os.path.join(path, META)} is missing: no complete megatron_ds checkpoint for iteration "
                           f"{iteration} in {load_dir}")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_meta(path)
     sig = meta["signature"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}))

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.config import ConfigError, ModelConfig
+from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.errors import ConfigError
 
 GPT2, LLAMA = "gpt2", "llama"
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
@@ -186,8 +188,6 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
 
 def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
     """(architecture, our resolved ModelConfig) from a transformers config.json dict."""
-    from megatron_ds.config import resolve_model_config  # noqa: PLC0415
-
     kind = d.get("model_type")
     if kind == "gpt2":
         return GPT2, resolve_model_config(_gpt2_config(d))

@@ -7,7 +7,6 @@ tool prints them. One layer is converted and written at a time.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Callable
@@ -15,9 +14,11 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import hf
+from megatron_ds.checkpoint.files import layer_file_name
+from megatron_ds.checkpoint.format import META, TRACKER, atomic_write, signature, step_dir
+from megatron_ds.config.schema import Config, DataConfig, ModelConfig
+from megatron_ds.errors import ConfigError
 from megatron_ds.progress import track
-from megatron_ds.config import Config, ConfigError, ModelConfig
-from megatron_ds.training.checkpointing import META, SHAPE_FIELDS, TRACKER, checkpoint_tag
 
 
 class HFWeights:
@@ -63,16 +64,6 @@ def _tokenizer_settings(hf_dir: str, arch: str) -> dict:
     return {}
 
 
-def signature(m: ModelConfig, padded_vocab_size: int) -> dict:
-    """The layout signature a TP 1 x PP 1 fp32 run of ``m`` writes (``checkpointing.layout_signature``)."""
-    sig = {name: getattr(m, name) for name in SHAPE_FIELDS}
-    if m.position_embedding_type == "learned_absolute":
-        sig["max_position_embeddings"] = m.max_position_embeddings
-    sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-               data_parallel_size=1, zero_stage=0, precision="fp32", use_pipeline=True)
-    return sig
-
-
 def _layers(arch: str, m: ModelConfig, w: HFWeights):
     """(global layer index, our layer state dict) for every layer that owns parameters."""
     names = hf.embedding_names(arch)
@@ -98,21 +89,16 @@ def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConf
     arch, m = hf.model_config_from_hf(d)
     vocab = d["vocab_size"]
     weights = HFWeights(hf_dir)
-    tag_dir = os.path.join(save_dir, checkpoint_tag(0))
+    tag_dir = step_dir(save_dir, 0)
     os.makedirs(tag_dir, exist_ok=True)
     n = m.num_layers + 2 + int(m.untie_embeddings_and_output_weights)
     for idx, tensors in track(_layers(arch, m, weights), n, "import", unit="layers"):
-        torch.save({k: v.contiguous() for k, v in tensors.items()},
-                   os.path.join(tag_dir, f"layer_{idx:02d}-model_00-model_states.pt"))
-    cfg = Config(model=dataclasses.replace(m))
-    for k, v in _tokenizer_settings(hf_dir, arch).items():
-        setattr(cfg.data, k, v)
-    meta = {"signature": signature(m, vocab), "config": cfg.to_dict(), "vocab_size": vocab, "weights_only": True,
-            "imported_from": os.path.abspath(hf_dir)}
-    with open(os.path.join(tag_dir, META), "w") as f:
-        json.dump(meta, f, indent=2)
-    with open(os.path.join(save_dir, TRACKER), "w") as f:
-        f.write("0")
+        torch.save({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tag_dir, layer_file_name(idx, 0)))
+    cfg = Config(model=m, data=DataConfig(**_tokenizer_settings(hf_dir, arch)))
+    meta = {"signature": signature(m, padded_vocab_size=vocab), "config": cfg.to_dict(), "vocab_size": vocab,
+            "weights_only": True, "imported_from": os.path.abspath(hf_dir)}
+    atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
+    atomic_write(os.path.join(save_dir, TRACKER), "0")  # Megatron's tracker only: there is no DeepSpeed state
     log(f"imported {hf.ARCHITECTURES[arch]} from {hf_dir} into {save_dir}; train it with\n  "
         + " ".join(hf.model_flags(m)) + f"\n  --load {save_dir} (continue) or --load {save_dir} --finetune")
     return m

@@ -34,7 +34,7 @@ import re
 
 import torch
 
-from megatron_ds.config import ConfigError
+from megatron_ds.errors import ConfigError
 
 BLOCK_SUFFIXES = tuple(f"{m}.{p}" for m in (
     "input_layernorm", "self_attention.query_key_value", "self_attention.dense", "post_attention_layernorm",

@@ -14,7 +14,7 @@ Without ZeRO (and without DeepSpeed's bf16 optimizer) the mp_rank files hold a t
 
 Positions become names through ``optimizer_param_names``, which this toolkit records with every
 checkpoint. Checkpoints from before that are read by rebuilding the order: the optimizer's groups
-are ``megatron_ds.training.optimizer.param_groups`` of the stage's module, whose parameters come
+are ``megatron_ds.model.param_groups`` of the stage's module, whose parameters come
 in ``named_parameters`` order -- a ``PipelineModule`` (and ``GPTSequential``) registers
 ``tied_modules`` first (each built from the stage's first spec of its key), then its layers by
 index, each layer's parameters in its state-dict order (the order of its layer file). Which layers a pipeline stage held is found from the number of
@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
-from megatron_ds.checkpoint.files import CheckpointFiles, load_file
-from megatron_ds.config import ConfigError
-
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, layer_prefixes, load_file
+from megatron_ds.errors import ConfigError
+from megatron_ds.model.param_groups import param_groups
+from megatron_ds.model.pipeline import gpt_layer_specs
 # What DeepSpeed's ZeRO-0 fp16 optimizers save of their loss scaler (their state_dict())
 LOSS_SCALE_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
@@ -47,8 +47,6 @@ class _Named(torch.nn.Module):
 
 def _grouped(params: list[tuple[str, torch.Size]], weight_decay: float) -> list[list[str]]:
     """The optimizer's groups of names, as training/optimizer.py groups the module's parameters."""
-    from megatron_ds.training.optimizer import param_groups  # noqa: PLC0415
-
     module = _Named(params)
     names = {id(p): n for n, p in module.params}
     return [[names[id(p)] for p in g["params"]] for g in param_groups(module, weight_decay)]
@@ -58,9 +56,6 @@ class _Layout:
     """Each layer's parameters (name, shape) on one tensor parallel rank, from the saved weights."""
 
     def __init__(self, ckpt: CheckpointFiles, tp_rank: int):
-        from megatron_ds.checkpoint.consolidate import layer_prefixes  # noqa: PLC0415
-        from megatron_ds.model.pipeline import gpt_layer_specs  # noqa: PLC0415
-
         self.ckpt, self.tp_rank = ckpt, tp_rank
         self.specs = gpt_layer_specs(ckpt.model, padded_vocab_size=ckpt.padded_vocab_size, device="meta")
         self.n_layers = len(self.specs)

@@ -31,13 +31,15 @@ import torch
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint import tp as tp_rules
-from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source, merge_layer
-from megatron_ds.checkpoint.files import CheckpointFiles, load_file, open_checkpoint
-from megatron_ds.config import ConfigError
+from megatron_ds.checkpoint.consolidate import merge_layer
+from megatron_ds.checkpoint.engine_state import StateSetter
+from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
+from megatron_ds.checkpoint.optim_state import SavedOptimizer
+from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.errors import ConfigError
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
                  "precision", "padded_vocab_size", "use_pipeline")
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
@@ -67,78 +69,6 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
         return None
 
 
-class SavedOptimizer:
-    """A checkpoint's optimizer state by parameter name: full (TP-local) fp32 master and Adam
-    moments of each parameter on each saved TP x PP rank."""
-
-    def __init__(self, ckpt: CheckpointFiles, *, with_moments: bool = True):
-        self.ckpt = ckpt
-        self.step = None
-        self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
-        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
-        self.zero3 = None
-        self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
-        files = ckpt.optimizer_files()
-        if ckpt.zero_stage == 3:
-            from megatron_ds.checkpoint.zero3 import Zero3State  # noqa: PLC0415
-
-            self.zero3 = Zero3State(ckpt, with_moments=with_moments)
-            self.step = self.zero3.step
-        elif files:
-            for path in files:
-                self._index_zero_file(path)
-        else:
-            self._index_plain()
-
-    def _index_zero_file(self, path: str) -> None:
-        base = path.rsplit("/", 1)[-1]
-        dp = int(base.split("zero_pp_rank_")[1].split("_")[0])
-        mp = int(base.split("_mp_rank_")[1].split("_")[0])
-        osd = load_file(path)["optimizer_state_dict"]
-        base = osd["base_optimizer_state"]
-        # a torch state dict, or (ZeRO's elastic_checkpoint) one state per group
-        state = base["state"] if isinstance(base, dict) else dict(enumerate(base))
-        for g, mapping in enumerate(osd["param_slice_mappings"]):
-            flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[g][k] for k in OPTIM_KEYS}}
-            self.step = float(state[g]["step"])
-            for name, frag in mapping.items():
-                self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
-
-    def _index_plain(self) -> None:
-        """fp32 / fp16 ZeRO-0: a torch optimizer's positional state (``plain_optim``)."""
-        from megatron_ds.checkpoint import plain_optim  # noqa: PLC0415
-
-        for t in range(self.ckpt.tp):
-            mps = self._mp_ranks(t)
-            states = [load_file(self.ckpt.mp_file(mp)) for mp in mps]
-            names = [state.get("optimizer_param_names") for state in states]
-            if any(n is None for n in names):  # saved before the names were recorded
-                names = plain_optim.reconstruct_names(self.ckpt, states, t)
-            shapes = plain_optim.saved_shapes(self.ckpt, t)
-            self.loss_scale = {k: states[0]["optimizer"][k] for k in plain_optim.LOSS_SCALE_KEYS
-                               if k in states[0]["optimizer"]} or None
-            for mp, state, group_names in zip(mps, states, names):
-                found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
-                self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
-                self.step = step if step is not None else self.step
-
-    def _mp_ranks(self, tp_rank: int) -> list[int]:
-        return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
-
-    def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
-        """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
-        for mp in self._mp_ranks(tp_rank):  # a tied weight lives on two stages: the copies are equal
-            if self.zero3 is not None and self.zero3.has(name, mp):
-                return self.zero3.tensors(name, mp)
-            if (name, mp) in self.plain:
-                return self.plain[name, mp]
-            if (name, mp) in self.pieces:
-                pieces = sorted(self.pieces[name, mp], key=lambda p: p[0])
-                return {k: torch.cat([flat[k][start:start + numel] for _, flat, start, numel in pieces]).view(shape)
-                        for k in ("fp32", *OPTIM_KEYS)}
-        return None
-
-
 def _layer_of(name: str, prefixes: dict[str, int]) -> int:
     for prefix, idx in prefixes.items():
         if name.startswith(prefix):
@@ -146,7 +76,7 @@ def _layer_of(name: str, prefixes: dict[str, int]) -> int:
     raise ConfigError(f"parameter {name} belongs to no layer of the saved model")
 
 
-def _full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, dict[str, torch.Tensor]]:
+def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, dict[str, torch.Tensor]]:
     """name -> {"weight", and with optimizer state "fp32", "exp_avg", "exp_avg_sq"} full tensors of a layer."""
     shards = source.shards(idx, prefix)
     weights = merge_layer(shards, prefix, ckpt.model)
@@ -177,11 +107,11 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     by_layer = collections.defaultdict(list)
     for name in params:
         by_layer[_layer_of(name, prefixes)].append(name)
-    setter = _StateSetter(engine)
+    setter = StateSetter(engine)
     for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
         if idx not in by_layer:
             continue
-        full = _full_tensors(ckpt, source, saved_opt, idx, prefix)
+        full = full_tensors(ckpt, source, saved_opt, idx, prefix)
         for name in by_layer[idx]:
             if name not in full:
                 raise ConfigError(f"{ckpt.path} has no tensor for parameter {name}")
@@ -190,32 +120,12 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)
-        if saved_opt.loss_scale and setter.compat.set_loss_scale(engine, saved_opt.loss_scale):
+        if saved_opt.loss_scale and setter.set_loss_scale(saved_opt.loss_scale):
             log(f"fp16 loss scale {saved_opt.loss_scale.get('cur_scale')} carried over")
     client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
     return client
-
-
-class _StateSetter:
-    """Writes a parameter's shard into the module and, if given, the optimizer's state."""
-
-    def __init__(self, engine):
-        from megatron_ds.checkpoint import compat  # noqa: PLC0415
-
-        self.engine = engine
-        self.compat = compat
-
-    @torch.no_grad()
-    def set(self, param: torch.nn.Parameter, shard: dict[str, torch.Tensor]) -> None:
-        master = shard.get("fp32", shard["weight"])
-        self.compat.set_weight(param, master)
-        if "exp_avg" in shard:
-            self.compat.set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
-
-    def set_step(self, step: float) -> None:
-        self.compat.set_optimizer_step(self.engine, step)
 
 
 def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log: Callable) -> dict:

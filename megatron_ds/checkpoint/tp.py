@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config.schema import ModelConfig
 
 # (module name, parameter name) -> partition dim; stride below
 _SPLIT_DIM = {

@@ -22,7 +22,7 @@ Two kinds are read, at any TP / PP / DP / ZeRO 0-2 / precision of this run:
 
 Each of this run's parameters is read from its own files (memory-mapped), put into our layout,
 resized to this run's padded vocabulary and split for this rank by the resharding code
-(``megatron_ds.checkpoint.tp``, ``reshard._StateSetter``), so memory stays near one parameter.
+(``megatron_ds.checkpoint.tp``, ``engine_state.StateSetter``), so memory stays near one parameter.
 """
 from __future__ import annotations
 
@@ -38,12 +38,15 @@ import torch
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
-from megatron_ds.config import ConfigError
+from megatron_ds.checkpoint.engine_state import StateSetter
+from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
+from megatron_ds.checkpoint.format import SHAPE_FIELDS
+from megatron_ds.errors import ConfigError
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
 SIGNATURE_KEY = "megatron_ds_signature"  # ours, inside UC_INFO (DeepSpeed ignores unknown keys)
 LATEST = "latest_universal"  # written by ds_to_universal next to the output folder
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+STATES = ("fp32", *OPTIM_KEYS)
 
 
 # ---------------------------------------------------------------- saving: what ds_to_universal needs
@@ -91,8 +94,6 @@ def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, lo
     """Run DeepSpeed's ``ds_to_universal`` on a checkpoint of ours after checking that it can take
     it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
     The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
-    from megatron_ds.checkpoint.files import load_file, open_checkpoint  # noqa: PLC0415
-
     ckpt = open_checkpoint(load_dir, iteration)
     if ckpt.zero_stage == 0:
         # ds_to_universal reads each parameter's fragments from ZeRO optimizer files
@@ -193,8 +194,6 @@ class UniversalCheckpoint:
 
     def check_model(self, signature: dict) -> None:
         """The saved model's shape must be this run's (one line naming every difference)."""
-        from megatron_ds.training.checkpointing import SHAPE_FIELDS  # noqa: PLC0415
-
         if self.ours:
             saved = self.info[SIGNATURE_KEY]
         else:
@@ -240,15 +239,13 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
                    log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
     ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies)."""
-    from megatron_ds.checkpoint.reshard import _StateSetter  # noqa: PLC0415
-
     uc = UniversalCheckpoint(find_universal(load_dir))
     uc.check_model(signature)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
                                                                  "swiglu")})
     padded = signature["padded_vocab_size"]
-    setter = _StateSetter(engine)
+    setter = StateSetter(engine)
     for name, param in engine.module.named_parameters():
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")

@@ -23,25 +23,16 @@ import os
 
 import torch
 
-from megatron_ds.config import ConfigError
+from megatron_ds.checkpoint.files import CheckpointFiles, load_file, model_states_file, optim_states_file
+from megatron_ds.errors import ConfigError
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-def model_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
-    return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
-
-
-def optim_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
-    return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
 class Zero3State:
     """Full (tensor parallel local) fp32 masters and Adam moments of a ZeRO-3 checkpoint, by name."""
 
-    def __init__(self, ckpt, *, with_moments: bool = True):
-        from megatron_ds.checkpoint.files import load_file  # noqa: PLC0415 - files imports this module's users
-
+    def __init__(self, ckpt: CheckpointFiles, *, with_moments: bool = True):
         self.path, self.dp = ckpt.path, ckpt.dp
         self.step = None
         self.place: dict[tuple[str, int], tuple[int, int, torch.Size]] = {}  # (name, mp) -> (group, offset, shape)

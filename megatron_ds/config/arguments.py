@@ -154,13 +154,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
 
 
+def _section_class(section: str) -> type:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}[section]
+
+
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog, allow_abbrev=False,
         description="Train a GPT model with Megatron-style tensor parallelism on DeepSpeed. "
                     "Flags follow Megatron-DeepSpeed.")
     for section in SECTIONS:
-        cls = {f.name: f.default_factory for f in dataclasses.fields(Config)}[section]
+        cls = _section_class(section)
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
@@ -177,12 +181,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                           "in GB or as an ABCI resource type (rt_F, rt_AF, rt_HF) or GPU name (v100, h200).")
     compat = parser.add_argument_group("accepted for compatibility (no effect here)")
     for flag, nvals in IGNORED_FLAGS.items():
-        compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, help=argparse.SUPPRESS)
+        compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag, (nvals, _) in UNSUPPORTED_FLAGS.items():
         nargs = "*" if nvals < 0 else nvals
-        parser.add_argument(flag, action=_Unsupported, nargs=nargs, help=argparse.SUPPRESS)
+        parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag, (nargs, _, _) in OFF_VALUE_FLAGS.items():
-        parser.add_argument(flag, action=_OffValue, nargs=nargs, const="1", help=argparse.SUPPRESS)
+        parser.add_argument(flag, action=_OffValue, nargs=nargs, const="1", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     return parser
 
 
@@ -190,11 +195,9 @@ def parse_args(argv=None) -> tuple[Config, list[str]]:
     """Parse a command line into a Config. Returns (config, ignored compatibility flags)."""
     ns = vars(build_parser().parse_args(argv))
     ignored = ns.pop("_ignored", [])
-    cfg = Config()
+    sections: dict[str, dict] = {name: {} for name in SECTIONS}
+    top = {}
     for key, value in ns.items():
-        if "." in key:
-            section, name = key.split(".", 1)
-            setattr(getattr(cfg, section), name, value)
-        else:
-            setattr(cfg, key, value)
-    return cfg, ignored
+        section, _, name = key.rpartition(".")
+        (sections[section] if section else top)[name] = value
+    return Config(**{name: _section_class(name)(**values) for name, values in sections.items()}, **top), ignored

@@ -19,7 +19,8 @@ import importlib.util
 import itertools
 from dataclasses import dataclass
 
-from megatron_ds.config.derive import ConfigError, Layout, count_parameters
+from megatron_ds.config.layout import Layout, count_parameters
+from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -151,7 +152,7 @@ def state_bytes(layout: Layout) -> StateBytes:
                       optimizer_split=4 + 8, optimizer_path="DeepSpeed ZeRO stage 3")
 
 
-def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recompute: str | None) -> float:
+def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> float:
     """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
 
     Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
@@ -189,7 +190,7 @@ def activation_bytes_per_layer(layout: Layout, *, sequence_parallel: bool, recom
     core = 2 * a * d / h + (4 * a / h if recompute != "selective" else 0.0)
     mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
     split = qkv + rope + core + mlp
-    per_layer = s * b * h * ((replicated / t if sequence_parallel else replicated) + split / t)
+    per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
     return per_layer * (2 if layout.precision == "fp32" else 1)
 
 
@@ -224,8 +225,7 @@ class MemoryEstimate:
         return head + f" of {budget / GB:.0f} GB: {verdict} ({self.optimizer_path})"
 
 
-def _stage_terms(layout: Layout, stage, sb: StateBytes, *, sequence_parallel: bool,
-                 recompute_num_layers: int) -> tuple[list[tuple[str, float]], float]:
+def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str, float]], float]:
     p, dp, m = stage.params_per_tp_rank, layout.dp, layout.model
     weights = p * (sb.weights + sb.weights_split / dp)
     grad_buffers = p * (sb.grads + sb.grads_split / dp)
@@ -235,17 +235,16 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes, *, sequence_parallel: bo
     layers = stage.layers[1] - stage.layers[0]
     in_flight = in_flight_micro_batches(layout, stage.stage)
     act_bytes = 4 if layout.precision == "fp32" else 2
-    shard = layout.tp if sequence_parallel else 1
+    shard = layout.tp if layout.sequence_parallel else 1
     sbh = m.seq_length * layout.micro_batch_size * m.hidden_size
     if layout.recompute == "full":
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time.
-        chunk = max(1, min(recompute_num_layers, layers))
+        chunk = max(1, min(layout.recompute_num_layers, layers))
         kept = -(-layers // chunk) * sbh * act_bytes / shard
-        working = chunk * activation_bytes_per_layer(layout, sequence_parallel=sequence_parallel, recompute=None)
+        working = chunk * activation_bytes_per_layer(layout, recompute=None)
         activations = in_flight * kept + working
     else:
-        per_layer = activation_bytes_per_layer(layout, sequence_parallel=sequence_parallel,
-                                               recompute=layout.recompute)
+        per_layer = activation_bytes_per_layer(layout, recompute=layout.recompute)
         activations = in_flight * layers * per_layer
     activations += in_flight * sbh * act_bytes  # the stage's input/output hidden state buffers
     logits = 0.0
@@ -273,23 +272,19 @@ def _bucket_bytes(layout: Layout, params: int) -> float:
     return (copies * reduce_elems + gather_elems) * lp
 
 
-def estimate_stages(layout: Layout, *, sequence_parallel: bool = False,
-                    recompute_num_layers: int = 1) -> list[MemoryEstimate]:
+def estimate_stages(layout: Layout) -> list[MemoryEstimate]:
     """One estimate per pipeline stage (a GPU of that stage)."""
     sb = state_bytes(layout)
     out = []
     for stage in layout.stages:
-        terms, persistent = _stage_terms(layout, stage, sb, sequence_parallel=sequence_parallel,
-                                         recompute_num_layers=recompute_num_layers)
+        terms, persistent = _stage_terms(layout, stage, sb)
         out.append(MemoryEstimate(stage.stage, tuple(terms), persistent, sb.optimizer_path))
     return out
 
 
-def estimate_memory(layout: Layout, *, sequence_parallel: bool = False,
-                    recompute_num_layers: int = 1) -> MemoryEstimate:
+def estimate_memory(layout: Layout) -> MemoryEstimate:
     """The estimate for the stage needing the most memory (see the module docstring)."""
-    return max(estimate_stages(layout, sequence_parallel=sequence_parallel,
-                               recompute_num_layers=recompute_num_layers), key=lambda e: e.total)
+    return max(estimate_stages(layout), key=lambda e: e.total)
 
 
 def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, zero_stage: int | None = None,
@@ -338,12 +333,10 @@ def _candidates(layout: Layout):
         micro //= 2
 
 
-def suggestions(layout: Layout, budget: float, *, sequence_parallel: bool = False,
-                recompute_num_layers: int = 1, limit: int = 4) -> list[str]:
+def suggestions(layout: Layout, budget: float, *, limit: int = 4) -> list[str]:
     """Changes (one, else two combined) whose estimate fits ``budget``, smallest total first."""
-    kw = dict(sequence_parallel=sequence_parallel, recompute_num_layers=recompute_num_layers)
     singles = list(_candidates(layout))
-    fits = [(estimate_memory(lay, **kw).total, flag) for flag, lay in singles]
+    fits = [(estimate_memory(lay).total, flag) for flag, lay in singles]
     fits = [(total, flag) for total, flag in fits if total <= budget]
     if not fits:
         for (f1, l1), (f2, _) in itertools.combinations(singles, 2):
@@ -351,21 +344,19 @@ def suggestions(layout: Layout, budget: float, *, sequence_parallel: bool = Fals
                 continue
             for flag, lay in _candidates(l1):
                 if flag == f2:
-                    total = estimate_memory(lay, **kw).total
+                    total = estimate_memory(lay).total
                     if total <= budget:
                         fits.append((total, f"{f1} {f2}"))
     fits.sort()
     return [f"{flag} (~{total / GB:.1f} GB)" for total, flag in fits[:limit]]
 
 
-def check_memory(layout: Layout, estimate: MemoryEstimate, budget: float | None, *,
-                 sequence_parallel: bool = False, recompute_num_layers: int = 1) -> None:
+def check_memory(layout: Layout, estimate: MemoryEstimate, budget: float | None) -> None:
     """Raise ConfigError when the estimate exceeds ``budget`` bytes (None: no check)."""
     if budget is None or estimate.total <= budget:
         return
     name, value = estimate.biggest()
-    fixes = suggestions(layout, budget, sequence_parallel=sequence_parallel,
-                        recompute_num_layers=recompute_num_layers)
+    fixes = suggestions(layout, budget)
     advice = ("would fit: " + "; ".join(fixes)) if fixes else \
         "no single TP/PP/recompute/ZeRO/micro-batch change fits: use more GPUs or a smaller model"
     raise ConfigError(f"estimated {estimate.total / GB:.1f} GB per GPU (stage {estimate.stage}) exceeds the "

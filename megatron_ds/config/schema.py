@@ -1,9 +1,13 @@
-"""Configuration dataclasses: one per concern, the single source of truth for every option.
+"""The command line's flags as dataclasses: one per concern, the single source of truth for every option.
 
 The command-line parser is generated from these classes (see ``arguments.py``): a field
 ``num_layers`` becomes ``--num-layers`` and the string literal written under a field is its help
 text. ``meta(...)`` adds what the generator cannot infer: other spellings of the flag, choices,
 ``nargs``, or an inverted boolean (``--no-load-optim`` stores False into ``load_optim``).
+
+They are frozen: what the command line said is never edited. ``megatron_ds.config.run.resolve``
+turns them into the one object a run reads (``Run``); Megatron-DeepSpeed's overrides return new
+values (``megatron_overrides``).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | N
     return field(default=default, metadata=md)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     num_layers: Optional[int] = None
     """Number of transformer layers."""
@@ -84,7 +88,7 @@ class ModelConfig:
     """Pad the vocabulary to a multiple of this times the tensor parallel size (GPU efficiency)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor parallel size (ranks that split each layer)."""
@@ -114,7 +118,7 @@ class ParallelConfig:
     """Local rank, passed by the deepspeed launcher."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     optimizer: str = meta("adam", choices=("adam", "sgd"))
     """Optimizer (adam means AdamW with decoupled weight decay, as Megatron)."""
@@ -157,7 +161,7 @@ class OptimizerConfig:
     """On load, take the schedule from the checkpoint even if the command line differs."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     micro_batch_size: Optional[int] = None
     """Samples per micro-batch per data parallel rank."""
@@ -222,7 +226,7 @@ class TrainingConfig:
     """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data_path: Optional[list] = meta(None, nargs="*")
     """Data prefixes, optionally weighted: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`."""
@@ -262,7 +266,7 @@ class DataConfig:
     """Stop attention across end-of-document tokens."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     save: Optional[str] = None
     """Directory to save checkpoints to."""
@@ -290,7 +294,7 @@ class CheckpointConfig:
     """After each complete save, delete complete checkpoints in --save older than the newest N."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int = 100
     """Print the iteration line every this many iterations."""
@@ -315,7 +319,7 @@ class LoggingConfig:
     """Directory for W&B's local run files (default: ./wandb)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeepSpeedConfig:
     deepspeed: bool = False
     """Use DeepSpeed (always on here; accepted for script compatibility)."""
@@ -327,9 +331,9 @@ class DeepSpeedConfig:
     """ZeRO stage (default: the JSON's, else 0)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    """Everything a run needs, grouped by concern."""
+    """Every flag of the command line, grouped by concern (``parse_args``'s result)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -12,7 +12,7 @@ _EXPORTS = {
         "DTYPES", "IndexedDatasetError", "MMapIndexedDataset", "MMapIndexedDatasetBuilder", "best_fitting_dtype",
         "data_file_path", "dataset_exists", "index_file_path",
     ),
-    "tokenizer": ("TokenizerError", "build_tokenizer"),
+    "tokenizer": ("MockTokenizer", "TokenizerError", "build_tokenizer", "build_tokenizer_for"),
     "helpers": ("build_blending_indices", "build_sample_idx"),
     "index_cache": ("CacheTimings", "cache_dirs", "description_hash", "load_or_build"),
     "gpt_dataset": (

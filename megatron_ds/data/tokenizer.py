@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_ds.errors import ConfigError
+
 VALID_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
@@ -24,7 +26,10 @@ VALID_TYPES = (
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
 
 
-class TokenizerError(ValueError):
+GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
+
+
+class TokenizerError(ConfigError):
     """A tokenizer that cannot be built from the given files/flags."""
 
 
@@ -404,3 +409,26 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     if log:
         log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, eod id {tok.eod}")
     return tok
+
+
+class MockTokenizer:
+    """--mock-data without a tokenizer: only the vocabulary size and an EOD id matter."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.name = "mock"
+
+
+def build_tokenizer_for(data, log=print):
+    """The tokenizer a run's data section (``DataConfig``) names: --tokenizer-type and its files;
+    without a type, Megatron-DeepSpeed's default (its pretrain_gpt.py passes
+    args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}), or for --mock-data alone a
+    ``MockTokenizer`` of --vocab-size ids."""
+    tokenizer_type = data.tokenizer_type
+    if tokenizer_type is None:
+        if data.mock_data and not data.vocab_file:
+            return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
+        tokenizer_type = "GPT2BPETokenizer"
+    return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)

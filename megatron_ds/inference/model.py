@@ -75,7 +75,7 @@ class InferenceModel:
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.tp_group = tp_group
-        funcs = module._forward_funcs
+        funcs = module.forward_funcs
         if not isinstance(funcs[0], GPTEmbedding) or funcs[0].eod_token is not None:
             raise ValueError("inference expects a model built without reset_attention_mask")
         self._embedding = funcs[0]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ds.config.derive import resolve_model_config
+from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
 from megatron_ds.launch.env import apply_dist_env, discover_dist_env

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_ds.model.fused import apex_norm_classes
+from megatron_ds.model.kernels import apex_norm_classes
 
 
 class _RMSNorm(nn.Module):

@@ -23,8 +23,8 @@ loop seeded (``megatron_ds.parallel.random.set_parallel_seeds``).
 
 With tensor and pipeline parallelism together, DeepSpeed by default splits each activation over
 the tensor parallel ranks before sending it ("pipe_partitioned"). That assumes every TP rank holds
-the same activation, which is false under sequence parallelism: ``megatron_ds.config.derive`` turns
-it off in the DeepSpeed JSON then.
+the same activation, which is false under sequence parallelism: ``megatron_ds.config.deepspeed_json``
+turns it off in the DeepSpeed JSON then.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _check(model_cfg: ModelConfig, tp: int, padded_vocab_size: int, reset_attent
                                                                                                   "rmsnorm"):
         raise ValueError(f"model config is not resolved (missing {unresolved}, position type "
                          f"{m.position_embedding_type!r}, normalization {m.normalization!r}); pass it through "
-                         f"megatron_ds.config.derive.resolve_model_config first")
+                         f"megatron_ds.config.layout.resolve_model_config first")
     if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings is None:
         raise ValueError("learned absolute positions need max_position_embeddings")
     if m.num_attention_heads % m.num_key_value_heads:
@@ -200,7 +200,7 @@ class GPTSequential(nn.Module):
 
     ``activation_checkpoint_interval > 0`` recomputes runs of that many consecutive transformer
     layers in backward (full recompute). ``layer_indices`` builds only those specs (a chunk of the
-    interleaved schedule, ``megatron_ds.model.interleaved``), seeded and named by their index.
+    interleaved schedule, ``megatron_ds.model.chunks``), seeded and named by their index.
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
@@ -209,14 +209,15 @@ class GPTSequential(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self.loss_fn = _loss_fn(tp_group)
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self._forward_funcs: list = []
+        # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
+        self.forward_funcs: list = []
         # Per spec: (class name, tied key or None, parameters a stage building this spec first holds).
         self._layer_info: list[tuple[str, str | None, int]] = []
         with _restore_default_rng():
             # layer_indices: build only those specs (a model chunk of the interleaved schedule)
             for idx in range(len(specs)) if layer_indices is None else layer_indices:
                 torch.manual_seed(seed + idx)  # as _LayerInitSeeder does for layer idx
-                self._forward_funcs.append(self._build(idx, specs[idx]))
+                self.forward_funcs.append(self._build(idx, specs[idx]))
 
     def _build(self, idx: int, spec):
         if isinstance(spec, TiedLayerSpec):
@@ -246,7 +247,7 @@ class GPTSequential(nn.Module):
 
     def forward(self, inputs):
         x = inputs
-        funcs, i = self._forward_funcs, 0
+        funcs, i = self.forward_funcs, 0
         recompute = self.activation_checkpoint_interval > 0 and torch.is_grad_enabled()
         while i < len(funcs):
             if recompute and isinstance(funcs[i], ParallelTransformerLayer):
@@ -264,7 +265,7 @@ class GPTSequential(nn.Module):
     def stage_parameter_counts(self, num_stages: int, partition_method: str = PARTITION_METHOD) -> list[int]:
         """Parameters each stage of a ``num_stages`` pipeline of this model holds (on one tensor
         parallel rank), partitioned as DeepSpeed partitions it, tied copies included (DeepSpeed's
-        "STAGE_PARAMS"). For checking the analytic count of ``megatron_ds.config.derive``."""
+        "STAGE_PARAMS"). For checking the analytic count of ``megatron_ds.config.layout``."""
         if not partition_method.startswith("type:"):
             raise ValueError(f"stage_parameter_counts supports 'type:' partition methods, got {partition_method!r}")
         # DeepSpeed matches the layer type as a case-insensitive regex on the class name.

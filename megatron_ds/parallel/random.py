@@ -146,3 +146,34 @@ def checkpoint(function, *args):
     fine (non-reentrant checkpointing). Usable as a PipelineModule's `activation_checkpoint_func`."""
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                              context_fn=_replay_tracker_contexts)
+
+
+def rng_state() -> dict:
+    """Every random generator of this process (Python, NumPy, torch CPU, the tracker's streams, CUDA
+    when in use): what a checkpoint saves per rank to resume exactly."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state as tensors so the checkpoint stays loadable with weights_only=True
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore ``rng_state()``'s generators."""
+    random.setstate(_to_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    get_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

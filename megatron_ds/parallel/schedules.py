@@ -29,12 +29,14 @@ its default):
 
 Megatron-DeepSpeed also asserts PP > 2 for interleaving; that is a limit of its paired
 send/receive calls, which with two ranks send both directions between the same pair at once. The
-executor here (``megatron_ds.training.interleaved``) posts independent tagged messages, so PP = 2
+executor here (``megatron_ds.training.interleaved_pipeline``) posts independent tagged messages, so PP = 2
 interleaves too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_ds.errors import ConfigError
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -50,7 +52,7 @@ class Step:
         return f"{self.kind}{self.chunk}.{self.microbatch}"
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ConfigError):
     """The configuration cannot run the requested schedule; the message says why."""
 
 

@@ -1,4 +1,5 @@
-"""Data for the training loop: tokenizer, datasets, resumable loaders, micro-batches.
+"""Data for the training loop: datasets, resumable loaders, micro-batches (the tokenizer is
+``megatron_ds.data.tokenizer.build_tokenizer_for``).
 
 Micro-batches have the shape DeepSpeed's pipeline engine expects, ``(inputs, labels)`` with
 ``inputs = (tokens, position_ids)`` for the first stage and ``labels = (labels, loss_mask)`` for
@@ -9,41 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_ds.config import ConfigError, DataConfig
+from megatron_ds.config.schema import DataConfig
 from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import PretrainingSampler
+from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
-
-GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
-
-
-class DataError(RuntimeError):
-    """Bad training data (a user problem, reported without a traceback)."""
-
-
-class MockTokenizer:
-    """--mock-data without a tokenizer: only the vocabulary size and an EOD id matter."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-        self.name = "mock"
-
-
-def build_tokenizer_for(cfg: DataConfig, log=print):
-    from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer  # noqa: PLC0415
-
-    tokenizer_type = cfg.tokenizer_type
-    if tokenizer_type is None:
-        if cfg.mock_data and not cfg.vocab_file:
-            return MockTokenizer(cfg.vocab_size or GPT2_VOCAB_SIZE)
-        # Megatron-DeepSpeed's pretrain_gpt.py passes args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}
-        tokenizer_type = "GPT2BPETokenizer"
-    try:
-        return build_tokenizer(tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
-                               tokenizer_model=cfg.tokenizer_model, vocab_size=cfg.vocab_size, log=log)
-    except TokenizerError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -60,21 +31,21 @@ class MockGPTDataset(torch.utils.data.Dataset):
         return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
 
 
-def build_datasets(cfg: DataConfig, *, num_samples: tuple[int, int, int], seq_length: int, seed: int,
+def build_datasets(data: DataConfig, *, num_samples: tuple[int, int, int], seq_length: int, seed: int,
                    vocab_size: int, log=print):
-    if cfg.mock_data:
+    if data.mock_data:
         return tuple(MockGPTDataset(n, seq_length, vocab_size, seed + i) if n else None
                      for i, n in enumerate(num_samples))
-    if not (cfg.data_path or cfg.train_data_path):
+    if not (data.data_path or data.train_data_path):
         raise ConfigError("--data-path (or --train-data-path) is required; or pass --mock-data for synthetic data")
     from megatron_ds.data import build_train_valid_test_datasets  # noqa: PLC0415
 
     try:
         return build_train_valid_test_datasets(
-            data_path=cfg.data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
-            seq_length=seq_length, seed=seed, train_data_path=cfg.train_data_path,
-            valid_data_path=cfg.valid_data_path, test_data_path=cfg.test_data_path,
-            data_cache_path=cfg.data_cache_path, log=log)
+            data_path=data.data_path, split=data.split, train_valid_test_num_samples=num_samples,
+            seq_length=seq_length, seed=seed, train_data_path=data.train_data_path,
+            valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
+            data_cache_path=data.data_cache_path, log=log)
     except (ValueError, OSError) as exc:
         # the data package reports bad paths, splits, blends and corrupt files with these types and
         # a message written for the user; a traceback would bury it
@@ -84,8 +55,8 @@ def build_datasets(cfg: DataConfig, *, num_samples: tuple[int, int, int], seq_le
 class BatchCollator:
     """Stacks samples into a micro-batch; checks token ids against the vocabulary first."""
 
-    def __init__(self, cfg: DataConfig, eod: int, vocab_size: int, source: str):
-        self.cfg, self.eod, self.vocab_size, self.source = cfg, eod, vocab_size, source
+    def __init__(self, data: DataConfig, eod: int, vocab_size: int, source: str):
+        self.data, self.eod, self.vocab_size, self.source = data, eod, vocab_size, source
 
     def __call__(self, samples):
         text = np.stack([s["text"] for s in samples])
@@ -96,12 +67,12 @@ class BatchCollator:
                             f"data set {self.source}: was it preprocessed with another tokenizer?")
         # No attention mask: with --reset-attention-mask the model derives document ids from the
         # EOD tokens itself (a [b, s] tensor instead of a [b, 1, s, s] mask).
-        b = gpt_batch_from_samples(text, self.eod, self.cfg.reset_position_ids, eod_mask_loss=self.cfg.eod_mask_loss,
+        b = gpt_batch_from_samples(text, self.eod, self.data.reset_position_ids, eod_mask_loss=self.data.eod_mask_loss,
                                    with_attention_mask=False)
         return (b.tokens, b.position_ids), (b.labels, b.loss_mask)
 
 
-def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_samples: int,
+def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed_samples: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int):
     """A DataLoader over this data parallel rank's micro-batches, starting after consumed_samples."""
     sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
@@ -110,9 +81,9 @@ def build_loader(dataset, cfg: DataConfig, collator: BatchCollator, *, consumed_
     # A private generator: creating an iterator would otherwise draw its worker seed from the
     # global torch RNG, which drives dropout, and a resumed run would draw at a different time.
     generator = torch.Generator().manual_seed(consumed_samples)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
                                        collate_fn=collator, pin_memory=pin_memory(),
-                                       persistent_workers=cfg.num_workers > 0, generator=generator)
+                                       persistent_workers=data.num_workers > 0, generator=generator)
 
 
 def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False):
@@ -135,8 +106,8 @@ def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, rep
     return forever()
 
 
-def describe_source(cfg: DataConfig) -> str:
-    if cfg.mock_data:
+def describe_source(data: DataConfig) -> str:
+    if data.mock_data:
         return "--mock-data"
-    paths = cfg.train_data_path or cfg.data_path or []
+    paths = data.train_data_path or data.data_path or []
     return " ".join(paths)

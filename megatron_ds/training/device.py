@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_ds.config import ConfigError
+from megatron_ds.errors import ConfigError
 
 CPU_SWITCH = "DS_ACCELERATOR"
 """``DS_ACCELERATOR=cpu`` forces the CPU (gloo) on a machine with GPUs."""

@@ -1,22 +1,26 @@
-"""The train / evaluate loop around a DeepSpeed engine (pipeline or plain)."""
+"""The train / evaluate loop around a DeepSpeed engine (pipeline or plain).
+
+``Loop`` holds what every iteration needs (the ``Run``, the engine, the loss, the writers, the
+save function); ``Loop.train`` runs iterations until the run's end, a stop signal, the time limit
+or --exit-interval, printing Megatron's iteration line every --log-interval iterations.
+"""
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.config import Config, Layout
+from megatron_ds.config.run import Run
+from megatron_ds.errors import TrainingStopped
 from megatron_ds.training import log as mlog
-from megatron_ds.training.batch_schedule import TrainPlan
+from megatron_ds.training.flops import model_flops_per_iteration
+from megatron_ds.training.lr_schedule import ConsumedLRSchedule
 from megatron_ds.training.signals import StopSignals, agreed_stop
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. too many NaN losses in a row); the message says why."""
 
 
 @dataclass
@@ -32,6 +36,33 @@ class TrainState:
     history: list = field(default_factory=list)  # (iteration, loss) of finite losses: tests read it
 
 
+class TrainPlan:
+    """The loop's per-iteration bookkeeping for ramp-up and token targets."""
+
+    def __init__(self, layout):
+        self.schedule, self.train_iters = layout.schedule, layout.train_iters
+
+    def keep_going(self, state) -> bool:
+        """megatron/training.py: while iteration < train_iters and consumed_train_tokens < train_tokens."""
+        if state.iteration >= self.train_iters:
+            return False
+        return self.schedule.train_tokens is None or state.consumed_train_tokens < self.schedule.train_tokens
+
+    def begin(self, engine, state) -> int:
+        """Set the engine's global batch for the next step (ramp-up, as Megatron-DeepSpeed's train loop
+        calls ``model[0].set_train_batch_size``); returns it."""
+        batch = self.schedule.global_batch_at(state.consumed_train_samples)
+        if self.schedule.rampup is not None and engine.train_batch_size() != batch:
+            engine.set_train_batch_size(batch)  # DeepSpeed keeps the micro batch, changes accumulation steps
+        if isinstance(engine.lr_scheduler, ConsumedLRSchedule):
+            engine.lr_scheduler.begin_iteration(batch, state.consumed_train_tokens)
+        return batch
+
+    def end(self, state, batch: int) -> None:
+        state.consumed_train_samples += batch
+        state.consumed_train_tokens += batch * self.schedule.seq_length
+
+
 def _plain_loss(engine, batch, loss_fn):
     inputs, labels = batch
     inputs = tuple(t.to(engine.device) for t in inputs)
@@ -39,7 +70,7 @@ def _plain_loss(engine, batch, loss_fn):
     return loss_fn(engine(inputs), labels)
 
 
-def train_step(engine, data_iter, layout: Layout, loss_fn, dp_group) -> float:
+def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
     """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP)."""
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
@@ -58,7 +89,7 @@ def train_step(engine, data_iter, layout: Layout, loss_fn, dp_group) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: int) -> float:
+def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> float:
     """Mean loss over eval_iters global batches."""
     total = 0.0
     if layout.use_pipeline:
@@ -76,103 +107,136 @@ def evaluate(engine, data_iter, layout: Layout, loss_fn, dp_group, eval_iters: i
     return float(acc) / (eval_iters * layout.grad_accum_steps * dist.get_world_size(dp_group))
 
 
-def train(cfg: Config, layout: Layout, engine, state: TrainState, train_iter, valid_iter, *, loss_fn,
-          dp_group, device, save_fn, tb: mlog.TensorBoard, start_time: float,
-          stop_signals: StopSignals | None = None) -> TrainState:
-    t, lg = cfg.training, cfg.logging
-    m = layout.model
-    flops = mlog.model_flops_per_iteration(m, layout.global_batch_size, layout.padded_vocab_size,
-                                           layout.recompute == "full")
-    window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
-    window_skipped = engine.skipped_steps
-    last_saved = state.iteration
-    plan = TrainPlan(layout)
-    while plan.keep_going(state):
-        batch = plan.begin(engine, state)
-        loss = train_step(engine, train_iter, layout, loss_fn, dp_group)
-        state.iteration += 1
-        plan.end(state, batch)
-        if t.empty_unused_memory_level >= 1 and device.type == "cuda":
+@dataclass
+class _Window:
+    """What the iteration line reports: the iterations since the last line."""
+    start: float
+    skipped_before: int
+    iterations: int = 0
+    losses: list = field(default_factory=list)
+    nans: int = 0
+
+
+@dataclass
+class Loop:
+    """The training loop of one ``Run`` on a DeepSpeed engine (see the module docstring)."""
+    run: Run
+    engine: object
+    loss_fn: Callable
+    dp_group: object
+    device: torch.device
+    tb: object  # mlog.TensorBoard / wandb_log.ScalarWriters: .scalars(step, values)
+    save: Callable[[TrainState], None]
+    start_time: float = 0.0
+    stop_signals: StopSignals | None = None
+
+    def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
+        """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""
+        ckpt = self.run.checkpoint
+        plan = TrainPlan(self.run.layout)
+        window = _Window(time.time(), self.engine.skipped_steps)
+        last_saved = state.iteration
+        while plan.keep_going(state):
+            batch = plan.begin(self.engine, state)
+            loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
+            state.iteration += 1
+            plan.end(state, batch)
+            self._account(state, loss, window)
+            if state.iteration % self.run.logging.log_interval == 0 or not plan.keep_going(state):
+                self._log(state, window, batch)
+                window = _Window(time.time(), self.engine.skipped_steps)
+            # Validation and saving are kept out of the next log line's time per iteration.
+            paused = time.time()
+            if self._between_iterations(state, valid_iter):
+                last_saved = state.iteration
+            if state.exited_early:
+                break
+            window.start += time.time() - paused
+        if ckpt.save and last_saved != state.iteration:
+            self.save(state)
+        return state
+
+    def _account(self, state: TrainState, loss: float, window: _Window) -> None:
+        """Count the iteration's loss; too many NaN/inf losses in a row stop the run."""
+        if self.run.training.empty_unused_memory_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        window_iters += 1
-        if not math.isfinite(loss):
-            state.nan_iterations += 1
-            state.consecutive_nans += 1
-            window_nans += 1
-            if state.consecutive_nans >= t.max_consecutive_nan_iters:
-                raise TrainingStopped(f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
-                                      f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
-                                      f"the data, or use --bf16 instead of --fp16")
-        else:
+        window.iterations += 1
+        if math.isfinite(loss):
             state.consecutive_nans = 0
             state.history.append((state.iteration, loss))
-            window_losses.append(loss)
+            window.losses.append(loss)
+            return
+        state.nan_iterations += 1
+        state.consecutive_nans += 1
+        window.nans += 1
+        if state.consecutive_nans >= self.run.training.max_consecutive_nan_iters:
+            raise TrainingStopped(f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
+                                  f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
+                                  f"the data, or use --bf16 instead of --fp16")
 
-        if state.iteration % lg.log_interval == 0 or not plan.keep_going(state):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = (time.time() - window_start) / window_iters
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = float(grad_norm) if grad_norm is not None else None
-            lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else cfg.optimizer.lr
-            # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
-            mean_loss = sum(window_losses) / len(window_losses) if window_losses else None
-            line = mlog.iteration_line(
-                iteration=state.iteration, train_iters=layout.train_iters,
-                consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
-                consumed_tokens=state.consumed_train_tokens if layout.run.counts_tokens else None,
-                global_batch_size=batch, loss=mean_loss, loss_scale=ds_compat.reported_loss_scale(engine),
-                grad_norm=grad_norm, skipped=engine.skipped_steps - window_skipped, nans=window_nans,
-                samples_per_s=batch / elapsed,
-                tokens_per_s_per_gpu=batch * m.seq_length / elapsed / layout.world_size,
-                tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
-                mem_gb=mlog.peak_memory_gb(device),
-                eta_s=elapsed * (layout.train_iters - state.iteration))
-            mlog.print_last_rank(line)
-            tb.scalars(state.iteration, {
-                "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
-                "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
-                "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
-                "mem-peak-GB": mlog.peak_memory_gb(device) if lg.log_memory_to_tensorboard else None,
-                "loss-scale": ds_compat.reported_loss_scale(engine),
-            })
-            window_start, window_iters, window_losses, window_nans = time.time(), 0, [], 0
-            window_skipped = engine.skipped_steps
+    def _log(self, state: TrainState, window: _Window, batch: int) -> None:
+        """Megatron's iteration line for the window, and the same scalars to TensorBoard / W&B."""
+        layout, engine, lg = self.run.layout, self.engine, self.run.logging
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = (time.time() - window.start) / window.iterations
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else self.run.optimizer.lr
+        # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
+        mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
+        flops = model_flops_per_iteration(layout.model, layout.global_batch_size, layout.padded_vocab_size,
+                                          layout.recompute == "full")
+        mlog.print_last_rank(mlog.iteration_line(
+            iteration=state.iteration, train_iters=layout.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
+            consumed_tokens=state.consumed_train_tokens if layout.schedule.counts_tokens else None,
+            global_batch_size=batch, loss=mean_loss, loss_scale=ds_compat.reported_loss_scale(engine),
+            grad_norm=grad_norm, skipped=engine.skipped_steps - window.skipped_before, nans=window.nans,
+            samples_per_s=batch / elapsed,
+            tokens_per_s_per_gpu=batch * layout.model.seq_length / elapsed / layout.world_size,
+            tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
+            mem_gb=mlog.peak_memory_gb(self.device),
+            eta_s=elapsed * (layout.train_iters - state.iteration)))
+        self.tb.scalars(state.iteration, {
+            "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
+            "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
+            "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
+            "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
+            "loss-scale": ds_compat.reported_loss_scale(engine),
+        })
 
-        # Validation and saving are kept out of the next log line's time per iteration.
-        paused = time.time()
+    def _between_iterations(self, state: TrainState, valid_iter) -> bool:
+        """Validation when due, the save when due or when stopping, and the stop decision (marked in
+        ``state``). All ranks must agree on stopping, or some would save while others train on
+        (signals.agreed_stop). Returns whether a checkpoint was saved."""
+        t, ckpt = self.run.training, self.run.checkpoint
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
-            run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb,
-                           f"iteration {state.iteration}")
-
-        saving_due = cfg.checkpoint.save and cfg.checkpoint.save_interval and \
-            state.iteration % cfg.checkpoint.save_interval == 0
-        # All ranks must agree, or some would save while others train on (signals.agreed_stop).
-        stop = agreed_stop(stop_signals, start_time, t.exit_duration_in_mins, device)
+            self.validate(state, valid_iter, f"iteration {state.iteration}")
+        saving_due = ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0
+        stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device)
         exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or stop is not None
-        if cfg.checkpoint.save and (saving_due or exit_now):
-            save_fn(state)
-            last_saved = state.iteration
+        saved = bool(ckpt.save and (saving_due or exit_now))
+        if saved:
+            self.save(state)
         if exit_now:
             state.stop_reason = {"signal": "stop signal received",
                                  "time": "--exit-duration-in-mins"}.get(stop, "--exit-interval")
             mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True
-            break
-        window_start += time.time() - paused
-    if cfg.checkpoint.save and last_saved != state.iteration:
-        save_fn(state)
-    return state
+        return saved
 
-
-def run_validation(cfg, layout, engine, state, valid_iter, loss_fn, dp_group, tb, label: str) -> float:
-    loss = evaluate(engine, valid_iter, layout, loss_fn, dp_group, cfg.training.eval_iters)
-    if cfg.training.empty_unused_memory_level >= 2 and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    state.consumed_valid_samples += cfg.training.eval_iters * layout.global_batch_size
-    mlog.print_last_rank(mlog.validation_lines(label, loss))
-    values = {"lm loss validation": loss}
-    if cfg.logging.log_validation_ppl_to_tensorboard:
-        values["lm loss validation ppl"] = math.exp(min(20.0, loss))
-    tb.scalars(state.iteration, values)
-    return loss
+    def validate(self, state: TrainState, data_iter, label: str) -> float:
+        """Validation loss over --eval-iters global batches, printed as Megatron prints it."""
+        t = self.run.training
+        layout = self.run.layout
+        loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
+        if t.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        state.consumed_valid_samples += t.eval_iters * layout.global_batch_size
+        mlog.print_last_rank(mlog.validation_lines(label, loss))
+        values = {"lm loss validation": loss}
+        if self.run.logging.log_validation_ppl_to_tensorboard:
+            values["lm loss validation ppl"] = math.exp(min(20.0, loss))
+        self.tb.scalars(state.iteration, values)
+        return loss

@@ -3,10 +3,22 @@ inverse-square-root decay to --min-lr, stepped once per applied optimizer step.
 
 DeepSpeed steps it (it is passed as the engine's lr_scheduler) only when the optimizer step was
 applied, so skipped fp16-overflow or NaN steps do not advance the schedule, as in Megatron.
+
+``LRSchedule`` counts iterations, which equals Megatron's count of samples divided by a constant
+global batch. ``ConsumedLRSchedule`` is Megatron-DeepSpeed's OptimizerParamScheduler
+(megatron/optimizer_param_scheduler.py) for runs whose schedule cannot be counted in iterations
+(a batch-size ramp-up, token spans): steps are counted in samples (each applied optimizer step adds
+that step's global batch, as Megatron passes ``increment = micro-batches x micro x DP``) and
+``--lr-warmup-tokens`` / ``--lr-decay-tokens`` follow consumed tokens. As there, the tokens seen by a
+step are those consumed *before* it (Megatron-DeepSpeed updates ``args.consumed_train_tokens`` after
+``train_step``, inside which the scheduler steps). The spans come resolved from the run's layout
+(``megatron_ds.config.schedule``).
 """
 from __future__ import annotations
 
 import math
+
+from megatron_ds.errors import ConfigError
 
 
 class LRSchedule:
@@ -14,7 +26,7 @@ class LRSchedule:
     SHAPE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str, last_step: int = 0):
+                 decay_style: str, last_step: int = 0, override: bool = False, use_checkpoint: bool = False):
         if decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(f"unknown --lr-decay-style {decay_style}")
         self.optimizer = optimizer
@@ -24,8 +36,8 @@ class LRSchedule:
         self.num_steps = last_step
         # what loading a checkpoint whose schedule differs does: keep this run's shape
         # (--override-lr-scheduler), take the checkpoint's (--use-checkpoint-lr-scheduler), or stop
-        self.override = False
-        self.use_checkpoint = False
+        self.override = override
+        self.use_checkpoint = use_checkpoint
         self._apply()
 
     def lr_at(self, step: int) -> float:
@@ -66,8 +78,6 @@ class LRSchedule:
         differs from this run's is an error unless a flag says which one wins, as in Megatron."""
         shape = self.SHAPE
         if ("num_tokens" in state) != ("num_tokens" in self.state_dict()):
-            from megatron_ds.config import ConfigError  # noqa: PLC0415
-
             raise ConfigError("the checkpoint's learning-rate schedule counts {} but this run's counts {} "
                               "(--rampup-batch-size / --lr-warmup-tokens / --lr-decay-tokens differ); resume with "
                               "the checkpoint's flags, or pass --no-load-lr-state to start the schedule afresh"
@@ -76,8 +86,6 @@ class LRSchedule:
         diffs = [f"{k}: checkpoint {state[k]!r} vs now {getattr(self, k)!r}" for k in shape
                  if state[k] != getattr(self, k)]
         if diffs and not (self.override or self.use_checkpoint):
-            from megatron_ds.config import ConfigError  # noqa: PLC0415
-
             raise ConfigError(f"the learning-rate schedule differs from the checkpoint's ({'; '.join(diffs)}); "
                               f"pass --override-lr-scheduler to use this run's or "
                               f"--use-checkpoint-lr-scheduler to keep the checkpoint's")
@@ -86,3 +94,84 @@ class LRSchedule:
                 setattr(self, k, state[k])
         self.num_steps = state["num_steps"]
         self._apply()
+
+
+class ConsumedLRSchedule(LRSchedule):
+    """LR as a function of consumed samples and tokens; see the module docstring."""
+
+    SHAPE = LRSchedule.SHAPE + ("warmup_tokens", "decay_tokens")
+
+    def __init__(self, optimizer, *, warmup_tokens: int | None, decay_tokens: int | None, **kwargs):
+        self.warmup_tokens, self.decay_tokens = warmup_tokens, decay_tokens
+        self.num_tokens = 0
+        # Megatron-DeepSpeed's "step/sample-wise warmup + token-wise decay": decay starts from the tokens
+        # consumed when the sample warmup ended (it sets lr_warmup_tokens = num_tokens at that step).
+        self.decay_start_tokens = warmup_tokens
+        self._next_increment, self._next_tokens = 0, 0
+        super().__init__(optimizer, **kwargs)
+
+    def begin_iteration(self, global_batch: int, tokens_before: int) -> None:
+        """What the next applied step() counts: its global batch and the tokens consumed before it."""
+        self._next_increment, self._next_tokens = global_batch, tokens_before
+
+    def step(self, increment: int = 1, **_) -> None:
+        self.num_tokens = self._next_tokens
+        self.num_steps += self._next_increment
+        self._apply()
+
+    def _warmup_lr(self, step: int) -> float | None:
+        if self.warmup_tokens is None:
+            if self.decay_tokens is not None and self.decay_start_tokens is None and step >= self.warmup_steps:
+                self.decay_start_tokens = self.num_tokens
+            if self.warmup_steps > 0 and step <= self.warmup_steps:
+                return self.max_lr * step / self.warmup_steps
+        elif self.warmup_tokens > 0 and self.num_tokens <= self.warmup_tokens:
+            return self.max_lr * self.num_tokens / self.warmup_tokens
+        return None
+
+    def lr_at(self, step: int) -> float:
+        warm = self._warmup_lr(step)
+        if warm is not None:
+            return warm
+        if self.decay_style == "constant":
+            return self.max_lr
+        by_tokens = self.decay_tokens is not None
+        if (self.num_tokens > self.decay_tokens) if by_tokens else (step > self.decay_steps):
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            if self.warmup_tokens is None:
+                lr = self.max_lr * math.sqrt(max(self.warmup_steps, 1)) / math.sqrt(max(step, 1))
+            else:
+                lr = self.max_lr * math.sqrt(max(self.warmup_tokens, 1)) / math.sqrt(max(self.num_tokens, 1))
+            return max(self.min_lr, lr)
+        if by_tokens:
+            start = self.decay_start_tokens or 0
+            ratio = (self.num_tokens - start) / max(self.decay_tokens - start, 1)
+        else:
+            ratio = (step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "warmup_tokens": self.warmup_tokens, "decay_tokens": self.decay_tokens,
+                "num_tokens": self.num_tokens, "decay_start_tokens": self.decay_start_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        # tokens first: the base class recomputes the LR from them
+        self.num_tokens = state.get("num_tokens", 0)  # absent: an iteration-counted schedule (refused below)
+        if self.warmup_tokens is None:
+            self.decay_start_tokens = state.get("decay_start_tokens")
+        super().load_state_dict(state)
+
+
+def make_lr_schedule(optimizer, run) -> LRSchedule:
+    """The ``Run``'s schedule: iteration-counted for constant-batch runs (equal to Megatron's sample
+    count divided by the constant global batch); sample/token-counted for ramp-up and token spans."""
+    o, layout, spans = run.optimizer, run.layout, run.layout.schedule
+    common = dict(max_lr=o.lr, min_lr=o.min_lr, decay_style=o.lr_decay_style, override=o.override_lr_scheduler,
+                  use_checkpoint=o.use_checkpoint_lr_scheduler)
+    if not spans.needs_sample_lr:
+        return LRSchedule(optimizer, warmup_steps=layout.lr_warmup_iters, decay_steps=layout.lr_decay_iters,
+                          **common)
+    return ConsumedLRSchedule(optimizer, warmup_steps=spans.lr_warmup_samples, decay_steps=spans.lr_decay_samples,
+                              warmup_tokens=spans.lr_warmup_tokens, decay_tokens=spans.lr_decay_tokens, **common)

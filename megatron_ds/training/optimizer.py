@@ -8,26 +8,15 @@ from __future__ import annotations
 import torch
 
 from megatron_ds import ds_compat
-from megatron_ds.config import OptimizerConfig
+from megatron_ds.model.param_groups import param_groups
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's split: no weight decay on biases and normalization weights (all 1-D tensors)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device):
-    """Returns (optimizer, description)."""
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum), "torch.optim.SGD"
-    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
+    """Returns (optimizer, description). ``settings``: the run's ``OptimizerSettings``."""
+    groups = param_groups(model, settings.weight_decay)
+    if settings.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), "torch.optim.SGD"
+    kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
     if device.type == "cuda":
         try:
             from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency

@@ -1,4 +1,4 @@
-"""pretrain_gpt.py's body: parse -> validate -> initialize -> build -> load -> train -> save."""
+"""pretrain_gpt.py's body: parse -> resolve (one ``Run``) -> initialize -> build -> load -> train -> save."""
 from __future__ import annotations
 
 import functools
@@ -9,79 +9,69 @@ import time
 
 import torch
 
-from megatron_ds.config import Config, ConfigError, derive, load_ds_template, parse_args
-from megatron_ds.config.compat import megatron_overrides
-from megatron_ds.config.ds_validate import validate_with_deepspeed
+from megatron_ds.config import Config, Run, parse_args, resolve
+from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
+from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import log as mlog
-from megatron_ds.training.data import (BatchCollator, DataError, build_datasets, build_loader,
-                                       build_tokenizer_for, describe_source, stage_iterator)
 from megatron_ds.training.collective_timeout import is_collective_failure
-from megatron_ds.training.loop import TrainingStopped, TrainState, run_validation, train
-from megatron_ds.training.wandb_log import ScalarWriters, WandB
+from megatron_ds.training.device import device_type, select_device
+from megatron_ds.training.loop import TrainState
 
 
-def dry_run(cfg: Config, ignored: list[str]) -> int:
-    """Validate and print the resolved layout without starting anything distributed."""
-    from megatron_ds.training.device import device_type  # noqa: PLC0415
+def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log) -> tuple[Run, object]:
+    """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
+    model), the ``Run``, and the checks only DeepSpeed can make (its version, its JSON parser)."""
+    tokenizer = build_tokenizer_for(flags.data, log=log)
+    run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
+                  ignored=ignored)
+    check_deepspeed(interleaved=run.layout.virtual_pp > 1)  # once, before DeepSpeed is first used
+    validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
+    return run, tokenizer
 
-    world = cfg.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    tokenizer = build_tokenizer_for(cfg.data, log=lambda *a: None)
-    template = load_ds_template(cfg.deepspeed.deepspeed_config)
-    notes = megatron_overrides(cfg, template)
-    layout = derive(cfg, world, vocab_size=tokenizer.vocab_size, ds_template=template,
-                    device_type="cuda" if device_type() == "cuda" or cfg.training.fp16 else "cpu")
-    check_deepspeed(interleaved=layout.virtual_pp > 1)  # once, before DeepSpeed is first used
-    validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
-    print(layout.summary())
-    for note in notes + list(layout.notes):
+
+def dry_run(flags: Config, ignored: list[str]) -> int:
+    """Validate and print the resolved run without starting anything distributed."""
+    world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    on = "cuda" if device_type() == "cuda" or flags.training.fp16 else "cpu"
+    run, _ = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
+    print(run.describe())
+    for note in run.notes:
         print(f"WARNING: {note}")
-    print(f"micro-batches per step per data parallel rank: {layout.grad_accum_steps}")
-    check_layout_memory(cfg, layout)
-    if ignored:
-        print(f"ignored flags (no effect here): {' '.join(sorted(set(ignored)))}")
+    print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
+    check_layout_memory(run.layout, flags.gpu_memory_gb)
+    if run.ignored_flags:
+        print(f"ignored flags (no effect here): {' '.join(run.ignored_flags)}")
     print("DeepSpeed config:")
-    print(json.dumps(layout.ds_config, indent=2, sort_keys=True))
+    print(json.dumps(run.layout.ds_config, indent=2, sort_keys=True))
     return 0
 
 
-def check_layout_memory(cfg: Config, layout) -> None:
+def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
     """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError (issue 13)."""
     from megatron_ds.config import memory  # noqa: PLC0415
 
-    kw = dict(sequence_parallel=cfg.parallel.sequence_parallel,
-              recompute_num_layers=cfg.training.recompute_num_layers)
-    estimate = memory.estimate_memory(layout, **kw)
-    budget = memory.gpu_memory_bytes(cfg.gpu_memory_gb)
+    estimate = memory.estimate_memory(layout)
+    budget = memory.gpu_memory_bytes(gpu_memory_gb)
     print(estimate.describe(budget))
-    memory.check_memory(layout, estimate, budget, **kw)
+    memory.check_memory(layout, estimate, budget)
 
 
-def _num_samples(cfg: Config, layout) -> tuple[int, int, int]:
-    t = cfg.training
-    train = layout.train_iters * layout.global_batch_size
-    evals = (layout.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
-    return train, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size
-
-
-def run(cfg: Config, ignored: list[str]) -> TrainState:
+def pretrain(flags: Config, ignored: list[str]) -> TrainState:
+    """Train as the flags say, on the processes a launcher started; returns the final state."""
     # DeepSpeed and the model are imported here, not at module level: --dry-run and --help stay fast.
-    from megatron_ds.training.setup import discover_world, init_distributed, select_device  # noqa: PLC0415
+    from megatron_ds.training.initialize import discover_world, init_distributed  # noqa: PLC0415
 
     start_time = time.time()
-    env = discover_world(cfg)
+    env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
     device = select_device(env.local_rank, env.local_world_size)
-    tokenizer = build_tokenizer_for(cfg.data, log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
-    template = load_ds_template(cfg.deepspeed.deepspeed_config)
-    notes = megatron_overrides(cfg, template)
-    layout = derive(cfg, env.world_size, vocab_size=tokenizer.vocab_size, ds_template=template,
-                    device_type=device.type)
-    check_deepspeed(interleaved=layout.virtual_pp > 1)  # once, before DeepSpeed is first used
-    validate_with_deepspeed(layout.ds_config, cfg.deepspeed.deepspeed_config or "the DeepSpeed config")
-    init_distributed(cfg, device)
-    save_lock, watch = _startup_checks(cfg, layout)
+    run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
+                             log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
+    init_distributed(run.distributed, device)
+    save_lock, watch = _startup_checks(run)
     try:
-        return _run(cfg, ignored, notes, layout, device, tokenizer, start_time, watch)
+        return _train(run, device, tokenizer, start_time, watch)
     except TrainingStopped:
         raise
     except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
@@ -93,44 +83,75 @@ def run(cfg: Config, ignored: list[str]) -> TrainState:
             save_lock.release()
 
 
-def _startup_checks(cfg: Config, layout):
+def _startup_checks(run: Run):
     """Before any compute: every rank is there, --save is usable and ours (see startup_checks)."""
     from megatron_ds.training.collective_timeout import CollectiveWatch  # noqa: PLC0415
     from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier  # noqa: PLC0415
 
-    startup_barrier(cfg.parallel.distributed_timeout_minutes)
-    watch = CollectiveWatch(cfg.parallel.distributed_timeout_minutes)
-    lock = prepare_save_dir(cfg.checkpoint.save, layout, log=mlog.print_rank0) if cfg.checkpoint.save else None
+    timeout = run.distributed.distributed_timeout_minutes
+    startup_barrier(timeout)
+    watch = CollectiveWatch(timeout)
+    save = run.checkpoint.save
+    lock = prepare_save_dir(save, run.layout, log=mlog.print_rank0) if save else None
     return lock, watch
 
 
-def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, tokenizer, start_time, watch) -> TrainState:
-    from megatron_ds.training import checkpointing as ckpt  # noqa: PLC0415
-    from megatron_ds.training.ckpt_integrity import protect_newer  # noqa: PLC0415
-    from megatron_ds.training.setup import build_engine, log_startup  # noqa: PLC0415
-    from megatron_ds.training.signals import StopSignals  # noqa: PLC0415
-    from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
+def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
+    """Build, resume, train, and evaluate at the end (validation and test sets)."""
     from megatron_ds.model.gpt import gpt_loss_fn  # noqa: PLC0415
+    from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
+    from megatron_ds.training.engine import build_engine, log_startup  # noqa: PLC0415
+    from megatron_ds.training.loop import Loop  # noqa: PLC0415
+    from megatron_ds.training.signals import StopSignals  # noqa: PLC0415
 
+    layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp)
-    rt = build_engine(cfg, layout, ps, device, tokenizer.eod)
-    log_startup(cfg, layout, rt, ignored)
-    for note in notes + list(layout.notes):
-        mlog.print_rank0(f"WARNING: {note}")
-    engine = rt.engine
-    loss_fn = functools.partial(gpt_loss_fn, tp_group=ps.tp_group)
+    rt = build_engine(run, ps, device, tokenizer.eod)
+    log_startup(run, rt)
+    state = _resume(run, rt.engine, ps)
+    training = not run.training.skip_train and state.iteration < layout.train_iters
+    train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, training=training)
+    tb = _scalar_writers(run)
+    try:
+        with StopSignals(run.training.exit_signal_handler) as stop_signals:
+            loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
+                        tb, save=_saver(run, rt.engine, tokenizer), start_time=start_time, stop_signals=stop_signals)
+            if training:
+                state = _train_loop(loop, state, train_iter, valid_iter, watch)
+            # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
+            # does: the final passes would eat the margin left before the scheduler kills it.
+            if not state.exited_early and run.training.eval_iters:
+                for data_iter, split in ((valid_iter, "validation"), (test_iter, "test")):
+                    if data_iter is not None:
+                        loop.validate(state, data_iter, f"iteration {state.iteration} on {split} set")
+    finally:
+        tb.close()
+    return state
 
+
+def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> TrainState:
+    try:
+        return loop.train(state, train_iter, valid_iter)
+    except RuntimeError as exc:
+        if not is_collective_failure(exc):
+            raise
+        where = f"the training loop at iteration {state.iteration + 1}"
+        raise TrainingStopped(watch.describe(exc, where)) from None
+
+
+def _resume(run: Run, engine, ps) -> TrainState:
+    """The state to start from: --load's checkpoint (any layout) or a fresh one; then --save must not
+    hold a complete checkpoint newer than that start (it would be overwritten)."""
+    from megatron_ds.checkpoint.checkpointing import load_checkpoint  # noqa: PLC0415
+    from megatron_ds.checkpoint.format import layout_signature  # noqa: PLC0415
+    from megatron_ds.checkpoint.integrity import protect_newer  # noqa: PLC0415
+    from megatron_ds.parallel.random import set_rng_state  # noqa: PLC0415
+
+    ckpt, layout = run.checkpoint, run.layout
     state = TrainState()
-    signature = ckpt.layout_signature(layout)
-    if cfg.checkpoint.load:
-        rt.scheduler.override = cfg.optimizer.override_lr_scheduler
-        rt.scheduler.use_checkpoint = cfg.optimizer.use_checkpoint_lr_scheduler
-        iteration, client = ckpt.load_checkpoint(engine, cfg.checkpoint.load, signature=signature,
-                                                 load_optim=cfg.checkpoint.load_optim,
-                                                 finetune=cfg.checkpoint.finetune,
-                                                 load_lr_state=cfg.checkpoint.load_lr_state, ps=ps,
-                                                 universal=cfg.checkpoint.universal_checkpoint,
-                                                 exact_step=cfg.checkpoint.ckpt_step, log=mlog.print_rank0)
+    if ckpt.load:
+        iteration, client = load_checkpoint(engine, ckpt, signature=layout_signature(layout), ps=ps,
+                                            log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -138,71 +159,72 @@ def _run(cfg: Config, ignored: list[str], notes: list[str], layout, device, toke
                                                      state.consumed_train_samples * layout.model.seq_length)
             state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
             state.nan_iterations = client.get("nan_iterations", 0)
-        if client.get("rng") is not None and cfg.checkpoint.load_rng and not cfg.checkpoint.finetune:
-            ckpt.set_rng_state(client["rng"])
-    if cfg.checkpoint.save:
-        protect_newer(cfg.checkpoint.save, state.iteration, log=mlog.print_rank0)
+        if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
+            set_rng_state(client["rng"])
+    if ckpt.save:
+        protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
+    return state
 
-    datasets = build_datasets(cfg.data, num_samples=_num_samples(cfg, layout), seq_length=layout.model.seq_length,
-                              seed=cfg.training.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
-    collator = BatchCollator(cfg.data, tokenizer.eod, tokenizer.vocab_size, describe_source(cfg.data))
+
+def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: bool):
+    """(train, validation, test) micro-batch iterators, each None where the split does not exist;
+    train is None too when this run does not train."""
+    from megatron_ds.training.data import (BatchCollator, build_datasets, build_loader,  # noqa: PLC0415
+                                           describe_source, stage_iterator)
+
+    layout, t, data = run.layout, run.training, run.data
+    train_samples = layout.train_iters * layout.global_batch_size
+    evals = (layout.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    num_samples = (train_samples, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size)
+    datasets = build_datasets(data, num_samples=num_samples, seq_length=layout.model.seq_length, seed=t.seed,
+                              vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
+    collator = BatchCollator(data, tokenizer.eod, tokenizer.vocab_size, describe_source(data))
 
     def iterator(dataset, consumed, repeat):
-        make = functools.partial(build_loader, dataset, cfg.data, collator, micro_batch_size=layout.micro_batch_size,
+        make = functools.partial(build_loader, dataset, data, collator, micro_batch_size=layout.micro_batch_size,
                                  dp_rank=ps.dp_rank, dp_size=ps.dp_size)
         # Only the first stage (tokens) and the last stage (labels) read data.
         return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
                               reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat)
 
-    training = not cfg.training.skip_train and state.iteration < layout.train_iters
-    train_iter = iterator(datasets[0], state.consumed_train_samples, False) if training else None
-    valid_iter = iterator(datasets[1], state.consumed_valid_samples, True)
-    test_iter = iterator(datasets[2], 0, True)
+    return (iterator(datasets[0], state.consumed_train_samples, False) if training else None,
+            iterator(datasets[1], state.consumed_valid_samples, True), iterator(datasets[2], 0, True))
+
+
+def _scalar_writers(run: Run):
+    """TensorBoard and W&B on the last rank (where the losses are)."""
+    from megatron_ds.training.wandb_log import ScalarWriters, WandB  # noqa: PLC0415
 
     last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    lg = cfg.logging
-    tb = ScalarWriters(mlog.TensorBoard(lg.tensorboard_dir, enabled_rank=last_rank),
-                       WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
-                             save_dir=lg.wandb_save_dir, checkpoint_dir=cfg.checkpoint.save, enabled_rank=last_rank,
-                             config=cfg.to_dict()))
+    lg = run.logging
+    return ScalarWriters(mlog.TensorBoard(lg.tensorboard_dir, enabled_rank=last_rank),
+                         WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
+                               save_dir=lg.wandb_save_dir, checkpoint_dir=run.checkpoint.save,
+                               enabled_rank=last_rank, config=run.record))
+
+
+def _saver(run: Run, engine, tokenizer):
+    """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
+    from megatron_ds.checkpoint.checkpointing import save_checkpoint  # noqa: PLC0415
+    from megatron_ds.checkpoint.format import layout_signature  # noqa: PLC0415
+    from megatron_ds.parallel.random import rng_state  # noqa: PLC0415
+
+    ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
-    meta = {"signature": signature, "config": cfg.to_dict(), "argv": sys.argv[1:], "vocab_size": tokenizer.vocab_size}
+    meta = {"signature": layout_signature(run.layout), "config": run.record, "argv": sys.argv[1:],
+            "vocab_size": tokenizer.vocab_size}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
-        if cfg.checkpoint.save_rng:
-            client["rng"] = ckpt.rng_state()
-        ckpt.save_checkpoint(engine, cfg.checkpoint.save, st.iteration, client_state=client, meta=meta,
-                             keep_last=cfg.checkpoint.keep_last, log=mlog.print_rank0)
-        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {cfg.checkpoint.save}")
+        if ckpt.save_rng:
+            client["rng"] = rng_state()
+        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
+                        log=mlog.print_rank0)
+        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
 
-    stop_signals = StopSignals(cfg.training.exit_signal_handler).__enter__()
-    try:
-        if training:
-            try:
-                state = train(cfg, layout, engine, state, train_iter, valid_iter, loss_fn=loss_fn,
-                              dp_group=ps.dp_group, device=device, save_fn=save, tb=tb, start_time=start_time,
-                              stop_signals=stop_signals)
-            except RuntimeError as exc:
-                if not is_collective_failure(exc):
-                    raise
-                where = f"the training loop at iteration {state.iteration + 1}"
-                raise TrainingStopped(watch.describe(exc, where)) from None
-        # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
-        # does: the final passes would eat the margin left before the scheduler kills it.
-        final_eval = not state.exited_early and cfg.training.eval_iters
-        if valid_iter is not None and final_eval:
-            run_validation(cfg, layout, engine, state, valid_iter, loss_fn, ps.dp_group, tb,
-                           f"iteration {state.iteration} on validation set")
-        if test_iter is not None and final_eval:
-            run_validation(cfg, layout, engine, state, test_iter, loss_fn, ps.dp_group, tb,
-                           f"iteration {state.iteration} on test set")
-    finally:
-        stop_signals.__exit__(None, None, None)
-        tb.close()
-    return state
+    return save
 
 
 def _one_line(exc: Exception) -> str:
@@ -213,11 +235,11 @@ def _one_line(exc: Exception) -> str:
 
 
 def main(argv=None) -> int:
-    cfg, ignored = parse_args(argv)
+    flags, ignored = parse_args(argv)
     try:
-        if cfg.dry_run:
-            return dry_run(cfg, ignored)
-        run(cfg, ignored)
+        if flags.dry_run:
+            return dry_run(flags, ignored)
+        pretrain(flags, ignored)
         return 0
     except (ConfigError, DataError, TrainingStopped) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr, flush=True)

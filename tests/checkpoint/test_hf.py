@@ -141,7 +141,8 @@ def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
 
 def test_what_the_target_cannot_express_is_refused_by_flag():
     from megatron_ds.checkpoint.hf import choose_architecture
-    from megatron_ds.config import ConfigError, ModelConfig, resolve_model_config
+    from megatron_ds.config import ModelConfig, resolve_model_config
+    from megatron_ds.errors import ConfigError
 
     def arch(**kw):
         return choose_architecture(resolve_model_config(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,

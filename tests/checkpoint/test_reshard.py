@@ -88,15 +88,16 @@ def test_fp32_tp2_pp2_resumes_at_other_layouts(fp32_2x2, tmp_path, layout, extra
 
 def _optimizer_state(path, iteration=None):
     """{name: {"fp32", "exp_avg", "exp_avg_sq"}} full tensors (real vocabulary rows), and Adam's step."""
-    from megatron_ds.checkpoint.consolidate import layer_prefixes, layer_source
-    from megatron_ds.checkpoint.files import open_checkpoint
-    from megatron_ds.checkpoint.reshard import SavedOptimizer, _full_tensors
+    from megatron_ds.checkpoint.files import layer_prefixes, open_checkpoint
+    from megatron_ds.checkpoint.optim_state import SavedOptimizer
+    from megatron_ds.checkpoint.reshard import full_tensors
+    from megatron_ds.checkpoint.sources import layer_source
 
     ckpt = open_checkpoint(path, iteration)
     saved = SavedOptimizer(ckpt)
     out = {}
     for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size):
-        for name, t in _full_tensors(ckpt, layer_source(ckpt), saved, idx, prefix).items():
+        for name, t in full_tensors(ckpt, layer_source(ckpt), saved, idx, prefix).items():
             out[name] = {k: v[:500] if v.ndim == 2 and v.shape[0] in (500, 504) else v
                          for k, v in t.items() if k != "weight"}
     return out, saved.step

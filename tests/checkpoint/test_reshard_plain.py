@@ -108,8 +108,7 @@ def _convert(rank, world_size, src, dst, kind):
 
 def _weights_by_name(path):
     """{name: weight} of a TP 1 checkpoint's layer files."""
-    from megatron_ds.checkpoint.consolidate import layer_prefixes
-    from megatron_ds.checkpoint.files import open_checkpoint
+    from megatron_ds.checkpoint.files import layer_prefixes, open_checkpoint
 
     ckpt = open_checkpoint(path, 3)
     return {prefix + k: v.float() for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)
@@ -141,7 +140,7 @@ def derived(fp32_pp2, tmp_path_factory):
 def _saved(path):
     from megatron_ds.checkpoint.files import open_checkpoint
     from megatron_ds.checkpoint.plain_optim import saved_shapes
-    from megatron_ds.checkpoint.reshard import SavedOptimizer
+    from megatron_ds.checkpoint.optim_state import SavedOptimizer
 
     ckpt = open_checkpoint(path, 3)
     saved = SavedOptimizer(ckpt)
@@ -183,7 +182,7 @@ def _write_into_fp16(rank, world_size):
 def _write_into(kind):
     from torch._utils import _unflatten_dense_tensors
 
-    from megatron_ds.checkpoint import compat
+    from megatron_ds.checkpoint import engine_state
 
     gen = torch.Generator().manual_seed(0)
     shapes = [[(3, 4), (2, 3)], [(3,), (2,)]]
@@ -194,8 +193,8 @@ def _write_into(kind):
         for p in group:
             values = [torch.randn(p.shape, generator=gen) for _ in range(3)]
             want[g, p.shape] = values
-            compat.set_optimizer_state(engine, p, values[0], dict(exp_avg=values[1], exp_avg_sq=values[2]))
-    compat.set_optimizer_step(engine, 7)
+            engine_state.set_optimizer_state(engine, p, values[0], dict(exp_avg=values[1], exp_avg_sq=values[2]))
+    engine_state.set_optimizer_step(engine, 7)
     for g, group in enumerate(opt.fp16_groups):
         if kind == "fp16-flat":
             flat = opt.fp32_groups_flat[g]
@@ -212,7 +211,7 @@ def _write_into(kind):
         assert all(float(s) == 7 for s in steps)
     # the dynamic loss scaler's state (what a saved fp16 optimizer's state_dict() carries)
     scaler = {"dynamic_loss_scale": True, "cur_scale": 4096.0, "cur_iter": 9, "last_overflow_iter": 4}
-    assert compat.set_loss_scale(engine, scaler)
+    assert engine_state.set_loss_scale(engine, scaler)
     assert opt.state_dict()["cur_scale"] == 4096.0 and opt.state_dict()["cur_iter"] == 9
     assert opt.state_dict()["last_overflow_iter"] == 4
 

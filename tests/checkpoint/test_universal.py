@@ -65,7 +65,7 @@ def test_what_ds_to_universal_cannot_take_is_refused_in_one_line(tmp_path, capsy
 
 def test_load_without_a_universal_checkpoint_says_how_to_make_one(tmp_path):
     from megatron_ds.checkpoint.universal import find_universal
-    from megatron_ds.config import ConfigError
+    from megatron_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ds_to_universal --input_folder"):
         find_universal(str(tmp_path))

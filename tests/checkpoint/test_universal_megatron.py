@@ -225,7 +225,7 @@ def test_parameter_names_of_every_scheme_map_and_the_rest_is_refused():
     """GPTModelPipe (tied), GPTModel (--no-pipeline-parallel, language_model.py / transformer.py
     names) and ours give the same canonical keys; MoE experts are refused naming the parameter."""
     from megatron_ds.checkpoint import megatron_names
-    from megatron_ds.config import ConfigError
+    from megatron_ds.errors import ConfigError
 
     pipe = ["tied_modules.embed.word_embeddings.weight", "2.self_attention.query_key_value.weight",
             "3.mlp.dense_4h_to_h.bias", "4.weight", "5.lm_head.weight"]

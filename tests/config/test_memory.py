@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ds.config import derive, load_ds_template, parse_args
-from megatron_ds.config import memory
+from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
 from megatron_ds.training.pretrain import main as pretrain_main
@@ -28,8 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 3
 
 def _layout(argv, world):
     cfg, _ = parse_args(argv)
-    template = load_ds_template(cfg.deepspeed.deepspeed_config)
-    return cfg, derive(cfg, world, vocab_size=cfg.data.vocab_size or 50257, ds_template=template, device_type="cuda")
+    return cfg, resolve(cfg, world_size=world, vocab_size=cfg.data.vocab_size or 50257, device_type="cuda").layout
 
 
 def _gpt_flags(layers, hidden, heads, seq, micro, gbs, tp=1, pp=1):
@@ -84,7 +82,7 @@ def test_activation_term_is_what_a_layer_saves(case):
     flags = _gpt_flags(2, h, a, s, b, 2) + ["--bf16", "--attention-dropout", "0"] + LAYER_CASES[case]
     cfg, layout = _layout(flags, 1)
     measured = _saved_by_one_layer(layout.model)
-    estimated = activation_bytes_per_layer(layout, sequence_parallel=False, recompute=None)
+    estimated = activation_bytes_per_layer(layout, recompute=None)
     # left out by the estimate: the norms' fp32 mean/rstd (0.2%) and RoPE's cos/sin (~1% at this
     # small size; they do not grow with the micro batch)
     assert measured == pytest.approx(estimated, rel=0.015), (measured / (s * b * h), estimated / (s * b * h))
@@ -158,7 +156,7 @@ def test_logits_term_with_liger_where_it_runs(monkeypatch):
 def test_full_recompute_keeps_one_input_per_layer_and_one_layers_working_set():
     s, b, h, a, layers = 1024, 2, 1024, 16, 24
     cfg, layout = _layout(_gpt_flags(layers, h, a, s, b, 2) + ["--bf16"], 1)
-    per_layer = activation_bytes_per_layer(layout, sequence_parallel=False, recompute=None)
+    per_layer = activation_bytes_per_layer(layout, recompute=None)
     boundary = s * b * h * 2  # the stage's input/output hidden state
     assert dict(estimate_memory(layout).terms)["activations"] == pytest.approx(layers * per_layer + boundary)
     cfg, layout = _layout(_gpt_flags(layers, h, a, s, b, 2) + ["--bf16", "--checkpoint-activations"], 1)
@@ -170,7 +168,7 @@ def test_pipeline_first_stage_holds_the_most_micro_batches():
     # 1F1B: stage i keeps up to PP - i micro-batches in flight, at least 2 (DeepSpeed's
     # TrainSchedule.num_pipe_buffers), so with equal layers per stage stage 0 holds the most.
     cfg, layout = _layout(_gpt_flags(8, 512, 8, 256, 1, 64, pp=4) + ["--bf16"], 4)
-    per_layer = activation_bytes_per_layer(layout, sequence_parallel=False, recompute=None)
+    per_layer = activation_bytes_per_layer(layout, recompute=None)
     boundary = 256 * 512 * 2
     acts = [dict(e.terms)["activations"] for e in estimate_stages(layout)]
     assert acts == pytest.approx([k * (2 * per_layer + boundary) for k in (4, 3, 2, 2)], rel=1e-9)
@@ -263,16 +261,17 @@ def _measure_engines(rank, world_size, argvs):
     from megatron_ds.parallel.groups import ParallelState
     from megatron_ds.training.data import BatchCollator, build_datasets, build_loader, describe_source
     from megatron_ds.training.loop import train_step
-    from megatron_ds.training.setup import build_engine, discover_world, init_distributed
+    from megatron_ds.training.engine import build_engine
+    from megatron_ds.training.initialize import discover_world, init_distributed
 
     results = []
     for argv in argvs:
         cfg, _ = parse_args(argv)
-        env = discover_world(cfg)
+        env = discover_world(use_mpi=False, local_rank=None)
         device = torch.device("cpu")
-        layout = derive(cfg, env.world_size, vocab_size=cfg.data.vocab_size,
-                        ds_template=load_ds_template(cfg.deepspeed.deepspeed_config), device_type="cpu")
-        init_distributed(cfg, device)
+        run = resolve(cfg, world_size=env.world_size, vocab_size=cfg.data.vocab_size, device_type="cpu")
+        layout = run.layout
+        init_distributed(run.distributed, device)
         ps = ParallelState(layout.tp, layout.pp, layout.dp)
         dataset = build_datasets(cfg.data, num_samples=(layout.global_batch_size * 2, 0, 0), seed=1,
                                  seq_length=layout.model.seq_length, vocab_size=cfg.data.vocab_size,
@@ -282,7 +281,7 @@ def _measure_engines(rank, world_size, argvs):
                                     micro_batch_size=layout.micro_batch_size, dp_size=ps.dp_size))
         before = _live_tensor_bytes()
         with contextlib.redirect_stdout(io.StringIO()):
-            rt = build_engine(cfg, layout, ps, device, cfg.data.vocab_size - 1)
+            rt = build_engine(run, ps, device, cfg.data.vocab_size - 1)
             train_step(rt.engine, iter(batches), layout, functools.partial(gpt_loss_fn, tp_group=ps.tp_group),
                        ps.dp_group)
         after = _live_tensor_bytes()
@@ -351,12 +350,12 @@ def _cuda_peak(rank, world_size, argv):
     import contextlib
     import io
 
-    from megatron_ds.training.pretrain import run
+    from megatron_ds.training.pretrain import pretrain
 
     cfg, ignored = parse_args(argv)
     torch.cuda.reset_peak_memory_stats()
     with contextlib.redirect_stdout(io.StringIO()):
-        run(cfg, ignored)
+        pretrain(cfg, ignored)
     peak = torch.cuda.max_memory_allocated()
     _, layout = _layout(argv, 1)
     est = dict(estimate_memory(layout).terms)

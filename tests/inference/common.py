@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from megatron_ds.config.derive import resolve_model_config
+from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.inference.model import ModelWeights
 from megatron_ds.model.pipeline import build_sequential_gpt

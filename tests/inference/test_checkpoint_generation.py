@@ -81,7 +81,8 @@ def test_a_checkpoint_saved_with_fusions_on_cpu_is_read_without(checkpoints, tmp
     CPU take the unfused path (no minutes of compiling) unless they ask otherwise."""
     import shutil
 
-    from megatron_ds.checkpoint.files import META, open_checkpoint
+    from megatron_ds.checkpoint.files import open_checkpoint
+    from megatron_ds.checkpoint.format import META
     load = shutil.copytree(checkpoints[1, 1], tmp_path / "ckpt")
     meta_path = next(load.glob(f"*/{META}"))
     meta = json.loads(meta_path.read_text())

@@ -26,7 +26,7 @@ def load_strict(path):
 
 def fill_from_cli(path, precision, micro_batch=2, global_batch=8):
     """The DeepSpeed JSON megatron_ds really builds from a template and a command line."""
-    from megatron_ds.config import derive, load_ds_template, parse_args
+    from megatron_ds.config import parse_args, resolve
 
     stage = int(NAME.match(path.name).group(1))
     argv = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --train-iters 1 --lr 1e-3 "
@@ -34,7 +34,7 @@ def fill_from_cli(path, precision, micro_batch=2, global_batch=8):
     argv += [f"--{precision}"] if precision != "fp32" else []
     argv += ["--no-pipeline-parallel"] if stage >= 2 else []  # ZeRO 2/3 need the plain engine
     cfg, _ = parse_args(argv)
-    return derive(cfg, 1, vocab_size=100, ds_template=load_ds_template(str(path)), device_type="cuda").ds_config
+    return resolve(cfg, world_size=1, vocab_size=100, device_type="cuda").layout.ds_config  # the JSON from --deepspeed_config
 
 
 def test_every_stage_and_precision_is_shipped():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ds.config.arguments import IGNORED_FLAGS, parse_args
-from megatron_ds.config.derive import resolve_model_config
+from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model import fusions
 from megatron_ds.model.pipeline import build_sequential_gpt

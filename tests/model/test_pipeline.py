@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ds.config.derive import resolve_model_config
+from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from tests.distributed import run_distributed
 

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from megatron_ds.config.derive import count_parameters, resolve_model_config
+from megatron_ds.config.layout import count_parameters, resolve_model_config
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.fused import describe_kernels
+from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.gpt import document_ids
 from megatron_ds.model.pipeline import build_sequential_gpt, gpt_layer_specs
 from megatron_ds.parallel.random import set_parallel_seeds
@@ -309,7 +309,7 @@ def test_initialization():
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_stage_parameter_counts_match_analytic_count(cfg, pp):
     """Two independent computations: counting the built modules (as DeepSpeed partitions them)
-    and the closed-form count of megatron_ds.config.derive."""
+    and the closed-form count of megatron_ds.config.layout."""
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=1)
     _, stages = count_parameters(cfg, VOCAB, 1, pp)
     assert model.stage_parameter_counts(pp) == [s.params_per_tp_rank for s in stages]

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from megatron_ds.training.ckpt_integrity import MANIFEST, TRACKER
+from megatron_ds.checkpoint.format import MANIFEST, TRACKER
 from tests.distributed import run_distributed
 from tests.training.cli import SMALL_GPT, cli_many, iterations
 

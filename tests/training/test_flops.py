@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_ds.config import derive, parse_args
-from megatron_ds.model.fused import sdpa_supports_gqa
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.pipeline import build_sequential_gpt
 from megatron_ds.training.flops import model_flops_per_iteration
 
@@ -29,7 +29,7 @@ SHAPES = {
 
 def _layout(extra):
     cfg, _ = parse_args(BASE + list(extra))
-    return derive(cfg, 1, vocab_size=100, device_type="cpu")
+    return resolve(cfg, world_size=1, vocab_size=100, device_type="cpu").layout
 
 
 def _counted_flops(layout, batch, full_recompute):
@@ -74,7 +74,7 @@ def test_llama_count_is_below_the_gpt2_formula():
                          "--swiglu --ffn-hidden-size 11008 --num-key-value-heads 8 --use-rotary-position-embeddings "
                          "--train-iters 1 --lr 1e-4 "
                          "--untie-embeddings-and-output-weights --disable-bias-linear").split())
-    layout = derive(cfg, 1, vocab_size=32000, device_type="cpu")
+    layout = resolve(cfg, world_size=1, vocab_size=32000, device_type="cpu").layout
     b, s, l, h, v = 1, 4096, 32, 4096, layout.padded_vocab_size
     gpt2 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     ours = model_flops_per_iteration(layout.model, b, v, False)

@@ -5,9 +5,11 @@ import re
 import pytest
 import torch
 
-from megatron_ds.config import ConfigError, derive, parse_args
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.errors import ConfigError, TrainingStopped
 from megatron_ds.training import log as mlog
-from megatron_ds.training.loop import TrainingStopped, TrainState, train
+from megatron_ds.training.flops import model_flops_per_iteration
+from megatron_ds.training.loop import Loop, TrainState
 from tests.distributed import run_distributed
 
 ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "
@@ -35,12 +37,11 @@ class StubEngine:
 
 def _train(losses, *extra):
     cfg, _ = parse_args(ARGS + ["--train-iters", str(len(losses)), *extra])
-    layout = derive(cfg, 1, vocab_size=64, device_type="cpu")
+    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
     saved = []
-    state = train(cfg, layout, StubEngine(losses), TrainState(), None, None, loss_fn=None, dp_group=None,
-                  device=torch.device("cpu"), save_fn=lambda st: saved.append(st.iteration),
-                  tb=mlog.TensorBoard(None, False), start_time=0.0)
-    return state, saved
+    loop = Loop(run, StubEngine(losses), loss_fn=None, dp_group=None, device=torch.device("cpu"),
+                tb=mlog.TensorBoard(None, False), save=lambda st: saved.append(st.iteration), start_time=0.0)
+    return loop.train(TrainState(), None, None), saved
 
 
 def test_nan_iterations_are_counted_and_logged(capsys):
@@ -77,8 +78,8 @@ def test_model_flops_formula():
     expected = 72 * 8 * 1024 * 24 * 1024 ** 2 * (1 + 1024 / (6 * 1024) + 50304 / (12 * 24 * 1024))
     cfg, _ = parse_args(("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
                          "--max-position-embeddings 1024 --micro-batch-size 8 --mock-data --train-iters 1 --lr 1e-4").split())
-    model = derive(cfg, 1, vocab_size=50257, device_type="cpu").model
-    assert mlog.model_flops_per_iteration(model, 8, 50304, False) == pytest.approx(expected, rel=1e-12)
+    model = resolve(cfg, world_size=1, vocab_size=50257, device_type="cpu").layout.model
+    assert model_flops_per_iteration(model, 8, 50304, False) == pytest.approx(expected, rel=1e-12)
 
 
 def _guarded_skip(rank, world):
@@ -149,8 +150,8 @@ def test_lr_schedule_against_formulas_and_override():
     lin = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="linear")
     assert lin.lr_at(3) == pytest.approx(0.7)
     # loading: the same shape restores the step; a different one is an error unless a flag decides
-    def fresh():
-        return LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine")
+    def fresh(**policy):
+        return LRSchedule(opt, max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14, decay_style="cosine", **policy)
 
     same = fresh()
     same.load_state_dict(dict(s.state_dict(), num_steps=6))
@@ -158,12 +159,10 @@ def test_lr_schedule_against_formulas_and_override():
     saved = dict(s.state_dict(), max_lr=2.0, num_steps=6)
     with pytest.raises(ConfigError, match=r"max_lr: checkpoint 2.0 vs now 1.0.*--override-lr-scheduler"):
         fresh().load_state_dict(saved)
-    kept = fresh()
-    kept.use_checkpoint = True
+    kept = fresh(use_checkpoint=True)  # --use-checkpoint-lr-scheduler
     kept.load_state_dict(saved)
     assert (kept.max_lr, kept.num_steps) == (2.0, 6)
-    mine = fresh()
-    mine.override = True
+    mine = fresh(override=True)  # --override-lr-scheduler
     mine.load_state_dict(saved)
     assert (mine.max_lr, mine.num_steps) == (1.0, 6)
     assert opt.param_groups[0]["lr"] == pytest.approx(mine.lr_at(6))

@@ -107,8 +107,9 @@ class _Payload:
 def test_checkpoint_files_load_weights_only(tmp_path):
     import torch
 
-    from megatron_ds.config import ConfigError
-    from megatron_ds.training.checkpointing import WeightsOnlyCheckpointEngine, rng_state
+    from megatron_ds.errors import ConfigError
+    from megatron_ds.checkpoint.checkpointing import WeightsOnlyCheckpointEngine
+    from megatron_ds.parallel.random import rng_state
 
     engine = WeightsOnlyCheckpointEngine()
     good = tmp_path / "good.pt"

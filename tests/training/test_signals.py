@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.training.ckpt_integrity import TRACKER, verify
+from megatron_ds.checkpoint.format import TRACKER
+from megatron_ds.checkpoint.integrity import verify
 from tests.launch.helpers import PYTHON, REPO, clean_env, requires_mpirun
 from tests.training.cli import SMALL_GPT, iterations
 

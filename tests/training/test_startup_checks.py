@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from megatron_ds.training import save_lock
-from megatron_ds.training.save_lock import LOCK_NAME, LockHeld, SaveLock
+from megatron_ds.checkpoint import lock as save_lock
+from megatron_ds.checkpoint.lock import LOCK_NAME, LockHeld, SaveLock
 from tests.distributed import run_distributed
 from tests.launch.helpers import REPO, clean_env, run_bounded
 from tests.training.cli import SMALL_GPT, cli_many, iterations
@@ -113,8 +113,8 @@ def test_port_clash_without_launcher_is_one_line(tmp_path):
 
 
 def test_dp_change_on_load_names_no_load_optim():
-    from megatron_ds.config import ConfigError
-    from megatron_ds.training.checkpointing import check_compatible
+    from megatron_ds.errors import ConfigError
+    from megatron_ds.checkpoint.checkpointing import check_compatible
 
     saved = {"num_layers": 2, "data_parallel_size": 2, "zero_stage": 1, "precision": "bf16"}
     now = {"num_layers": 2, "data_parallel_size": 4, "zero_stage": 1, "precision": "bf16"}
@@ -125,7 +125,7 @@ def test_dp_change_on_load_names_no_load_optim():
 
 
 def test_not_enough_room_for_one_checkpoint(tmp_path):
-    from megatron_ds.config import ConfigError
+    from megatron_ds.errors import ConfigError
     from megatron_ds.training.startup_checks import check_save_dir, checkpoint_bytes
 
     class Layout:  # what checkpoint_bytes reads: 13B parameters in bf16 with Adam

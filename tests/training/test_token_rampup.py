@@ -34,12 +34,12 @@ def _train(rank, world_size, argv):
     import io
 
     from megatron_ds.config import parse_args
-    from megatron_ds.training.pretrain import run
+    from megatron_ds.training.pretrain import pretrain
 
     cfg, ignored = parse_args(argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        state = run(cfg, ignored)
+        state = pretrain(cfg, ignored)
     return {"history": state.history, "tokens": state.consumed_train_tokens, "log": out.getvalue()}
 
 

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.import_hf import import_hf  # noqa: PLC0415 - keep --help fast
-    from megatron_ds.config import ConfigError  # noqa: PLC0415
+    from megatron_ds.errors import ConfigError  # noqa: PLC0415
 
     try:
         import_hf(args.hf_dir, args.save)

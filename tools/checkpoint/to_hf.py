@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.export import export_hf  # noqa: PLC0415 - keep --help fast
-    from megatron_ds.config import ConfigError  # noqa: PLC0415
+    from megatron_ds.errors import ConfigError  # noqa: PLC0415
 
     try:
         export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,

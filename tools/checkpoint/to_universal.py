@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.universal import convert  # noqa: PLC0415 - keep --help fast
-    from megatron_ds.config import ConfigError  # noqa: PLC0415
+    from megatron_ds.errors import ConfigError  # noqa: PLC0415
     from megatron_ds.ds_compat import check_deepspeed  # noqa: PLC0415
 
     try:

@@ -1,15 +1,19 @@
-"""derive(): every rejection by its message, and the derived values against hand computation."""
+"""resolve(): every rejection by its message, and the derived values against hand computation."""
 import pytest
 
-from megatron_ds.config import ConfigError, count_parameters, derive, pad_vocab_size, parse_args, resolve_model_config
+from megatron_ds.config import count_parameters, parse_args, resolve, resolve_model_config
+from megatron_ds.config.megatron_overrides import megatron_overrides
+from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.utils import pad_vocab_size
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3").split()
 
 
 def make(*extra, world=1, vocab=1000, template=None, device="cpu"):
+    """The Run of BASE + extra."""
     cfg, _ = parse_args(BASE + list(extra))
-    return derive(cfg, world, vocab_size=vocab, ds_template=template, device_type=device)
+    return resolve(cfg, world_size=world, vocab_size=vocab, ds_template=template, device_type=device)
 
 
 def rejects(match, *extra, **kw):
@@ -52,17 +56,17 @@ def test_zero2_with_pipeline():
 
 
 def test_zero3_allowed_without_pipeline():
-    layout = make("--zero-stage", "3", "--no-pipeline-parallel", world=2)
+    layout = make("--zero-stage", "3", "--no-pipeline-parallel", world=2).layout
     assert layout.ds_config["zero_optimization"]["stage"] == 3 and not layout.use_pipeline
 
 
 def test_json_train_batch_size_loses_to_the_command_line_with_a_note():
     # Megatron-DeepSpeed calls engine.set_train_batch_size(DP x micro x micro-batches) before every step
     # (megatron/training.py train), so a stale JSON train_batch_size has no effect there either.
-    layout = make("--global-batch-size", "4", template={"train_batch_size": 64, "gradient_accumulation_steps": 7})
-    assert layout.ds_config["train_batch_size"] == 4 and layout.ds_config["gradient_accumulation_steps"] == 2
-    assert any("train_batch_size = 64 is overridden by --global-batch-size: 4" in n for n in layout.notes)
-    assert any("gradient_accumulation_steps = 7 is overridden" in n for n in layout.notes)
+    run = make("--global-batch-size", "4", template={"train_batch_size": 64, "gradient_accumulation_steps": 7})
+    assert run.layout.ds_config["train_batch_size"] == 4 and run.layout.ds_config["gradient_accumulation_steps"] == 2
+    assert any("train_batch_size = 64 is overridden by --global-batch-size: 4" in n for n in run.notes)
+    assert any("gradient_accumulation_steps = 7 is overridden" in n for n in run.notes)
 
 
 def test_json_micro_batch_conflict():
@@ -98,13 +102,13 @@ def test_other_rejections():
 def test_missing_required():
     cfg, _ = parse_args(["--num-layers", "2"])
     with pytest.raises(ConfigError, match="--hidden-size is required"):
-        derive(cfg, 1, vocab_size=10)
+        resolve(cfg, world_size=1, vocab_size=10)
 
 
 def test_derived_values():
     layout = make("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                   "--global-batch-size", "16", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50",
-                  world=8, vocab=50257, template={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5}})
+                  world=8, vocab=50257, template={"zero_optimization": {"stage": 1, "reduce_bucket_size": 5}}).layout
     assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
     assert layout.grad_accum_steps == 16 // (2 * 2)
     assert layout.padded_vocab_size == 50432  # next multiple of 128 * 2 above 50257
@@ -120,24 +124,22 @@ def test_fp16_loss_scale_knobs_come_from_the_json_only():
     # Megatron-DeepSpeed's get_megatron_optimizer() returns before building its grad scaler under
     # --deepspeed (megatron/optimizer/__init__.py), so --loss-scale & co have no effect; DeepSpeed's
     # engine reads the JSON's fp16 block (its own defaults fill the rest).
-    from megatron_ds.config.compat import megatron_overrides
-
     template = {"fp16": {"enabled": "auto", "loss_scale_window": 500}}
-    cfg, _ = parse_args(BASE + ["--fp16", "--loss-scale", "4096", "--loss-scale-window", "100"])
-    notes = megatron_overrides(cfg, template)
-    layout = derive(cfg, 1, vocab_size=1000, ds_template=template, device_type="cuda")
-    assert layout.ds_config["fp16"] == {"enabled": True, "loss_scale_window": 500}
+    run = make("--fp16", "--loss-scale", "4096", "--loss-scale-window", "100", template=template, device="cuda")
+    notes = run.notes
+    assert run.layout.ds_config["fp16"] == {"enabled": True, "loss_scale_window": 500}
     assert any('--loss-scale 4096 has no effect with DeepSpeed' in n and 'default "fp16.loss_scale" = 0' in n
                for n in notes)
     assert any('--loss-scale-window 100' in n and 'JSON "fp16.loss_scale_window" = 500' in n for n in notes)
     cfg, _ = parse_args(BASE + ["--bf16", "--loss-scale", "12"])  # universal_checkpointing/run_bf16.sh
-    assert megatron_overrides(cfg, None) == ["--loss-scale 12 has no effect without --fp16 (as in Megatron-DeepSpeed)"]
+    assert megatron_overrides(cfg, None)[2] == [
+        "--loss-scale 12 has no effect without --fp16 (as in Megatron-DeepSpeed)"]
 
 
 def test_sequence_parallel_turns_off_pipeline_partitioning():
     # DeepSpeed's pipe/grad partitioning assumes TP ranks hold the same activation
-    sp = make("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2).ds_config["pipeline"]
-    plain = make("--tensor-model-parallel-size", "2", world=2).ds_config["pipeline"]
+    sp = make("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2).layout.ds_config["pipeline"]
+    plain = make("--tensor-model-parallel-size", "2", world=2).layout.ds_config["pipeline"]
     assert sp == {"pipe_partitioned": False, "grad_partitioned": False}
     assert plain == {"pipe_partitioned": True, "grad_partitioned": True}
 
@@ -190,13 +192,14 @@ def test_parameter_count_split_over_tp_pp():
 
 def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
     # Megatron-DeepSpeed's validate_args: "if args.tensor_model_parallel_size == 1: args.sequence_parallel = False"
-    from megatron_ds.config.compat import megatron_overrides
-
     cfg, _ = parse_args(BASE + ["--sequence-parallel"])
-    notes = megatron_overrides(cfg, None)
-    assert cfg.parallel.sequence_parallel is False and "--sequence-parallel is turned off" in notes[0]
+    overridden, _, notes = megatron_overrides(cfg, None)
+    assert overridden.parallel.sequence_parallel is False and "--sequence-parallel is turned off" in notes[0]
+    assert cfg.parallel.sequence_parallel is True  # a new value: the parsed flags stay as given
+    assert make("--sequence-parallel").layout.sequence_parallel is False
     cfg, _ = parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
-    assert megatron_overrides(cfg, None) == [] and cfg.parallel.sequence_parallel is True
+    overridden, _, notes = megatron_overrides(cfg, None)
+    assert notes == [] and overridden == cfg and overridden.parallel.sequence_parallel is True
 
 
 def test_rampup_with_interleaving_refused():
@@ -205,4 +208,4 @@ def test_rampup_with_interleaving_refused():
         "--train-samples", "640", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
         "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "64"])
     with pytest.raises(ConfigError, match="--rampup-batch-size cannot be combined with the interleaved"):
-        derive(cfg, 2, vocab_size=1000)
+        resolve(cfg, world_size=2, vocab_size=1000)

@@ -3,7 +3,8 @@ complete, what --keep-last may delete, and the order in which --load tries check
 import os
 import zlib
 
-from megatron_ds.training import ckpt_integrity as ci
+from megatron_ds.checkpoint import format as ci_format
+from megatron_ds.checkpoint import integrity as ci
 
 
 def _checkpoint(root, step, files=None, manifest=True):
@@ -12,7 +13,7 @@ def _checkpoint(root, step, files=None, manifest=True):
     for name, data in (files or {"mp_rank_00_model_states.pt": os.urandom(3000), "sub/x.pt": b"abc"}).items():
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_bytes(data)
-    (d / ci.META).write_text("{}")
+    (d / ci_format.META).write_text("{}")
     if manifest:
         ci.write_manifest(str(d), step)
     return d
@@ -22,9 +23,9 @@ def test_manifest_records_sizes_and_crc32(tmp_path):
     data = os.urandom(5000)
     d = _checkpoint(tmp_path, 3, {"a.pt": data})
     import json
-    manifest = json.loads((d / ci.MANIFEST).read_text())
+    manifest = json.loads((d / ci_format.MANIFEST).read_text())
     assert manifest["files"]["a.pt"] == {"size": 5000, "crc32": f"{zlib.crc32(data):08x}"}
-    assert ci.META in manifest["files"] and manifest["iteration"] == 3
+    assert ci_format.META in manifest["files"] and manifest["iteration"] == 3
     assert ci.verify(str(d)) is None
 
 
@@ -52,22 +53,22 @@ def test_keep_last_deletes_only_complete_older_checkpoints(tmp_path):
 def test_candidates_follow_tracker_then_older(tmp_path):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step)
-    (tmp_path / ci.TRACKER).write_text("4")
+    (tmp_path / ci_format.TRACKER).write_text("4")
     assert ci.choose_checkpoint(str(tmp_path), log=lambda m: None) == 4  # 6 is not trusted past the tracker
-    (tmp_path / ci.TRACKER).write_text("banana")
+    (tmp_path / ci_format.TRACKER).write_text("banana")
     notes = []
     assert ci.choose_checkpoint(str(tmp_path), log=notes.append) == 6
-    assert notes[0] == f"WARNING: {tmp_path}/{ci.TRACKER} should hold an iteration number, found 'banana'"
+    assert notes[0] == f"WARNING: {tmp_path}/{ci_format.TRACKER} should hold an iteration number, found 'banana'"
     legacy = _checkpoint(tmp_path / "old", 9, manifest=False)  # before manifests: loads unverified
     assert ci.verify(str(legacy)) is None
-    os.remove(legacy / ci.META)  # neither manifest nor config: an interrupted save
+    os.remove(legacy / ci_format.META)  # neither manifest nor config: an interrupted save
     assert "is incomplete" in ci.verify(str(legacy))
 
 
 def test_newer_checkpoints_are_never_overwritten(tmp_path):
     import pytest
 
-    from megatron_ds.config import ConfigError
+    from megatron_ds.errors import ConfigError
 
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step)

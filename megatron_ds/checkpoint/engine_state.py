@@ -1,4 +1,4 @@
-"""Writing resharded weights and optimizer state into a live engine.
+"""Writing resharded weights and optimizer state into a live engine (``StateSetter``).
 
 Optimizer state is written through DeepSpeed's public ``safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), which under ZeRO 1-2 and bf16 need each
@@ -16,7 +16,8 @@ import deepspeed
 import torch
 
 from megatron_ds import ds_compat
-from megatron_ds.config import ConfigError
+from megatron_ds.checkpoint.files import OPTIM_KEYS
+from megatron_ds.errors import ConfigError
 
 
 def _torch_optimizer(engine):
@@ -113,3 +114,24 @@ def set_optimizer_step(engine, step: float) -> None:
     for param, state in base.state.items():
         if "step" in state:  # fused/capturable torch Adam keeps the step on the parameter's device
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=param.device if fused else "cpu")
+
+
+class StateSetter:
+    """Writes a parameter's shard into ``engine``'s module and, where the shard has them, its fp32
+    master and Adam moments into the engine's optimizer."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @torch.no_grad()
+    def set(self, param: torch.nn.Parameter, shard: dict[str, torch.Tensor]) -> None:
+        master = shard.get("fp32", shard["weight"])
+        set_weight(param, master)
+        if "exp_avg" in shard:
+            set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
+
+    def set_step(self, step: float) -> None:
+        set_optimizer_step(self.engine, step)
+
+    def set_loss_scale(self, saved: dict) -> bool:
+        return set_loss_scale(self.engine, saved)

@@ -1,13 +1,19 @@
-"""Range checks of numeric flags, by flag name, before anything else looks at the values.
+"""Checks of the flags that refuse a run before it starts, each a ``ConfigError`` of one line.
 
-argparse only checks types: ``--lr nan`` and ``--train-iters -5`` parse fine and then fail deep
-inside torch or as a message about some other flag. ``check_ranges(cfg)`` runs first in
-``derive()`` and names the flag, the value and the accepted range in one line.
+``check_ranges`` runs first, before anything else looks at the values: argparse only checks types,
+so ``--lr nan`` and ``--train-iters -5`` parse fine and would fail deep inside torch or as a message
+about some other flag; it names the flag, the value and the accepted range. The other checks refuse
+combinations (sizes that do not divide, flags that exclude each other); ``build_layout`` calls them
+in order, on the resolved model shape and sizes, so every message names the values involved and
+the fix.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from megatron_ds.errors import ConfigError
+from megatron_ds.config.schema import ModelConfig
 
 # (section, field, lower bound, lower inclusive, upper bound, upper inclusive); None = unbounded.
 # Only values that were given (not None) are checked; fields absent from the config are skipped,
@@ -109,9 +115,84 @@ def range_errors(cfg) -> list[str]:
 
 
 def check_ranges(cfg) -> None:
-    """Raise ConfigError naming every out-of-range flag (imported lazily: derive imports us)."""
-    from megatron_ds.config.derive import ConfigError  # noqa: PLC0415
-
+    """Raise ConfigError naming every out-of-range flag."""
     errors = range_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def require(value, flag: str):
+    """``value``, which the flag must have given."""
+    if value is None:
+        raise ConfigError(f"{flag} is required")
+    return value
+
+
+def check_divisible(a: int, b: int, message: str) -> None:
+    if b <= 0 or a % b:
+        raise ConfigError(message)
+
+
+def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int) -> None:
+    """The world splits into TP x PP x DP, and the model's heads, layers and MLP split over TP / PP."""
+    if tp < 1 or pp < 1 or world_size < 1:
+        raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}")
+    check_divisible(world_size, tp * pp,
+                    f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
+                    f"launch a multiple of {tp * pp} processes or change "
+                    f"--tensor-model-parallel-size/--pipeline-model-parallel-size")
+    check_divisible(m.num_attention_heads, tp,
+                    f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                    f"--tensor-model-parallel-size {tp}; choose TP dividing the head count")
+    check_divisible(m.num_key_value_heads, tp,
+                    f"--num-key-value-heads {m.num_key_value_heads} is not divisible by "
+                    f"--tensor-model-parallel-size {tp}; choose TP dividing the KV head count")
+    check_divisible(m.num_attention_heads, m.num_key_value_heads,
+                    f"--num-attention-heads {m.num_attention_heads} is not a multiple of "
+                    f"--num-key-value-heads {m.num_key_value_heads}")
+    check_divisible(m.num_layers, pp,
+                    f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+                    f"{pp}; choose PP dividing the layer count")
+    check_divisible(m.ffn_hidden_size, tp,
+                    f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+                    f"--tensor-model-parallel-size {tp}")
+    if m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                          f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten "
+                          f"--seq-length")
+
+
+def check_precision(t, device_type: str) -> str:
+    """"fp16" | "bf16" | "fp32" from --fp16 / --bf16, refusing what cannot run on ``device_type``."""
+    if t.fp16 and t.bf16:
+        raise ConfigError("--fp16 and --bf16 are both set; choose one")
+    if t.fp16 and device_type == "cpu":
+        raise ConfigError("--fp16 needs a GPU (no fp16 loss scaling on CPU); use --bf16 or fp32 on CPU")
+    return "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+
+
+def check_engine(par, *, pp: int, tp: int, zero_stage: int, seq_length: int) -> None:
+    """DeepSpeed's pipeline engine vs its plain one, ZeRO, and Megatron's sequence parallelism."""
+    if par.no_pipeline_parallel and pp > 1:
+        raise ConfigError(f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {pp})")
+    if zero_stage >= 2 and not par.no_pipeline_parallel:
+        raise ConfigError(f"ZeRO stage {zero_stage} cannot be combined with DeepSpeed's pipeline engine "
+                          f"(PP = {pp}); use --zero-stage 0 or 1, or --no-pipeline-parallel with PP = 1")
+    if par.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if par.sequence_parallel and seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by TP {tp}")
+
+
+def check_learning_rate(o) -> None:
+    require(o.lr, "--lr")
+    if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:
+        raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set; choose one")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+
+
+def check_data(d) -> None:
+    if d.data_impl in ("lazy", "cached"):
+        raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "
+                          f"(tools/preprocess_data.py) and use --data-impl mmap")

@@ -79,7 +79,7 @@ class GPTModelChunks(nn.Module):
         names its per-layer checkpoint files (global layer index, tensor parallel rank)."""
         files = []
         for chunk, indices in zip(self.chunks, self.layer_indices):
-            for idx, func in zip(indices, chunk._forward_funcs):
+            for idx, func in zip(indices, chunk.forward_funcs):
                 if isinstance(func, nn.Module):
                     files.append((f"layer_{idx:02d}-model_{tp_rank:02d}-model_states.pt", func))
         return files

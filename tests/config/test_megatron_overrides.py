@@ -2,9 +2,11 @@
 DeepSpeed's own parser."""
 import pytest
 
-from megatron_ds.config import ConfigError, parse_args
-from megatron_ds.config.ds_validate import validate_with_deepspeed
-from megatron_ds.training.data import MockTokenizer, build_tokenizer_for
+from megatron_ds.config import parse_args
+from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.config.megatron_overrides import megatron_overrides
+from megatron_ds.data.tokenizer import MockTokenizer, build_tokenizer_for
+from megatron_ds.errors import ConfigError
 
 
 def refused(argv, capsys) -> str:
@@ -38,12 +40,10 @@ def test_universal_checkpoint_is_accepted():
 
 
 def test_old_and_new_spellings():
-    from megatron_ds.config.compat import megatron_overrides
-
     cfg, ignored = parse_args(["--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers",
                                "2", "--distribute-checkpointed-activations", "--wandb-name", "run1"])
     assert not cfg.training.checkpoint_activations
-    megatron_overrides(cfg, None)
+    cfg, _, _ = megatron_overrides(cfg, None)
     # old Megatron-LM: the method alone turned on full recomputation (transformer.py ran
     # _checkpointed_forward whenever activations_checkpoint_method was set)
     assert cfg.training.checkpoint_activations and cfg.training.recompute_method == "uniform"
@@ -79,7 +79,7 @@ def test_deepspeed_parser_refusals(extra, message):
 
 
 def test_deepspeed_parser_accepts_a_merged_config():
-    # train_batch_size is left to derive() (it knows DP): 8 != 2 x 2 x world 1 must not be refused here
+    # train_batch_size is left to the layout (it knows DP): 8 != 2 x 2 x world 1 must not be refused here
     validate_with_deepspeed(_ds(zero_optimization={"stage": 1}, bf16={"enabled": True}), "x.json")
 
 

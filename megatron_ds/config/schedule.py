@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-class ScheduleError(ValueError):
-    """A bad ramp-up / token setting (derive() turns it into a ConfigError)."""
+from megatron_ds.config.validation import require
+from megatron_ds.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -89,21 +88,21 @@ def parse_rampup(values: list | None, global_batch: int, micro_dp: int) -> Rampu
     if values is None:
         return None
     if len(values) != 3:
-        raise ScheduleError(f"--rampup-batch-size takes 3 values: START INCREMENT SAMPLES (got {' '.join(values)})")
+        raise ConfigError(f"--rampup-batch-size takes 3 values: START INCREMENT SAMPLES (got {' '.join(values)})")
     try:
         start, increment, samples = (int(v) for v in values)
     except ValueError:
-        raise ScheduleError(f"--rampup-batch-size values must be integers (got {' '.join(values)})") from None
+        raise ConfigError(f"--rampup-batch-size values must be integers (got {' '.join(values)})") from None
     if start <= 0 or increment <= 0 or samples < 0:
-        raise ScheduleError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be "
+        raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be "
                             f"positive and SAMPLES non-negative")
     if start > global_batch or (global_batch - start) % increment:
-        raise ScheduleError(f"--rampup-batch-size: --global-batch-size {global_batch} minus START {start} must be "
+        raise ConfigError(f"--rampup-batch-size: --global-batch-size {global_batch} minus START {start} must be "
                             f"a non-negative multiple of INCREMENT {increment}")
     if start == global_batch:
         return None  # nothing to ramp: Megatron would divide by zero intervals
     if start % micro_dp or increment % micro_dp:
-        raise ScheduleError(f"--rampup-batch-size: START {start} and INCREMENT {increment} must be multiples of "
+        raise ConfigError(f"--rampup-batch-size: START {start} and INCREMENT {increment} must be multiples of "
                             f"--micro-batch-size x DP = {micro_dp} (every batch size of the ramp is split into "
                             f"micro-batches over the data parallel ranks)")
     return Rampup(start, increment, samples, global_batch)
@@ -114,12 +113,12 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
     get_optimizer_param_scheduler: iteration counts times the global batch size)."""
     rampup = parse_rampup(t.rampup_batch_size, global_batch, micro_dp)
     if rampup is not None and t.train_samples is None:
-        raise ScheduleError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
+        raise ConfigError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
                             "iteration-based training)")
     for flag, value, least in (("--train-tokens", t.train_tokens, 1), ("--lr-warmup-tokens", o.lr_warmup_tokens, 0),
                                ("--lr-decay-tokens", o.lr_decay_tokens, 1)):
         if value is not None and value < least:
-            raise ScheduleError(f"{flag} must be {'positive' if least else 'non-negative'} (got {value})")
+            raise ConfigError(f"{flag} must be {'positive' if least else 'non-negative'} (got {value})")
     if t.train_samples is not None:
         decay = o.lr_decay_samples or t.train_samples
         warmup = o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else o.lr_warmup_samples
@@ -130,3 +129,41 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
     return RunSchedule(seq_length=seq_length, global_batch_size=global_batch, rampup=rampup,
                        train_tokens=t.train_tokens, lr_warmup_samples=warmup, lr_decay_samples=decay,
                        lr_warmup_tokens=o.lr_warmup_tokens, lr_decay_tokens=o.lr_decay_tokens)
+
+
+@dataclass(frozen=True)
+class Iterations:
+    train: int  # optimizer steps the run takes (at most, with --train-tokens)
+    lr_decay: int  # the iteration-counted LR schedule's spans
+    lr_warmup: int
+    schedule: RunSchedule
+
+
+def resolve_iterations(t, o, *, seq_length: int, global_batch: int, micro_dp: int,
+                       interleaved: bool) -> Iterations:
+    """Iterations to train and the LR schedule's spans from TrainingConfig ``t`` and OptimizerConfig
+    ``o``: from --train-iters, or --train-samples in whole global batches (megatron/arguments.py)."""
+    if t.train_iters is not None and t.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are both set; choose one")
+    if t.train_samples is not None:
+        train_iters = t.train_samples // global_batch
+        decay = (o.lr_decay_samples or t.train_samples) // global_batch
+        warmup_abs = o.lr_warmup_samples // global_batch
+    else:
+        train_iters = t.train_iters if t.train_iters is not None else (0 if t.skip_train else None)
+        train_iters = require(train_iters, "--train-iters (or --train-samples)")
+        decay = o.lr_decay_iters or train_iters
+        warmup_abs = o.lr_warmup_iters
+    if o.lr_warmup_fraction is not None and warmup_abs:
+        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are both set; "
+                          "choose one")
+    warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else warmup_abs
+    run = build_run_schedule(t, o, seq_length=seq_length, global_batch=global_batch, micro_dp=micro_dp)
+    if run.rampup is not None:
+        if interleaved:
+            # The interleaved schedule needs micro-batches per step to be a multiple of PP at every
+            # step (Megatron asserts the same); a ramp changes that count from step to step.
+            raise ConfigError("--rampup-batch-size cannot be combined with the interleaved pipeline schedule "
+                              "(--num-layers-per-virtual-pipeline-stage); drop one of them")
+        train_iters = run.train_iters_for_samples(t.train_samples)
+    return Iterations(train=train_iters, lr_decay=decay, lr_warmup=warmup, schedule=run)

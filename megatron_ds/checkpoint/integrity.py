@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import zlib
 
 import torch.distributed as dist
 
-from megatron_ds.config import ConfigError
+from megatron_ds.checkpoint.format import MANIFEST, META, TRACKER, atomic_write, list_steps, read_tracker, step_dir
+from megatron_ds.errors import ConfigError
 
-MANIFEST = "megatron_ds_manifest.json"
-META = "megatron_ds_config.json"  # written by checkpointing.py after all ranks' files
-TRACKER = "latest_checkpointed_iteration.txt"
-_STEP = re.compile(r"^global_step(\d+)$")
 _CHUNK = 16 << 20
 # Checkpoints found damaged by choose_checkpoint in this process (path -> problem), so that
 # protect_newer moves them aside instead of hashing them again or calling them complete.
@@ -101,17 +97,8 @@ def write_manifest(ckpt_dir: str, iteration: int) -> None:
         meta = os.path.join(ckpt_dir, META)
         if os.path.isfile(meta):
             files[META] = {"size": os.path.getsize(meta), "crc32": f"{crc32_file(meta):08x}"}
-        _atomic_json(os.path.join(ckpt_dir, MANIFEST),
-                     {"format": 1, "iteration": iteration, "checksum": "crc32", "files": files})
-
-
-def _atomic_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        atomic_write(os.path.join(ckpt_dir, MANIFEST), json.dumps(
+            {"format": 1, "iteration": iteration, "checksum": "crc32", "files": files}, indent=1, sort_keys=True))
 
 
 def _read_manifest(ckpt_dir: str):
@@ -168,35 +155,6 @@ def quick_status(ckpt_dir: str) -> str | None:
     return None
 
 
-def list_steps(directory: str) -> list[int]:
-    """Iterations of the global_stepN directories, newest first."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return sorted((int(m.group(1)) for n in names if (m := _STEP.match(n))
-                   and os.path.isdir(os.path.join(directory, n))), reverse=True)
-
-
-def read_tracker(load_dir: str) -> tuple[int | None, str | None]:
-    """(iteration, problem). (None, None): no tracker. "release" is iteration 0, as in Megatron."""
-    path = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return None, f"{path} is not UTF-8 text (damaged)"
-    except OSError as exc:
-        return None, f"{path} cannot be read ({exc.strerror})"
-    if text == "release":
-        return 0, None
-    if not text.isdigit():
-        return None, f"{path} should hold an iteration number, found {text[:40]!r}"
-    return int(text), None
-
-
 def _candidates(load_dir: str) -> tuple[list[int], list[str]]:
     """rank 0: iterations to try in order, and the notes explaining the order."""
     tracked, problem = read_tracker(load_dir)
@@ -213,7 +171,7 @@ def choose_checkpoint(load_dir: str, *, exact_step: int | None = None, log=print
     """Collective: the iteration to load from load_dir, None when it holds no checkpoint."""
     rank, _ = _rank_world()
     if exact_step is not None:
-        problem = verify(os.path.join(load_dir, f"global_step{exact_step}"))
+        problem = verify(step_dir(load_dir, exact_step))
         if problem:
             raise ConfigError(f"--ckpt-step {exact_step}: {problem}")
         return exact_step
@@ -222,14 +180,14 @@ def choose_checkpoint(load_dir: str, *, exact_step: int | None = None, log=print
         log(f"WARNING: {note}")
     skipped = []
     for step in order:
-        problem = verify(os.path.join(load_dir, f"global_step{step}"))
+        problem = verify(step_dir(load_dir, step))
         if problem is None:
             if skipped:
                 log(f"WARNING: falling back to the newest complete checkpoint, iteration {step} (pass "
                     f"--ckpt-step {skipped[0]} to demand the damaged one)")
             return step
         log(f"WARNING: checkpoint damaged: {problem}")
-        _found_damaged[os.path.realpath(os.path.join(load_dir, f"global_step{step}"))] = problem
+        _found_damaged[os.path.realpath(step_dir(load_dir, step))] = problem
         skipped.append(step)
     if skipped:
         raise ConfigError(f"no complete checkpoint in --load {load_dir} (tried iterations "
@@ -246,7 +204,7 @@ def protect_newer(save_dir: str, start_iteration: int, *, log=print) -> None:
         for step in list_steps(save_dir):
             if step <= start_iteration:
                 continue
-            path = os.path.join(save_dir, f"global_step{step}")
+            path = step_dir(save_dir, step)
             problem = _found_damaged.get(os.path.realpath(path)) or quick_status(path)
             if problem is None:
                 error = (f"--save {save_dir} already holds a complete checkpoint at iteration {step}, "
@@ -276,8 +234,8 @@ def prune(save_dir: str, newest: int, keep_last: int, *, log=print) -> None:
     """rank 0, after checkpoint `newest` is complete: delete complete checkpoints older than the
     newest `keep_last` (damaged ones are left for a person to look at)."""
     complete = [s for s in list_steps(save_dir) if s <= newest
-                and quick_status(os.path.join(save_dir, f"global_step{s}")) is None]
+                and quick_status(step_dir(save_dir, s)) is None]
     for step in complete[keep_last:]:
-        path = os.path.join(save_dir, f"global_step{step}")
+        path = step_dir(save_dir, step)
         shutil.rmtree(path, ignore_errors=True)
         log(f"deleted checkpoint {path} (--keep-last {keep_last})")

@@ -2,7 +2,7 @@
 plain engine, which keeps owning the optimizer, ZeRO-1, loss scaling, clipping and checkpoints.
 
 DeepSpeed's pipeline engine runs plain 1F1B only, so this rank's model chunks
-(``megatron_ds.model.interleaved.GPTModelChunks``) are given to ``deepspeed.initialize`` as one
+(``megatron_ds.model.chunks.GPTModelChunks``) are given to ``deepspeed.initialize`` as one
 ordinary module, and ``InterleavedPipeline.train_batch`` walks this rank's step list:
 
 * forward (chunk c, micro-batch j): the input is the micro-batch's tokens on virtual stage 0, else
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P
+from megatron_ds.model.chunks import build_interleaved_gpt
+from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tied_embedding_group
 from megatron_ds.parallel.schedules import FORWARD, forward_only_schedule, pipeline_schedule
 from megatron_ds.training.log import print_rank0
 
@@ -129,7 +130,7 @@ class InterleavedPipeline:
     def eval_batch(self, data_iter, reduce_output: str = "avg", bcast_loss: bool = True,
                    num_micro_batches: int | None = None) -> torch.Tensor:
         """Forward-only over the schedule's forward order; the mean loss on every rank.
-        ``num_micro_batches`` (PipelineEngine's argument) must be the schedule's: derive() refuses
+        ``num_micro_batches`` (PipelineEngine's argument) must be the schedule's: the layout refuses
         batch-size ramp-ups with interleaving, so the count never changes."""
         if num_micro_batches is not None and num_micro_batches != self.m:
             raise ValueError(f"the interleaved schedule runs {self.m} micro-batches per batch, "
@@ -200,11 +201,11 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def activation_specs(layout, *, sequence_parallel: bool, reset_attention_mask: bool, dtype: torch.dtype) -> list:
+def activation_specs(layout, *, reset_attention_mask: bool, dtype: torch.dtype) -> list:
     """(shape, dtype) of each tensor crossing a stage boundary: the hidden state ``[s(/tp), b, h]``,
     plus the ``[b, s]`` int64 document ids with ``--reset-attention-mask``."""
     m = layout.model
-    seq = m.seq_length // layout.tp if sequence_parallel else m.seq_length
+    seq = m.seq_length // layout.tp if layout.sequence_parallel else m.seq_length
     specs = [((seq, layout.micro_batch_size, m.hidden_size), dtype)]
     if reset_attention_mask:
         specs.append(((layout.micro_batch_size, m.seq_length), torch.int64))
@@ -212,19 +213,16 @@ def activation_specs(layout, *, sequence_parallel: bool, reset_attention_mask: b
 
 
 def build_interleaved_model(layout, ps, common: dict):
-    """This rank's chunks, tied copies synchronized (``common``: setup.build_model's arguments)."""
-    from megatron_ds.model.interleaved import build_interleaved_gpt  # noqa: PLC0415
-    from megatron_ds.parallel.p2p import tied_embedding_group  # noqa: PLC0415
-
+    """This rank's chunks, tied copies synchronized (``common``: engine.build_model's arguments)."""
     return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=ps.pp_rank, v=layout.virtual_pp,
                                  tie_group=tied_embedding_group(ps), **common)
 
 
-def wrap_engine(engine, cfg, layout, ps) -> InterleavedPipeline:
+def wrap_engine(engine, run, ps) -> InterleavedPipeline:
     """The executor around DeepSpeed's plain engine holding ``build_interleaved_model``'s module."""
+    layout = run.layout
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
-    specs = activation_specs(layout, sequence_parallel=cfg.parallel.sequence_parallel,
-                             reset_attention_mask=cfg.data.reset_attention_mask, dtype=dtype)
+    specs = activation_specs(layout, reset_attention_mask=run.data.reset_attention_mask, dtype=dtype)
     if layout.precision == "bf16" and not ds_compat.accumulates_grads_in_fp32(engine):
         print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
                     "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from megatron_ds.config import ConfigError, derive, parse_args
-from megatron_ds.config.run_schedule import Rampup
-from megatron_ds.training.batch_schedule import ConsumedLRSchedule
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.config.schedule import Rampup
+from megatron_ds.errors import ConfigError
+from megatron_ds.training.lr_schedule import ConsumedLRSchedule, LRSchedule
 
 
 class MegatronRampup:
@@ -90,7 +91,7 @@ def test_rampup_batches_and_iterations_match_megatron():
                              "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3",
                              "--global-batch-size", str(gbs), "--rampup-batch-size", str(start), str(inc), str(samples),
                              "--train-samples", str(total)])
-        layout = derive(cfg, 1, vocab_size=100, device_type="cpu")
+        layout = resolve(cfg, world_size=1, vocab_size=100, device_type="cpu").layout
         assert layout.train_iters == megatron_train_iters(total, ref)
 
 
@@ -105,7 +106,7 @@ def test_bad_rampup_and_token_flags(argv, message):
     cfg, _ = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
                          "--micro-batch-size", "1", "--lr", "1e-3", "--global-batch-size", "6", *argv])
     with pytest.raises(ConfigError, match=message):
-        derive(cfg, 2, vocab_size=100, device_type="cpu")
+        resolve(cfg, world_size=2, vocab_size=100, device_type="cpu")
 
 
 def _drive(style, warmup_steps, warmup_tokens, decay_tokens, decay_steps=10 ** 9, steps=60):
@@ -162,8 +163,6 @@ def test_lr_state_round_trip_mid_schedule():
     with pytest.raises(ConfigError, match="decay_tokens: checkpoint 20000 vs now 30000"):
         other.load_state_dict(a.state_dict())
     # switching between iteration-counted and sample/token-counted schedules mid-run: units differ
-    from megatron_ds.training.lr_schedule import LRSchedule
-
     plain = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="cosine")
     with pytest.raises(ConfigError, match="counts samples and tokens but this run's counts iterations"):
         plain.load_state_dict(a.state_dict())

@@ -2,12 +2,13 @@
 
 A launch script that works with Megatron-DeepSpeed must not be refused for a flag that has no effect
 there; it must not be silently reinterpreted either. ``megatron_overrides`` applies Megatron-DeepSpeed's
-own overrides to a freshly parsed config (in place) and returns one warning per override, naming the
-values involved. Everything here depends only on the flags, the DeepSpeed JSON and whether wandb is
-installed.
+own overrides to the parsed flags and the DeepSpeed JSON and returns the new values with one warning
+per override, naming the values involved; neither input is edited. Everything here depends only on
+the flags, the DeepSpeed JSON and whether wandb is installed.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -24,40 +25,45 @@ _LOSS_SCALE_FLAGS = {
 }
 
 
-def _sequence_parallel_at_tp1(cfg: Config) -> list[str]:
+def _replace(cfg: Config, section: str, **changes) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def _sequence_parallel_at_tp1(cfg: Config) -> tuple[Config, list[str]]:
     # megatron/arguments.py validate_args: "disable sequence parallelism when tp=1 to avoid change in
     # numerics when sequence_parallelism is enabled" -- it sets args.sequence_parallel = False.
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
-        cfg.parallel.sequence_parallel = False
-        return ["--sequence-parallel is turned off: --tensor-model-parallel-size is 1 (Megatron-DeepSpeed "
-                "does the same; sequence parallelism splits activations across tensor parallel ranks)"]
-    return []
+        return _replace(cfg, "parallel", sequence_parallel=False), [
+            "--sequence-parallel is turned off: --tensor-model-parallel-size is 1 (Megatron-DeepSpeed "
+            "does the same; sequence parallelism splits activations across tensor parallel ranks)"]
+    return cfg, []
 
 
-def _old_recompute_flag(cfg: Config) -> list[str]:
+def _old_recompute_flag(cfg: Config) -> Config:
     """Megatron-LM before the recompute rename (v2.x, which Megatron-DeepSpeed's examples/pretrain_gpt3_175B.sh
     still uses): ParallelTransformer.forward ran ``_checkpointed_forward`` whenever
     ``activations_checkpoint_method is not None`` -- the flag alone meant full recomputation."""
     t = cfg.training
-    if t.activations_checkpoint_method is not None:
-        t.recompute_method = t.activations_checkpoint_method
-        if t.recompute_granularity is None:
-            t.checkpoint_activations = True
-    return []
+    if t.activations_checkpoint_method is None:
+        return cfg
+    changes = {"recompute_method": t.activations_checkpoint_method}
+    if t.recompute_granularity is None:
+        changes["checkpoint_activations"] = True
+    return _replace(cfg, "training", **changes)
 
 
-def _loss_scale_flags(cfg: Config, template: dict | None) -> list[str]:
+def _loss_scale_flags(cfg: Config, template: dict | None) -> tuple[Config, list[str]]:
     """Megatron-DeepSpeed's get_megatron_optimizer() returns the bare optimizer under --deepspeed before
     it builds Megatron's grad scaler from --loss-scale & co (megatron/optimizer/__init__.py), so those
     flags have no effect there: DeepSpeed's engine scales the loss from the JSON's "fp16" block. Same
-    here; a flag that would have mattered is named with the value actually used."""
+    here (the flags are cleared); a flag that would have mattered is named with the value actually used."""
     notes = []
     fp16 = (template or {}).get("fp16") or {}
     for flag, (name, key, ds_default, to_json) in _LOSS_SCALE_FLAGS.items():
         value = getattr(cfg.training, name)
         if value is None:
             continue
-        setattr(cfg.training, name, None)
+        cfg = _replace(cfg, "training", **{name: None})
         if not cfg.training.fp16:
             if flag == "--loss-scale":  # plain Megatron would apply it to bf16 too; DeepSpeed does not
                 notes.append(f"{flag} {value:g} has no effect without --fp16 (as in Megatron-DeepSpeed)")
@@ -70,20 +76,20 @@ def _loss_scale_flags(cfg: Config, template: dict | None) -> list[str]:
         notes.append(f"{flag} {value:g} has no effect with DeepSpeed (as in Megatron-DeepSpeed, whose "
                      f"--deepspeed path never builds Megatron's loss scaler); using {where}. Set it in the "
                      f"JSON's \"fp16\" block instead")
-    return notes
+    return cfg, notes
 
 
-def _disabled_legacy_curriculum(template: dict | None) -> list[str]:
+def _disabled_legacy_curriculum(template: dict | None) -> tuple[dict | None, list[str]]:
     """A top-level "curriculum_learning" block with "enabled": false (Megatron-DeepSpeed's MoE/curriculum
     templates ship one) changes nothing in Megatron-DeepSpeed, but DeepSpeed >= 0.19 refuses the legacy
     block even when disabled. The intent is unambiguous, so it is dropped; an enabled one stays and
-    is refused by DeepSpeed's parser (config/ds_validate.py)."""
+    is refused by DeepSpeed's parser (config/deepspeed_json.py)."""
     block = (template or {}).get("curriculum_learning")
     if isinstance(block, dict) and block.get("enabled") is False:
-        del template["curriculum_learning"]
-        return ['the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
-                '>= 0.19 refuses that block even when disabled; it had no effect)']
-    return []
+        return {k: v for k, v in template.items() if k != "curriculum_learning"}, [
+            'the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
+            '>= 0.19 refuses that block even when disabled; it had no effect)']
+    return template, []
 
 
 def _wandb_missing(cfg: Config) -> list[str]:
@@ -96,8 +102,11 @@ def _wandb_missing(cfg: Config) -> list[str]:
     return []
 
 
-def megatron_overrides(cfg: Config, template: dict | None) -> list[str]:
-    """Apply Megatron-DeepSpeed's silent overrides to ``cfg`` and ``template`` in place; returns the
-    warnings."""
-    return (_sequence_parallel_at_tp1(cfg) + _old_recompute_flag(cfg) + _loss_scale_flags(cfg, template) + _disabled_legacy_curriculum(template)
-            + _wandb_missing(cfg))
+def megatron_overrides(cfg: Config, template: dict | None) -> tuple[Config, dict | None, list[str]]:
+    """Megatron-DeepSpeed's silent overrides of the flags ``cfg`` and the DeepSpeed JSON ``template``:
+    (new flags, new JSON, one warning per override). The inputs are left as they are."""
+    cfg, sequence_parallel = _sequence_parallel_at_tp1(cfg)
+    cfg = _old_recompute_flag(cfg)
+    cfg, loss_scale = _loss_scale_flags(cfg, template)
+    template, curriculum = _disabled_legacy_curriculum(template)
+    return cfg, template, sequence_parallel + loss_scale + curriculum + _wandb_missing(cfg)

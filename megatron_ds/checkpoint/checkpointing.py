@@ -1,0 +1,157 @@
+"""Saving and loading a live DeepSpeed engine: its checkpoint plus this toolkit's files around it.
+
+``save_checkpoint`` writes DeepSpeed's files, then (``megatron_ds.checkpoint.format``) the saved
+config, the manifest and the trackers. The trackers are written by rank 0 only after a barrier that
+every rank reaches once its own files are written, and atomically (temp file + rename): a crash
+during a save leaves the trackers pointing at the previous, complete checkpoint.
+
+Loading checks the saved layout against this run's before touching any tensor, so a different
+model shape or TP/PP fails at once with the differing fields rather than with a size-mismatch
+traceback. Files are read with ``torch.load(weights_only=True)`` and an allowlist of the few
+DeepSpeed classes its optimizer states contain, instead of unpickling arbitrary objects.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds import ds_compat
+from megatron_ds.checkpoint import integrity
+from megatron_ds.checkpoint.format import (META, TRACKER, atomic_write, checkpoint_tag, read_meta, step_dir,
+                                           write_trackers)
+from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
+from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
+from megatron_ds.ds_compat import TorchCheckpointEngine
+from megatron_ds.errors import ConfigError
+
+
+def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool) -> None:
+    """Raise ConfigError naming every field that differs."""
+    # The interleaved schedule orders and groups parameters differently: its optimizer state only
+    # fits an interleaved run with the same chunks, but its weights load anywhere (same layer files).
+    optim_fields = ("data_parallel_size", "zero_stage", "precision", "virtual_pipeline_model_parallel_size")
+    saved = {"virtual_pipeline_model_parallel_size": 1, **saved}  # checkpoints from before interleaving
+    fields = [k for k in current if k not in optim_fields]
+    if load_optim:
+        # ZeRO and DeepSpeed's bf16 optimizer shard optimizer state over data parallel ranks: the
+        # shard files only fit the same DP size, stage and precision.
+        fields += [k for k in optim_fields if k in current]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
+    if diffs:
+        hint = ("; or pass --no-load-optim to load the weights only" if any(
+            saved.get(k) != current[k] for k in optim_fields if k in fields and k in current) else "")
+        raise ConfigError(f"checkpoint {path} does not match this run ({'; '.join(diffs)}); use the "
+                          f"checkpoint's settings (or convert the checkpoint){hint}")
+
+
+def _is_zip(path: str) -> bool:
+    """torch.save writes zip archives; a zeroed or foreign file is not one (and must not be
+    reported as a pickle with forbidden objects)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, but loading with weights_only=True."""
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(ds_compat.checkpoint_safe_globals()):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the file and the remedy
+                if not _is_zip(path) or ("weights_only" not in str(exc) and "Unsupported global" not in str(exc)):
+                    # a damaged file in a checkpoint without a manifest (older than manifests)
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    raise ConfigError(f"cannot read checkpoint file {path}: {first}") from None
+                raise ConfigError(f"refusing to unpickle {path}: it holds objects outside the allowlist "
+                                  f"({str(exc).splitlines()[0]}). Only load checkpoints you trust; "
+                                  f"this file was not written by megatron_ds") from None
+
+
+def install_safe_loading(engine, log=print) -> None:
+    """Swap DeepSpeed's default torch checkpoint engine for the weights-only one. Another engine
+    configured in the JSON (a fast or decoupled writer) is left alone, with a note."""
+    if ds_compat.is_default_checkpoint_engine(engine):
+        safe = WeightsOnlyCheckpointEngine(config_params=ds_compat.engine_config(engine))
+        ds_compat.set_checkpoint_engine(engine, safe)
+    else:
+        log(f"NOTE: checkpoint engine {type(ds_compat.checkpoint_engine(engine)).__name__} from the DeepSpeed JSON is "
+            f"used as is (its loads are not restricted to weights_only)")
+
+
+def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
+                    keep_last: int | None = None, log=print) -> None:
+    tag = checkpoint_tag(iteration)
+    os.makedirs(save_dir, exist_ok=True)
+    # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
+    # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
+    client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
+    if "signature" in meta:  # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py)
+        client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()  # every rank has written its files
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
+    integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
+    if dist.get_rank() == 0:
+        write_trackers(save_dir, iteration)
+        if keep_last:
+            integrity.prune(save_dir, iteration, keep_last, log=log)
+    dist.barrier()
+
+
+def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) -> tuple[int, dict]:
+    """Load the checkpoint that ``settings`` (the run's ``CheckpointConfig``) asks for: the newest
+    complete one in --load, exactly --ckpt-step, or a DeepSpeed universal one. Returns (iteration,
+    client_state); (0, {}) if there is none, iteration 0 with --finetune. A checkpoint of another
+    layout (or an imported one) is resharded when ``ps`` (this run's ``ParallelState``) is given."""
+    load_dir = settings.load
+    load_optim = settings.load_optim and not settings.finetune
+    if settings.universal_checkpoint:
+        client = load_universal(engine, load_dir, signature=signature, ps=ps, load_optim=load_optim,
+                                load_lr_state=settings.load_lr_state, log=log)
+        iteration = client["iteration"]
+    else:
+        iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
+        if iteration is None:
+            log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
+            return 0, {}
+        iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps,
+                                       load_optim=load_optim, load_lr_state=settings.load_lr_state, log=log)
+    return (0 if settings.finetune else iteration), client
+
+
+def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, load_optim: bool,
+               load_lr_state: bool, log) -> tuple[int, dict]:
+    """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded."""
+    path = step_dir(load_dir, iteration)
+    if not os.path.isfile(os.path.join(path, META)):
+        raise ConfigError(f"{os.path.join(path, META)} is missing: {load_dir} has a tracker for iteration "
+                          f"{iteration} but not the checkpoint it points to")
+    saved = read_meta(path)
+    if ps is not None and needs_reshard(saved, signature, load_optim=load_optim):
+        shape = {k: v for k, v in signature.items() if k not in LAYOUT_FIELDS}
+        check_compatible(saved["signature"], shape, path, load_optim=False)
+        client = load_resharded(engine, load_dir, iteration, ps=ps, padded_vocab_size=signature["padded_vocab_size"],
+                                load_optim=load_optim, load_lr_state=load_lr_state, log=log)
+        return client.get("iteration", iteration), client
+    check_compatible(saved["signature"], signature, path, load_optim=load_optim)
+    # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but
+    # reads it back from the module file, where it is not: load those files ourselves.
+    sharded_without_zero = ds_compat.is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
+    tag = checkpoint_tag(iteration)
+    # no_grad: DeepSpeed re-broadcasts tied weights in place while loading, which autograd would
+    # otherwise record (and warn about in the next backward).
+    with torch.no_grad():
+        loaded, client_state = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=load_optim and not sharded_without_zero,
+            load_lr_scheduler_states=load_optim and load_lr_state, load_module_strict=True)
+    if loaded is None:
+        raise ConfigError(f"DeepSpeed could not load {path}")
+    if sharded_without_zero and load_optim and not ds_compat.load_bf16_optimizer_files(engine, load_dir, tag):
+        raise ConfigError(f"{path} has no bf16 optimizer state files; pass --no-load-optim to load the weights only")
+    log(f"loaded checkpoint {path} (iteration {iteration})")
+    return iteration, client_state or {}

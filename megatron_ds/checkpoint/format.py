@@ -1,0 +1,122 @@
+"""The on-disk format of a ``--save`` directory: names, trackers, the saved config and its signature.
+
+Layout of ``--save DIR``::
+
+    DIR/global_stepN/...                       DeepSpeed's files (module, optimizer, client state)
+    DIR/global_stepN/megatron_ds_config.json   META: the run's flags, layout signature, real vocabulary
+    DIR/global_stepN/megatron_ds_manifest.json MANIFEST: every file's size and CRC-32 (``integrity``)
+    DIR/latest_checkpointed_iteration.txt      TRACKER, Megatron's: "N"
+    DIR/latest                                 DeepSpeed's tracker: "global_stepN" (for its tools)
+    DIR/.megatron_ds.lock                      the running job's lock (``lock``)
+
+Every module that reads or writes these names takes them from here. The files inside
+``global_stepN`` that DeepSpeed writes are described in ``megatron_ds.checkpoint.files``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from megatron_ds.errors import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+DS_TRACKER = "latest"
+META = "megatron_ds_config.json"
+MANIFEST = "megatron_ds_manifest.json"
+_STEP = re.compile(r"^global_step(\d+)$")
+
+# Model fields that must agree between a checkpoint and the run loading it.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "ffn_hidden_size",
+                "kv_channels", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
+                "untie_embeddings_and_output_weights")
+
+
+def checkpoint_tag(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def step_dir(directory: str, iteration: int) -> str:
+    """``directory/global_stepN``."""
+    return os.path.join(directory, checkpoint_tag(iteration))
+
+
+def list_steps(directory: str) -> list[int]:
+    """Iterations of the global_stepN directories, newest first."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted((int(m.group(1)) for n in names if (m := _STEP.match(n))
+                   and os.path.isdir(os.path.join(directory, n))), reverse=True)
+
+
+def atomic_write(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all (temp file, fsync, rename): a crash leaves the old file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_trackers(directory: str, iteration: int) -> None:
+    """Megatron's and DeepSpeed's trackers, pointing at ``global_step{iteration}``."""
+    atomic_write(os.path.join(directory, TRACKER), str(iteration))
+    atomic_write(os.path.join(directory, DS_TRACKER), checkpoint_tag(iteration))
+
+
+def read_tracker(directory: str) -> tuple[int | None, str | None]:
+    """(iteration, problem). (None, None): no tracker. "release" is iteration 0, as in Megatron."""
+    path = os.path.join(directory, TRACKER)
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{path} is not UTF-8 text (damaged)"
+    except OSError as exc:
+        return None, f"{path} cannot be read ({exc.strerror})"
+    if text == "release":
+        return 0, None
+    if not text.isdigit():
+        return None, f"{path} should hold an iteration number, found {text[:40]!r}"
+    return int(text), None
+
+
+def tracked_iteration(directory: str) -> int | None:
+    """The tracker's iteration, None without a tracker; a damaged tracker is a ConfigError."""
+    iteration, problem = read_tracker(directory)
+    if problem:
+        raise ConfigError(problem)
+    return iteration
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    """``global_stepN/megatron_ds_config.json``: {"signature", "config", "vocab_size", ...}."""
+    with open(os.path.join(ckpt_dir, META)) as f:
+        return json.load(f)
+
+
+def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: int = 1, virtual_pp: int | None = None,
+              zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True) -> dict:
+    """What a checkpoint records about the run that wrote it (compared on load): the resolved
+    model's shape and the layout. The defaults are those of an imported (TP 1, fp32) checkpoint."""
+    sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
+    if model.position_embedding_type == "learned_absolute":
+        sig["max_position_embeddings"] = model.max_position_embeddings
+    sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+               data_parallel_size=dp)
+    if virtual_pp is not None:
+        sig["virtual_pipeline_model_parallel_size"] = virtual_pp
+    sig.update(zero_stage=zero_stage, precision=precision, use_pipeline=use_pipeline)
+    return sig
+
+
+def layout_signature(layout) -> dict:
+    """The signature of a training run's ``Layout``."""
+    return signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
+                     dp=layout.dp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
+                     precision=layout.precision, use_pipeline=layout.use_pipeline)

@@ -1,0 +1,90 @@
+"""A checkpoint's optimizer state by parameter name, whatever optimizer and ZeRO stage wrote it.
+
+For each parameter on each saved tensor parallel x pipeline rank: its full (TP-local) fp32 master
+and Adam moments, read from
+
+- ZeRO 1-2 / bf16 optimizer shards: DeepSpeed records each parameter's fragment in
+  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter;
+- ZeRO-3's flat partitions (``zero3``);
+- the ZeRO-0 torch / fp16 optimizer's positional state (``plain_optim``: by the
+  ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints).
+
+Files are memory-mapped: tensors are read when a parameter's slice is used.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from megatron_ds.checkpoint import plain_optim
+from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file
+from megatron_ds.checkpoint.zero3 import Zero3State
+
+
+class SavedOptimizer:
+    """A checkpoint's optimizer state by parameter name: full (TP-local) fp32 master and Adam
+    moments of each parameter on each saved TP x PP rank."""
+
+    def __init__(self, ckpt: CheckpointFiles, *, with_moments: bool = True):
+        self.ckpt = ckpt
+        self.step = None
+        self.pieces = collections.defaultdict(list)  # (name, mp_rank) -> [(dp, flat tensors dict, start, numel)]
+        self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
+        self.zero3 = None
+        self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
+        files = ckpt.optimizer_files()
+        if ckpt.zero_stage == 3:
+            self.zero3 = Zero3State(ckpt, with_moments=with_moments)
+            self.step = self.zero3.step
+        elif files:
+            for path in files:
+                self._index_zero_file(path)
+        else:
+            self._index_plain()
+
+    def _index_zero_file(self, path: str) -> None:
+        base = path.rsplit("/", 1)[-1]
+        dp = int(base.split("zero_pp_rank_")[1].split("_")[0])
+        mp = int(base.split("_mp_rank_")[1].split("_")[0])
+        osd = load_file(path)["optimizer_state_dict"]
+        base = osd["base_optimizer_state"]
+        # a torch state dict, or (ZeRO's elastic_checkpoint) one state per group
+        state = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[g][k] for k in OPTIM_KEYS}}
+            self.step = float(state[g]["step"])
+            for name, frag in mapping.items():
+                self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
+
+    def _index_plain(self) -> None:
+        """fp32 / fp16 ZeRO-0: a torch optimizer's positional state (``plain_optim``)."""
+        for t in range(self.ckpt.tp):
+            mps = self._mp_ranks(t)
+            states = [load_file(self.ckpt.mp_file(mp)) for mp in mps]
+            names = [state.get("optimizer_param_names") for state in states]
+            if any(n is None for n in names):  # saved before the names were recorded
+                names = plain_optim.reconstruct_names(self.ckpt, states, t)
+            shapes = plain_optim.saved_shapes(self.ckpt, t)
+            self.loss_scale = {k: states[0]["optimizer"][k] for k in plain_optim.LOSS_SCALE_KEYS
+                               if k in states[0]["optimizer"]} or None
+            for mp, state, group_names in zip(mps, states, names):
+                found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
+                self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
+                self.step = step if step is not None else self.step
+
+    def _mp_ranks(self, tp_rank: int) -> list[int]:
+        return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
+
+    def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
+        """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
+        for mp in self._mp_ranks(tp_rank):  # a tied weight lives on two stages: the copies are equal
+            if self.zero3 is not None and self.zero3.has(name, mp):
+                return self.zero3.tensors(name, mp)
+            if (name, mp) in self.plain:
+                return self.plain[name, mp]
+            if (name, mp) in self.pieces:
+                pieces = sorted(self.pieces[name, mp], key=lambda p: p[0])
+                return {k: torch.cat([flat[k][start:start + numel] for _, flat, start, numel in pieces]).view(shape)
+                        for k in ("fp32", *OPTIM_KEYS)}
+        return None

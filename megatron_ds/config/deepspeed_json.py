@@ -1,0 +1,150 @@
+"""The DeepSpeed JSON: the user's file, merged with what the command line owns, checked by DeepSpeed.
+
+Users pass ``--deepspeed_config ds.json``. The command line owns batch sizes, precision, the ZeRO
+stage's flag and clipping; the JSON owns ZeRO details, buckets and loss-scale knobs.
+``build_ds_config`` merges the two (a stale batch size in the JSON loses with a note, a real
+contradiction is a ConfigError naming both values).
+
+The merged JSON is then checked by DeepSpeed's own config parser, before the queue:
+``deepspeed.runtime.config.DeepSpeedConfig`` is what ``deepspeed.initialize`` builds; it refuses unknown
+keys (pydantic), removed blocks and inconsistent batch settings. Running it in ``--dry-run`` and at
+start-up means whatever DeepSpeed will refuse is refused before hours in the queue, with its message.
+It needs no process group: its batch check multiplies by the world size of the current process (1
+without distributed), so the data parallel batch is checked by the layout and left out here.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+from megatron_ds.errors import ConfigError
+
+
+def load_ds_template(path: str | None) -> dict | None:
+    """The DeepSpeed JSON as a dict, or None when no --deepspeed_config was given."""
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path}: no such file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--deepspeed_config {path}: invalid JSON at line {exc.lineno} column {exc.colno}: "
+                          f"{exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed_config {path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _json_conflict(name: str, json_value, flag: str, cli_value) -> ConfigError:
+    return ConfigError(f"DeepSpeed JSON {name} = {json_value} contradicts {flag}: {cli_value}; "
+                       f"remove it from the JSON (the command line owns it) or change the flag")
+
+
+def guards_optimizer(precision: str, zero_stage: int) -> bool:
+    """DeepSpeed's plain fp32 path (no ZeRO, no bf16/fp16 optimizer) neither skips non-finite steps
+    nor reports the pre-clip norm; there megatron_ds.training.optimizer.GuardedOptimizer clips and
+    skips, and DeepSpeed must not clip too."""
+    return precision == "fp32" and zero_stage == 0
+
+
+def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
+                    zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None) -> dict:
+    """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions.
+    A stale batch size / accumulation count in the JSON loses to the command line with a note, as in
+    Megatron-DeepSpeed, whose train loop calls engine.set_train_batch_size(DP x micro x micro-batches)
+    before every step (megatron/training.py train); a different micro-batch size would really break."""
+    ds = copy.deepcopy(template or {})
+    for key, value, flag in (("train_batch_size", global_batch, "--global-batch-size"),
+                             ("train_micro_batch_size_per_gpu", micro, "--micro-batch-size"),
+                             ("gradient_accumulation_steps", gas, "global/(micro x DP)")):
+        if ds.get(key, "auto") not in ("auto", value):
+            if key == "train_micro_batch_size_per_gpu" or notes is None:
+                raise _json_conflict(key, ds[key], flag, value)
+            notes.append(f"DeepSpeed JSON {key} = {ds[key]} is overridden by {flag}: {value} "
+                         f"(the command line sets the engine's batch, as in Megatron-DeepSpeed)")
+        ds[key] = value
+    for name in ("fp16", "bf16"):
+        block = ds.get(name) or {}
+        enabled = block.get("enabled", "auto")
+        want = precision == name
+        if enabled != "auto" and bool(enabled) != want:
+            cli = {"fp16": "--fp16", "bf16": "--bf16", "fp32": "fp32 (neither --fp16 nor --bf16)"}[precision]
+            raise _json_conflict(f'"{name}.enabled"', enabled, "the precision flag", cli)
+        block["enabled"] = want
+        ds[name] = block
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage", zero_stage) != zero_stage:
+        raise _json_conflict('"zero_optimization.stage"', zero["stage"], "--zero-stage", zero_stage)
+    zero["stage"] = zero_stage
+    if "optimizer" in ds or "scheduler" in ds:
+        raise ConfigError('the DeepSpeed JSON has an "optimizer"/"scheduler" block, but the command line '
+                          'owns them (--lr, --lr-decay-style, --adam-beta1 ...); remove the block')
+    if ds.get("gradient_clipping", clip_grad) != clip_grad:
+        raise _json_conflict("gradient_clipping", ds["gradient_clipping"], "--clip-grad", clip_grad)
+    ds["gradient_clipping"] = clip_grad
+    if guards_optimizer(precision, zero_stage):
+        ds["gradient_clipping"] = 0.0  # our optimizer guard clips instead (see guards_optimizer)
+    # DeepSpeed's pipeline partitions activations over TP ranks assuming they are replicated; under
+    # sequence parallelism they are already split (and differ per rank), so that must be off.
+    split = not sequence_parallel
+    ds.setdefault("pipeline", {}).update(pipe_partitioned=split, grad_partitioned=split)
+    ds.setdefault("steps_per_print", 10 ** 9)  # we print Megatron's iteration line ourselves
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+# Features DeepSpeed accepts in the JSON but that need the training loop's cooperation, which
+# megatron_ds does not give: (predicate on the JSON, why, what to do instead).
+_NOT_IMPLEMENTED = (
+    (lambda ds: (((ds.get("data_efficiency") or {}).get("data_sampling") or {})
+                 .get("curriculum_learning") or {}).get("enabled"),
+     "data_efficiency.data_sampling.curriculum_learning needs Megatron-DeepSpeed's data-efficiency data "
+     "loader, which megatron_ds does not have; remove the block"),
+    (lambda ds: ((ds.get("data_efficiency") or {}).get("data_routing") or {}).get("enabled"),
+     "data_efficiency.data_routing (random-LTD) is not supported; remove the block"),
+    (lambda ds: "compression_training" in ds,
+     "compression_training is not supported; remove the block"),
+    # deepspeed/runtime/checkpoint_engine/utils.py (0.19) picks its Fast/Decoupled engines for
+    # "checkpoint": {"writer": ...}; they read the DeepSpeed launcher's CROSS_SIZE (a KeyError under
+    # mpirun), the decoupled one writes after save_checkpoint returns (the manifest would checksum
+    # half-written files), and with bf16 it cannot send the optimizer's non-leaf tensors to its writer
+    (lambda ds: (ds.get("checkpoint") or {}).get("writer") is not None,
+     "checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported: they need "
+     "DeepSpeed's own launcher and finish writing after the save returns, before megatron_ds checks the "
+     "files; remove the \"writer\" block"),
+    # deepspeed/runtime/engine.py refuses ZeRO-Offload with a client optimizer (megatron_ds passes its
+    # own AdamW) unless told otherwise -- at start-up, after the queue, so it is checked here
+    (lambda ds: (((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+                 in ("cpu", "nvme") and ds.get("zero_force_ds_cpu_optimizer", True) is not False),
+     "zero_optimization.offload_optimizer needs \"zero_force_ds_cpu_optimizer\": false (megatron_ds "
+     "passes its own AdamW to DeepSpeed, which otherwise refuses ZeRO-Offload at start-up)"),
+)
+
+_LEGACY_CURRICULUM = ("megatron_ds does not implement the legacy sequence-length warmup either (Megatron-"
+                      "DeepSpeed's --curriculum-learning-legacy); remove the \"curriculum_learning\" block")
+
+
+def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON") -> None:
+    """Raise ConfigError with DeepSpeed's own message if it would refuse ``ds_config``."""
+    for refused, why in _NOT_IMPLEMENTED:
+        if refused(ds_config):
+            raise ConfigError(f"{source}: {why}")
+    from megatron_ds.ds_compat import DeepSpeedConfig  # noqa: PLC0415 - heavy; only when validating
+
+    probe = copy.deepcopy(ds_config)
+    probe.pop("train_batch_size", None)  # checked by build_layout against the real DP size
+    quiet = logging.getLogger("DeepSpeed")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # DeepSpeedConfig logs its whole content at INFO
+    try:
+        DeepSpeedConfig(probe)
+    except Exception as exc:  # noqa: BLE001 - pydantic / DeepSpeedConfigError / assertions: all are refusals
+        message = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+        hint = f"; {_LEGACY_CURRICULUM}" if "curriculum_learning" in message and "Legacy" in message else ""
+        raise ConfigError(f"DeepSpeed refuses {source}: {message}{hint}") from None
+    finally:
+        quiet.setLevel(level)

@@ -1,0 +1,220 @@
+"""The layout of a run: what runs where and how big it is, one pure function of the flags.
+
+``build_layout(flags, world_size, ...)`` checks the combination (``validation``) and computes the
+``Layout``: parallel sizes, micro-batches per step, iterations and LR spans, the padded vocabulary,
+the resolved model shape, parameter counts per stage and the merged DeepSpeed JSON. It touches no
+process group, file or device, so ``pretrain_gpt.py --dry-run`` and the tests can run it anywhere;
+every rejection is a ``ConfigError`` whose one-line message names the values involved and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron_ds.config.deepspeed_json import build_ds_config
+from megatron_ds.config.schedule import RunSchedule, resolve_iterations
+from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
+                                           check_parallel_sizes, check_precision, require)
+from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.schedules import check_schedule, describe_assignment, virtual_pipeline_size
+from megatron_ds.parallel.utils import pad_vocab_size
+
+
+def resolve_model_config(m: ModelConfig) -> ModelConfig:
+    """A copy of the model config with every optional shape filled in, as Megatron resolves them."""
+    require(m.num_layers, "--num-layers")
+    h = require(m.hidden_size, "--hidden-size")
+    heads = require(m.num_attention_heads, "--num-attention-heads")
+    seq = require(m.seq_length, "--seq-length")
+    pos_type = m.position_embedding_type
+    if m.use_rotary_position_embeddings:
+        pos_type = "rope"
+    elif m.no_position_embedding and pos_type == "learned_absolute":
+        pos_type = "none"
+    ffn = m.ffn_hidden_size
+    if ffn is None:
+        # SwiGLU has three matrices instead of two; 2/3 keeps the parameter count of a 4h GeLU MLP.
+        ffn = int(4 * h * 2 / 3 / 64) * 64 if m.swiglu else 4 * h
+    if m.kv_channels is None and h % heads:
+        raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}; "
+                          f"change one of them or pass --kv-channels")
+    return dataclasses.replace(
+        m,
+        num_key_value_heads=m.num_key_value_heads or heads,
+        ffn_hidden_size=ffn,
+        kv_channels=m.kv_channels or h // heads,
+        max_position_embeddings=m.max_position_embeddings or seq,
+        position_embedding_type=pos_type,
+        use_rotary_position_embeddings=pos_type == "rope",
+        normalization=m.normalization.lower(),
+    )
+
+
+@dataclass(frozen=True)
+class StageParams:
+    stage: int
+    layers: tuple[int, int]  # [first, last) transformer layer indices
+    params_per_tp_rank: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    virtual_pp: int  # model chunks per pipeline rank (> 1: interleaved 1F1B schedule)
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int  # micro-batches per optimizer step on each data parallel rank
+    train_iters: int
+    lr_decay_iters: int
+    lr_warmup_iters: int
+    schedule: RunSchedule  # ramp-up, token target, LR spans in samples/tokens
+    vocab_size: int
+    padded_vocab_size: int
+    precision: str  # "fp32" | "fp16" | "bf16"
+    zero_stage: int
+    use_pipeline: bool
+    sequence_parallel: bool  # Megatron's: activations split over TP ranks outside TP regions
+    recompute: str | None  # None | "full" | "selective"
+    recompute_num_layers: int  # transformer layers per recomputed chunk (full recompute)
+    model: ModelConfig
+    total_params: int
+    stages: tuple[StageParams, ...]
+    ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
+
+    def _engine_name(self) -> str:
+        if self.virtual_pp > 1:
+            return "interleaved pipeline schedule on the plain engine"
+        return "pipeline engine" if self.use_pipeline else "plain engine"
+
+    def summary(self) -> str:
+        m = self.model
+        lines = [
+            f"world size {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
+            f" ({self._engine_name()}, ZeRO {self.zero_stage},"
+            f" {self.precision})",
+            f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
+            f" per step = global {self.global_batch_size}; {self.train_iters} iterations",
+            f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
+            f" (kv {m.num_key_value_heads}), ffn {m.ffn_hidden_size}, seq {m.seq_length},"
+            f" positions {m.position_embedding_type}, {m.normalization},"
+            f" {'swiglu' if m.swiglu else 'gelu'}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
+            f"parameters: {self.total_params / 1e6:,.1f}M total",
+        ]
+        r = self.schedule
+        if r.rampup is not None:
+            lines.insert(2, f"batch ramp-up: global {r.rampup.start} + {r.rampup.increment} every "
+                            f"{r.rampup.samples_per_increment:,.0f} samples up to {r.rampup.final} after "
+                            f"{r.rampup.samples:,} samples")
+        if r.train_tokens is not None:
+            lines.insert(2, f"train until {r.train_tokens:,} tokens ({self.train_iters} iterations at most)")
+        for s in self.stages:
+            layers = "" if self.virtual_pp > 1 else f" layers {s.layers[0]}-{s.layers[1] - 1},"
+            lines.append(f"  stage {s.stage}:{layers}"
+                         f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
+        if self.pp > 1:
+            schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
+            # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
+            lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
+        return "\n".join(lines)
+
+
+def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over TP, parameters replicated on each TP rank) of one transformer layer."""
+    h, d, bias = m.hidden_size, m.kv_channels, m.add_bias_linear
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    ffn_in = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+    split = h * (q + 2 * kv) + q * h + h * ffn_in + m.ffn_hidden_size * h
+    if bias:
+        split += (q + 2 * kv) + ffn_in
+    norm = 2 * h if m.normalization == "layernorm" else h
+    replicated = 2 * norm + (2 * h if bias else 0)  # two norms; row-parallel biases are not split
+    return split // tp, replicated
+
+
+def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int) -> tuple[int, tuple[StageParams, ...]]:
+    """Analytic parameter count: (unique total, per-stage count on one TP rank)."""
+    h, n = m.hidden_size, m.num_layers
+    split, repl = _layer_params(m, tp)
+    emb = padded_vocab * h // tp
+    pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    final_norm = 2 * h if m.normalization == "layernorm" else h
+    tied = not m.untie_embeddings_and_output_weights
+    per = n // pp
+    stages = []
+    for s in range(pp):
+        p = per * (split + repl)
+        if s == 0:
+            p += emb + pos
+        if s == pp - 1:
+            p += final_norm
+            # the tied output layer keeps its own copy of the word embeddings when it is on another stage
+            p += emb if (not tied or pp > 1) else 0
+        stages.append(StageParams(s, (s * per, (s + 1) * per), p))
+    total = n * (split * tp + repl) + emb * tp + pos + final_norm + (0 if tied else emb * tp)
+    return total, tuple(stages)
+
+
+def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
+    """Model chunks per pipeline rank, refusing what the interleaved schedule cannot run."""
+    v = virtual_pipeline_size(num_layers, pp, par.num_layers_per_virtual_pipeline_stage,
+                              par.virtual_pipeline_model_parallel_size)
+    check_schedule(pp, micro_batches, v)
+    if v > 1 and par.no_pipeline_parallel:
+        raise ConfigError("--no-pipeline-parallel cannot run the interleaved pipeline schedule; drop one of them")
+    return v
+
+
+def _engine(flags: Config, template: dict | None, *, tp: int, pp: int, seq_length: int) -> tuple[int, bool]:
+    """(ZeRO stage, whether DeepSpeed's pipeline engine runs the model)."""
+    template_stage = ((template or {}).get("zero_optimization") or {}).get("stage")
+    zero_stage = flags.deepspeed.zero_stage if flags.deepspeed.zero_stage is not None else (template_stage or 0)
+    check_engine(flags.parallel, pp=pp, tp=tp, zero_stage=zero_stage, seq_length=seq_length)
+    return zero_stage, not flags.parallel.no_pipeline_parallel
+
+
+def _recompute(t) -> str | None:
+    """--recompute-granularity, or "full" from Megatron-DeepSpeed's older switches."""
+    full = t.checkpoint_activations or t.deepspeed_activation_checkpointing
+    return t.recompute_granularity or ("full" if full else None)
+
+
+def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,
+                 device_type: str = "cuda") -> tuple[Layout, list[str]]:
+    """Check ``flags`` for ``world_size`` processes and compute everything that follows from them;
+    returns the layout and the notes of DeepSpeed JSON values the command line overrode."""
+    par, t, o = flags.parallel, flags.training, flags.optimizer
+    m = resolve_model_config(flags.model)
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    check_parallel_sizes(m, world_size, tp, pp)
+    dp = world_size // (tp * pp)
+    micro = require(t.micro_batch_size, "--micro-batch-size")
+    global_batch = t.global_batch_size or micro * dp
+    check_divisible(global_batch, micro * dp,
+                    f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+                    f"{micro} x DP {dp} = {micro * dp}; use a multiple of {micro * dp}")
+    gas = global_batch // (micro * dp)
+    virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
+    precision = check_precision(t, device_type)
+    zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
+    iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
+                               interleaved=virtual_pp > 1)
+    check_learning_rate(o)
+    check_data(flags.data)
+    padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
+    total, stages = count_parameters(m, padded, tp, pp)
+    notes: list[str] = []
+    ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
+                         zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
+                         notes=notes)
+    layout = Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
+                    global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
+                    lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
+                    vocab_size=vocab_size, padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,
+                    use_pipeline=use_pipeline, sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
+                    recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
+                    ds_config=ds)
+    return layout, notes

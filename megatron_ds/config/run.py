@@ -1,0 +1,117 @@
+"""One resolution: the parsed flags -> ``Run``, the only object training, checkpointing and the tools read.
+
+``resolve(flags, world_size=..., vocab_size=...)`` range-checks the flags, applies Megatron-DeepSpeed's
+overrides (new values, nothing edited in place), computes the ``Layout`` and keeps, per concern, the
+settings the run reads afterwards. A ``Run`` is frozen and complete: no field is still None where a
+flag was required, and nothing derived sits beside the flag it was derived from (the batch sizes,
+iterations, precision, recompute and model shape are the layout's; the sections hold what nothing
+derives from). ``pretrain_gpt.py --dry-run`` prints it (``describe``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron_ds.config.deepspeed_json import load_ds_template
+from megatron_ds.config.layout import Layout, build_layout
+from megatron_ds.config.megatron_overrides import megatron_overrides
+from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig
+from megatron_ds.config.validation import check_ranges
+
+FROM_FLAGS = object()
+"""``resolve``'s default DeepSpeed JSON: the file --deepspeed_config names (None without it)."""
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The loop's own settings: what TrainingConfig holds besides batch sizes, iterations, precision
+    and recompute (those are the layout's)."""
+    seed: int
+    eval_interval: int
+    eval_iters: int
+    skip_train: bool
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    exit_signal_handler: bool
+    max_consecutive_nan_iters: int
+    empty_unused_memory_level: int
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer and the LR schedule's shape (its spans are the layout's, in iterations, and the
+    schedule's, in samples / tokens)."""
+    optimizer: str
+    lr: float
+    min_lr: float
+    lr_decay_style: str
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    sgd_momentum: float
+    override_lr_scheduler: bool
+    use_checkpoint_lr_scheduler: bool
+
+
+@dataclass(frozen=True)
+class DistributedSettings:
+    """How the processes talk (the sizes are the layout's)."""
+    distributed_backend: str | None
+    distributed_timeout_minutes: float
+    pipeline_partition_method: str
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything one training run reads, resolved once (see the module docstring)."""
+    layout: Layout
+    training: TrainingSettings
+    optimizer: OptimizerSettings
+    distributed: DistributedSettings
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    deepspeed_source: str  # where the DeepSpeed JSON came from, for messages
+    notes: tuple[str, ...]  # Megatron-DeepSpeed overrides and JSON values the command line won: warnings
+    ignored_flags: tuple[str, ...]  # accepted for compatibility, no effect here
+    # The flags as Megatron-DeepSpeed reads them (after its overrides), saved with every checkpoint
+    # and given to W&B; nothing reads a setting from it.
+    record: dict = field(hash=False, compare=False, repr=False)
+
+    def describe(self) -> str:
+        """The layout, then every section (what ``--dry-run`` prints)."""
+        lay = self.layout
+        chunk = f", {lay.recompute_num_layers} layer(s) per chunk" if lay.recompute == "full" else ""
+        lines = [lay.summary(), f"sequence parallel: {'on' if lay.sequence_parallel else 'off'}; "
+                                f"recompute: {lay.recompute or 'none'}{chunk}"]
+        for name in ("training", "optimizer", "distributed", "data", "checkpoint", "logging"):
+            section = getattr(self, name)
+            values = [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)]
+            # unset options (None) and switches left off are not worth a line's width
+            lines.append(f"{name}: " + ", ".join(f"{k} {v!r}" for k, v in values if v is not None and v is not False))
+        return "\n".join(lines)
+
+
+def _settings(cls, section):
+    """``cls`` filled from the same-named fields of a flags section."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
+
+
+def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
+            ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = ()) -> Run:
+    """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
+    ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
+    (default: read from --deepspeed_config). Pure: no process group, device or DeepSpeed import."""
+    template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
+    check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
+    flags, template, notes = megatron_overrides(flags, template)
+    layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
+                                      device_type=device_type)
+    return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
+               optimizer=_settings(OptimizerSettings, flags.optimizer),
+               distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
+               checkpoint=flags.checkpoint, logging=flags.logging,
+               deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
+               notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict())

@@ -1,0 +1,111 @@
+"""The model, its optimizer and LR schedule inside DeepSpeed's engine, seeded as Megatron seeds them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ds.checkpoint.checkpointing import install_safe_loading
+from megatron_ds.config.deepspeed_json import guards_optimizer
+from megatron_ds.config.layout import Layout
+from megatron_ds.config.run import Run
+from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.parallel.groups import ParallelState
+from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.training.log import print_rank0
+from megatron_ds.training.lr_schedule import make_lr_schedule
+from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
+
+PARAMS_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def params_dtype(layout: Layout) -> torch.dtype:
+    # DeepSpeed keeps fp32 master weights itself; the module holds the compute precision.
+    return PARAMS_DTYPES[layout.precision]
+
+
+def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
+    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel).
+
+    Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
+    generator (device-independent numbers) and moved at once, so the whole fp32 model never
+    exists on the host and no second copy is made afterwards."""
+    from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
+
+    layout = run.layout
+    common = dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size,
+                  tp_group=ps.tp_group, seed=run.training.seed, sequence_parallel=layout.sequence_parallel,
+                  reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
+                  recompute_granularity=layout.recompute,
+                  activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
+                  params_dtype=params_dtype(layout), device=device)
+    if layout.virtual_pp > 1:
+        from megatron_ds.training.interleaved_pipeline import build_interleaved_model  # noqa: PLC0415
+        return build_interleaved_model(layout, ps, common)
+    if layout.use_pipeline:
+        return build_pipeline_gpt(layout.model, topology=ps.topology,
+                                  partition_method=run.distributed.pipeline_partition_method, **common)
+    return build_sequential_gpt(layout.model, **common)
+
+
+def model_is_plain(layout: Layout) -> bool:
+    """DeepSpeed's plain engine runs the model (--no-pipeline-parallel, or the interleaved
+    schedule, whose executor drives the plain engine); it then takes our groups as its mpu."""
+    return not layout.use_pipeline or layout.virtual_pp > 1
+
+
+@dataclass(frozen=True)
+class Runtime:
+    engine: object
+    optimizer_desc: str
+    ps: ParallelState
+    device: torch.device
+
+
+def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
+    import deepspeed  # noqa: PLC0415
+
+    layout = run.layout
+    # Model init draws from the default generators (identically on every rank); the tracker's
+    # streams are re-seeded per stage after the build below.
+    set_parallel_seeds(run.training.seed, ps.tp_rank)
+    model = build_model(run, ps, eod_token, device)
+    if layout.sequence_parallel:
+        from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks  # noqa: PLC0415
+        register_sequence_parallel_grad_hooks(model, ps.tp_group)
+    if layout.precision != "fp32":
+        model = model.to(params_dtype(layout))
+    model = model.to(device)
+    optimizer, desc = build_optimizer(model, run.optimizer, device)
+    guarded = guards_optimizer(layout.precision, layout.zero_stage)
+    if guarded:
+        optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad)
+    scheduler = make_lr_schedule(optimizer, run)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=layout.ds_config, mpu=ps if model_is_plain(layout) else None,
+                                           dist_init_required=False)
+    if guarded:
+        optimizer.mpu = engine.mpu if engine.mpu is not None else ps
+    install_safe_loading(engine, log=print_rank0)
+    if layout.virtual_pp > 1:
+        from megatron_ds.training.interleaved_pipeline import wrap_engine  # noqa: PLC0415
+        engine = wrap_engine(engine, run, ps)
+    # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
+    # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
+    set_parallel_seeds(run.training.seed + 100 * ps.pp_rank, ps.tp_rank)
+    return Runtime(engine=engine, optimizer_desc=desc, ps=ps, device=device)
+
+
+def log_startup(run: Run, rt: Runtime) -> None:
+    """The layout, the kernels in use, the flags without effect and the overrides, once."""
+    layout = run.layout
+    print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
+    kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp).items()]
+    print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
+    if run.ignored_flags:
+        print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(run.ignored_flags)}")
+    if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):
+        print(f"> {rt.ps.describe()}", flush=True)
+    for note in run.notes:
+        print_rank0(f"WARNING: {note}")
