@@ -6,13 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
+import deepspeed
+
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
 from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
+from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.training.interleaved_pipeline import build_interleaved_model, wrap_engine
 from megatron_ds.training.log import print_rank0
 from megatron_ds.training.lr_schedule import make_lr_schedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
@@ -31,8 +36,6 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
     generator (device-independent numbers) and moved at once, so the whole fp32 model never
     exists on the host and no second copy is made afterwards."""
-    from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt  # noqa: PLC0415
-
     layout = run.layout
     common = dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size,
                   tp_group=ps.tp_group, seed=run.training.seed, sequence_parallel=layout.sequence_parallel,
@@ -41,7 +44,6 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
                   activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
                   params_dtype=params_dtype(layout), device=device)
     if layout.virtual_pp > 1:
-        from megatron_ds.training.interleaved_pipeline import build_interleaved_model  # noqa: PLC0415
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
@@ -64,15 +66,14 @@ class Runtime:
 
 
 def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
-    import deepspeed  # noqa: PLC0415
-
+    """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
+    inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked)."""
     layout = run.layout
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage after the build below.
     set_parallel_seeds(run.training.seed, ps.tp_rank)
     model = build_model(run, ps, eod_token, device)
     if layout.sequence_parallel:
-        from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks  # noqa: PLC0415
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if layout.precision != "fp32":
         model = model.to(params_dtype(layout))
@@ -89,7 +90,6 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
     install_safe_loading(engine, log=print_rank0)
     if layout.virtual_pp > 1:
-        from megatron_ds.training.interleaved_pipeline import wrap_engine  # noqa: PLC0415
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).

@@ -1,7 +1,9 @@
-"""pretrain_gpt.py's body: parse -> resolve (one ``Run``) -> initialize -> build -> load -> train -> save."""
+"""pretrain_gpt.py's body: parse -> resolve (one ``Run``) -> join the job -> train (``trainer``).
+
+``--dry-run`` stops after the resolution and prints the ``Run``; nothing distributed starts.
+"""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -9,14 +11,14 @@ import time
 
 import torch
 
-from megatron_ds.config import Config, Run, parse_args, resolve
+from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import log as mlog
-from megatron_ds.training.collective_timeout import is_collective_failure
-from megatron_ds.training.device import device_type, select_device
+from megatron_ds.training import device as devices
+from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
 
@@ -34,7 +36,7 @@ def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: 
 def dry_run(flags: Config, ignored: list[str]) -> int:
     """Validate and print the resolved run without starting anything distributed."""
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    on = "cuda" if device_type() == "cuda" or flags.training.fp16 else "cpu"
+    on = "cuda" if devices.device_type() == "cuda" or flags.training.fp16 else "cpu"
     run, _ = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
     print(run.describe())
     for note in run.notes:
@@ -50,8 +52,6 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
 
 def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
     """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError (issue 13)."""
-    from megatron_ds.config import memory  # noqa: PLC0415
-
     estimate = memory.estimate_memory(layout)
     budget = memory.gpu_memory_bytes(gpu_memory_gb)
     print(estimate.describe(budget))
@@ -60,171 +60,15 @@ def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
 
 def pretrain(flags: Config, ignored: list[str]) -> TrainState:
     """Train as the flags say, on the processes a launcher started; returns the final state."""
-    # DeepSpeed and the model are imported here, not at module level: --dry-run and --help stay fast.
-    from megatron_ds.training.initialize import discover_world, init_distributed  # noqa: PLC0415
+    # DeepSpeed and the model are imported here, not at module level: --help and flag errors stay fast.
+    from megatron_ds.training.trainer import train  # noqa: PLC0415
 
     start_time = time.time()
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
-    device = select_device(env.local_rank, env.local_world_size)
+    device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
                              log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
-    init_distributed(run.distributed, device)
-    save_lock, watch = _startup_checks(run)
-    try:
-        return _train(run, device, tokenizer, start_time, watch)
-    except TrainingStopped:
-        raise
-    except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
-        if not is_collective_failure(exc):
-            raise
-        raise TrainingStopped(watch.describe(exc, "set-up, checkpoint loading or validation")) from None
-    finally:
-        if save_lock is not None:
-            save_lock.release()
-
-
-def _startup_checks(run: Run):
-    """Before any compute: every rank is there, --save is usable and ours (see startup_checks)."""
-    from megatron_ds.training.collective_timeout import CollectiveWatch  # noqa: PLC0415
-    from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier  # noqa: PLC0415
-
-    timeout = run.distributed.distributed_timeout_minutes
-    startup_barrier(timeout)
-    watch = CollectiveWatch(timeout)
-    save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, log=mlog.print_rank0) if save else None
-    return lock, watch
-
-
-def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
-    """Build, resume, train, and evaluate at the end (validation and test sets)."""
-    from megatron_ds.model.gpt import gpt_loss_fn  # noqa: PLC0415
-    from megatron_ds.parallel.groups import ParallelState  # noqa: PLC0415
-    from megatron_ds.training.engine import build_engine, log_startup  # noqa: PLC0415
-    from megatron_ds.training.loop import Loop  # noqa: PLC0415
-    from megatron_ds.training.signals import StopSignals  # noqa: PLC0415
-
-    layout = run.layout
-    ps = ParallelState(layout.tp, layout.pp, layout.dp)
-    rt = build_engine(run, ps, device, tokenizer.eod)
-    log_startup(run, rt)
-    state = _resume(run, rt.engine, ps)
-    training = not run.training.skip_train and state.iteration < layout.train_iters
-    train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, training=training)
-    tb = _scalar_writers(run)
-    try:
-        with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer), start_time=start_time, stop_signals=stop_signals)
-            if training:
-                state = _train_loop(loop, state, train_iter, valid_iter, watch)
-            # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
-            # does: the final passes would eat the margin left before the scheduler kills it.
-            if not state.exited_early and run.training.eval_iters:
-                for data_iter, split in ((valid_iter, "validation"), (test_iter, "test")):
-                    if data_iter is not None:
-                        loop.validate(state, data_iter, f"iteration {state.iteration} on {split} set")
-    finally:
-        tb.close()
-    return state
-
-
-def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> TrainState:
-    try:
-        return loop.train(state, train_iter, valid_iter)
-    except RuntimeError as exc:
-        if not is_collective_failure(exc):
-            raise
-        where = f"the training loop at iteration {state.iteration + 1}"
-        raise TrainingStopped(watch.describe(exc, where)) from None
-
-
-def _resume(run: Run, engine, ps) -> TrainState:
-    """The state to start from: --load's checkpoint (any layout) or a fresh one; then --save must not
-    hold a complete checkpoint newer than that start (it would be overwritten)."""
-    from megatron_ds.checkpoint.checkpointing import load_checkpoint  # noqa: PLC0415
-    from megatron_ds.checkpoint.format import layout_signature  # noqa: PLC0415
-    from megatron_ds.checkpoint.integrity import protect_newer  # noqa: PLC0415
-    from megatron_ds.parallel.random import set_rng_state  # noqa: PLC0415
-
-    ckpt, layout = run.checkpoint, run.layout
-    state = TrainState()
-    if ckpt.load:
-        iteration, client = load_checkpoint(engine, ckpt, signature=layout_signature(layout), ps=ps,
-                                            log=mlog.print_rank0)
-        if iteration:
-            state.iteration = iteration
-            state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
-            state.consumed_train_tokens = client.get("consumed_train_tokens",
-                                                     state.consumed_train_samples * layout.model.seq_length)
-            state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
-            state.nan_iterations = client.get("nan_iterations", 0)
-        if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
-            set_rng_state(client["rng"])
-    if ckpt.save:
-        protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
-    return state
-
-
-def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: bool):
-    """(train, validation, test) micro-batch iterators, each None where the split does not exist;
-    train is None too when this run does not train."""
-    from megatron_ds.training.data import (BatchCollator, build_datasets, build_loader,  # noqa: PLC0415
-                                           describe_source, stage_iterator)
-
-    layout, t, data = run.layout, run.training, run.data
-    train_samples = layout.train_iters * layout.global_batch_size
-    evals = (layout.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
-    num_samples = (train_samples, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size)
-    datasets = build_datasets(data, num_samples=num_samples, seq_length=layout.model.seq_length, seed=t.seed,
-                              vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
-    collator = BatchCollator(data, tokenizer.eod, tokenizer.vocab_size, describe_source(data))
-
-    def iterator(dataset, consumed, repeat):
-        make = functools.partial(build_loader, dataset, data, collator, micro_batch_size=layout.micro_batch_size,
-                                 dp_rank=ps.dp_rank, dp_size=ps.dp_size)
-        # Only the first stage (tokens) and the last stage (labels) read data.
-        return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
-                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat)
-
-    return (iterator(datasets[0], state.consumed_train_samples, False) if training else None,
-            iterator(datasets[1], state.consumed_valid_samples, True), iterator(datasets[2], 0, True))
-
-
-def _scalar_writers(run: Run):
-    """TensorBoard and W&B on the last rank (where the losses are)."""
-    from megatron_ds.training.wandb_log import ScalarWriters, WandB  # noqa: PLC0415
-
-    last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    lg = run.logging
-    return ScalarWriters(mlog.TensorBoard(lg.tensorboard_dir, enabled_rank=last_rank),
-                         WandB(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
-                               save_dir=lg.wandb_save_dir, checkpoint_dir=run.checkpoint.save,
-                               enabled_rank=last_rank, config=run.record))
-
-
-def _saver(run: Run, engine, tokenizer):
-    """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
-    from megatron_ds.checkpoint.checkpointing import save_checkpoint  # noqa: PLC0415
-    from megatron_ds.checkpoint.format import layout_signature  # noqa: PLC0415
-    from megatron_ds.parallel.random import rng_state  # noqa: PLC0415
-
-    ckpt = run.checkpoint
-    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
-    meta = {"signature": layout_signature(run.layout), "config": run.record, "argv": sys.argv[1:],
-            "vocab_size": tokenizer.vocab_size}
-
-    def save(st: TrainState) -> None:
-        client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
-                  "consumed_train_tokens": st.consumed_train_tokens,
-                  "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
-        if ckpt.save_rng:
-            client["rng"] = rng_state()
-        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
-                        log=mlog.print_rank0)
-        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
-
-    return save
+    return train(run, device, tokenizer, start_time)
 
 
 def _one_line(exc: Exception) -> str:

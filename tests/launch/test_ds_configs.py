@@ -34,7 +34,8 @@ def fill_from_cli(path, precision, micro_batch=2, global_batch=8):
     argv += [f"--{precision}"] if precision != "fp32" else []
     argv += ["--no-pipeline-parallel"] if stage >= 2 else []  # ZeRO 2/3 need the plain engine
     cfg, _ = parse_args(argv)
-    return resolve(cfg, world_size=1, vocab_size=100, device_type="cuda").layout.ds_config  # the JSON from --deepspeed_config
+    # resolve reads the template from --deepspeed_config
+    return resolve(cfg, world_size=1, vocab_size=100, device_type="cuda").layout.ds_config
 
 
 def test_every_stage_and_precision_is_shipped():
