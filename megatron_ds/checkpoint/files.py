@@ -29,7 +29,7 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint.format import META, read_meta, step_dir, tracked_iteration
+from megatron_ds.checkpoint.format import META, TRACKER, read_meta, step_dir, tracked_iteration
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
@@ -123,7 +123,7 @@ def resolve_iteration(load_dir: str, iteration: int | None) -> int:
         return iteration
     found = tracked_iteration(load_dir)
     if found is None:
-        raise ConfigError(f"{load_dir} has no latest_checkpointed_iteration.txt; pass the iteration to load")
+        raise ConfigError(f"{load_dir} has no {TRACKER}; pass the iteration to load")
     return found
 
 

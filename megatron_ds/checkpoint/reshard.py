@@ -7,14 +7,11 @@ Every rank of the new run fills its own parameters and optimizer state from the 
   (``tp.merge``), resized to this run's padded vocabulary, and this rank's shard taken
   (``tp.split``). With optimizer state, the fp32 master weights are the source (bf16 runs).
 - optimizer state (fp32 masters, Adam ``exp_avg`` / ``exp_avg_sq``, step): read by parameter name
-  from the saved ZeRO / bf16 optimizer shards (DeepSpeed records each parameter's fragment in
-  ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter),
-  from ZeRO-3's flat partitions (``zero3``) or from the ZeRO-0 torch / fp16 optimizer's positional
-  state (``plain_optim``: by the ``optimizer_param_names`` this toolkit records, or the order
-  rebuilt for older checkpoints), and written into this run's optimizer through DeepSpeed's
-  public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16), its
-  fp16 optimizer's fp32 copies (fp16 ZeRO-0) or the torch optimizer's state (fp32 ZeRO-0);
-  ZeRO-3 weights through ``GatheredParameters`` (``compat``);
+  (``optim_state.SavedOptimizer``: ZeRO / bf16 optimizer shards, ZeRO-3's flat partitions, or the
+  ZeRO-0 torch / fp16 optimizer's positional state) and written into this run's optimizer through
+  DeepSpeed's public ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO 1-3,
+  bf16), its fp16 optimizer's fp32 copies (fp16 ZeRO-0) or the torch optimizer's state (fp32
+  ZeRO-0); ZeRO-3 weights through ``GatheredParameters`` (``engine_state``);
 - fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)

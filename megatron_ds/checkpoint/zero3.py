@@ -23,10 +23,10 @@ import os
 
 import torch
 
-from megatron_ds.checkpoint.files import CheckpointFiles, load_file, model_states_file, optim_states_file
+from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file, model_states_file, optim_states_file
 from megatron_ds.errors import ConfigError
 
-KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+KEYS = ("fp32", *OPTIM_KEYS)
 
 
 class Zero3State:

@@ -181,10 +181,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                           "in GB or as an ABCI resource type (rt_F, rt_AF, rt_HF) or GPU name (v100, h200).")
     compat = parser.add_argument_group("accepted for compatibility (no effect here)")
     for flag, nvals in IGNORED_FLAGS.items():
-        compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     for flag, (nvals, _) in UNSUPPORTED_FLAGS.items():
         nargs = "*" if nvals < 0 else nvals
-        parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     for flag, (nargs, _, _) in OFF_VALUE_FLAGS.items():
         parser.add_argument(flag, action=_OffValue, nargs=nargs, const="1", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)

@@ -95,16 +95,16 @@ def parse_rampup(values: list | None, global_batch: int, micro_dp: int) -> Rampu
         raise ConfigError(f"--rampup-batch-size values must be integers (got {' '.join(values)})") from None
     if start <= 0 or increment <= 0 or samples < 0:
         raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be "
-                            f"positive and SAMPLES non-negative")
+                          f"positive and SAMPLES non-negative")
     if start > global_batch or (global_batch - start) % increment:
         raise ConfigError(f"--rampup-batch-size: --global-batch-size {global_batch} minus START {start} must be "
-                            f"a non-negative multiple of INCREMENT {increment}")
+                          f"a non-negative multiple of INCREMENT {increment}")
     if start == global_batch:
         return None  # nothing to ramp: Megatron would divide by zero intervals
     if start % micro_dp or increment % micro_dp:
         raise ConfigError(f"--rampup-batch-size: START {start} and INCREMENT {increment} must be multiples of "
-                            f"--micro-batch-size x DP = {micro_dp} (every batch size of the ramp is split into "
-                            f"micro-batches over the data parallel ranks)")
+                          f"--micro-batch-size x DP = {micro_dp} (every batch size of the ramp is split into "
+                          f"micro-batches over the data parallel ranks)")
     return Rampup(start, increment, samples, global_batch)
 
 
@@ -114,7 +114,7 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
     rampup = parse_rampup(t.rampup_batch_size, global_batch, micro_dp)
     if rampup is not None and t.train_samples is None:
         raise ConfigError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
-                            "iteration-based training)")
+                          "iteration-based training)")
     for flag, value, least in (("--train-tokens", t.train_tokens, 1), ("--lr-warmup-tokens", o.lr_warmup_tokens, 0),
                                ("--lr-decay-tokens", o.lr_decay_tokens, 1)):
         if value is not None and value < least:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_ds.errors import ConfigError
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.errors import ConfigError
 
 # (section, field, lower bound, lower inclusive, upper bound, upper inclusive); None = unbounded.
 # Only values that were given (not None) are checked; fields absent from the config are skipped,

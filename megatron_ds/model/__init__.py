@@ -10,8 +10,8 @@
     interleaved     chunks.py      this pipeline rank's model chunks for the interleaved schedule
     optimizer       param_groups.py which parameters decay (shared with the checkpoint readers)
 """
-from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.gpt import document_ids, gpt_loss_fn
+from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.pipeline import (PARTITION_METHOD, GPTPipelineModel, GPTSequential, build_pipeline_gpt,
                                         build_sequential_gpt, gpt_layer_specs)
 from megatron_ds.model.transformer import ParallelTransformerLayer

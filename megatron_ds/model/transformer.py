@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, dropout_mask, rope_qk, use_compiled
+from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,

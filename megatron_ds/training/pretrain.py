@@ -16,8 +16,8 @@ from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
-from megatron_ds.training import log as mlog
 from megatron_ds.training import device as devices
+from megatron_ds.training import log as mlog
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_ds.errors import ConfigError
 from megatron_ds.checkpoint.lock import LockHeld, SaveLock
+from megatron_ds.errors import ConfigError
 
 
 def checkpoint_bytes(layout) -> int:

@@ -82,12 +82,17 @@ def test_dry_run_prints_layout(capsys, tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     rc = main(TINY + ["--dry-run", "--world-size", "8", "--tensor-model-parallel-size", "2",
                       "--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
-                      "--deepspeed_config", str(ds)])
+                      "--deepspeed_config", str(ds), "--sequence-parallel", "--save", str(tmp_path / "ckpt"),
+                      "--eval-interval", "7"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "world size 8 = TP 2 x PP 2 x DP 2" in out
     assert "micro-batches per step per data parallel rank: 4" in out
     assert "stage 1: layers 2-3" in out
+    # the resolved Run, section by section: what the run will read, not the flags as typed
+    assert "sequence parallel: on; recompute: none" in out
+    assert "training: seed 1234, eval_interval 7," in out
+    assert f"checkpoint: save '{tmp_path / 'ckpt'}'," in out and "optimizer: optimizer 'adam'," in out
     ds_json = json.loads(out[out.index("DeepSpeed config:") + len("DeepSpeed config:"):])
     assert ds_json["train_batch_size"] == 16 and ds_json["zero_optimization"]["stage"] == 1
 

@@ -28,6 +28,10 @@ def _error(capsys, *flags):
     (["--min-lr", "nan"], "error: --min-lr nan is out of range"),
     (["--distributed-timeout-minutes", "0"], "error: --distributed-timeout-minutes 0.0 is out of range: it must be a finite number > 0.0"),
     (["--keep-last", "0"], "error: --keep-last 0 is out of range: it must be >= 1"),
+    # checked before Megatron-DeepSpeed's overrides clear the loss-scale flags (which read the value:
+    # log2(-1) was a traceback when the override ran first)
+    (["--fp16", "--initial-loss-scale", "-1"],
+     "error: --initial-loss-scale -1.0 is out of range: it must be a finite number >= 1.0"),
 ])
 def test_out_of_range_flag_is_named(capsys, flags, expected):
     assert _error(capsys, *flags).startswith(expected)

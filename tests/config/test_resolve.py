@@ -209,3 +209,19 @@ def test_rampup_with_interleaving_refused():
         "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "64"])
     with pytest.raises(ConfigError, match="--rampup-batch-size cannot be combined with the interleaved"):
         resolve(cfg, world_size=2, vocab_size=1000)
+
+
+def test_run_is_frozen_and_the_flags_are_never_edited():
+    import dataclasses
+
+    cfg, _ = parse_args(BASE + ["--sequence-parallel", "--activations-checkpoint-method", "uniform",
+                                "--fp16", "--loss-scale", "8"])
+    before = cfg.to_dict()
+    run = resolve(cfg, world_size=1, vocab_size=1000, device_type="cuda")
+    assert cfg.to_dict() == before  # the overrides made new values
+    # ... which the run records (what a checkpoint saves) and reads
+    assert run.record["parallel"]["sequence_parallel"] is False and run.record["training"]["loss_scale"] is None
+    assert run.layout.recompute == "full" and not run.layout.sequence_parallel
+    for obj, name in ((run, "layout"), (run.layout, "tp"), (run.training, "seed"), (cfg.training, "seed")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 1)
