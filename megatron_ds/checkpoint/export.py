@@ -16,10 +16,10 @@ import torch
 from megatron_ds.checkpoint import hf
 from megatron_ds.checkpoint.consolidate import iter_consolidated_layers
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
-from megatron_ds.checkpoint.sources import DTYPES
 from megatron_ds.config.schema import DataConfig
 from megatron_ds.data.tokenizer import MockTokenizer, build_tokenizer_for
 from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.progress import track
 
 
@@ -131,7 +131,7 @@ def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtyp
                           f"tokenizer); pass --vocab-size")
     if vocab > ckpt.padded_vocab_size:
         raise ConfigError(f"--vocab-size {vocab} exceeds the checkpoint's {ckpt.padded_vocab_size} rows")
-    torch_dtype = DTYPES[dtype or ckpt.precision]
+    torch_dtype = PRECISION_DTYPES[dtype or ckpt.precision]
     os.makedirs(out_dir, exist_ok=True)
     eod = tokenizer.eod if tokenizer else None
     log(f"exporting {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, {ckpt.precision}"

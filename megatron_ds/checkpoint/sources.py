@@ -21,8 +21,7 @@ from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megatron_ds.parallel.utils import PRECISION_DTYPES
 
 
 class ModuleSource:
@@ -74,7 +73,7 @@ class MasterSource:
 
     def __init__(self, ckpt: CheckpointFiles, *, exact: bool):
         self.ckpt = ckpt
-        self.dtype = None if exact else DTYPES[ckpt.precision]
+        self.dtype = None if exact else PRECISION_DTYPES[ckpt.precision]
         if ckpt.meta.get("weights_only"):
             raise ConfigError(f"{ckpt.path} holds weights only (an imported model): it has no fp32 master weights")
         self.zero3 = None

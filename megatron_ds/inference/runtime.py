@@ -19,8 +19,7 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
 from megatron_ds.launch.env import apply_dist_env, discover_dist_env
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megatron_ds.parallel.utils import PRECISION_DTYPES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--load", help="checkpoint directory written by pretrain_gpt.py --save (any TP / PP)")
     src.add_argument("--hf-model", help="directory of a Hugging Face export (tools/checkpoint/to_hf.py)")
     g.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
-    g.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
+    g.add_argument("--dtype", choices=tuple(PRECISION_DTYPES), default=None,
                    help="compute precision (default: bf16 on a GPU that supports it, else fp32)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: this rank's GPU if any)")
     g.add_argument("--use-mpi", action="store_true", help="take rank/world from Open MPI or PMI (mpirun)")
@@ -82,7 +81,7 @@ def pick_device(arg: str | None, local_rank: int) -> torch.device:
 
 def pick_dtype(arg: str | None, device: torch.device) -> torch.dtype:
     if arg:
-        return _DTYPES[arg]
+        return PRECISION_DTYPES[arg]
     return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""--bf16 / --fp16 / neither (the layout's ``precision``) as the torch dtype the model computes in."""
+
 
 def tp_world_size(group) -> int:
     """Number of ranks in the tensor-parallel group (1 for None)."""

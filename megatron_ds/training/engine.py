@@ -17,17 +17,15 @@ from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
+from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.training.interleaved_pipeline import build_interleaved_model, wrap_engine
 from megatron_ds.training.log import print_rank0
 from megatron_ds.training.lr_schedule import make_lr_schedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
 
-PARAMS_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def params_dtype(layout: Layout) -> torch.dtype:
     # DeepSpeed keeps fp32 master weights itself; the module holds the compute precision.
-    return PARAMS_DTYPES[layout.precision]
+    return PRECISION_DTYPES[layout.precision]
 
 
 def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):

@@ -35,6 +35,7 @@ from megatron_ds import ds_compat
 from megatron_ds.model.chunks import build_interleaved_gpt
 from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tied_embedding_group
 from megatron_ds.parallel.schedules import FORWARD, forward_only_schedule, pipeline_schedule
+from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.training.log import print_rank0
 
 
@@ -221,8 +222,8 @@ def build_interleaved_model(layout, ps, common: dict):
 def wrap_engine(engine, run, ps) -> InterleavedPipeline:
     """The executor around DeepSpeed's plain engine holding ``build_interleaved_model``'s module."""
     layout = run.layout
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(layout.precision, torch.float32)
-    specs = activation_specs(layout, reset_attention_mask=run.data.reset_attention_mask, dtype=dtype)
+    specs = activation_specs(layout, reset_attention_mask=run.data.reset_attention_mask,
+                             dtype=PRECISION_DTYPES[layout.precision])
     if layout.precision == "bf16" and not ds_compat.accumulates_grads_in_fp32(engine):
         print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
                     "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "

@@ -8,8 +8,6 @@ import sys
 
 import torch
 
-from megatron_ds.training.flops import model_flops_per_iteration  # noqa: F401 - the iteration line's TFLOP/s
-
 
 def print_rank0(*args, **kwargs) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

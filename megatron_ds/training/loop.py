@@ -129,6 +129,12 @@ class Loop:
     save: Callable[[TrainState], None]
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
+    flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
+
+    def __post_init__(self):
+        layout = self.run.layout
+        self.flops = model_flops_per_iteration(layout.model, layout.global_batch_size, layout.padded_vocab_size,
+                                               layout.recompute == "full")
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""
@@ -185,8 +191,6 @@ class Loop:
         lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else self.run.optimizer.lr
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
-        flops = model_flops_per_iteration(layout.model, layout.global_batch_size, layout.padded_vocab_size,
-                                          layout.recompute == "full")
         mlog.print_last_rank(mlog.iteration_line(
             iteration=state.iteration, train_iters=layout.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -195,7 +199,7 @@ class Loop:
             grad_norm=grad_norm, skipped=engine.skipped_steps - window.skipped_before, nans=window.nans,
             samples_per_s=batch / elapsed,
             tokens_per_s_per_gpu=batch * layout.model.seq_length / elapsed / layout.world_size,
-            tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
+            tflops_per_gpu=self.flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
             mem_gb=mlog.peak_memory_gb(self.device),
             eta_s=elapsed * (layout.train_iters - state.iteration)))
         self.tb.scalars(state.iteration, {

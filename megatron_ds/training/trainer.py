@@ -60,14 +60,15 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     ps = ParallelState(layout.tp, layout.pp, layout.dp)
     rt = build_engine(run, ps, device, tokenizer.eod)
     log_startup(run, rt)
-    state = _resume(run, rt.engine, ps)
+    signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
+    state = _resume(run, rt.engine, ps, signature)
     training = not run.training.skip_train and state.iteration < layout.train_iters
     train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, training=training)
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer), start_time=start_time, stop_signals=stop_signals)
+                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time, stop_signals=stop_signals)
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)
             # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
@@ -91,14 +92,13 @@ def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> Train
         raise TrainingStopped(watch.describe(exc, where)) from None
 
 
-def _resume(run: Run, engine, ps) -> TrainState:
+def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
     """The state to start from: --load's checkpoint (any layout) or a fresh one; then --save must not
     hold a complete checkpoint newer than that start (it would be overwritten)."""
     ckpt, layout = run.checkpoint, run.layout
     state = TrainState()
     if ckpt.load:
-        iteration, client = load_checkpoint(engine, ckpt, signature=layout_signature(layout), ps=ps,
-                                            log=mlog.print_rank0)
+        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, log=mlog.print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -145,11 +145,11 @@ def _scalar_writers(run: Run):
                                enabled_rank=last_rank, config=run.record))
 
 
-def _saver(run: Run, engine, tokenizer):
+def _saver(run: Run, engine, tokenizer, signature: dict):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
-    meta = {"signature": layout_signature(run.layout), "config": run.record, "argv": sys.argv[1:],
+    meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
             "vocab_size": tokenizer.vocab_size}
 
     def save(st: TrainState) -> None:
