@@ -1,8 +1,15 @@
 """Session-wide fixtures."""
-import pytest
-import torch
+# Before torch is imported anywhere: torch reads its CUDA hooks once, and the fake-CUDA tests need
+# the shim's (megatron_ds.fake_cuda; a CUDA build of torch needs none). Where it cannot be built,
+# those tests skip with this reason.
+from megatron_ds import fake_cuda  # isort: skip
 
-from tests.e2e_data import make_e2e_data
+FAKE_CUDA_UNAVAILABLE = fake_cuda.preload()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.e2e_data import make_e2e_data  # noqa: E402
 
 # Fix this process's view of the GPUs before any test changes CUDA_VISIBLE_DEVICES (the CUDA
 # runtime reads it once, on first use): tests marked `gpu` keep seeing the real devices.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ds.accelerator import on_cuda
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
@@ -65,7 +66,7 @@ def init_distributed(use_mpi: bool):
         return 0, 1, 0, None
     apply_dist_env(env)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if on_cuda() else "gloo"
         dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size)
     return env.rank, env.world_size, env.local_rank, dist.new_group(list(range(env.world_size)))
 
@@ -73,7 +74,7 @@ def init_distributed(use_mpi: bool):
 def pick_device(arg: str | None, local_rank: int) -> torch.device:
     if arg:
         return torch.device(arg)
-    if torch.cuda.is_available():
+    if on_cuda():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -89,8 +89,7 @@ class _Fusable:
                 # activation recompute's early-stop signal) goes on up.
                 if not type(exc).__module__.startswith(_COMPILER_MODULES):
                     raise
-                text = str(exc).strip()
-                reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+                reason = compile_failure_reason(exc)
                 _FAILED[self.name] = reason
                 print(f"WARNING: torch.compile of the fused {self.name} failed ({reason}); "
                       f"the fusions run eagerly from now on", file=sys.stderr, flush=True)
@@ -114,6 +113,21 @@ class _Fusable:
                 torch.autograd.grad(outs, [c for c in copies if isinstance(c, torch.Tensor) and c.requires_grad],
                                     [torch.ones_like(o) for o in outs], allow_unused=True)
         self._proven.add(key)
+
+
+def compile_failure_reason(exc: BaseException) -> str:
+    """The cause of a compiler failure in one line. Dynamo wraps the backend's error
+    (``BackendCompilerFailed: backend='inductor' raised:`` and then the real one on later lines,
+    e.g. no working Triton for a CUDA graph): name the wrapper, then the innermost cause's type and
+    its first line, which says what to fix."""
+    inner = exc
+    while (nxt := getattr(inner, "inner_exception", None) or inner.__cause__) is not None and nxt is not inner:
+        inner = nxt
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    if inner is exc:  # no chained cause: the first line that is not just the wrapper's header
+        lines = [line for line in lines if not line.endswith("raised:")] or lines
+    cause = f"{type(inner).__name__}: {lines[0] if lines else ''}"
+    return cause if inner is exc else f"{type(exc).__name__} <- {cause}"[:300]
 
 
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

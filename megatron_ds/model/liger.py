@@ -25,19 +25,24 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_ds.accelerator import on_cuda
 from megatron_ds.parallel.utils import tp_world_size
 
 IGNORE_INDEX = -100
 """Label liger skips (its default); tokens outside the loss mask get it."""
 
 
-@functools.lru_cache(maxsize=None)
 def liger_fused_linear_cross_entropy():
     """``(function, None)`` when liger's fused linear cross entropy can run here, else ``(None, why)``."""
     if importlib.util.find_spec("liger_kernel") is None:
         return None, "liger-kernel not installed"
-    if not torch.cuda.is_available():
+    if not on_cuda():
         return None, "no CUDA device"
+    return _import_liger()
+
+
+@functools.lru_cache(maxsize=None)
+def _import_liger():
     try:
         functional = importlib.import_module("liger_kernel.transformers.functional")
         return functional.liger_fused_linear_cross_entropy, None

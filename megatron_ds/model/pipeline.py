@@ -38,6 +38,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_loss_fn, tied_output_logits
 from megatron_ds.model.transformer import ParallelTransformerLayer
@@ -142,7 +143,7 @@ def _restore_default_rng():
     """Building seeds the default generators per layer; give the caller's state back afterwards."""
     # Only a CUDA generator already in use: asking for the current device would create a CUDA
     # context on GPU 0 in a CPU run (DS_ACCELERATOR=cpu) on a GPU machine.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = [torch.cuda.current_device()] if cuda_runtime() else []
     with torch.random.fork_rng(devices=devices):
         yield
 

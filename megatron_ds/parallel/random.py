@@ -19,16 +19,14 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
+# CUDA generator states only once something initialized CUDA (cuda_runtime): a CPU run on a GPU
+# machine must not create CUDA contexts just to keep generator states nobody draws from.
+from megatron_ds.accelerator import cuda_runtime
+
 TENSOR_PARALLEL_RNG = "tensor-parallel-rng"
 # Offset of the tensor-parallel stream's seed from the default seed (Megatron's value, kept so
 # runs seeded alike draw alike).
 _TENSOR_PARALLEL_SEED_OFFSET = 2718
-
-
-def _cuda_in_use() -> bool:
-    # Only once something has initialized CUDA: a CPU run on a GPU machine must not create CUDA
-    # contexts just to keep generator states nobody draws from.
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _cuda_state_from_seed(seed: int) -> torch.Tensor:
@@ -58,7 +56,7 @@ class RNGStatesTracker:
             raise ValueError(f"seed {seed} is already used by another RNG stream; streams must differ")
         cpu = torch.Generator()  # a private generator: adding a stream must not disturb the default
         cpu.manual_seed(seed)
-        cuda = _cuda_state_from_seed(seed) if _cuda_in_use() else None
+        cuda = _cuda_state_from_seed(seed) if cuda_runtime() else None
         self._states[name] = {"seed": seed, "cpu": cpu.get_state(), "cuda": cuda}
 
     def get_states(self) -> dict[str, dict]:
@@ -74,7 +72,7 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(f"RNG stream {name!r} was never added; call set_parallel_seeds() first")
         state = self._states[name]
-        use_cuda = _cuda_in_use()
+        use_cuda = cuda_runtime()
         if use_cuda and state["cuda"] is None:
             state["cuda"] = _cuda_state_from_seed(state["seed"])
         saved_cpu = torch.get_rng_state()
@@ -93,9 +91,18 @@ class RNGStatesTracker:
 
 
 def _copy_states(states: dict[str, dict]) -> dict[str, dict]:
-    return {name: {key: (value.clone() if isinstance(value, torch.Tensor) else value)
-                   for key, value in state.items()}
-            for name, state in states.items()}
+    return {name: {key: _copy_state(key, value) for key, value in state.items()} for name, state in states.items()}
+
+
+def _copy_state(key: str, value):
+    if key == "cpu":
+        # Copied by a generator rather than by clone(): no tensor op, so the copy stays a real host
+        # tensor even under a fake-tensor mode (megatron_ds.fake_cuda), which would make clone()
+        # return a fake tensor that no generator can be set from.
+        gen = torch.Generator()
+        gen.set_state(value)
+        return gen.get_state()
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 _TRACKER = RNGStatesTracker()
@@ -159,7 +166,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "tracker": get_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_runtime():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -171,7 +178,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     get_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and cuda_runtime():
         torch.cuda.set_rng_state(state["cuda"])
 
 

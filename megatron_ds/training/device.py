@@ -8,7 +8,8 @@ Running on the CPU with gloo on a machine that has GPUs (a login or interactive 
 session) is asked for with ``DS_ACCELERATOR=cpu``: DeepSpeed's own switch for its accelerator,
 which Megatron-DeepSpeed honours too (it places everything through DeepSpeed's
 ``get_accelerator()``), so the same variable moves model, engine and collectives to the CPU.
-Without CUDA the CPU is used anyway.
+Without CUDA the CPU is used anyway. The decision itself is ``megatron_ds.accelerator``'s, the one
+place every CPU/GPU branch asks (and that the fake-CUDA tests set to "cuda").
 """
 from __future__ import annotations
 
@@ -17,20 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_ds.accelerator import CPU_SWITCH, device_type
 from megatron_ds.errors import ConfigError
-
-CPU_SWITCH = "DS_ACCELERATOR"
-"""``DS_ACCELERATOR=cpu`` forces the CPU (gloo) on a machine with GPUs."""
-
-
-def cpu_forced(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(CPU_SWITCH, "").strip().lower() == "cpu"
-
-
-def device_type(environ: Mapping[str, str] | None = None) -> str:
-    """"cuda" when a GPU is visible and the CPU is not forced, else "cpu"."""
-    return "cpu" if cpu_forced(environ) or not torch.cuda.is_available() else "cuda"
 
 
 def no_gpu_message(local_rank: int, device_count: int, local_world_size: int | None,

@@ -49,6 +49,20 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     return build_sequential_gpt(layout.model, **common)
 
 
+def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> torch.nn.Module:
+    """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
+    is given (and what the fake-CUDA tests run on ``cuda``)."""
+    # Model init draws from the default generators (identically on every rank); the tracker's
+    # streams are re-seeded per stage once the engine exists (build_engine).
+    set_parallel_seeds(run.training.seed, ps.tp_rank)
+    model = build_model(run, ps, eod_token, device)
+    if run.layout.sequence_parallel:
+        register_sequence_parallel_grad_hooks(model, ps.tp_group)
+    if run.layout.precision != "fp32":
+        model = model.to(params_dtype(run.layout))
+    return model.to(device)
+
+
 def model_is_plain(layout: Layout) -> bool:
     """DeepSpeed's plain engine runs the model (--no-pipeline-parallel, or the interleaved
     schedule, whose executor drives the plain engine); it then takes our groups as its mpu."""
@@ -67,15 +81,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked)."""
     layout = run.layout
-    # Model init draws from the default generators (identically on every rank); the tracker's
-    # streams are re-seeded per stage after the build below.
-    set_parallel_seeds(run.training.seed, ps.tp_rank)
-    model = build_model(run, ps, eod_token, device)
-    if layout.sequence_parallel:
-        register_sequence_parallel_grad_hooks(model, ps.tp_group)
-    if layout.precision != "fp32":
-        model = model.to(params_dtype(layout))
-    model = model.to(device)
+    model = build_module(run, ps, device, eod_token)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:

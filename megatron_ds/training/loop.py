@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
+from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.training import log as mlog
@@ -235,7 +236,7 @@ class Loop:
         t = self.run.training
         layout = self.run.layout
         loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
-        if t.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        if t.empty_unused_memory_level >= 2 and cuda_runtime():
             torch.cuda.empty_cache()
         state.consumed_valid_samples += t.eval_iters * layout.global_batch_size
         mlog.print_last_rank(mlog.validation_lines(label, loss))

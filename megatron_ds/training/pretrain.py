@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from megatron_ds.accelerator import on_cuda
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
@@ -36,7 +37,7 @@ def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: 
 def dry_run(flags: Config, ignored: list[str]) -> int:
     """Validate and print the resolved run without starting anything distributed."""
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    on = "cuda" if devices.device_type() == "cuda" or flags.training.fp16 else "cpu"
+    on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
     run, _ = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
     print(run.describe())
     for note in run.notes:

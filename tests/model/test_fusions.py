@@ -192,6 +192,28 @@ def test_compile_failure_falls_back_to_eager_with_one_line(monkeypatch, capsys):
         fusions.describe_fusions()
 
 
+def test_a_wrapped_compiler_failure_names_its_cause():
+    """Dynamo wraps the backend's error: its message begins "backend='inductor' raised:" and the
+    cause (say, no working Triton on a GPU node) follows on the next line. The fallback line must
+    carry that cause, not the wrapper's header alone."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def inductor():
+        pass
+
+    cause = RuntimeError("Cannot find a working triton installation. Either the package is not installed "
+                         "or it is too old.\nMore information: ...")
+    wrapped = BackendCompilerFailed(inductor, cause, None)
+    assert str(wrapped).splitlines()[0] == "backend='inductor' raised:"
+    assert fusions.compile_failure_reason(wrapped) == (
+        "BackendCompilerFailed <- RuntimeError: Cannot find a working triton installation. Either the package "
+        "is not installed or it is too old.")
+    chained = RuntimeError("outer")
+    chained.__cause__ = ValueError("the real one\nmore")
+    assert fusions.compile_failure_reason(chained) == "RuntimeError <- ValueError: the real one"
+    assert fusions.compile_failure_reason(ValueError("plain\nsecond")) == "ValueError: plain"
+
+
 def test_a_compile_failure_in_backward_falls_back_before_the_real_call(monkeypatch, capsys):
     """Inductor compiles a backward at its first use, too late to fall back: the first call of a
     kind proves forward and backward on copies, so the failure is met while eager can take over."""
