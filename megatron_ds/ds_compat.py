@@ -14,10 +14,12 @@ Import cost: ``deepspeed`` is imported only when a function here is called or a 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 
 import torch
+import torch.distributed as dist
 
 from megatron_ds.errors import ConfigError
 
@@ -32,6 +34,7 @@ INTERLEAVED_MINIMUM = "0.19"
 _INTERNAL_NAMES = {
     "TorchCheckpointEngine": "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine",  # subclassed
     "partition_balanced": "deepspeed.runtime.utils",  # PipelineModule's stage partitioning
+    "partition_uniform": "deepspeed.runtime.utils",  # ... with partition_method="uniform"
     "get_global_norm_of_tensors": "deepspeed.runtime.utils",  # returns -1 for a non-finite norm
     "PipeModelDataParallelTopology": "deepspeed.runtime.pipe.topology",  # axes pipe, data, model
     "DeepSpeedConfig": "deepspeed.runtime.config",  # validates a JSON as deepspeed.initialize would
@@ -367,3 +370,21 @@ def checkpoint_safe_globals() -> list:
         except (ImportError, AttributeError):
             pass
     return allowed
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int):
+    """A default process group of ``world_size`` ranks in which this process is ``rank`` and no
+    collective communicates (torch's "fake" backend, registered by importing
+    ``torch.testing._internal.distributed.fake_pg``, torch >= 2.1): layers that ask their group for
+    its size and their rank build as that rank would. Yields the group; destroyed on exit, so
+    nothing initialised is left behind."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; a fake one cannot be added")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,8 @@ from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
                                            check_parallel_sizes, check_precision, require)
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.schedules import check_schedule, describe_assignment, virtual_pipeline_size
+from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, partition_stages,
+                                            virtual_pipeline_size)
 from megatron_ds.parallel.utils import pad_vocab_size
 
 
@@ -77,6 +78,9 @@ class Layout:
     precision: str  # "fp32" | "fp16" | "bf16"
     zero_stage: int
     use_pipeline: bool
+    # DeepSpeed's partition of the layers over the pipeline engine's stages; None: no
+    # PipelineModule places them (the interleaved schedule's chunks, the plain engine)
+    pipeline_partition: str | None
     sequence_parallel: bool  # Megatron's: activations split over TP ranks outside TP regions
     recompute: str | None  # None | "full" | "selective"
     recompute_num_layers: int  # transformer layers per recomputed chunk (full recompute)
@@ -112,7 +116,8 @@ class Layout:
         if r.train_tokens is not None:
             lines.insert(2, f"train until {r.train_tokens:,} tokens ({self.train_iters} iterations at most)")
         for s in self.stages:
-            layers = "" if self.virtual_pp > 1 else f" layers {s.layers[0]}-{s.layers[1] - 1},"
+            first, stop = s.layers
+            layers = "" if self.virtual_pp > 1 else f" layers {first}-{stop - 1}," if stop > first else " no layers,"
             lines.append(f"  stage {s.stage}:{layers}"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
         if self.pp > 1:
@@ -135,25 +140,50 @@ def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     return split // tp, replicated
 
 
-def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int) -> tuple[int, tuple[StageParams, ...]]:
-    """Analytic parameter count: (unique total, per-stage count on one TP rank)."""
-    h, n = m.hidden_size, m.num_layers
+def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple[str, int]]:
+    """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
+    ``model/pipeline.py`` lists them (the names are what a "type:" partition method matches): the
+    embedding, the transformer layers, the final norm, the output layer -- tied, a second
+    ``GPTEmbedding`` holding the word embedding only, or untied, its own weight."""
+    h = m.hidden_size
     split, repl = _layer_params(m, tp)
     emb = padded_vocab * h // tp
     pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
     final_norm = 2 * h if m.normalization == "layernorm" else h
+    head = "GPTOutputHead" if m.untie_embeddings_and_output_weights else "GPTEmbedding"
+    return ([("GPTEmbedding", emb + pos)] + [("ParallelTransformerLayer", split + repl)] * m.num_layers
+            + [("FinalNorm", final_norm), (head, emb)])
+
+
+def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, layers: list) -> list[int]:
+    if partition_method is None:  # num_layers / pp transformer layers each, the others at the ends
+        return [0] + [1 + s * (num_layers // pp) for s in range(1, pp)] + [len(layers)]
+    return partition_stages(pp, partition_method, [name for name, _ in layers], lambda: [n for _, n in layers])
+
+
+def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
+                     partition_method: str | None = None) -> tuple[int, tuple[StageParams, ...]]:
+    """Analytic parameter count: (unique total, per-stage count on one TP rank).
+
+    ``partition_method``: how DeepSpeed's pipeline engine splits the layers over the stages
+    (--pipeline-partition-method); None: ``num_layers / pp`` transformer layers per stage (the
+    interleaved schedule's, and what the default "type:ParallelTransformerLayer" gives). Other
+    methods move layers between stages ("uniform" counts the embedding, final norm and output
+    layer as layers too), which the stages' parameters and activations must follow."""
+    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp)
+    parts = _stage_boundaries(n, pp, partition_method, layers)
     tied = not m.untie_embeddings_and_output_weights
-    per = n // pp
     stages = []
     for s in range(pp):
-        p = per * (split + repl)
-        if s == 0:
-            p += emb + pos
-        if s == pp - 1:
-            p += final_norm
-            # the tied output layer keeps its own copy of the word embeddings when it is on another stage
-            p += emb if (not tied or pp > 1) else 0
-        stages.append(StageParams(s, (s * per, (s + 1) * per), p))
+        first, stop = parts[s], parts[s + 1]
+        p = sum(count for _, count in layers[first:stop])
+        if tied and first == 0 and stop == len(layers):
+            p -= layers[-1][1]  # the output layer borrows the embedding of its own stage: no copy
+        held = (min(max(first - 1, 0), n), min(max(stop - 1, 0), n))  # transformer layers are 1..n
+        stages.append(StageParams(s, held, p))
+    split, repl = _layer_params(m, tp)
+    emb, final_norm = layers[-1][1], layers[-2][1]
+    pos = layers[0][1] - emb
     total = n * (split * tp + repl) + emb * tp + pos + final_norm + (0 if tied else emb * tp)
     return total, tuple(stages)
 
@@ -205,7 +235,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_learning_rate(o)
     check_data(flags.data)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
-    total, stages = count_parameters(m, padded, tp, pp)
+    partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 else None
+    total, stages = count_parameters(m, padded, tp, pp, partition)
     notes: list[str] = []
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
@@ -214,7 +245,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
                     vocab_size=vocab_size, padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,
-                    use_pipeline=use_pipeline, sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
+                    use_pipeline=use_pipeline, pipeline_partition=partition,
+                    sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds)
     return layout, notes

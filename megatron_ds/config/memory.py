@@ -225,12 +225,35 @@ class MemoryEstimate:
         return head + f" of {budget / GB:.0f} GB: {verdict} ({self.optimizer_path})"
 
 
+@dataclass(frozen=True)
+class ParameterState:
+    """Bytes one GPU holds for the parameters of its shard of the model."""
+    weights: float
+    gradients: float  # the buffers below plus what exists only between backward and the step
+    grad_buffers: float  # gradient buffers that live between steps
+    optimizer: float
+
+
+def parameter_state(layout: Layout, params: int, weight_bytes: float | None = None,
+                    sb: StateBytes | None = None) -> ParameterState:
+    """Weights, gradients and optimizer states of ``params`` parameters of one tensor parallel
+    shard, on one GPU. ``weight_bytes``: what those parameters take in the module as built (the
+    meta-device build of --dry-run); the default is the compute precision's bytes per parameter.
+    ZeRO-3 keeps 1/DP of the module's weights on each GPU."""
+    sb = sb or state_bytes(layout)
+    dp = layout.dp
+    per_weight = sb.weights + sb.weights_split / dp
+    # the module holds sb.weights + sb.weights_split bytes per weight before ZeRO-3 splits them
+    weights = params * per_weight if weight_bytes is None else weight_bytes * per_weight / (
+        sb.weights + sb.weights_split)
+    grad_buffers = params * (sb.grads + sb.grads_split / dp)
+    grads = grad_buffers + params * (sb.grads_transient + sb.grads_transient_split / dp)
+    return ParameterState(weights, grads, grad_buffers, params * (sb.optimizer + sb.optimizer_split / dp))
+
+
 def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str, float]], float]:
-    p, dp, m = stage.params_per_tp_rank, layout.dp, layout.model
-    weights = p * (sb.weights + sb.weights_split / dp)
-    grad_buffers = p * (sb.grads + sb.grads_split / dp)
-    grads = grad_buffers + p * (sb.grads_transient + sb.grads_transient_split / dp)
-    optimizer = p * (sb.optimizer + sb.optimizer_split / dp)
+    p, m = stage.params_per_tp_rank, layout.model
+    state = parameter_state(layout, p, sb=sb)
 
     layers = stage.layers[1] - stage.layers[0]
     in_flight = in_flight_micro_batches(layout, stage.stage)
@@ -251,11 +274,11 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str,
     if stage.stage == layout.pp - 1:
         logits = logits_bytes(layout)
     buckets = _bucket_bytes(layout, p)
-    terms = [("weights", weights), ("gradients", grads), ("optimizer states", optimizer),
+    terms = [("weights", state.weights), ("gradients", state.gradients), ("optimizer states", state.optimizer),
              ("activations", activations), ("logits", logits), ("communication buckets", buckets)]
     reserve = RESERVE_FIXED_BYTES + RESERVE_FRACTION * sum(v for _, v in terms)
     terms.append(("runtime reserve", reserve))
-    return terms, weights + grad_buffers + optimizer
+    return terms, state.weights + state.grad_buffers + state.optimizer
 
 
 def _bucket_bytes(layout: Layout, params: int) -> float:
@@ -296,13 +319,14 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     micro = micro_batch_size or layout.micro_batch_size
     dp = layout.world_size // (tp * pp)
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
-    total, stages = count_parameters(layout.model, padded, tp, pp)
+    use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
+    partition = layout.pipeline_partition if use_pipeline else None
+    total, stages = count_parameters(layout.model, padded, tp, pp, partition)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
-        zero_stage=layout.zero_stage if zero_stage is None else zero_stage,
-        use_pipeline=layout.use_pipeline if use_pipeline is None else use_pipeline,
-        recompute=layout.recompute if recompute == "keep" else recompute)
+        zero_stage=layout.zero_stage if zero_stage is None else zero_stage, use_pipeline=use_pipeline,
+        pipeline_partition=partition, recompute=layout.recompute if recompute == "keep" else recompute)
 
 
 def _candidates(layout: Layout):

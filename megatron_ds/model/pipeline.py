@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 
 import deepspeed
 import torch
@@ -43,6 +42,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_loss_fn, tied_output_logits
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import checkpoint
+from megatron_ds.parallel.schedules import partition_stages
 from megatron_ds.parallel.utils import tp_world_size
 
 TRANSFORMER_LAYER_CLASS = ParallelTransformerLayer.__name__
@@ -267,12 +267,8 @@ class GPTSequential(nn.Module):
         """Parameters each stage of a ``num_stages`` pipeline of this model holds (on one tensor
         parallel rank), partitioned as DeepSpeed partitions it, tied copies included (DeepSpeed's
         "STAGE_PARAMS"). For checking the analytic count of ``megatron_ds.config.layout``."""
-        if not partition_method.startswith("type:"):
-            raise ValueError(f"stage_parameter_counts supports 'type:' partition methods, got {partition_method!r}")
-        # DeepSpeed matches the layer type as a case-insensitive regex on the class name.
-        pattern = re.compile(partition_method.split(":", 1)[1], re.IGNORECASE)
-        weights = [1 if pattern.search(name) else 0 for name, _, _ in self._layer_info]
-        parts = ds_compat.partition_balanced(weights=weights, num_parts=num_stages)
+        parts = partition_stages(num_stages, partition_method, [name for name, _, _ in self._layer_info],
+                                 lambda: [count for _, _, count in self._layer_info])
         counts = []
         for stage in range(num_stages):
             built, total = set(), 0
@@ -282,6 +278,24 @@ class GPTSequential(nn.Module):
                     built.add(key)
             counts.append(total)
         return counts
+
+
+def _spec_name(spec) -> str | None:
+    """The name DeepSpeed matches a "type:" method against (``PipelineModule._find_layer_type``)."""
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    if isinstance(spec, nn.Module):
+        return type(spec).__name__
+    return getattr(spec, "__name__", None)
+
+
+def _trainable_parameters(spec) -> int:
+    """What DeepSpeed's "parameters" method weighs a spec by (``PipelineModule._count_layer_params``:
+    each spec built on its own, a tied output layer included)."""
+    module = spec.build() if isinstance(spec, LayerSpec) else spec
+    if not isinstance(module, nn.Module):
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 def _getattr_path(obj, path: str):
@@ -297,6 +311,21 @@ def _run_layers(layers):
             x = layer(x)
         return x
     return run
+
+
+def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padded_vocab_size: int, tp_group=None,
+                    seed: int, partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
+                    **spec_kwargs) -> GPTSequential:
+    """The modules pipeline stage ``stage`` of ``build_pipeline_gpt``'s model holds (tied copy
+    included), from the same specs, seeds and partition, as one ``GPTSequential`` that needs no
+    topology, DeepSpeed communication backend or accelerator: ``PipelineModule`` moves itself to
+    the accelerator, so it cannot stay on the meta device, where --dry-run builds each stage.
+    The "parameters" method builds every spec once more to weigh it, as DeepSpeed does."""
+    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
+    parts = partition_stages(num_stages, partition_method, [_spec_name(spec) for spec in specs],
+                             lambda: [_trainable_parameters(spec) for spec in specs])
+    return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
+                         activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,

@@ -1,6 +1,7 @@
 """Training a resolved ``Run``.
 
     entry point     pretrain.py           main(): parse, resolve, --dry-run, pretrain()
+                    meta_build.py         --dry-run: each pipeline stage built on the meta device
                     trainer.py            train(): start-up checks, build, resume, loop, final evaluation
     set-up          initialize.py         rank discovery, the process group
                     device.py             which device this rank trains on

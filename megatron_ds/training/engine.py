@@ -28,6 +28,18 @@ def params_dtype(layout: Layout) -> torch.dtype:
     return PRECISION_DTYPES[layout.precision]
 
 
+def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
+    """The model builders' arguments for this run (all but the pipeline placement), shared by
+    ``build_model`` and --dry-run's build on the meta device (``training.meta_build``)."""
+    layout = run.layout
+    return dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size, tp_group=tp_group,
+                seed=run.training.seed, sequence_parallel=layout.sequence_parallel,
+                reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
+                recompute_granularity=layout.recompute,
+                activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
+                params_dtype=params_dtype(layout), device=device)
+
+
 def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel).
 
@@ -35,12 +47,7 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     generator (device-independent numbers) and moved at once, so the whole fp32 model never
     exists on the host and no second copy is made afterwards."""
     layout = run.layout
-    common = dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size,
-                  tp_group=ps.tp_group, seed=run.training.seed, sequence_parallel=layout.sequence_parallel,
-                  reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
-                  recompute_granularity=layout.recompute,
-                  activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
-                  params_dtype=params_dtype(layout), device=device)
+    common = model_kwargs(run, ps.tp_group, eod_token, device)
     if layout.virtual_pp > 1:
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:

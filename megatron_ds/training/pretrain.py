@@ -1,6 +1,7 @@
 """pretrain_gpt.py's body: parse -> resolve (one ``Run``) -> join the job -> train (``trainer``).
 
-``--dry-run`` stops after the resolution and prints the ``Run``; nothing distributed starts.
+``--dry-run`` stops after the resolution and prints the ``Run``, the model built on the meta device
+next to the memory estimate (``meta_build``); nothing distributed starts.
 """
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     """Validate and print the resolved run without starting anything distributed."""
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
-    run, _ = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
+    run, tokenizer = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
     print(run.describe())
     for note in run.notes:
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
+    # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
+    from megatron_ds.training.meta_build import report  # noqa: PLC0415
+
+    report(run, tokenizer.eod)
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {' '.join(run.ignored_flags)}")

@@ -6,9 +6,8 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_ds import fake_cuda
+from megatron_ds import ds_compat, fake_cuda
 from megatron_ds.model import fusions
 from megatron_ds.model.rotary import rotary_cos_sin
 from megatron_ds.training.device import select_device
@@ -37,14 +36,11 @@ def gpu(monkeypatch):
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int):
-    """torch's ``fake`` process-group backend: collectives return at once, so one process builds
-    and runs any rank of a large layout (its shapes, devices and dtypes are what is checked)."""
+    """torch's ``fake`` process-group backend (``ds_compat.fake_process_group``, as the dry run's
+    meta build uses it): collectives return at once, so one process builds and runs any rank of a
+    large layout, and DeepSpeed's communication layer finds that group."""
     import deepspeed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with ds_compat.fake_process_group(world_size, rank):
         deepspeed.init_distributed(dist_backend="fake")  # finds the group just made
         yield
-    finally:
-        dist.destroy_process_group()

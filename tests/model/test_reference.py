@@ -307,12 +307,14 @@ def test_initialization():
 
 @pytest.mark.parametrize("cfg", [gpt2_config(num_layers=4), llama_config(num_layers=4)], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("pp", [1, 2, 4])
-def test_stage_parameter_counts_match_analytic_count(cfg, pp):
+@pytest.mark.parametrize("method", [None, "type:ParallelTransformerLayer", "uniform", "parameters"])
+def test_stage_parameter_counts_match_analytic_count(cfg, pp, method):
     """Two independent computations: counting the built modules (as DeepSpeed partitions them)
-    and the closed-form count of megatron_ds.config.layout."""
+    and the closed-form count of megatron_ds.config.layout, for DeepSpeed's partition methods
+    (None: num_layers / pp transformer layers per stage, what the default type: method gives)."""
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=1)
-    _, stages = count_parameters(cfg, VOCAB, 1, pp)
-    assert model.stage_parameter_counts(pp) == [s.params_per_tp_rank for s in stages]
+    _, stages = count_parameters(cfg, VOCAB, 1, pp, method)
+    assert model.stage_parameter_counts(pp, *([method] if method else [])) == [s.params_per_tp_rank for s in stages]
     if pp == 1:
         assert model.stage_parameter_counts(1) == [sum(p.numel() for p in model.parameters())]
 

@@ -1,0 +1,181 @@
+"""--dry-run's build of the real model on the meta device (megatron_ds/training/meta_build.py).
+
+The layouts are the ABCI job scripts' (scripts/abci/), built one rank per pipeline stage in this
+process. Each stage's built parameter count is checked twice: against the memory estimate's
+(config/layout.py count_parameters, through config/memory.py) and against a closed form written
+here from the architecture (GPT-2: 12h^2 + 13h per layer; Llama: GQA attention, three SwiGLU
+matrices, RMSNorm, no biases, untied output layer), split over TP and PP by hand.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.errors import ConfigError
+from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
+from megatron_ds.training.pretrain import main
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 50257  # GPT-2's, the scripts' default tokenizer
+EOD = VOCAB - 1
+
+COMMON = ["--train-iters", "100", "--lr", "1e-4", "--mock-data", "--vocab-size", str(VOCAB), "--zero-stage", "1"]
+# name: (job script, world size of its default node count, the script's model and parallel flags)
+LAYOUTS = {
+    # rt_F=8: 8 nodes x 4 V100
+    "gpt_13b": ("abci2_v100_gpt_13b.sh", 32, dict(TP=4, PP=8, NUM_LAYERS=40, HIDDEN_SIZE=5120, NUM_HEADS=40,
+                                                  SEQ_LENGTH=2048, MICRO_BATCH=1, GLOBAL_BATCH=512),
+                ["--fp16", "--checkpoint-activations", "--deepspeed_config", "ds_configs/zero1_fp16.json"]),
+    # select=2: 2 nodes x 8 H200
+    "llama_7b": ("abci3_h200_llama_7b.sh", 16, dict(TP=2, PP=1, NUM_LAYERS=32, HIDDEN_SIZE=4096, NUM_HEADS=32,
+                                                    SEQ_LENGTH=4096, MICRO_BATCH=1, GLOBAL_BATCH=1024,
+                                                    NUM_KV_HEADS=8, FFN_HIDDEN_SIZE=11008),
+                 ["--use-rotary-position-embeddings", "--swiglu", "--normalization", "rmsnorm",
+                  "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+                  "--hidden-dropout", "0", "--bf16", "--deepspeed_config", "ds_configs/zero1_bf16.json"]),
+    # rt_AF=1: one node x 8 A100
+    "gpt_1.3b": ("abci2_a100_gpt_1.3b.sh", 8, dict(TP=1, PP=1, NUM_LAYERS=24, HIDDEN_SIZE=2048, NUM_HEADS=16,
+                                                   SEQ_LENGTH=2048, MICRO_BATCH=4, GLOBAL_BATCH=512),
+                 ["--bf16", "--checkpoint-activations", "--deepspeed_config", "ds_configs/zero1_bf16.json"]),
+}
+
+
+def _argv(name: str, extra=()) -> list[str]:
+    _, world, v, flags = LAYOUTS[name]
+    argv = ["--tensor-model-parallel-size", str(v["TP"]), "--pipeline-model-parallel-size", str(v["PP"]),
+            "--num-layers", str(v["NUM_LAYERS"]), "--hidden-size", str(v["HIDDEN_SIZE"]),
+            "--num-attention-heads", str(v["NUM_HEADS"]), "--seq-length", str(v["SEQ_LENGTH"]),
+            "--max-position-embeddings", str(v["SEQ_LENGTH"]), "--micro-batch-size", str(v["MICRO_BATCH"]),
+            "--global-batch-size", str(v["GLOBAL_BATCH"]), *COMMON, *flags, *extra]
+    if "NUM_KV_HEADS" in v:
+        argv += ["--num-key-value-heads", str(v["NUM_KV_HEADS"]), "--ffn-hidden-size", str(v["FFN_HIDDEN_SIZE"])]
+    return argv
+
+
+def _run(name: str, extra=()):
+    cfg, _ = parse_args(_argv(name, extra))
+    return resolve(cfg, world_size=LAYOUTS[name][1], vocab_size=VOCAB, device_type="cuda")
+
+
+def _padded(tp: int) -> int:
+    multiple = 128 * tp  # --make-vocab-size-divisible-by 128 (the default) on every TP rank
+    return -(-VOCAB // multiple) * multiple
+
+
+def closed_form(name: str, stage: int, virtual: int = 1) -> int:
+    """Parameters one TP rank of ``stage`` holds, from the architecture (not from the code)."""
+    v = LAYOUTS[name][2]
+    h, tp, pp, n = v["HIDDEN_SIZE"], v["TP"], v["PP"], v["NUM_LAYERS"]
+    emb = _padded(tp) * h // tp
+    if "NUM_KV_HEADS" in v:  # Llama: q and o a*d x h, k and v g*d x h, SwiGLU 3 h x f, two RMSNorms
+        d = h // v["NUM_HEADS"]
+        attention = h * v["NUM_HEADS"] * d * 2 + h * v["NUM_KV_HEADS"] * d * 2
+        layer = (attention + 3 * h * v["FFN_HIDDEN_SIZE"]) // tp + 2 * h
+        first, last = emb, h + emb  # untied: its own output layer; RMSNorm has no bias
+    else:  # GPT-2: QKV 3h^2 + 3h and MLP 8h^2 + 4h (biases of the column-parallel layers) and
+        # the projection h^2 split over TP; two LayerNorms 4h and two row-parallel biases 2h not
+        layer = (12 * h * h + 7 * h) // tp + 6 * h
+        first = emb + v["SEQ_LENGTH"] * h  # + learned positions
+        last = 2 * h + (emb if pp > 1 else 0)  # final LayerNorm; the tied copy lives apart from stage 0
+    params = n // pp * layer
+    return params + (first if stage == 0 else 0) + (last if stage == pp - 1 else 0)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_are_the_job_scripts(name):
+    script = (REPO / "scripts" / "abci" / LAYOUTS[name][0]).read_text()
+    for var, value in LAYOUTS[name][2].items():
+        assert f"{var}=${{{var}:-{value}}}" in script, (var, value)
+    flags = LAYOUTS[name][3]
+    for flag in flags:
+        if flag.startswith("--") and flag != "--deepspeed_config":
+            assert flag in script, flag
+    # common.sh's DS_CONFIG: ds_configs/zero${ZERO_STAGE}_P.json for `set_job_defaults P`, ZERO_STAGE 1
+    precision = flags[flags.index("--deepspeed_config") + 1].removesuffix(".json").split("_")[-1]
+    assert f"set_job_defaults {precision}" in script
+    assert "ZERO_STAGE=${ZERO_STAGE:-1}" in (REPO / "scripts" / "abci" / "common.sh").read_text()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_built_stages_match_the_estimate_and_the_closed_form(name):
+    run = _run(name)
+    built = build_stages(run, EOD)
+    assert not torch.distributed.is_initialized()  # the fake tensor parallel group is gone
+    assert [b.stage for b in built] == list(range(run.layout.pp))
+    for b in built:
+        assert b.params == closed_form(name, b.stage), b
+        assert b.param_bytes == 2 * b.params  # fp16 / bf16 weights in the module
+        for quantity, (value, estimated) in compare(run.layout, b).items():
+            assert value == pytest.approx(estimated, rel=TOLERANCE), (b.stage, quantity)
+    if name == "llama_7b":
+        # BF16_Optimizer (ZeRO 1, fp32 accumulation): fp32 master weights and Adam's two moments,
+        # 12 bytes per parameter, split over DP 8
+        assert compare(run.layout, built[0])["optimizer states"][0] == pytest.approx(built[0].params * 12 / 8)
+
+
+def test_interleaved_chunks_hold_the_same_parameters_per_rank():
+    # 13B at PP 4 with two chunks of 5 layers per rank: rank 0 holds the embedding and layers 0-4
+    # and 20-24, the last rank 15-19 and 35-39 and the tied copy: 10 layers per rank either way.
+    extra = ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "5"]
+    run = _run("gpt_13b", extra)
+    assert run.layout.virtual_pp == 2
+    built = build_stages(run, EOD)
+    v = LAYOUTS["gpt_13b"][2]
+    h, tp = v["HIDDEN_SIZE"], v["TP"]
+    layer = (12 * h * h + 7 * h) // tp + 6 * h
+    emb = _padded(tp) * h // tp
+    expected = [10 * layer + emb + v["SEQ_LENGTH"] * h, 10 * layer, 10 * layer, 10 * layer + 2 * h + emb]
+    assert [b.params for b in built] == expected
+    assert [s.params_per_tp_rank for s in run.layout.stages] == expected
+
+
+TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-4",
+        "--mock-data", "--vocab-size", str(VOCAB), "--pipeline-model-parallel-size", "4"]
+
+
+@pytest.mark.parametrize("method, layers", [
+    # DeepSpeed's partition_uniform over all 11 layers (embedding, 8 transformer layers, final
+    # norm, output layer) in 4 parts: 3, 3, 3, 2 -- the last stage holds no transformer layer.
+    ("uniform", [(0, 2), (2, 5), (5, 8), (8, 8)]),
+    # balancing parameters: the word embedding (50304 x 64) and its tied copy each outweigh all 8
+    # transformer layers (8 x 50k), so they stand alone on the end stages and the middle two
+    # stages split the layers.
+    ("parameters", [(0, 0), (0, 4), (4, 8), (8, 8)]),
+])
+def test_other_partition_methods_move_layers_and_the_estimate_follows(method, layers):
+    cfg, _ = parse_args(TINY + ["--pipeline-partition-method", method])
+    run = resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu")
+    assert [s.layers for s in run.layout.stages] == layers
+    built = build_stages(run, EOD)
+    assert [b.params for b in built] == [s.params_per_tp_rank for s in run.layout.stages]
+
+
+@pytest.mark.parametrize("method, message", [("type:MoELayer", "matches no layer of the model"),
+                                             ("profile", "knows uniform, parameters and type:REGEX")])
+def test_partition_methods_deepspeed_refuses_are_refused_before_the_queue(method, message):
+    cfg, _ = parse_args(TINY + ["--pipeline-partition-method", method])
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu")
+
+
+def test_dry_run_prints_the_built_model_per_stage():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(_argv("gpt_13b") + ["--dry-run", "--world-size", "32"]) == 0
+    text = out.getvalue()
+    assert "model built on the meta device, one rank per pipeline stage (TP rank 0 of 4, DP rank 0" in text
+    counts = re.findall(r"^  stage (\d): ([\d,]+) parameters built, ([\d,]+) estimated \(\+0\.00%\); "
+                        r"GB built/estimated: weights [\d.]+/[\d.]+, gradients [\d.]+/[\d.]+, "
+                        r"optimizer states [\d.]+/[\d.]+$", text, re.M)
+    assert [int(s) for s, _, _ in counts] == list(range(8))
+    assert [int(c.replace(",", "")) for _, c, _ in counts] == [closed_form("gpt_13b", s) for s in range(8)]
+    assert re.search(r"^  every stage within 1% of the estimate \(built in [\d.]+ s\)$", text, re.M)
+    assert text.index("every stage within") < text.index("memory per GPU")
+    assert not torch.distributed.is_initialized()
