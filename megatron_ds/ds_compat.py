@@ -28,6 +28,12 @@ TESTED = ("0.16", "0.20")
 # The interleaved pipeline schedule mirrors where 0.19 applies the fp16 loss scale (loss_scale
 # below); older releases scale in FP16_Optimizer.backward, so it is refused there.
 INTERLEAVED_MINIMUM = "0.19"
+# DeepSpeed 0.18.3 (its PyTorch-compatible backward, PR #7665) made engine.backward apply a loss scale only
+# through a ZeRO optimizer's scale_if_loss: the fp16 optimizers of ZeRO 0 (FP16_Optimizer,
+# FP16_UnfusedOptimizer), which the plain and the pipeline engine build for --fp16 without ZeRO, get the
+# loss unscaled, yet their step() still divides the gradients by the scale. Open through 0.19.8 (PR #8393);
+# should a release apply it itself, tests/training/test_fp16.py fails (the gradients would carry it twice).
+FP16_ZERO0_UNSCALED_SINCE = "0.18.3"
 
 # Names under deepspeed.runtime (not exported publicly) that megatron_ds imports, all present in
 # 0.16-0.19: looked up lazily through this module (``from megatron_ds.ds_compat import X``).
@@ -64,6 +70,8 @@ _READ_BY_DEEPSPEED = (
 )
 
 PIPELINE_CHECKPOINT_HOOK = "_is_checkpointable"
+# Parameter attributes DeepSpeed's norm helpers read to count a gradient once (0.16-0.19).
+_NORM_ATTRIBUTES = ("ds_pipe_replicated", "tensor_model_parallel", "model_parallel")
 
 
 def _internal(name: str):
@@ -221,12 +229,72 @@ def backward_loss_scale(engine) -> float:
     return float(gradscaler.get_scale()) if gradscaler is not None else 1.0
 
 
-def reported_loss_scale(engine) -> float:
-    """The fp16 loss scale for the log: the optimizer's ``cur_scale`` (fp16 ZeRO-0 optimizers) or
-    its ``loss_scaler.cur_scale`` (ZeRO), 0.16-0.19; 1.0 without a scaler."""
-    opt = getattr(engine, "optimizer", None)
-    scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+def loss_scale(opt) -> float:
+    """The optimizer's current fp16 loss scale: its ``loss_scale`` property (the external scale where
+    one was set, else the scaler's), present on FP16_Optimizer, FP16_UnfusedOptimizer and the ZeRO
+    optimizers, 0.16-0.19 (the fp16 ZeRO-0 optimizers lost their ``cur_scale`` attribute in 0.18.x,
+    so the log read 1.0 there); 1.0 for an optimizer without one (bf16, fp32)."""
+    scale = getattr(opt, "loss_scale", None)
     return float(scale) if scale else 1.0
+
+
+def reported_loss_scale(engine) -> float:
+    """The fp16 loss scale for the log: ``loss_scale`` of the engine's optimizer."""
+    return loss_scale(getattr(engine, "optimizer", None))
+
+
+def reported_grad_norm(engine, backward_scale: float) -> float | None:
+    """The last step's global grad norm for the log, ``engine.get_global_grad_norm()``, unscaled:
+    FP16_UnfusedOptimizer (fp16 ZeRO 0 with a torch optimizer, 0.16-0.19) keeps the norm of the
+    gradients still multiplied by ``backward_scale``, the loss scale of the step's backward (its step
+    may have changed the scale since), where FP16_Optimizer and the ZeRO optimizers keep it divided."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm) / backward_scale if is_unfused_fp16_optimizer(engine.optimizer) else float(norm)
+
+
+def unscaled_fp16_optimizer(engine):
+    """The engine's fp16 ZeRO-0 optimizer where this DeepSpeed's ``engine.backward`` leaves its loss
+    scale unapplied (``FP16_ZERO0_UNSCALED_SINCE``), else None: the caller must then multiply the
+    loss's gradient by ``loss_scale`` of it, as ``FP16_Optimizer.backward`` did before 0.18.3."""
+    import deepspeed  # noqa: PLC0415
+
+    opt = engine.optimizer
+    # fp16_enabled: under --bf16 the plain engine wraps its optimizer in FP16_UnfusedOptimizer too (scale 1)
+    if (engine.fp16_enabled() and is_fp16_optimizer(opt)
+            and _version(deepspeed.__version__) >= _version(FP16_ZERO0_UNSCALED_SINCE)):
+        return opt
+    return None
+
+
+def count_fp16_grads_once(opt) -> None:
+    """Make FP16_UnfusedOptimizer (ZeRO 0 with a torch optimizer: fp16, and bf16 on the plain engine)
+    count each gradient once in its clipping norm: its step measures the gradient tensors (``p.grad``, via
+    ``split_params_grads_into_shared_and_expert_params``) with ``get_weight_norm``, which decides what
+    to count by attributes of the tensors it is given, attributes only the parameters carry: the last
+    stage's copy of the tied embedding (``ds_pipe_replicated``) is counted twice, and on tensor parallel
+    ranks > 0 no gradient at all (``tensor_model_parallel`` / ``model_parallel``), 0.16-0.19. The step
+    (replaced on this instance) first copies them onto the gradients."""
+    if not is_unfused_fp16_optimizer(opt):
+        return
+    step = opt.step
+
+    def step_counting_once(*args, **kwargs):
+        for p in (p for group in opt.fp16_groups for p in group if p.grad is not None):
+            for attr in _NORM_ATTRIBUTES:
+                if hasattr(p, attr):
+                    setattr(p.grad, attr, getattr(p, attr))
+        return step(*args, **kwargs)
+
+    opt.step = step_counting_once
+
+
+def replace_loss_fn(module, loss_fn) -> None:
+    """Replace the loss a module computes on the last stage: ``PipelineModule.loss_fn``, which
+    ``PipelineEngine._exec_forward_pass`` reads at every micro-batch (0.16-0.19); megatron_ds's own
+    modules (``GPTSequential``, ``GPTModelChunks``) keep theirs under the same name."""
+    module.loss_fn = loss_fn
 
 
 def accumulated_grad(engine, param):
@@ -306,6 +374,11 @@ def is_fp16_optimizer(opt) -> bool:
     """DeepSpeed's FP16_Optimizer (``fp32_groups_flat``) or FP16_UnfusedOptimizer (``fp32_groups``),
     both with ``fp16_groups`` (ZeRO-0, 0.16-0.19)."""
     return hasattr(opt, "fp16_groups") and (hasattr(opt, "fp32_groups_flat") or hasattr(opt, "fp32_groups"))
+
+
+def is_unfused_fp16_optimizer(opt) -> bool:
+    """DeepSpeed's FP16_UnfusedOptimizer: an fp32 copy per parameter (``fp32_groups``), no flat one."""
+    return is_fp16_optimizer(opt) and not hasattr(opt, "fp32_groups_flat")
 
 
 def fp16_optimizer_groups(opt) -> list:

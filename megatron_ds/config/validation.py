@@ -167,7 +167,7 @@ def check_precision(t, device_type: str) -> str:
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; choose one")
     if t.fp16 and device_type == "cpu":
-        raise ConfigError("--fp16 needs a GPU (no fp16 loss scaling on CPU); use --bf16 or fp32 on CPU")
+        raise ConfigError("--fp16 needs a GPU (DeepSpeed refuses fp16 on the CPU); use --bf16 or fp32 on CPU")
     return "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
 
 

@@ -1,6 +1,7 @@
 """The model, its optimizer and LR schedule inside DeepSpeed's engine, seeded as Megatron seeds them."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ import torch
 
 import deepspeed
 
+from megatron_ds import ds_compat
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
@@ -79,9 +81,32 @@ def model_is_plain(layout: Layout) -> bool:
 @dataclass(frozen=True)
 class Runtime:
     engine: object
+    loss_fn: object  # loss(logits, (labels, loss_mask)) of the plain engine's loop (the model's own)
     optimizer_desc: str
     ps: ParallelState
     device: torch.device
+
+
+def scale_fp16_loss(engine, model) -> None:
+    """DeepSpeed 0.18.3-0.19.x trains --fp16 without ZeRO unscaled (``ds_compat.FP16_ZERO0_UNSCALED_SINCE``):
+    ``engine.backward`` leaves the loss as it is while the fp16 optimizer's step divides the gradients by
+    the loss scale, so every update would shrink by that scale (2^16 by default) and small fp16
+    gradients would underflow to zero. Where that is so, the model's loss multiplies its own gradient
+    by the optimizer's current scale in backward, as ``FP16_Optimizer.backward`` used to. The plain and
+    the pipeline engine and the interleaved executor all take their loss from ``model.loss_fn``; its
+    value (what the log reports) stays unscaled."""
+    optimizer = ds_compat.unscaled_fp16_optimizer(engine)
+    if optimizer is None:
+        return
+    loss_fn = model.loss_fn
+
+    def scaled_loss_fn(output, labels):
+        loss = loss_fn(output, labels)
+        if loss.requires_grad:  # training (evaluation runs without autograd)
+            loss.register_hook(lambda grad: grad * ds_compat.loss_scale(optimizer))
+        return loss
+
+    ds_compat.replace_loss_fn(model, functools.update_wrapper(scaled_loss_fn, loss_fn))
 
 
 def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
@@ -99,13 +124,16 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
                                            dist_init_required=False)
     if guarded:
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
+    # DeepSpeed's ZeRO-0 fp16 optimizers: the loss scale its backward leaves out, the norm they clip by
+    scale_fp16_loss(engine, model)
+    ds_compat.count_fp16_grads_once(engine.optimizer)
     install_safe_loading(engine, log=print_rank0)
     if layout.virtual_pp > 1:
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank, ps.tp_rank)
-    return Runtime(engine=engine, optimizer_desc=desc, ps=ps, device=device)
+    return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device)
 
 
 def log_startup(run: Run, rt: Runtime) -> None:

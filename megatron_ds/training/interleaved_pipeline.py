@@ -9,10 +9,12 @@ ordinary module, and ``InterleavedPipeline.train_batch`` walks this rank's step 
   the activation received from the previous rank; the chunk runs through ``engine(x, chunk=c)``;
   the output is sent on, or on the last virtual stage turned into the loss;
 * backward: the last virtual stage runs ``engine.backward(loss)`` (DeepSpeed divides by the
-  micro-batches per step and applies the fp16 loss scale); other stages receive the gradient of
-  their output, which already carries both factors, and run ``engine.backward`` on the scalar
-  ``sum(output * grad) / loss_scale`` with ``scale_wrt_gas=False``, whose parameter gradients are
-  exactly those of ``output.backward(grad)`` (the scale is a power of two: dividing and
+  micro-batches per step and applies the fp16 loss scale -- under ZeRO 0 the loss itself does,
+  ``training.engine.scale_fp16_loss``); other stages receive the gradient of their output, which
+  already carries both factors, and run ``engine.backward`` on the scalar
+  ``sum(output * grad) / loss_scale`` with ``scale_wrt_gas=False`` (``loss_scale``: what
+  ``engine.backward`` multiplies by, ``ds_compat.backward_loss_scale``), whose parameter gradients
+  are exactly those of ``output.backward(grad)`` (the scale is a power of two: dividing and
   multiplying by it is exact). The input's gradient goes to the previous rank;
 * after the last backward, as DeepSpeed's ``PipelineEngine`` does: the two copies of the tied
   word embedding (first and last stage) all-reduce their gradients (Megatron's

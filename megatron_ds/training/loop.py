@@ -116,6 +116,7 @@ class _Window:
     iterations: int = 0
     losses: list = field(default_factory=list)
     nans: int = 0
+    backward_scale: float = 1.0  # the fp16 loss scale of the last iteration's backward
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Loop:
         last_saved = state.iteration
         while plan.keep_going(state):
             batch = plan.begin(self.engine, state)
+            window.backward_scale = ds_compat.reported_loss_scale(self.engine)  # the step may change it
             loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
             state.iteration += 1
             plan.end(state, batch)
@@ -187,8 +189,7 @@ class Loop:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = (time.time() - window.start) / window.iterations
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
+        grad_norm = ds_compat.reported_grad_norm(engine, window.backward_scale)
         lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else self.run.optimizer.lr
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None

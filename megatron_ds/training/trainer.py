@@ -12,7 +12,6 @@ from megatron_ds.checkpoint.format import layout_signature
 from megatron_ds.checkpoint.integrity import protect_newer
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
-from megatron_ds.model.gpt import gpt_loss_fn
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
 from megatron_ds.training import log as mlog
@@ -67,8 +66,9 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time, stop_signals=stop_signals)
+            loop = Loop(run, rt.engine, rt.loss_fn, ps.dp_group, device, tb,
+                        save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time,
+                        stop_signals=stop_signals)
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)
             # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
