@@ -4,6 +4,7 @@ pinned-memory loader workers. A 4-layer model: about 15-30 s per run, mostly sta
 
 Runs that share flags are made once per module (the bf16 run is the reference of several tests).
 """
+import json
 import math
 
 import pytest
@@ -49,12 +50,16 @@ def test_bf16_trains_on_the_gpu(e2e_data):
     assert last["TFLOP/s per GPU"] > 0 and last["peak memory (GB)"] > 0
 
 
-def test_fp16_dynamic_loss_scale_skips_and_counts_overflow_steps(e2e_data):
-    """Megatron's default initial scale 2^32 overflows fp16 gradients: those steps are skipped,
-    counted in the iteration line, and the scale comes down (halving per overflow once the
-    hysteresis of 2 is used up) until steps go through: about 10-15 steps for gradients of this
-    size, so the run is 40 steps long (steps are cheap; start-up dominates)."""
-    run = _train(e2e_data, "--fp16", iters=40)
+def test_fp16_dynamic_loss_scale_skips_and_counts_overflow_steps(e2e_data, tmp_path):
+    """An initial scale of 2^32 (the JSON's initial_scale_power; --initial-loss-scale has no effect
+    under DeepSpeed, whose own default is 2^16) overflows fp16 gradients: those steps are skipped,
+    counted in the iteration line, and the scale halves per overflow (the ZeRO-0 fp16 optimizers
+    have no hysteresis) until steps go through: about 15 steps for gradients of this size, so the
+    run is 40 steps long (steps are cheap; start-up dominates). The CPU counterpart, with the loss
+    scale checked in backward, is tests/training/test_fp16.py."""
+    config = tmp_path / "fp16.json"
+    config.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 32, "loss_scale_window": 1000}}))
+    run = _train(e2e_data, "--fp16", "--deepspeed_config", str(config), iters=40)
     assert startup_device(run["stdout"]) == "cuda"
     skipped = sum(x["number of skipped iterations"] for x in run["lines"])
     scales = [x["loss scale"] for x in run["lines"]]
