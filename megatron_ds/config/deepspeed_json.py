@@ -102,8 +102,9 @@ def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas
 _NOT_IMPLEMENTED = (
     (lambda ds: (((ds.get("data_efficiency") or {}).get("data_sampling") or {})
                  .get("curriculum_learning") or {}).get("enabled"),
-     "data_efficiency.data_sampling.curriculum_learning needs Megatron-DeepSpeed's data-efficiency data "
-     "loader, which megatron_ds does not have; remove the block"),
+     "data_efficiency.data_sampling.curriculum_learning needs DeepSpeed's data-efficiency sampler (its own "
+     "sample order), which megatron_ds does not have; for a sequence-length warm-up use the legacy top-level "
+     "\"curriculum_learning\" block (seqlen, fixed_linear/fixed_root/fixed_discrete) instead"),
     (lambda ds: ((ds.get("data_efficiency") or {}).get("data_routing") or {}).get("enabled"),
      "data_efficiency.data_routing (random-LTD) is not supported; remove the block"),
     (lambda ds: "compression_training" in ds,
@@ -124,10 +125,6 @@ _NOT_IMPLEMENTED = (
      "passes its own AdamW to DeepSpeed, which otherwise refuses ZeRO-Offload at start-up)"),
 )
 
-_LEGACY_CURRICULUM = ("megatron_ds does not implement the legacy sequence-length warmup either (Megatron-"
-                      "DeepSpeed's --curriculum-learning-legacy); remove the \"curriculum_learning\" block")
-
-
 def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON") -> None:
     """Raise ConfigError with DeepSpeed's own message if it would refuse ``ds_config``."""
     for refused, why in _NOT_IMPLEMENTED:
@@ -144,7 +141,6 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
         DeepSpeedConfig(probe)
     except Exception as exc:  # noqa: BLE001 - pydantic / DeepSpeedConfigError / assertions: all are refusals
         message = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-        hint = f"; {_LEGACY_CURRICULUM}" if "curriculum_learning" in message and "Legacy" in message else ""
-        raise ConfigError(f"DeepSpeed refuses {source}: {message}{hint}") from None
+        raise ConfigError(f"DeepSpeed refuses {source}: {message}") from None
     finally:
         quiet.setLevel(level)

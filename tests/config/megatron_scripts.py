@@ -8,8 +8,8 @@ Sources (repository: path):
       1.3B_megatron_checkpointing}.sh with rebase/ds_config_gpt_TEMPLATE.json / ds_config_gpt_slw_TEMPLATE.json
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh,
       run_universal_bf16.sh
-  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh
-      (+ MoE/ds_config_gpt_TEMPLATE.json)
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh,
+      ds_pretrain_gpt_1.3B_dense_cl.sh (+ MoE/ds_config_gpt_TEMPLATE.json)
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M_flashattn,1.3B_rope}.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/sequence_parallel/ds_pretrain_gpt_1.3B_seq_parallel_32k.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh
@@ -173,16 +173,36 @@ def _moe_dense(files, *, layers, hidden, heads, gbs, lr, min_lr, batch, mp, init
             "--pipeline-model-parallel-size", "1", "--deepspeed-activation-checkpointing"]
 
 
-def _moe_json(gbs, mbs) -> dict:
+def _moe_json(gbs, mbs, *, cl_enabled=False, cl_step=110916) -> dict:
     return {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": mbs, "steps_per_print": 10,
             "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": True,
             "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                      "min_loss_scale": 1, "initial_scale_power": 11},
             "bf16": {"enabled": False},
-            "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen", "min_difficulty": 80,
+            "curriculum_learning": {"enabled": cl_enabled, "curriculum_type": "seqlen", "min_difficulty": 80,
                                     "max_difficulty": 2048, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"total_curriculum_step": 110916, "difficulty_step": 8}},
+                                    "schedule_config": {"total_curriculum_step": cl_step, "difficulty_step": 8}},
             "wall_clock_breakdown": False}
+
+
+def _moe_dense_cl(files) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense_cl.sh: 128 GPUs, MP 2, NO_PP, ZeRO 0, micro 16,
+    global 4096 ("CL enables stable large-batch training"), CL_ENABLED=true; no MoE flags at all."""
+    return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--tensor-model-parallel-size", "2", "--init-method-std", "0.013", "--lr-decay-tokens", "260000000000",
+            "--lr-warmup-tokens", "375000000", "--micro-batch-size", "16", "--exit-duration-in-mins", "30000000",
+            "--global-batch-size", "4096", "--num-layers", "24", "--hidden-size", "2048",
+            "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--train-tokens", "300000000000", "--train-samples", "439453125", "--lr", "8.0e-4",
+            "--min-lr", "2.0e-5", "--lr-decay-style", "cosine", "--split", "98,2,0", "--log-interval", "10",
+            "--eval-interval", "100", "--eval-iters", "10", "--save-interval", "1000", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0", "--fp16", "--load", files["ckpt"],
+            "--save", files["ckpt"], "--tensorboard-queue-size", "1", "--log-timers-to-tensorboard",
+            "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", files["tb"],
+            "--checkpoint-activations", "--log-optimizer-states-to-tensorboard",
+            "--vocab-file", files["vocab"], "--merge-file", files["merges"], "--data-path", files["data"],
+            "--data-impl", "mmap", "--deepspeed", "--deepspeed_config", files["json"], "--zero-stage", "0",
+            "--pipeline-model-parallel-size", "1", "--no-pipeline-parallel", "--deepspeed-activation-checkpointing"]
 
 
 def _offload_pp_350m(files) -> list[str]:
@@ -236,7 +256,12 @@ def scripts(files: dict) -> list[Script]:
             no_pp=False, zero=1, batch=2, extra=["--use-rotary-position-embeddings", "--rotary-percent", "0.25"]),
             # cl_step = lr_warmup_tokens / 3 / global_batch_size / seq_len
             _rebase_template(512, 2, 10, 1, False, cl=(64, 2048, 3000 * 10 ** 6 // 3 // 512 // 2048)),
-            refused=r"DeepSpeed refuses .*Legacy top-level 'curriculum_learning' has been removed"),
+            notes=["sequence-length warm-up (fixed_linear): 64 -> 2048 over 953 steps in multiples of 8"]),
+        Script("moe_family_1.3B_dense_cl", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_1.3B_dense_cl.sh", 128, _moe_dense_cl(f),
+               # CL_STEP = CL_TOKENS 60e9 / (GLOBAL_BATCH_SIZE x CL_AVG_SEQLEN (80 + 2048) / 2), bash integers
+               _moe_json(4096, 16, cl_enabled=True, cl_step=60 * 10 ** 9 // (4096 * ((80 + 2048) // 2))),
+               notes=["sequence-length warm-up (fixed_linear): 80 -> 2048 over 13,767 steps in multiples of 8"]),
         Script("universal_ckpt_bf16", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/"
                "megatron_gpt/run_bf16.sh", 8, _universal(f, "bf16"), _universal_json("bf16"),
                notes=["--loss-scale 12 has no effect without --fp16"]),
