@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
-from megatron_ds.config.deepspeed_json import build_ds_config
+from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
@@ -233,6 +233,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes)
+    notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,

@@ -159,6 +159,13 @@ class OptimizerConfig:
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
                                                           "--use-checkpoint-opt_param-scheduler"))
     """On load, take the schedule from the checkpoint even if the command line differs."""
+    # -- issue 23: the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
+    cpu_optimizer: bool = False
+    """ZeRO-Offload's optimizer, as Megatron-DeepSpeed builds it: DeepSpeedCPUAdam (AdamW on the CPU). The
+    offload itself is the DeepSpeed JSON's "zero_optimization": {"offload_optimizer": {"device": "cpu"}}."""
+    cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
+    """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
+    "zero_force_ds_cpu_optimizer": false)."""
 
 
 @dataclass(frozen=True)

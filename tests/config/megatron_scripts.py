@@ -321,7 +321,7 @@ def scripts(files: dict) -> list[Script]:
                refused=r"--ds-sequence-parallel-size 4: DeepSpeed-Ulysses sequence parallelism is not supported"),
         Script("offload_pp_350M", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/"
                "ds_pretrain_gpt_350M.sh", 16, _offload_pp_350m(f), _offload_json(),
-               refused=r"--cpu-optimizer: put \"offload_optimizer\""),
+               notes=['--fp16 gives way to the DeepSpeed JSON\'s "bf16": {"enabled": true}']),
         Script("zero_bubble_zbh1_1.3b", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/"
                "zbh1_pretrain_gpt_1.3b.sh", 8,
                _rebase(f, layers=24, hidden=2048, heads=16, gbs=16, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013,

@@ -82,13 +82,6 @@ def test_deepspeed_parser_accepts_a_merged_config():
     validate_with_deepspeed(_ds(zero_optimization={"stage": 1}, bf16={"enabled": True}), "x.json")
 
 
-def test_zero_offload_needs_the_client_optimizer_switch():
-    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    with pytest.raises(ConfigError, match='"zero_force_ds_cpu_optimizer": false'):
-        validate_with_deepspeed(_ds(**offload), "x.json")
-    validate_with_deepspeed(_ds(**offload, zero_force_ds_cpu_optimizer=False), "x.json")
-
-
 def test_deepspeeds_checkpoint_writers_are_refused_other_checkpoint_keys_kept():
     with pytest.raises(ConfigError, match=r'checkpoint.writer .* remove the "writer" block'):
         validate_with_deepspeed(_ds(checkpoint={"writer": {"type": "python", "decoupled": True}}), "x.json")
