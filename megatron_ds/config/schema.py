@@ -259,10 +259,11 @@ class DataConfig:
     """Data loader worker processes."""
     tokenizer_type: Optional[str] = None
     """Tokenizer the data was preprocessed with: GPT2BPETokenizer, SentencePieceTokenizer,
-    GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer (default GPT2BPETokenizer, the
-    args_defaults of Megatron-DeepSpeed's pretrain_gpt.py; --mock-data alone needs none)."""
+    GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer or JapaneseSentencePiece (the SentencePiece
+    tokenizer of ABCI users' forks) (default GPT2BPETokenizer, the args_defaults of Megatron-DeepSpeed's
+    pretrain_gpt.py; --mock-data alone needs none)."""
     vocab_file: Optional[str] = None
-    """GPT-2 vocab.json."""
+    """GPT-2 vocab.json; for JapaneseSentencePiece, the SentencePiece model."""
     merge_file: Optional[str] = None
     """GPT-2 merges.txt."""
     tokenizer_model: Optional[str] = None

@@ -18,6 +18,9 @@ Sources (repository: path):
       examples/pretrain_gpt3_175B.sh
   llm-jp/Megatron-DeepSpeed: scripts/abci/1.3B/dp2_tp2_pp2_zero1.sh (ABCI, mpirun, W&B flags)
   okoge-kaz/megatron-deepspeed-turing-techblog: scripts/abci/350m/dp2_tp2_pp2_zero1.sh (ABCI, mpirun)
+  kojimano/Megatron-DeepSpeed-ABCI (a3fbb95): abci/shells/pretrain_gpt_{345m_64gpu_sp_identity_debug_abci,
+      13b_544gpu_commonspace_start}.sh (ABCI Grand Challenge, Grid Engine + mpirun, no DeepSpeed JSON,
+      --tokenizer-type JapaneseSentencePiece with the SentencePiece model as --vocab-file)
 
 This module imports nothing from megatron_ds so a before/after count can run it against any tree.
 """
@@ -205,6 +208,34 @@ def _moe_dense_cl(files) -> list[str]:
             "--pipeline-model-parallel-size", "1", "--no-pipeline-parallel", "--deepspeed-activation-checkpointing"]
 
 
+# the 15-way blend of both kojimano/Megatron-DeepSpeed-ABCI scripts (aozora, wikipedia en/ja, cc, github)
+_ABCI_GC_WEIGHTS = ["1", "5", "5"] + ["12.125"] * 4 + ["9.125"] * 4 + ["1"] * 4
+
+
+def _abci_grand_challenge(files, *, layers, hidden, heads, tp, pp, micro, gbs, train_samples, lr, min_lr,
+                          rampup, init_std, attention_dropout, save_interval, eval_interval, seed) -> list[str]:
+    """kojimano/Megatron-DeepSpeed-ABCI abci/shells/*.sh: mpirun ... python pretrain_gpt.py, as written (the 13B
+    script, with a seed, names --train-samples before --save, the 345M one after --wandb-name)."""
+    blend = [x for w in _ABCI_GC_WEIGHTS for x in (w, files["data"])]
+    samples = ["--train-samples", str(train_samples)]
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--micro-batch-size", str(micro), "--global-batch-size", str(gbs), "--seq-length", "2048",
+            "--max-position-embeddings", "2048", *(samples if seed is not None else []),
+            "--save", files["ckpt"], "--load", files["ckpt"], "--tensorboard-dir", files["tb"],
+            "--wandb-name", "gc-job", *(samples if seed is None else []),
+            "--data-path", *blend, "--tokenizer-type", "JapaneseSentencePiece", "--vocab-file", files["spm"],
+            "--data-impl", "mmap", "--split", "949,50,1", "--distributed-backend", "nccl", "--lr", lr,
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", min_lr,
+            "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction", ".01",
+            "--rampup-batch-size", *rampup, "--init-method-std", init_std, "--hidden-dropout", "0",
+            "--attention-dropout", attention_dropout, "--weight-decay", "0.1", "--log-interval", "1",
+            "--save-interval", str(save_interval), "--eval-interval", str(eval_interval), "--eval-iters", "10",
+            *(["--seed", str(seed)] if seed is not None else []), "--fp16", "--checkpoint-activations",
+            "--distribute-checkpointed-activations", "--no-scatter-gather-tensors-in-pipeline", "--use-mpi",
+            "--log-timers-to-tensorboard"]
+
+
 def _offload_pp_350m(files) -> list[str]:
     """examples_deepspeed/offload_pp/ds_pretrain_gpt_350M.sh (16 GPUs, EP_SIZE=1, ZeRO-3 optimizer offload)."""
     return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
@@ -238,7 +269,8 @@ def _offload_json() -> dict:
 
 
 def scripts(files: dict) -> list[Script]:
-    """files: vocab, merges, data (prefix), ckpt, tb, json (where the case's DeepSpeed JSON is written)."""
+    """files: vocab, merges, data (prefix), ckpt, tb, json (where the case's DeepSpeed JSON is written),
+    spm (a SentencePiece model trained with the ABCI fork's recipe, for JapaneseSentencePiece)."""
     f = files
     rb = "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/"
     return [
@@ -322,6 +354,16 @@ def scripts(files: dict) -> list[Script]:
         Script("offload_pp_350M", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/"
                "ds_pretrain_gpt_350M.sh", 16, _offload_pp_350m(f), _offload_json(),
                notes=['--fp16 gives way to the DeepSpeed JSON\'s "bf16": {"enabled": true}']),
+        Script("abci_gc_345m_64gpu_japanese_sp", "kojimano/Megatron-DeepSpeed-ABCI: "
+               "abci/shells/pretrain_gpt_345m_64gpu_sp_identity_debug_abci.sh", 64, _abci_grand_challenge(
+                   f, layers=24, hidden=1024, heads=16, tp=1, pp=1, micro=4, gbs=1280, train_samples=64000000,
+                   lr="0.0001", min_lr="1.0e-5", rampup=("256", "256", "50000"), init_std="0.018",
+                   attention_dropout="0", save_interval=500, eval_interval=100, seed=None)),
+        Script("abci_gc_13b_544gpu_japanese_sp", "kojimano/Megatron-DeepSpeed-ABCI: "
+               "abci/shells/pretrain_gpt_13b_544gpu_commonspace_start.sh", 544, _abci_grand_challenge(
+                   f, layers=40, hidden=5120, heads=40, tp=4, pp=8, micro=2, gbs=1360, train_samples=68000000,
+                   lr="6e-5", min_lr="6e-6", rampup=("68", "68", "3400000"), init_std="0.00884",
+                   attention_dropout="0.1", save_interval=1000, eval_interval=250, seed=7)),
         Script("zero_bubble_zbh1_1.3b", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/"
                "zbh1_pretrain_gpt_1.3b.sh", 8,
                _rebase(f, layers=24, hidden=2048, heads=16, gbs=16, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013,
