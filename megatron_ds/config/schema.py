@@ -231,7 +231,7 @@ class TrainingConfig:
     """Stop the run after this many NaN/inf losses in a row."""
     empty_unused_memory_level: int = 0
     """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
-    # -- issue 23: curriculum learning and the CPU optimizer (Megatron-DeepSpeed's flags) --
+    # -- issue 23: curriculum learning (Megatron-DeepSpeed's flag) --
     curriculum_learning_legacy: bool = False
     """Sequence-length warm-up from the DeepSpeed JSON's legacy "curriculum_learning" block (whose
     "enabled" decides when present, as in Megatron-DeepSpeed)."""

@@ -227,6 +227,7 @@ class Loop:
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
             "loss-scale": ds_compat.reported_loss_scale(engine),
+            "seqlen/curriculum_seqlen": seqlen if layout.curriculum else None,  # Megatron-DeepSpeed's tag
         })
 
     def _between_iterations(self, state: TrainState, valid_iter) -> bool:

@@ -30,8 +30,8 @@ class TranscribedScheduler:
                 return sc["difficulty"][-1]
             return next(d for d, m in zip(sc["difficulty"], sc["max_step"]) if step <= m)
         degree = 1 if c["schedule_type"] == "fixed_linear" else sc["root_degree"]
-        d = math.floor((step / sc["total_curriculum_step"]) ** (1 / degree) * (c["max_difficulty"] - c["min_difficulty"])
-                       + c["min_difficulty"])
+        span = c["max_difficulty"] - c["min_difficulty"]
+        d = math.floor((step / sc["total_curriculum_step"]) ** (1 / degree) * span + c["min_difficulty"])
         return min(d - d % sc["difficulty_step"], c["max_difficulty"])
 
     def update(self, step):
@@ -80,7 +80,8 @@ def test_named_values_of_the_rebase_script():
     (_block("custom"), r'"schedule_type" \'custom\' is not supported'),
     ({**_block("fixed_linear", total_curriculum_step=9, difficulty_step=8), "curriculum_type": "vocab"},
      r'"curriculum_type" \'vocab\' is not supported'),
-    (_block("fixed_linear", 60, total_curriculum_step=9, difficulty_step=8), r"not a multiple of \"difficulty_step\" 8"),
+    (_block("fixed_linear", 60, total_curriculum_step=9, difficulty_step=8),
+     r"not a multiple of \"difficulty_step\" 8"),
     (_block("fixed_linear", 64, 4096, total_curriculum_step=9, difficulty_step=8), r"4096 is above --seq-length 2048"),
     (_block("fixed_root", total_curriculum_step=9, difficulty_step=8), r'needs "root_degree"'),
     (_block("fixed_discrete", difficulty=[8, 16], max_step=[1, 2]), r"one longer than"),
@@ -114,6 +115,8 @@ def _resolve(argv, block, world=4):
 
 def test_resolve_takes_the_block_out_of_the_engine_json_and_refuses_what_cannot_run():
     block = _block("fixed_linear", 16, 64, total_curriculum_step=9, difficulty_step=8)
+    disabled = _resolve(["--curriculum-learning-legacy"], {**block, "enabled": False})
+    assert disabled.layout.curriculum is None and "curriculum_learning" not in disabled.layout.ds_config
     run = _resolve([], block)
     assert run.layout.curriculum.seqlen_at(1) == 16 and "curriculum_learning" not in run.layout.ds_config
     with pytest.raises(ConfigError, match="interleaved pipeline schedule"):
