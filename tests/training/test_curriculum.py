@@ -51,3 +51,19 @@ def test_warmup_lengths_tokens_and_cut_batches_on_both_engines(tmp_path):
     short = _run(tmp_path, ARGV + ["--no-pipeline-parallel", "--seq-length", "8", "--train-iters", "1"], 1,
                  block=None)
     assert short["history"][0] == plain["history"][0]  # step 1: exactly what an 8-token run trains
+
+
+def test_evaluation_runs_at_the_full_length(tmp_path):
+    """After one 8-token step, the final validation equals that of the same weights evaluated by a plain
+    32-token run: an 8-token run's checkpoint, loaded with --skip-train (Megatron-DeepSpeed's evaluate
+    resets curriculum_seqlen to --seq-length; the plain engine passes no curriculum_seqlen in eval)."""
+    one_step = {**BLOCK, "schedule_type": "fixed_discrete", "schedule_config": {"difficulty": [8, 32], "max_step": [1]}}
+    argv = ARGV + ["--no-pipeline-parallel", "--train-iters", "1"]
+    warm = _run(tmp_path, argv, 1, block=one_step)
+    ckpt = str(tmp_path / "ckpt")
+    short = _run(tmp_path, argv + ["--seq-length", "8", "--save", ckpt], 1, block=None)
+    full = _run(tmp_path, argv + ["--load", ckpt, "--skip-train"], 1, block=None)
+    assert warm["history"][0] == short["history"][0]  # the same step, so the same weights
+    value = re.compile(r"validation loss at iteration 1 on validation set \| lm loss value: (\S+)")
+    assert value.findall(warm["log"]) == value.findall(full["log"]) != []
+    assert value.findall(warm["log"]) != value.findall(short["log"])  # an 8-token evaluation differs
