@@ -67,8 +67,9 @@ def get_args(argv=None):
                    help="write an empty data set (with a warning) when the input has no documents, instead of failing")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, help="GPT2BPETokenizer, SentencePieceTokenizer, "
-                   "GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer")
-    g.add_argument("--vocab-file", default=None)
+                   "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer or JapaneseSentencePiece")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json; the SentencePiece model for "
+                   "JapaneseSentencePiece")
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece model, or HF tokenizer.json / its directory")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids are 0..N-1 and eod is N")

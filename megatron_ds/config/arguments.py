@@ -58,10 +58,7 @@ IGNORED_FLAGS: dict[str, int] = {
 
 # flag -> what to do instead
 UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
-    "--cpu-optimizer": (0, "put \"offload_optimizer\": {\"device\": \"cpu\"} under \"zero_optimization\" "
-                           "and \"zero_force_ds_cpu_optimizer\": false in the DeepSpeed JSON instead"),
     "--use-distributed-optimizer": (0, "use --zero-stage 1 (DeepSpeed ZeRO shards optimizer state)"),
-    "--curriculum-learning-legacy": (0, "curriculum learning is not supported"),
     "--enable-zbh1-pipeline": (0, "zero-bubble pipeline schedules are not supported (DeepSpeed's pipeline "
                                   "engine runs 1F1B here); drop the flag"),
     "--enable-zbh1-exact-semantics": (0, "zero-bubble pipeline schedules are not supported; drop the flag"),

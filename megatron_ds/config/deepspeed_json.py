@@ -97,13 +97,45 @@ def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas
     return ds
 
 
+def check_cpu_optimizer(ds: dict, *, cpu_optimizer: bool, torch_adam: bool, optimizer: str) -> list[str]:
+    """--cpu-optimizer / --cpu_torch_adam against the JSON's ZeRO-Offload: one-line errors where they disagree
+    or DeepSpeed would refuse the pair at start-up; the notes of flags without effect.
+    Megatron-DeepSpeed (megatron/optimizer/__init__.py) builds DeepSpeedCPUAdam for --cpu-optimizer,
+    torch.optim.AdamW with --cpu_torch_adam, else its GPU Adam; deepspeed/runtime/engine.py refuses
+    ZeRO-Offload with any client optimizer but DeepSpeedCPUAdam unless "zero_force_ds_cpu_optimizer" is
+    false, and ZeRO-3's partial offload ("ratio" < 1) takes DeepSpeedCPUAdam only (runtime/zero/stage3.py)."""
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    offloaded = offload.get("device") in ("cpu", "nvme")
+    cpu_adam = cpu_optimizer and not torch_adam
+    if cpu_optimizer and optimizer != "adam":
+        raise ConfigError(f"--cpu-optimizer builds an Adam optimizer (Megatron-DeepSpeed: \"CPU offloading is for "
+                          f"Adam\"); drop --optimizer {optimizer} or --cpu-optimizer")
+    if cpu_optimizer and not offloaded:
+        raise ConfigError("--cpu-optimizer steps the optimizer on the CPU, but the DeepSpeed JSON does not offload it; "
+                          "add \"offload_optimizer\": {\"device\": \"cpu\"} under \"zero_optimization\" "
+                          "(ZeRO stage >= 1) or drop --cpu-optimizer")
+    if offloaded and offload.get("ratio", 1.0) < 1.0 and not cpu_adam:
+        raise ConfigError(f"offload_optimizer \"ratio\" {offload['ratio']} (ZeRO-3 partial offload) runs only "
+                          f"DeepSpeedCPUAdam: pass --cpu-optimizer (without --cpu_torch_adam)")
+    if offloaded and not cpu_adam and ds.get("zero_force_ds_cpu_optimizer", True) is not False:
+        given = "--cpu_torch_adam builds torch.optim.AdamW" if cpu_optimizer else "without --cpu-optimizer the " \
+            "optimizer is torch.optim.AdamW"
+        raise ConfigError(f"zero_optimization.offload_optimizer: {given}, which DeepSpeed refuses with ZeRO-Offload "
+                          f"unless the JSON says \"zero_force_ds_cpu_optimizer\": false; add that, or pass "
+                          f"--cpu-optimizer for DeepSpeedCPUAdam")
+    if torch_adam and not cpu_optimizer:
+        return ["--cpu_torch_adam has no effect without --cpu-optimizer (as in Megatron-DeepSpeed)"]
+    return []
+
+
 # Features DeepSpeed accepts in the JSON but that need the training loop's cooperation, which
 # megatron_ds does not give: (predicate on the JSON, why, what to do instead).
 _NOT_IMPLEMENTED = (
     (lambda ds: (((ds.get("data_efficiency") or {}).get("data_sampling") or {})
                  .get("curriculum_learning") or {}).get("enabled"),
-     "data_efficiency.data_sampling.curriculum_learning needs Megatron-DeepSpeed's data-efficiency data "
-     "loader, which megatron_ds does not have; remove the block"),
+     "data_efficiency.data_sampling.curriculum_learning needs DeepSpeed's data-efficiency sampler (its own "
+     "sample order), which megatron_ds does not have; for a sequence-length warm-up use the legacy top-level "
+     "\"curriculum_learning\" block (seqlen, fixed_linear/fixed_root/fixed_discrete) instead"),
     (lambda ds: ((ds.get("data_efficiency") or {}).get("data_routing") or {}).get("enabled"),
      "data_efficiency.data_routing (random-LTD) is not supported; remove the block"),
     (lambda ds: "compression_training" in ds,
@@ -116,17 +148,7 @@ _NOT_IMPLEMENTED = (
      "checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported: they need "
      "DeepSpeed's own launcher and finish writing after the save returns, before megatron_ds checks the "
      "files; remove the \"writer\" block"),
-    # deepspeed/runtime/engine.py refuses ZeRO-Offload with a client optimizer (megatron_ds passes its
-    # own AdamW) unless told otherwise -- at start-up, after the queue, so it is checked here
-    (lambda ds: (((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-                 in ("cpu", "nvme") and ds.get("zero_force_ds_cpu_optimizer", True) is not False),
-     "zero_optimization.offload_optimizer needs \"zero_force_ds_cpu_optimizer\": false (megatron_ds "
-     "passes its own AdamW to DeepSpeed, which otherwise refuses ZeRO-Offload at start-up)"),
 )
-
-_LEGACY_CURRICULUM = ("megatron_ds does not implement the legacy sequence-length warmup either (Megatron-"
-                      "DeepSpeed's --curriculum-learning-legacy); remove the \"curriculum_learning\" block")
-
 
 def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON") -> None:
     """Raise ConfigError with DeepSpeed's own message if it would refuse ``ds_config``."""
@@ -144,7 +166,6 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
         DeepSpeedConfig(probe)
     except Exception as exc:  # noqa: BLE001 - pydantic / DeepSpeedConfigError / assertions: all are refusals
         message = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
-        hint = f"; {_LEGACY_CURRICULUM}" if "curriculum_learning" in message and "Legacy" in message else ""
-        raise ConfigError(f"DeepSpeed refuses {source}: {message}{hint}") from None
+        raise ConfigError(f"DeepSpeed refuses {source}: {message}") from None
     finally:
         quiet.setLevel(level)

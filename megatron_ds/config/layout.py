@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megatron_ds.config.deepspeed_json import build_ds_config
+from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
+from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
@@ -88,6 +89,7 @@ class Layout:
     total_params: int
     stages: tuple[StageParams, ...]
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
+    curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
 
     def _engine_name(self) -> str:
         if self.virtual_pp > 1:
@@ -115,6 +117,8 @@ class Layout:
                             f"{r.rampup.samples:,} samples")
         if r.train_tokens is not None:
             lines.insert(2, f"train until {r.train_tokens:,} tokens ({self.train_iters} iterations at most)")
+        if self.curriculum is not None:
+            lines.insert(2, self.curriculum.describe())
         for s in self.stages:
             first, stop = s.layers
             layers = "" if self.virtual_pp > 1 else f" layers {first}-{stop - 1}," if stop > first else " no layers,"
@@ -206,6 +210,22 @@ def _engine(flags: Config, template: dict | None, *, tp: int, pp: int, seq_lengt
     return zero_stage, not flags.parallel.no_pipeline_parallel
 
 
+def _curriculum(flags: Config, template: dict | None, seq_length: int, *, tp: int,
+                virtual_pp: int) -> SeqlenCurriculum | None:
+    """The sequence-length warm-up, refused where a truncated batch cannot run."""
+    cl = legacy_curriculum(template, flags.training.curriculum_learning_legacy, seq_length)
+    if cl is None:
+        return None
+    if virtual_pp > 1:
+        raise ConfigError("the sequence-length warm-up (\"curriculum_learning\") cannot run on the interleaved "
+                          "pipeline schedule; drop --num-layers-per-virtual-pipeline-stage or the block")
+    lengths = cl.difficulties or (cl.difficulty_step, cl.max_difficulty)
+    if flags.parallel.sequence_parallel and any(n % tp for n in lengths):
+        raise ConfigError(f"--sequence-parallel splits every sequence over TP {tp}, but the \"curriculum_learning\" "
+                          f"lengths ({', '.join(map(str, lengths))}) are not all multiples of {tp}")
+    return cl
+
+
 def _recompute(t) -> str | None:
     """--recompute-granularity, or "full" from Megatron-DeepSpeed's older switches."""
     full = t.checkpoint_activations or t.deepspeed_activation_checkpointing
@@ -238,9 +258,13 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 else None
     total, stages = count_parameters(m, padded, tp, pp, partition)
     notes: list[str] = []
+    curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
+    if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
+        template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes)
+    notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
@@ -248,5 +272,5 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     use_pipeline=use_pipeline, pipeline_partition=partition,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
-                    ds_config=ds)
+                    ds_config=ds, curriculum=curriculum)
     return layout, notes

@@ -79,17 +79,32 @@ def _loss_scale_flags(cfg: Config, template: dict | None) -> tuple[Config, list[
     return cfg, notes
 
 
-def _disabled_legacy_curriculum(template: dict | None) -> tuple[dict | None, list[str]]:
+def _json_bf16_over_fp16(cfg: Config, template: dict | None) -> tuple[Config, list[str]]:
+    """--fp16 with a JSON that enables bf16 and disables fp16 (Megatron-DeepSpeed's offload example,
+    offload_pp/ds_pretrain_gpt_350M.sh, does this): DeepSpeed's engine casts the model to the JSON's
+    dtype (deepspeed/runtime/engine.py _configure_distributed_model; with --zero-stage 3 its
+    pretrain_gpt.py builds the model inside deepspeed.zero.Init, in that dtype already), so
+    Megatron-DeepSpeed trains in bf16. Same here, said once. The reverse, fp16 in
+    place of --bf16, could overflow where bf16 does not; it stays a conflict (deepspeed_json)."""
+    ds = template or {}
+    bf16, fp16 = (ds.get("bf16") or {}).get("enabled"), (ds.get("fp16") or {}).get("enabled")
+    if not (cfg.training.fp16 and bf16 is True and fp16 is False):
+        return cfg, []
+    return _replace(cfg, "training", fp16=False, bf16=True), [
+        '--fp16 gives way to the DeepSpeed JSON\'s "bf16": {"enabled": true} with "fp16": {"enabled": false}: '
+        'training in bf16 (DeepSpeed casts the model to the JSON\'s dtype, so Megatron-DeepSpeed does too)']
+
+
+def _disabled_legacy_curriculum(template: dict | None) -> list[str]:
     """A top-level "curriculum_learning" block with "enabled": false (Megatron-DeepSpeed's MoE/curriculum
-    templates ship one) changes nothing in Megatron-DeepSpeed, but DeepSpeed >= 0.19 refuses the legacy
-    block even when disabled. The intent is unambiguous, so it is dropped; an enabled one stays and
-    is refused by DeepSpeed's parser (config/deepspeed_json.py)."""
+    templates ship one) changes nothing in Megatron-DeepSpeed, even with --curriculum-learning-legacy (the
+    block's "enabled" wins). build_layout takes every legacy block out of the JSON DeepSpeed gets (>= 0.19
+    refuses it even disabled) and runs an enabled one itself (config/curriculum.py); this says so once."""
     block = (template or {}).get("curriculum_learning")
     if isinstance(block, dict) and block.get("enabled") is False:
-        return {k: v for k, v in template.items() if k != "curriculum_learning"}, [
-            'the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
-            '>= 0.19 refuses that block even when disabled; it had no effect)']
-    return template, []
+        return ['the DeepSpeed JSON\'s disabled legacy "curriculum_learning" block is dropped (DeepSpeed '
+                '>= 0.19 refuses that block even when disabled; it had no effect)']
+    return []
 
 
 def _wandb_missing(cfg: Config) -> list[str]:
@@ -107,6 +122,7 @@ def megatron_overrides(cfg: Config, template: dict | None) -> tuple[Config, dict
     (new flags, new JSON, one warning per override). The inputs are left as they are."""
     cfg, sequence_parallel = _sequence_parallel_at_tp1(cfg)
     cfg = _old_recompute_flag(cfg)
+    cfg, precision = _json_bf16_over_fp16(cfg, template)
     cfg, loss_scale = _loss_scale_flags(cfg, template)
-    template, curriculum = _disabled_legacy_curriculum(template)
-    return cfg, template, sequence_parallel + loss_scale + curriculum + _wandb_missing(cfg)
+    curriculum = _disabled_legacy_curriculum(template)
+    return cfg, template, sequence_parallel + precision + loss_scale + curriculum + _wandb_missing(cfg)

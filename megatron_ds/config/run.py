@@ -53,6 +53,8 @@ class OptimizerSettings:
     sgd_momentum: float
     override_lr_scheduler: bool
     use_checkpoint_lr_scheduler: bool
+    cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
+    cpu_torch_adam: bool
 
 
 @dataclass(frozen=True)

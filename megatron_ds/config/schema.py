@@ -159,6 +159,13 @@ class OptimizerConfig:
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
                                                           "--use-checkpoint-opt_param-scheduler"))
     """On load, take the schedule from the checkpoint even if the command line differs."""
+    # -- issue 23: the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
+    cpu_optimizer: bool = False
+    """ZeRO-Offload's optimizer, as Megatron-DeepSpeed builds it: DeepSpeedCPUAdam (AdamW on the CPU). The
+    offload itself is the DeepSpeed JSON's "zero_optimization": {"offload_optimizer": {"device": "cpu"}}."""
+    cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
+    """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
+    "zero_force_ds_cpu_optimizer": false)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,10 @@ class TrainingConfig:
     """Stop the run after this many NaN/inf losses in a row."""
     empty_unused_memory_level: int = 0
     """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
+    # -- issue 23: curriculum learning (Megatron-DeepSpeed's flag) --
+    curriculum_learning_legacy: bool = False
+    """Sequence-length warm-up from the DeepSpeed JSON's legacy "curriculum_learning" block (whose
+    "enabled" decides when present, as in Megatron-DeepSpeed)."""
 
 
 @dataclass(frozen=True)
@@ -248,10 +259,11 @@ class DataConfig:
     """Data loader worker processes."""
     tokenizer_type: Optional[str] = None
     """Tokenizer the data was preprocessed with: GPT2BPETokenizer, SentencePieceTokenizer,
-    GPTSentencePieceTokenizer, HFTokenizer or NullTokenizer (default GPT2BPETokenizer, the
-    args_defaults of Megatron-DeepSpeed's pretrain_gpt.py; --mock-data alone needs none)."""
+    GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer or JapaneseSentencePiece (the SentencePiece
+    tokenizer of ABCI users' forks) (default GPT2BPETokenizer, the args_defaults of Megatron-DeepSpeed's
+    pretrain_gpt.py; --mock-data alone needs none)."""
     vocab_file: Optional[str] = None
-    """GPT-2 vocab.json."""
+    """GPT-2 vocab.json; for JapaneseSentencePiece, the SentencePiece model."""
     merge_file: Optional[str] = None
     """GPT-2 merges.txt."""
     tokenizer_model: Optional[str] = None

@@ -21,6 +21,7 @@ VALID_TYPES = (
     "GPTSentencePieceTokenizer",
     "HFTokenizer",
     "NullTokenizer",
+    "JapaneseSentencePiece",
 )
 # Megatron-LM spells the HF tokenizer type differently from Megatron-DeepSpeed; accept both.
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
@@ -282,6 +283,63 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
         self._eod = self._sp.eos_id()
 
 
+class JapaneseSentencePiece(AbstractTokenizer):
+    """--tokenizer-type JapaneseSentencePiece --vocab-file MODEL: the SentencePiece tokenizer of ABCI users'
+    Megatron-DeepSpeed forks (megatron/tokenizer/tokenizer.py ``_JapaneseSentencePiece``). It ships in two
+    definitions, told apart here by the model's pieces:
+      * "abci" (kojimano/Megatron-DeepSpeed-ABCI, the ABCI Grand Challenge fork; llm-jp's July 2023
+        branches): eod "<|endoftext|>", pad "<|padding|>"; "\n" becomes "<|endofline|>" before encoding
+        and back after decoding. Chosen when the model has both "<|endoftext|>" and "<|endofline|>".
+      * "llm-jp" (llm-jp/Megatron-DeepSpeed's main line, "feat: tokenizer-v2"): eod "</s>", pad "<pad>",
+        "\r\n" becomes "\n", plain decoding.
+    Both run the same two replacements in this order (the "\r\n" one finds nothing once "\n" is gone,
+    unless the symbol is "\n" itself), encode with the model alone (no bos/eos added) and report the
+    model's piece count as the vocabulary size."""
+
+    def __init__(self, model_file):
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        abci = self._has("<|endoftext|>") and self._has("<|endofline|>")
+        self.variant = "abci" if abci else "llm-jp"
+        eod, pad, self.eol_symbol = ("<|endoftext|>", "<|padding|>", "<|endofline|>") if abci else \
+            ("</s>", "<pad>", "\n")
+        if not self._has(eod):
+            raise TokenizerError(f"--vocab-file {model_file}: the SentencePiece model has neither \"<|endoftext|>\" "
+                                 f"with \"<|endofline|>\" nor \"</s>\", the end-of-document pieces of "
+                                 f"JapaneseSentencePiece's two definitions")
+        self._eod, self.pad_id = self._sp.piece_to_id(eod), self._sp.piece_to_id(pad)
+        self.name = f"JapaneseSentencePiece ({self.variant} definition, eod {eod})"
+
+    def _has(self, piece: str) -> bool:
+        return self._sp.id_to_piece(self._sp.piece_to_id(piece)) == piece  # absent pieces map to <unk>
+
+    @property
+    def vocab_size(self):
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self):
+        return self._eod
+
+    def _prepare(self, text: str) -> str:
+        return text.replace("\n", self.eol_symbol).replace("\r\n", self.eol_symbol)
+
+    def tokenize(self, text):
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts):
+        texts = [self._prepare(t) for t in texts]
+        try:  # one thread: preprocessing parallelises over worker processes, one core each
+            return self._sp.encode(texts, out_type=int, num_threads=1)
+        except RuntimeError:  # lone surrogates cannot cross into C++ (the forks crash there)
+            return self._sp.encode([clean_text(t) for t in texts], out_type=int, num_threads=1)
+
+    def detokenize(self, ids):
+        text = self._sp.decode([int(i) for i in ids])
+        return text.replace(self.eol_symbol, "\n") if self.variant == "abci" else text
+
+
 def _find_hf_tokenizer_json(path, tokenizer_type):
     if not path:
         raise TokenizerError(
@@ -400,6 +458,8 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
         tok = cls(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
         tok = HFTokenizer(tokenizer_model)
+    elif kind == "JapaneseSentencePiece":  # its forks pass the SentencePiece model as --vocab-file
+        tok = JapaneseSentencePiece(_require_file(vocab_file, "--vocab-file", kind))
     elif kind == "NullTokenizer":
         if vocab_size is None:
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")

@@ -32,7 +32,7 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
                    global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
                    tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None,
-                   eta_s: float | None = None) -> str:
+                   eta_s: float | None = None, curriculum_seqlen: int | None = None) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
@@ -49,6 +49,8 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     parts.append(f" loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
+    if curriculum_seqlen is not None:  # Megatron-DeepSpeed's field of a sequence-length warm-up, in its place
+        parts.append(f" curriculum seqlen: {curriculum_seqlen:5d}")
     parts += [
         f" number of skipped iterations: {skipped:3d}",
         f" number of nan iterations: {nans:3d}",

@@ -6,6 +6,7 @@ or --exit-interval, printing Megatron's iteration line every --log-interval iter
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.training import log as mlog
+from megatron_ds.training.curriculum import SeqlenWarmup
 from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
 from megatron_ds.training.signals import StopSignals, agreed_stop
@@ -41,7 +43,8 @@ class TrainPlan:
     """The loop's per-iteration bookkeeping for ramp-up and token targets."""
 
     def __init__(self, layout):
-        self.schedule, self.train_iters = layout.schedule, layout.train_iters
+        self.schedule, self.train_iters, self.curriculum = layout.schedule, layout.train_iters, layout.curriculum
+        self.seqlen = layout.model.seq_length  # tokens per sample of the coming step
 
     def keep_going(self, state) -> bool:
         """megatron/training.py: while iteration < train_iters and consumed_train_tokens < train_tokens."""
@@ -57,11 +60,13 @@ class TrainPlan:
             engine.set_train_batch_size(batch)  # DeepSpeed keeps the micro batch, changes accumulation steps
         if isinstance(engine.lr_scheduler, ConsumedLRSchedule):
             engine.lr_scheduler.begin_iteration(batch, state.consumed_train_tokens)
+        if self.curriculum is not None:  # megatron/training.py: update_difficulty(iteration + 1)
+            self.seqlen = self.curriculum.seqlen_at(state.iteration + 1)
         return batch
 
     def end(self, state, batch: int) -> None:
         state.consumed_train_samples += batch
-        state.consumed_train_tokens += batch * self.schedule.seq_length
+        state.consumed_train_tokens += batch * self.seqlen  # Megatron-DeepSpeed: samples x curriculum seqlen
 
 
 def _plain_loss(engine, batch, loss_fn):
@@ -132,11 +137,18 @@ class Loop:
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
+    warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
     def __post_init__(self):
         layout = self.run.layout
-        self.flops = model_flops_per_iteration(layout.model, layout.global_batch_size, layout.padded_vocab_size,
-                                               layout.recompute == "full")
+        self.flops = self._flops(layout.model.seq_length)
+        self.warmup = SeqlenWarmup(self.engine, layout.use_pipeline) if layout.curriculum else None
+
+    def _flops(self, seq_length: int) -> float:
+        layout = self.run.layout
+        model = dataclasses.replace(layout.model, seq_length=seq_length)
+        return model_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
+                                         layout.recompute == "full")
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""
@@ -144,15 +156,19 @@ class Loop:
         plan = TrainPlan(self.run.layout)
         window = _Window(time.time(), self.engine.skipped_steps)
         last_saved = state.iteration
+        if self.warmup is not None:
+            train_iter = self.warmup.cut(train_iter)
         while plan.keep_going(state):
             batch = plan.begin(self.engine, state)
             window.backward_scale = ds_compat.reported_loss_scale(self.engine)  # the step may change it
+            if self.warmup is not None:
+                self.warmup.set_length(plan.seqlen)
             loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
             state.iteration += 1
             plan.end(state, batch)
             self._account(state, loss, window)
             if state.iteration % self.run.logging.log_interval == 0 or not plan.keep_going(state):
-                self._log(state, window, batch)
+                self._log(state, window, batch, plan.seqlen)
                 window = _Window(time.time(), self.engine.skipped_steps)
             # Validation and saving are kept out of the next log line's time per iteration.
             paused = time.time()
@@ -183,7 +199,7 @@ class Loop:
                                   f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
                                   f"the data, or use --bf16 instead of --fp16")
 
-    def _log(self, state: TrainState, window: _Window, batch: int) -> None:
+    def _log(self, state: TrainState, window: _Window, batch: int, seqlen: int) -> None:
         """Megatron's iteration line for the window, and the same scalars to TensorBoard / W&B."""
         layout, engine, lg = self.run.layout, self.engine, self.run.logging
         if self.device.type == "cuda":
@@ -193,6 +209,7 @@ class Loop:
         lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else self.run.optimizer.lr
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
+        flops = self.flops if seqlen == layout.model.seq_length else self._flops(seqlen)  # warm-up: shorter
         mlog.print_last_rank(mlog.iteration_line(
             iteration=state.iteration, train_iters=layout.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -200,16 +217,18 @@ class Loop:
             global_batch_size=batch, loss=mean_loss, loss_scale=ds_compat.reported_loss_scale(engine),
             grad_norm=grad_norm, skipped=engine.skipped_steps - window.skipped_before, nans=window.nans,
             samples_per_s=batch / elapsed,
-            tokens_per_s_per_gpu=batch * layout.model.seq_length / elapsed / layout.world_size,
-            tflops_per_gpu=self.flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
+            tokens_per_s_per_gpu=batch * seqlen / elapsed / layout.world_size,
+            tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
             mem_gb=mlog.peak_memory_gb(self.device),
-            eta_s=elapsed * (layout.train_iters - state.iteration)))
+            eta_s=elapsed * (layout.train_iters - state.iteration),
+            curriculum_seqlen=seqlen if layout.curriculum else None))
         self.tb.scalars(state.iteration, {
             "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
             "loss-scale": ds_compat.reported_loss_scale(engine),
+            "seqlen/curriculum_seqlen": seqlen if layout.curriculum else None,  # Megatron-DeepSpeed's tag
         })
 
     def _between_iterations(self, state: TrainState, valid_iter) -> bool:
@@ -236,6 +255,8 @@ class Loop:
         """Validation loss over --eval-iters global batches, printed as Megatron prints it."""
         t = self.run.training
         layout = self.run.layout
+        if self.warmup is not None:  # evaluation at the full length (megatron/training.py evaluate)
+            self.warmup.set_length(layout.model.seq_length)
         loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
         if t.empty_unused_memory_level >= 2 and cuda_runtime():
             torch.cuda.empty_cache()

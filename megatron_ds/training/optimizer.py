@@ -1,7 +1,9 @@
 """Optimizer construction: parameter groups, the fastest available AdamW, and a NaN guard.
 
 apex is optional. On GPU with apex importable, its FusedAdam is used; otherwise torch's AdamW
-(``fused=True`` on CUDA, the plain loop on CPU). The choice is returned so start-up can log it.
+(``fused=True`` on CUDA, the plain loop on CPU). With --cpu-optimizer (ZeRO-Offload), what
+Megatron-DeepSpeed builds there (megatron/optimizer/__init__.py): DeepSpeedCPUAdam, or torch's AdamW
+with --cpu_torch_adam. The choice is returned so start-up can log it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), "torch.optim.SGD"
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
+    if settings.cpu_optimizer and settings.cpu_torch_adam:
+        return torch.optim.AdamW(groups, **kwargs), "torch.optim.AdamW (--cpu_torch_adam)"
+    if settings.cpu_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - builds its CPU op on first use
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs), "deepspeed.ops.adam.DeepSpeedCPUAdam"
     if device.type == "cuda":
         try:
             from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency

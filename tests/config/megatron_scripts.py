@@ -8,8 +8,8 @@ Sources (repository: path):
       1.3B_megatron_checkpointing}.sh with rebase/ds_config_gpt_TEMPLATE.json / ds_config_gpt_slw_TEMPLATE.json
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh,
       run_universal_bf16.sh
-  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh
-      (+ MoE/ds_config_gpt_TEMPLATE.json)
+  deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh,
+      ds_pretrain_gpt_1.3B_dense_cl.sh (+ MoE/ds_config_gpt_TEMPLATE.json)
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M_flashattn,1.3B_rope}.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/sequence_parallel/ds_pretrain_gpt_1.3B_seq_parallel_32k.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh
@@ -18,6 +18,9 @@ Sources (repository: path):
       examples/pretrain_gpt3_175B.sh
   llm-jp/Megatron-DeepSpeed: scripts/abci/1.3B/dp2_tp2_pp2_zero1.sh (ABCI, mpirun, W&B flags)
   okoge-kaz/megatron-deepspeed-turing-techblog: scripts/abci/350m/dp2_tp2_pp2_zero1.sh (ABCI, mpirun)
+  kojimano/Megatron-DeepSpeed-ABCI (a3fbb95): abci/shells/pretrain_gpt_{345m_64gpu_sp_identity_debug_abci,
+      13b_544gpu_commonspace_start}.sh (ABCI Grand Challenge, Grid Engine + mpirun, no DeepSpeed JSON,
+      --tokenizer-type JapaneseSentencePiece with the SentencePiece model as --vocab-file)
 
 This module imports nothing from megatron_ds so a before/after count can run it against any tree.
 """
@@ -173,16 +176,64 @@ def _moe_dense(files, *, layers, hidden, heads, gbs, lr, min_lr, batch, mp, init
             "--pipeline-model-parallel-size", "1", "--deepspeed-activation-checkpointing"]
 
 
-def _moe_json(gbs, mbs) -> dict:
+def _moe_json(gbs, mbs, *, cl_enabled=False, cl_step=110916) -> dict:
     return {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": mbs, "steps_per_print": 10,
             "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": True,
             "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                      "min_loss_scale": 1, "initial_scale_power": 11},
             "bf16": {"enabled": False},
-            "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen", "min_difficulty": 80,
+            "curriculum_learning": {"enabled": cl_enabled, "curriculum_type": "seqlen", "min_difficulty": 80,
                                     "max_difficulty": 2048, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"total_curriculum_step": 110916, "difficulty_step": 8}},
+                                    "schedule_config": {"total_curriculum_step": cl_step, "difficulty_step": 8}},
             "wall_clock_breakdown": False}
+
+
+def _moe_dense_cl(files) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense_cl.sh: 128 GPUs, MP 2, NO_PP, ZeRO 0, micro 16,
+    global 4096 ("CL enables stable large-batch training"), CL_ENABLED=true; no MoE flags at all."""
+    return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--tensor-model-parallel-size", "2", "--init-method-std", "0.013", "--lr-decay-tokens", "260000000000",
+            "--lr-warmup-tokens", "375000000", "--micro-batch-size", "16", "--exit-duration-in-mins", "30000000",
+            "--global-batch-size", "4096", "--num-layers", "24", "--hidden-size", "2048",
+            "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--train-tokens", "300000000000", "--train-samples", "439453125", "--lr", "8.0e-4",
+            "--min-lr", "2.0e-5", "--lr-decay-style", "cosine", "--split", "98,2,0", "--log-interval", "10",
+            "--eval-interval", "100", "--eval-iters", "10", "--save-interval", "1000", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0", "--fp16", "--load", files["ckpt"],
+            "--save", files["ckpt"], "--tensorboard-queue-size", "1", "--log-timers-to-tensorboard",
+            "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", files["tb"],
+            "--checkpoint-activations", "--log-optimizer-states-to-tensorboard",
+            "--vocab-file", files["vocab"], "--merge-file", files["merges"], "--data-path", files["data"],
+            "--data-impl", "mmap", "--deepspeed", "--deepspeed_config", files["json"], "--zero-stage", "0",
+            "--pipeline-model-parallel-size", "1", "--no-pipeline-parallel", "--deepspeed-activation-checkpointing"]
+
+
+# the 15-way blend of both kojimano/Megatron-DeepSpeed-ABCI scripts (aozora, wikipedia en/ja, cc, github)
+_ABCI_GC_WEIGHTS = ["1", "5", "5"] + ["12.125"] * 4 + ["9.125"] * 4 + ["1"] * 4
+
+
+def _abci_grand_challenge(files, *, layers, hidden, heads, tp, pp, micro, gbs, train_samples, lr, min_lr,
+                          rampup, init_std, attention_dropout, save_interval, eval_interval, seed) -> list[str]:
+    """kojimano/Megatron-DeepSpeed-ABCI abci/shells/*.sh: mpirun ... python pretrain_gpt.py, as written (the 13B
+    script, with a seed, names --train-samples before --save, the 345M one after --wandb-name)."""
+    blend = [x for w in _ABCI_GC_WEIGHTS for x in (w, files["data"])]
+    samples = ["--train-samples", str(train_samples)]
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--micro-batch-size", str(micro), "--global-batch-size", str(gbs), "--seq-length", "2048",
+            "--max-position-embeddings", "2048", *(samples if seed is not None else []),
+            "--save", files["ckpt"], "--load", files["ckpt"], "--tensorboard-dir", files["tb"],
+            "--wandb-name", "gc-job", *(samples if seed is None else []),
+            "--data-path", *blend, "--tokenizer-type", "JapaneseSentencePiece", "--vocab-file", files["spm"],
+            "--data-impl", "mmap", "--split", "949,50,1", "--distributed-backend", "nccl", "--lr", lr,
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", min_lr,
+            "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction", ".01",
+            "--rampup-batch-size", *rampup, "--init-method-std", init_std, "--hidden-dropout", "0",
+            "--attention-dropout", attention_dropout, "--weight-decay", "0.1", "--log-interval", "1",
+            "--save-interval", str(save_interval), "--eval-interval", str(eval_interval), "--eval-iters", "10",
+            *(["--seed", str(seed)] if seed is not None else []), "--fp16", "--checkpoint-activations",
+            "--distribute-checkpointed-activations", "--no-scatter-gather-tensors-in-pipeline", "--use-mpi",
+            "--log-timers-to-tensorboard"]
 
 
 def _offload_pp_350m(files) -> list[str]:
@@ -218,7 +269,8 @@ def _offload_json() -> dict:
 
 
 def scripts(files: dict) -> list[Script]:
-    """files: vocab, merges, data (prefix), ckpt, tb, json (where the case's DeepSpeed JSON is written)."""
+    """files: vocab, merges, data (prefix), ckpt, tb, json (where the case's DeepSpeed JSON is written),
+    spm (a SentencePiece model trained with the ABCI fork's recipe, for JapaneseSentencePiece)."""
     f = files
     rb = "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/"
     return [
@@ -236,7 +288,12 @@ def scripts(files: dict) -> list[Script]:
             no_pp=False, zero=1, batch=2, extra=["--use-rotary-position-embeddings", "--rotary-percent", "0.25"]),
             # cl_step = lr_warmup_tokens / 3 / global_batch_size / seq_len
             _rebase_template(512, 2, 10, 1, False, cl=(64, 2048, 3000 * 10 ** 6 // 3 // 512 // 2048)),
-            refused=r"DeepSpeed refuses .*Legacy top-level 'curriculum_learning' has been removed"),
+            notes=["sequence-length warm-up (fixed_linear): 64 -> 2048 over 953 steps in multiples of 8"]),
+        Script("moe_family_1.3B_dense_cl", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_1.3B_dense_cl.sh", 128, _moe_dense_cl(f),
+               # CL_STEP = CL_TOKENS 60e9 / (GLOBAL_BATCH_SIZE x CL_AVG_SEQLEN (80 + 2048) / 2), bash integers
+               _moe_json(4096, 16, cl_enabled=True, cl_step=60 * 10 ** 9 // (4096 * ((80 + 2048) // 2))),
+               notes=["sequence-length warm-up (fixed_linear): 80 -> 2048 over 13,767 steps in multiples of 8"]),
         Script("universal_ckpt_bf16", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/"
                "megatron_gpt/run_bf16.sh", 8, _universal(f, "bf16"), _universal_json("bf16"),
                notes=["--loss-scale 12 has no effect without --fp16"]),
@@ -296,7 +353,17 @@ def scripts(files: dict) -> list[Script]:
                refused=r"--ds-sequence-parallel-size 4: DeepSpeed-Ulysses sequence parallelism is not supported"),
         Script("offload_pp_350M", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/"
                "ds_pretrain_gpt_350M.sh", 16, _offload_pp_350m(f), _offload_json(),
-               refused=r"--cpu-optimizer: put \"offload_optimizer\""),
+               notes=['--fp16 gives way to the DeepSpeed JSON\'s "bf16": {"enabled": true}']),
+        Script("abci_gc_345m_64gpu_japanese_sp", "kojimano/Megatron-DeepSpeed-ABCI: "
+               "abci/shells/pretrain_gpt_345m_64gpu_sp_identity_debug_abci.sh", 64, _abci_grand_challenge(
+                   f, layers=24, hidden=1024, heads=16, tp=1, pp=1, micro=4, gbs=1280, train_samples=64000000,
+                   lr="0.0001", min_lr="1.0e-5", rampup=("256", "256", "50000"), init_std="0.018",
+                   attention_dropout="0", save_interval=500, eval_interval=100, seed=None)),
+        Script("abci_gc_13b_544gpu_japanese_sp", "kojimano/Megatron-DeepSpeed-ABCI: "
+               "abci/shells/pretrain_gpt_13b_544gpu_commonspace_start.sh", 544, _abci_grand_challenge(
+                   f, layers=40, hidden=5120, heads=40, tp=4, pp=8, micro=2, gbs=1360, train_samples=68000000,
+                   lr="6e-5", min_lr="6e-6", rampup=("68", "68", "3400000"), init_std="0.00884",
+                   attention_dropout="0.1", save_interval=1000, eval_interval=250, seed=7)),
         Script("zero_bubble_zbh1_1.3b", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/"
                "zbh1_pretrain_gpt_1.3b.sh", 8,
                _rebase(f, layers=24, hidden=2048, heads=16, gbs=16, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013,

@@ -54,8 +54,8 @@ def test_unknown_flag_is_an_error(capsys):
 
 def test_unsupported_flag_says_what_to_do(capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--cpu-optimizer"])
-    assert "offload_optimizer" in capsys.readouterr().err
+        parse_args(["--use-distributed-optimizer"])
+    assert "use --zero-stage 1" in capsys.readouterr().err
 
 
 def test_inverted_booleans_and_defaults():

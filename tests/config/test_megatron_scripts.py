@@ -1,8 +1,8 @@
 """Real Megatron-DeepSpeed launch scripts (tests/config/megatron_scripts.py) through --dry-run as written.
 
 Each must be accepted, with the warnings Megatron-DeepSpeed's silent overrides call for, or -- where
-it uses a feature out of scope here (DeepSpeed-Ulysses, zero-bubble schedules) or one DeepSpeed itself
-refuses (the legacy curriculum block) -- refused with a one-line reason before anything starts.
+it uses a feature out of scope here (DeepSpeed-Ulysses, zero-bubble schedules) -- refused with a one-line
+reason before anything starts.
 """
 import contextlib
 import io
@@ -15,6 +15,7 @@ import pytest
 
 from megatron_ds.training.pretrain import main
 from tests.config.megatron_scripts import scripts
+from tests.data.test_japanese_sentencepiece import train_abci_recipe
 
 # the real GPT-2 files: ../shared/data/gpt2 beside the checkout (or MEGATRON_DS_GPT2_DIR)
 GPT2_DIR = Path(os.environ.get("MEGATRON_DS_GPT2_DIR",
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not (GPT2_DIR / "gpt2-vocab.json").is_file(),
 def _files(tmp_path) -> dict:
     return {"vocab": str(GPT2_DIR / "gpt2-vocab.json"), "merges": str(GPT2_DIR / "gpt2-merges.txt"),
             "data": str(tmp_path / "corpus_text_document"), "ckpt": str(tmp_path / "ckpt"),
-            "tb": str(tmp_path / "tb"), "json": str(tmp_path / "ds_config.json")}
+            "tb": str(tmp_path / "tb"), "json": str(tmp_path / "ds_config.json"), "spm": str(tmp_path / "abci.model")}
 
 
 def dry_run(script, files) -> tuple[int, str, str]:
@@ -48,6 +49,8 @@ CASES = scripts(_files(Path("/nonexistent")))
 def test_script_runs_as_written(tmp_path, index):
     files = _files(tmp_path)
     script = scripts(files)[index]
+    if files["spm"] in script.argv:
+        train_abci_recipe(tmp_path)
     rc, out, err = dry_run(script, files)
     if script.refused:
         assert rc != 0 and re.search(script.refused, err), (rc, err)
