@@ -117,6 +117,11 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) ->
     else:
         iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
         if iteration is None:
+            if settings.exit_on_missing_checkpoint:
+                # Megatron's load_checkpoint exits here rather than train from random weights (its
+                # status is 0; a path typo is reported here as the error it is)
+                raise ConfigError(f"no checkpoint in --load {load_dir} (no {TRACKER}) and "
+                                  f"--exit-on-missing-checkpoint is set")
             log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
             return 0, {}
         iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps,

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 
 from megatron_ds.config.schema import Config
+from megatron_ds.errors import ConfigError
 
 # flag -> (TrainingConfig field, key in the JSON's "fp16" block, DeepSpeed's default for that key,
 #          flag value -> JSON value)
@@ -50,6 +52,33 @@ def _old_recompute_flag(cfg: Config) -> Config:
     if t.recompute_granularity is None:
         changes["checkpoint_activations"] = True
     return _replace(cfg, "training", **changes)
+
+
+def _recompute_activations(cfg: Config) -> tuple[Config, list[str]]:
+    """megatron/arguments.py validate_args: ``if args.recompute_activations: args.recompute_granularity =
+    'selective'`` -- Megatron's switch for selective recomputation, winning over --recompute-granularity."""
+    t = cfg.training
+    if not t.recompute_activations or t.recompute_granularity == "selective":
+        return cfg, []
+    notes = [f"--recompute-activations sets --recompute-granularity selective (was {t.recompute_granularity}), "
+             f"as in Megatron-DeepSpeed"] if t.recompute_granularity else []
+    return _replace(cfg, "training", recompute_granularity="selective"), notes
+
+
+def _load_tag(cfg: Config) -> Config:
+    """--load-tag names the directory DeepSpeed loads (megatron/checkpointing.py passes it as ``tag``);
+    ours are global_stepN, so the tag is --ckpt-step N."""
+    c = cfg.checkpoint
+    if c.load_tag is None:
+        return cfg
+    match = re.fullmatch(r"global_step(\d+)", c.load_tag)
+    if match is None:
+        raise ConfigError(f"--load-tag {c.load_tag}: checkpoints here are named global_stepN; pass "
+                          f"--load-tag global_stepN or --ckpt-step N")
+    step = int(match.group(1))
+    if c.ckpt_step is not None and c.ckpt_step != step:
+        raise ConfigError(f"--load-tag {c.load_tag} and --ckpt-step {c.ckpt_step} name different checkpoints")
+    return _replace(cfg, "checkpoint", ckpt_step=step)
 
 
 def _loss_scale_flags(cfg: Config, template: dict | None) -> tuple[Config, list[str]]:
@@ -107,6 +136,8 @@ def megatron_overrides(cfg: Config, template: dict | None) -> tuple[Config, dict
     (new flags, new JSON, one warning per override). The inputs are left as they are."""
     cfg, sequence_parallel = _sequence_parallel_at_tp1(cfg)
     cfg = _old_recompute_flag(cfg)
+    cfg, recompute = _recompute_activations(cfg)
+    cfg = _load_tag(cfg)
     cfg, loss_scale = _loss_scale_flags(cfg, template)
     template, curriculum = _disabled_legacy_curriculum(template)
-    return cfg, template, sequence_parallel + loss_scale + curriculum + _wandb_missing(cfg)
+    return cfg, template, sequence_parallel + recompute + loss_scale + curriculum + _wandb_missing(cfg)

@@ -46,6 +46,9 @@ class OptimizerSettings:
     min_lr: float
     lr_decay_style: str
     weight_decay: float
+    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine (issue 23)
+    end_weight_decay: float | None
+    weight_decay_incr_style: str
     clip_grad: float
     adam_beta1: float
     adam_beta2: float

@@ -49,7 +49,7 @@ class ModelConfig:
     """Use rotary position embeddings (same as --position-embedding-type rope)."""
     no_position_embedding: bool = False
     """Do not add learned absolute position embeddings (Megatron-DeepSpeed spelling, used with rope)."""
-    rope_theta: float = meta(10000.0, flags=("--rope-theta", "--rotary-base"))
+    rope_theta: float = meta(10000.0, flags=("--rope-theta", "--rotary-base", "--rotary-position-embeddings-theta"))
     """Rotary base frequency."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings apply to."""
@@ -154,6 +154,13 @@ class OptimizerConfig:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum."""
+    # issue 23: weight-decay increment (megatron/optimizer_param_scheduler.py)
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the first iteration, with --weight-decay-incr-style linear or cosine."""
+    end_weight_decay: Optional[float] = None
+    """Weight decay reached at the end of training, with --weight-decay-incr-style linear or cosine."""
+    weight_decay_incr_style: str = meta("constant", choices=("constant", "linear", "cosine"))
+    """How weight decay goes from --start-weight-decay to --end-weight-decay (constant: --weight-decay)."""
     override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler"))
     """On load, use the command line's schedule instead of the checkpoint's."""
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
@@ -224,6 +231,12 @@ class TrainingConfig:
     """Stop the run after this many NaN/inf losses in a row."""
     empty_unused_memory_level: int = 0
     """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
+    # issue 23
+    recompute_activations: bool = False
+    """Megatron's switch for selective recomputation (same as --recompute-granularity selective)."""
+    kill_switch_file: Optional[str] = None
+    """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
+    exit 0; a run started while it exists exits at once."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +277,12 @@ class DataConfig:
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
     """Stop attention across end-of-document tokens."""
+    # issue 23 (megatron/data/data_samplers.py)
+    dataloader_type: str = meta("single", choices=("single", "cyclic"))
+    """Sampler: single (sequential over the shuffled samples, Megatron's default) or cyclic (a new
+    permutation of each data parallel rank's share every epoch, going round for as long as training runs)."""
+    repeated_dataloader: bool = False
+    """Start each data loader again when it runs out (DeepSpeed's RepeatingLoader), instead of ending."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +311,11 @@ class CheckpointConfig:
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
     """After each complete save, delete complete checkpoints in --save older than the newest N."""
+    # issue 23
+    load_tag: Optional[str] = None
+    """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
+    exit_on_missing_checkpoint: bool = False
+    """If --load holds no checkpoint (a path typo), exit instead of training from scratch."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +332,8 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
+    log_learning_rate_to_tensorboard: bool = meta(True, flags=("--no-log-learnig-rate-to-tensorboard",), invert=True)
+    """Do not write the learning rate to TensorBoard (Megatron-DeepSpeed's spelling, typo included)."""
     wandb_project: Optional[str] = None
     """Weights & Biases project: log the TensorBoard scalars there too (needs `pip install wandb`;
     WANDB_MODE=offline on nodes without internet, `wandb sync` later)."""

@@ -192,6 +192,22 @@ def check_learning_rate(o) -> None:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
 
 
+def check_weight_decay(o) -> None:
+    """megatron/arguments.py validate_args: a constant style takes --weight-decay and neither bound; the
+    others need both (OptimizerParamScheduler asserts 0 <= start <= end)."""
+    bounds = (o.start_weight_decay, o.end_weight_decay)
+    if o.weight_decay_incr_style == "constant":
+        if bounds != (None, None):
+            raise ConfigError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine (constant uses --weight-decay)")
+        return
+    if None in bounds:
+        raise ConfigError(f"--weight-decay-incr-style {o.weight_decay_incr_style} needs both --start-weight-decay "
+                          f"and --end-weight-decay")
+    if not 0 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"--start-weight-decay {bounds[0]} and --end-weight-decay {bounds[1]}: need "
+                          f"0 <= start <= end (weight decay only increases, as in Megatron)")
+
 def check_data(d) -> None:
     if d.data_impl in ("lazy", "cached"):
         raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "

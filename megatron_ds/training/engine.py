@@ -9,6 +9,7 @@ import torch
 import deepspeed
 
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
+from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
@@ -108,7 +109,7 @@ def log_startup(run: Run, rt: Runtime) -> None:
     kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp).items()]
     print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
     if run.ignored_flags:
-        print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(run.ignored_flags)}")
+        print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):
         print(f"> {rt.ps.describe()}", flush=True)
     for note in run.notes:

@@ -204,7 +204,8 @@ class Loop:
             mem_gb=mlog.peak_memory_gb(self.device),
             eta_s=elapsed * (layout.train_iters - state.iteration)))
         self.tb.scalars(state.iteration, {
-            "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
+            "lm loss": mean_loss, "learning-rate": lr if lg.log_learning_rate_to_tensorboard else None,
+            "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,

@@ -13,6 +13,7 @@ import torch
 
 from megatron_ds.accelerator import on_cuda
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
+from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
@@ -45,7 +46,7 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
-        print(f"ignored flags (no effect here): {' '.join(run.ignored_flags)}")
+        print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
     print("DeepSpeed config:")
     print(json.dumps(run.layout.ds_config, indent=2, sort_keys=True))
     return 0

@@ -129,7 +129,8 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: boo
                                  dp_rank=ps.dp_rank, dp_size=ps.dp_size)
         # Only the first stage (tokens) and the last stage (labels) read data.
         return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
-                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat)
+                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat,
+                              endless=data.dataloader_type == "cyclic" or data.repeated_dataloader)
 
     return (iterator(datasets[0], state.consumed_train_samples, False) if training else None,
             iterator(datasets[1], state.consumed_valid_samples, True), iterator(datasets[2], 0, True))
