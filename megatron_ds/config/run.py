@@ -35,6 +35,7 @@ class TrainingSettings:
     exit_signal_handler: bool
     max_consecutive_nan_iters: int
     empty_unused_memory_level: int
+    kill_switch_file: str | None  # issue 23: save and exit when this file exists
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,8 @@ class Loop:
         plan = TrainPlan(self.run.layout)
         window = _Window(time.time(), self.engine.skipped_steps)
         last_saved = state.iteration
+        if self._killed_before_start(state):
+            return state
         while plan.keep_going(state):
             batch = plan.begin(self.engine, state)
             loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
@@ -162,6 +164,15 @@ class Loop:
         if ckpt.save and last_saved != state.iteration:
             self.save(state)
         return state
+
+    def _killed_before_start(self, state: TrainState) -> bool:
+        """megatron/training.py pretrain: a run that starts while --kill-switch-file exists exits at once."""
+        path = self.run.training.kill_switch_file
+        if path is None or agreed_stop(None, self.start_time, None, self.device, path) is None:
+            return False
+        state.stop_reason, state.exited_early = f"kill switch {path} found", True
+        mlog.print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
+        return True
 
     def _account(self, state: TrainState, loss: float, window: _Window) -> None:
         """Count the iteration's loss; too many NaN/inf losses in a row stop the run."""
@@ -220,14 +231,15 @@ class Loop:
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
             self.validate(state, valid_iter, f"iteration {state.iteration}")
         saving_due = ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0
-        stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device)
+        stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device,
+                           t.kill_switch_file)
         exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or stop is not None
         saved = bool(ckpt.save and (saving_due or exit_now))
         if saved:
             self.save(state)
         if exit_now:
-            state.stop_reason = {"signal": "stop signal received",
-                                 "time": "--exit-duration-in-mins"}.get(stop, "--exit-interval")
+            state.stop_reason = {"signal": "stop signal received", "time": "--exit-duration-in-mins",
+                                 "kill switch": f"kill switch {t.kill_switch_file} found"}.get(stop, "--exit-interval")
             mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True
         return saved
