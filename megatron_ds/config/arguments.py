@@ -168,9 +168,6 @@ NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
     "--use-checkpoint-args": (0, "taking the model shape from the checkpoint " + _NOT_YET + " and pass the "
                                  "model flags (tools/checkpoint prints a checkpoint's saved config)"),
     "--train-data-exact-num-epochs": (1, "exact-epoch training data " + _NOT_YET + " (use --train-samples)"),
-    "--profile": (1, "torch profiler traces " + _NOT_YET),
-    "--profile_steps": (1, "torch profiler traces (--profile) " + _NOT_YET),
-    "--profile-ranks": (-1, "torch profiler traces (--profile) " + _NOT_YET),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS

@@ -15,7 +15,8 @@ from megatron_ds.config.deepspeed_json import build_ds_config
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
-                                           check_parallel_sizes, check_precision, check_weight_decay, require)
+                                           check_parallel_sizes, check_precision, check_profile, check_weight_decay,
+                                           require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -205,6 +206,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_learning_rate(o)
     check_weight_decay(o)
     check_data(flags.data)
+    check_profile(flags.logging)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     total, stages = count_parameters(m, padded, tp, pp)
     notes: list[str] = []

@@ -332,6 +332,13 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
+    # issue 23 (megatron/profiler.py)
+    profile: Optional[str] = meta(None, choices=("pt", "pt-full"))
+    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks)."""
+    profile_steps: str = meta("2,3", flags=("--profile_steps",))
+    """`FIRST,LAST`: the training steps of this process to profile, counted from 1, both included."""
+    profile_ranks: Optional[list] = meta(None, nargs="+")
+    """Global ranks that record a trace (default: all)."""
     log_learning_rate_to_tensorboard: bool = meta(True, flags=("--no-log-learnig-rate-to-tensorboard",), invert=True)
     """Do not write the learning rate to TensorBoard (Megatron-DeepSpeed's spelling, typo included)."""
     wandb_project: Optional[str] = None

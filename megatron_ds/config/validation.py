@@ -212,3 +212,17 @@ def check_data(d) -> None:
     if d.data_impl in ("lazy", "cached"):
         raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "
                           f"(tools/preprocess_data.py) and use --data-impl mmap")
+
+
+def check_profile(lg) -> None:
+    """--profile's steps `FIRST,LAST` (1 <= FIRST <= LAST), integer ranks, and a --tensorboard-dir for the traces."""
+    if lg.profile is None:
+        return
+    if lg.tensorboard_dir is None:
+        raise ConfigError(f"--profile {lg.profile} writes its traces to --tensorboard-dir; pass one")
+    steps = lg.profile_steps.split(",")
+    if len(steps) != 2 or not all(v.strip().isdigit() for v in steps) or not 1 <= int(steps[0]) <= int(steps[1]):
+        raise ConfigError(f"--profile_steps {lg.profile_steps}: expected FIRST,LAST with 1 <= FIRST <= LAST")
+    bad = [r for r in lg.profile_ranks or () if not r.isdigit()]
+    if bad:
+        raise ConfigError(f"--profile-ranks {' '.join(bad)}: expected global rank numbers")

@@ -21,6 +21,7 @@ from megatron_ds.errors import TrainingStopped
 from megatron_ds.training import log as mlog
 from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
+from megatron_ds.training.profiler import StepProfiler
 from megatron_ds.training.signals import StopSignals, agreed_stop
 
 
@@ -130,6 +131,7 @@ class Loop:
     save: Callable[[TrainState], None]
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
+    profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
 
     def __post_init__(self):
@@ -147,7 +149,11 @@ class Loop:
             return state
         while plan.keep_going(state):
             batch = plan.begin(self.engine, state)
+            if self.profiler is not None:
+                self.profiler.begin()
             loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
+            if self.profiler is not None:
+                self.profiler.end()
             state.iteration += 1
             plan.end(state, batch)
             self._account(state, loss, window)

@@ -21,6 +21,7 @@ from megatron_ds.training.data import BatchCollator, build_datasets, build_loade
 from megatron_ds.training.engine import build_engine, log_startup
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
+from megatron_ds.training.profiler import step_profiler
 from megatron_ds.training.signals import StopSignals
 from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
@@ -68,7 +69,8 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time, stop_signals=stop_signals)
+                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time, stop_signals=stop_signals,
+                        profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)
             # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
