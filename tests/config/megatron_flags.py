@@ -349,6 +349,6 @@ FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ('distillation', ('--load-teacher',), ('x',)),
     # _add_profiler_args
     ('profiler', ('--profile',), ('pt',)),
-    ('profiler', ('--profile_steps',), ('2,3',)),
+    ('profiler', ('--profile_steps',), ('1,4',)),
     ('profiler', ('--profile-ranks',), ('1',)),
 )
