@@ -167,7 +167,6 @@ NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
     "--data-parallel-random-init": (0, "different initial weights per data parallel rank " + _NOT_YET),
     "--use-checkpoint-args": (0, "taking the model shape from the checkpoint " + _NOT_YET + " and pass the "
                                  "model flags (tools/checkpoint prints a checkpoint's saved config)"),
-    "--train-data-exact-num-epochs": (1, "exact-epoch training data " + _NOT_YET + " (use --train-samples)"),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS

@@ -283,6 +283,9 @@ class DataConfig:
     permutation of each data parallel rank's share every epoch, going round for as long as training runs)."""
     repeated_dataloader: bool = False
     """Start each data loader again when it runs out (DeepSpeed's RepeatingLoader), instead of ending."""
+    train_data_exact_num_epochs: Optional[int] = None
+    """Build the training samples from exactly this many epochs of the train split (instead of the fewest
+    that hold --train-iters x global batch samples); with 1, pair it with --repeated-dataloader."""
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,11 @@ def check_data(d) -> None:
     if d.data_impl in ("lazy", "cached"):
         raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "
                           f"(tools/preprocess_data.py) and use --data-impl mmap")
+    if d.train_data_exact_num_epochs is not None:
+        if d.train_data_exact_num_epochs < 1:
+            raise ConfigError(f"--train-data-exact-num-epochs must be at least 1 (got {d.train_data_exact_num_epochs})")
+        if d.mock_data:
+            raise ConfigError("--train-data-exact-num-epochs needs --data-path (--mock-data has no epochs)")
 
 
 def check_profile(lg) -> None:

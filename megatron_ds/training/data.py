@@ -45,11 +45,20 @@ def build_datasets(data: DataConfig, *, num_samples: tuple[int, int, int], seq_l
             data_path=data.data_path, split=data.split, train_valid_test_num_samples=num_samples,
             seq_length=seq_length, seed=seed, train_data_path=data.train_data_path,
             valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
-            data_cache_path=data.data_cache_path, log=log)
+            data_cache_path=data.data_cache_path, log=log, train_num_epochs=data.train_data_exact_num_epochs)
     except (ValueError, OSError) as exc:
         # the data package reports bad paths, splits, blends and corrupt files with these types and
         # a message written for the user; a traceback would bury it
         raise DataError(str(exc)) from None
+
+
+def check_train_length(dataset, data: DataConfig, needed: int) -> None:
+    """--train-data-exact-num-epochs can give fewer samples than the run trains on; without a loader that
+    starts again (--repeated-dataloader, --dataloader-type cyclic) it would run dry mid-run."""
+    if dataset is None or len(dataset) >= needed or data.repeated_dataloader or data.dataloader_type == "cyclic":
+        return
+    raise DataError(f"--train-data-exact-num-epochs {data.train_data_exact_num_epochs} gives {len(dataset)} training "
+                    f"samples but the run trains on {needed}; add --repeated-dataloader or train fewer iterations")
 
 
 class BatchCollator:

@@ -1,6 +1,8 @@
 """--dataloader-type cyclic and --repeated-dataloader against transcriptions of Megatron-DeepSpeed's
 megatron/data/data_samplers.py (MegatronPretrainingRandomSampler with data_sharding, its default for
-GPT; cyclic_iter of megatron/training.py; DeepSpeed's RepeatingLoader), commit 4efb479."""
+GPT; cyclic_iter of megatron/training.py; DeepSpeed's RepeatingLoader), commit 4efb479; and the
+one-line refusal of --train-data-exact-num-epochs data that would run dry (its index arrays are
+checked in tests/data/test_gpt_dataset.py)."""
 from __future__ import annotations
 
 import itertools
@@ -88,3 +90,14 @@ def test_cyclic_iterator_goes_to_the_next_epoch():
     ref = MegatronRandomSampler(6, 0, 2, 0, 1)
     assert got == list(itertools.islice(cyclic_iter(ref), 6))
     assert sorted(sum(got[:3], [])) == sorted(sum(got[3:], [])) == list(range(6)) and got[:3] != got[3:]
+
+
+def test_exact_epochs_that_run_dry_are_refused_unless_the_loader_restarts():
+    from megatron_ds.errors import DataError
+    from megatron_ds.training.data import check_train_length
+
+    data = parse_args(["--train-data-exact-num-epochs", "1"])[0].data
+    with pytest.raises(DataError, match="gives 6 training samples but the run trains on 8; add --repeated-dataloader"):
+        check_train_length(range(6), data, 8)
+    check_train_length(range(6), parse_args(["--train-data-exact-num-epochs", "1", "--repeated-dataloader"])[0].data, 8)
+    check_train_length(range(8), data, 8)
