@@ -129,6 +129,18 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) ->
     return (0 if settings.finetune else iteration), client
 
 
+def saved_flags(settings, log=print) -> dict | None:
+    """--use-checkpoint-args: the flags record of the checkpoint --load would load (``settings``: the
+    parsed CheckpointConfig), or None if it has none (an imported checkpoint) or there is no checkpoint."""
+    if not (settings.use_checkpoint_args and settings.load):
+        return None
+    iteration = integrity.choose_checkpoint(settings.load, exact_step=settings.ckpt_step, log=log)
+    if iteration is None:
+        return None
+    path = step_dir(settings.load, iteration)
+    return read_meta(path).get("config") if os.path.isfile(os.path.join(path, META)) else None
+
+
 def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, load_optim: bool,
                load_lr_state: bool, log) -> tuple[int, dict]:
     """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded."""

@@ -84,9 +84,9 @@ _FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid (refused
 _KERNEL = "a CUDA kernel choice with no counterpart here"
 # flag -> (number of values, why it changes nothing here); reported with the reason (``describe_ignored``)
 IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
-    **{f: (0, _NEVER_READ + " (ZeRO settings belong in the DeepSpeed JSON)") for f in (
+    **{f: (0, _NEVER_READ + "; ZeRO settings belong in the DeepSpeed JSON") for f in (
         "--zero-reduce-scatter", "--zero-contigious-gradients", "--use-pin-memory")},
-    **{f: (1, _NEVER_READ + " (ZeRO settings belong in the DeepSpeed JSON)") for f in (
+    **{f: (1, _NEVER_READ + "; ZeRO settings belong in the DeepSpeed JSON") for f in (
         "--zero-reduce-bucket-size", "--zero-allgather-bucket-size")},
     "--memory-centric-tiled-linear": (0, _NEVER_READ),  # a switch upstream (store_true)
     "--scattered-embeddings": (0, _NEVER_READ),
@@ -165,8 +165,6 @@ NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
     "--embedding-weights-in-fp32": (0, "fp32 embedding weights under bf16/fp16 " + _NOT_YET),
     "--init-method-xavier-uniform": (0, "Xavier-uniform initialisation " + _NOT_YET + " (use --init-method-std)"),
     "--data-parallel-random-init": (0, "different initial weights per data parallel rank " + _NOT_YET),
-    "--use-checkpoint-args": (0, "taking the model shape from the checkpoint " + _NOT_YET + " and pass the "
-                                 "model flags (tools/checkpoint prints a checkpoint's saved config)"),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS

@@ -81,6 +81,43 @@ def _load_tag(cfg: Config) -> Config:
     return _replace(cfg, "checkpoint", ckpt_step=step)
 
 
+# load_args_from_checkpoint (megatron/checkpointing.py): (section, field, force). Without force the
+# checkpoint's value fills only a flag the command line left unset; with force it wins.
+_CHECKPOINT_ARGS = (
+    ("model", "num_layers", False), ("model", "hidden_size", False), ("model", "ffn_hidden_size", False),
+    ("model", "seq_length", False), ("model", "num_attention_heads", False), ("model", "num_key_value_heads", False),
+    ("model", "kv_channels", False), ("model", "max_position_embeddings", False),
+    # add_position_embedding and use_rotary_position_embeddings (force): our three position flags
+    ("model", "position_embedding_type", True), ("model", "no_position_embedding", True),
+    ("model", "use_rotary_position_embeddings", True), ("model", "rotary_percent", True),
+    ("model", "add_bias_linear", True), ("model", "swiglu", True), ("model", "untie_embeddings_and_output_weights", True),
+    ("data", "tokenizer_type", False),
+    ("parallel", "tensor_model_parallel_size", True), ("parallel", "pipeline_model_parallel_size", True),
+    ("parallel", "virtual_pipeline_model_parallel_size", True), ("parallel", "num_layers_per_virtual_pipeline_stage", False),
+)
+
+
+def apply_checkpoint_args(cfg: Config, saved: dict | None) -> tuple[Config, list[str]]:
+    """--use-checkpoint-args: the model shape and parallel sizes from the flags a checkpoint was saved
+    with (``saved``: its record, sections of flags; None when it has none), as Megatron's
+    load_args_from_checkpoint sets them; one note per value taken."""
+    if not cfg.checkpoint.use_checkpoint_args:
+        return cfg, []
+    if cfg.checkpoint.load is None:
+        raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose flags to use)")
+    if not saved:
+        return cfg, [f"--use-checkpoint-args: the checkpoint in {cfg.checkpoint.load} has no saved flags; "
+                     f"using the command line's"]
+    notes = []
+    for section, name, force in _CHECKPOINT_ARGS:
+        value, current = saved.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        if value is None or value == current or (current is not None and not force):
+            continue
+        cfg = _replace(cfg, section, **{name: value})
+        notes.append(f"--use-checkpoint-args: {name} = {value!r} from the checkpoint (command line: {current!r})")
+    return cfg, notes
+
+
 def _loss_scale_flags(cfg: Config, template: dict | None) -> tuple[Config, list[str]]:
     """Megatron-DeepSpeed's get_megatron_optimizer() returns the bare optimizer under --deepspeed before
     it builds Megatron's grad scaler from --loss-scale & co (megatron/optimizer/__init__.py), so those

@@ -319,6 +319,9 @@ class CheckpointConfig:
     """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
     exit_on_missing_checkpoint: bool = False
     """If --load holds no checkpoint (a path typo), exit instead of training from scratch."""
+    use_checkpoint_args: bool = False
+    """Take the model shape, tokenizer type and parallel sizes from the flags the --load checkpoint was
+    saved with (as Megatron's load_args_from_checkpoint: sizes fill unset flags, switches and parallel sizes win)."""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ REFUSED = {
 # behaviours not built yet: refused saying so (flip to accepted with a behaviour test when built)
 NOT_YET = {"--apply-residual-connection-post-layernorm", "--openai-gelu", "--squared-relu", "--fp32-residual-connection",
            "--apply-layernorm-1p", "--embedding-weights-in-fp32", "--init-method-xavier-uniform",
-           "--data-parallel-random-init", "--use-checkpoint-args"}
+           "--data-parallel-random-init"}
 REFUSED.update({f: "not supported yet" for f in NOT_YET})
 
 # issue 23 items 3-5 (curriculum learning, the CPU optimizer) are another branch's: refused or unknown here
