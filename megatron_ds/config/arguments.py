@@ -114,6 +114,9 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     "--overlap-p2p-communication": (0, "a communication-overlap knob of Megatron's own pipeline schedule"),
     "--trust-remote-code": (0, "HF tokenizers are read from tokenizer.json here; no repository code runs"),
     "--adlr-autoresume-interval": (1, "read only with --adlr-autoresume (refused)"),
+    # megatron/model/language_model.py casts the table to fp32 for the lookup and the result back: a gather,
+    # so the values are the same bf16/fp16 ones
+    "--embedding-weights-in-fp32": (0, "an fp32 lookup cast back to bf16/fp16 gives the same embeddings"),
     # megatron/checkpointing.py reads it only without --deepspeed: DeepSpeed's engine always saves the optimizer
     "--no-save-optim": (0, "Megatron-DeepSpeed's DeepSpeed path saves the optimizer state regardless"),
 }
@@ -150,6 +153,9 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     "--return-data-index": (0, "returning sample indices (data-efficiency analysis) is not supported; drop it"),
     **{f: (1, _INDEX_FILES) for f in ("--train-idx-path", "--train-desc-path", "--train-doc-idx-path",
                                       "--train-sample-idx-path", "--train-shuffle-idx-path")},
+    # megatron/arguments.py core_transformer_config_from_args passes TransformerConfig a scaled_init_method
+    # it has no field for, so Megatron-DeepSpeed stops at start-up with this flag
+    "--init-method-xavier-uniform": (0, "Megatron-DeepSpeed itself fails at start-up with it; use --init-method-std"),
     "--adlr-autoresume": (0, "NVIDIA's ADLR autoresume is not supported; use --exit-duration-in-mins or "
                              "SIGTERM/SIGUSR1 (save and exit)"),
 }
@@ -157,14 +163,9 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
 # Behaviours not built yet (issue 23): refused rather than silently training something else.
 _NOT_YET = "is not supported yet; drop it"
 NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
-    "--apply-residual-connection-post-layernorm": (0, "post-LayerNorm residuals " + _NOT_YET),
-    "--openai-gelu": (0, "the tanh GeLU approximation " + _NOT_YET + " (exact GeLU is used)"),
-    "--squared-relu": (0, "the squared-ReLU MLP " + _NOT_YET + " (or use --swiglu)"),
     "--fp32-residual-connection": (0, "fp32 residual streams " + _NOT_YET),
-    "--apply-layernorm-1p": (0, "zero-centred LayerNorm weights (1 + w) " + _NOT_YET),
-    "--embedding-weights-in-fp32": (0, "fp32 embedding weights under bf16/fp16 " + _NOT_YET),
-    "--init-method-xavier-uniform": (0, "Xavier-uniform initialisation " + _NOT_YET + " (use --init-method-std)"),
-    "--data-parallel-random-init": (0, "different initial weights per data parallel rank " + _NOT_YET),
+    # its DeepSpeed path broadcasts rank 0's initial weights anyway: what remains is a seed per DP rank
+    "--data-parallel-random-init": (0, "a random seed per data parallel rank " + _NOT_YET),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS

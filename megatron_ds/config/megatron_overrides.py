@@ -90,10 +90,12 @@ _CHECKPOINT_ARGS = (
     # add_position_embedding and use_rotary_position_embeddings (force): our three position flags
     ("model", "position_embedding_type", True), ("model", "no_position_embedding", True),
     ("model", "use_rotary_position_embeddings", True), ("model", "rotary_percent", True),
-    ("model", "add_bias_linear", True), ("model", "swiglu", True), ("model", "untie_embeddings_and_output_weights", True),
+    ("model", "add_bias_linear", True), ("model", "swiglu", True),
+    ("model", "untie_embeddings_and_output_weights", True), ("model", "apply_layernorm_1p", True),
     ("data", "tokenizer_type", False),
     ("parallel", "tensor_model_parallel_size", True), ("parallel", "pipeline_model_parallel_size", True),
-    ("parallel", "virtual_pipeline_model_parallel_size", True), ("parallel", "num_layers_per_virtual_pipeline_stage", False),
+    ("parallel", "virtual_pipeline_model_parallel_size", True),
+    ("parallel", "num_layers_per_virtual_pipeline_stage", False),
 )
 
 

@@ -86,6 +86,15 @@ class ModelConfig:
     """Standard deviation of the normal weight initialization."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor parallel size (GPU efficiency)."""
+    # issue 23: Megatron-DeepSpeed's model variants (megatron/model/transformer.py)
+    openai_gelu: bool = False
+    """MLP activation: GeLU's tanh approximation (GPT-2's original "gelu_new") instead of the exact GeLU."""
+    squared_relu: bool = False
+    """MLP activation: relu(x)^2 instead of GeLU."""
+    apply_layernorm_1p: bool = False
+    """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Add the residual from each norm's output instead of its input (the original BERT's wiring)."""
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,16 @@ def check_learning_rate(o) -> None:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
 
 
+def check_activation(m) -> None:
+    """One MLP activation. Megatron-DeepSpeed's ParallelMLP takes the first of --openai-gelu, --swiglu,
+    --squared-relu (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
+    one is refused rather than silently dropped."""
+    chosen = [f for f, on in (("--openai-gelu", m.openai_gelu), ("--swiglu", m.swiglu),
+                              ("--squared-relu", m.squared_relu)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)} each choose the MLP's activation; pass one")
+
+
 def check_weight_decay(o) -> None:
     """megatron/arguments.py validate_args: a constant style takes --weight-decay and neither bound; the
     others need both (OptimizerParamScheduler asserts 0 <= start <= end)."""

@@ -70,7 +70,8 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time, stop_signals=stop_signals,
+                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time,
+                        stop_signals=stop_signals,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)

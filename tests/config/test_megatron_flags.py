@@ -47,13 +47,14 @@ IGNORED = {
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--fp16-lm-cross-entropy", "--onnx-safe",
     # Megatron's own (non-DeepSpeed) paths, tools and logging knobs
     "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level", "--no-barrier-with-level-1-timing",
-    "--timing-log-option", "--tensorboard-log-interval", "--tensorboard-queue-size", "--no-log-loss-scale-to-tensorboard",
+    "--timing-log-option", "--tensorboard-log-interval", "--tensorboard-queue-size",
+    "--no-log-loss-scale-to-tensorboard",
     "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard", "--distribute-checkpointed-activations",
     "--exit-signal-handler", "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom", "--ds-inference",
     "--use-dataset-only", "--overlap-p2p-communication", "--trust-remote-code", "--adlr-autoresume-interval",
     "--pipeline-model-parallel-split-rank", "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
     "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p", "--use-cpu-initialization",
-    "--no-initialization", "--mmap-warmup", "--no-save-optim",
+    "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
 }
 
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
@@ -74,13 +75,11 @@ REFUSED = {
     "--return-data-index": "drop it", "--use-distributed-optimizer": "--zero-stage 1",
     **{f: _INDEX for f in ("--train-idx-path", "--train-desc-path", "--train-doc-idx-path", "--train-sample-idx-path",
                            "--train-shuffle-idx-path")},
-    "--adlr-autoresume": "--exit-duration-in-mins",
+    "--adlr-autoresume": "--exit-duration-in-mins", "--init-method-xavier-uniform": "--init-method-std",
 }
 
 # behaviours not built yet: refused saying so (flip to accepted with a behaviour test when built)
-NOT_YET = {"--apply-residual-connection-post-layernorm", "--openai-gelu", "--squared-relu", "--fp32-residual-connection",
-           "--apply-layernorm-1p", "--embedding-weights-in-fp32", "--init-method-xavier-uniform",
-           "--data-parallel-random-init"}
+NOT_YET = {"--fp32-residual-connection", "--data-parallel-random-init"}
 REFUSED.update({f: "not supported yet" for f in NOT_YET})
 
 # issue 23 items 3-5 (curriculum learning, the CPU optimizer) are another branch's: refused or unknown here

@@ -22,7 +22,8 @@ class MegatronWeightDecay:
     """OptimizerParamScheduler's weight-decay half, transcribed: num_steps counts samples."""
 
     def __init__(self, start_wd, end_wd, wd_incr_steps, wd_incr_style):
-        self.start_wd, self.end_wd, self.wd_incr_steps, self.wd_incr_style = start_wd, end_wd, wd_incr_steps, wd_incr_style
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
         self.num_steps = 0
 
     def get_wd(self):
