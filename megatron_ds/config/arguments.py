@@ -77,7 +77,7 @@ OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
 
 
 # --- issue 23: the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
-# commit 4efb479; tests/config/megatron_flags.py transcribes it). Upstream file + what it found in comments.
+# commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
 _MOE_KNOB = "a mixture-of-experts knob, inert at --num-experts 1 (the only value accepted)"
 _FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid (refused)"
@@ -176,6 +176,33 @@ OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),
+}
+# Why each IGNORED_FLAGS flag changes nothing (the rest: a CUDA fusion or performance knob)
+_CHECKPOINTING = "a DeepSpeed activation-checkpointing option; recomputation here is torch's checkpoint"
+_LOGGING = "a Megatron logging or timer detail not reproduced here"
+_OWN_DDP = "configures Megatron's own data parallel wrapper, which its DeepSpeed path replaces by DeepSpeed's engine"
+_OWN_P2P = "configures Megatron's own pipeline messages; DeepSpeed's pipeline engine sends the activations here"
+_IGNORED_REASONS: dict[str, str] = {
+    **{f: _MOE_KNOB for f in ("--create-moe-param-group", "--disable-moe-token-dropping", "--moe-expert-parallel-size",
+                              "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+                              "--moe-min-capacity")},
+    **{f: _CHECKPOINTING for f in ("--partition-activations", "--contigious-checkpointing",
+                                   "--contiguous-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer",
+                                   "--profile-backward")},
+    **{f: _LOGGING for f in ("--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
+                             "--log-world-size-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+                             "--timing-log-level", "--timing-log-option", "--no-barrier-with-level-1-timing",
+                             "--tensorboard-queue-size")},
+    **{f: _OWN_DDP for f in ("--DDP-impl", "--use-contiguous-buffers-in-local-ddp",
+                             "--no-contiguous-buffers-in-local-ddp", "--accumulate-allreduce-grads-in-fp32")},
+    **{f: _OWN_P2P for f in ("--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p")},
+    "--tensorboard-log-interval": "scalars are written every --log-interval",
+    "--exit-signal-handler": "SIGTERM/SIGUSR1 handling is on by default here",
+    "--distribute-checkpointed-activations": "Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed "
+                                             "path never uses",
+    "--pipeline-model-parallel-split-rank": "splits encoder-decoder (T5) pipelines only",
+    "--no-initialization": "skips initialising weights that --load then overwrites",
+    "--mmap-warmup": "warms the page cache; the samples read are the same",
 }
 # --- end of issue 23's block
 
@@ -301,8 +328,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 
 def describe_ignored(flags) -> str:
     """The ignored flags with why each changes nothing, for the start-up warning and --dry-run."""
-    generic = "a CUDA fusion or performance knob with no counterpart here"
-    return "; ".join(f"{f} ({IGNORED_WITH_REASON.get(f, (0, generic))[1]})" for f in flags)
+    reasons = {**_IGNORED_REASONS, **{f: why for f, (_, why) in IGNORED_WITH_REASON.items()}}
+    return "; ".join(f"{f} ({reasons.get(f, 'a CUDA fusion or performance knob with no counterpart here')})"
+                     for f in flags)
 
 
 def parse_args(argv=None) -> tuple[Config, list[str]]:

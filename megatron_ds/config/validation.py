@@ -218,6 +218,7 @@ def check_weight_decay(o) -> None:
         raise ConfigError(f"--start-weight-decay {bounds[0]} and --end-weight-decay {bounds[1]}: need "
                           f"0 <= start <= end (weight decay only increases, as in Megatron)")
 
+
 def check_data(d) -> None:
     if d.data_impl in ("lazy", "cached"):
         raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "
