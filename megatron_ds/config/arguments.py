@@ -164,8 +164,6 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
 _NOT_YET = "is not supported yet; drop it"
 NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
     "--fp32-residual-connection": (0, "fp32 residual streams " + _NOT_YET),
-    # its DeepSpeed path broadcasts rank 0's initial weights anyway: what remains is a seed per DP rank
-    "--data-parallel-random-init": (0, "a random seed per data parallel rank " + _NOT_YET),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS

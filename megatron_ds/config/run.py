@@ -36,6 +36,7 @@ class TrainingSettings:
     max_consecutive_nan_iters: int
     empty_unused_memory_level: int
     kill_switch_file: str | None  # issue 23: save and exit when this file exists
+    data_parallel_random_init: bool  # issue 23: a seed per data parallel rank
 
 
 @dataclass(frozen=True)

@@ -246,6 +246,9 @@ class TrainingConfig:
     kill_switch_file: Optional[str] = None
     """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
     exit 0; a run started while it exists exits at once."""
+    data_parallel_random_init: bool = False
+    """A random seed per data parallel rank (dropout differs across them; initial weights are still
+    data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""
 
 
 @dataclass(frozen=True)

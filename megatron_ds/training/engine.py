@@ -98,7 +98,10 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
-    set_parallel_seeds(run.training.seed + 100 * ps.pp_rank, ps.tp_rank)
+    # --data-parallel-random-init: + 10 per data parallel rank (megatron/initialize.py _set_random_seed); the
+    # initial weights stay equal all the same, as deepspeed.initialize broadcast them from DP rank 0
+    dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
+    set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, optimizer_desc=desc, ps=ps, device=device)
 
 

@@ -70,7 +70,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, functools.partial(gpt_loss_fn, tp_group=ps.tp_group), ps.dp_group, device,
-                        tb, save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time,
+                        tb, save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group), start_time=start_time,
                         stop_signals=stop_signals,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
@@ -111,7 +111,7 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
             state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
             state.nan_iterations = client.get("nan_iterations", 0)
         if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
-            set_rng_state(client["rng"])
+            set_rng_state(_own_rng_state(client["rng"], ps.dp_rank, run.training.data_parallel_random_init))
     if ckpt.save:
         protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
     return state
@@ -151,7 +151,25 @@ def _scalar_writers(run: Run):
                                enabled_rank=last_rank, config=run.record))
 
 
-def _saver(run: Run, engine, tokenizer, signature: dict):
+def _rng_states(run: Run, dp_group):
+    """What a checkpoint keeps of the RNG: this rank's state, or with --data-parallel-random-init every data
+    parallel rank's (only DP rank 0 writes the client state), as Megatron's get_rng_state gathers them."""
+    if not run.training.data_parallel_random_init or run.layout.dp == 1:
+        return rng_state()
+    states = [None] * run.layout.dp
+    torch.distributed.all_gather_object(states, rng_state(), group=dp_group)
+    return states
+
+
+def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
+    """This rank's RNG state from a checkpoint's (a list with --data-parallel-random-init, as Megatron's
+    load_checkpoint picks ``rng_state[dp_rank]``; the first one of a list otherwise)."""
+    if not isinstance(saved, list):
+        return saved
+    return saved[dp_rank if per_rank and dp_rank < len(saved) else 0]
+
+
+def _saver(run: Run, engine, tokenizer, signature: dict, dp_group):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
@@ -163,7 +181,7 @@ def _saver(run: Run, engine, tokenizer, signature: dict):
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if ckpt.save_rng:
-            client["rng"] = rng_state()
+            client["rng"] = _rng_states(run, dp_group)
         save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
                         log=mlog.print_rank0)
         mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")

@@ -79,7 +79,7 @@ REFUSED = {
 }
 
 # behaviours not built yet: refused saying so (flip to accepted with a behaviour test when built)
-NOT_YET = {"--fp32-residual-connection", "--data-parallel-random-init"}
+NOT_YET = {"--fp32-residual-connection"}
 REFUSED.update({f: "not supported yet" for f in NOT_YET})
 
 # issue 23 items 3-5 (curriculum learning, the CPU optimizer) are another branch's: refused or unknown here
