@@ -4,7 +4,8 @@ Each transcribed flag (tests/config/megatron_flags.py) passed alone must be: acc
 (it changes the parsed flags; its behaviour has a test of its own), accepted and reported as ignored
 with a reason, or refused in one line that says what to use instead. Only the out-of-scope groups
 (retro, vision, biencoder, distillation) may stay unrecognized. ``python -m tests.config.test_megatron_flags``
-prints the table by outcome.
+prints the table by outcome (with PYTHONPATH pointing at another tree, that tree's table: before issue 23,
+accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out of scope).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import io
 
 import pytest
 
-from megatron_ds.config.arguments import describe_ignored, parse_args
+from megatron_ds.config.arguments import parse_args
 from tests.config.megatron_flags import FLAGS, OUT_OF_SCOPE_GROUPS
 
 _MOE = "mixture-of-experts"
@@ -97,6 +98,10 @@ def outcome(argv: list[str]) -> tuple[str, str]:
         first = err.getvalue().splitlines()[0]
         return ("unrecognized" if "unrecognized arguments" in first else "refused"), first
     if argv[0] in ignored:
+        try:  # imported here: table() also runs on trees from before describe_ignored existed
+            from megatron_ds.config.arguments import describe_ignored  # noqa: PLC0415
+        except ImportError:
+            return "ignored", ""
         return "ignored", describe_ignored([argv[0]])
     return ("accepted" if cfg != parse_args([])[0] else "accepted, no change"), ""
 
