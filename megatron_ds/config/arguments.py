@@ -79,8 +79,8 @@ OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
 # --- issue 23: the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
 # commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
-_MOE_KNOB = "a mixture-of-experts knob, inert at --num-experts 1 (the only value accepted)"
-_FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid (refused)"
+_MOE_KNOB = "a mixture-of-experts knob, inert at --num-experts 1, the only value accepted"
+_FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid, which are refused"
 _KERNEL = "a CUDA kernel choice with no counterpart here"
 # flag -> (number of values, why it changes nothing here); reported with the reason (``describe_ignored``)
 IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
@@ -92,28 +92,28 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     "--scattered-embeddings": (0, _NEVER_READ),
     "--tile-factor": (1, _NEVER_READ),
     # megatron/initialize.py: it only doubles num_checkpoints for DeepSpeed's contiguous checkpointing
-    "--split-transformers": (0, "only sizes DeepSpeed's contiguous-checkpointing buffers (ignored here too)"),
+    "--split-transformers": (0, "only sizes DeepSpeed's contiguous-checkpointing buffers, ignored here too"),
     **{f: (0, _MOE_KNOB) for f in ("--disable-moe-top2-2nd-expert-sampling", "--use-tutel",
                                    "--enable-expert-tensor-parallelism")},
     **{f: (1, _MOE_KNOB) for f in ("--topk", "--expert-interval")},
     "--no-fp8-wgrad": (0, _FP8_KNOB),
     **{f: (1, _FP8_KNOB) for f in ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
                                    "--fp8-amax-compute-algo")},
-    "--use-flash-attn-builder": (0, _KERNEL + " (attention runs torch SDPA)"),
-    "--disable-mem-efficient-ln": (0, _KERNEL + " (apex's memory-efficient LayerNorm)"),
-    "--ds_fused_adam": (0, _KERNEL + " (Adam is apex FusedAdam or torch's fused AdamW, logged at start-up)"),
+    "--use-flash-attn-builder": (0, _KERNEL + "; attention runs torch SDPA"),
+    "--disable-mem-efficient-ln": (0, _KERNEL + ": apex's memory-efficient LayerNorm"),
+    "--ds_fused_adam": (0, _KERNEL + "; Adam is apex FusedAdam or torch's fused AdamW, logged at start-up"),
     # megatron/model/transformer.py: onnx_safe picks erf_gelu, x*0.5*(erf(x/1.41421)+1): exact GeLU
     "--onnx-safe": (1, "selects an erf GeLU, which is the GeLU computed here already"),
     # megatron/text_generation/*: read only by Megatron's generation server, not by training
     **{f: (1, "read only by Megatron's text generation server") for f in (
         "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom")},
-    "--ds-inference": (0, "read only by Megatron's generation scripts (tools/generate_samples_gpt.py here)"),
+    "--ds-inference": (0, "read only by Megatron's generation scripts; tools/generate_samples_gpt.py here"),
     # megatron/arguments.py: it only skips the model-shape checks for dataset-building tools
     "--use-dataset-only": (1, "only relaxes Megatron's argument checks for dataset-only tools"),
     # read by Megatron's own interleaved schedule, which its DeepSpeed path never runs; no effect on numerics
     "--overlap-p2p-communication": (0, "a communication-overlap knob of Megatron's own pipeline schedule"),
     "--trust-remote-code": (0, "HF tokenizers are read from tokenizer.json here; no repository code runs"),
-    "--adlr-autoresume-interval": (1, "read only with --adlr-autoresume (refused)"),
+    "--adlr-autoresume-interval": (1, "read only with --adlr-autoresume, which is refused"),
     # megatron/model/language_model.py casts the table to fp32 for the lookup and the result back: a gather,
     # so the values are the same bf16/fp16 ones
     "--embedding-weights-in-fp32": (0, "an fp32 lookup cast back to bf16/fp16 gives the same embeddings"),
@@ -163,7 +163,7 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
 # Behaviours not built yet (issue 23): refused rather than silently training something else.
 _NOT_YET = "is not supported yet; drop it"
 NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
-    "--fp32-residual-connection": (0, "fp32 residual streams " + _NOT_YET),
+    "--fp32-residual-connection": (0, "an fp32 residual stream " + _NOT_YET),
 }
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
