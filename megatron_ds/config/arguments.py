@@ -103,7 +103,7 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     "--disable-mem-efficient-ln": (0, _KERNEL + ": apex's memory-efficient LayerNorm"),
     "--ds_fused_adam": (0, _KERNEL + "; Adam is apex FusedAdam or torch's fused AdamW, logged at start-up"),
     # megatron/model/transformer.py: onnx_safe picks erf_gelu, x*0.5*(erf(x/1.41421)+1): exact GeLU
-    "--onnx-safe": (1, "selects an erf GeLU, which is the GeLU computed here already"),
+    "--onnx-safe": (1, "selects an erf GeLU (x / 1.41421 for x / sqrt 2), the GeLU computed here already"),
     # megatron/text_generation/*: read only by Megatron's generation server, not by training
     **{f: (1, "read only by Megatron's text generation server") for f in (
         "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom")},
