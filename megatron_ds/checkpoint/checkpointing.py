@@ -117,11 +117,28 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) ->
     else:
         iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
         if iteration is None:
+            if settings.exit_on_missing_checkpoint:
+                # Megatron's load_checkpoint exits here rather than train from random weights (its
+                # status is 0; a path typo is reported here as the error it is)
+                raise ConfigError(f"no checkpoint in --load {load_dir} (no {TRACKER}) and "
+                                  f"--exit-on-missing-checkpoint is set")
             log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
             return 0, {}
         iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps,
                                        load_optim=load_optim, load_lr_state=settings.load_lr_state, log=log)
     return (0 if settings.finetune else iteration), client
+
+
+def saved_flags(settings, log=print) -> dict | None:
+    """--use-checkpoint-args: the flags record of the checkpoint --load would load (``settings``: the
+    parsed CheckpointConfig), or None if it has none (an imported checkpoint) or there is no checkpoint."""
+    if not (settings.use_checkpoint_args and settings.load):
+        return None
+    iteration = integrity.choose_checkpoint(settings.load, exact_step=settings.ckpt_step, log=log)
+    if iteration is None:
+        return None
+    path = step_dir(settings.load, iteration)
+    return read_meta(path).get("config") if os.path.isfile(os.path.join(path, META)) else None
 
 
 def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, load_optim: bool,

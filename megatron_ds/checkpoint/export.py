@@ -167,4 +167,4 @@ def _to_hf_layer(arch: str, ckpt: CheckpointFiles, idx: int, n_layers: int, tens
     out = {}
     for name, t in local.items():
         out[names[name]] = t[:vocab] if name in ("word_embeddings.weight", "output_layer.weight") else t
-    return out
+    return hf.one_plus(ckpt.model, out)

@@ -26,10 +26,17 @@ from megatron_ds.errors import ConfigError
 
 GPT2, LLAMA = "gpt2", "llama"
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+# GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
+# tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
+_GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
+                     "relu2": {"squared_relu": True}}
 
 
 def choose_architecture(m: ModelConfig) -> str:
     """The transformers class that can express ``m`` exactly; ConfigError naming what cannot."""
+    if m.apply_residual_connection_post_layernorm:
+        raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor LlamaForCausalLM "
+                          "can express it (both add the residual from before the norm)")
     if m.position_embedding_type == "learned_absolute":
         problems = []
         if m.normalization != "layernorm":
@@ -106,7 +113,7 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
                              ("mlp.dense_4h_to_h", "mlp.c_proj")):
             out[p + theirs + ".weight"] = t[ours + ".weight"].t()  # Conv1D: [in, out]
             out[p + theirs + ".bias"] = t[ours + ".bias"]
-        return out
+        return one_plus(m, out)
     names = _transformer_layer_names(arch, i)
     out.update({names[k]: v for k, v in t.items() if k in names})
     p = f"model.layers.{i}."
@@ -120,6 +127,13 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
             gate, up = fc.chunk(2, dim=0)
             out[f"{p}mlp.gate_proj.{suffix}"], out[f"{p}mlp.up_proj.{suffix}"] = gate, up
     return out
+
+
+def one_plus(m: ModelConfig, hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """--apply-layernorm-1p: the norm scales by 1 + weight, which a plain LayerNorm holds as its weight."""
+    if not (m.apply_layernorm_1p and m.normalization == "layernorm"):
+        return hf_tensors
+    return {k: v + 1 if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else v for k, v in hf_tensors.items()}
 
 
 def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Tensor]:
@@ -170,10 +184,11 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
     common = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, initializer_range=m.init_method_std,
                   dtype=dtype, architectures=[ARCHITECTURES[arch]])
     if arch == GPT2:
-        # "gelu": our MLP uses the exact erf GeLU (F.gelu), not GPT-2's default tanh "gelu_new".
+        # "gelu": our MLP uses the exact erf GeLU (F.gelu), not GPT-2's default tanh "gelu_new" (--openai-gelu)
+        act = "gelu_new" if m.openai_gelu else "relu2" if m.squared_relu else "gelu"
         return transformers.GPT2Config(
             n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
-            n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu",
+            n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
     return transformers.LlamaConfig(
@@ -198,9 +213,9 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
 
 def _gpt2_config(d: dict) -> ModelConfig:
     act = d.get("activation_function", "gelu_new")
-    if act != "gelu":
-        raise ConfigError(f"activation_function {act!r}: this toolkit's GeLU is the exact (erf) one, so only "
-                          f"GPT-2 models with activation_function 'gelu' import exactly")
+    if act not in _GPT2_ACTIVATIONS:
+        raise ConfigError(f"activation_function {act!r}: only GPT-2 models with activation_function "
+                          f"{', '.join(map(repr, _GPT2_ACTIVATIONS))} import exactly")
     if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn") or not d.get(
             "scale_attn_weights", True):
         raise ConfigError("GPT-2 attention variants (scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, "
@@ -210,7 +225,7 @@ def _gpt2_config(d: dict) -> ModelConfig:
                        ffn_hidden_size=d.get("n_inner") or 4 * h, seq_length=d["n_positions"],
                        max_position_embeddings=d["n_positions"], layernorm_epsilon=d.get("layer_norm_epsilon", 1e-5),
                        hidden_dropout=d.get("resid_pdrop", 0.1), attention_dropout=d.get("attn_pdrop", 0.1),
-                       init_method_std=d.get("initializer_range", 0.02))
+                       init_method_std=d.get("initializer_range", 0.02), **_GPT2_ACTIVATIONS[act])
 
 
 def _llama_config(d: dict) -> ModelConfig:
@@ -252,6 +267,8 @@ def model_flags(m: ModelConfig) -> list[str]:
     f.append(f"--norm-epsilon {m.layernorm_epsilon:g}")
     if m.swiglu:
         f.append("--swiglu")
+    if m.openai_gelu or m.squared_relu:
+        f.append("--openai-gelu" if m.openai_gelu else "--squared-relu")
     if not m.add_bias_linear:
         f.append("--disable-bias-linear")
     if m.untie_embeddings_and_output_weights:

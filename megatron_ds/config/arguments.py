@@ -50,7 +50,7 @@ IGNORED_FLAGS: dict[str, int] = {
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
         "--tensorboard-log-interval",  # scalars are written every --log-interval
-        "--ds-inference", "--pipeline-model-parallel-split-rank", "--memory-centric-tiled-linear",
+        "--pipeline-model-parallel-split-rank",
         "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
         "--moe-eval-capacity-factor", "--moe-min-capacity",
     )},
@@ -72,6 +72,138 @@ OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--num-experts": ("+", "1", "mixture-of-experts models are not supported"),  # upstream nargs='+', default [1]
 }
 
+
+# --- issue 23: the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
+# commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
+_NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
+_MOE_KNOB = "a mixture-of-experts knob, inert at --num-experts 1, the only value accepted"
+_FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid, which are refused"
+_KERNEL = "a CUDA kernel choice with no counterpart here"
+# flag -> (number of values, why it changes nothing here); reported with the reason (``describe_ignored``)
+IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
+    **{f: (0, _NEVER_READ + "; ZeRO settings belong in the DeepSpeed JSON") for f in (
+        "--zero-reduce-scatter", "--zero-contigious-gradients", "--use-pin-memory")},
+    **{f: (1, _NEVER_READ + "; ZeRO settings belong in the DeepSpeed JSON") for f in (
+        "--zero-reduce-bucket-size", "--zero-allgather-bucket-size")},
+    "--memory-centric-tiled-linear": (0, _NEVER_READ),  # a switch upstream (store_true)
+    "--scattered-embeddings": (0, _NEVER_READ),
+    "--tile-factor": (1, _NEVER_READ),
+    # megatron/initialize.py: it only doubles num_checkpoints for DeepSpeed's contiguous checkpointing
+    "--split-transformers": (0, "only sizes DeepSpeed's contiguous-checkpointing buffers, ignored here too"),
+    **{f: (0, _MOE_KNOB) for f in ("--disable-moe-top2-2nd-expert-sampling", "--use-tutel",
+                                   "--enable-expert-tensor-parallelism")},
+    **{f: (1, _MOE_KNOB) for f in ("--topk", "--expert-interval")},
+    "--no-fp8-wgrad": (0, _FP8_KNOB),
+    **{f: (1, _FP8_KNOB) for f in ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
+                                   "--fp8-amax-compute-algo")},
+    "--use-flash-attn-builder": (0, _KERNEL + "; attention runs torch SDPA"),
+    "--disable-mem-efficient-ln": (0, _KERNEL + ": apex's memory-efficient LayerNorm"),
+    "--ds_fused_adam": (0, _KERNEL + "; Adam is apex FusedAdam or torch's fused AdamW, logged at start-up"),
+    # megatron/model/transformer.py: onnx_safe picks erf_gelu, x*0.5*(erf(x/1.41421)+1): exact GeLU
+    "--onnx-safe": (1, "selects an erf GeLU (x / 1.41421 for x / sqrt 2), the GeLU computed here already"),
+    # megatron/text_generation/*: read only by Megatron's generation server, not by training
+    **{f: (1, "read only by Megatron's text generation server") for f in (
+        "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom")},
+    "--ds-inference": (0, "read only by Megatron's generation scripts; tools/generate_samples_gpt.py here"),
+    # megatron/arguments.py: it only skips the model-shape checks for dataset-building tools
+    "--use-dataset-only": (1, "only relaxes Megatron's argument checks for dataset-only tools"),
+    # read by Megatron's own interleaved schedule, which its DeepSpeed path never runs; no effect on numerics
+    "--overlap-p2p-communication": (0, "a communication-overlap knob of Megatron's own pipeline schedule"),
+    "--trust-remote-code": (0, "HF tokenizers are read from tokenizer.json here; no repository code runs"),
+    "--adlr-autoresume-interval": (1, "read only with --adlr-autoresume, which is refused"),
+    # megatron/model/language_model.py casts the table to fp32 for the lookup and the result back: a gather,
+    # so the values are the same bf16/fp16 ones
+    "--embedding-weights-in-fp32": (0, "an fp32 lookup cast back to bf16/fp16 gives the same embeddings"),
+    # megatron/checkpointing.py reads it only without --deepspeed: DeepSpeed's engine always saves the optimizer
+    "--no-save-optim": (0, "Megatron-DeepSpeed's DeepSpeed path saves the optimizer state regardless"),
+}
+
+_BERT_T5 = "BERT and T5 models are not supported (GPT only): drop the flag"
+_ULYSSES = ("DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size) is not supported; use "
+            "--sequence-parallel with --tensor-model-parallel-size")
+_INDEX_FILES = "index files are built once and cached under --data-cache-path; drop the flag"
+# flag -> (number of values, what to do instead)
+REFUSED_FLAGS: dict[str, tuple[int, str]] = {
+    **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
+        "--fp8-e4m3", "--fp8-hybrid")},
+    **{f: (0, _BERT_T5) for f in ("--output-bert-embeddings", "--bert-no-binary-head")},
+    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--decoder-num-layers", "--decoder-seq-length",
+                                  "--retriever-seq-length", "--mask-prob", "--short-seq-prob", "--sample-rate")},
+    "--num-experts-switch": (1, "mixture-of-experts (switch MLP) models are not supported"),
+    **{f: (0, _ULYSSES) for f in ("--force-ds-sequence-parallel", "--ds-sequence-parallel-fpdt",
+                                  "--ds-sequence-parallel-fpdt-offloading")},
+    "--ds-sequence-parallel-fpdt-chunk-size": (1, _ULYSSES),
+    # megatron/arguments.py validate_args asserts these deprecated ones are unset, naming the new flag
+    "--batch-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --micro-batch-size"),
+    "--warmup": (1, "no longer valid (as in Megatron-DeepSpeed); use --lr-warmup-fraction or --lr-warmup-iters"),
+    "--model-parallel-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --tensor-model-parallel-size"),
+    # GPT reads these as --num-layers / --seq-length (validate_args copies one into the other)
+    "--encoder-num-layers": (1, "use --num-layers (a GPT model's layers)"),
+    "--encoder-seq-length": (1, "use --seq-length"),
+    "--distribute-saved-activations": (0, "splitting recomputed layers' inputs across tensor parallel ranks is "
+                                          "not supported; use --sequence-parallel"),
+    "--random-ltd": (0, "random layerwise token dropping (DeepSpeed data efficiency) is not supported; drop it"),
+    # megatron/training.py reads the JSON's data_efficiency block under this flag: DeepSpeed's own sampler
+    "--data-efficiency-curriculum-learning": (0, "DeepSpeed's data-efficiency curriculum (its own sampler) is not "
+                                                 "supported; for a sequence-length warm-up use the JSON's legacy "
+                                                 "\"curriculum_learning\" block with --curriculum-learning-legacy"),
+    "--inference": (0, "a model without an optimizer is for evaluation: use tools/evaluate.py"),
+    "--lazy-mpu-init": (1, "initialisation by an external process-group manager is not supported; drop it"),
+    "--standalone-embedding-stage": (0, "not supported; balance stages with --pipeline-partition-method"),
+    "--aml-data-download-path": (1, "Azure ML data download is not supported; give full prefixes to --data-path"),
+    "--return-data-index": (0, "returning sample indices (data-efficiency analysis) is not supported; drop it"),
+    **{f: (1, _INDEX_FILES) for f in ("--train-idx-path", "--train-desc-path", "--train-doc-idx-path",
+                                      "--train-sample-idx-path", "--train-shuffle-idx-path")},
+    # megatron/arguments.py core_transformer_config_from_args passes TransformerConfig a scaled_init_method
+    # it has no field for, so Megatron-DeepSpeed stops at start-up with this flag
+    "--init-method-xavier-uniform": (0, "Megatron-DeepSpeed itself fails at start-up with it; use --init-method-std"),
+    "--adlr-autoresume": (0, "NVIDIA's ADLR autoresume is not supported; use --exit-duration-in-mins or "
+                             "SIGTERM/SIGUSR1 (save and exit)"),
+}
+
+# Behaviours not built yet (issue 23): refused rather than silently training something else.
+_NOT_YET = "is not supported yet; drop it"
+NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
+    "--fp32-residual-connection": (0, "an fp32 residual stream " + _NOT_YET),
+}
+
+# flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
+OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
+    "--transformer-impl": ("?", "local", "Transformer Engine layers are not supported"),
+    "--mlp-type": ("?", "standard", "mixture-of-experts (residual MoE) models are not supported"),
+    "--vocab-extra-ids": ("?", "0", _BERT_T5),
+    # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
+    "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
+                                     "\"offload_param\" in the DeepSpeed JSON"),
+}
+# Why each IGNORED_FLAGS flag changes nothing (the rest: a CUDA fusion or performance knob)
+_CHECKPOINTING = "a DeepSpeed activation-checkpointing option; recomputation here is torch's checkpoint"
+_LOGGING = "a Megatron logging or timer detail not reproduced here"
+_OWN_DDP = "configures Megatron's own data parallel wrapper, which its DeepSpeed path replaces by DeepSpeed's engine"
+_OWN_P2P = "configures Megatron's own pipeline messages; DeepSpeed's pipeline engine sends the activations here"
+_IGNORED_REASONS: dict[str, str] = {
+    **{f: _MOE_KNOB for f in ("--create-moe-param-group", "--disable-moe-token-dropping", "--moe-expert-parallel-size",
+                              "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+                              "--moe-min-capacity")},
+    **{f: _CHECKPOINTING for f in ("--partition-activations", "--contigious-checkpointing",
+                                   "--contiguous-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer",
+                                   "--profile-backward")},
+    **{f: _LOGGING for f in ("--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
+                             "--log-world-size-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+                             "--timing-log-level", "--timing-log-option", "--no-barrier-with-level-1-timing",
+                             "--tensorboard-queue-size")},
+    **{f: _OWN_DDP for f in ("--DDP-impl", "--use-contiguous-buffers-in-local-ddp",
+                             "--no-contiguous-buffers-in-local-ddp", "--accumulate-allreduce-grads-in-fp32")},
+    **{f: _OWN_P2P for f in ("--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p")},
+    "--tensorboard-log-interval": "scalars are written every --log-interval",
+    "--exit-signal-handler": "SIGTERM/SIGUSR1 handling is on by default here",
+    "--distribute-checkpointed-activations": "Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed "
+                                             "path never uses",
+    "--pipeline-model-parallel-split-rank": "splits encoder-decoder (T5) pipelines only",
+    "--no-initialization": "skips initialising weights that --load then overwrites",
+    "--mmap-warmup": "warms the page cache; the samples read are the same",
+}
+# --- end of issue 23's block
 
 @lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
@@ -127,12 +259,13 @@ class _Ignored(argparse.Action):
 
 class _Unsupported(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string}: {UNSUPPORTED_FLAGS[option_string][1]}")
+        reason = {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS, **NOT_YET_FLAGS}[option_string][1]
+        parser.error(f"{option_string}: {reason}")
 
 
 class _OffValue(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        _, off, reason = OFF_VALUE_FLAGS[option_string]
+        _, off, reason = {**OFF_VALUE_FLAGS, **OFF_VALUE_MORE}[option_string]
         given = values if isinstance(values, list) else [values]
         if any(v != off for v in given):
             parser.error(f"{option_string} {' '.join(given)}: {reason} ({option_string} {off} is accepted)")
@@ -180,14 +313,23 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     for flag, nvals in IGNORED_FLAGS.items():
         compat.add_argument(flag, action=_Ignored, nargs=nvals or 0, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
-    for flag, (nvals, _) in UNSUPPORTED_FLAGS.items():
+    for flag, (nvals, _) in IGNORED_WITH_REASON.items():
+        compat.add_argument(flag, action=_Ignored, nargs=nvals, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for flag, (nvals, _) in {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS, **NOT_YET_FLAGS}.items():
         nargs = "*" if nvals < 0 else nvals
         parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
-    for flag, (nargs, _, _) in OFF_VALUE_FLAGS.items():
-        parser.add_argument(flag, action=_OffValue, nargs=nargs, const="1", default=argparse.SUPPRESS,
+    for flag, (nargs, off, _) in {**OFF_VALUE_FLAGS, **OFF_VALUE_MORE}.items():
+        parser.add_argument(flag, action=_OffValue, nargs=nargs, const=off, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
     return parser
+
+
+def describe_ignored(flags) -> str:
+    """The ignored flags with why each changes nothing, for the start-up warning and --dry-run."""
+    reasons = {**_IGNORED_REASONS, **{f: why for f, (_, why) in IGNORED_WITH_REASON.items()}}
+    return "; ".join(f"{f} ({reasons.get(f, 'a CUDA fusion or performance knob with no counterpart here')})"
+                     for f in flags)
 
 
 def parse_args(argv=None) -> tuple[Config, list[str]]:

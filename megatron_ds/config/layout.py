@@ -15,8 +15,9 @@ from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
-from megatron_ds.config.validation import (check_data, check_divisible, check_engine, check_learning_rate,
-                                           check_parallel_sizes, check_precision, require)
+from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
+                                           check_learning_rate, check_parallel_sizes, check_precision, check_profile,
+                                           check_weight_decay, require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, partition_stages,
                                             virtual_pipeline_size)
@@ -51,6 +52,11 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
         use_rotary_position_embeddings=pos_type == "rope",
         normalization=m.normalization.lower(),
     )
+
+
+def activation_name(m: ModelConfig) -> str:
+    """The MLP's activation as the start-up summary names it."""
+    return "swiglu" if m.swiglu else "openai-gelu" if m.openai_gelu else "squared-relu" if m.squared_relu else "gelu"
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ class Layout:
             f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
             f" (kv {m.num_key_value_heads}), ffn {m.ffn_hidden_size}, seq {m.seq_length},"
             f" positions {m.position_embedding_type}, {m.normalization},"
-            f" {'swiglu' if m.swiglu else 'gelu'}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
+            f" {activation_name(m)}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
             f"parameters: {self.total_params / 1e6:,.1f}M total",
         ]
         r = self.schedule
@@ -253,7 +259,10 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1)
     check_learning_rate(o)
+    check_weight_decay(o)
+    check_activation(flags.model)
     check_data(flags.data)
+    check_profile(flags.logging)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 else None
     total, stages = count_parameters(m, padded, tp, pp, partition)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 
 from megatron_ds.config.schema import Config
+from megatron_ds.errors import ConfigError
 
 # flag -> (TrainingConfig field, key in the JSON's "fp16" block, DeepSpeed's default for that key,
 #          flag value -> JSON value)
@@ -50,6 +52,72 @@ def _old_recompute_flag(cfg: Config) -> Config:
     if t.recompute_granularity is None:
         changes["checkpoint_activations"] = True
     return _replace(cfg, "training", **changes)
+
+
+def _recompute_activations(cfg: Config) -> tuple[Config, list[str]]:
+    """megatron/arguments.py validate_args: ``if args.recompute_activations: args.recompute_granularity =
+    'selective'`` -- Megatron's switch for selective recomputation, winning over --recompute-granularity."""
+    t = cfg.training
+    if not t.recompute_activations or t.recompute_granularity == "selective":
+        return cfg, []
+    notes = [f"--recompute-activations sets --recompute-granularity selective (was {t.recompute_granularity}), "
+             f"as in Megatron-DeepSpeed"] if t.recompute_granularity else []
+    return _replace(cfg, "training", recompute_granularity="selective"), notes
+
+
+def _load_tag(cfg: Config) -> Config:
+    """--load-tag names the directory DeepSpeed loads (megatron/checkpointing.py passes it as ``tag``);
+    ours are global_stepN, so the tag is --ckpt-step N."""
+    c = cfg.checkpoint
+    if c.load_tag is None:
+        return cfg
+    match = re.fullmatch(r"global_step(\d+)", c.load_tag)
+    if match is None:
+        raise ConfigError(f"--load-tag {c.load_tag}: checkpoints here are named global_stepN; pass "
+                          f"--load-tag global_stepN or --ckpt-step N")
+    step = int(match.group(1))
+    if c.ckpt_step is not None and c.ckpt_step != step:
+        raise ConfigError(f"--load-tag {c.load_tag} and --ckpt-step {c.ckpt_step} name different checkpoints")
+    return _replace(cfg, "checkpoint", ckpt_step=step)
+
+
+# load_args_from_checkpoint (megatron/checkpointing.py): (section, field, force). Without force the
+# checkpoint's value fills only a flag the command line left unset; with force it wins.
+_CHECKPOINT_ARGS = (
+    ("model", "num_layers", False), ("model", "hidden_size", False), ("model", "ffn_hidden_size", False),
+    ("model", "seq_length", False), ("model", "num_attention_heads", False), ("model", "num_key_value_heads", False),
+    ("model", "kv_channels", False), ("model", "max_position_embeddings", False),
+    # add_position_embedding and use_rotary_position_embeddings (force): our three position flags
+    ("model", "position_embedding_type", True), ("model", "no_position_embedding", True),
+    ("model", "use_rotary_position_embeddings", True), ("model", "rotary_percent", True),
+    ("model", "add_bias_linear", True), ("model", "swiglu", True),
+    ("model", "untie_embeddings_and_output_weights", True), ("model", "apply_layernorm_1p", True),
+    ("data", "tokenizer_type", False),
+    ("parallel", "tensor_model_parallel_size", True), ("parallel", "pipeline_model_parallel_size", True),
+    ("parallel", "virtual_pipeline_model_parallel_size", True),
+    ("parallel", "num_layers_per_virtual_pipeline_stage", False),
+)
+
+
+def apply_checkpoint_args(cfg: Config, saved: dict | None) -> tuple[Config, list[str]]:
+    """--use-checkpoint-args: the model shape and parallel sizes from the flags a checkpoint was saved
+    with (``saved``: its record, sections of flags; None when it has none), as Megatron's
+    load_args_from_checkpoint sets them; one note per value taken."""
+    if not cfg.checkpoint.use_checkpoint_args:
+        return cfg, []
+    if cfg.checkpoint.load is None:
+        raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose flags to use)")
+    if not saved:
+        return cfg, [f"--use-checkpoint-args: the checkpoint in {cfg.checkpoint.load} has no saved flags; "
+                     f"using the command line's"]
+    notes = []
+    for section, name, force in _CHECKPOINT_ARGS:
+        value, current = saved.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        if value is None or value == current or (current is not None and not force):
+            continue
+        cfg = _replace(cfg, section, **{name: value})
+        notes.append(f"--use-checkpoint-args: {name} = {value!r} from the checkpoint (command line: {current!r})")
+    return cfg, notes
 
 
 def _loss_scale_flags(cfg: Config, template: dict | None) -> tuple[Config, list[str]]:
@@ -123,6 +191,8 @@ def megatron_overrides(cfg: Config, template: dict | None) -> tuple[Config, dict
     cfg, sequence_parallel = _sequence_parallel_at_tp1(cfg)
     cfg = _old_recompute_flag(cfg)
     cfg, precision = _json_bf16_over_fp16(cfg, template)
+    cfg, recompute = _recompute_activations(cfg)
+    cfg = _load_tag(cfg)
     cfg, loss_scale = _loss_scale_flags(cfg, template)
     curriculum = _disabled_legacy_curriculum(template)
-    return cfg, template, sequence_parallel + precision + loss_scale + curriculum + _wandb_missing(cfg)
+    return cfg, template, sequence_parallel + precision + recompute + loss_scale + curriculum + _wandb_missing(cfg)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.layout import Layout, build_layout
-from megatron_ds.config.megatron_overrides import megatron_overrides
+from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig
 from megatron_ds.config.validation import check_ranges
 
@@ -35,6 +35,8 @@ class TrainingSettings:
     exit_signal_handler: bool
     max_consecutive_nan_iters: int
     empty_unused_memory_level: int
+    kill_switch_file: str | None  # issue 23: save and exit when this file exists
+    data_parallel_random_init: bool  # issue 23: a seed per data parallel rank
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class OptimizerSettings:
     min_lr: float
     lr_decay_style: str
     weight_decay: float
+    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine (issue 23)
+    end_weight_decay: float | None
+    weight_decay_incr_style: str
     clip_grad: float
     adam_beta1: float
     adam_beta2: float
@@ -102,13 +107,16 @@ def _settings(cls, section):
 
 
 def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
-            ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = ()) -> Run:
+            ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
-    (default: read from --deepspeed_config). Pure: no process group, device or DeepSpeed import."""
+    (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
+    --use-checkpoint-args. Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
+    flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
     flags, template, notes = megatron_overrides(flags, template)
+    notes = checkpoint_notes + notes
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
                                       device_type=device_type)
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),

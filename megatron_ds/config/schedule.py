@@ -56,6 +56,8 @@ class RunSchedule:
     lr_decay_samples: int
     lr_warmup_tokens: int | None
     lr_decay_tokens: int | None
+    # the weight-decay increment's span (get_optimizer_param_scheduler's wd_incr_steps): training's length
+    wd_incr_samples: int
 
     @property
     def counts_tokens(self) -> bool:
@@ -128,7 +130,9 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
             else o.lr_warmup_iters * global_batch
     return RunSchedule(seq_length=seq_length, global_batch_size=global_batch, rampup=rampup,
                        train_tokens=t.train_tokens, lr_warmup_samples=warmup, lr_decay_samples=decay,
-                       lr_warmup_tokens=o.lr_warmup_tokens, lr_decay_tokens=o.lr_decay_tokens)
+                       lr_warmup_tokens=o.lr_warmup_tokens, lr_decay_tokens=o.lr_decay_tokens,
+                       wd_incr_samples=t.train_samples if t.train_samples is not None
+                       else (t.train_iters or 0) * global_batch)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class ModelConfig:
     """Use rotary position embeddings (same as --position-embedding-type rope)."""
     no_position_embedding: bool = False
     """Do not add learned absolute position embeddings (Megatron-DeepSpeed spelling, used with rope)."""
-    rope_theta: float = meta(10000.0, flags=("--rope-theta", "--rotary-base"))
+    rope_theta: float = meta(10000.0, flags=("--rope-theta", "--rotary-base", "--rotary-position-embeddings-theta"))
     """Rotary base frequency."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings apply to."""
@@ -86,6 +86,15 @@ class ModelConfig:
     """Standard deviation of the normal weight initialization."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor parallel size (GPU efficiency)."""
+    # issue 23: Megatron-DeepSpeed's model variants (megatron/model/transformer.py)
+    openai_gelu: bool = False
+    """MLP activation: GeLU's tanh approximation (GPT-2's original "gelu_new") instead of the exact GeLU."""
+    squared_relu: bool = False
+    """MLP activation: relu(x)^2 instead of GeLU."""
+    apply_layernorm_1p: bool = False
+    """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Add the residual from each norm's output instead of its input (the original BERT's wiring)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,13 @@ class OptimizerConfig:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum."""
+    # issue 23: weight-decay increment (megatron/optimizer_param_scheduler.py)
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the first iteration, with --weight-decay-incr-style linear or cosine."""
+    end_weight_decay: Optional[float] = None
+    """Weight decay reached at the end of training, with --weight-decay-incr-style linear or cosine."""
+    weight_decay_incr_style: str = meta("constant", choices=("constant", "linear", "cosine"))
+    """How weight decay goes from --start-weight-decay to --end-weight-decay (constant: --weight-decay)."""
     override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler"))
     """On load, use the command line's schedule instead of the checkpoint's."""
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
@@ -235,6 +251,15 @@ class TrainingConfig:
     curriculum_learning_legacy: bool = False
     """Sequence-length warm-up from the DeepSpeed JSON's legacy "curriculum_learning" block (whose
     "enabled" decides when present, as in Megatron-DeepSpeed)."""
+    # issue 23
+    recompute_activations: bool = False
+    """Megatron's switch for selective recomputation (same as --recompute-granularity selective)."""
+    kill_switch_file: Optional[str] = None
+    """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
+    exit 0; a run started while it exists exits at once."""
+    data_parallel_random_init: bool = False
+    """A random seed per data parallel rank (dropout differs across them; initial weights are still
+    data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""
 
 
 @dataclass(frozen=True)
@@ -276,6 +301,15 @@ class DataConfig:
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
     """Stop attention across end-of-document tokens."""
+    # issue 23 (megatron/data/data_samplers.py)
+    dataloader_type: str = meta("single", choices=("single", "cyclic"))
+    """Sampler: single (sequential over the shuffled samples, Megatron's default) or cyclic (a new
+    permutation of each data parallel rank's share every epoch, going round for as long as training runs)."""
+    repeated_dataloader: bool = False
+    """Start each data loader again when it runs out (DeepSpeed's RepeatingLoader), instead of ending."""
+    train_data_exact_num_epochs: Optional[int] = None
+    """Build the training samples from exactly this many epochs of the train split (instead of the fewest
+    that hold --train-iters x global batch samples); with 1, pair it with --repeated-dataloader."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +338,14 @@ class CheckpointConfig:
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
     """After each complete save, delete complete checkpoints in --save older than the newest N."""
+    # issue 23
+    load_tag: Optional[str] = None
+    """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
+    exit_on_missing_checkpoint: bool = False
+    """If --load holds no checkpoint (a path typo), exit instead of training from scratch."""
+    use_checkpoint_args: bool = False
+    """Take the model shape, tokenizer type and parallel sizes from the flags the --load checkpoint was
+    saved with (as Megatron's load_args_from_checkpoint: sizes fill unset flags, switches and parallel sizes win)."""
 
 
 @dataclass(frozen=True)
@@ -320,6 +362,15 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
+    # issue 23 (megatron/profiler.py)
+    profile: Optional[str] = meta(None, choices=("pt", "pt-full"))
+    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks)."""
+    profile_steps: str = meta("2,3", flags=("--profile_steps",))
+    """`FIRST,LAST`: the training steps of this process to profile, counted from 1, both included."""
+    profile_ranks: Optional[list] = meta(None, nargs="+")
+    """Global ranks that record a trace (default: all)."""
+    log_learning_rate_to_tensorboard: bool = meta(True, flags=("--no-log-learnig-rate-to-tensorboard",), invert=True)
+    """Do not write the learning rate to TensorBoard (Megatron-DeepSpeed's spelling, typo included)."""
     wandb_project: Optional[str] = None
     """Weights & Biases project: log the TensorBoard scalars there too (needs `pip install wandb`;
     WANDB_MODE=offline on nodes without internet, `wandb sync` later)."""

@@ -192,7 +192,53 @@ def check_learning_rate(o) -> None:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
 
 
+def check_activation(m) -> None:
+    """One MLP activation. Megatron-DeepSpeed's ParallelMLP takes the first of --openai-gelu, --swiglu,
+    --squared-relu (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
+    one is refused rather than silently dropped."""
+    chosen = [f for f, on in (("--openai-gelu", m.openai_gelu), ("--swiglu", m.swiglu),
+                              ("--squared-relu", m.squared_relu)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)} each choose the MLP's activation; pass one")
+
+
+def check_weight_decay(o) -> None:
+    """megatron/arguments.py validate_args: a constant style takes --weight-decay and neither bound; the
+    others need both (OptimizerParamScheduler asserts 0 <= start <= end)."""
+    bounds = (o.start_weight_decay, o.end_weight_decay)
+    if o.weight_decay_incr_style == "constant":
+        if bounds != (None, None):
+            raise ConfigError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine (constant uses --weight-decay)")
+        return
+    if None in bounds:
+        raise ConfigError(f"--weight-decay-incr-style {o.weight_decay_incr_style} needs both --start-weight-decay "
+                          f"and --end-weight-decay")
+    if not 0 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"--start-weight-decay {bounds[0]} and --end-weight-decay {bounds[1]}: need "
+                          f"0 <= start <= end (weight decay only increases, as in Megatron)")
+
+
 def check_data(d) -> None:
     if d.data_impl in ("lazy", "cached"):
         raise ConfigError(f"--data-impl {d.data_impl} is not supported; preprocess with the mmap format "
                           f"(tools/preprocess_data.py) and use --data-impl mmap")
+    if d.train_data_exact_num_epochs is not None:
+        if d.train_data_exact_num_epochs < 1:
+            raise ConfigError(f"--train-data-exact-num-epochs must be at least 1 (got {d.train_data_exact_num_epochs})")
+        if d.mock_data:
+            raise ConfigError("--train-data-exact-num-epochs needs --data-path (--mock-data has no epochs)")
+
+
+def check_profile(lg) -> None:
+    """--profile's steps `FIRST,LAST` (1 <= FIRST <= LAST), integer ranks, and a --tensorboard-dir for the traces."""
+    if lg.profile is None:
+        return
+    if lg.tensorboard_dir is None:
+        raise ConfigError(f"--profile {lg.profile} writes its traces to --tensorboard-dir; pass one")
+    steps = lg.profile_steps.split(",")
+    if len(steps) != 2 or not all(v.strip().isdigit() for v in steps) or not 1 <= int(steps[0]) <= int(steps[1]):
+        raise ConfigError(f"--profile_steps {lg.profile_steps}: expected FIRST,LAST with 1 <= FIRST <= LAST")
+    bad = [r for r in lg.profile_ranks or () if not r.isdigit()]
+    if bad:
+        raise ConfigError(f"--profile-ranks {' '.join(bad)}: expected global rank numbers")

@@ -20,7 +20,7 @@ _EXPORTS = {
         "split_document_ranges",
     ),
     "blendable_dataset": ("BlendableDataset", "blended_num_samples", "parse_data_path"),
-    "samplers": ("PretrainingSampler",),
+    "samplers": ("CyclicSampler", "PretrainingSampler"),
     "batch": ("GPTBatch", "get_ltor_masks_and_position_ids", "gpt_batch_from_samples"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

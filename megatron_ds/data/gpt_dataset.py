@@ -56,16 +56,32 @@ def _shuffled_range(start: int, stop: int, dtype, rng: np.random.RandomState) ->
     return idx
 
 
+def _check_exact_epochs(num_epochs: int, tokens_per_epoch: int, seq_length: int, num_samples: int) -> None:
+    """Megatron's _build_index_mappings asserts, with --train-data-exact-num-epochs N > 1, that the
+    samples asked for end inside epoch N: more than N - 1 epochs hold and at most N epochs (+1)."""
+    before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    if not 0 <= num_samples - before_last <= per_epoch + 1:
+        raise ValueError(f"--train-data-exact-num-epochs {num_epochs}: the run asks for {num_samples} training "
+                         f"samples, which do not end in epoch {num_epochs} ({per_epoch} samples per epoch); "
+                         f"use --train-data-exact-num-epochs 1 with --repeated-dataloader, or change it")
+
+
 def build_index_mappings(documents, sizes, num_samples: int, seq_length: int, seed: int,
-                         log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
-    """doc_idx, sample_idx and shuffle_idx for `num_samples` samples of the given documents.
+                         log: Callable[[str], None] = print, *, num_epochs: int | None = None) -> dict[str, np.ndarray]:
+    """doc_idx, sample_idx and shuffle_idx for `num_samples` samples of the given documents
+    (``num_epochs``: exactly that many epochs, --train-data-exact-num-epochs, instead of the fewest
+    that hold them; the data set may then have fewer or more samples than asked).
 
     One RandomState(seed) draws, in order: the doc_idx shuffle(s), then the shuffle_idx
     shuffle(s); Megatron's order, which the arrays depend on.
     """
     documents = np.asarray(documents)
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
-    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    if num_epochs is None:
+        num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    elif num_epochs > 1:
+        _check_exact_epochs(num_epochs, tokens_per_epoch, seq_length, num_samples)
     separate = separate_last_epoch(num_epochs, tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed=seed)
     # int32 as Megatron stores them, unless the dataset has too many documents for that.
@@ -107,7 +123,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, name: str, data_prefix: str, documents, indexed_dataset, num_samples: int, seq_length: int,
                  seed: int, *, split: str = "", data_cache_path: str | None = None,
-                 log: Callable[[str], None] = print, cache_timings: CacheTimings = CacheTimings()):
+                 log: Callable[[str], None] = print, cache_timings: CacheTimings = CacheTimings(),
+                 train_num_epochs: int | None = None):
         documents = np.asarray(documents)
         sizes = indexed_dataset.sizes
         if len(documents) == 0:
@@ -133,6 +150,10 @@ class GPTDataset(torch.utils.data.Dataset):
             f"sequence length: {self.seq_length}",
             f"seed: {int(seed)}",
         ])
+        # --train-data-exact-num-epochs applies to the train split only (Megatron: name == 'train')
+        epochs = train_num_epochs if name == "train" else None
+        if epochs is not None:  # a line only then, so caches built without it keep their key
+            self.desc += f"\nexactly {epochs} epoch(s)"
         helpers.announce_backend(log)
         log(f" > {name}: {len(documents)} documents, {tokens} tokens")
         if tokens <= seq_length:
@@ -141,7 +162,8 @@ class GPTDataset(torch.utils.data.Dataset):
         look, build_dir = cache_dirs(self.data_prefix, data_cache_path)
         arrays = load_or_build(
             self.desc, _INDEX_NAMES,
-            lambda: build_index_mappings(documents, sizes, int(num_samples), self.seq_length, int(seed), log),
+            lambda: build_index_mappings(documents, sizes, int(num_samples), self.seq_length, int(seed), log,
+                                         num_epochs=epochs),
             search_dirs=look, build_dir=build_dir, log=log, timings=cache_timings)
         self.doc_idx, self.sample_idx, self.shuffle_idx = (arrays[n] for n in _INDEX_NAMES)
         log(f" > {name}: {len(self)} samples available, {int(num_samples)} requested")
@@ -274,7 +296,7 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
                                     seq_length: int, seed: int, train_data_path=None, valid_data_path=None,
                                     test_data_path=None, data_cache_path: str | None = None,
                                     log: Callable[[str], None] = print,
-                                    cache_timings: CacheTimings = CacheTimings()):
+                                    cache_timings: CacheTimings = CacheTimings(), train_num_epochs: int | None = None):
     """(train, valid, test) datasets, each a GPTDataset, a BlendableDataset or None.
 
     data_path (`PATH` or `W1 PATH1 W2 PATH2 ...`, a string or list of words) is split into
@@ -286,7 +308,7 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
     if len(nums) != 3 or min(nums) < 0:
         raise ValueError(f"train_valid_test_num_samples must be three counts >= 0, got {train_valid_test_num_samples}")
     kw = dict(seq_length=int(seq_length), seed=int(seed), data_cache_path=data_cache_path, log=log,
-              cache_timings=cache_timings)
+              cache_timings=cache_timings, train_num_epochs=train_num_epochs)
     separate = (train_data_path, valid_data_path, test_data_path)
     if data_path:
         if any(separate):

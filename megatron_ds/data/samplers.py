@@ -6,6 +6,8 @@ even with a different number of data-loader workers, continues with exactly the 
 """
 from __future__ import annotations
 
+import torch
+
 
 def _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
     if total_samples <= 0:
@@ -54,3 +56,39 @@ class PretrainingSampler:
             rest = list(range(first, min(first + self.micro_batch_size, self.total_samples)))
             if rest:
                 yield rest
+
+
+class CyclicSampler:
+    """``--dataloader-type cyclic``: Megatron's MegatronPretrainingRandomSampler with its default data
+    sharding (megatron/data/data_samplers.py). Each data parallel rank owns a contiguous bucket of
+    ``total // (micro * DP) * micro`` samples and walks a permutation of it seeded by the epoch; an
+    epoch is the samples left after dropping the last partial global micro-batch. It counts what it
+    yields, so iterating it again continues where the last pass stopped (the next epoch at the end)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                 data_parallel_size: int):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.total_samples, self.consumed_samples = int(total_samples), int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank, self.data_parallel_size = int(data_parallel_rank), int(data_parallel_size)
+        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
+        if self.total_samples < self.global_micro_batch:
+            raise ValueError(f"{total_samples} samples do not fill one micro-batch on each of "
+                             f"{data_parallel_size} data parallel ranks")
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def __iter__(self):
+        per_epoch = self.total_samples - self.total_samples % self.global_micro_batch
+        epoch, into_epoch = divmod(self.consumed_samples, per_epoch)
+        if into_epoch % self.global_micro_batch:
+            raise ValueError(f"consumed_samples {self.consumed_samples} is not a whole number of global "
+                             f"micro-batches ({self.global_micro_batch})")
+        bucket = self.total_samples // self.global_micro_batch * self.micro_batch_size
+        first = self.data_parallel_rank * bucket
+        order = torch.randperm(bucket, generator=torch.Generator().manual_seed(epoch)).tolist()
+        mine = order[into_epoch // self.data_parallel_size:]
+        for i in range(0, len(mine) - self.micro_batch_size + 1, self.micro_batch_size):
+            self.consumed_samples += self.global_micro_batch
+            yield [first + j for j in mine[i:i + self.micro_batch_size]]

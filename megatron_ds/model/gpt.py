@@ -141,10 +141,10 @@ class FinalNorm(nn.Module):
     """The norm after the last transformer layer; drops the document ids, which end here."""
 
     def __init__(self, normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False):
         super().__init__()
         self.final_layernorm = build_norm(normalization, hidden_size, eps, sequence_parallel=sequence_parallel,
-                                          params_dtype=params_dtype, device=device)
+                                          params_dtype=params_dtype, device=device, one_plus=one_plus)
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _ = split_hidden_and_documents(inputs)

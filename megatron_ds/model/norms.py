@@ -6,6 +6,7 @@ move freely between a machine with apex and one without.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.model.kernels import apex_norm_classes
@@ -26,8 +27,21 @@ class _RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
+class LayerNorm1P(nn.LayerNorm):
+    """--apply-layernorm-1p: LayerNorm scaled by (1 + weight), the weight initialised to zero
+    (Megatron's MixedFusedLayerNorm(apply_layernorm_1p=True)); weight decay then pulls towards 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
 def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
-               params_dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
+               params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False) -> nn.Module:
     """A normalization layer over the last dimension.
 
     Under sequence parallelism each tensor parallel rank normalizes a different slice of the
@@ -39,7 +53,9 @@ def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_par
     if kind not in ("layernorm", "rmsnorm"):
         raise ValueError(f"unknown normalization {normalization!r}; use layernorm or rmsnorm")
     apex = apex_norm_classes()
-    if apex is not None:
+    if one_plus and kind == "layernorm":  # Megatron ignores the flag for RMSNorm; so does this
+        norm = LayerNorm1P(hidden_size, eps=eps, device=device, dtype=params_dtype)
+    elif apex is not None:
         fused_layernorm, fused_rmsnorm = apex
         cls = fused_layernorm if kind == "layernorm" else fused_rmsnorm
         norm = cls(hidden_size, eps=eps).to(device=device, dtype=params_dtype)

@@ -110,7 +110,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,
                                recompute_attention=recompute_granularity == "selective", **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
-                           sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device))
+                           sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
+                           one_plus=m.apply_layernorm_1p))
     if tied:
         # Built only on a last stage that does not also hold the embedding; that copy needs no
         # position table (its weights come from the first stage's broadcast anyway).

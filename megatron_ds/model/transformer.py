@@ -136,6 +136,16 @@ class ParallelAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.kv_channels)
 
 
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """--openai-gelu: GeLU's tanh approximation, as Megatron's openai_gelu / GPT-2's gelu_new."""
+    return F.gelu(x, approximate="tanh")
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """--squared-relu: relu(x)^2, as Megatron's squared_relu."""
+    return F.relu(x).square()
+
+
 class ParallelMLP(nn.Module):
     """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden."""
 
@@ -144,7 +154,10 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.swiglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
-        self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else cfg.bias_gelu_fusion and cfg.add_bias_linear
+        self.activation = openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.gelu
+        # (Megatron-DeepSpeed never fuses --openai-gelu / --squared-relu either: ParallelMLP.__init__)
+        self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else \
+            cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -171,7 +184,7 @@ class ParallelMLP(nn.Module):
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
         else:
-            x = F.gelu(x)
+            x = self.activation(x)
         return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled)
 
 
@@ -207,6 +220,9 @@ class ParallelTransformerLayer(nn.Module):
         norm = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
         parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
                         device=device)
+        norm["one_plus"] = cfg.apply_layernorm_1p
+        # --apply-residual-connection-post-layernorm: the residual is the norm's output (Megatron's layer)
+        self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
         self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
@@ -218,8 +234,11 @@ class ParallelTransformerLayer(nn.Module):
         mask = None if document_ids is None else document_causal_mask(document_ids)
         if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too
             mask, kv_cache = kv_cache.mask, kv_cache.layer(self.layer_number)
-        hidden = self._residual(*self.self_attention(self.input_layernorm(hidden), mask, kv_cache), hidden)
-        hidden = self._residual(*self.mlp(self.post_attention_layernorm(hidden)), hidden)
+        normed = self.input_layernorm(hidden)
+        hidden = self._residual(*self.self_attention(normed, mask, kv_cache),
+                                normed if self.residual_after_norm else hidden)
+        normed = self.post_attention_layernorm(hidden)
+        hidden = self._residual(*self.mlp(normed), normed if self.residual_after_norm else hidden)
         return hidden if document_ids is None else (hidden, document_ids)
 
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from megatron_ds.config.schema import DataConfig
 from megatron_ds.data.batch import gpt_batch_from_samples
-from megatron_ds.data.samplers import PretrainingSampler
+from megatron_ds.data.samplers import CyclicSampler, PretrainingSampler
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
 
@@ -45,11 +45,20 @@ def build_datasets(data: DataConfig, *, num_samples: tuple[int, int, int], seq_l
             data_path=data.data_path, split=data.split, train_valid_test_num_samples=num_samples,
             seq_length=seq_length, seed=seed, train_data_path=data.train_data_path,
             valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
-            data_cache_path=data.data_cache_path, log=log)
+            data_cache_path=data.data_cache_path, log=log, train_num_epochs=data.train_data_exact_num_epochs)
     except (ValueError, OSError) as exc:
         # the data package reports bad paths, splits, blends and corrupt files with these types and
         # a message written for the user; a traceback would bury it
         raise DataError(str(exc)) from None
+
+
+def check_train_length(dataset, data: DataConfig, needed: int) -> None:
+    """--train-data-exact-num-epochs can give fewer samples than the run trains on; without a loader that
+    starts again (--repeated-dataloader, --dataloader-type cyclic) it would run dry mid-run."""
+    if dataset is None or len(dataset) >= needed or data.repeated_dataloader or data.dataloader_type == "cyclic":
+        return
+    raise DataError(f"--train-data-exact-num-epochs {data.train_data_exact_num_epochs} gives {len(dataset)} training "
+                    f"samples but the run trains on {needed}; add --repeated-dataloader or train fewer iterations")
 
 
 class BatchCollator:
@@ -75,9 +84,10 @@ class BatchCollator:
 def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed_samples: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int):
     """A DataLoader over this data parallel rank's micro-batches, starting after consumed_samples."""
-    sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
-                                 micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
-                                 data_parallel_size=dp_size)
+    # --dataloader-type: Megatron's sequential sampler, or its cyclic one (a permutation per epoch)
+    kind = CyclicSampler if data.dataloader_type == "cyclic" else PretrainingSampler
+    sampler = kind(total_samples=len(dataset), consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
+                   data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     # A private generator: creating an iterator would otherwise draw its worker seed from the
     # global torch RNG, which drives dropout, and a resumed run would draw at a different time.
     generator = torch.Generator().manual_seed(consumed_samples)
@@ -86,16 +96,22 @@ def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed
                                        persistent_workers=data.num_workers > 0, generator=generator)
 
 
-def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False):
+def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False,
+                   endless: bool = False):
     """What this rank hands the engine for one split: None when the split does not exist (so no
     rank runs it); an empty iterator on middle pipeline stages, which read no data but must still
     join every train/eval schedule; else micro-batches from `make_loader(consumed_samples)`.
     Validation and test repeat from their first sample once exhausted (evaluations may outnumber
-    the samples reserved for them, e.g. after a resume with other intervals); training never wraps."""
+    the samples reserved for them, e.g. after a resume with other intervals); training never wraps.
+    ``endless``: iterate one loader again and again, as Megatron-DeepSpeed's ``cyclic_iter``
+    (--dataloader-type cyclic: its sampler goes on to the next epoch) and DeepSpeed's ``RepeatingLoader``
+    (--repeated-dataloader: the sequential sampler starts again where the loader started)."""
     if dataset is None:
         return None
     if not reads_data:
         return iter(())
+    if endless:  # validation and test start inside their samples, as when they wrap
+        return _endless(make_loader(consumed % len(dataset) if repeat else consumed))
     if not repeat:
         return iter(make_loader(consumed))
 
@@ -104,6 +120,16 @@ def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, rep
         while True:
             yield from make_loader(0)
     return forever()
+
+
+def _endless(loader):
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:  # a pass with no micro-batch would loop forever
+            raise DataError("the data loader yields no micro-batch: too few samples for one per data parallel rank")
 
 
 def describe_source(data: DataConfig) -> str:

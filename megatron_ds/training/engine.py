@@ -11,6 +11,7 @@ import deepspeed
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
+from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
@@ -132,7 +133,10 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
-    set_parallel_seeds(run.training.seed + 100 * ps.pp_rank, ps.tp_rank)
+    # --data-parallel-random-init: + 10 per data parallel rank (megatron/initialize.py _set_random_seed); the
+    # initial weights stay equal all the same, as deepspeed.initialize broadcast them from DP rank 0
+    dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
+    set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device)
 
 
@@ -143,7 +147,7 @@ def log_startup(run: Run, rt: Runtime) -> None:
     kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp).items()]
     print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
     if run.ignored_flags:
-        print_rank0(f"WARNING: ignoring flags with no effect here: {' '.join(run.ignored_flags)}")
+        print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):
         print(f"> {rt.ps.describe()}", flush=True)
     for note in run.notes:

@@ -23,6 +23,7 @@ from megatron_ds.training import log as mlog
 from megatron_ds.training.curriculum import SeqlenWarmup
 from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
+from megatron_ds.training.profiler import StepProfiler
 from megatron_ds.training.signals import StopSignals, agreed_stop
 
 
@@ -136,6 +137,7 @@ class Loop:
     save: Callable[[TrainState], None]
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
+    profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
@@ -156,6 +158,8 @@ class Loop:
         plan = TrainPlan(self.run.layout)
         window = _Window(time.time(), self.engine.skipped_steps)
         last_saved = state.iteration
+        if self._killed_before_start(state):
+            return state
         if self.warmup is not None:
             train_iter = self.warmup.cut(train_iter)
         while plan.keep_going(state):
@@ -163,7 +167,11 @@ class Loop:
             window.backward_scale = ds_compat.reported_loss_scale(self.engine)  # the step may change it
             if self.warmup is not None:
                 self.warmup.set_length(plan.seqlen)
+            if self.profiler is not None:
+                self.profiler.begin()
             loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
+            if self.profiler is not None:
+                self.profiler.end()
             state.iteration += 1
             plan.end(state, batch)
             self._account(state, loss, window)
@@ -180,6 +188,15 @@ class Loop:
         if ckpt.save and last_saved != state.iteration:
             self.save(state)
         return state
+
+    def _killed_before_start(self, state: TrainState) -> bool:
+        """megatron/training.py pretrain: a run that starts while --kill-switch-file exists exits at once."""
+        path = self.run.training.kill_switch_file
+        if path is None or agreed_stop(None, self.start_time, None, self.device, path) is None:
+            return False
+        state.stop_reason, state.exited_early = f"kill switch {path} found", True
+        mlog.print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
+        return True
 
     def _account(self, state: TrainState, loss: float, window: _Window) -> None:
         """Count the iteration's loss; too many NaN/inf losses in a row stop the run."""
@@ -223,7 +240,8 @@ class Loop:
             eta_s=elapsed * (layout.train_iters - state.iteration),
             curriculum_seqlen=seqlen if layout.curriculum else None))
         self.tb.scalars(state.iteration, {
-            "lm loss": mean_loss, "learning-rate": lr, "grad-norm": grad_norm,
+            "lm loss": mean_loss, "learning-rate": lr if lg.log_learning_rate_to_tensorboard else None,
+            "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
@@ -239,14 +257,15 @@ class Loop:
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
             self.validate(state, valid_iter, f"iteration {state.iteration}")
         saving_due = ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0
-        stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device)
+        stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device,
+                           t.kill_switch_file)
         exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or stop is not None
         saved = bool(ckpt.save and (saving_due or exit_now))
         if saved:
             self.save(state)
         if exit_now:
-            state.stop_reason = {"signal": "stop signal received",
-                                 "time": "--exit-duration-in-mins"}.get(stop, "--exit-interval")
+            state.stop_reason = {"signal": "stop signal received", "time": "--exit-duration-in-mins",
+                                 "kill switch": f"kill switch {t.kill_switch_file} found"}.get(stop, "--exit-interval")
             mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True
         return saved

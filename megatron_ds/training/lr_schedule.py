@@ -17,8 +17,28 @@ step are those consumed *before* it (Megatron-DeepSpeed updates ``args.consumed_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from megatron_ds.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WeightDecayIncrement:
+    """OptimizerParamScheduler.get_wd (megatron/optimizer_param_scheduler.py): weight decay rises from
+    ``start`` to ``end`` over ``steps`` (training's length, in the schedule's step unit), linearly or along
+    a half cosine, then stays at ``end``. Each group's decay is this times its ``wd_mult`` (0 for biases
+    and norms), as Megatron sets ``group['weight_decay'] = new_wd * group.get('wd_mult', 1.0)``."""
+    start: float
+    end: float
+    steps: float
+    style: str  # "linear" | "cosine"
+
+    def at(self, step: float) -> float:
+        if step > self.steps:
+            return self.end
+        ratio = step / self.steps
+        coeff = ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start + coeff * (self.end - self.start)
 
 
 class LRSchedule:
@@ -26,7 +46,8 @@ class LRSchedule:
     SHAPE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str, last_step: int = 0, override: bool = False, use_checkpoint: bool = False):
+                 decay_style: str, last_step: int = 0, override: bool = False, use_checkpoint: bool = False,
+                 weight_decay: WeightDecayIncrement | None = None):
         if decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(f"unknown --lr-decay-style {decay_style}")
         self.optimizer = optimizer
@@ -38,6 +59,8 @@ class LRSchedule:
         # (--override-lr-scheduler), take the checkpoint's (--use-checkpoint-lr-scheduler), or stop
         self.override = override
         self.use_checkpoint = use_checkpoint
+        # None: the optimizer keeps --weight-decay (constant style); the state saved is then unchanged
+        self.weight_decay = weight_decay
         self._apply()
 
     def lr_at(self, step: int) -> float:
@@ -62,8 +85,11 @@ class LRSchedule:
 
     def _apply(self) -> None:
         lr = self.lr_at(self.num_steps)
+        wd = self.weight_decay.at(self.num_steps) if self.weight_decay is not None else None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            if wd is not None:  # groups of an optimizer saved before wd_mult existed: decay where it decayed
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0 if group["weight_decay"] else 0.0)
 
     def step(self, increment: int = 1, **_) -> None:
         self.num_steps += 1
@@ -170,8 +196,15 @@ def make_lr_schedule(optimizer, run) -> LRSchedule:
     o, layout, spans = run.optimizer, run.layout, run.layout.schedule
     common = dict(max_lr=o.lr, min_lr=o.min_lr, decay_style=o.lr_decay_style, override=o.override_lr_scheduler,
                   use_checkpoint=o.use_checkpoint_lr_scheduler)
+    wd = None
+    if o.weight_decay_incr_style != "constant":
+        # Megatron counts samples; an iteration-counted schedule counts them in global batches
+        unit = 1 if spans.needs_sample_lr else layout.global_batch_size
+        wd = WeightDecayIncrement(o.start_weight_decay, o.end_weight_decay, max(spans.wd_incr_samples / unit, 1),
+                                  o.weight_decay_incr_style)
     if not spans.needs_sample_lr:
         return LRSchedule(optimizer, warmup_steps=layout.lr_warmup_iters, decay_steps=layout.lr_decay_iters,
-                          **common)
+                          weight_decay=wd, **common)
     return ConsumedLRSchedule(optimizer, warmup_steps=spans.lr_warmup_samples, decay_steps=spans.lr_decay_samples,
-                              warmup_tokens=spans.lr_warmup_tokens, decay_tokens=spans.lr_decay_tokens, **common)
+                              warmup_tokens=spans.lr_warmup_tokens, decay_tokens=spans.lr_decay_tokens,
+                              weight_decay=wd, **common)

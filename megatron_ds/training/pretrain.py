@@ -13,8 +13,11 @@ import time
 import torch
 
 from megatron_ds.accelerator import on_cuda
+from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
+from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.config.megatron_overrides import apply_checkpoint_args
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
@@ -27,9 +30,11 @@ from megatron_ds.training.loop import TrainState
 def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log) -> tuple[Run, object]:
     """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
     model), the ``Run``, and the checks only DeepSpeed can make (its version, its JSON parser)."""
-    tokenizer = build_tokenizer_for(flags.data, log=log)
+    saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
+    # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
+    tokenizer = build_tokenizer_for(apply_checkpoint_args(flags, saved)[0].data, log=log)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
-                  ignored=ignored)
+                  ignored=ignored, saved_flags=saved)
     check_deepspeed(interleaved=run.layout.virtual_pp > 1)  # once, before DeepSpeed is first used
     validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
     return run, tokenizer
@@ -50,7 +55,7 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     report(run, tokenizer.eod)
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
-        print(f"ignored flags (no effect here): {' '.join(run.ignored_flags)}")
+        print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
     print("DeepSpeed config:")
     print(json.dumps(run.layout.ds_config, indent=2, sort_keys=True))
     return 0

@@ -65,15 +65,21 @@ class StopSignals:
         return signal.Signals(self.received).name if self.received else None
 
 
-def agreed_stop(signals: StopSignals | None, start: float, minutes: float | None, device) -> str | None:
-    """Collective: why every rank stops now ("signal" / "time"), or None. Skipped (no collective)
-    when neither a handler nor a time limit is active, as before."""
-    if (signals is None or not signals.enabled) and minutes is None:
+def agreed_stop(signals: StopSignals | None, start: float, minutes: float | None, device,
+                kill_switch_file: str | None = None) -> str | None:
+    """Collective: why every rank stops now ("signal" / "time" / "kill switch"), or None. Skipped (no
+    collective) when neither a handler, a time limit nor a --kill-switch-file is active, as before.
+    The kill switch is Megatron-DeepSpeed's found_kill_switch (megatron/utils.py): the file exists. Each
+    rank looks for itself (a node may see the file later than another), so they agree here."""
+    if (signals is None or not signals.enabled) and minutes is None and kill_switch_file is None:
         return None
     timed_out = minutes is not None and (time.time() - start) / 60.0 > minutes
-    flags = torch.tensor([1 if signals is not None and signals.received else 0, 1 if timed_out else 0],
-                         device=device)
+    killed = kill_switch_file is not None and os.path.exists(kill_switch_file)
+    flags = torch.tensor([1 if signals is not None and signals.received else 0, 1 if timed_out else 0,
+                          1 if killed else 0], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0].item():
         return "signal"
-    return "time" if flags[1].item() else None
+    if flags[1].item():
+        return "time"
+    return "kill switch" if flags[2].item() else None

@@ -16,10 +16,12 @@ from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
 from megatron_ds.training import log as mlog
 from megatron_ds.training.collective_timeout import CollectiveWatch, is_collective_failure
-from megatron_ds.training.data import BatchCollator, build_datasets, build_loader, describe_source, stage_iterator
+from megatron_ds.training.data import (BatchCollator, build_datasets, build_loader, check_train_length, describe_source,
+                                      stage_iterator)
 from megatron_ds.training.engine import build_engine, log_startup
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
+from megatron_ds.training.profiler import step_profiler
 from megatron_ds.training.signals import StopSignals
 from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
@@ -67,8 +69,9 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, rt.loss_fn, ps.dp_group, device, tb,
-                        save=_saver(run, rt.engine, tokenizer, signature), start_time=start_time,
-                        stop_signals=stop_signals)
+                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group), start_time=start_time,
+                        stop_signals=stop_signals,
+                        profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)
             # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
@@ -107,7 +110,7 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
             state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
             state.nan_iterations = client.get("nan_iterations", 0)
         if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
-            set_rng_state(client["rng"])
+            set_rng_state(_own_rng_state(client["rng"], ps.dp_rank, run.training.data_parallel_random_init))
     if ckpt.save:
         protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
     return state
@@ -122,6 +125,7 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: boo
     num_samples = (train_samples, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size)
     datasets = build_datasets(data, num_samples=num_samples, seq_length=layout.model.seq_length, seed=t.seed,
                               vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
+    check_train_length(datasets[0], data, train_samples)
     collator = BatchCollator(data, tokenizer.eod, tokenizer.vocab_size, describe_source(data))
 
     def iterator(dataset, consumed, repeat):
@@ -129,7 +133,8 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: boo
                                  dp_rank=ps.dp_rank, dp_size=ps.dp_size)
         # Only the first stage (tokens) and the last stage (labels) read data.
         return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
-                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat)
+                              reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat,
+                              endless=data.dataloader_type == "cyclic" or data.repeated_dataloader)
 
     return (iterator(datasets[0], state.consumed_train_samples, False) if training else None,
             iterator(datasets[1], state.consumed_valid_samples, True), iterator(datasets[2], 0, True))
@@ -145,7 +150,25 @@ def _scalar_writers(run: Run):
                                enabled_rank=last_rank, config=run.record))
 
 
-def _saver(run: Run, engine, tokenizer, signature: dict):
+def _rng_states(run: Run, dp_group):
+    """What a checkpoint keeps of the RNG: this rank's state, or with --data-parallel-random-init every data
+    parallel rank's (only DP rank 0 writes the client state), as Megatron's get_rng_state gathers them."""
+    if not run.training.data_parallel_random_init or run.layout.dp == 1:
+        return rng_state()
+    states = [None] * run.layout.dp
+    torch.distributed.all_gather_object(states, rng_state(), group=dp_group)
+    return states
+
+
+def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
+    """This rank's RNG state from a checkpoint's (a list with --data-parallel-random-init, as Megatron's
+    load_checkpoint picks ``rng_state[dp_rank]``; the first one of a list otherwise)."""
+    if not isinstance(saved, list):
+        return saved
+    return saved[dp_rank if per_rank and dp_rank < len(saved) else 0]
+
+
+def _saver(run: Run, engine, tokenizer, signature: dict, dp_group):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
@@ -157,7 +180,7 @@ def _saver(run: Run, engine, tokenizer, signature: dict):
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if ckpt.save_rng:
-            client["rng"] = rng_state()
+            client["rng"] = _rng_states(run, dp_group)
         save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
                         log=mlog.print_rank0)
         mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")

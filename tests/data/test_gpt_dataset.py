@@ -35,8 +35,9 @@ def random_docs(rng, n, mean=20, empty_fraction=0.1, vocab=50000):
     return [rng.integers(0, vocab, length) for length in lengths]
 
 
-def megatron_reference_indices(documents, sizes, num_samples, seq_length, seed):
-    """Megatron's _build_index_mappings transcribed step by step (loops, np.mgrid, its dtypes)."""
+def megatron_reference_indices(documents, sizes, num_samples, seq_length, seed, exact_epochs=None):
+    """Megatron's _build_index_mappings transcribed step by step (loops, np.mgrid, its dtypes);
+    ``exact_epochs``: args.train_data_exact_num_epochs of a train split, with its asserts."""
     tokens_per_epoch = int(np.sum(sizes[documents]))
     num_epochs, total = 0, 0
     while True:
@@ -44,13 +45,17 @@ def megatron_reference_indices(documents, sizes, num_samples, seq_length, seed):
         total += tokens_per_epoch
         if (total - 1) // seq_length >= num_samples:
             break
+    if exact_epochs is not None:
+        num_epochs = exact_epochs
     rng = np.random.RandomState(seed=seed)
     if num_epochs == 1:
         separate = False
     else:
         from_epochs_minus_one = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         last_epoch_samples = num_samples - from_epochs_minus_one
+        assert last_epoch_samples >= 0, "last epoch number of samples should be non-negative."
         per_epoch = (tokens_per_epoch - 1) // seq_length
+        assert last_epoch_samples <= per_epoch + 1, "last epoch number of samples exceeded max value."
         separate = last_epoch_samples < int(0.80 * per_epoch)
 
     def doc_idx_for(epochs):
@@ -206,3 +211,31 @@ def test_pickles_by_file_name_and_numpy_fallback_gives_same_indices(tmp_path, mo
     fallback = build_index_mappings(np.arange(25), ds.indexed_dataset.sizes, 60, 16, 9, log=quiet)
     for name in ("doc_idx", "sample_idx", "shuffle_idx"):
         np.testing.assert_array_equal(fallback[name], getattr(ds, name))
+
+
+@pytest.mark.parametrize("epochs,samples_in_epochs", [(1, 2.5), (1, 0.5), (2, 1.2), (2, 1.9), (3, 2.6)])
+def test_exact_num_epochs_matches_megatron(epochs, samples_in_epochs):
+    # --train-data-exact-num-epochs: exactly N epochs (one epoch may hold fewer samples than asked)
+    rng = np.random.default_rng(epochs)
+    sizes = rng.integers(1, 40, 50).astype(np.int32)
+    documents = np.arange(3, 50, dtype=np.int32)
+    per_epoch = (int(sizes[documents].sum()) - 1) // 16
+    num_samples = int(per_epoch * samples_in_epochs)
+    ref_doc, ref_sample, ref_shuffle, _, _ = megatron_reference_indices(documents, sizes, num_samples, 16, 7,
+                                                                        exact_epochs=epochs)
+    got = build_index_mappings(documents, sizes, num_samples, 16, 7, log=quiet, num_epochs=epochs)
+    for name, ref in (("doc_idx", ref_doc), ("sample_idx", ref_sample), ("shuffle_idx", ref_shuffle)):
+        np.testing.assert_array_equal(got[name], ref)
+    assert len(got["doc_idx"]) == epochs * len(documents)
+
+
+@pytest.mark.parametrize("epochs,samples_in_epochs", [(2, 0.5), (2, 3.0)])
+def test_exact_num_epochs_refuses_what_megatron_asserts(epochs, samples_in_epochs):
+    sizes = np.full(40, 17, dtype=np.int32)
+    documents = np.arange(40, dtype=np.int32)
+    num_samples = int((40 * 17 - 1) // 16 * samples_in_epochs)
+    with pytest.raises(AssertionError):
+        megatron_reference_indices(documents, sizes, num_samples, 16, 7, exact_epochs=epochs)
+    with pytest.raises(ValueError, match="do not end in epoch 2"):
+        build_index_mappings(documents, sizes, num_samples, 16, 7, log=quiet, num_epochs=epochs)
+

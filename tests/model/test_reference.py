@@ -139,13 +139,18 @@ def dense_gpt(w, cfg: ModelConfig, tokens, position_ids, labels, loss_mask, rese
     b, s = tokens.shape
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.kv_channels
     kind, eps = cfg.normalization, cfg.layernorm_epsilon
+    if cfg.apply_layernorm_1p and kind == "layernorm":  # Megatron's LayerNorm(apply_layernorm_1p): 1 + weight
+        norm = lambda x, wb: _norm(x, wb[0] + 1, wb[1], kind, eps)  # noqa: E731
+    else:
+        norm = lambda x, wb: _norm(x, *wb, kind, eps)  # noqa: E731
+    post = cfg.apply_residual_connection_post_layernorm  # residual = the norm's output (Megatron's layer)
     x = w["wte"][tokens]
     if "wpe" in w:
         x = x + w["wpe"][position_ids]
     allowed = _megatron_mask(tokens, reset_attention_mask)[:, None]  # [b, 1, s, s]
     kv_of_head = torch.arange(nq) // (nq // nkv)
     for L in w["layers"]:
-        y = _norm(x, *L["ln1"], kind, eps)
+        y = norm(x, L["ln1"])
         q = _linear(y, L["wq"], L["bq"]).view(b, s, nq, d)
         k = _linear(y, L["wk"], L["bk"]).view(b, s, nkv, d)
         v = _linear(y, L["wv"], L["bv"]).view(b, s, nkv, d)
@@ -156,16 +161,20 @@ def dense_gpt(w, cfg: ModelConfig, tokens, position_ids, labels, loss_mask, rese
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         ctx = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nq * d)
-        x = x + _linear(ctx, L["wo"], L["bo"])
-        y = _norm(x, *L["ln2"], kind, eps)
+        x = (y if post else x) + _linear(ctx, L["wo"], L["bo"])
+        y = norm(x, L["ln2"])
         z = _linear(y, L["w1"], L["b1"])
         if cfg.swiglu:
             gate, up = z.split(cfg.ffn_hidden_size, dim=-1)  # TP = 1 layout: [gate; up]
             a = gate * torch.sigmoid(gate) * up
+        elif cfg.openai_gelu:  # Megatron's openai_gelu / GPT-2's gelu_new
+            a = 0.5 * z * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3)))
+        elif cfg.squared_relu:
+            a = torch.where(z > 0, z * z, torch.zeros_like(z))
         else:
             a = 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0)))
-        x = x + _linear(a, L["w2"], L["b2"])
-    x = _norm(x, *w["lnf"], kind, eps)
+        x = (y if post else x) + _linear(a, L["w2"], L["b2"])
+    x = norm(x, w["lnf"])
     logits = x @ w["wout"].t()
     nll = torch.logsumexp(logits, -1) - logits.gather(-1, labels[..., None])[..., 0]
     return logits, (nll * loss_mask).sum() / loss_mask.sum()
@@ -196,6 +205,13 @@ def _model_and_reference(cfg, reset_attention_mask=False, **batch_kw):
                                              untie_embeddings_and_output_weights=True), False),
     ("llama", llama_config(), False),
     ("llama-partial-rotary-mha-reset", llama_config(rotary_percent=0.5, num_key_value_heads=4), True),
+    # Megatron-DeepSpeed's variants (issue 23)
+    ("gpt2-openai-gelu", gpt2_config(openai_gelu=True), False),
+    ("gpt2-squared-relu", gpt2_config(squared_relu=True), False),
+    ("gpt2-layernorm-1p", gpt2_config(apply_layernorm_1p=True), False),
+    ("gpt2-post-layernorm-residual", gpt2_config(apply_residual_connection_post_layernorm=True), False),
+    ("llama-post-layernorm-residual-1p", llama_config(apply_residual_connection_post_layernorm=True,
+                                                      apply_layernorm_1p=True), False),  # 1p: LayerNorm only
 ])
 def test_model_matches_dense_reference(style, cfg, reset):
     model, (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = _model_and_reference(

@@ -166,3 +166,22 @@ def test_lr_schedule_against_formulas_and_override():
     mine.load_state_dict(saved)
     assert (mine.max_lr, mine.num_steps) == (1.0, 6)
     assert opt.param_groups[0]["lr"] == pytest.approx(mine.lr_at(6))
+
+
+class _Recorder:
+    def __init__(self):
+        self.keys = set()
+
+    def scalars(self, step, values):
+        self.keys |= {k for k, v in values.items() if v is not None}
+
+
+@pytest.mark.parametrize("extra,logged", [((), True), (("--no-log-learnig-rate-to-tensorboard",), False)])
+def test_learning_rate_scalar_can_be_left_out(extra, logged):
+    # Megatron-DeepSpeed's --no-log-learnig-rate-to-tensorboard (typo and all) drops only that scalar
+    cfg, _ = parse_args(ARGS + ["--train-iters", "2", *extra])
+    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    tb = _Recorder()
+    Loop(run, StubEngine([1.0, 1.0]), loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=tb,
+         save=lambda st: None, start_time=0.0).train(TrainState(), None, None)
+    assert ("learning-rate" in tb.keys) is logged and "lm loss" in tb.keys
