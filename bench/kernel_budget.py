@@ -39,6 +39,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import sys  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -73,11 +74,10 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "alias", "_unsafe_view", "set_", "resize_", "_local_scalar_dense", "is_same_size", "_fused_sdp_choice"}
 WRITE_ONLY = {"fill_", "zero_", "copy_", "bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
 ZERO_FILL_AND_COPY = {"select_backward", "slice_backward"}
-# ATen ops with a CUDA kernel that a CPU-only build replaces by their composite (found with
-# torch._C._dispatch_has_kernel_for_dispatch_key: a CompositeImplicitAutograd kernel next to a CPU
-# one, or only a generated autograd formula; the others the layer never calls).
+# ATen ops the layers call that have a CUDA kernel, which a CPU-only build lacks and so runs their
+# CompositeImplicitAutograd decomposition instead (found with torch._C._dispatch_has_kernel_for_
+# dispatch_key: a composite kernel next to a CPU one, or next to a generated autograd formula only).
 CUDA_KERNELS_MISSING = ("_fused_rms_norm", "silu_backward")
-FUSABLES = [f for f in vars(fusions).values() if isinstance(f, type(fusions.bias_gelu))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +236,7 @@ class AsGraphs:
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         constants = tuple(TENSOR if isinstance(a, torch.Tensor) else a for a in args)
-        key = (constants, *((t.shape, t.dtype, t.requires_grad) for t in tensors))
+        key = (constants, *((t.shape, t.stride(), t.dtype, t.requires_grad) for t in tensors))  # as dynamo guards
         if key not in self._graphs:
             self._graphs[key] = aot_function(
                 functools.partial(self._with_constants, constants), fw_compiler=self._compiler("fwd"),
@@ -272,8 +272,8 @@ def gpu_like():
     lib = torch.library.Library("aten", "IMPL")
     for op in CUDA_KERNELS_MISSING:
         lib.impl(op, _placeholder, "CUDA")
-    saved = [(f, f._compiled, f._proven) for f in FUSABLES]
-    for f in FUSABLES:
+    saved = [(f, f._compiled, f._proven) for f in fusions.FUSED_FUNCTIONS]
+    for f in fusions.FUSED_FUNCTIONS:
         f._compiled, f._proven = None, set()
     rotary_cos_sin.cache_clear()
     try:
@@ -291,7 +291,7 @@ def _placeholder(*args, **kwargs):
     raise RuntimeError("a placeholder CUDA kernel ran: only fake tensors may reach it")
 
 
-SHAPE = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --max-position-embeddings 4096 --bf16"
+SHAPE = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --bf16"
 NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0"
 CONFIGS = {  # name: flags (bench/gpu_mfu.py's 1.3B shapes; Llama-style with 4 key/value heads, as 7B's 32/8)
     "GPT": f"{SHAPE} {NO_DROPOUT}",
@@ -340,7 +340,7 @@ def measure(model: torch.nn.Module, inputs: torch.Tensor, counter: KernelCounter
 
 def layer_budget(flags: str, fused: bool, seq: int, micro_batch: int) -> Budget:
     """The budget of one transformer layer built from these command-line flags."""
-    argv = f"{flags} --seq-length {seq} --micro-batch-size {micro_batch}".split()
+    argv = f"{flags} --seq-length {seq} --max-position-embeddings {seq} --micro-batch-size {micro_batch}".split()
     cfg, _ = parse_args(argv + ([] if fused else FUSIONS_OFF.split()))
     m = resolve_model_config(cfg.model)
     set_parallel_seeds(1234, 0)
@@ -348,6 +348,10 @@ def layer_budget(flags: str, fused: bool, seq: int, micro_batch: int) -> Budget:
         layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(seq, micro_batch, m.hidden_size, device="cuda", dtype=torch.bfloat16)
         budget = measure(layer, x, counter)
+    # The fake mode, the traced graphs and the layer hold reference cycles. Freed here, not by the
+    # collection at interpreter exit: that one races the autograd engine's CUDA device thread, which
+    # then dies taking the GIL of a finalizing interpreter and aborts the process.
+    gc.collect()
     if fused and not any(" fwd" in k.name for k in budget.kernels):
         raise RuntimeError(f"the fusions did not run as graphs: {fusions.compile_unavailable()}")
     return budget
@@ -383,7 +387,8 @@ def main(argv=None) -> int:
                 print("\n".join([f"{name}, fusions {'on' if fused else 'off'}:", *kernel_list(b)]))
     print(f"Per transformer layer, forward + backward, bf16, seq {args.seq_length}, micro batch "
           f"{args.micro_batch_size}, hidden 2048, 16 heads; KB = 1000 bytes. Share: H100 at "
-          f"{H100_BYTES_PER_S / 1e12:.2f} TB/s, {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, {LAUNCH_S * 1e6:.0f} us a launch.")
+          f"{H100_BYTES_PER_S / 1e12:.2f} TB/s, {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, "
+          f"{LAUNCH_S * 1e6:.0f} us a launch.")
     print("\n".join(table_rows(budgets)))
     return 0
 
