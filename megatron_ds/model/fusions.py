@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ds.accelerator import cuda_runtime
+from megatron_ds.ds_compat import floats_as_compile_constants
 from megatron_ds.model.rotary import apply_rotary
 
 MIN_TORCH_FOR_COMPILE = (2, 2)
@@ -85,8 +86,9 @@ class _Fusable:
             if self._compiled is None:
                 self._compiled = torch.compile(self.fn, dynamic=True)
             try:
-                self._prove(args)
-                return self._compiled(*args)
+                with floats_as_compile_constants():  # dropout's p: one graph per value
+                    self._prove(args)
+                    return self._compiled(*args)
             except Exception as exc:
                 # Only the compiler's own failures; anything else (a real error, an out-of-memory,
                 # activation recompute's early-stop signal) goes on up.

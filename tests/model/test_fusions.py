@@ -299,6 +299,20 @@ def test_fused_dropout_is_what_eager_dropout_draws():
         assert torch.equal(fusions.bias_dropout_add(False, x, bias, residual, 0.3), want), dtype
 
 
+def test_compiled_dropout_follows_each_probability():
+    """Two dropout probabilities through the same compiled function, on inputs that need gradients:
+    each draws F.dropout's mask for its own p. torch 2.13 turned a float argument into a symbolic
+    input whose first value stuck (in the process and in inductor's on-disk cache), so the fusions
+    compile floats as constants (ds_compat.floats_as_compile_constants)."""
+    for p in (0.1, 0.3):
+        x, bias = torch.randn(6, 2, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+        residual = torch.randn(6, 2, 8)
+        torch.manual_seed(3)
+        want = residual + torch.nn.functional.dropout(x + bias, p, True)
+        torch.manual_seed(3)
+        torch.testing.assert_close(fusions.bias_dropout_add(True, x, bias, residual, p), want, **TOL)
+
+
 def test_uncompiled_fusions_are_the_unfused_path_bit_for_bit():
     """On the CPU without --fusions-on-cpu the flags change nothing: the unfused path runs (biases
     inside the linear layers, F.dropout), so CPU runs keep their numbers exactly."""
