@@ -15,7 +15,8 @@ back first (``gpu_like()``):
 - ``torch.compile`` cannot compile for fake CUDA (no Triton): each compiled fusion is traced by
   AOTAutograd and split by inductor's own partitioner (min-cut rematerialisation, which chooses
   what the backward recomputes and what the forward saves); its forward graph counts as one kernel
-  reading its inputs and writing its outputs (saved tensors included), its backward graph likewise.
+  reading its inputs and writing its outputs (saved tensors included), its backward graph likewise,
+  and a graph with random ops (dropout) one more, inductor's draw of their seeds.
 
 Counting rules: views and metadata ops (outputs that alias an input, allocations, device and size
 queries) launch nothing; matmuls (mm, addmm, bmm...) and attention kernels are left out (they are
