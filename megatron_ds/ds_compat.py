@@ -408,6 +408,21 @@ def scale_grads_(grads: list[torch.Tensor], factor: float) -> None:
     torch._foreach_mul_(grads, factor)
 
 
+def floats_as_compile_constants():
+    """A context in which ``torch.compile`` makes each Python float a compiled function is called
+    with a constant of its graph (one graph per value, guarded) rather than a symbolic input.
+    Symbolic floats are not safe in torch 2.13: a dropout probability passed on to ``bernoulli_`` kept
+    the value of the first call, within the process and through inductor's on-disk cache. Through
+    ``torch._dynamo.config.specialize_float``; a torch without the option does not make floats
+    symbolic in the first place."""
+    import torch._dynamo  # noqa: PLC0415  (only where something is compiled)
+
+    config = torch._dynamo.config
+    if not hasattr(config, "specialize_float"):
+        return contextlib.nullcontext()
+    return config.patch(specialize_float=True)
+
+
 def set_default_group_timeout(timeout) -> bool:
     """Make later ``new_group()`` calls without a timeout use ``timeout``: torch 2.x reads the module
     globals ``distributed_c10d.default_pg_timeout`` / ``default_pg_nccl_timeout`` through

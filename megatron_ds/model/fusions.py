@@ -7,35 +7,39 @@ off by ``--no-bias-gelu-fusion``, ``--no-bias-swiglu-fusion``, ``--no-bias-dropo
 ``--no-rope-fusion`` (dest ``apply_rope_fusion``). A GPU profile of this model showed copies and
 unfused elementwise kernels (bias adds, residual adds, RoPE's ``cat`` and products, SwiGLU's
 product) at 27% / 41% of kernel time for GPT-2 / Llama style; each function below becomes one kernel
-forward and one backward.
+forward and one backward (``bench/kernel_budget.py`` counts what a layer launches besides them).
 
 The math is the unfused path's, operation for operation (exact GeLU with ``erf``, not Megatron's
 tanh approximation), so the eager version of each function computes the same numbers as the layer
 without fusion, and the compiled one does too up to how inductor rounds in half precision.
 
-Dropout: the mask is drawn outside the compiled function exactly as eager ``F.dropout`` draws it
-on the CPU (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``) from whichever generator is current,
-so the streams keep their meaning (the default generator for replicated activations: the same
-mask on every tensor parallel rank; the tensor parallel stream under sequence parallelism), and
-activation recompute replays them as before. Inductor's own in-kernel RNG would draw different
-masks from a different seed sequence.
+Dropout is drawn inside ``bias_dropout_add``, from whichever generator is current, so the
+streams keep their meaning (the layer calls it with the default generator for replicated
+activations: the same mask on every tensor parallel rank; inside the tensor parallel stream under
+sequence parallelism), and activation recompute, which replays both, redraws the same mask. How it
+is drawn is inductor's choice per device: on CUDA the keep-mask is computed inside the fused kernel
+from inductor's Philox stream (seeded by one draw from the current CUDA generator per call) and
+saved for backward as one byte per element; on the CPU inductor keeps ATen's ``bernoulli_``, so the
+compiled function draws exactly the mask eager ``F.dropout`` draws (``empty_like(x).bernoulli_(1 -
+p).div_(1 - p)``) and CPU runs with and without the fusions agree.
 
 When the compiled functions run: on CUDA, and on the CPU only with ``--fusions-on-cpu`` (inductor
 compiles C++ for every function in every process: minutes of start-up for a small CPU run, no
-gain); elsewhere the layers take their unfused path, bit for bit as without the flags. Shapes are dynamic (``dynamic=True``) so KV-cache decoding and varying micro-batch shapes
-reuse one graph instead of recompiling per length. When ``torch.compile`` is missing or fails, the
-eager function runs instead and one line says so.
+gain); elsewhere the layers take their unfused path, bit for bit as without the flags. Shapes
+are dynamic (``dynamic=True``) so KV-cache decoding and varying micro-batch shapes reuse one graph
+instead of recompiling per length. When ``torch.compile`` is missing or fails, the eager function
+runs instead and one line says so.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.accelerator import cuda_runtime
+from megatron_ds.ds_compat import floats_as_compile_constants
 from megatron_ds.model.rotary import apply_rotary
-from megatron_ds.parallel.random import get_rng_tracker
 
 MIN_TORCH_FOR_COMPILE = (2, 2)
 """Megatron-LM's threshold too (megatron/core/jit.py: torch.compile from 2.2; nvFuser before)."""
@@ -82,8 +86,9 @@ class _Fusable:
             if self._compiled is None:
                 self._compiled = torch.compile(self.fn, dynamic=True)
             try:
-                self._prove(args)
-                return self._compiled(*args)
+                with floats_as_compile_constants():  # dropout's p: one graph per value
+                    self._prove(args)
+                    return self._compiled(*args)
             except Exception as exc:
                 # Only the compiler's own failures; anything else (a real error, an out-of-memory,
                 # activation recompute's early-stop signal) goes on up.
@@ -106,8 +111,11 @@ class _Fusable:
             copies = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                       for a in args]
             # identity saved-tensor hooks: the innermost pair wins, so activation checkpointing's
-            # hooks (which would count the probe's tensors as the layer's) never see the probe
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            # hooks (which would count the probe's tensors as the layer's) never see the probe; and
+            # the generators rewound after it, so the probe's dropout draw is not the model's
+            gpus = sorted({a.device for a in tensors if a.device.type == "cuda"}, key=str) if cuda_runtime() else []
+            with torch.random.fork_rng(devices=gpus), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 out = self._compiled(*copies)
                 outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
                 torch.autograd.grad(outs, [c for c in copies if isinstance(c, torch.Tensor) and c.requires_grad],
@@ -141,32 +149,42 @@ def _bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      mask: torch.Tensor | None) -> torch.Tensor:
+def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float) -> torch.Tensor:
+    """``residual + dropout(x + bias, p)``, the keep-mask drawn here as eager ``F.dropout`` draws
+    it on the CPU (see the module doc for what inductor makes of it)."""
     if bias is not None:
         x = x + bias
-    if mask is not None:
-        x = x * mask
+    if p > 0.0:
+        x = x * torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
     return residual + x
 
 
-def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # one graph for both: one compile, and q and k share the cos/sin reads
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[s, b, groups, heads_per_group + 2, d]`` (the QKV projection's layout, see
+    ``ParallelAttention``) -> q ``[s, b, heads, d]``, k and v ``[s, b, groups, d]``.
+
+    One split into views rather than three indexings: the split's backward writes the QKV
+    gradient once (a cat of the three parts), where each indexing's backward would zero-fill a
+    QKV-sized gradient for its part and autograd would sum the three. q is a view with one head
+    per group and a copy under grouped-query attention (its heads are not evenly strided)."""
+    s, b, groups, per_group, d = qkv.shape
+    q, k, v = qkv.split([per_group - 2, 1, 1], dim=3)
+    return q.reshape(s, b, groups * (per_group - 2), d), k.squeeze(3), v.squeeze(3)
+
+
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``split_qkv`` with q and k rotated. In one graph the split costs nothing: the kernel reads
+    the QKV projection once and writes q, k (and v, so that the backward, fed all three gradients,
+    writes the QKV gradient in the same kernel instead of a rotation kernel and a cat)."""
+    q, k, v = split_qkv(qkv)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
 
 
 bias_gelu = _Fusable(_bias_gelu)
 bias_swiglu = _Fusable(_bias_swiglu)
 bias_dropout_add = _Fusable(_bias_dropout_add)
-rope_qk = _Fusable(_rope_qk)
-
-
-def dropout_mask(x: torch.Tensor, p: float, sequence_parallel: bool) -> torch.Tensor:
-    """The scaled keep-mask eager ``F.dropout(x, p, True)`` multiplies by on the CPU, drawn from
-    the same generator ``megatron_ds.model.transformer.hidden_dropout`` would use."""
-    fork = get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
-    with fork:
-        return torch.empty_like(x).bernoulli_(1.0 - p).div_(1.0 - p)
+rope_qkv = _Fusable(_rope_qkv)
+FUSED_FUNCTIONS = (bias_gelu, bias_swiglu, bias_dropout_add, rope_qkv)
 
 
 def use_compiled(x: torch.Tensor, on_cpu: bool) -> bool:

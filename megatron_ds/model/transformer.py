@@ -15,12 +15,14 @@ Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, dropout_mask, rope_qk, use_compiled
+from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
@@ -90,18 +92,13 @@ class ParallelAttention(nn.Module):
         qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.num_heads, self.kv_channels)
-        k = qkv[:, :, :, self.heads_per_group]
-        v = qkv[:, :, :, self.heads_per_group + 1]
-        if self.rope_dim is not None:
-            if kv_cache is None:
-                cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device)
-            else:  # new positions start at the cache offset; one table for the whole generation
-                cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, q.device)
-                cos, sin = cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
-            if self.rope_fusion and use_compiled(q, self.fusions_on_cpu):
-                q, k = rope_qk(True, q, k, cos, sin)
-            else:
+        if self.rope_dim is not None and self.rope_fusion and use_compiled(qkv, self.fusions_on_cpu):
+            # one kernel splits and rotates, and its backward writes the QKV gradient in one go
+            q, k, v = rope_qkv(True, qkv, *self._rotary_tables(s, qkv.device, kv_cache))
+        else:
+            q, k, v = split_qkv(qkv)
+            if self.rope_dim is not None:
+                cos, sin = self._rotary_tables(s, qkv.device, kv_cache)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.store(k, v)
@@ -113,6 +110,13 @@ class ParallelAttention(nn.Module):
             context = self._core(q, k, v, mask)
         # with the compiled bias-dropout-add the bias is added there (Megatron's skip_bias_add)
         return self.dense(context, skip_bias_add=self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu))
+
+    def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache is None:
+            return rotary_cos_sin(s, self.rope_dim, self.rope_theta, device)
+        # new positions start at the cache offset; one table for the whole generation
+        cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, device)
+        return cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         s, b = q.shape[:2]
@@ -197,10 +201,13 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     """
     if not training or p == 0.0:
         return x
-    if sequence_parallel:
-        with get_rng_tracker().fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
+    with hidden_dropout_stream(sequence_parallel):
+        return F.dropout(x, p, True)
+
+
+def hidden_dropout_stream(sequence_parallel: bool):
+    """The generator hidden-state dropout draws from (see ``hidden_dropout``), as a context."""
+    return get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -248,7 +255,7 @@ class ParallelTransformerLayer(nn.Module):
         if not (self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu)):
             return residual + hidden_dropout(x, self.dropout_p, self.training, self.sequence_parallel)
         p = self.dropout_p if self.training else 0.0
-        mask = dropout_mask(x, p, self.sequence_parallel) if p > 0.0 else None
-        if bias is None and mask is None:  # one add: nothing to fuse
+        if bias is None and p == 0.0:  # one add: nothing to fuse
             return residual + x
-        return bias_dropout_add(True, x, bias, residual, mask)
+        with hidden_dropout_stream(self.sequence_parallel and p > 0.0):  # the mask is drawn in there
+            return bias_dropout_add(True, x, bias, residual, p)

@@ -22,7 +22,7 @@ def gpu(monkeypatch):
     if why is not None:
         pytest.skip(why)
     monkeypatch.setattr(fusions, "_FAILED", {})
-    for fusable in (fusions.bias_gelu, fusions.bias_swiglu, fusions.bias_dropout_add, fusions.rope_qk):
+    for fusable in fusions.FUSED_FUNCTIONS:
         monkeypatch.setattr(fusable, "_compiled", None)
         monkeypatch.setattr(fusable, "_proven", set())
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule places itself by it

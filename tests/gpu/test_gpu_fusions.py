@@ -72,21 +72,57 @@ def test_bias_swiglu(dtype, with_bias):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bias_dropout_add(dtype):
-    """With the mask the fused path draws; the reference is residual + F.dropout(x + bias) with the
-    same mask applied by hand (CUDA's F.dropout draws with its own kernel)."""
+    """Without dropout against residual + x + bias; the in-kernel dropout: ``test_in_kernel_dropout``."""
     x, bias, residual = _inputs((64, 2, 256), (256,), (64, 2, 256), dtype=dtype)
-    mask = fusions.dropout_mask(x.detach(), 0.1, False)
-    assert mask.dtype == dtype and ((mask == 0) | ((mask.float() - 1 / 0.9).abs() < 1e-2)).all()
-    _compare(fusions.bias_dropout_add, lambda x, b, r, m: r + (x + b) * m, (x, bias, residual, mask), dtype)
+    _compare(fusions.bias_dropout_add, lambda x, b, r, p: r + (x + b), (x, bias, residual, 0.0), dtype)
+
+
+def test_in_kernel_dropout():
+    """The compiled bias-dropout-add draws its mask inside the kernel (inductor's Philox stream,
+    seeded from the current CUDA generator): about p of the elements dropped, the others scaled by
+    1/(1-p); the same generator state draws the same mask, another state another; under activation
+    checkpointing the recompute redraws the forward's mask, so gradients equal those without."""
+    from megatron_ds.parallel.random import checkpoint
+
+    p = 0.25
+    x, bias, residual = _inputs((512, 2, 256), (256,), (512, 2, 256), dtype=torch.float32)
+
+    def run(seed, recompute):
+        torch.cuda.manual_seed(seed)
+        args = [t.detach().clone().requires_grad_(True) for t in (x, bias, residual)]
+        out = (checkpoint(fusions.bias_dropout_add, True, *args, p) if recompute
+               else fusions.bias_dropout_add(True, *args, p))
+        out.backward(torch.ones_like(out))
+        return out.detach(), [a.grad for a in args]
+
+    out, grads = run(5, recompute=False)
+    kept = out - residual.detach()
+    dropped = (kept == 0).float().mean().item()
+    assert abs(dropped - p) < 0.01, dropped  # 262144 draws: the fraction's std is ~0.001
+    nonzero = kept != 0
+    torch.testing.assert_close(kept[nonzero], ((x + bias).detach() / (1 - p))[nonzero], rtol=1e-5, atol=1e-5)
+    same, _ = run(5, recompute=False)
+    other, _ = run(6, recompute=False)
+    assert torch.equal(out, same) and not torch.equal(out, other)
+    replayed, replayed_grads = run(5, recompute=True)
+    assert torch.equal(replayed, out)
+    for g, r in zip(grads, replayed_grads):
+        assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # whole head, and --rotary-percent 0.5
 def test_rope(dtype, rotary_dim):
-    q, k = _inputs((128, 2, 8, 64), (128, 2, 2, 64), dtype=dtype)
-    cos, sin = rotary_cos_sin(128, rotary_dim, 10000.0, q.device)
-    _compare(fusions.rope_qk, lambda q, k, c, s: (apply_rotary(q, c, s), apply_rotary(k, c, s)),
-             (q, k, cos, sin), dtype)
+    """The fused split + rotation of the QKV projection ([s, b, groups, heads_per_group + 2, d]),
+    against the unfused split and rotation: outputs and the one QKV gradient."""
+    (qkv,) = _inputs((128, 2, 2, 6, 64), dtype=dtype)
+    cos, sin = rotary_cos_sin(128, rotary_dim, 10000.0, qkv.device)
+
+    def reference(qkv, c, s):
+        q, k, v = fusions.split_qkv(qkv)
+        return apply_rotary(q, c, s), apply_rotary(k, c, s), v
+
+    _compare(fusions.rope_qkv, reference, (qkv, cos, sin), dtype)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

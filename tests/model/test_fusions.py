@@ -277,7 +277,7 @@ def test_no_torch_compile_means_eager(monkeypatch):
     monkeypatch.delattr(torch, "compile")
     assert fusions.compile_unavailable() == "this torch has no torch.compile"
     x, bias, residual = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
-    assert torch.equal(fusions.bias_dropout_add(True, x, bias, residual, None), residual + (x + bias))
+    assert torch.equal(fusions.bias_dropout_add(True, x, bias, residual, 0.0), residual + (x + bias))
     assert fusions.describe_fusions().endswith(" eager (torch.compile unavailable: this torch has no torch.compile)")
 
 
@@ -287,16 +287,30 @@ def test_cpu_runs_eager_unless_forced():
     assert fusions.use_compiled(torch.empty(1, device="meta"), on_cpu=True)
 
 
-def test_dropout_mask_is_what_eager_dropout_draws():
-    """The fused path's mask is F.dropout's on the CPU, from the same generator: with dropout 0.3
-    the fused residual equals ``residual + F.dropout(x + bias)`` bit for bit, in fp32 and bf16."""
+def test_fused_dropout_is_what_eager_dropout_draws():
+    """The fused function draws its mask as eager F.dropout does on the CPU, from the same
+    generator: with dropout 0.3 the eager function equals ``residual + F.dropout(x + bias)`` bit
+    for bit, in fp32 and bf16 (the compiled one: the whole-model tests above)."""
     for dtype in (torch.float32, torch.bfloat16):
         x, bias, residual = (torch.randn(6, 2, 8).to(dtype), torch.randn(8).to(dtype), torch.randn(6, 2, 8).to(dtype))
         torch.manual_seed(3)
         want = residual + torch.nn.functional.dropout(x + bias, 0.3, True)
         torch.manual_seed(3)
-        got = fusions.bias_dropout_add(False, x, bias, residual, fusions.dropout_mask(x, 0.3, False))
-        assert torch.equal(got, want), dtype
+        assert torch.equal(fusions.bias_dropout_add(False, x, bias, residual, 0.3), want), dtype
+
+
+def test_compiled_dropout_follows_each_probability():
+    """Two dropout probabilities through the same compiled function, on inputs that need gradients:
+    each draws F.dropout's mask for its own p. torch 2.13 turned a float argument into a symbolic
+    input whose first value stuck (in the process and in inductor's on-disk cache), so the fusions
+    compile floats as constants (ds_compat.floats_as_compile_constants)."""
+    for p in (0.1, 0.3):
+        x, bias = torch.randn(6, 2, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+        residual = torch.randn(6, 2, 8)
+        torch.manual_seed(3)
+        want = residual + torch.nn.functional.dropout(x + bias, p, True)
+        torch.manual_seed(3)
+        torch.testing.assert_close(fusions.bias_dropout_add(True, x, bias, residual, p), want, **TOL)
 
 
 def test_uncompiled_fusions_are_the_unfused_path_bit_for_bit():
