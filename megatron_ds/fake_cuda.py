@@ -20,9 +20,11 @@ package asks, says "cuda" while ``cuda_present()`` is in force). The other devic
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
+import gc
 import hashlib
 import importlib.util
 import os
@@ -217,6 +219,11 @@ def activate(*, allow_non_fake_inputs: bool = True) -> Iterator[object]:
         import torch  # noqa: PLC0415
         from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
 
+        # Fake tensors left in reference cycles must be freed before the interpreter finalizes: the
+        # collection at exit races the autograd engine's "CUDA" device thread, which then aborts the
+        # process (seen as rc 134 after all went well).
+        atexit.unregister(gc.collect)  # registered once however often activated
+        atexit.register(gc.collect)
         with FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs) as mode:
             swap = torch.utils.swap_tensors
             torch.utils.swap_tensors = functools.partial(_swap_fake, swap, mode)

@@ -3,6 +3,7 @@ tensors (megatron_ds.fake_cuda; the shim is loaded by tests/conftest.py before t
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ def gpu(monkeypatch):
         yield
     rotary_cos_sin.cache_clear()  # its tables for "cuda:0" were fake tensors
     torch._dynamo.reset()  # no graphs compiled for fake CUDA tensors stay cached
+    gc.collect()  # fake tensors in cycles freed now, not at exit (see fake_cuda.activate)
     select_device(0)  # DS_ACCELERATOR=cpu again: DeepSpeed's accelerator back to the CPU
 
 
