@@ -161,11 +161,9 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
                              "SIGTERM/SIGUSR1 (save and exit)"),
 }
 
-# Behaviours not built yet (issue 23): refused rather than silently training something else.
-_NOT_YET = "is not supported yet; drop it"
-NOT_YET_FLAGS: dict[str, tuple[int, str]] = {
-    "--fp32-residual-connection": (0, "an fp32 residual stream " + _NOT_YET),
-}
+# Behaviours not built yet (issue 23): refused rather than silently training something else
+# (flag -> (nargs, "<what> is not supported yet; drop it")); none left.
+NOT_YET_FLAGS: dict[str, tuple[int, str]] = {}
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {

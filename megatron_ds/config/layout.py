@@ -16,8 +16,8 @@ from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimiz
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
-                                           check_learning_rate, check_parallel_sizes, check_precision, check_profile,
-                                           check_weight_decay, require)
+                                           check_fp32_residual, check_learning_rate, check_parallel_sizes,
+                                           check_precision, check_profile, check_weight_decay, require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, partition_stages,
                                             virtual_pipeline_size)
@@ -261,6 +261,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_learning_rate(o)
     check_weight_decay(o)
     check_activation(flags.model)
+    check_fp32_residual(flags.model, precision)
     check_data(flags.data)
     check_profile(flags.logging)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)

@@ -165,7 +165,8 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
     layer saves, which reproduces the 34 for GPT shapes and follows the model's ffn size, SwiGLU
     and grouped-query attention (tests/config/test_memory.py measures it with saved-tensor hooks):
 
-      replicated: both norms' inputs 2+2, the QKV and first MLP linear inputs 2+2, one dropout mask
+      replicated: both norms' inputs 2+2 (4+4 with --fp32-residual-connection: the residual stream
+        they read is fp32), the QKV and first MLP linear inputs 2+2, one dropout mask
         after attention and one after the MLP when hidden dropout is on (2 bytes: the fused
         bias-dropout-add multiplies by a mask in the activations' dtype; 1 byte, CUDA's bool mask,
         with --no-bias-dropout-fusion)
@@ -184,7 +185,8 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
     g = m.num_key_value_heads or a
     f = m.ffn_hidden_size or 4 * h
     masks = 2 * (2 if m.bias_dropout_fusion else 1) if m.hidden_dropout > 0 else 0
-    replicated = 2 + 2 + 2 + 2 + masks
+    residual = 4 if m.fp32_residual_connection else 2  # the flag is refused with fp32 weights (validation.py)
+    replicated = residual + residual + 2 + 2 + masks
     qkv = 2 * (a + 2 * g) * d / h
     rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" else 0.0
     core = 2 * a * d / h + (4 * a / h if recompute != "selective" else 0.0)
@@ -257,7 +259,8 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str,
 
     layers = stage.layers[1] - stage.layers[0]
     in_flight = in_flight_micro_batches(layout, stage.stage)
-    act_bytes = 4 if layout.precision == "fp32" else 2
+    # the hidden state kept per recomputed chunk and crossing stages: the residual stream
+    act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
     shard = layout.tp if layout.sequence_parallel else 1
     sbh = m.seq_length * layout.micro_batch_size * m.hidden_size
     if layout.recompute == "full":

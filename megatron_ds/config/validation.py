@@ -184,6 +184,15 @@ def check_engine(par, *, pp: int, tp: int, zero_stage: int, seq_length: int) -> 
         raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by TP {tp}")
 
 
+def check_fp32_residual(m, precision: str) -> None:
+    """--fp32-residual-connection keeps the residual stream of a half-precision model in fp32; in an
+    fp32 run there is nothing to keep, and Megatron-DeepSpeed refuses it too (megatron/arguments.py:
+    "residual connection in fp32 only supported when using fp16 or bf16")."""
+    if m.fp32_residual_connection and precision == "fp32":
+        raise ConfigError("--fp32-residual-connection keeps the residual stream of an --fp16 or --bf16 model "
+                          "in fp32; pass --bf16 or --fp16, or drop it")
+
+
 def check_learning_rate(o) -> None:
     require(o.lr, "--lr")
     if o.override_lr_scheduler and o.use_checkpoint_lr_scheduler:

@@ -61,15 +61,16 @@ class GPTEmbedding(nn.Module):
     ``max_position_embeddings=None`` builds no position table (rope / no positions); the copy of
     the word embeddings that serves as the tied output layer on the last pipeline stage is built
     that way too, since it needs only the word embedding weight. ``vocab_size``: the real
-    vocabulary, whose padding columns ``logits`` masks (None: no masking).
+    vocabulary, whose padding columns ``logits`` masks (None: no masking). ``fp32_residual``
+    (--fp32-residual-connection): the output starts the residual stream in fp32.
     """
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
-                 vocab_size: int | None = None, fused_loss: bool = False):
+                 vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False):
         super().__init__()
-        self.vocab_size, self.fused_loss = vocab_size, fused_loss
+        self.vocab_size, self.fused_loss, self.fp32_residual = vocab_size, fused_loss, fp32_residual
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = dropout
@@ -96,6 +97,8 @@ class GPTEmbedding(nn.Module):
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.fp32_residual:  # as Megatron's Embedding.forward (language_model.py): after the transpose
+            x = x.float()
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         x = hidden_dropout(x, self.dropout, self.training, self.sequence_parallel)
@@ -138,13 +141,17 @@ class GPTOutputHead(nn.Module):
 
 
 class FinalNorm(nn.Module):
-    """The norm after the last transformer layer; drops the document ids, which end here."""
+    """The norm after the last transformer layer; drops the document ids, which end here.
+    ``fp32_input`` (--fp32-residual-connection): it ends the fp32 residual stream, handing the
+    output layer the weights' dtype (``model/norms.py`` ``Fp32InputNorm``)."""
 
     def __init__(self, normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False):
+                 params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False,
+                 fp32_input: bool = False):
         super().__init__()
         self.final_layernorm = build_norm(normalization, hidden_size, eps, sequence_parallel=sequence_parallel,
-                                          params_dtype=params_dtype, device=device, one_plus=one_plus)
+                                          params_dtype=params_dtype, device=device, one_plus=one_plus,
+                                          fp32_input=fp32_input)
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _ = split_hidden_and_documents(inputs)

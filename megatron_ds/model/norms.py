@@ -40,9 +40,39 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
+class Fp32InputNorm(nn.Module):
+    """The norm of an fp32 residual stream (--fp32-residual-connection) in a half-precision model:
+    computed in fp32 from the fp32 input, returned in the weights' dtype for the half-precision
+    branch behind it. That is Megatron's MixedFusedLayerNorm, whose kernel (megatron/fused_kernels/
+    layer_norm_cuda.cpp, added with the flag) allocates the output as ``gamma``'s dtype and keeps the
+    statistics in fp32, with the input's gradient in the input's dtype. Here the affine part runs in
+    fp32 too (one rounding, at the end). Parameters are named as the other norms' (``weight``, and
+    ``bias`` for LayerNorm), so checkpoints load either way."""
+
+    def __init__(self, kind: str, hidden_size: int, eps: float, *, params_dtype: torch.dtype, device=None,
+                 one_plus: bool = False):
+        super().__init__()
+        self.kind, self.eps, self.one_plus = kind, eps, one_plus and kind == "layernorm"
+        init = torch.zeros if self.one_plus else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=params_dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=params_dtype)) \
+            if kind == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf, weight = x.float(), self.weight.float()
+        if self.kind == "rmsnorm":
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+        else:
+            weight = weight + 1 if self.one_plus else weight
+            y = F.layer_norm(xf, xf.shape[-1:], weight, self.bias.float(), self.eps)
+        return y.to(self.weight.dtype)
+
+
 def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
-               params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False) -> nn.Module:
-    """A normalization layer over the last dimension.
+               params_dtype: torch.dtype = torch.float32, device=None, one_plus: bool = False,
+               fp32_input: bool = False) -> nn.Module:
+    """A normalization layer over the last dimension; ``fp32_input``: it reads the fp32 residual
+    stream of --fp32-residual-connection (``Fp32InputNorm``).
 
     Under sequence parallelism each tensor parallel rank normalizes a different slice of the
     sequence, so the norm's weight gradients are partial sums; the parameters are tagged
@@ -53,7 +83,9 @@ def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_par
     if kind not in ("layernorm", "rmsnorm"):
         raise ValueError(f"unknown normalization {normalization!r}; use layernorm or rmsnorm")
     apex = apex_norm_classes()
-    if one_plus and kind == "layernorm":  # Megatron ignores the flag for RMSNorm; so does this
+    if fp32_input:  # whatever the half-precision kernels, this one reads fp32 and writes params_dtype
+        norm = Fp32InputNorm(kind, hidden_size, eps, params_dtype=params_dtype, device=device, one_plus=one_plus)
+    elif one_plus and kind == "layernorm":  # Megatron ignores the flag for RMSNorm; so does this
         norm = LayerNorm1P(hidden_size, eps=eps, device=device, dtype=params_dtype)
     elif apex is not None:
         fused_layernorm, fused_rmsnorm = apex

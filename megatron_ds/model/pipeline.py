@@ -89,7 +89,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     m = model_cfg
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
-    embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout, **common)
+    embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout,
+                     fp32_residual=m.fp32_residual_connection, **common)
     fused_loss = m.liger_kernel  # liger's fused linear + cross entropy where it applies (model/liger.py)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     eod = eod_token if reset_attention_mask else None
@@ -111,7 +112,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                                recompute_attention=recompute_granularity == "selective", **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
-                           one_plus=m.apply_layernorm_1p))
+                           one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))
     if tied:
         # Built only on a last stage that does not also hold the embedding; that copy needs no
         # position table (its weights come from the first stage's broadcast anyway).

@@ -228,6 +228,9 @@ class ParallelTransformerLayer(nn.Module):
         parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
                         device=device)
         norm["one_plus"] = cfg.apply_layernorm_1p
+        # --fp32-residual-connection: the stream between layers is fp32; the norms read it in fp32 and
+        # hand the branches the weights' dtype (Megatron's MixedFusedLayerNorm, model/norms.py)
+        self.fp32_residual = norm["fp32_input"] = cfg.fp32_residual_connection
         # --apply-residual-connection-post-layernorm: the residual is the norm's output (Megatron's layer)
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
@@ -251,7 +254,15 @@ class ParallelTransformerLayer(nn.Module):
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.
         Where the fusions are not compiled (the CPU by default) this is the unfused path, so the
-        numbers are bit for bit those without fusion there."""
+        numbers are bit for bit those without fusion there.
+
+        With --fp32-residual-connection the add promotes to fp32 (the half-precision ``x + bias`` and
+        dropout stay in half, as in Megatron-DeepSpeed's ParallelTransformerLayer.forward, whose
+        bias_dropout_add gets the fp32 residual: megatron/model/transformer.py); a residual
+        taken from a norm's output (--apply-residual-connection-post-layernorm) is widened first, so
+        the stream stays fp32 where Megatron's layer would fall back to half precision."""
+        if self.fp32_residual:
+            residual = residual.float()
         if not (self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu)):
             return residual + hidden_dropout(x, self.dropout_p, self.training, self.sequence_parallel)
         p = self.dropout_p if self.training else 0.0

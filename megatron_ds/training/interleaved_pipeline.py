@@ -224,8 +224,10 @@ def build_interleaved_model(layout, ps, common: dict):
 def wrap_engine(engine, run, ps) -> InterleavedPipeline:
     """The executor around DeepSpeed's plain engine holding ``build_interleaved_model``'s module."""
     layout = run.layout
-    specs = activation_specs(layout, reset_attention_mask=run.data.reset_attention_mask,
-                             dtype=PRECISION_DTYPES[layout.precision])
+    # --fp32-residual-connection: the hidden state between stages is the fp32 residual stream
+    # (Megatron's p2p_communication receives into fp32 buffers then too)
+    hidden_dtype = torch.float32 if layout.model.fp32_residual_connection else PRECISION_DTYPES[layout.precision]
+    specs = activation_specs(layout, reset_attention_mask=run.data.reset_attention_mask, dtype=hidden_dtype)
     if layout.precision == "bf16" and not ds_compat.accumulates_grads_in_fp32(engine):
         print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
                     "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "

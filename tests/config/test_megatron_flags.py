@@ -81,7 +81,7 @@ REFUSED = {
 }
 
 # behaviours not built yet: refused saying so (flip to accepted with a behaviour test when built)
-NOT_YET = {"--fp32-residual-connection"}
+NOT_YET: set[str] = set()  # --fp32-residual-connection was the last (tests/model/test_fp32_residual.py)
 REFUSED.update({f: "not supported yet" for f in NOT_YET})
 
 

@@ -48,7 +48,8 @@ def _saved_by_one_layer(model_cfg) -> int:
     m = model_cfg
     layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cpu")
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    stream = torch.float32 if m.fp32_residual_connection else torch.bfloat16  # the layer's input
+    x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=stream, requires_grad=True)
     saved = {}
 
     def pack(t):
@@ -68,6 +69,7 @@ LAYER_CASES = {
     # LayerNorm, because torch's RMSNorm is a composite of fp32 ops on the CPU (fused on CUDA).
     "llama_like": ["--swiglu", "--ffn-hidden-size", "688", "--num-key-value-heads", "2",
                    "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0"],
+    "fp32_residual": ["--fp32-residual-connection"],  # both norms read the fp32 stream
 }
 
 
