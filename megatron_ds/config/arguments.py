@@ -161,9 +161,32 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
                              "SIGTERM/SIGUSR1 (save and exit)"),
 }
 
-# Behaviours not built yet (issue 23): refused rather than silently training something else
-# (flag -> (nargs, "<what> is not supported yet; drop it")); none left.
-NOT_YET_FLAGS: dict[str, tuple[int, str]] = {}
+# Megatron-DeepSpeed's flags of other model families (megatron/arguments.py _add_retro_args,
+# _add_vision_args, _add_biencoder_args and its knowledge-distillation flags): refused naming the family,
+# whatever values follow (-1: any number), so that no flag of theirs is unknown here.
+_OTHER_FAMILIES = {
+    "retrieval-augmented (RETRO) models": (
+        "--retro-workdir --retro-add-retriever --retro-cyclic-train-iters --retro-encoder-layers "
+        "--retro-encoder-hidden-dropout --retro-encoder-attention-dropout --retro-num-neighbors "
+        "--retro-num-retrieved-chunks --retro-return-doc-ids"),
+    "biencoder (ICT/ORQA retriever) training": (
+        "--ict-head-size --biencoder-projection-dim --biencoder-shared-query-context-model --ict-load --bert-load "
+        "--titles-data-path --query-in-block-prob --use-one-sent-docs --evidence-data-path "
+        "--retriever-report-topk-accuracies --retriever-score-scaling --block-data-path --embedding-path "
+        "--indexer-batch-size --indexer-log-interval"),
+    "vision models (ViT, Swin, DINO, inpainting)": (
+        "--num-classes --img-h --img-w --num-channels --patch-dim --classes-fraction --data-per-class-fraction "
+        "--no-data-sharding --head-lr-mult --vision-pretraining --vision-pretraining-type --vision-backbone-type "
+        "--swin-backbone-type --mask-type --mask-factor --iter-per-epoch --dino-local-img-size "
+        "--dino-local-crops-number --dino-head-hidden-size --dino-bottleneck-size --dino-freeze-last-layer "
+        "--dino-norm-last-layer --dino-warmup-teacher-temp --dino-teacher-temp --dino-warmup-teacher-temp-epochs"),
+    "knowledge distillation (teacher models, MoS)": (
+        "--num-layers-teacher --num-experts-teacher --hidden-size-teacher --num-attention-heads-teacher --mos --kd "
+        "--kd-alpha-ce --kd-beta-ce --kd-temp --reset-iteration --load-teacher"),
+}
+REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which pretrains GPT and Llama-style "
+                                 f"models; drop the flag")
+                      for family, flags in _OTHER_FAMILIES.items() for flag in flags.split()})
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
@@ -257,7 +280,7 @@ class _Ignored(argparse.Action):
 
 class _Unsupported(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        reason = {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS, **NOT_YET_FLAGS}[option_string][1]
+        reason = {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS}[option_string][1]
         parser.error(f"{option_string}: {reason}")
 
 
@@ -313,7 +336,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                             help=argparse.SUPPRESS)
     for flag, (nvals, _) in IGNORED_WITH_REASON.items():
         compat.add_argument(flag, action=_Ignored, nargs=nvals, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for flag, (nvals, _) in {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS, **NOT_YET_FLAGS}.items():
+    for flag, (nvals, _) in {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS}.items():
         nargs = "*" if nvals < 0 else nvals
         parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)

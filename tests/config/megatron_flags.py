@@ -10,7 +10,7 @@ megatron_ds so the before/after table can run it against any tree.
 """
 from __future__ import annotations
 
-# groups that are other products (retrieval, vision, biencoder, distillation): out of issue 23's scope
+# groups of other model families (retrieval, vision, biencoder, distillation): refused naming the family
 OUT_OF_SCOPE_GROUPS = ("retro", "vision", "biencoder", "distillation")
 
 # (group, flag and its aliases, values passed with it)
