@@ -59,14 +59,15 @@ def _agree(error: str | None) -> None:
         raise ConfigError(error)
 
 
-def prepare_save_dir(save_dir: str, layout, log=print) -> SaveLock | None:
-    """Collective: rank 0 checks --save and takes its lock. Returns the lock on rank 0."""
+def prepare_save_dir(save_dir: str, layout, timeout_minutes: float, log=print) -> SaveLock | None:
+    """Collective: rank 0 checks --save and takes its lock. Returns the lock on rank 0. Waiting for a
+    holder that may be gone (``lock``) ends well before the other ranks' collective would time out."""
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
             check_save_dir(save_dir, checkpoint_bytes(layout))
             lock = SaveLock(save_dir)
-            lock.acquire(log=log)
+            lock.acquire(log=log, wait_limit_s=0.8 * timeout_minutes * 60)
         except (ConfigError, LockHeld) as exc:
             error = str(exc)
     _agree(error)

@@ -50,7 +50,7 @@ def _startup_checks(run: Run):
     startup_barrier(timeout)
     watch = CollectiveWatch(timeout)
     save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, log=mlog.print_rank0) if save else None
+    lock = prepare_save_dir(save, run.layout, timeout, log=mlog.print_rank0) if save else None
     return lock, watch
 
 
