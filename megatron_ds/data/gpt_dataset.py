@@ -220,23 +220,57 @@ def _open_indexed(prefix: str, log):
     return indexed
 
 
-def _split_datasets(prefix, split, num_samples, **kw) -> list[GPTDataset | None]:
-    log = kw["log"]
+def _open_split(prefix: str, split: str, log):
+    """The prefix's indexed dataset and its document bounds under --split (logged as Megatron does)."""
     indexed = _open_indexed(prefix, log)
-    n = len(indexed.sizes)
-    bounds, fractions = split_document_ranges(split, n), parse_split(split)
+    bounds = split_document_ranges(split, len(indexed.sizes))
+    for s, name in enumerate(SPLIT_NAMES):
+        log(f"    {name}: document indices in [{bounds[s]}, {bounds[s + 1]}) total of "
+            f"{bounds[s + 1] - bounds[s]} documents")
+    return indexed, bounds
+
+
+def _report_empty(split: str, name: str, empty: list[str], documents: list[int], *, blended: bool, log) -> None:
+    """A split --split leaves without documents. Megatron-DeepSpeed builds no dataset for it
+    (megatron/data/gpt_dataset.py build_dataset: only when splits[index + 1] > splits[index]) and so
+    skips its evaluation; in a blend where only some prefixes lack it, BlendableDataset's
+    `assert num_datasets == len(weights)` fails. Here: the evaluation is skipped with a warning, the
+    blend keeps the prefixes that have documents; an empty train split stays an error (upstream
+    would silently train on nothing)."""
+    where = f"--split {split} leaves the {name} split of {' '.join(empty)} without documents " \
+            f"({', '.join(map(str, documents))} in total)"
+    if blended:
+        log(f"WARNING: {where}: the {name} blend uses the other prefixes, their weights renormalized")
+    elif name == "train":
+        raise ValueError(f"{where}; use more data or change --split")
+    else:
+        log(f"WARNING: {where}: no {name} dataset, its evaluation is skipped (as in Megatron-DeepSpeed)")
+
+
+def _split_datasets(prefixes, weights, split, num_samples, **kw) -> list:
+    """(train, valid, test) from the documents of each prefix cut by --split: a GPTDataset each for a
+    single prefix (weights None), else a blend of the prefixes whose part of the split has documents."""
+    from megatron_ds.data.blendable_dataset import blended_num_samples
+
+    log = kw["log"]
+    opened = [_open_split(p, split, log) for p in prefixes]
+    fractions = parse_split(split)
     out = []
     for s, name in enumerate(SPLIT_NAMES):
-        lo, hi = bounds[s], bounds[s + 1]
-        log(f"    {name}: document indices in [{lo}, {hi}) total of {hi - lo} documents")
-        if hi <= lo:
-            if fractions[s] > 0 and num_samples[s] > 0:
-                raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "
-                                 f"({n} in total); use more data or change --split")
+        have = [i for i, (_, b) in enumerate(opened) if b[s + 1] > b[s] and (weights is None or weights[i] > 0)]
+        empty = [i for i, (_, b) in enumerate(opened) if b[s + 1] <= b[s]]
+        if empty and fractions[s] > 0 and num_samples[s] > 0:
+            _report_empty(split, name, [prefixes[i] for i in empty], [len(opened[i][0].sizes) for i in empty],
+                          blended=bool(have), log=log)
+        if not have or (weights is not None and num_samples[s] == 0):
             out.append(None)
             continue
-        out.append(GPTDataset(name, prefix, np.arange(lo, hi, dtype=np.int64), indexed, num_samples[s],
-                              split=split, **kw))
+        kept = [1.0] if weights is None else [weights[i] / sum(weights[j] for j in have) for i in have]
+        # Megatron's per-dataset requests (each with its margin) over the prefixes kept
+        counts = [num_samples[s]] if weights is None else [c for [c] in blended_num_samples(kept, [num_samples[s]])]
+        parts = [GPTDataset(name, prefixes[i], np.arange(opened[i][1][s], opened[i][1][s + 1], dtype=np.int64),
+                            opened[i][0], n, split=split, **kw) for i, n in zip(have, counts)]
+        out.append(parts[0] if weights is None else _blend(parts, kept, sum(counts), prefixes[0], **kw))
     return out
 
 
@@ -280,7 +314,7 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
     data_path (`PATH` or `W1 PATH1 W2 PATH2 ...`, a string or list of words) is split into
     documents by `split`; or train/valid/test_data_path each give a whole dataset (or blend).
     """
-    from megatron_ds.data.blendable_dataset import blended_num_samples, parse_data_path
+    from megatron_ds.data.blendable_dataset import parse_data_path
 
     nums = [int(n) for n in train_valid_test_num_samples]
     if len(nums) != 3 or min(nums) < 0:
@@ -294,14 +328,7 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
                              "--test-data-path; use one or the other")
         prefixes, weights = parse_data_path(data_path)
         log(f" > building train, valid, test datasets from {' '.join(prefixes)} with --split {split}")
-        if weights is None:
-            return tuple(_split_datasets(prefixes[0], split, nums, **kw))
-        counts = blended_num_samples(weights, nums)
-        per_dataset = [_split_datasets(p, split, c, **kw) for p, c in zip(prefixes, counts)]
-        return tuple(
-            _blend([parts[s] for parts in per_dataset], weights, sum(c[s] for c in counts), prefixes[0], **kw)
-            for s in range(3)
-        )
+        return tuple(_split_datasets(prefixes, weights, split, nums, **kw))
     if not any(separate):
         raise ValueError("no data given: pass --data-path, or --train-data-path (and optionally "
                          "--valid-data-path/--test-data-path)")
