@@ -8,6 +8,7 @@ Layout of ``--save DIR``::
     DIR/latest_checkpointed_iteration.txt      TRACKER, Megatron's: "N"
     DIR/latest                                 DeepSpeed's tracker: "global_stepN" (for its tools)
     DIR/.megatron_ds.lock                      the running job's lock (``lock``)
+    DIR/latest_universal                       a DeepSpeed universal checkpoint's tracker (``universal``)
 
 Every module that reads or writes these names takes them from here. The files inside
 ``global_stepN`` that DeepSpeed writes are described in ``megatron_ds.checkpoint.files``.
@@ -22,6 +23,7 @@ from megatron_ds.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DS_TRACKER = "latest"
+UNIVERSAL_TRACKER = "latest_universal"  # written by DeepSpeed's ds_to_universal next to its output folder
 META = "megatron_ds_config.json"
 MANIFEST = "megatron_ds_manifest.json"
 _STEP = re.compile(r"^global_step(\d+)$")

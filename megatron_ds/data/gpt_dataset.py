@@ -213,6 +213,11 @@ def _open_indexed(prefix: str, log):
 
     if not dataset_exists(prefix):
         hint = " (give the path without the .bin/.idx suffix)" if prefix.endswith((".bin", ".idx")) else ""
+        present = [f for f in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(f)]
+        if present:  # half a dataset: name the half that is missing
+            [there] = present
+            missing = f"{prefix}.idx" if there.endswith(".bin") else f"{prefix}.bin"
+            raise FileNotFoundError(f"dataset {prefix} is incomplete: {missing} is missing ({there} exists)")
         raise FileNotFoundError(f"no dataset at {prefix}: expected {prefix}.bin and {prefix}.idx{hint}")
     start = time.time()
     indexed = MMapIndexedDataset(prefix)
@@ -247,6 +252,17 @@ def _report_empty(split: str, name: str, empty: list[str], documents: list[int],
         log(f"WARNING: {where}: no {name} dataset, its evaluation is skipped (as in Megatron-DeepSpeed)")
 
 
+def _with_documents(prefixes, weights, opened, split: str, s: int, num_samples: int, warn) -> list[int]:
+    """Indices of the prefixes whose part of split s has documents (and weight); reports the others
+    when that split was asked for samples."""
+    have = [i for i, (_, b) in enumerate(opened) if b[s + 1] > b[s] and (weights is None or weights[i] > 0)]
+    empty = [i for i, (_, b) in enumerate(opened) if b[s + 1] <= b[s]]
+    if empty and parse_split(split)[s] > 0 and num_samples > 0:
+        _report_empty(split, SPLIT_NAMES[s], [prefixes[i] for i in empty], [len(opened[i][0].sizes) for i in empty],
+                      blended=bool(have), log=warn)
+    return have
+
+
 def _split_datasets(prefixes, weights, split, num_samples, **kw) -> list:
     """(train, valid, test) from the documents of each prefix cut by --split: a GPTDataset each for a
     single prefix (weights None), else a blend of the prefixes whose part of the split has documents."""
@@ -254,14 +270,9 @@ def _split_datasets(prefixes, weights, split, num_samples, **kw) -> list:
 
     log = kw["log"]
     opened = [_open_split(p, split, log) for p in prefixes]
-    fractions = parse_split(split)
     out = []
     for s, name in enumerate(SPLIT_NAMES):
-        have = [i for i, (_, b) in enumerate(opened) if b[s + 1] > b[s] and (weights is None or weights[i] > 0)]
-        empty = [i for i, (_, b) in enumerate(opened) if b[s + 1] <= b[s]]
-        if empty and fractions[s] > 0 and num_samples[s] > 0:
-            _report_empty(split, name, [prefixes[i] for i in empty], [len(opened[i][0].sizes) for i in empty],
-                          blended=bool(have), log=log)
+        have = _with_documents(prefixes, weights, opened, split, s, num_samples[s], log)
         if not have or (weights is not None and num_samples[s] == 0):
             out.append(None)
             continue
@@ -335,3 +346,23 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
     log(" > building datasets from separate train/valid/test paths (--split is ignored)")
     return tuple(None if path is None else _whole_dataset(name, path, nums[s], **kw)
                  for s, (name, path) in enumerate(zip(SPLIT_NAMES, separate)))
+
+
+def check_train_valid_test_data(*, data_path=None, split: str = "969,30,1", train_valid_test_num_samples,
+                                train_data_path=None, valid_data_path=None, test_data_path=None,
+                                warn: Callable[[str], None] = print) -> None:
+    """What build_train_valid_test_datasets would refuse or warn about, found from the index files
+    alone (their headers and sizes; no samples, no index caches): for --dry-run, before the queue.
+    Raises ValueError / OSError as it does; warnings (empty evaluation splits) go to ``warn``."""
+    from megatron_ds.data.blendable_dataset import parse_data_path
+
+    quiet = lambda *a: None  # noqa: E731 - the per-split document ranges are start-up detail
+    if data_path:
+        prefixes, weights = parse_data_path(data_path)
+        opened = [_open_split(p, split, quiet) for p in prefixes]
+        for s in range(len(SPLIT_NAMES)):
+            _with_documents(prefixes, weights, opened, split, s, train_valid_test_num_samples[s], warn)
+        return
+    for path in (train_data_path, valid_data_path, test_data_path):
+        for prefix in parse_data_path(path)[0] if path else ():
+            _open_indexed(prefix, quiet)

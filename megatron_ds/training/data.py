@@ -111,3 +111,12 @@ def describe_source(data: DataConfig) -> str:
         return "--mock-data"
     paths = data.train_data_path or data.data_path or []
     return " ".join(paths)
+
+
+def samples_per_split(layout, training) -> tuple[int, int, int]:
+    """Samples a run asks of (train, valid, test), as Megatron's build_train_valid_test_data_iterators:
+    every iteration's global batch; --eval-iters global batches per evaluation, one every
+    --eval-interval plus the final one; --eval-iters global batches of the test set."""
+    train_samples = layout.train_iters * layout.global_batch_size
+    evals = (layout.train_iters // training.eval_interval + 1) * training.eval_iters if training.eval_interval else 0
+    return (train_samples, evals * layout.global_batch_size, training.eval_iters * layout.global_batch_size)

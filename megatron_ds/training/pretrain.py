@@ -18,6 +18,7 @@ from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import device as devices
 from megatron_ds.training import log as mlog
+from megatron_ds.training.file_checks import check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
@@ -38,6 +39,7 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on = "cuda" if devices.device_type() == "cuda" or flags.training.fp16 else "cpu"
     run, _ = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
+    check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
     print(run.describe())
     for note in run.notes:
         print(f"WARNING: {note}")
