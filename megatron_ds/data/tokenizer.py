@@ -462,15 +462,20 @@ class MockTokenizer:
         self.name = "mock"
 
 
+def resolved_tokenizer_type(data) -> str | None:
+    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else
+    Megatron-DeepSpeed's default (its pretrain_gpt.py passes args_defaults={'tokenizer_type':
+    'GPT2BPETokenizer'}); None for --mock-data without a --vocab-file (no tokenizer at all)."""
+    if data.tokenizer_type is not None:
+        return data.tokenizer_type
+    return None if data.mock_data and not data.vocab_file else "GPT2BPETokenizer"
+
+
 def build_tokenizer_for(data, log=print):
-    """The tokenizer a run's data section (``DataConfig``) names: --tokenizer-type and its files;
-    without a type, Megatron-DeepSpeed's default (its pretrain_gpt.py passes
-    args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}), or for --mock-data alone a
-    ``MockTokenizer`` of --vocab-size ids."""
-    tokenizer_type = data.tokenizer_type
+    """The tokenizer a run's data section (``DataConfig``) names (``resolved_tokenizer_type``) with its
+    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids."""
+    tokenizer_type = resolved_tokenizer_type(data)
     if tokenizer_type is None:
-        if data.mock_data and not data.vocab_file:
-            return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
-        tokenizer_type = "GPT2BPETokenizer"
+        return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                            tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)
