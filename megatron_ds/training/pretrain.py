@@ -12,6 +12,8 @@ import time
 import torch
 
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
+from megatron_ds.config.arguments import build_parser
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
@@ -81,7 +83,13 @@ def _one_line(exc: Exception) -> str:
 
 
 def main(argv=None) -> int:
+    """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
+    flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
+    same rule as every CLI in tools/."""
     flags, ignored = parse_args(argv)
+    missing = missing_flags(flags, with_data=not flags.dry_run)
+    if missing:  # all of them at once, as argparse lists its required arguments
+        build_parser().error(f"missing required flags: {', '.join(missing)}")
     try:
         if flags.dry_run:
             return dry_run(flags, ignored)
