@@ -26,6 +26,10 @@ DS_TRACKER = "latest"
 UNIVERSAL_TRACKER = "latest_universal"  # written by DeepSpeed's ds_to_universal next to its output folder
 META = "megatron_ds_config.json"
 MANIFEST = "megatron_ds_manifest.json"
+# What META says in every checkpoint saved since a manifest alone decides completeness: META is
+# written before the manifest, so META without a manifest is an interrupted save -- unless META
+# lacks this entry, which marks a checkpoint written before manifests existed (complete then).
+COMPLETENESS = ("completeness", "manifest")
 _STEP = re.compile(r"^global_step(\d+)$")
 
 # Model fields that must agree between a checkpoint and the run loading it.

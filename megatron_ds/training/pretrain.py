@@ -17,6 +17,7 @@ from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
+from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import device as devices
 from megatron_ds.training import log as mlog
@@ -69,6 +70,7 @@ def pretrain(flags: Config, ignored: list[str]) -> TrainState:
 
     start_time = time.time()
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
+    watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
                              log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
