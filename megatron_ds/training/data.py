@@ -15,6 +15,7 @@ from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import PretrainingSampler
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
+from megatron_ds.training.signals import ignore_stop_signals
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -83,7 +84,8 @@ def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed
     generator = torch.Generator().manual_seed(consumed_samples)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
                                        collate_fn=collator, pin_memory=pin_memory(),
-                                       persistent_workers=data.num_workers > 0, generator=generator)
+                                       persistent_workers=data.num_workers > 0, generator=generator,
+                                       worker_init_fn=ignore_stop_signals)  # the trainer saves, then stops them
 
 
 def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False):
