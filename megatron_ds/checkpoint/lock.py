@@ -139,12 +139,12 @@ class SaveLock:
         holder that lives: on this host, its heartbeat moved, or still there at the deadline."""
         reported = None
         while True:
-            age = time.time() - beat
-            why = None if self._alive_here(info) else self._gone(info, age)
+            age, alive = time.time() - beat, self._alive_here(info)
+            why = None if alive else self._gone(info, age)
             if why:
                 return why
             left = deadline - time.monotonic()
-            if self._alive_here(info) or left <= 0:
+            if alive or left <= 0:
                 raise self._held(info, age, waited=reported is not None)
             if reported is None or time.monotonic() - reported >= COUNTDOWN_S:
                 reported = time.monotonic()

@@ -376,10 +376,19 @@ stage_data() {
   DATA_CACHE_PATH=${DATA_CACHE_PATH:-$RUN_DIR/index-cache}
 }
 
-# The world size must split into TP x PP blocks. Found here, it names the variable to change
-# (NUM_NODES, or the job's node request), not pretrain_gpt.py's --world-size that the script derives.
+# DRY_RUN: the world size must split into TP x PP blocks (the last --tensor/--pipeline-model-parallel-size
+# among the pretrain arguments "$@", else TP/PP). Found here, it names the variable to change
+# (NUM_NODES, or the job's node request), not the --world-size the script derives from it.
 check_world_size() {
-  local block=$((TP * PP)) nodes=1
+  local tp=$TP pp=$PP prev="" arg
+  for arg in "$@"; do
+    case "$prev" in
+      --tensor-model-parallel-size) tp=$arg ;;
+      --pipeline-model-parallel-size) pp=$arg ;;
+    esac
+    prev=$arg
+  done
+  local block=$((tp * pp)) nodes=1
   [ $((WORLD_SIZE % block)) = 0 ] && return 0
   while [ $((nodes * GPUS_PER_NODE % block)) != 0 ]; do nodes=$((nodes + 1)); done
   local where="NUM_NODES=$NUM_NODES"
@@ -388,7 +397,7 @@ check_world_size() {
     pbs) where="the job's $NUM_NODES node(s) (#PBS -l select=N)" ;;
   esac
   abci_die "world size $WORLD_SIZE ($where x GPUS_PER_NODE=$GPUS_PER_NODE) is not divisible by TP x PP =" \
-    "$TP x $PP = $block: use a multiple of $nodes node(s) (e.g. NUM_NODES=$nodes), or change TP/PP"
+    "$tp x $pp = $block: use a multiple of $nodes node(s) (e.g. NUM_NODES=$nodes), or change TP/PP"
 }
 
 # The inputs are checked before setup_job loads modules: a wrong path fails in seconds, with
@@ -398,7 +407,6 @@ prepare_training() {
   require_data_path "$DATA_PATH"
   set_tokenizer_args
   setup_job
-  check_world_size
   stage_data
   set_gpt_args
   if [ -n "${DATA_CACHE_PATH:-}" ]; then GPT_ARGS+=(--data-cache-path "$DATA_CACHE_PATH"); fi
@@ -424,6 +432,7 @@ build_mpirun_cmd() {
 # which also checks the layout's per-GPU memory estimate). Its exit status is the job's.
 dry_run_launch() {
   local name
+  check_world_size "$@"
   abci_note "DRY_RUN: hostfile $HOSTFILE:"
   sed 's/^/[abci]   /' "$HOSTFILE"
   abci_note "DRY_RUN: mpirun line:"

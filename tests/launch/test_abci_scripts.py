@@ -212,10 +212,10 @@ def test_multi_node_hostfile_and_dry_run(tmp_path, scheduler):
 def test_login_node_dry_run_takes_num_nodes(tmp_path):
     job = FakeJob(tmp_path, "sge")
     job.env = {}  # no scheduler at all
-    result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8, DRY_RUN=1)
+    result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8, DRY_RUN=1, GPUS_PER_NODE=4)
     assert result.returncode == 0, result.stdout + result.stderr
     [report] = read_probes(job.probes)
-    assert report["argv"][-4:-2] == ["--world-size", "16"]  # 8 nodes x GPUS_PER_NODE=2
+    assert report["argv"][-4:-2] == ["--world-size", "32"]  # 8 nodes x GPUS_PER_NODE=4: TP 4 x PP 8
     # Without a scheduler a real multi-node launch is refused, not attempted on this host.
     result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8)
     assert result.returncode != 0 and "NUM_NODES=8 without a scheduler" in result.stderr
@@ -254,6 +254,9 @@ def test_dry_run_world_size_not_divisible_names_num_nodes(tmp_path):
         "[abci] ERROR: world size 6 (NUM_NODES=3 x GPUS_PER_NODE=2) is not divisible by TP x PP = 4 x 8 = 32: use "
         "a multiple of 16 node(s) (e.g. NUM_NODES=16), or change TP/PP")
     assert not list(job.probes.iterdir())  # refused before the dry run itself
+    # a layout overridden after the script name counts: PP 2 x TP 4 = 8 ranks fit 4 nodes x 2 GPUs
+    result = job.run("abci2_v100_gpt_13b.sh", "--pipeline-model-parallel-size", "2", NUM_NODES=4, DRY_RUN=1)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_dry_run_outside_a_job_leaves_no_temporary_hostfile(tmp_path):
