@@ -73,20 +73,24 @@ class ShardWriter:
 
 def _data_config(ckpt: CheckpointFiles, overrides: dict) -> DataConfig:
     """The saved run's data section with the tool's flags over it. Checkpoints from before the run
-    recorded its resolved tokenizer say null where the default GPT-2 BPE was used: the training
-    run's own rule (``resolved_tokenizer_type``) tells it again from the recorded files."""
+    recorded its resolved tokenizer say null where the default GPT-2 BPE was used with the recorded
+    --vocab-file: the training run's own rule (``resolved_tokenizer_type``) tells it again. Without
+    recorded files (--mock-data alone, an import without tokenizer files) there is no tokenizer."""
     saved = {k: v for k, v in ckpt.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
     saved.update({k: v for k, v in overrides.items() if v is not None})
     data = DataConfig(**saved)
+    if data.tokenizer_type is None and not (data.vocab_file or data.merge_file):
+        return data
     return dataclasses.replace(data, tokenizer_type=resolved_tokenizer_type(data))
 
 
 def _tokenizer(data: DataConfig, log: Callable):
     """Our tokenizer for the saved run (None for mock data / NullTokenizer: no files to export)."""
     if data.tokenizer_type in (None, "NullTokenizer"):
-        log(f"NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint was trained "
-            f"{'on --mock-data without a tokenizer' if data.tokenizer_type is None else 'with NullTokenizer'}; "
-            f"pass --tokenizer-type with --vocab-file/--merge-file or --tokenizer-model to export one")
+        why = "records no tokenizer (--mock-data alone, or imported without tokenizer files)" \
+            if data.tokenizer_type is None else "was trained with NullTokenizer"
+        log(f"NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint {why}; pass "
+            f"--tokenizer-type with --vocab-file/--merge-file or --tokenizer-model to export one")
         return None
     try:
         return build_tokenizer_for(data, log=lambda *a: None)

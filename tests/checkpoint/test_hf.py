@@ -201,14 +201,20 @@ def test_default_tokenizer_is_recorded_and_exported_with_group_readable_files(tm
     assert "model.safetensors" in modes and "tokenizer.json" in modes
     assert set(modes.values()) == {0o664}, modes
 
+    # a checkpoint from before the resolved type was recorded: null, with the files it trained with
+    meta["config"]["data"]["tokenizer_type"] = None
+    with open(os.path.join(ckpt, "global_step1", "megatron_ds_config.json"), "w") as f:
+        json.dump(meta, f)
+    assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "older")]) == 0
+    assert json.load(open(tmp_path / "older" / "config.json"))["eos_token_id"] == eod
     # a checkpoint recording no tokenizer (as one trained on --mock-data alone)
     meta["config"]["data"].update(tokenizer_type=None, vocab_file=None, merge_file=None, mock_data=True)
     with open(os.path.join(ckpt, "global_step1", "megatron_ds_config.json"), "w") as f:
         json.dump(meta, f)
     capsys.readouterr()
     assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "bare")]) == 0
-    assert "NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint was trained on --mock-data " \
-           "without a tokenizer; pass --tokenizer-type" in capsys.readouterr().out
+    assert "NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint records no tokenizer " \
+           "(--mock-data alone, or imported without tokenizer files); pass --tokenizer-type" in capsys.readouterr().out
     assert json.load(open(tmp_path / "bare" / "config.json"))["eos_token_id"] is None
     assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "named"), "--tokenizer-type", "GPT2BPETokenizer",
                        "--vocab-file", vocab, "--merge-file", merges]) == 0
