@@ -156,6 +156,57 @@ def overrides_deepspeed_hook(fn):
     return fn
 
 
+# --- the DeepSpeed JSON ---------------------------------------------------------------------------
+class _KeysSeen:
+    """``dict.keys()`` whose ``in`` is recorded (``X in d.keys()`` bypasses the dict's __contains__)."""
+
+    def __init__(self, d: dict, seen: set):
+        self._d, self._seen = d, seen
+
+    def __contains__(self, key):
+        self._seen.add(key)
+        return key in self._d
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+class _RecordingDict(dict):
+    """The JSON's top level, recording every key DeepSpeed's config parser looks up."""
+
+    def __init__(self, data: dict, seen: set):
+        super().__init__(data)
+        self._seen = seen
+
+    def __getitem__(self, key):
+        self._seen.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._seen.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._seen.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        return _KeysSeen(dict(self), self._seen)
+
+
+def parse_deepspeed_config(ds_config: dict) -> set[str]:
+    """Build ``deepspeed.runtime.config.DeepSpeedConfig`` (what ``deepspeed.initialize`` builds) from
+    ``ds_config``; return the top-level keys it looked up. A key it never looked up is one DeepSpeed
+    ignores (0.16-0.19 read the top level through get / [] / in / keys(); sub-blocks are pydantic
+    models that refuse unknown keys themselves). Raises whatever DeepSpeed raises for a bad JSON."""
+    seen: set[str] = set()
+    _internal("DeepSpeedConfig")(_RecordingDict(ds_config, seen))
+    return seen
+
+
 # --- engine ---------------------------------------------------------------------------------------
 def engine_config(engine):
     """The engine's parsed DeepSpeedConfig (``engine._config``, 0.16-0.19), as checkpoint engines take it."""

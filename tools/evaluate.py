@@ -111,16 +111,31 @@ def evaluate(session, args) -> dict:
     return results
 
 
+def missing_input(args) -> str | None:
+    """An input file that is not there, named before the model is loaded."""
+    for path in args.ppl_data:
+        if not dataset_exists(path) and not os.path.isfile(path):
+            return f"--ppl-data {path}: neither a file nor a .bin/.idx prefix"
+    if args.lambada and not os.path.isfile(args.lambada):
+        return f"--lambada {args.lambada} does not exist (a JSONL file with a 'text' per line)"
+    return None
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit status: 2 for a command line refused as such, 1 when the work fails (pretrain_gpt.py's rule)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not args.ppl_data and not args.lambada:
-        print("error: nothing to evaluate: pass --ppl-data and/or --lambada", file=sys.stderr)
-        return 2
+        parser.error("nothing to evaluate: pass --ppl-data and/or --lambada")
+    missing = missing_input(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 1
     try:
         session = open_session(args)
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     try:
         results = evaluate(session, args)
         if session.is_main:
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
             print(f"> wrote {args.output}")
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     finally:
         close_session()
     return 0

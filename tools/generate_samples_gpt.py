@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", "--out-seq-length", dest="max_new_tokens", type=int, default=64,
                    help="tokens to generate after each prompt (Megatron: --out-seq-length)")
     g.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy; must not be negative")
     g.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="keep the k most likely (0: off)")
     g.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0,
                    help="keep the most likely tokens up to this probability mass (1.0: off)")
@@ -117,19 +117,35 @@ def interactive(session, cfg: SamplingConfig) -> None:
             session.log(r["prompt"] + r["generated"])
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy or args.temperature == 0,
-                         temperature=args.temperature if args.temperature > 0 else 1.0, top_k=args.top_k,
+def sampling_config(args, parser) -> SamplingConfig:
+    """The decoding the flags ask for; a value no decoding can use is a usage error (exit 2).
+    --temperature 0 is greedy decoding (the limit of sampling as the temperature goes to 0)."""
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature} is negative: use a temperature > 0 to sample, or 0 "
+                     f"(or --greedy) for greedy decoding")
+    greedy = args.greedy or args.temperature == 0
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=greedy,
+                         temperature=args.temperature if not greedy else 1.0, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                          stop_at_eod=args.stop_at_eod, seed=args.seed, use_cache=args.use_cache)
     try:
         cfg.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
+
+
+def main(argv=None) -> int:
+    """Exit status: 2 for a command line refused as such, 1 when the work fails (pretrain_gpt.py's rule)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = sampling_config(args, parser)
+    try:
         prompts = read_prompts(args)
         session = open_session(args)
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     try:
         if prompts is None:
             interactive(session, cfg)
@@ -139,7 +155,7 @@ def main(argv=None) -> int:
             write_results(results, args.output)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     finally:
         close_session()
     return 0

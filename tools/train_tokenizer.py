@@ -60,6 +60,16 @@ def gpt2_layout(merges):
     return vocab
 
 
+def _say_if_smaller(size: int, args, log) -> None:
+    """A small corpus runs out of merges (BPE: pairs below --min-frequency) or pieces (SentencePiece,
+    trained with hard_vocab_limit off) before --vocab-size: the model's vocabulary is what was
+    trained, so say it, with the number to pass on."""
+    if size < args.vocab_size:
+        log(f"WARNING: the trained vocabulary has {size} tokens, fewer than --vocab-size {args.vocab_size}: the "
+            f"corpus has too few distinct {'pairs' if args.type == 'bpe' else 'pieces'} for more (more data"
+            f"{', or a lower --min-frequency' if args.type == 'bpe' else ''}); the model's vocabulary is {size}")
+
+
 def train_bpe(args, log):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -84,6 +94,7 @@ def train_bpe(args, log):
         f.write("#version: 0.2\n")
         f.writelines(f"{a} {b}\n" for a, b in merges)
     log(f"> trained byte-level BPE: {len(vocab)} tokens ({len(merges)} merges)")
+    _say_if_smaller(len(vocab), args, log)
     log(f"> use: --tokenizer-type GPT2BPETokenizer --vocab-file {vocab_path} --merge-file {merges_path}")
     return vocab_path, merges_path
 
@@ -110,6 +121,7 @@ def train_sentencepiece(args, log):
     )
     sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
     log(f"> trained SentencePiece ({args.model_type}): {sp.get_piece_size()} pieces")
+    _say_if_smaller(sp.get_piece_size(), args, log)
     log(f"> use: --tokenizer-type SentencePieceTokenizer --tokenizer-model {prefix}.model")
     return (prefix + ".model",)
 

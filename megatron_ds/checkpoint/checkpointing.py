@@ -3,7 +3,9 @@
 ``save_checkpoint`` writes DeepSpeed's files, then (``megatron_ds.checkpoint.format``) the saved
 config, the manifest and the trackers. The trackers are written by rank 0 only after a barrier that
 every rank reaches once its own files are written, and atomically (temp file + rename): a crash
-during a save leaves the trackers pointing at the previous, complete checkpoint.
+during a save leaves the trackers pointing at the previous, complete checkpoint. The checkpoint is
+complete once its manifest exists (``integrity``); a kill before that leaves an interrupted save,
+which the next run moves aside.
 
 Loading checks the saved layout against this run's before touching any tensor, so a different
 model shape or TP/PP fails at once with the differing fields rather than with a size-mismatch
@@ -20,8 +22,8 @@ import torch.distributed as dist
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint import integrity
-from megatron_ds.checkpoint.format import (META, TRACKER, atomic_write, checkpoint_tag, read_meta, step_dir,
-                                           write_trackers)
+from megatron_ds.checkpoint.format import (COMPLETENESS, META, TRACKER, atomic_write, checkpoint_tag, read_meta,
+                                           step_dir, write_trackers)
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
 from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
 from megatron_ds.ds_compat import TorchCheckpointEngine
@@ -94,6 +96,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
     if dist.get_rank() == 0:
+        meta = {**meta, COMPLETENESS[0]: COMPLETENESS[1]}  # complete only once the manifest exists
         atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
     integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
     if dist.get_rank() == 0:

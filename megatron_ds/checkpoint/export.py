@@ -6,6 +6,7 @@ read, converted and written one at a time, so memory stays near one shard plus o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,10 +18,16 @@ from megatron_ds.checkpoint import hf
 from megatron_ds.checkpoint.consolidate import iter_consolidated_layers
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
 from megatron_ds.config.schema import DataConfig
-from megatron_ds.data.tokenizer import MockTokenizer, build_tokenizer_for
+from megatron_ds.data.tokenizer import build_tokenizer_for, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.progress import track
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class ShardWriter:
@@ -43,6 +50,8 @@ class ShardWriter:
 
         path = os.path.join(self.out_dir, f".shard-{len(self.files)}.safetensors")
         save_file(self.pending, path, metadata={"format": "pt"})
+        # safetensors creates its files 0600; ABCI groups share directories: follow the umask instead
+        os.chmod(path, 0o666 & ~_umask())
         self.files.append((path, list(self.pending)))
         self.pending, self.size = {}, 0
 
@@ -63,21 +72,31 @@ class ShardWriter:
 
 
 def _data_config(ckpt: CheckpointFiles, overrides: dict) -> DataConfig:
+    """The saved run's data section with the tool's flags over it. Checkpoints from before the run
+    recorded its resolved tokenizer say null where the default GPT-2 BPE was used with the recorded
+    --vocab-file: the training run's own rule (``resolved_tokenizer_type``) tells it again. Without
+    recorded files (--mock-data alone, an import without tokenizer files) there is no tokenizer."""
     saved = {k: v for k, v in ckpt.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
     saved.update({k: v for k, v in overrides.items() if v is not None})
-    return DataConfig(**saved)
+    data = DataConfig(**saved)
+    if data.tokenizer_type is None and not (data.vocab_file or data.merge_file):
+        return data
+    return dataclasses.replace(data, tokenizer_type=resolved_tokenizer_type(data))
 
 
 def _tokenizer(data: DataConfig, log: Callable):
-    """Our tokenizer for the saved run (None for mock data / NullTokenizer)."""
+    """Our tokenizer for the saved run (None for mock data / NullTokenizer: no files to export)."""
     if data.tokenizer_type in (None, "NullTokenizer"):
+        why = "records no tokenizer (--mock-data alone, or imported without tokenizer files)" \
+            if data.tokenizer_type is None else "was trained with NullTokenizer"
+        log(f"NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint {why}; pass "
+            f"--tokenizer-type with --vocab-file/--merge-file or --tokenizer-model to export one")
         return None
     try:
-        tok = build_tokenizer_for(data, log=lambda *a: None)
+        return build_tokenizer_for(data, log=lambda *a: None)
     except ConfigError as exc:
         raise ConfigError(f"the checkpoint's tokenizer cannot be loaded ({exc}); pass its files with "
                           f"--vocab-file/--merge-file or --tokenizer-model") from None
-    return None if isinstance(tok, MockTokenizer) else tok
 
 
 def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> None:
@@ -97,13 +116,14 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
     elif kind == "HFTokenizer":
         src = data.tokenizer_model
         src_dir = src if os.path.isdir(src) else os.path.dirname(src)
-        shutil.copy(os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src,
-                    os.path.join(out_dir, "tokenizer.json"))
+        # copyfile, not copy: the export's files follow the umask, not the source's mode
+        shutil.copyfile(os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src,
+                        os.path.join(out_dir, "tokenizer.json"))
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             if os.path.isfile(os.path.join(src_dir, name)):
-                shutil.copy(os.path.join(src_dir, name), os.path.join(out_dir, name))
+                shutil.copyfile(os.path.join(src_dir, name), os.path.join(out_dir, name))
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        shutil.copy(data.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
+        shutil.copyfile(data.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}, f)
         if kind == "SentencePieceTokenizer":

@@ -8,6 +8,7 @@ Layout of ``--save DIR``::
     DIR/latest_checkpointed_iteration.txt      TRACKER, Megatron's: "N"
     DIR/latest                                 DeepSpeed's tracker: "global_stepN" (for its tools)
     DIR/.megatron_ds.lock                      the running job's lock (``lock``)
+    DIR/latest_universal                       a DeepSpeed universal checkpoint's tracker (``universal``)
 
 Every module that reads or writes these names takes them from here. The files inside
 ``global_stepN`` that DeepSpeed writes are described in ``megatron_ds.checkpoint.files``.
@@ -22,8 +23,13 @@ from megatron_ds.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DS_TRACKER = "latest"
+UNIVERSAL_TRACKER = "latest_universal"  # written by DeepSpeed's ds_to_universal next to its output folder
 META = "megatron_ds_config.json"
 MANIFEST = "megatron_ds_manifest.json"
+# What META says in every checkpoint saved since a manifest alone decides completeness: META is
+# written before the manifest, so META without a manifest is an interrupted save -- unless META
+# lacks this entry, which marks a checkpoint written before manifests existed (complete then).
+COMPLETENESS = ("completeness", "manifest")
 _STEP = re.compile(r"^global_step(\d+)$")
 
 # Model fields that must agree between a checkpoint and the run loading it.

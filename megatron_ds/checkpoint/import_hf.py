@@ -15,7 +15,8 @@ import torch
 
 from megatron_ds.checkpoint import hf
 from megatron_ds.checkpoint.files import layer_file_name
-from megatron_ds.checkpoint.format import META, TRACKER, atomic_write, signature, step_dir
+from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir
+from megatron_ds.checkpoint.integrity import write_manifest
 from megatron_ds.config.schema import Config, DataConfig, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.progress import track
@@ -96,8 +97,9 @@ def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConf
         torch.save({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tag_dir, layer_file_name(idx, 0)))
     cfg = Config(model=m, data=DataConfig(**_tokenizer_settings(hf_dir, arch)))
     meta = {"signature": signature(m, padded_vocab_size=vocab), "config": cfg.to_dict(), "vocab_size": vocab,
-            "weights_only": True, "imported_from": os.path.abspath(hf_dir)}
+            "weights_only": True, "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
+    write_manifest(tag_dir, 0)  # complete, and verified when loaded, like a saved checkpoint
     atomic_write(os.path.join(save_dir, TRACKER), "0")  # Megatron's tracker only: there is no DeepSpeed state
     log(f"imported {hf.ARCHITECTURES[arch]} from {hf_dir} into {save_dir}; train it with\n  "
         + " ".join(hf.model_flags(m)) + f"\n  --load {save_dir} (continue) or --load {save_dir} --finetune")

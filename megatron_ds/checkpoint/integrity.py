@@ -11,10 +11,21 @@ TP 4 x PP 8 x DP 4 job each rank hashes ~1.4 GB: about a second, mostly from the
 written. Full coverage also catches a bit flip or a zeroed block in the middle of a tensor, which
 sampling would miss. Loading hashes the same shares again before any tensor is read.
 
+A checkpoint is complete when its manifest, written last (atomically, before the trackers), says
+so; nothing else counts. A ``global_stepN`` without one is an interrupted save (a job killed while
+saving): never loaded, never taken for a newer complete checkpoint, moved aside by the next run.
+Checkpoints written before manifests existed (the config file rank 0 wrote after all ranks' files,
+no manifest, and no file only a manifest-era save writes: ``format.COMPLETENESS`` in that config,
+a half-written manifest) load unverified.
+
 ``choose_checkpoint`` picks what ``--load`` loads: the tracker's step if it verifies, else the
 newest older complete one (saying why), or -- without a usable tracker -- the newest complete
-``global_step*``; ``--ckpt-step N`` demands exactly N. Checkpoints written before manifests
-existed (no manifest, but the config file rank 0 writes after all ranks' files) load unverified.
+``global_step*``; ``--ckpt-step N`` demands exactly N. A complete checkpoint newer than the tracker
+whose manifest was written after the tracker is a save the job finished but was killed before
+updating the tracker: it is loaded first. (A tracker edited back by hand is newer than every
+manifest: that rollback is kept, and ``protect_newer`` refuses to overwrite the newer ones.) When
+nothing complete ever existed -- no tracker, only interrupted saves, as after a kill during the first
+save -- the run starts from scratch.
 
 All functions that take no ``rank0`` are collective: every rank calls them and gets the same answer.
 """
@@ -27,10 +38,12 @@ import zlib
 
 import torch.distributed as dist
 
-from megatron_ds.checkpoint.format import MANIFEST, META, TRACKER, atomic_write, list_steps, read_tracker, step_dir
+from megatron_ds.checkpoint.format import (COMPLETENESS, MANIFEST, META, TRACKER, atomic_write, list_steps, read_meta,
+                                           read_tracker, step_dir)
 from megatron_ds.errors import ConfigError
 
 _CHUNK = 16 << 20
+DELETING = ".deleting"
 # Checkpoints found damaged by choose_checkpoint in this process (path -> problem), so that
 # protect_newer moves them aside instead of hashing them again or calling them complete.
 _found_damaged: dict[str, str] = {}
@@ -101,15 +114,34 @@ def write_manifest(ckpt_dir: str, iteration: int) -> None:
             {"format": 1, "iteration": iteration, "checksum": "crc32", "files": files}, indent=1, sort_keys=True))
 
 
+def _from_before_manifests(ckpt_dir: str) -> bool:
+    """No manifest, but the config a save then wrote last, and nothing a manifest-era save writes."""
+    if not os.path.isfile(os.path.join(ckpt_dir, META)):
+        return False
+    if any(name.startswith(f"{MANIFEST}.tmp.") for name in os.listdir(ckpt_dir)):
+        return False  # a manifest half-written when the job was killed
+    try:
+        meta = read_meta(ckpt_dir)
+    except (ValueError, OSError):
+        return False
+    return not (isinstance(meta, dict) and meta.get(COMPLETENESS[0]) == COMPLETENESS[1])
+
+
+def interrupted(ckpt_dir: str) -> bool:
+    """Not collective: a save that never wrote its manifest (a job killed while saving)."""
+    return (os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, MANIFEST))
+            and not _from_before_manifests(ckpt_dir))
+
+
 def _read_manifest(ckpt_dir: str):
     """(manifest dict | None, problem | None). None, None: a checkpoint from before manifests."""
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.isdir(ckpt_dir):
         return None, f"{ckpt_dir} does not exist"
     if not os.path.isfile(path):
-        if os.path.isfile(os.path.join(ckpt_dir, META)):
+        if _from_before_manifests(ckpt_dir):
             return None, None
-        return None, f"{ckpt_dir} is incomplete: neither {MANIFEST} nor {META} was written"
+        return None, f"{ckpt_dir} is incomplete: its save was interrupted before {MANIFEST} was written"
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read().decode("utf-8"))
@@ -155,16 +187,32 @@ def quick_status(ckpt_dir: str) -> str | None:
     return None
 
 
-def _candidates(load_dir: str) -> tuple[list[int], list[str]]:
-    """rank 0: iterations to try in order, and the notes explaining the order."""
+def _saved_after_tracker(load_dir: str, step: int) -> bool:
+    """The step's manifest was written after the tracker: its save completed, the tracker update did not."""
+    manifest = os.path.join(step_dir(load_dir, step), MANIFEST)
+    try:
+        return os.stat(manifest).st_mtime >= os.stat(os.path.join(load_dir, TRACKER)).st_mtime
+    except OSError:
+        return False
+
+
+def _candidates(load_dir: str) -> tuple[list[int], list[int], list[str], bool]:
+    """rank 0: (iterations to try in order, those that are interrupted saves, notes explaining the
+    order, whether a tracker file exists)."""
     tracked, problem = read_tracker(load_dir)
     steps = list_steps(load_dir)
+    cut = [s for s in steps if interrupted(step_dir(load_dir, s))]
     notes = [problem] if problem else []
+    has_tracker = os.path.isfile(os.path.join(load_dir, TRACKER))
     if tracked is None:
         if steps:
             notes.append(f"no usable {TRACKER} in {load_dir}: using the newest complete global_step*")
-        return steps, notes
-    return [tracked] + [s for s in steps if s < tracked], notes
+        return steps, cut, notes, has_tracker
+    finished = [s for s in steps if s > tracked and s not in cut and _saved_after_tracker(load_dir, s)]
+    if finished:
+        notes.append(f"global_step{finished[0]} was saved completely after {TRACKER} ({tracked}) was last "
+                     f"written (the job was killed before updating it): trying it first")
+    return finished + [tracked] + [s for s in steps if s < tracked], cut, notes, has_tracker
 
 
 def choose_checkpoint(load_dir: str, *, exact_step: int | None = None, log=print) -> int | None:
@@ -175,23 +223,30 @@ def choose_checkpoint(load_dir: str, *, exact_step: int | None = None, log=print
         if problem:
             raise ConfigError(f"--ckpt-step {exact_step}: {problem}")
         return exact_step
-    order, notes = _broadcast(_candidates(load_dir) if rank == 0 else None)
+    order, cut, notes, has_tracker = _broadcast(_candidates(load_dir) if rank == 0 else None)
     for note in notes:
         log(f"WARNING: {note}")
-    skipped = []
+    damaged = []
     for step in order:
-        problem = verify(step_dir(load_dir, step))
+        path = step_dir(load_dir, step)
+        if step in cut:
+            log(f"WARNING: skipping {path}: an interrupted save (no {MANIFEST})")
+            continue
+        problem = verify(path)
         if problem is None:
-            if skipped:
+            if damaged:
                 log(f"WARNING: falling back to the newest complete checkpoint, iteration {step} (pass "
-                    f"--ckpt-step {skipped[0]} to demand the damaged one)")
+                    f"--ckpt-step {damaged[0]} to demand the damaged one)")
             return step
         log(f"WARNING: checkpoint damaged: {problem}")
-        _found_damaged[os.path.realpath(step_dir(load_dir, step))] = problem
-        skipped.append(step)
-    if skipped:
+        _found_damaged[os.path.realpath(path)] = problem
+        damaged.append(step)
+    if damaged or (has_tracker and order):  # something complete existed: starting over would lose it
         raise ConfigError(f"no complete checkpoint in --load {load_dir} (tried iterations "
-                          f"{', '.join(map(str, skipped))}; see the warnings above)")
+                          f"{', '.join(map(str, order))}; see the warnings above)")
+    if cut:  # nothing complete ever existed (a kill during the first save): nothing is lost by starting over
+        log(f"WARNING: --load {load_dir} holds only interrupted saves, no complete checkpoint; starting from "
+            f"scratch")
     return None
 
 
@@ -214,9 +269,10 @@ def protect_newer(save_dir: str, start_iteration: int, *, log=print) -> None:
                           f"to go back to iteration {start_iteration} on purpose, move {path} (and any newer) "
                           f"elsewhere first, or use another --save directory")
                 break
-            aside = _free_name(f"{path}.damaged")
+            kind = "interrupted save" if interrupted(path) else "damaged checkpoint"
+            aside = _free_name(f"{path}.{'incomplete' if kind == 'interrupted save' else 'damaged'}")
             os.rename(path, aside)
-            log(f"WARNING: moved the damaged checkpoint {path} aside to {aside} ({problem})")
+            log(f"WARNING: moved the {kind} {path} aside to {aside} ({problem})")
     error = _broadcast(error)
     if error:
         raise ConfigError(error)
@@ -232,10 +288,16 @@ def _free_name(base: str) -> str:
 
 def prune(save_dir: str, newest: int, keep_last: int, *, log=print) -> None:
     """rank 0, after checkpoint `newest` is complete: delete complete checkpoints older than the
-    newest `keep_last` (damaged ones are left for a person to look at)."""
+    newest `keep_last` (damaged ones are left for a person to look at). Each is renamed first, so a
+    kill during the deletion leaves a ``*.deleting`` folder (finished next time), never a
+    half-deleted checkpoint that looks damaged."""
+    for name in os.listdir(save_dir):
+        if name.endswith(DELETING):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     complete = [s for s in list_steps(save_dir) if s <= newest
                 and quick_status(step_dir(save_dir, s)) is None]
     for step in complete[keep_last:]:
         path = step_dir(save_dir, step)
-        shutil.rmtree(path, ignore_errors=True)
+        os.rename(path, path + DELETING)
+        shutil.rmtree(path + DELETING, ignore_errors=True)
         log(f"deleted checkpoint {path} (--keep-last {keep_last})")

@@ -40,12 +40,11 @@ from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
-from megatron_ds.checkpoint.format import SHAPE_FIELDS
+from megatron_ds.checkpoint.format import SHAPE_FIELDS, UNIVERSAL_TRACKER
 from megatron_ds.errors import ConfigError
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
 SIGNATURE_KEY = "megatron_ds_signature"  # ours, inside UC_INFO (DeepSpeed ignores unknown keys)
-LATEST = "latest_universal"  # written by ds_to_universal next to the output folder
 STATES = ("fp32", *OPTIM_KEYS)
 
 
@@ -158,9 +157,10 @@ def find_universal(load_dir: str) -> str:
     """The universal checkpoint folder for ``--load load_dir --universal-checkpoint``."""
     if os.path.isdir(os.path.join(load_dir, "zero")):
         return load_dir
-    latest = os.path.join(load_dir, LATEST)
+    latest = os.path.join(load_dir, UNIVERSAL_TRACKER)
     if not os.path.isfile(latest):
-        raise ConfigError(f"--universal-checkpoint: {load_dir} has neither a zero/ folder nor a {LATEST} file; "
+        raise ConfigError(f"--universal-checkpoint: {load_dir} has neither a zero/ folder nor a "
+                          f"{UNIVERSAL_TRACKER} file; "
                           f"convert a checkpoint first: python -m deepspeed.checkpoint.ds_to_universal "
                           f"--input_folder {load_dir}/global_stepN --output_folder {load_dir}/global_stepN_universal")
     with open(latest) as f:

@@ -10,11 +10,14 @@ The merged JSON is then checked by DeepSpeed's own config parser, before the que
 keys (pydantic), removed blocks and inconsistent batch settings. Running it in ``--dry-run`` and at
 start-up means whatever DeepSpeed will refuse is refused before hours in the queue, with its message.
 It needs no process group: its batch check multiplies by the world size of the current process (1
-without distributed), so the data parallel batch is checked by the layout and left out here.
+without distributed), so the data parallel batch is checked by the layout and left out here. DeepSpeed
+ignores top-level keys it does not know (only its sub-blocks refuse them); those are refused here,
+with the closest key it reads.
 """
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import os
@@ -155,7 +158,7 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
     for refused, why in _NOT_IMPLEMENTED:
         if refused(ds_config):
             raise ConfigError(f"{source}: {why}")
-    from megatron_ds.ds_compat import DeepSpeedConfig  # noqa: PLC0415 - heavy; only when validating
+    from megatron_ds.ds_compat import parse_deepspeed_config  # noqa: PLC0415 - heavy; only when validating
 
     probe = copy.deepcopy(ds_config)
     probe.pop("train_batch_size", None)  # checked by build_layout against the real DP size
@@ -163,9 +166,23 @@ def validate_with_deepspeed(ds_config: dict, source: str = "the DeepSpeed JSON")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # DeepSpeedConfig logs its whole content at INFO
     try:
-        DeepSpeedConfig(probe)
+        read = parse_deepspeed_config(probe)
     except Exception as exc:  # noqa: BLE001 - pydantic / DeepSpeedConfigError / assertions: all are refusals
         message = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
         raise ConfigError(f"DeepSpeed refuses {source}: {message}") from None
     finally:
         quiet.setLevel(level)
+    _refuse_unread_keys(probe, read, source)
+
+
+def _refuse_unread_keys(ds_config: dict, read: set[str], source: str) -> None:
+    """A top-level key DeepSpeed never looks up is silently ignored by it: a misspelt
+    "zero_optimisation" trains without ZeRO. Refused, naming the closest key DeepSpeed reads."""
+    unread = sorted(k for k in ds_config if k not in read)
+    if not unread:
+        return
+    key = unread[0]
+    close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else "no key DeepSpeed reads is close to it"
+    others = f" (also unknown: {', '.join(map(repr, unread[1:]))})" if len(unread) > 1 else ""
+    raise ConfigError(f"{source}: DeepSpeed ignores the key {key!r} ({hint}){others}; fix or remove it")

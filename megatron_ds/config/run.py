@@ -17,6 +17,7 @@ from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig
 from megatron_ds.config.validation import check_ranges
+from megatron_ds.data.tokenizer import resolved_tokenizer_type
 
 FROM_FLAGS = object()
 """``resolve``'s default DeepSpeed JSON: the file --deepspeed_config names (None without it)."""
@@ -115,6 +116,9 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
+    # the tokenizer the run trains with, recorded in every checkpoint: the default one by its name too
+    flags = dataclasses.replace(flags, data=dataclasses.replace(flags.data,
+                                                                tokenizer_type=resolved_tokenizer_type(flags.data)))
     flags, template, notes = megatron_overrides(flags, template)
     notes = checkpoint_notes + notes
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,

@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.data.tokenizer import resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 
 # (section, field, lower bound, lower inclusive, upper bound, upper inclusive); None = unbounded.
@@ -119,6 +120,31 @@ def check_ranges(cfg) -> None:
     errors = range_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def missing_flags(cfg, *, with_data: bool = True) -> list[str]:
+    """Every flag a run needs that the command line lacks, named at once: pretrain_gpt.py with no
+    arguments lists them all rather than stopping at the first (``require`` below, during ``resolve``).
+    The tokenizer files follow the tokenizer type (Megatron-DeepSpeed's default: GPT-2 BPE)."""
+    m, t, o, d = cfg.model, cfg.training, cfg.optimizer, cfg.data
+    missing = [flag for value, flag in ((m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
+                                        (m.num_attention_heads, "--num-attention-heads"),
+                                        (m.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
+                                        (o.lr, "--lr")) if value is None]
+    if t.train_iters is None and t.train_samples is None and not t.skip_train:
+        missing.append("--train-iters (or --train-samples)")
+    kind = resolved_tokenizer_type(d)
+    default = "" if d.tokenizer_type else ", the default --tokenizer-type"
+    if kind == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
+        files = " and ".join(f for f, v in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)) if not v)
+        missing.append(f"{files} (for {kind}{default})")
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer") and not d.tokenizer_model:
+        missing.append(f"--tokenizer-model (for {kind})")
+    elif kind == "NullTokenizer" and d.vocab_size is None:
+        missing.append("--vocab-size (for NullTokenizer)")
+    if with_data and not (d.mock_data or d.data_path or d.train_data_path):
+        missing.append("--data-path (or --train-data-path, or --mock-data)")
+    return missing
 
 
 def require(value, flag: str):

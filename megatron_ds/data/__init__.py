@@ -16,8 +16,8 @@ _EXPORTS = {
     "helpers": ("build_blending_indices", "build_sample_idx"),
     "index_cache": ("CacheTimings", "cache_dirs", "description_hash", "load_or_build"),
     "gpt_dataset": (
-        "GPTDataset", "build_index_mappings", "build_train_valid_test_datasets", "num_epochs_needed", "parse_split",
-        "split_document_ranges",
+        "GPTDataset", "build_index_mappings", "build_train_valid_test_datasets", "check_train_valid_test_data",
+        "num_epochs_needed", "parse_split", "split_document_ranges",
     ),
     "blendable_dataset": ("BlendableDataset", "blended_num_samples", "parse_data_path"),
     "samplers": ("CyclicSampler", "PretrainingSampler"),

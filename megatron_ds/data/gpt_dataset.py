@@ -235,6 +235,11 @@ def _open_indexed(prefix: str, log):
 
     if not dataset_exists(prefix):
         hint = " (give the path without the .bin/.idx suffix)" if prefix.endswith((".bin", ".idx")) else ""
+        present = [f for f in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(f)]
+        if present:  # half a dataset: name the half that is missing
+            [there] = present
+            missing = f"{prefix}.idx" if there.endswith(".bin") else f"{prefix}.bin"
+            raise FileNotFoundError(f"dataset {prefix} is incomplete: {missing} is missing ({there} exists)")
         raise FileNotFoundError(f"no dataset at {prefix}: expected {prefix}.bin and {prefix}.idx{hint}")
     start = time.time()
     indexed = MMapIndexedDataset(prefix)
@@ -242,23 +247,63 @@ def _open_indexed(prefix: str, log):
     return indexed
 
 
-def _split_datasets(prefix, split, num_samples, **kw) -> list[GPTDataset | None]:
-    log = kw["log"]
+def _open_split(prefix: str, split: str, log):
+    """The prefix's indexed dataset and its document bounds under --split (logged as Megatron does)."""
     indexed = _open_indexed(prefix, log)
-    n = len(indexed.sizes)
-    bounds, fractions = split_document_ranges(split, n), parse_split(split)
+    bounds = split_document_ranges(split, len(indexed.sizes))
+    for s, name in enumerate(SPLIT_NAMES):
+        log(f"    {name}: document indices in [{bounds[s]}, {bounds[s + 1]}) total of "
+            f"{bounds[s + 1] - bounds[s]} documents")
+    return indexed, bounds
+
+
+def _report_empty(split: str, name: str, empty: list[str], documents: list[int], *, blended: bool, log) -> None:
+    """A split --split leaves without documents. Megatron-DeepSpeed builds no dataset for it
+    (megatron/data/gpt_dataset.py build_dataset: only when splits[index + 1] > splits[index]) and so
+    skips its evaluation; in a blend where only some prefixes lack it, BlendableDataset's
+    `assert num_datasets == len(weights)` fails. Here: the evaluation is skipped with a warning, the
+    blend keeps the prefixes that have documents; an empty train split stays an error (upstream
+    would silently train on nothing)."""
+    where = f"--split {split} leaves the {name} split of {' '.join(empty)} without documents " \
+            f"({', '.join(map(str, documents))} in total)"
+    if blended:
+        log(f"WARNING: {where}: the {name} blend uses the other prefixes, their weights renormalized")
+    elif name == "train":
+        raise ValueError(f"{where}; use more data or change --split")
+    else:
+        log(f"WARNING: {where}: no {name} dataset, its evaluation is skipped (as in Megatron-DeepSpeed)")
+
+
+def _with_documents(prefixes, weights, opened, split: str, s: int, num_samples: int, warn) -> list[int]:
+    """Indices of the prefixes whose part of split s has documents (and weight); reports the others
+    when that split was asked for samples."""
+    have = [i for i, (_, b) in enumerate(opened) if b[s + 1] > b[s] and (weights is None or weights[i] > 0)]
+    empty = [i for i, (_, b) in enumerate(opened) if b[s + 1] <= b[s]]
+    if empty and parse_split(split)[s] > 0 and num_samples > 0:
+        _report_empty(split, SPLIT_NAMES[s], [prefixes[i] for i in empty], [len(opened[i][0].sizes) for i in empty],
+                      blended=bool(have), log=warn)
+    return have
+
+
+def _split_datasets(prefixes, weights, split, num_samples, **kw) -> list:
+    """(train, valid, test) from the documents of each prefix cut by --split: a GPTDataset each for a
+    single prefix (weights None), else a blend of the prefixes whose part of the split has documents."""
+    from megatron_ds.data.blendable_dataset import blended_num_samples
+
+    log = kw["log"]
+    opened = [_open_split(p, split, log) for p in prefixes]
     out = []
     for s, name in enumerate(SPLIT_NAMES):
-        lo, hi = bounds[s], bounds[s + 1]
-        log(f"    {name}: document indices in [{lo}, {hi}) total of {hi - lo} documents")
-        if hi <= lo:
-            if fractions[s] > 0 and num_samples[s] > 0:
-                raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "
-                                 f"({n} in total); use more data or change --split")
+        have = _with_documents(prefixes, weights, opened, split, s, num_samples[s], log)
+        if not have or (weights is not None and num_samples[s] == 0):
             out.append(None)
             continue
-        out.append(GPTDataset(name, prefix, np.arange(lo, hi, dtype=np.int64), indexed, num_samples[s],
-                              split=split, **kw))
+        kept = [1.0] if weights is None else [weights[i] / sum(weights[j] for j in have) for i in have]
+        # Megatron's per-dataset requests (each with its margin) over the prefixes kept
+        counts = [num_samples[s]] if weights is None else [c for [c] in blended_num_samples(kept, [num_samples[s]])]
+        parts = [GPTDataset(name, prefixes[i], np.arange(opened[i][1][s], opened[i][1][s + 1], dtype=np.int64),
+                            opened[i][0], n, split=split, **kw) for i, n in zip(have, counts)]
+        out.append(parts[0] if weights is None else _blend(parts, kept, sum(counts), prefixes[0], **kw))
     return out
 
 
@@ -302,7 +347,7 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
     data_path (`PATH` or `W1 PATH1 W2 PATH2 ...`, a string or list of words) is split into
     documents by `split`; or train/valid/test_data_path each give a whole dataset (or blend).
     """
-    from megatron_ds.data.blendable_dataset import blended_num_samples, parse_data_path
+    from megatron_ds.data.blendable_dataset import parse_data_path
 
     nums = [int(n) for n in train_valid_test_num_samples]
     if len(nums) != 3 or min(nums) < 0:
@@ -316,17 +361,30 @@ def build_train_valid_test_datasets(*, data_path=None, split: str = "969,30,1", 
                              "--test-data-path; use one or the other")
         prefixes, weights = parse_data_path(data_path)
         log(f" > building train, valid, test datasets from {' '.join(prefixes)} with --split {split}")
-        if weights is None:
-            return tuple(_split_datasets(prefixes[0], split, nums, **kw))
-        counts = blended_num_samples(weights, nums)
-        per_dataset = [_split_datasets(p, split, c, **kw) for p, c in zip(prefixes, counts)]
-        return tuple(
-            _blend([parts[s] for parts in per_dataset], weights, sum(c[s] for c in counts), prefixes[0], **kw)
-            for s in range(3)
-        )
+        return tuple(_split_datasets(prefixes, weights, split, nums, **kw))
     if not any(separate):
         raise ValueError("no data given: pass --data-path, or --train-data-path (and optionally "
                          "--valid-data-path/--test-data-path)")
     log(" > building datasets from separate train/valid/test paths (--split is ignored)")
     return tuple(None if path is None else _whole_dataset(name, path, nums[s], **kw)
                  for s, (name, path) in enumerate(zip(SPLIT_NAMES, separate)))
+
+
+def check_train_valid_test_data(*, data_path=None, split: str = "969,30,1", train_valid_test_num_samples,
+                                train_data_path=None, valid_data_path=None, test_data_path=None,
+                                warn: Callable[[str], None] = print) -> None:
+    """What build_train_valid_test_datasets would refuse or warn about, found from the index files
+    alone (their headers and sizes; no samples, no index caches): for --dry-run, before the queue.
+    Raises ValueError / OSError as it does; warnings (empty evaluation splits) go to ``warn``."""
+    from megatron_ds.data.blendable_dataset import parse_data_path
+
+    quiet = lambda *a: None  # noqa: E731 - the per-split document ranges are start-up detail
+    if data_path:
+        prefixes, weights = parse_data_path(data_path)
+        opened = [_open_split(p, split, quiet) for p in prefixes]
+        for s in range(len(SPLIT_NAMES)):
+            _with_documents(prefixes, weights, opened, split, s, train_valid_test_num_samples[s], warn)
+        return
+    for path in (train_data_path, valid_data_path, test_data_path):
+        for prefix in parse_data_path(path)[0] if path else ():
+            _open_indexed(prefix, quiet)

@@ -130,6 +130,44 @@ def _tiktoken_ranks(vocab, merge_file):
     return ranks
 
 
+_SWAPPED = "are --vocab-file and --merge-file swapped?"
+
+
+def _read_gpt2_vocab(path) -> dict:
+    """vocab.json: one JSON object of token -> id. Anything else is one line naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        looks_like_merges = _first_line(path).startswith("#version")
+        why = _SWAPPED + " (it looks like a merges.txt)" if looks_like_merges else type(exc).__name__
+        raise TokenizerError(f"--vocab-file {path} is not JSON; expected GPT-2's vocab.json, a JSON object of "
+                             f"token -> id ({why})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise TokenizerError(f"--vocab-file {path} is JSON but not a vocabulary; expected GPT-2's vocab.json, "
+                             f"a JSON object of token -> integer id")
+    return vocab
+
+
+def _first_line(path) -> str:
+    with open(path, "rb") as f:
+        return f.read(4096).decode("utf-8", "replace").lstrip().split("\n", 1)[0].strip()
+
+
+def _check_merges(path) -> None:
+    """merges.txt: an optional '#version' line, then 'left right' pairs (read in full later; the
+    first pair is enough to tell a merges file from a vocab.json or some other file)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8", "replace").splitlines()
+    pairs = [line for line in head[:-1] or head if line and not line.startswith("#version")]
+    if head and head[0].lstrip().startswith("{"):
+        raise TokenizerError(f"--merge-file {path} is JSON; expected GPT-2's merges.txt, one 'left right' pair "
+                             f"per line ({_SWAPPED})")
+    if pairs and len(pairs[0].split(" ")) != 2:
+        raise TokenizerError(f"--merge-file {path} is not a merges.txt: its first line {pairs[0][:40]!r} is not "
+                             f"a 'left right' pair")
+
+
 class GPT2BPETokenizer(_MappedTokenizer):
     """GPT-2 byte-level BPE from vocab.json + merges.txt, encoded natively.
 
@@ -142,8 +180,8 @@ class GPT2BPETokenizer(_MappedTokenizer):
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file, merge_file, backend="auto"):
-        with open(vocab_file, encoding="utf-8") as f:
-            self._vocab = json.load(f)
+        self._vocab = _read_gpt2_vocab(vocab_file)
+        _check_merges(merge_file)
         if "<|endoftext|>" not in self._vocab:
             raise TokenizerError(f"{vocab_file} has no <|endoftext|> entry; it is not a GPT-2 style vocab.json")
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
@@ -372,7 +410,11 @@ class HFTokenizer(_MappedTokenizer):
         from tokenizers import Tokenizer
 
         path = _find_hf_tokenizer_json(tokenizer_model, self.name)
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - the Rust library raises plain Exceptions for bad files
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise TokenizerError(f"--tokenizer-model {path} is not a tokenizers tokenizer.json ({first})") from None
         self._vocab = self._tok.get_vocab(with_added_tokens=True)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._eod = self._vocab.get(self._eos_token(path, self._vocab))
@@ -480,15 +522,20 @@ class MockTokenizer:
         self.name = "mock"
 
 
+def resolved_tokenizer_type(data) -> str | None:
+    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else
+    Megatron-DeepSpeed's default (its pretrain_gpt.py passes args_defaults={'tokenizer_type':
+    'GPT2BPETokenizer'}); None for --mock-data without a --vocab-file (no tokenizer at all)."""
+    if data.tokenizer_type is not None:
+        return data.tokenizer_type
+    return None if data.mock_data and not data.vocab_file else "GPT2BPETokenizer"
+
+
 def build_tokenizer_for(data, log=print):
-    """The tokenizer a run's data section (``DataConfig``) names: --tokenizer-type and its files;
-    without a type, Megatron-DeepSpeed's default (its pretrain_gpt.py passes
-    args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}), or for --mock-data alone a
-    ``MockTokenizer`` of --vocab-size ids."""
-    tokenizer_type = data.tokenizer_type
+    """The tokenizer a run's data section (``DataConfig``) names (``resolved_tokenizer_type``) with its
+    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids."""
+    tokenizer_type = resolved_tokenizer_type(data)
     if tokenizer_type is None:
-        if data.mock_data and not data.vocab_file:
-            return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
-        tokenizer_type = "GPT2BPETokenizer"
+        return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                            tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)

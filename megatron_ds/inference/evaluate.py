@@ -93,6 +93,8 @@ def lambada_samples(path: str, tokenizer, *, strict: bool = True, key: str = "te
                 text = json.loads(line)[key]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with a {key!r} string") from None
+            if not isinstance(text, str) or not text.split():
+                raise ValueError(f"{path}:{lineno}: the {key!r} text is empty")
             if strict:
                 last = text.split()[-1]
                 context = tokenizer.tokenize(text[:text.rfind(last)].strip())

@@ -1,4 +1,5 @@
-"""Launcher and rank discovery: torchrun, deepspeed, Open MPI, PMI; SGE and PBS host lists."""
+"""Launcher and rank discovery: torchrun, deepspeed, Open MPI, PMI; SGE and PBS host lists; the batch
+job (``scheduler``) and the launcher's life (``parent_watch``)."""
 from megatron_ds.launch.env import (
     DistEnv,
     apply_dist_env,

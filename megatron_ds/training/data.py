@@ -15,6 +15,7 @@ from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import CyclicSampler, PretrainingSampler
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
+from megatron_ds.training.signals import ignore_stop_signals
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -93,7 +94,8 @@ def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed
     generator = torch.Generator().manual_seed(consumed_samples)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
                                        collate_fn=collator, pin_memory=pin_memory(),
-                                       persistent_workers=data.num_workers > 0, generator=generator)
+                                       persistent_workers=data.num_workers > 0, generator=generator,
+                                       worker_init_fn=ignore_stop_signals)  # the trainer saves, then stops them
 
 
 def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False,
@@ -137,3 +139,12 @@ def describe_source(data: DataConfig) -> str:
         return "--mock-data"
     paths = data.train_data_path or data.data_path or []
     return " ".join(paths)
+
+
+def samples_per_split(layout, training) -> tuple[int, int, int]:
+    """Samples a run asks of (train, valid, test), as Megatron's build_train_valid_test_data_iterators:
+    every iteration's global batch; --eval-iters global batches per evaluation, one every
+    --eval-interval plus the final one; --eval-iters global batches of the test set."""
+    train_samples = layout.train_iters * layout.global_batch_size
+    evals = (layout.train_iters // training.eval_interval + 1) * training.eval_iters if training.eval_interval else 0
+    return (train_samples, evals * layout.global_batch_size, training.eval_iters * layout.global_batch_size)

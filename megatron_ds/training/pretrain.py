@@ -15,14 +15,17 @@ import torch
 from megatron_ds.accelerator import on_cuda
 from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
-from megatron_ds.config.arguments import describe_ignored
+from megatron_ds.config.arguments import build_parser, describe_ignored
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
+from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import device as devices
 from megatron_ds.training import log as mlog
+from megatron_ds.training.file_checks import check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
@@ -45,6 +48,7 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
     run, tokenizer = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
+    check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
     print(run.describe())
     for note in run.notes:
         print(f"WARNING: {note}")
@@ -76,6 +80,7 @@ def pretrain(flags: Config, ignored: list[str]) -> TrainState:
 
     start_time = time.time()
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
+    watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
                              log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
@@ -90,7 +95,13 @@ def _one_line(exc: Exception) -> str:
 
 
 def main(argv=None) -> int:
+    """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
+    flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
+    same rule as every CLI in tools/."""
     flags, ignored = parse_args(argv)
+    missing = missing_flags(flags, with_data=not flags.dry_run)
+    if missing:  # all of them at once, as argparse lists its required arguments
+        build_parser().error(f"missing required flags: {', '.join(missing)}")
     try:
         if flags.dry_run:
             return dry_run(flags, ignored)

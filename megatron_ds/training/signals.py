@@ -8,6 +8,10 @@ therefore only records the signal; at the end of every iteration all ranks agree
 all-reduce (MAX of [signal seen, time limit passed]) that also carries --exit-duration-in-mins,
 so the per-iteration cost is the one collective that already existed for the time limit.
 
+DataLoader worker processes ignore these signals (``ignore_stop_signals``): they reach them too when
+sent to a process group or to every process of a job, and a worker killed by one would end the
+trainer with an error before its save.
+
 A second signal ends the process at once (exit status 128 + signal number), without saving --
 unless it comes within REPEAT_WINDOW_S of the first: that is the same event arriving twice, e.g.
 PBS signalling the whole session while mpirun or torchrun also forwards the signal it got.
@@ -16,6 +20,9 @@ signal once that collective returns or times out.)
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import multiprocessing
 import os
 import signal
 import sys
@@ -49,6 +56,7 @@ class StopSignals:
             os._exit(128 + signum)
 
     def __enter__(self):
+        _register_loader_cleanup()
         if self.enabled:
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -63,6 +71,37 @@ class StopSignals:
     @property
     def name(self) -> str | None:
         return signal.Signals(self.received).name if self.received else None
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn
+    """In a DataLoader worker process: ignore the stop signals. Sent to a whole process group
+    (torchrun's forwarding) or to every process of the job (PBS, Grid Engine), they would kill the
+    workers first, and the trainer would die on "DataLoader worker (pid N) is killed by signal:
+    Terminated" instead of finishing the iteration and saving. The trainer ends them itself
+    (``_end_loader_workers``)."""
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@functools.lru_cache(maxsize=None)
+def _register_loader_cleanup() -> None:
+    """Once per process; registered after multiprocessing's exit handler, so it runs before it."""
+    atexit.register(_end_loader_workers)
+
+
+def _end_loader_workers() -> None:
+    """At exit, before multiprocessing's own exit handler: that one ends daemonic children (loader
+    workers whose iterator is still referenced, e.g. by DeepSpeed's pipeline engine) with SIGTERM and
+    waits for them, which workers ignoring SIGTERM would turn into a hang. SIGINT instead: a
+    DataLoader worker's loop ends on KeyboardInterrupt and exits 0 (torch/utils/data/_utils/worker.py),
+    which the trainer's SIGCHLD watch accepts; SIGKILL for one still there after the wait."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    for child in workers:
+        os.kill(child.pid, signal.SIGINT)
+    for child in workers:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
 
 
 def agreed_stop(signals: StopSignals | None, start: float, minutes: float | None, device,

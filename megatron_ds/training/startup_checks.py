@@ -33,20 +33,35 @@ def _probe_writable(directory: str) -> None:
     os.unlink(probe)
 
 
-def check_save_dir(save_dir: str, needed_bytes: int) -> None:
-    """--save must be writable and have room for one checkpoint (found now, not at the first save)."""
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_save_dir(save_dir: str, needed_bytes: int, *, dry_run_warn=None) -> None:
+    """--save must be writable and have room for one checkpoint (found now, not at the first save).
+    With ``dry_run_warn`` (--dry-run) a --save that does not exist yet is not created (its nearest
+    existing parent is probed instead), and too little room is a warning: the room may change
+    before the job starts, whose start-up checks it again."""
+    where = save_dir if dry_run_warn is None else _nearest_existing(save_dir)
     try:
-        _probe_writable(save_dir)
+        if not os.path.isdir(where) and dry_run_warn is not None:
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), where)
+        _probe_writable(where)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise ConfigError(f"--save {save_dir} is not writable ({reason}"
                           f"{': ' + exc.filename if exc.filename and exc.filename != save_dir else ''}); "
                           f"choose a directory this job can write to") from None
-    free = shutil.disk_usage(save_dir).free
+    free = shutil.disk_usage(where).free
     if free < needed_bytes:
-        raise ConfigError(f"--save {save_dir} has {free / 1e9:.1f} GB free, but one checkpoint needs about "
-                          f"{needed_bytes / 1e9:.1f} GB; free space, use --keep-last, or choose another "
-                          f"--save")
+        problem = (f"--save {save_dir} has {free / 1e9:.1f} GB free, but one checkpoint needs about "
+                   f"{needed_bytes / 1e9:.1f} GB; free space, use --keep-last, or choose another --save")
+        if dry_run_warn is None:
+            raise ConfigError(problem)
+        dry_run_warn(f"WARNING: {problem}")
 
 
 def _agree(error: str | None) -> None:
@@ -59,14 +74,15 @@ def _agree(error: str | None) -> None:
         raise ConfigError(error)
 
 
-def prepare_save_dir(save_dir: str, layout, log=print) -> SaveLock | None:
-    """Collective: rank 0 checks --save and takes its lock. Returns the lock on rank 0."""
+def prepare_save_dir(save_dir: str, layout, timeout_minutes: float, log=print) -> SaveLock | None:
+    """Collective: rank 0 checks --save and takes its lock. Returns the lock on rank 0. Waiting for a
+    holder that may be gone (``lock``) ends well before the other ranks' collective would time out."""
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
             check_save_dir(save_dir, checkpoint_bytes(layout))
             lock = SaveLock(save_dir)
-            lock.acquire(log=log)
+            lock.acquire(log=log, wait_limit_s=0.8 * timeout_minutes * 60)
         except (ConfigError, LockHeld) as exc:
             error = str(exc)
     _agree(error)

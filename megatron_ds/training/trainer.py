@@ -17,7 +17,7 @@ from megatron_ds.parallel.random import rng_state, set_rng_state
 from megatron_ds.training import log as mlog
 from megatron_ds.training.collective_timeout import CollectiveWatch, is_collective_failure
 from megatron_ds.training.data import (BatchCollator, build_datasets, build_loader, check_train_length, describe_source,
-                                      stage_iterator)
+                                      samples_per_split, stage_iterator)
 from megatron_ds.training.engine import build_engine, log_startup
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
@@ -51,7 +51,7 @@ def _startup_checks(run: Run):
     startup_barrier(timeout)
     watch = CollectiveWatch(timeout)
     save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, log=mlog.print_rank0) if save else None
+    lock = prepare_save_dir(save, run.layout, timeout, log=mlog.print_rank0) if save else None
     return lock, watch
 
 
@@ -120,12 +120,9 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: boo
     """(train, validation, test) micro-batch iterators, each None where the split does not exist;
     train is None too when this run does not train."""
     layout, t, data = run.layout, run.training, run.data
-    train_samples = layout.train_iters * layout.global_batch_size
-    evals = (layout.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
-    num_samples = (train_samples, evals * layout.global_batch_size, t.eval_iters * layout.global_batch_size)
-    datasets = build_datasets(data, num_samples=num_samples, seq_length=layout.model.seq_length, seed=t.seed,
-                              vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
-    check_train_length(datasets[0], data, train_samples)
+    datasets = build_datasets(data, num_samples=samples_per_split(layout, t), seq_length=layout.model.seq_length,
+                              seed=t.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
+    check_train_length(datasets[0], data, layout.train_iters * layout.global_batch_size)
     collator = BatchCollator(data, tokenizer.eod, tokenizer.vocab_size, describe_source(data))
 
     def iterator(dataset, consumed, repeat):

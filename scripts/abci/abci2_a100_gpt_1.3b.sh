@@ -11,6 +11,9 @@
 #
 # GPT 1.3B on one ABCI 2.0 A100 node (8 x A100 40 GB): bf16, ZeRO-1, data parallel 8,
 # activation checkpointing (micro batch 4 at sequence 2048 would not fit 40 GB without it).
+# Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
+#   stage 0: weights + gradients + optimizer states 12.50 GB, activations 1.44 GB;
+#   total 18.72 of 40 GB. One checkpoint (weights and optimizer states): ~18 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_a100_gpt_1.3b.sh
@@ -35,6 +38,7 @@ source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 RESOURCE_TYPE=${RESOURCE_TYPE:-rt_AF}  # GPU memory for DRY_RUN's memory check
+ABCI_SYSTEM=${ABCI_SYSTEM:-2}  # ABCI 2.0: its module names also outside a job (a login node's DRY_RUN)
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-gpt_1.3b}
 

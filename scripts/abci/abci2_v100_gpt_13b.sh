@@ -11,8 +11,11 @@
 #
 # GPT 13B on 8 ABCI 2.0 V100 nodes (32 x V100 16 GB): TP 4 (inside a node), PP 8, micro batch 1,
 # activation checkpointing, fp16, ZeRO-1. This is the layout that fits 13B into 16 GB GPUs:
-# 13e9 / 32 GPUs ~ 0.4e9 parameters each, ~6.5 GB of weights + grads + Adam states, and
-# recomputed activations. More nodes add data parallelism (DP = nodes * 4 / 32).
+# 13e9 / 32 GPUs ~ 0.4e9 parameters each, and recomputed activations. More nodes add data
+# parallelism (DP = nodes * 4 / 32).
+# Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
+#   stage 0: weights + gradients + optimizer states 9.38 GB, activations 1.20 GB;
+#   total 14.57 of 16 GB. One checkpoint (weights and optimizer states): ~180 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_v100_gpt_13b.sh
@@ -37,6 +40,7 @@ source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 RESOURCE_TYPE=${RESOURCE_TYPE:-rt_F}  # GPU memory for DRY_RUN's memory check
+ABCI_SYSTEM=${ABCI_SYSTEM:-2}  # ABCI 2.0: its module names also outside a job (a login node's DRY_RUN)
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 RUN_NAME=${RUN_NAME:-gpt_13b}
 
@@ -52,8 +56,8 @@ TRAIN_ITERS=${TRAIN_ITERS:-250000}
 LR=${LR:-1.0e-4}
 MIN_LR=${MIN_LR:-1.0e-5}
 SAVE_INTERVAL=${SAVE_INTERVAL:-500}
-# Stop and save 20 minutes before h_rt (24:00:00): a 13B checkpoint (~200 GB with optimizer
-# states) takes minutes to write, and a job killed mid-write leaves only the previous one.
+# Stop and save 20 minutes before h_rt (24:00:00): a 13B checkpoint (its size is in the header)
+# takes minutes to write, and a job killed mid-write leaves only the previous one.
 EXIT_DURATION_IN_MINS=${EXIT_DURATION_IN_MINS:-1420}
 # Data, tokenizer and output paths, ZERO_STAGE and DS_CONFIG: the shared defaults in common.sh.
 set_job_defaults fp16

@@ -10,6 +10,9 @@
 # adds SIGUSR2 before qdel's SIGKILL. EXIT_DURATION_IN_MINS below stops on time without any signal.
 #
 # GPT 345M (Megatron's GPT-2 medium) on one ABCI 2.0 V100 node: 4 x V100 16 GB, fp16, ZeRO-1.
+# Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
+#   stage 0: weights + gradients + optimizer states 2.84 GB, activations 1.82 GB;
+#   total 9.16 of 16 GB. One checkpoint (weights and optimizer states): ~5 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_v100_gpt_345m.sh
@@ -33,6 +36,7 @@ source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 RESOURCE_TYPE=${RESOURCE_TYPE:-rt_F}  # GPU memory for DRY_RUN's memory check
+ABCI_SYSTEM=${ABCI_SYSTEM:-2}  # ABCI 2.0: its module names also outside a job (a login node's DRY_RUN)
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 RUN_NAME=${RUN_NAME:-gpt_345m}
 
@@ -42,7 +46,7 @@ NUM_LAYERS=${NUM_LAYERS:-24}
 HIDDEN_SIZE=${HIDDEN_SIZE:-1024}
 NUM_HEADS=${NUM_HEADS:-16}
 SEQ_LENGTH=${SEQ_LENGTH:-1024}
-# Micro batch 2 keeps activations (~0.24 GB per layer per sample) well inside 16 GB.
+# Micro batch 2 keeps activations well inside 16 GB (the estimate is in the header).
 MICRO_BATCH=${MICRO_BATCH:-2}
 GLOBAL_BATCH=${GLOBAL_BATCH:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-500000}

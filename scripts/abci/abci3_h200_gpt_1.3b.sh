@@ -11,8 +11,11 @@
 # `qsig -s SIGUSR1 <job id>` asks a running job to save and stop now.
 #
 # GPT 1.3B on one ABCI 3.0 H200 node (8 x H200 141 GB): bf16, ZeRO-1, data parallel 8. The
-# memory allows micro batch 4 at sequence 2048 without activation checkpointing (~46 GB of
-# activations + ~10 GB of weights/grads/optimizer per GPU), which is faster than recomputing.
+# memory allows micro batch 4 at sequence 2048 without activation checkpointing, which is faster
+# than recomputing.
+# Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
+#   stage 0: weights + gradients + optimizer states 12.50 GB, activations 14.54 GB;
+#   total 32.47 of 141 GB. One checkpoint (weights and optimizer states): ~18 GB
 #
 # Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
 #   qsub -P GROUP scripts/abci/abci3_h200_gpt_1.3b.sh
@@ -41,6 +44,7 @@ source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 RESOURCE_TYPE=${RESOURCE_TYPE:-rt_HF}  # GPU memory for DRY_RUN's memory check
+ABCI_SYSTEM=${ABCI_SYSTEM:-3}  # ABCI 3.0: its module names also outside a job (a login node's DRY_RUN)
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-gpt_1.3b}
 

@@ -13,7 +13,10 @@
 # A 7B Llama-style model on 2 ABCI 3.0 H200 nodes (16 x H200 141 GB): rotary embeddings, SwiGLU,
 # RMSNorm, grouped-query attention (8 key/value heads), no linear biases, untied output layer;
 # bf16, TP 2 (inside a node), ZeRO-1 over DP 8. Sequence 4096 fits without activation
-# checkpointing: ~50 GB of activations + ~26 GB of weights/grads/optimizer per GPU.
+# checkpointing.
+# Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
+#   stage 0: weights + gradients + optimizer states 28.90 GB, activations 12.12 GB;
+#   total 45.85 of 141 GB. One checkpoint (weights and optimizer states): ~85 GB
 #
 # Tokenizer: GPT-2 BPE by default (the data from dataset/*.sh). For a Llama SentencePiece model,
 # preprocess the data with it and set TOKENIZER_TYPE=SentencePieceTokenizer TOKENIZER_MODEL=...
@@ -45,6 +48,7 @@ source "$MEGATRON_DS_ROOT/scripts/abci/common.sh"
 
 # ---- Configuration: every variable can be overridden from the environment -----------------
 RESOURCE_TYPE=${RESOURCE_TYPE:-rt_HF}  # GPU memory for DRY_RUN's memory check
+ABCI_SYSTEM=${ABCI_SYSTEM:-3}  # ABCI 3.0: its module names also outside a job (a login node's DRY_RUN)
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-llama_7b}
 
@@ -63,7 +67,7 @@ LR=${LR:-3.0e-4}
 MIN_LR=${MIN_LR:-3.0e-5}
 SAVE_INTERVAL=${SAVE_INTERVAL:-500}
 # Stop and save 20 minutes before the walltime (24:00:00): a 7B checkpoint with optimizer
-# states (~110 GB) takes minutes to write.
+# states (its size is in the header) takes minutes to write.
 EXIT_DURATION_IN_MINS=${EXIT_DURATION_IN_MINS:-1420}
 # Data, tokenizer and output paths, ZERO_STAGE and DS_CONFIG: the shared defaults in common.sh.
 set_job_defaults bf16

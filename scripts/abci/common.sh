@@ -79,13 +79,26 @@ detect_scheduler() {
   fi
 }
 
-load_modules() {
-  local cuda cudnn nccl hpcx
+# The ABCI system whose module names and settings apply: the scheduler's inside a job (PBS is
+# ABCI 3.0, Grid Engine ABCI 2.0); outside one (a login node's DRY_RUN, a plain shell) ABCI_SYSTEM,
+# which each job script sets to the system it is written for (2 or 3; 2 where nothing says).
+abci_system() {
   case "$SCHEDULER" in
-    pbs) cuda=${CUDA_MODULE-$ABCI3_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI3_CUDNN_MODULE}
-         nccl=${NCCL_MODULE-$ABCI3_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI3_HPCX_MODULE} ;;
-    *)   cuda=${CUDA_MODULE-$ABCI2_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI2_CUDNN_MODULE}
-         nccl=${NCCL_MODULE-$ABCI2_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI2_HPCX_MODULE} ;;
+    pbs) echo 3 ;;
+    sge) echo 2 ;;
+    *) case "${ABCI_SYSTEM:-2}" in 2|3) echo "${ABCI_SYSTEM:-2}" ;;
+         *) abci_die "ABCI_SYSTEM=$ABCI_SYSTEM: use 2 (ABCI 2.0) or 3 (ABCI 3.0)" ;; esac ;;
+  esac
+}
+
+load_modules() {
+  local cuda cudnn nccl hpcx system
+  system=$(abci_system) || exit 1
+  case "$system" in
+    3) cuda=${CUDA_MODULE-$ABCI3_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI3_CUDNN_MODULE}
+       nccl=${NCCL_MODULE-$ABCI3_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI3_HPCX_MODULE} ;;
+    *) cuda=${CUDA_MODULE-$ABCI2_CUDA_MODULE}; cudnn=${CUDNN_MODULE-$ABCI2_CUDNN_MODULE}
+       nccl=${NCCL_MODULE-$ABCI2_NCCL_MODULE}; hpcx=${HPCX_MODULE-$ABCI2_HPCX_MODULE} ;;
   esac
   # Batch jobs start non-login shells where `module` may not be defined yet.
   if ! command -v module >/dev/null 2>&1 && [ -f /etc/profile.d/modules.sh ]; then
@@ -139,7 +152,13 @@ build_hostfile() {
   hosts=$(scheduler_hosts) || exit 1
   [ -n "$hosts" ] || abci_die "the $SCHEDULER host list is empty"
   dir=$(node_local_dir)
-  [ -n "$dir" ] || dir=$(mktemp -d)
+  if [ -z "$dir" ]; then
+    # Outside a job (a login node's DRY_RUN, a plain shell): a temporary directory, removed when
+    # the script exits however it ends.
+    dir=$(mktemp -d)
+    # shellcheck disable=SC2064  # the directory's name is fixed now
+    trap "rm -rf '$dir'" EXIT
+  fi
   HOSTFILE="$dir/hostfile"
   echo "$hosts" | awk -v slots="$GPUS_PER_NODE" '{ print $1 " slots=" slots }' > "$HOSTFILE"
   NUM_NODES=$(wc -l < "$HOSTFILE" | tr -d ' ')
@@ -176,7 +195,7 @@ export_comm_env() {
   for name in CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_IB_TIMEOUT; do
     if [ -n "${!name:-}" ]; then export "${name?}"; else unset "$name"; fi
   done
-  if [ "$SCHEDULER" = pbs ]; then
+  if [ "$(abci_system)" = 3 ]; then
     : "${UCX_MAX_RNDV_RAILS=$ABCI3_UCX_MAX_RNDV_RAILS}" "${UCX_MAX_EAGER_RAILS=$ABCI3_UCX_MAX_EAGER_RAILS}"
     for name in UCX_MAX_RNDV_RAILS UCX_MAX_EAGER_RAILS; do
       if [ -n "${!name:-}" ]; then export "${name?}"; else unset "$name"; fi
@@ -357,6 +376,30 @@ stage_data() {
   DATA_CACHE_PATH=${DATA_CACHE_PATH:-$RUN_DIR/index-cache}
 }
 
+# DRY_RUN: the world size must split into TP x PP blocks (the last --tensor/--pipeline-model-parallel-size
+# among the pretrain arguments "$@", else TP/PP). Found here, it names the variable to change
+# (NUM_NODES, or the job's node request), not the --world-size the script derives from it.
+check_world_size() {
+  local tp=$TP pp=$PP prev="" arg
+  for arg in "$@"; do
+    case "$prev" in
+      --tensor-model-parallel-size) tp=$arg ;;
+      --pipeline-model-parallel-size) pp=$arg ;;
+    esac
+    prev=$arg
+  done
+  local block=$((tp * pp)) nodes=1
+  [ $((WORLD_SIZE % block)) = 0 ] && return 0
+  while [ $((nodes * GPUS_PER_NODE % block)) != 0 ]; do nodes=$((nodes + 1)); done
+  local where="NUM_NODES=$NUM_NODES"
+  case "$SCHEDULER" in
+    sge) where="the job's $NUM_NODES node(s) (#$ -l rt_*=N)" ;;
+    pbs) where="the job's $NUM_NODES node(s) (#PBS -l select=N)" ;;
+  esac
+  abci_die "world size $WORLD_SIZE ($where x GPUS_PER_NODE=$GPUS_PER_NODE) is not divisible by TP x PP =" \
+    "$tp x $pp = $block: use a multiple of $nodes node(s) (e.g. NUM_NODES=$nodes), or change TP/PP"
+}
+
 # The inputs are checked before setup_job loads modules: a wrong path fails in seconds, with
 # nothing started.
 prepare_training() {
@@ -389,6 +432,7 @@ build_mpirun_cmd() {
 # which also checks the layout's per-GPU memory estimate). Its exit status is the job's.
 dry_run_launch() {
   local name
+  check_world_size "$@"
   abci_note "DRY_RUN: hostfile $HOSTFILE:"
   sed 's/^/[abci]   /' "$HOSTFILE"
   abci_note "DRY_RUN: mpirun line:"

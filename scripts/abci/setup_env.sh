@@ -16,7 +16,8 @@
 #   ABCI 3.0:  qsub -P GROUP scripts/abci/setup_env.sh                    # H200 (rt_HG)
 #   or inside qrsh / qsub -I:  bash scripts/abci/setup_env.sh
 #
-# (one file serves both systems: Grid Engine reads the #$ lines, PBS the #PBS lines.) Steps, each
+# (one file serves both systems: Grid Engine reads the #$ lines, PBS the #PBS lines; outside a job,
+# ABCI_SYSTEM=3 picks ABCI 3.0's module names, ABCI 2.0's otherwise.) Steps, each
 # skipped when already done with the same inputs, so re-running is cheap and safe:
 #   1. module load cuda / cudnn / nccl / hpcx (the job scripts' list, common.sh), python on ABCI 3.0
 #   2. the venv VENV_DIR (default: <repo>/.venv, where the job scripts look for it)
@@ -77,13 +78,13 @@ cuda_arch_list() {
     rt_F|rt_G.*) echo "7.0" ;;
     rt_AF|rt_AG.*) echo "8.0" ;;
     rt_HF|rt_HG) echo "9.0" ;;
-    *) case "$SCHEDULER" in pbs) echo "9.0" ;; *) echo "7.0;8.0;9.0" ;; esac ;;
+    *) case "$(abci_system)" in 3) echo "9.0" ;; *) echo "7.0;8.0;9.0" ;; esac ;;
   esac
 }
 
 load_python_module() {
   local name
-  case "$SCHEDULER" in pbs) name=${PYTHON_MODULE-$ABCI3_PYTHON_MODULE} ;; *) name=${PYTHON_MODULE-$ABCI2_PYTHON_MODULE} ;; esac
+  case "$(abci_system)" in 3) name=${PYTHON_MODULE-$ABCI3_PYTHON_MODULE} ;; *) name=${PYTHON_MODULE-$ABCI2_PYTHON_MODULE} ;; esac
   [ -n "$name" ] && command -v module >/dev/null 2>&1 || return 0
   case $- in *u*) set +u; module load "$name" || abci_die "module load $name failed (set PYTHON_MODULE)"; set -u ;;
              *) module load "$name" || abci_die "module load $name failed (set PYTHON_MODULE)" ;; esac

@@ -20,7 +20,7 @@ import torch
 
 from tests.checkpoint.common import train
 from tests.distributed import run_distributed
-from tests.training.common import train_losses
+from tests.training.common import TINY_GPT, train_losses
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
@@ -161,3 +161,61 @@ def test_what_the_target_cannot_express_is_refused_by_flag():
         arch(use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm", rotary_percent=0.5)
     with pytest.raises(ConfigError, match="without positions"):
         arch(position_embedding_type="none")
+
+
+def _umask_is(mask, fn):
+    old = os.umask(mask)
+    try:
+        return fn()
+    finally:
+        os.umask(old)
+
+
+def test_default_tokenizer_is_recorded_and_exported_with_group_readable_files(tmp_path, capsys):
+    """Trained without --tokenizer-type (Megatron's default, GPT-2 BPE): the checkpoint names the
+    tokenizer, the export writes its files and bos/eos ids, every file follows the umask (0002:
+    group-writable, as shared ABCI group directories want; safetensors alone would write 0600).
+    A checkpoint that records no tokenizer (--mock-data alone) says so, and takes --tokenizer-type."""
+    from tests.data.test_tokenizer import training_corpus
+
+    import train_tokenizer  # tools/ is on sys.path
+
+    corpus = training_corpus(tmp_path / "corpus.jsonl", n_docs=100)
+    assert train_tokenizer.main(["--input", str(corpus), "--vocab-size", "400",
+                                 "--output-dir", str(tmp_path / "tok")]) == 0
+    vocab, merges = str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")
+    ckpt = str(tmp_path / "ckpt")
+    argv = [a for a in TINY_GPT if a not in ("--vocab-size", "512")] + [
+        "--train-iters", "1", "--global-batch-size", "2", "--vocab-file", vocab, "--merge-file", merges, "--save", ckpt]
+    run_distributed(train_losses, 1, argv, timeout=600)
+    meta = json.load(open(os.path.join(ckpt, "global_step1", "megatron_ds_config.json")))
+    assert meta["config"]["data"]["tokenizer_type"] == "GPT2BPETokenizer"
+
+    out = str(tmp_path / "hf")
+    assert _umask_is(0o002, lambda: to_hf.main(["--load", ckpt, "--out", out])) == 0
+    eod = json.load(open(vocab))["<|endoftext|>"]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["bos_token_id"] == config["eos_token_id"] == eod
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token_id == eod
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert set(modes.values()) == {0o664}, modes
+
+    # a checkpoint from before the resolved type was recorded: null, with the files it trained with
+    meta["config"]["data"]["tokenizer_type"] = None
+    with open(os.path.join(ckpt, "global_step1", "megatron_ds_config.json"), "w") as f:
+        json.dump(meta, f)
+    assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "older")]) == 0
+    assert json.load(open(tmp_path / "older" / "config.json"))["eos_token_id"] == eod
+    # a checkpoint recording no tokenizer (as one trained on --mock-data alone)
+    meta["config"]["data"].update(tokenizer_type=None, vocab_file=None, merge_file=None, mock_data=True)
+    with open(os.path.join(ckpt, "global_step1", "megatron_ds_config.json"), "w") as f:
+        json.dump(meta, f)
+    capsys.readouterr()
+    assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "bare")]) == 0
+    assert "NOTE: no tokenizer files written, and no bos/eos token ids: the checkpoint records no tokenizer " \
+           "(--mock-data alone, or imported without tokenizer files); pass --tokenizer-type" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "bare" / "config.json"))["eos_token_id"] is None
+    assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "named"), "--tokenizer-type", "GPT2BPETokenizer",
+                       "--vocab-file", vocab, "--merge-file", merges]) == 0
+    assert json.load(open(tmp_path / "named" / "config.json"))["eos_token_id"] == eod

@@ -86,3 +86,18 @@ def test_deepspeeds_checkpoint_writers_are_refused_other_checkpoint_keys_kept():
     with pytest.raises(ConfigError, match=r'checkpoint.writer .* remove the "writer" block'):
         validate_with_deepspeed(_ds(checkpoint={"writer": {"type": "python", "decoupled": True}}), "x.json")
     validate_with_deepspeed(_ds(checkpoint={"tag_validation": "Warn"}), "x.json")
+
+
+def test_top_level_keys_deepspeed_ignores_are_refused_with_the_closest_one():
+    # DeepSpeed's own parser accepts this JSON and trains without ZeRO: the key is never read
+    from megatron_ds.ds_compat import parse_deepspeed_config
+
+    misspelt = _ds(zero_optimisation={"stage": 2})
+    assert "zero_optimisation" not in parse_deepspeed_config({**misspelt, "train_batch_size": 4})
+    with pytest.raises(ConfigError, match=r"^x.json: DeepSpeed ignores the key 'zero_optimisation' \(did you mean "
+                                          r"'zero_optimization'\?\); fix or remove it$"):
+        validate_with_deepspeed(misspelt, "x.json")
+    with pytest.raises(ConfigError, match=r"ignores the key 'flops_profile' \(did you mean 'flops_profiler'\?\) "
+                                          r"\(also unknown: 'zzz'\)"):
+        validate_with_deepspeed(_ds(flops_profile={"enabled": False}, zzz=1), "x.json")
+    validate_with_deepspeed(_ds(flops_profiler={"enabled": False}, steps_per_print=5, prescale_gradients=False), "x.json")

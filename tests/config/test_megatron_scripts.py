@@ -15,6 +15,7 @@ import pytest
 
 from megatron_ds.training.pretrain import main
 from tests.config.megatron_scripts import scripts
+from tests.data.test_gpt_dataset import write_dataset
 from tests.data.test_japanese_sentencepiece import train_abci_recipe
 
 # the real GPT-2 files: ../shared/data/gpt2 beside the checkout (or MEGATRON_DS_GPT2_DIR)
@@ -24,10 +25,15 @@ pytestmark = pytest.mark.skipif(not (GPT2_DIR / "gpt2-vocab.json").is_file(),
                                 reason="GPT-2 vocab/merges not found in ../shared/data/gpt2")
 
 
-def _files(tmp_path) -> dict:
+def _files(tmp_path, write_data=True) -> dict:
+    """The files the scripts name; the data set is real (--dry-run opens it): 1000 tiny documents,
+    so that --split 949,50,1 leaves every split some."""
+    data = str(tmp_path / "corpus_text_document")
+    if write_data:
+        write_dataset(data, [[464, 2068]] * 1000)
     return {"vocab": str(GPT2_DIR / "gpt2-vocab.json"), "merges": str(GPT2_DIR / "gpt2-merges.txt"),
-            "data": str(tmp_path / "corpus_text_document"), "ckpt": str(tmp_path / "ckpt"),
-            "tb": str(tmp_path / "tb"), "json": str(tmp_path / "ds_config.json"), "spm": str(tmp_path / "abci.model")}
+            "data": data, "ckpt": str(tmp_path / "ckpt"), "tb": str(tmp_path / "tb"),
+            "json": str(tmp_path / "ds_config.json"), "spm": str(tmp_path / "abci.model")}
 
 
 def dry_run(script, files) -> tuple[int, str, str]:
@@ -42,7 +48,7 @@ def dry_run(script, files) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-CASES = scripts(_files(Path("/nonexistent")))
+CASES = scripts(_files(Path("/nonexistent"), write_data=False))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[s.name for s in CASES])

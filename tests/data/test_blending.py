@@ -102,3 +102,29 @@ def test_blend_without_requested_samples_is_no_dataset(tmp_path):
         data_path=f"0.5 {a} 0.5 {b}", split="80,15,5", train_valid_test_num_samples=[50, 0, 0], seq_length=8,
         seed=2, log=quiet)
     assert len(train) > 0 and valid is None and test is None
+
+
+def test_blend_where_some_prefixes_leave_a_split_empty(tmp_path):
+    """949,50,1: a (40 documents) has 2 validation documents, b (2 documents) none. Upstream's
+    BlendableDataset asserts one weight per dataset there; here the validation blend is a's alone
+    (weight renormalized to 1), with a warning naming b. Neither has test documents: no test set."""
+    rng = np.random.default_rng(5)
+    a = write_dataset(tmp_path / "a", random_docs(rng, 40, vocab=100, empty_fraction=0))
+    b = write_dataset(tmp_path / "b", [d + 1000 for d in random_docs(rng, 2, vocab=100, empty_fraction=0)])
+    lines = []
+    nums = [100, 20, 5]
+    train, valid, test = build_train_valid_test_datasets(
+        data_path=f"0.25 {a} 0.75 {b}", split="949,50,1", train_valid_test_num_samples=nums, seq_length=4, seed=2,
+        log=lines.append)
+    assert test is None
+    assert len(train) == math.ceil(100 * 0.25 * 1.005) + math.ceil(100 * 0.75 * 1.005)  # both, as before
+    assert isinstance(valid, BlendableDataset) and len(valid.datasets) == 1 and valid.weights.tolist() == [1.0]
+    assert len(valid) == math.ceil(20 * 1.005)
+    assert all(valid[i]["text"].max() < 1000 for i in range(len(valid)))  # all from a
+    assert set(np.unique(valid.datasets[0].doc_idx)) == {38, 39}  # a's validation documents
+    warnings = [line for line in lines if line.startswith("WARNING")]
+    assert warnings == [
+        f"WARNING: --split 949,50,1 leaves the valid split of {b} without documents (2 in total): the valid blend "
+        f"uses the other prefixes, their weights renormalized",
+        f"WARNING: --split 949,50,1 leaves the test split of {a} {b} without documents (40, 2 in total): no test "
+        f"dataset, its evaluation is skipped (as in Megatron-DeepSpeed)"]

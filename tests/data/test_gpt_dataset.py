@@ -186,8 +186,10 @@ def test_clear_errors(tmp_path):
         build_train_valid_test_datasets(data_path=str(tmp_path / "missing"), train_valid_test_num_samples=[1, 1, 1],
                                         seq_length=8, seed=1, log=quiet)
     small = write_dataset(tmp_path / "small", [[1, 2, 3], [4, 5]])
-    with pytest.raises(ValueError, match=r"--split 949,50,1 leaves the valid split of .*small without documents"):
-        build_train_valid_test_datasets(data_path=small, split="949,50,1", train_valid_test_num_samples=[1, 1, 1],
+    # 1,1,1 of 2 documents: [0, 0, 1, 2] -- no training documents is an error (upstream trains nothing)
+    with pytest.raises(ValueError, match=r"^--split 1,1,1 leaves the train split of .*small without documents \(2 in "
+                                         r"total\); use more data or change --split$"):
+        build_train_valid_test_datasets(data_path=small, split="1,1,1", train_valid_test_num_samples=[1, 1, 1],
                                         seq_length=8, seed=1, log=quiet)
     empty = write_dataset(tmp_path / "empty", [[], []])
     with pytest.raises(ValueError, match=r"train split of .*empty .* has no tokens"):
@@ -239,3 +241,23 @@ def test_exact_num_epochs_refuses_what_megatron_asserts(epochs, samples_in_epoch
     with pytest.raises(ValueError, match="do not end in epoch 2"):
         build_index_mappings(documents, sizes, num_samples, 16, 7, log=quiet, num_epochs=epochs)
 
+def test_empty_evaluation_splits_are_skipped_with_a_warning(tmp_path):
+    """--split 949,50,1 on 2 documents: [0, 2, 2, 2]. Megatron-DeepSpeed builds no valid/test dataset
+    (its build_dataset needs splits[i + 1] > splits[i]); here too, with one warning line per split."""
+    small = write_dataset(tmp_path / "small", [[1, 2, 3], [4, 5]])
+    lines = []
+    train, valid, test = build_train_valid_test_datasets(
+        data_path=small, split="949,50,1", train_valid_test_num_samples=[4, 2, 2], seq_length=2, seed=1,
+        log=lines.append)
+    assert valid is None and test is None and set(np.unique(train.doc_idx)) == {0, 1}
+    warnings = [line for line in lines if line.startswith("WARNING")]
+    assert warnings == [f"WARNING: --split 949,50,1 leaves the {name} split of {small} without documents (2 in total): "
+                        f"no {name} dataset, its evaluation is skipped (as in Megatron-DeepSpeed)"
+                        for name in ("valid", "test")]
+    # no samples asked (--eval-iters 0) or no share in --split: nothing to warn about
+    lines.clear()
+    build_train_valid_test_datasets(data_path=small, split="100,0,0", train_valid_test_num_samples=[4, 2, 2],
+                                    seq_length=2, seed=1, log=lines.append)
+    build_train_valid_test_datasets(data_path=small, split="949,50,1", train_valid_test_num_samples=[4, 0, 0],
+                                    seq_length=2, seed=1, log=lines.append)
+    assert not [line for line in lines if line.startswith("WARNING")]

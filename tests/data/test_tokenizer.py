@@ -226,3 +226,36 @@ def test_null_tokenizer():
 def test_build_errors_are_clear(kwargs, message):
     with pytest.raises(TokenizerError, match=message):
         build_tokenizer(**kwargs, log=None)
+
+
+def test_vocab_and_merges_that_are_not_what_they_claim(small_bpe, tmp_path):
+    """A --vocab-file that is not JSON, the two files swapped, a merges file that is a vocabulary,
+    a broken tokenizer.json: one TokenizerError naming the file and what was expected."""
+    vocab, merges = small_bpe
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    listing = tmp_path / "list.json"
+    listing.write_text("[1, 2, 3]")
+    cases = [((merges, vocab), rf"--vocab-file {merges} is not JSON; expected GPT-2's vocab.json, a JSON object of "
+                               rf"token -> id \(are --vocab-file and --merge-file swapped\? \(it looks like a merges"),
+             ((garbage, merges), rf"--vocab-file {garbage} is not JSON; .* \(UnicodeDecodeError\)"),
+             ((listing, merges), rf"--vocab-file {listing} is JSON but not a vocabulary"),
+             ((vocab, vocab), rf"--merge-file {vocab} is JSON; expected GPT-2's merges.txt, .* swapped\?"),
+             ((vocab, garbage), rf"--merge-file {garbage} is not a merges.txt")]
+    for (v, m), message in cases:
+        with pytest.raises(TokenizerError, match=message):
+            build_tokenizer("GPT2BPETokenizer", vocab_file=str(v), merge_file=str(m), log=None)
+    with pytest.raises(TokenizerError, match=rf"--tokenizer-model {garbage} is not a tokenizers tokenizer.json"):
+        build_tokenizer("HFTokenizer", tokenizer_model=str(garbage), log=None)
+
+
+def test_swapped_vocab_files_in_dry_run_are_one_line(small_bpe, capsys):
+    from megatron_ds.training.pretrain import main
+
+    vocab, merges = small_bpe
+    rc = main(("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+               "--train-iters 10 --lr 1e-3 --mock-data --dry-run --world-size 1").split()
+              + ["--vocab-file", merges, "--merge-file", vocab])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith(f"error: --vocab-file {merges} is not JSON") and len(err.strip().splitlines()) == 1, err

@@ -52,3 +52,20 @@ def test_vocab_too_small(tmp_path, capsys):
     assert "too small" in capsys.readouterr().err
     assert train_tokenizer.main(["--input", str(tmp_path / "none.jsonl"), "--vocab-size", "300",
                                  "--output-dir", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys, kind):
+    """Four short lines cannot give 5000 tokens: the trained size is said, and it is the files' size."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["hello world", "hello there", "the world",
+                                                                      "there and back"]))
+    assert train_tokenizer.main(["--input", str(corpus), "--type", kind, "--vocab-size", "5000",
+                                 "--output-dir", str(tmp_path / "t")]) == 0
+    if kind == "bpe":
+        size = len(json.loads((tmp_path / "t" / "vocab.json").read_text(encoding="utf-8")))
+    else:
+        size = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "t" / "tokenizer.model"),
+                               log=None).vocab_size
+    assert size < 5000
+    assert f"WARNING: the trained vocabulary has {size} tokens, fewer than --vocab-size 5000" in capsys.readouterr().err

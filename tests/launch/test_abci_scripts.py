@@ -212,10 +212,10 @@ def test_multi_node_hostfile_and_dry_run(tmp_path, scheduler):
 def test_login_node_dry_run_takes_num_nodes(tmp_path):
     job = FakeJob(tmp_path, "sge")
     job.env = {}  # no scheduler at all
-    result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8, DRY_RUN=1)
+    result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8, DRY_RUN=1, GPUS_PER_NODE=4)
     assert result.returncode == 0, result.stdout + result.stderr
     [report] = read_probes(job.probes)
-    assert report["argv"][-4:-2] == ["--world-size", "16"]  # 8 nodes x GPUS_PER_NODE=2
+    assert report["argv"][-4:-2] == ["--world-size", "32"]  # 8 nodes x GPUS_PER_NODE=4: TP 4 x PP 8
     # Without a scheduler a real multi-node launch is refused, not attempted on this host.
     result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=8)
     assert result.returncode != 0 and "NUM_NODES=8 without a scheduler" in result.stderr
@@ -231,6 +231,67 @@ def test_module_overrides_and_missing_module_command(tmp_path):
     result = job.run("abci2_v100_gpt_345m.sh", DRY_RUN=1, path_with_module=False)
     assert result.returncode == 0, result.stderr
     assert "skipping module loads" in result.stdout
+
+
+@pytest.mark.parametrize("script", ["abci2_v100_gpt_345m.sh", "abci3_h200_gpt_1.3b.sh"])
+def test_outside_a_job_a_script_loads_its_own_systems_modules(tmp_path, script):
+    """On a login node (no scheduler) an ABCI 3.0 script loads ABCI 3.0's modules, not ABCI 2.0's."""
+    job = FakeJob(tmp_path, scheduler_of(script))
+    job.env = {"WORK_DIR": job.work}  # no scheduler at all
+    result = job.run(script, DRY_RUN=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    system = "ABCI2" if script.startswith("abci2") else "ABCI3"
+    assert job.module_calls() == [f"load {name}" for name in module_defaults(system)]
+
+
+def test_dry_run_world_size_not_divisible_names_num_nodes(tmp_path):
+    job = FakeJob(tmp_path, "sge")
+    job.env = {}
+    # 13B: TP 4 x PP 8 = 32 ranks per model copy; 3 nodes x GPUS_PER_NODE=2 cannot hold them
+    result = job.run("abci2_v100_gpt_13b.sh", NUM_NODES=3, DRY_RUN=1)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "[abci] ERROR: world size 6 (NUM_NODES=3 x GPUS_PER_NODE=2) is not divisible by TP x PP = 4 x 8 = 32: use "
+        "a multiple of 16 node(s) (e.g. NUM_NODES=16), or change TP/PP")
+    assert not list(job.probes.iterdir())  # refused before the dry run itself
+    # a layout overridden after the script name counts: PP 2 x TP 4 = 8 ranks fit 4 nodes x 2 GPUs
+    result = job.run("abci2_v100_gpt_13b.sh", "--pipeline-model-parallel-size", "2", NUM_NODES=4, DRY_RUN=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dry_run_outside_a_job_leaves_no_temporary_hostfile(tmp_path):
+    job = FakeJob(tmp_path, "pbs")
+    job.env = {"WORK_DIR": job.work}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    for nodes, expected in ((2, 0), (3, 1)):  # a dry run that passes, and one refused (13B's 32-rank blocks)
+        result = job.run("abci2_v100_gpt_13b.sh" if expected else "abci3_h200_gpt_1.3b.sh", NUM_NODES=nodes,
+                         DRY_RUN=1, TMPDIR=scratch)
+        assert result.returncode == expected, result.stdout + result.stderr
+        assert "hostfile=" + str(scratch) in result.stdout or expected
+        assert list(scratch.iterdir()) == []
+
+
+def _abci_numbers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("abci_numbers", ABCI / "abci_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quoted_numbers_are_the_estimators():
+    """The memory and checkpoint numbers in the job scripts' headers and docs/abci.md are generated
+    from the dry run's estimator (scripts/abci/abci_numbers.py); a change to the estimator or to a
+    script's layout without regenerating them fails here."""
+    numbers = _abci_numbers()
+    for script in JOB_SCRIPTS:
+        lines = (ABCI / script).read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.endswith(numbers.MARKER))
+        assert lines[at + 1].startswith("#   stage ") and " GB" in lines[at + 2], script
+    assert len(numbers.DOC_BLOCK.findall(open(numbers.DOC).read())) == 2
+    assert numbers.main(["--check"]) == 0, "run: python scripts/abci/abci_numbers.py"
 
 
 def test_missing_data_fails_before_launch(tmp_path):

@@ -100,7 +100,12 @@ def test_tracker_damaged_or_deleted_uses_newest_complete_step(saved, tmp_path):
     with open(os.path.join(garbled, TRACKER), "wb") as f:
         f.write(b"\xff\xfe6\x80")
     os.remove(os.path.join(deleted, TRACKER))
-    os.remove(os.path.join(legacy, "global_step6", MANIFEST))  # as written before manifests existed
+    os.remove(os.path.join(legacy, "global_step6", MANIFEST))  # as written before manifests existed:
+    meta_path = os.path.join(legacy, "global_step6", "megatron_ds_config.json")  # no completeness entry either
+    meta = json.load(open(meta_path))
+    del meta["completeness"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
     kept = {n: _crc(os.path.join(deleted, "global_step6", n)) for n in os.listdir(os.path.join(deleted, "global_step6"))}
     results = _runs([ARGS + ["--train-iters", "8", "--load", d, "--save", d] + extra
                      for d, extra in ((garbled, []), (deleted, ["--keep-last", "2"]), (legacy, []))])
@@ -128,3 +133,42 @@ def test_restart_from_scratch_never_overwrites(saved, tmp_path):
                            f"it, or use another --save directory")
     assert not iterations(out)
     assert json.load(open(os.path.join(d, "global_step2", MANIFEST))) == before
+
+
+def test_states_a_kill_during_a_save_leaves(saved, tmp_path):
+    """What a kill -9 inside a save leaves (the files after the kill point missing: a save writes
+    DeepSpeed's files, then the config, then the manifest, then the trackers), restarted with the
+    same command (--load = --save): (a) killed in the very first save: start from scratch, the
+    partial folder moved aside; (b) killed after the config, before the manifest: the tracker's
+    checkpoint is loaded and the partial one moved aside, not mistaken for a complete newer one;
+    (c) killed after the manifest, before the tracker: the finished checkpoint is loaded."""
+    first, config_only, untracked = (str(tmp_path / n) for n in ("first", "config_only", "untracked"))
+    os.makedirs(first)
+    shutil.copytree(os.path.join(saved, "global_step2"), os.path.join(first, "global_step2"))
+    os.remove(os.path.join(first, "global_step2", MANIFEST))
+    shutil.copytree(saved, config_only)
+    os.remove(os.path.join(config_only, "global_step6", MANIFEST))
+    with open(os.path.join(config_only, TRACKER), "w") as f:
+        f.write("4")
+    shutil.copytree(saved, untracked)
+    with open(os.path.join(untracked, TRACKER), "w") as f:
+        f.write("4")
+    past = os.path.getmtime(os.path.join(untracked, "global_step6", MANIFEST)) - 10
+    os.utime(os.path.join(untracked, TRACKER), (past, past))
+    (rc_a, out_a, err_a), (rc_b, out_b, err_b), (rc_c, out_c, err_c) = _runs(
+        [ARGS + ["--train-iters", "8", "--load", d, "--save", d] for d in (first, config_only, untracked)])
+    assert rc_a == 0, err_a
+    assert f"WARNING: --load {first} holds only interrupted saves, no complete checkpoint; starting from scratch" \
+           in out_a
+    assert f"WARNING: moved the interrupted save {first}/global_step2 aside to {first}/global_step2.incomplete" \
+           in out_a
+    assert [it for it, _ in iterations(out_a)] == list(range(1, 9))
+    assert rc_b == 0, err_b
+    assert f"loaded checkpoint {config_only}/global_step4 (iteration 4)" in out_b
+    assert f"WARNING: moved the interrupted save {config_only}/global_step6 aside" in out_b
+    assert [it for it, _ in iterations(out_b)] == [5, 6, 7, 8]
+    assert rc_c == 0, err_c
+    assert f"loaded checkpoint {untracked}/global_step6 (iteration 6)" in out_c
+    assert [it for it, _ in iterations(out_c)] == [7, 8]
+    for d in (first, config_only, untracked):
+        assert open(os.path.join(d, TRACKER)).read() == "8"

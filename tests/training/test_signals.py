@@ -69,6 +69,18 @@ class Job:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
+    def all_pids(self):
+        """Every process of this job (the launcher, the training processes, their loader workers)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"MEGATRON_DS_TEST_TAG={self.tag}".encode() in env:
+                pids.append(int(entry.name))
+        return pids
+
     def rank_pids(self, rank):
         """pids of this job's training processes of one rank (found by the tag in their environment)."""
         pids = []
@@ -81,7 +93,15 @@ class Job:
             if f"MEGATRON_DS_TEST_TAG={self.tag}".encode() in env and b"pretrain_gpt.py" in cmd and \
                     f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
                 pids.append(int(entry.name))
-        return pids
+        # not the rank's DataLoader workers (forked children: same environment and command line)
+        return [pid for pid in pids if _parent(pid) not in pids]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +115,15 @@ def straight(tmp_path_factory):
     return losses
 
 
-def _interrupt_and_resume(tmp_path, launcher, send):
+# The default --num-workers: DataLoader worker processes, which a signal to a whole process group (or
+# to every process of the job, as PBS and Grid Engine send it) reaches too. The loader's order and the
+# model's RNG do not depend on them, so the straight run (no workers) still gives the losses.
+LOADER_WORKERS = ["--num-workers", "2"]
+
+
+def _interrupt_and_resume(tmp_path, launcher, send, extra=()):
     ckpt = str(tmp_path / "ckpt")
-    job = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, "--save", ckpt, "--save-interval", "1000"],
+    job = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, *extra, "--save", ckpt, "--save-interval", "1000"],
               tmp_path, "first")
     job.wait_for(r"^ iteration\s+3/")
     send(job)
@@ -110,17 +136,31 @@ def _interrupt_and_resume(tmp_path, launcher, send):
     assert "received SIGTERM: finishing this iteration, then saving and exiting" in err
     assert open(os.path.join(ckpt, TRACKER)).read() == str(stopped)
     assert verify(os.path.join(ckpt, f"global_step{stopped}")) is None  # complete, every CRC matches
-    rc2, out2, err2 = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, "--load", ckpt, "--save", ckpt],
+    assert "DataLoader worker" not in err and "error:" not in err, err[-3000:]
+    rc2, out2, err2 = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, *extra, "--load", ckpt, "--save", ckpt],
                           tmp_path, "second").finish()
     assert rc2 == 0, err2[-3000:]
     return rc, first + iterations(out2)
 
 
 def test_sigterm_under_torchrun_saves_and_resumes_exactly(tmp_path, straight):
-    # torchrun forwards SIGTERM to its workers and SIGKILLs them after --shutdown-timeout (30 s by
-    # default); the workers' save finishes well inside the 120 s given here. torchrun itself then
-    # reports the signal with its own traceback and a non-zero status, which is its behaviour.
-    _, losses = _interrupt_and_resume(tmp_path, TORCHRUN, lambda job: os.kill(job.proc.pid, signal.SIGTERM))
+    # torchrun forwards SIGTERM to each worker's process group -- the worker and its DataLoader
+    # workers -- and SIGKILLs them after --shutdown-timeout (30 s by default); the workers' save
+    # finishes well inside the 120 s given here. torchrun itself then reports the signal with its own
+    # traceback and a non-zero status, which is its behaviour.
+    _, losses = _interrupt_and_resume(tmp_path, TORCHRUN, lambda job: os.kill(job.proc.pid, signal.SIGTERM),
+                                      LOADER_WORKERS)
+    assert losses == straight
+
+
+def test_sigterm_to_every_process_of_the_job_saves_and_resumes_exactly(tmp_path, straight):
+    """As PBS (qdel, walltime) and Grid Engine signal a job: every process at once -- torchrun, the
+    training processes and their DataLoader workers."""
+    def to_everyone(job):
+        for pid in job.all_pids():
+            os.kill(pid, signal.SIGTERM)
+
+    _, losses = _interrupt_and_resume(tmp_path, TORCHRUN, to_everyone, LOADER_WORKERS)
     assert losses == straight
 
 
@@ -148,7 +188,7 @@ def test_sigterm_to_one_rank_under_mpirun_saves_and_resumes_exactly(tmp_path, st
         os.kill(pid, signal.SIGTERM)
 
     launcher = _mpirun(free_port()) + []
-    rc, losses = _interrupt_and_resume(tmp_path, launcher, to_rank_1)
+    rc, losses = _interrupt_and_resume(tmp_path, launcher, to_rank_1, LOADER_WORKERS)
     assert rc == 0  # every rank exited 0, so mpirun does too
     assert losses == straight
 
@@ -178,3 +218,38 @@ def test_second_signal_exits_at_once(tmp_path):
     assert proc.stdout == "first: SIGUSR1\n"
     assert proc.stderr.splitlines()[-1] == "received SIGTERM again: exiting now, without saving"
     assert time.time() - started < 25  # not the 30 s sleep: it left at once
+
+
+LOADER_WORKERS_PROBE = """
+import os, signal, time, torch
+from megatron_ds.training.signals import StopSignals, ignore_stop_signals
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        return i
+
+loader = torch.utils.data.DataLoader(Numbers(), batch_size=2, num_workers=2, persistent_workers=True,
+                                     worker_init_fn=ignore_stop_signals)
+batches = iter(loader)  # kept referenced until exit, as DeepSpeed's pipeline engine keeps its data iterator
+for _ in range(4):  # batches come from the workers in turn: both are running (past worker_init_fn)
+    next(batches)
+with StopSignals() as stop:
+    os.killpg(0, signal.SIGTERM)  # the whole process group: this process and its two loader workers
+    while stop.received is None:
+        time.sleep(0.01)
+    time.sleep(1.0)  # a killed worker would be noticed by now
+    print("after the signal:", next(batches).tolist(), flush=True)
+"""
+
+
+def test_loader_workers_outlive_a_group_signal_and_end_with_the_trainer(tmp_path):
+    """SIGTERM to the trainer's process group: its DataLoader workers ignore it (the batch after the
+    signal still arrives), and the process still exits promptly, ending them itself (multiprocessing's
+    exit handler would SIGTERM and wait for them forever)."""
+    proc = subprocess.run([sys.executable, "-c", LOADER_WORKERS_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=clean_env(), start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("after the signal: [")
+    assert "DataLoader worker" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -66,11 +66,7 @@ def _write_lock(directory, info, age_s=0.0):
 
 def test_lock_rules(tmp_path, monkeypatch):
     host = socket.gethostname()
-    # a live holder on another host with a fresh heartbeat: refused, naming host, pid and job
-    _write_lock(tmp_path, {"host": "node7", "pid": 4242, "job_id": "12345.pbs1", "started": "then"})
-    with pytest.raises(LockHeld, match=r"in use by another job \(host node7, pid 4242, job 12345.pbs1"):
-        SaveLock(str(tmp_path)).acquire()
-    # the same holder without a heartbeat for longer than STALE_AFTER_S: taken over
+    # a holder on another host without a heartbeat for longer than STALE_AFTER_S: taken over
     _write_lock(tmp_path, {"host": "node7", "pid": 4242}, age_s=save_lock.STALE_AFTER_S + 60)
     notes = []
     lock = SaveLock(str(tmp_path))
@@ -95,6 +91,121 @@ def test_lock_rules(tmp_path, monkeypatch):
     assert time.time() - os.stat(tmp_path / LOCK_NAME).st_mtime < 100
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+# A scheduler's answers for a job that ended and one that runs, as the real commands give them
+# (megatron_ds/launch/scheduler.py cites where each message comes from).
+FAKE_QSTAT = """#!/bin/sh
+case "$2" in
+  111.pbs1) echo "qstat: 111.pbs1 Job has finished, use -x or -H to obtain historical job information" >&2; exit 35;;
+  112.pbs1) echo "qstat: Unknown Job Id 112.pbs1" >&2; exit 153;;
+  222.pbs1) printf 'Job Id: 222.pbs1\n    job_state = R\n'; exit 0;;
+  333) echo "Following jobs do not exist: " >&2; echo "333" >&2; exit 1;;
+esac
+exit 2
+"""
+
+
+def _fake_qstat(directory) -> str:
+    directory.mkdir(exist_ok=True)
+    (directory / "qstat").write_text(FAKE_QSTAT)
+    (directory / "qstat").chmod(0o755)
+    return str(directory)
+
+
+def _short_waits(monkeypatch, stale_s=1.0):
+    monkeypatch.setattr(save_lock, "STALE_AFTER_S", stale_s)
+    monkeypatch.setattr(save_lock, "POLL_S", 0.05)
+    monkeypatch.setattr(save_lock, "COUNTDOWN_S", 0.3)
+
+
+def _holder(job_id=None, scheduler=None):
+    return {"host": "node7", "pid": 4242, "job_id": job_id, "scheduler": scheduler, "started": "then"}
+
+
+@pytest.mark.parametrize("job_id,scheduler", [("111.pbs1", "pbs"), ("112.pbs1", "pbs"), ("333", "sge")])
+def test_lock_of_an_ended_job_is_taken_over_at_once(tmp_path, monkeypatch, job_id, scheduler):
+    """A job killed with SIGKILL left its lock with a fresh heartbeat; the scheduler says it ended."""
+    monkeypatch.setenv("PATH", f"{_fake_qstat(tmp_path / 'bin')}:{os.environ['PATH']}")
+    _write_lock(tmp_path, _holder(job_id, scheduler))
+    notes, started = [], time.monotonic()
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(log=notes.append)
+    lock.release()
+    assert time.monotonic() - started < save_lock.POLL_S  # no waiting
+    assert notes == [f"WARNING: took over the stale lock {tmp_path / LOCK_NAME} (host node7, pid 4242, job "
+                     f"{job_id}, since then: the scheduler says job {job_id} has ended)"]
+
+
+def test_lock_of_a_running_job_is_refused_after_the_wait(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{_fake_qstat(tmp_path / 'bin')}:{os.environ['PATH']}")
+    _short_waits(monkeypatch)
+    _write_lock(tmp_path, _holder("222.pbs1", "pbs"))
+    notes, started = [], time.monotonic()
+    with pytest.raises(LockHeld) as held:
+        SaveLock(str(tmp_path)).acquire(log=notes.append)
+    # it waited past the point where the heartbeat went stale: the scheduler's word wins
+    assert time.monotonic() - started >= save_lock.STALE_AFTER_S
+    assert len(notes) >= 2 and all("waiting up to" in n for n in notes)
+    assert str(held.value).startswith(f"--save {tmp_path} is in use by another job (host node7, pid 4242, job "
+                                      f"222.pbs1, since then; heartbeat ")
+    assert "; the scheduler says job 222.pbs1 is still running) after waiting for it: " in str(held.value)
+    assert "\n" not in str(held.value)
+
+
+def test_without_a_scheduler_the_lock_is_waited_for_until_stale(tmp_path, monkeypatch):
+    _short_waits(monkeypatch)
+    _write_lock(tmp_path, _holder())
+    notes = []
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(log=notes.append)
+    lock.release()
+    # countdown lines, then the take-over
+    assert notes[0].startswith(f"WARNING: --save {tmp_path} is locked by host node7, pid 4242, since then, "
+                               f"heartbeat 0 s ago; waiting up to 1 s for it to end")
+    assert "no heartbeat for 1 s" in notes[-1] and "took over the stale lock" in notes[-1]
+    # a holder whose heartbeat moves while we wait is alive: refused without waiting it out
+    _short_waits(monkeypatch, stale_s=30.0)
+    path = _write_lock(tmp_path, _holder(), age_s=5)
+    import threading
+    threading.Timer(0.3, lambda: os.utime(path)).start()
+    started = time.monotonic()
+    with pytest.raises(LockHeld, match=r"in use by another job \(host node7, .*\) after waiting for it"):
+        SaveLock(str(tmp_path)).acquire(log=lambda m: None)
+    assert time.monotonic() - started < 10
+    # a requeued job (same job id) on another node takes over from its earlier run
+    monkeypatch.setenv("PBS_JOBID", "444.pbs1")
+    _write_lock(tmp_path, _holder("444.pbs1", "pbs"))
+    notes = []
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(log=notes.append)
+    lock.release()
+    assert notes[0].endswith("an earlier run of this job 444.pbs1 (requeued))")
+
+
+def _cli_with_scheduler(rank, world_size, argvs, bin_dir):
+    """cli_many with the fake qstat on PATH and the lock's waits shortened (2 s instead of 5 min)."""
+    save_lock.STALE_AFTER_S, save_lock.POLL_S, save_lock.COUNTDOWN_S = 2.0, 0.1, 0.5
+    os.environ["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    return cli_many(rank, world_size, argvs)
+
+
+def test_chained_job_after_a_hard_kill(tmp_path):
+    """Through pretrain_gpt.py: the follow-on of a SIGKILLed job starts at once; a --save whose job
+    still runs is refused in one line after the wait."""
+    ended, running = tmp_path / "ended", tmp_path / "running"
+    for d, job in ((ended, "111.pbs1"), (running, "222.pbs1")):
+        d.mkdir()
+        _write_lock(d, _holder(job, "pbs"))
+    results = run_distributed(_cli_with_scheduler, 1, [ARGS + ["--save", str(ended)], ARGS + ["--save", str(running)]],
+                              str(_fake_qstat(tmp_path / "bin")), timeout=900)[0]
+    (rc1, out1, err1), (rc2, out2, err2) = results
+    assert rc1 == 0, err1
+    assert "the scheduler says job 111.pbs1 has ended" in out1 and len(iterations(out1)) == 2
+    assert rc2 == 1 and len(err2.strip().splitlines()) == 1, err2
+    assert err2.startswith(f"error: --save {running} is in use by another job (host node7, pid 4242, job 222.pbs1")
+    assert "is still running) after waiting for it" in err2
+    assert "waiting up to" in out2 and not iterations(out2)
 
 
 def test_port_clash_without_launcher_is_one_line(tmp_path):

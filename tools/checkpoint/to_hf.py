@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs: more precise, e.g. with --dtype fp32; needs the optimizer files)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="real vocabulary size, for older checkpoints that do not record it")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="the tokenizer the run trained with, for checkpoints that do not record it (e.g. trained "
+                        "on --mock-data); with its files below")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, if it moved since training")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, if it moved since training")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model / tokenizer.json, if it moved")
@@ -41,8 +44,8 @@ def main(argv=None) -> int:
 
     try:
         export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
-                  data_overrides=dict(vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                      tokenizer_model=args.tokenizer_model),
+                  data_overrides=dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model),
                   from_masters=args.from_fp32_masters, max_shard_bytes=int(args.max_shard_size_gb * 2**30))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

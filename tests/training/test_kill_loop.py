@@ -1,0 +1,175 @@
+"""kill -9 as a cluster does it (walltime after the grace period, a node failure, qdel -W force): the
+whole job -- torchrun and its workers -- killed at random moments, inside saves too, then the same
+command again with --load = --save. Every restart must resume from the newest complete checkpoint
+(found here by reading the manifests, independently of the code under test) and print the losses of
+the uninterrupted run; the last one finishes. One process, and pipeline parallel 2.
+
+Also: torchrun alone killed -- its workers notice and stop at once, saving nothing.
+
+Losses are compared as printed (see tests/training/test_signals.py: identical floats print alike).
+"""
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.checkpoint.format import MANIFEST, TRACKER
+from tests.launch.helpers import PYTHON, REPO
+from tests.training.cli import SMALL_GPT, iterations
+from tests.training.test_signals import Job
+
+ITERS = 12
+ARGS = SMALL_GPT + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS), "--hidden-dropout", "0.1",
+                    "--attention-dropout", "0.1", "--save-interval", "1"]  # a save every iteration: kills land in them
+LAYOUTS = {"one_process": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+KILLS = 3  # per layout: each launch costs ~7 s of start-up on two busy cores
+LOADED = re.compile(r"^loaded checkpoint \S+/global_step(\d+) \(iteration (\d+)\)$", re.M)
+
+
+def _torchrun(nproc):
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+def newest_complete(ckpt: Path) -> int:
+    """The newest global_stepN whose manifest exists and whose every listed file has its size."""
+    best = 0
+    for d in ckpt.glob("global_step*"):
+        m = re.fullmatch(r"global_step(\d+)", d.name)
+        try:
+            files = json.loads((d / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if m and all((d / n).is_file() and (d / n).stat().st_size == e["size"] for n, e in files.items()):
+            best = max(best, int(m.group(1)))
+    return best
+
+
+def _steps(ckpt: Path) -> set:
+    return {int(m.group(1)) for d in ckpt.glob("global_step*") if (m := re.fullmatch(r"global_step(\d+)", d.name))}
+
+
+def _kill_at_a_random_moment(job: Job, ckpt: Path, rng: random.Random) -> str:
+    """SIGKILL to the job's whole process group: during start-up / loading, during training, or just
+    as a new checkpoint folder appears (inside DeepSpeed's writes, the config, the manifest or the
+    tracker update)."""
+    moment = rng.choice(["start-up", "training", "save", "save"])
+    if moment == "start-up":
+        time.sleep(rng.uniform(0.5, 6.0))
+    elif _training(job):
+        if moment == "training":
+            time.sleep(rng.uniform(0.0, 0.6))
+        else:
+            before = _steps(ckpt)
+            deadline = time.time() + 30
+            while not (_steps(ckpt) - before) and job.proc.poll() is None and time.time() < deadline:
+                time.sleep(0.002)
+    kill_whole_job(job)
+    return moment
+
+
+def _training(job: Job, timeout: float = 300) -> bool:
+    """Wait for the job's first iteration line; False when it ended first (nothing left to train)."""
+    deadline = time.time() + timeout
+    while job.proc.poll() is None and time.time() < deadline:
+        if re.search(r"^ iteration\s+\d+/", job.out_path.read_text(), re.M):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def kill_whole_job(job: Job) -> None:
+    """SIGKILL to torchrun and every worker at once, as a scheduler ends a job (torchrun starts its
+    workers in sessions of their own, so its process group alone would miss them)."""
+    for pid in [job.proc.pid, *_pids_of(job)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.proc.wait()
+
+
+def _check_segment(out: str, expected_start: int, straight: dict, what: str) -> None:
+    """The run loaded the newest complete checkpoint (if it got that far) and printed straight's losses."""
+    loaded = LOADED.findall(out)
+    if loaded:
+        assert [(int(a), int(b)) for a, b in loaded] == [(expected_start, expected_start)], (what, out[-3000:])
+    elif expected_start == 0 and "starting from scratch" in out:
+        pass
+    printed = iterations(out)
+    if printed:
+        assert printed[0][0] == expected_start + 1, (what, printed)
+    for it, loss in printed:
+        assert loss == straight[it], (what, it, loss, straight[it])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kill_loop_resumes_from_the_newest_complete_step(tmp_path, layout):
+    nproc, extra = LAYOUTS[layout]
+    command = _torchrun(nproc) + [REPO / "pretrain_gpt.py", *ARGS, *extra]
+    rc, out, err = Job(command, tmp_path, "straight").finish()
+    assert rc == 0, err[-3000:]
+    straight = dict(iterations(out))
+    assert sorted(straight) == list(range(1, ITERS + 1))
+
+    ckpt = tmp_path / "ckpt"
+    same_command = command + ["--save", ckpt, "--load", ckpt]
+    seed = random.randrange(10 ** 6)
+    rng = random.Random(seed)
+    for n in range(KILLS):
+        expected = newest_complete(ckpt)
+        job = Job(same_command, tmp_path, f"killed{n}")
+        moment = _kill_at_a_random_moment(job, ckpt, rng)
+        _check_segment(job.out_path.read_text(), expected, straight, f"seed {seed}, kill {n} ({moment})")
+    expected = newest_complete(ckpt)
+    rc, out, err = Job(same_command, tmp_path, "last").finish()
+    assert rc == 0, (seed, err[-3000:])
+    _check_segment(out, expected, straight, f"seed {seed}, the last run")
+    assert iterations(out)[-1][0] == ITERS or expected == ITERS
+    assert (ckpt / TRACKER).read_text() == str(ITERS) and newest_complete(ckpt) == ITERS
+
+
+def _pids_of(job: Job) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes()
+            state = (entry / "status").read_text()
+        except OSError:
+            continue
+        if f"MEGATRON_DS_TEST_TAG={job.tag}".encode() in env and b"pretrain_gpt.py" in cmd and \
+                b"torch.distributed.run" not in cmd and "State:\tZ" not in state:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_workers_stop_when_torchrun_alone_is_killed(tmp_path):
+    """kill -9 of torchrun only: its workers used to train on unnoticed; now they stop within about a
+    second (parent_watch.POLL_S), and save nothing."""
+    ckpt = tmp_path / "ckpt"
+    long_run = SMALL_GPT + ["--train-iters", "100000", "--lr-decay-iters", "100000", "--pipeline-model-parallel-size",
+                            "2", "--save", ckpt, "--save-interval", "100000"]
+    job = Job(_torchrun(2) + [REPO / "pretrain_gpt.py", *long_run], tmp_path, "orphaned")
+    try:
+        job.wait_for(r"^ iteration\s+3/", timeout=300)
+        workers = _pids_of(job)
+        assert len(workers) == 2
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        killed = time.time()
+        while _pids_of(job) and time.time() - killed < 20:
+            time.sleep(0.1)
+        assert not _pids_of(job), "the workers trained on without their launcher"
+        assert time.time() - killed < 10
+    finally:
+        kill_whole_job(job)
+    # the first to notice exits; its pipeline peer may find it gone in the next collective first
+    err = job.err_path.read_text()
+    assert re.search(r"error: the torchrun launcher \(pid \d+\) is gone: stopping this worker", err), err
+    assert not list(ckpt.glob("global_step*"))  # nothing saved, partial or whole
