@@ -56,7 +56,7 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=run.distributed.pipeline_partition_method, **common)
-    return build_sequential_gpt(layout.model, **common)
+    return build_sequential_gpt(layout.model, sp_group=ps.sp_group, **common)
 
 
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> torch.nn.Module:

