@@ -248,9 +248,11 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     """Weights, gradients and optimizer states of ``params`` parameters of one tensor parallel
     shard, on one GPU. ``weight_bytes``: what those parameters take in the module as built (the
     meta-device build of --dry-run); the default is the compute precision's bytes per parameter.
-    ZeRO-3 keeps 1/DP of the module's weights on each GPU."""
+    ZeRO-3 keeps 1/DP of the module's weights on each GPU. Under DeepSpeed-Ulysses ZeRO partitions
+    over the sequence data parallel group (SP x DP ranks hold the same weights: runtime/engine.py
+    hands ZeRO ``seq_data_parallel_group``)."""
     sb = sb or state_bytes(layout)
-    dp = layout.dp
+    dp = layout.dp * layout.sp
     per_weight = sb.weights + sb.weights_split / dp
     # the module holds sb.weights + sb.weights_split bytes per weight before ZeRO-3 splits them
     weights = params * per_weight if weight_bytes is None else weight_bytes * per_weight / (
@@ -345,7 +347,7 @@ def _candidates(layout: Layout):
     if layout.recompute != "full":
         yield "--checkpoint-activations", relayout(layout, recompute="full")
     for stage in range(layout.zero_stage + 1, 4):
-        if layout.dp == 1:
+        if layout.dp * layout.sp == 1:
             break
         if stage >= 2 and layout.pp > 1:
             break
