@@ -73,9 +73,11 @@ def test_resume_equals_straight_run(tmp_path):
     assert first + second == straight
 
 
-def test_checkpoint_saved_at_sp2_loads_at_sp1(tmp_path):
-    """The weights do not depend on SP: a run saved at SP 2 continues at SP 1 as the SP 1 run would."""
-    argv = RESUME + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_checkpoint_saved_at_sp2_loads_at_sp1(tmp_path, zero):
+    """The weights do not depend on SP: a run saved at SP 2 continues at SP 1 as the SP 1 run would
+    (ZeRO 1: the optimizer state sharded over the 2 ranks is resharded for 1)."""
+    argv = RESUME + ["--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", zero]
     straight = _run(1, argv)
     ckpt = str(tmp_path / "ckpt")
     _run(2, argv + ["--ds-sequence-parallel-size", "2", "--save", ckpt, "--save-interval", "100",
