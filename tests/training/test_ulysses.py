@@ -23,9 +23,9 @@ RESET = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "-
 LLAMA = LLAMA_FLAGS + ["--num-attention-heads", "8", "--num-key-value-heads", "4"]
 
 
-def _losses(sp, dp, extra=(), steps=STEPS):
-    argv = TINY_GPT + steps + ["--ds-sequence-parallel-size", str(sp), *extra]
-    results = run_distributed(train_losses, sp * dp, argv, timeout=600)
+def _losses(sp, dp, extra=(), steps=STEPS, tp=1):
+    argv = TINY_GPT + steps + ["--ds-sequence-parallel-size", str(sp), "--tensor-model-parallel-size", str(tp), *extra]
+    results = run_distributed(train_losses, tp * sp * dp, argv, timeout=600)
     for other in results:  # every rank reports the loss of the whole sequence
         assert other == results[0]
     return [loss for _, loss in results[0]]
@@ -39,6 +39,11 @@ def llama_reference():
 @pytest.mark.parametrize("sp,dp", [(2, 1), (2, 2), (4, 1)])
 def test_llama_with_document_resets_matches_single_process(llama_reference, sp, dp):
     assert _losses(sp, dp, LLAMA + RESET) == pytest.approx(llama_reference, rel=RTOL)
+
+
+def test_llama_tp2_sp2_matches_single_process(llama_reference):
+    """Each TP rank's 2 key/value groups split again over 2 SP ranks."""
+    assert _losses(2, 1, LLAMA + RESET, tp=2) == pytest.approx(llama_reference, rel=RTOL)
 
 
 def test_the_comparisons_can_fail(llama_reference):
