@@ -3,7 +3,8 @@ few steps with each sequence split over SP ranks gives the losses of the same mo
 process (SP 1, a dense run), for GPT and Llama shapes (RoPE, GQA) and with document-reset masks;
 a run resumed from a checkpoint continues bit for bit; a checkpoint saved at SP 2 loads at SP 1.
 
-Dropout is off: its stream depends on the layout. Tolerance rtol 2e-5 as in test_parity.py (fp32
+Dropout is off in the comparisons across layouts (its stream depends on the layout); on in the resume
+test, which compares one layout with itself. Tolerance rtol 2e-5 as in test_parity.py (fp32
 sums in another order: the attention of each head runs on another rank, the loss is a sum of
 per-shard sums, the gradients a sum over SP x DP); a wrong shard, position or mask moves the loss by
 1e-3 or more.
