@@ -43,6 +43,7 @@ _INTERNAL_NAMES = {
     "partition_uniform": "deepspeed.runtime.utils",  # ... with partition_method="uniform"
     "get_global_norm_of_tensors": "deepspeed.runtime.utils",  # returns -1 for a non-finite norm
     "PipeModelDataParallelTopology": "deepspeed.runtime.pipe.topology",  # axes pipe, data, model
+    "ProcessTopology": "deepspeed.runtime.pipe.topology",  # its base: any axes (+ "sequence" for Ulysses)
     "DeepSpeedConfig": "deepspeed.runtime.config",  # validates a JSON as deepspeed.initialize would
     "ZeROOptimizer": "deepspeed.runtime.base_optimizer",  # base of the ZeRO and bf16 optimizers
     "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",  # keeps the accumulated grad in _hp_grad

@@ -122,7 +122,9 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
 
 
 def layout_signature(layout) -> dict:
-    """The signature of a training run's ``Layout``."""
+    """The signature of a training run's ``Layout``. Its data parallel size counts the ranks holding
+    the same weights, over which ZeRO shards the optimizer state: under DeepSpeed-Ulysses the SP x DP
+    ranks of the sequence data parallel group (the weights themselves do not depend on SP)."""
     return signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
-                     dp=layout.dp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
+                     dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
                      precision=layout.precision, use_pipeline=layout.use_pipeline)

@@ -67,8 +67,6 @@ UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
 # Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off
 # (upstream scripts pass it explicitly): flag -> (nargs, off value, what to do instead).
 OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
-    "--ds-sequence-parallel-size": ("?", "1", "DeepSpeed-Ulysses sequence parallelism is not supported; use "
-                                              "--sequence-parallel with --tensor-model-parallel-size"),
     "--num-experts": ("+", "1", "mixture-of-experts models are not supported"),  # upstream nargs='+', default [1]
 }
 
@@ -116,11 +114,15 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     "--embedding-weights-in-fp32": (0, "an fp32 lookup cast back to bf16/fp16 gives the same embeddings"),
     # megatron/checkpointing.py reads it only without --deepspeed: DeepSpeed's engine always saves the optimizer
     "--no-save-optim": (0, "Megatron-DeepSpeed's DeepSpeed path saves the optimizer state regardless"),
+    # megatron/model/transformer.py: it routes attention through DistributedAttention at any size; at
+    # --ds-sequence-parallel-size 1 that is the local attention, and above 1 it is used anyway
+    "--force-ds-sequence-parallel": (0, "DeepSpeed's DistributedAttention at sequence parallel size 1 is the "
+                                        "local attention; above 1 it runs regardless"),
 }
 
 _BERT_T5 = "BERT and T5 models are not supported (GPT only): drop the flag"
-_ULYSSES = ("DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size) is not supported; use "
-            "--sequence-parallel with --tensor-model-parallel-size")
+_FPDT = ("DeepSpeed-Ulysses' FPDT (chunked, offloaded attention) is not supported; plain Ulysses "
+         "(--ds-sequence-parallel-size) is")
 _INDEX_FILES = "index files are built once and cached under --data-cache-path; drop the flag"
 # flag -> (number of values, what to do instead)
 REFUSED_FLAGS: dict[str, tuple[int, str]] = {
@@ -130,9 +132,8 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--decoder-num-layers", "--decoder-seq-length",
                                   "--retriever-seq-length", "--mask-prob", "--short-seq-prob", "--sample-rate")},
     "--num-experts-switch": (1, "mixture-of-experts (switch MLP) models are not supported"),
-    **{f: (0, _ULYSSES) for f in ("--force-ds-sequence-parallel", "--ds-sequence-parallel-fpdt",
-                                  "--ds-sequence-parallel-fpdt-offloading")},
-    "--ds-sequence-parallel-fpdt-chunk-size": (1, _ULYSSES),
+    **{f: (0, _FPDT) for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-offloading")},
+    "--ds-sequence-parallel-fpdt-chunk-size": (1, _FPDT),
     # megatron/arguments.py validate_args asserts these deprecated ones are unset, naming the new flag
     "--batch-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --micro-batch-size"),
     "--warmup": (1, "no longer valid (as in Megatron-DeepSpeed); use --lr-warmup-fraction or --lr-warmup-iters"),

@@ -71,6 +71,7 @@ class Layout:
     world_size: int
     tp: int
     pp: int
+    sp: int  # DeepSpeed-Ulysses sequence parallel ranks (each holds 1/sp of every sequence)
     virtual_pp: int  # model chunks per pipeline rank (> 1: interleaved 1F1B schedule)
     dp: int
     micro_batch_size: int
@@ -105,7 +106,8 @@ class Layout:
     def summary(self) -> str:
         m = self.model
         lines = [
-            f"world size {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp}"
+            f"world size {self.world_size} = TP {self.tp} x PP {self.pp}"
+            f"{f' x SP {self.sp} (DeepSpeed-Ulysses)' if self.sp > 1 else ''} x DP {self.dp}"
             f" ({self._engine_name()}, ZeRO {self.zero_stage},"
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
@@ -244,9 +246,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     returns the layout and the notes of DeepSpeed JSON values the command line overrode."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
     m = resolve_model_config(flags.model)
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp)
-    dp = world_size // (tp * pp)
+    tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
+    check_parallel_sizes(m, world_size, tp, pp, sp)
+    dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
     check_divisible(global_batch, micro * dp,
@@ -275,7 +277,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
-    layout = Layout(world_size=world_size, tp=tp, pp=pp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
+    layout = Layout(world_size=world_size, tp=tp, pp=pp, sp=sp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
                     vocab_size=vocab_size, padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,

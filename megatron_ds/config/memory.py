@@ -63,7 +63,7 @@ def logits_bytes(layout: Layout) -> float:
     tensor exists: it computes the gradients during forward a chunk of about tokens*h logits at a
     time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
     m = layout.model
-    tokens = m.seq_length * layout.micro_batch_size
+    tokens = m.seq_length // layout.sp * layout.micro_batch_size
     vocab = layout.padded_vocab_size / layout.tp
     if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
         act_bytes = 4 if layout.precision == "fp32" else 2
@@ -178,9 +178,16 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
 
     Selective recompute re-runs the attention core from q, k, v: its logsumexp is not kept (the
     output still is, as the projection's input). fp32 activations double everything.
+
+    DeepSpeed-Ulysses (SP ranks) keeps everything for s / SP positions: outside attention the rank
+    holds its positions, inside it all s positions of 1/SP of the heads. The all-to-all keeps none
+    of its inputs, so q, k, v are kept once, after it (no rotated copies, no fused QKV output held
+    by v), and the attention output twice: the core's, and after the all-to-all back the output
+    projection's input.
     """
     m = layout.model
-    s, b, h, a, t = m.seq_length, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
+    s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
+        layout.tp
     d = m.kv_channels or h // a
     g = m.num_key_value_heads or a
     f = m.ffn_hidden_size or 4 * h
@@ -188,8 +195,8 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
     residual = 4 if m.fp32_residual_connection else 2  # the flag is refused with fp32 weights (validation.py)
     replicated = residual + residual + 2 + 2 + masks
     qkv = 2 * (a + 2 * g) * d / h
-    rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" else 0.0
-    core = 2 * a * d / h + (4 * a / h if recompute != "selective" else 0.0)
+    rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" and layout.sp == 1 else 0.0
+    core = 2 * a * d / h * (2 if layout.sp > 1 else 1) + (4 * a / h if recompute != "selective" else 0.0)
     mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
@@ -241,9 +248,11 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     """Weights, gradients and optimizer states of ``params`` parameters of one tensor parallel
     shard, on one GPU. ``weight_bytes``: what those parameters take in the module as built (the
     meta-device build of --dry-run); the default is the compute precision's bytes per parameter.
-    ZeRO-3 keeps 1/DP of the module's weights on each GPU."""
+    ZeRO-3 keeps 1/DP of the module's weights on each GPU. Under DeepSpeed-Ulysses ZeRO partitions
+    over the sequence data parallel group (SP x DP ranks hold the same weights: runtime/engine.py
+    hands ZeRO ``seq_data_parallel_group``)."""
     sb = sb or state_bytes(layout)
-    dp = layout.dp
+    dp = layout.dp * layout.sp
     per_weight = sb.weights + sb.weights_split / dp
     # the module holds sb.weights + sb.weights_split bytes per weight before ZeRO-3 splits them
     weights = params * per_weight if weight_bytes is None else weight_bytes * per_weight / (
@@ -262,7 +271,7 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str,
     # the hidden state kept per recomputed chunk and crossing stages: the residual stream
     act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
     shard = layout.tp if layout.sequence_parallel else 1
-    sbh = m.seq_length * layout.micro_batch_size * m.hidden_size
+    sbh = m.seq_length // layout.sp * layout.micro_batch_size * m.hidden_size
     if layout.recompute == "full":
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time.
         chunk = max(1, min(layout.recompute_num_layers, layers))
@@ -320,7 +329,7 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     tp = tp or layout.tp
     pp = pp or layout.pp
     micro = micro_batch_size or layout.micro_batch_size
-    dp = layout.world_size // (tp * pp)
+    dp = layout.world_size // (tp * pp * layout.sp)
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
@@ -338,20 +347,21 @@ def _candidates(layout: Layout):
     if layout.recompute != "full":
         yield "--checkpoint-activations", relayout(layout, recompute="full")
     for stage in range(layout.zero_stage + 1, 4):
-        if layout.dp == 1:
+        if layout.dp * layout.sp == 1:
             break
         if stage >= 2 and layout.pp > 1:
             break
         extra = " --no-pipeline-parallel" if stage >= 2 and layout.use_pipeline else ""
         yield f"--zero-stage {stage}{extra}", relayout(layout, zero_stage=stage, use_pipeline=(
             False if stage >= 2 else None))
-    tp = layout.tp * 2
-    while world % (tp * layout.pp) == 0 and m.num_attention_heads % tp == 0 and \
-            m.num_key_value_heads % tp == 0 and m.ffn_hidden_size % tp == 0:
+    tp, sp = layout.tp * 2, layout.sp  # Ulysses' heads split over TP x SP (config/validation.py)
+    while world % (tp * layout.pp * sp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
+            m.num_key_value_heads % (tp * sp) == 0 and m.ffn_hidden_size % tp == 0:
         yield f"--tensor-model-parallel-size {tp}", relayout(layout, tp=tp)
         tp *= 2
     pp = layout.pp * 2
-    while world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and layout.zero_stage < 2:
+    # (Ulysses runs on the plain engine only: no pipeline to suggest)
+    while sp == 1 and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and layout.zero_stage < 2:
         yield f"--pipeline-model-parallel-size {pp}", relayout(layout, pp=pp)
         pp *= 2
     micro = layout.micro_batch_size // 2

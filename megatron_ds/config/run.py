@@ -92,7 +92,7 @@ class Run:
         """The layout, then every section (what ``--dry-run`` prints)."""
         lay = self.layout
         chunk = f", {lay.recompute_num_layers} layer(s) per chunk" if lay.recompute == "full" else ""
-        lines = [lay.summary(), f"sequence parallel: {'on' if lay.sequence_parallel else 'off'}; "
+        lines = [lay.summary(), f"(Megatron) sequence parallel: {'on' if lay.sequence_parallel else 'off'}; "
                                 f"recompute: {lay.recompute or 'none'}{chunk}"]
         for name in ("training", "optimizer", "distributed", "data", "checkpoint", "logging"):
             section = getattr(self, name)

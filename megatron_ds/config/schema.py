@@ -114,6 +114,9 @@ class ParallelConfig:
     """Interleaved 1F1B schedule: model chunks per pipeline rank (Megatron-LM's spelling of the above)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
+    sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""

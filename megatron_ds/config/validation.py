@@ -159,20 +159,23 @@ def check_divisible(a: int, b: int, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int) -> None:
-    """The world splits into TP x PP x DP, and the model's heads, layers and MLP split over TP / PP."""
-    if tp < 1 or pp < 1 or world_size < 1:
-        raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}")
-    check_divisible(world_size, tp * pp,
-                    f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
-                    f"launch a multiple of {tp * pp} processes or change "
-                    f"--tensor-model-parallel-size/--pipeline-model-parallel-size")
-    check_divisible(m.num_attention_heads, tp,
-                    f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                    f"--tensor-model-parallel-size {tp}; choose TP dividing the head count")
-    check_divisible(m.num_key_value_heads, tp,
-                    f"--num-key-value-heads {m.num_key_value_heads} is not divisible by "
-                    f"--tensor-model-parallel-size {tp}; choose TP dividing the KV head count")
+def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1) -> None:
+    """The world splits into TP x PP x SP x DP, and the model's heads, layers and MLP split over TP / PP;
+    under DeepSpeed-Ulysses (SP) each rank attends with 1/(TP x SP) of the (query and key/value) heads."""
+    if tp < 1 or pp < 1 or sp < 1 or world_size < 1:
+        raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}, SP {sp}")
+    names, sizes = ("TP x PP", f"{tp} x {pp}") if sp == 1 else ("TP x PP x SP", f"{tp} x {pp} x {sp}")
+    check_divisible(world_size, tp * pp * sp,
+                    f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * sp}; "
+                    f"launch a multiple of {tp * pp * sp} processes or change --tensor-model-parallel-size/"
+                    f"--pipeline-model-parallel-size{'/--ds-sequence-parallel-size' if sp > 1 else ''}")
+    for heads, flag in ((m.num_attention_heads, "--num-attention-heads"), (m.num_key_value_heads,
+                                                                          "--num-key-value-heads")):
+        check_divisible(heads, tp, f"{flag} {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+                                   f"choose TP dividing the head count")
+        # Ulysses scatters whole heads (and, under GQA, whole key/value groups) over the SP ranks
+        check_divisible(heads, tp * sp, f"{flag} {heads} is not divisible by TP {tp} x "
+                                        f"--ds-sequence-parallel-size {sp}; choose SP dividing {heads} / TP")
     check_divisible(m.num_attention_heads, m.num_key_value_heads,
                     f"--num-attention-heads {m.num_attention_heads} is not a multiple of "
                     f"--num-key-value-heads {m.num_key_value_heads}")
@@ -208,6 +211,24 @@ def check_engine(par, *, pp: int, tp: int, zero_stage: int, seq_length: int) -> 
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if par.sequence_parallel and seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by TP {tp}")
+    check_ulysses(par, seq_length)
+
+
+def check_ulysses(par, seq_length: int) -> None:
+    """DeepSpeed-Ulysses runs where Megatron-DeepSpeed runs it: on the plain engine (DeepSpeed's pipeline
+    topology has no sequence axis; upstream's example passes --no-pipeline-parallel), never with Megatron's
+    --sequence-parallel (megatron/initialize.py raises), with every sequence split evenly."""
+    sp = par.ds_sequence_parallel_size
+    if sp == 1:
+        return
+    if not par.no_pipeline_parallel:
+        raise ConfigError(f"--ds-sequence-parallel-size {sp} runs on DeepSpeed's plain engine, whose pipeline "
+                          f"topology has no sequence axis; add --no-pipeline-parallel (PP 1)")
+    if par.sequence_parallel:
+        raise ConfigError(f"--ds-sequence-parallel-size {sp} (DeepSpeed-Ulysses) cannot be combined with Megatron's "
+                          f"--sequence-parallel (as in Megatron-DeepSpeed); drop --sequence-parallel")
+    if seq_length % sp:
+        raise ConfigError(f"--seq-length {seq_length} is not divisible by --ds-sequence-parallel-size {sp}")
 
 
 def check_fp32_residual(m, precision: str) -> None:

@@ -29,7 +29,7 @@ from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cr
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 from megatron_ds.parallel.mappings import scatter_to_sequence_parallel_region
-from megatron_ds.parallel.utils import tp_rank
+from megatron_ds.parallel.utils import tp_rank, tp_world_size
 
 
 def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -40,6 +40,16 @@ def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
     """
     is_eod = (tokens == eod_token).long()
     return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def sequence_shard(t: torch.Tensor, sp_group) -> torch.Tensor:
+    """This sequence parallel rank's consecutive ``seq / SP`` positions of ``[batch, seq]`` ``t``
+    (all of it without a group), as Megatron-DeepSpeed's ``get_batch`` slices tokens and labels."""
+    size = tp_world_size(sp_group)  # any group; None is a group of one
+    if size == 1:
+        return t
+    n = t.shape[1] // size
+    return t[:, tp_rank(sp_group) * n:(tp_rank(sp_group) + 1) * n]
 
 
 def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int | None, tp_group) -> torch.Tensor:
@@ -63,14 +73,20 @@ class GPTEmbedding(nn.Module):
     that way too, since it needs only the word embedding weight. ``vocab_size``: the real
     vocabulary, whose padding columns ``logits`` masks (None: no masking). ``fp32_residual``
     (--fp32-residual-connection): the output starts the residual stream in fp32.
+
+    DeepSpeed-Ulysses (``sp_group``): every rank of the group gets the whole samples and embeds its
+    own ``seq / SP`` positions (the position ids of those, so learned positions are the global
+    ones); the document ids stay whole, since attention sees the whole sequence.
     """
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
-                 vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False):
+                 vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False,
+                 sp_group=None):
         super().__init__()
         self.vocab_size, self.fused_loss, self.fp32_residual = vocab_size, fused_loss, fp32_residual
+        self.sp_group = sp_group
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = dropout
@@ -93,7 +109,9 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, inputs):
         tokens, position_ids = inputs
-        x = self.word_embeddings(tokens)
+        documents = None if self.eod_token is None else document_ids(tokens, self.eod_token)
+        local_tokens, position_ids = sequence_shard(tokens, self.sp_group), sequence_shard(position_ids, self.sp_group)
+        x = self.word_embeddings(local_tokens)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
@@ -102,7 +120,7 @@ class GPTEmbedding(nn.Module):
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         x = hidden_dropout(x, self.dropout, self.training, self.sequence_parallel)
-        return x if self.eod_token is None else (x, document_ids(tokens, self.eod_token))
+        return x if documents is None else (x, documents)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output layer tied to the word embeddings: ``[s, b, h]`` -> ``[b, s, V/tp]``."""
@@ -158,13 +176,28 @@ class FinalNorm(nn.Module):
         return self.final_layernorm(hidden)
 
 
-def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
+def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
+                sp_group=None) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
     ``vocab_size``: the real vocabulary (padding columns excluded; None: no padding).
+
+    DeepSpeed-Ulysses (``sp_group``): ``output`` covers this rank's ``s / SP`` positions and the loss
+    is their sum over the whole sequence's mask count, so the SP ranks' losses add up to the mean
+    (Megatron-DeepSpeed's loss_func divides the shard's sum by the unsliced ``loss_mask.sum()``), which
+    is what DeepSpeed's gradient reduction expects: a sum over SP x DP divided by DP.
     """
     labels, loss_mask = labels_and_mask
+    if tp_world_size(sp_group) > 1:
+        labels, full_mask, loss_mask = sequence_shard(labels, sp_group), loss_mask, sequence_shard(loss_mask, sp_group)
+        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size) * (
+            loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
+    return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size)
+
+
+def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size) -> torch.Tensor:
+    """The cross entropy of ``output`` averaged over the tokens ``loss_mask`` keeps."""
     if isinstance(output, HiddenForLoss):  # liger's fused projection + loss (model/liger.py)
         return fused_linear_loss(output, labels, loss_mask)
     if output.dtype in (torch.bfloat16, torch.float16):

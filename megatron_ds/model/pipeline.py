@@ -78,19 +78,22 @@ def _check(model_cfg: ModelConfig, tp: int, padded_vocab_size: int, reset_attent
 def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
                     reset_attention_mask: bool = False, eod_token: int | None = None,
-                    recompute_granularity: str | None = None, vocab_size: int | None = None) -> list:
+                    recompute_granularity: str | None = None, vocab_size: int | None = None,
+                    sp_group=None) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
     builds layers that recompute their attention core; ``"full"`` is a matter of the builder's
     ``activation_checkpoint_interval`` and changes nothing here. ``vocab_size`` (the real
     vocabulary, <= padded) makes the output layer mask the padding columns (``model/gpt.py``).
+    ``sp_group``: DeepSpeed-Ulysses' sequence parallel group (the embedding and attention's; plain
+    module only, ``build_sequential_gpt``).
     """
     m = model_cfg
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout,
-                     fp32_residual=m.fp32_residual_connection, **common)
+                     fp32_residual=m.fp32_residual_connection, sp_group=sp_group, **common)
     fused_loss = m.liger_kernel  # liger's fused linear + cross entropy where it applies (model/liger.py)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     eod = eod_token if reset_attention_mask else None
@@ -109,7 +112,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                                eod_token=eod, **embedding))
     for i in range(m.num_layers):
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,
-                               recompute_attention=recompute_granularity == "selective", **common))
+                               recompute_attention=recompute_granularity == "selective", sp_group=sp_group,
+                               **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
                            one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))
@@ -150,8 +154,9 @@ def _restore_default_rng():
         yield
 
 
-def _loss_fn(tp_group):
-    return functools.update_wrapper(functools.partial(gpt_loss_fn, tp_group=tp_group), gpt_loss_fn)
+def _loss_fn(tp_group, sp_group=None):
+    return functools.update_wrapper(functools.partial(gpt_loss_fn, tp_group=tp_group, sp_group=sp_group),
+                                    gpt_loss_fn)
 
 
 class GPTPipelineModel(PipelineModule):
@@ -207,10 +212,10 @@ class GPTSequential(nn.Module):
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
-                 layer_indices=None):
+                 layer_indices=None, sp_group=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
-        self.loss_fn = _loss_fn(tp_group)
+        self.loss_fn = _loss_fn(tp_group, sp_group)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
         self.forward_funcs: list = []
@@ -331,9 +336,11 @@ def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padd
 
 
 def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,
-                         activation_checkpoint_interval: int = 0, **spec_kwargs) -> GPTSequential:
+                         activation_checkpoint_interval: int = 0, sp_group=None, **spec_kwargs) -> GPTSequential:
     """The GPT as one plain module (PP = 1, ``--no-pipeline-parallel``, references); same weights
-    as ``build_pipeline_gpt`` with the same seed. ``spec_kwargs`` as for ``build_pipeline_gpt``."""
-    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
-    return GPTSequential(specs, tp_group=tp_group, seed=seed,
+    as ``build_pipeline_gpt`` with the same seed (at any DeepSpeed-Ulysses ``sp_group``).
+    ``spec_kwargs`` as for ``build_pipeline_gpt``."""
+    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, sp_group=sp_group,
+                            **spec_kwargs)
+    return GPTSequential(specs, tp_group=tp_group, seed=seed, sp_group=sp_group,
                          activation_checkpoint_interval=activation_checkpoint_interval)

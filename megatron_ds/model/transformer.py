@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
@@ -29,7 +30,7 @@ from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
 from megatron_ds.parallel.random import checkpoint, get_rng_tracker
-from megatron_ds.parallel.utils import divide, tp_world_size
+from megatron_ds.parallel.utils import divide, tp_rank, tp_world_size
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -56,10 +57,18 @@ class ParallelAttention(nn.Module):
     that group's key head, then its value head. A contiguous block of groups per rank is then
     exactly that rank's heads, for multi-head (one query head per group) and grouped-query
     attention alike.
+
+    DeepSpeed-Ulysses (``sp_group``, SP ranks each holding ``seq / SP`` consecutive positions of
+    every sequence): q, k and v of the local positions go through DeepSpeed's
+    ``DistributedAttention``, whose all-to-all trades the sequence split for a head split, so each
+    rank attends over the whole sequence with 1/SP of this TP rank's key/value groups (and their
+    query heads), and a second all-to-all returns the context to the sequence split. RoPE rotates
+    before it, at the shard's global positions.
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False):
+                 params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False,
+                 sp_group=None):
         super().__init__()
         tp = tp_world_size(tp_group)
         d = cfg.kv_channels
@@ -83,6 +92,14 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
+        # (the helpers read any group; None is a group of one)
+        self.sp_rank, self.sp_size = tp_rank(sp_group), tp_world_size(sp_group)
+        # scatter heads (dim 2 of [s, b, heads, d]), gather the sequence (dim 0); the context comes back
+        # the other way. num_kv_heads: the split follows key/value groups, so GQA's query heads stay
+        # with their group (this TP rank's groups, divisible by SP: config/validation.py)
+        self.distributed_attention = (DistributedAttention(self._attend, sp_group, scatter_idx=2, gather_idx=0,
+                                                           num_kv_heads=self.num_groups)
+                                      if self.sp_size > 1 else None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, kv_cache=None):
         """``kv_cache`` (a ``megatron_ds.model.kv_cache.LayerKVCache``, inference only): ``x`` holds
@@ -102,24 +119,34 @@ class ParallelAttention(nn.Module):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.store(k, v)
-        if self.recompute_core and self.training:
-            # Selective recompute: the attention core's activations (softmax inputs/outputs when
-            # not fused, the dropout mask) are the s^2-sized ones; recompute only those.
-            context = checkpoint(self._core, q, k, v, mask)
+        if self.distributed_attention is not None:
+            # batch_dim_idx is 1 ([s, b, ...]); no rotary tables (applied above); the mask goes to
+            # _attend. (Megatron-DeepSpeed's non-flash path passes its mask as batch_dim_idx.)
+            context = self.distributed_attention(q, k, v, 1, None, mask)
         else:
-            context = self._core(q, k, v, mask)
+            context = self._attend(q, k, v, mask)
+        context = context.reshape(s, b, self.num_heads * self.kv_channels)
         # with the compiled bias-dropout-add the bias is added there (Megatron's skip_bias_add)
         return self.dense(context, skip_bias_add=self.bias_dropout_fusion and use_compiled(x, self.fusions_on_cpu))
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute_core and self.training:
+            # Selective recompute: the attention core's activations (softmax inputs/outputs when
+            # not fused, the dropout mask) are the s^2-sized ones; recompute only those.
+            return checkpoint(self._core, q, k, v, mask)
+        return self._core(q, k, v, mask)
+
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache is None:
-            return rotary_cos_sin(s, self.rope_dim, self.rope_theta, device)
+            # under Ulysses this rank holds positions [rank * s, (rank + 1) * s) of the sequence
+            cos, sin = rotary_cos_sin(s * self.sp_size, self.rope_dim, self.rope_theta, device)
+            return cos[self.sp_rank * s:(self.sp_rank + 1) * s], sin[self.sp_rank * s:(self.sp_rank + 1) * s]
         # new positions start at the cache offset; one table for the whole generation
         cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, device)
         return cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        s, b = q.shape[:2]
+        """``[s, b, heads, d]`` q (k, v: key/value groups) -> the context ``[s, b, heads, d]``."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         extra = {}
         if self.heads_per_group > 1:
@@ -137,7 +164,7 @@ class ParallelAttention(nn.Module):
                                                      is_causal=mask is None, **extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.kv_channels)
+        return out.permute(2, 0, 1, 3)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +245,8 @@ class ParallelTransformerLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False):
+                 params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
+                 sp_group=None):
         super().__init__()
         self.layer_number = layer_number
         self.dropout_p = cfg.hidden_dropout
@@ -234,7 +262,8 @@ class ParallelTransformerLayer(nn.Module):
         # --apply-residual-connection-post-layernorm: the residual is the norm's output (Megatron's layer)
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
-        self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, **parallel)
+        self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
+                                                **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         self.mlp = ParallelMLP(cfg, **parallel)

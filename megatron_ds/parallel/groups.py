@@ -5,54 +5,81 @@ parallel ranks are adjacent (they talk the most, so they should share a node), t
 parallel, then pipeline stages. The same topology object is handed to the ``PipelineModule`` so
 both agree on who is who. ``ParallelState`` doubles as the ``mpu`` object DeepSpeed's engine takes
 when the model is not a pipeline.
+
+DeepSpeed-Ulysses (sequence parallel size SP > 1, plain engine only) adds a "sequence" axis between
+data and model: TP ranks stay adjacent, the SP ranks of one sequence come next (they all-to-all in
+every layer), then DP. At TP 1 that makes an SP group ``SP`` consecutive ranks, as Megatron-DeepSpeed's
+``initialize_model_parallel`` builds them (megatron/core/parallel_state.py). SP ranks hold the same
+weights, so they belong to the "sequence data parallel" group DeepSpeed's engine and ZeRO reduce
+gradients over (sum over SP x DP, divided by DP: runtime/engine.py ``_reduce_non_expert_gradients``),
+and not to the model parallel group (TP x PP: checkpoint ranks, gradient norms).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_ds.ds_compat import PipeModelDataParallelTopology
+from megatron_ds.ds_compat import PipeModelDataParallelTopology, ProcessTopology
 
 
-def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
-    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+def make_topology(tp: int, pp: int, dp: int, sp: int = 1):
+    if sp == 1:  # the class DeepSpeed's PipelineModule expects
+        return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    return ProcessTopology(axes=["pipe", "data", "sequence", "model"], dims=[pp, dp, sp, tp])
 
 
 class ParallelState:
     """This rank's groups and coordinates. Every rank must construct it (group creation is collective)."""
 
-    def __init__(self, tp: int, pp: int, dp: int | None = None):
+    def __init__(self, tp: int, pp: int, dp: int | None = None, sp: int = 1):
         world = dist.get_world_size()
         if dp is None:
-            dp = world // (tp * pp)
-        if tp * pp * dp != world:
-            raise ValueError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} does not match the world size {world}")
-        self.topology = make_topology(tp, pp, dp)
+            dp = world // (tp * pp * sp)
+        if tp * pp * sp * dp != world:
+            raise ValueError(f"TP {tp} x PP {pp} x SP {sp} x DP {dp} = {tp * pp * sp * dp} does not match the "
+                             f"world size {world}")
+        self.topology = make_topology(tp, pp, dp, sp)
         self.rank = dist.get_rank()
         self.world_size = world
         coord = self.topology.get_coord(self.rank)
         self.tp_rank, self.pp_rank, self.dp_rank = coord.model, coord.pipe, coord.data
-        self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
+        self.sp_rank = coord.sequence if sp > 1 else 0
+        self.tp_size, self.pp_size, self.dp_size, self.sp_size = tp, pp, dp, sp
         self.tp_group, self.tp_ranks = self._axis_group("model")
         self.dp_group, self.dp_ranks = self._axis_group("data")
         self.pp_group, self.pp_ranks = self._axis_group("pipe")
         # DeepSpeed's "model parallel" group is every rank holding a different piece of one
-        # replica (TP x PP): the ranks sharing this rank's data parallel index.
-        self.tp_pp_group, self.tp_pp_ranks = self._axis_group("data", complement=True)
-
-    def _axis_group(self, axis: str, complement: bool = False):
-        """Create the groups along ``axis`` (or, with complement, across all other axes) on every
-        rank, in the same order everywhere, and return the one containing this rank."""
-        if complement:
-            lists = [sorted(self.topology.filter_match(**{axis: i}))
-                     for i in range(self.topology.get_dim(axis))]
+        # replica (TP x PP): the ranks sharing this rank's data (and sequence) parallel index.
+        self.tp_pp_group, self.tp_pp_ranks = self._shared_group(self._replica_axes())
+        if sp > 1:
+            self.sp_group, self.sp_ranks = self._axis_group("sequence")
+            # every rank holding the same weights: what gradients are reduced over
+            self.sp_dp_group, self.sp_dp_ranks = self._shared_group(("pipe", "model"))
         else:
-            lists = self.topology.get_axis_comm_lists(axis)
+            self.sp_group, self.sp_ranks = None, [self.rank]
+            self.sp_dp_group, self.sp_dp_ranks = self.dp_group, self.dp_ranks
+
+    def _replica_axes(self) -> tuple[str, ...]:
+        return ("data", "sequence") if self.sp_size > 1 else ("data",)
+
+    def _shared_group(self, axes: tuple[str, ...]):
+        """The groups of ranks with equal coordinates on ``axes`` (varying on all others)."""
+        coords = sorted({tuple(getattr(self.topology.get_coord(r), a) for a in axes) for r in range(self.world_size)})
+        lists = [sorted(self.topology.filter_match(**dict(zip(axes, c)))) for c in coords]
+        return self._make_groups(lists)
+
+    def _axis_group(self, axis: str):
+        """Create the groups along ``axis`` on every rank and return the one containing this rank."""
+        return self._make_groups(self.topology.get_axis_comm_lists(axis))
+
+    def _make_groups(self, lists):
+        """Create every group of ``lists`` on every rank, in the same order everywhere (group creation
+        is collective), and return (group, ranks) of the one containing this rank."""
         mine = None
         for ranks in lists:
             group = dist.new_group(ranks=ranks)
             if self.rank in ranks:
                 mine = (group, list(ranks))
-        assert mine is not None, f"rank {self.rank} is in no {axis} group"
+        assert mine is not None, f"rank {self.rank} is in none of the groups {lists}"
         return mine
 
     @property
@@ -66,6 +93,7 @@ class ParallelState:
     def describe(self) -> str:
         return (f"rank {self.rank}: TP rank {self.tp_rank}/{self.tp_size} {self.tp_ranks}, "
                 f"PP stage {self.pp_rank}/{self.pp_size} {self.pp_ranks}, "
+                f"SP rank {self.sp_rank}/{self.sp_size} {self.sp_ranks}, "
                 f"DP rank {self.dp_rank}/{self.dp_size} {self.dp_ranks}")
 
     # --- the `mpu` interface DeepSpeed's engine calls (names are DeepSpeed's) -------------------
@@ -114,3 +142,23 @@ class ParallelState:
     get_pipeline_model_parallel_group = get_pipe_parallel_group
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    # DeepSpeed's engine asks for these by name (deepspeed/utils/groups.py ``_get_sequence_*``) when
+    # the mpu has them; at SP 1 the sequence data parallel group is the data parallel group.
+    def get_sequence_parallel_group(self):
+        return self.sp_group
+
+    def get_sequence_parallel_rank(self):
+        return self.sp_rank
+
+    def get_sequence_parallel_world_size(self):
+        return self.sp_size
+
+    def get_sequence_data_parallel_group(self):
+        return self.sp_dp_group
+
+    def get_sequence_data_parallel_rank(self):
+        return self.sp_dp_ranks.index(self.rank)
+
+    def get_sequence_data_parallel_world_size(self):
+        return self.sp_size * self.dp_size

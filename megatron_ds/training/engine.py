@@ -56,7 +56,7 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=run.distributed.pipeline_partition_method, **common)
-    return build_sequential_gpt(layout.model, **common)
+    return build_sequential_gpt(layout.model, sp_group=ps.sp_group, **common)
 
 
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> torch.nn.Module:
@@ -135,6 +135,8 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).
     # --data-parallel-random-init: + 10 per data parallel rank (megatron/initialize.py _set_random_seed); the
     # initial weights stay equal all the same, as deepspeed.initialize broadcast them from DP rank 0
+    # DeepSpeed-Ulysses' SP ranks share these streams (their dropout masks repeat over the shards), as in
+    # Megatron-DeepSpeed, whose seeds follow the PP and TP ranks only; a resume restores one state per DP rank
     dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device)

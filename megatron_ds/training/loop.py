@@ -78,7 +78,9 @@ def _plain_loss(engine, batch, loss_fn):
 
 
 def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
-    """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP)."""
+    """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP).
+    ``dp_group``: the data parallel ranks, with their DeepSpeed-Ulysses sequence parallel ranks, whose
+    losses are parts of one sequence's (``model/gpt.py`` ``gpt_loss_fn``) and are summed, not averaged."""
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -92,7 +94,7 @@ def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
         total += loss.detach().float()
     total /= steps
     dist.all_reduce(total, group=dp_group)
-    return float(total) / dist.get_world_size(dp_group)
+    return float(total) / (dist.get_world_size(dp_group) // layout.sp)
 
 
 @torch.no_grad()
@@ -111,7 +113,7 @@ def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> f
         acc += _plain_loss(engine, next(data_iter), loss_fn).float()
     engine.train()
     dist.all_reduce(acc, group=dp_group)
-    return float(acc) / (eval_iters * layout.grad_accum_steps * dist.get_world_size(dp_group))
+    return float(acc) / (eval_iters * layout.grad_accum_steps * (dist.get_world_size(dp_group) // layout.sp))
 
 
 @dataclass
@@ -131,7 +133,7 @@ class Loop:
     run: Run
     engine: object
     loss_fn: Callable
-    dp_group: object
+    dp_group: object  # data parallel x sequence parallel ranks: the losses to reduce (``train_step``)
     device: torch.device
     tb: object  # mlog.TensorBoard / wandb_log.ScalarWriters: .scalars(step, values)
     save: Callable[[TrainState], None]

@@ -58,7 +58,7 @@ def _startup_checks(run: Run):
 def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
-    ps = ParallelState(layout.tp, layout.pp, layout.dp)
+    ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
     rt = build_engine(run, ps, device, tokenizer.eod)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
@@ -68,7 +68,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            loop = Loop(run, rt.engine, rt.loss_fn, ps.dp_group, device, tb,
+            loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb,
                         save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group), start_time=start_time,
                         stop_signals=stop_signals,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))

@@ -154,7 +154,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ('training', ('--no-async-tensor-model-parallel-allreduce',), ()),
     ('training', ('--no-persist-layer-norm',), ()),
     ('training', ('--sequence-parallel',), ()),
-    ('training', ('--ds-sequence-parallel-size',), ('1',)),
+    ('training', ('--ds-sequence-parallel-size',), ('2',)),
     ('training', ('--force-ds-sequence-parallel',), ()),
     ('training', ('--ds-sequence-parallel-fpdt',), ()),
     ('training', ('--ds-sequence-parallel-fpdt-chunk-size',), ('1',)),

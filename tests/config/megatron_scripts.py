@@ -349,8 +349,7 @@ def scripts(files: dict) -> list[Script]:
                _rebase(f, layers=24, hidden=2048, heads=16, gbs=2, lr="2.0e-4", min_lr="1.0e-6", init_std=0.013,
                        mp=1, pp=1, no_pp=True, zero=1, batch=1, seq=32768,
                        extra=["--ds-sequence-parallel-size", "4"], tail=["--use-flash-attn-triton"]),
-               _rebase_template(2, 1, 10, 1, False),
-               refused=r"--ds-sequence-parallel-size 4: DeepSpeed-Ulysses sequence parallelism is not supported"),
+               _rebase_template(2, 1, 10, 1, False)),
         Script("offload_pp_350M", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/offload_pp/"
                "ds_pretrain_gpt_350M.sh", 16, _offload_pp_350m(f), _offload_json(),
                notes=['--fp16 gives way to the DeepSpeed JSON\'s "bf16": {"enabled": true}']),

@@ -25,7 +25,7 @@ _INDEX = "--data-cache-path"
 
 # Accepted at the value that turns the feature off (the one a dense script passes); others refused.
 AT_OFF_VALUE = {"--num-experts": ("2", _MOE), "--mlp-type": ("residual", _MOE),
-                "--ds-sequence-parallel-size": ("2", _ULYSSES), "--transformer-impl": ("transformer_engine", "Engine"),
+                "--transformer-impl": ("transformer_engine", "Engine"),
                 "--remote-device": ("cpu", "offload_param"), "--vocab-extra-ids": ("1", _BERT_T5),
                 "--recompute-method": ("block", "invalid choice")}
 
@@ -56,6 +56,8 @@ IGNORED = {
     "--pipeline-model-parallel-split-rank", "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
     "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p", "--use-cpu-initialization",
     "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
+    # DistributedAttention at sequence parallel size 1 is the local attention
+    "--force-ds-sequence-parallel",
 }
 
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
@@ -65,8 +67,8 @@ REFUSED = {
                              "--decoder-num-layers", "--decoder-seq-length", "--retriever-seq-length", "--mask-prob",
                              "--short-seq-prob", "--sample-rate")},
     "--num-experts-switch": _MOE,
-    **{f: _ULYSSES for f in ("--force-ds-sequence-parallel", "--ds-sequence-parallel-fpdt",
-                             "--ds-sequence-parallel-fpdt-chunk-size", "--ds-sequence-parallel-fpdt-offloading")},
+    **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
+                             "--ds-sequence-parallel-fpdt-offloading")},
     "--enable-zbh1-pipeline": "zero-bubble", "--enable-zbh1-exact-semantics": "zero-bubble",
     "--batch-size": "--micro-batch-size", "--warmup": "--lr-warmup-fraction",
     "--model-parallel-size": "--tensor-model-parallel-size", "--encoder-num-layers": "--num-layers",

@@ -16,12 +16,11 @@ def refused(argv, capsys) -> str:
 
 
 def test_upstream_off_values_are_accepted_and_on_values_refused(capsys):
-    # Megatron-DeepSpeed's defaults: --ds-sequence-parallel-size 1, --num-experts [1] (nargs='+')
-    parse_args(["--ds-sequence-parallel-size", "1", "--num-experts", "1"])
+    # Megatron-DeepSpeed's default --num-experts [1] (nargs='+')
+    parse_args(["--num-experts", "1"])
     parse_args(["--num-experts", "1", "1"])
     assert "--num-experts 8: mixture-of-experts models are not supported (--num-experts 1 is accepted)" in \
         refused(["--num-experts", "8"], capsys)
-    assert "--ds-sequence-parallel-size 2: DeepSpeed-Ulysses" in refused(["--ds-sequence-parallel-size", "2"], capsys)
 
 
 @pytest.mark.parametrize("flag,reason", [

@@ -96,3 +96,17 @@ def test_rampup_script_iterations_follow_megatron(tmp_path):
     iterations += (146484375 - consumed) // 1536
     assert f"global 1536; {iterations} iterations" in out
     assert "batch ramp-up: global 16 + 16 every" in out
+
+
+def test_ulysses_script_shows_its_layout_and_memory(tmp_path):
+    """The 32k example: 8 GPUs = SP 4 x DP 2; ZeRO 1 splits the fp32 master weights and Adam moments
+    (12 bytes per parameter) over the 8 ranks holding the same weights (DeepSpeed hands ZeRO the
+    sequence data parallel group), and one rank keeps the activations of 32768 / 4 positions."""
+    files = _files(tmp_path)
+    script = next(s for s in scripts(files) if s.name == "sequence_parallel_1.3B_32k")
+    rc, out, err = dry_run(script, files)
+    assert rc == 0, err
+    assert "world size 8 = TP 1 x PP 1 x SP 4 (DeepSpeed-Ulysses) x DP 2 (plain engine, ZeRO 1, fp16)" in out
+    params = 1_378_734_080  # the meta-device build's count, printed above the estimate
+    assert f"stage 0: {params:,} parameters built" in out
+    assert f"optimizer states {params * 12 / 8 / 1e9:.2f}," in out

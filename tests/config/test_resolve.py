@@ -225,3 +225,32 @@ def test_run_is_frozen_and_the_flags_are_never_edited():
     for obj, name in ((run, "layout"), (run.layout, "tp"), (run.training, "seed"), (cfg.training, "seed")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, 1)
+
+
+ULYSSES = ["--no-pipeline-parallel", "--ds-sequence-parallel-size"]
+
+
+def test_ulysses_layout():
+    """world 8 = TP 2 x SP 2 x DP 2: the data parallel size (and so the batch) counts sequences, not ranks."""
+    layout = make("--tensor-model-parallel-size", "2", *ULYSSES, "2", "--global-batch-size", "8", world=8).layout
+    assert (layout.tp, layout.pp, layout.sp, layout.dp) == (2, 1, 2, 2)
+    assert layout.grad_accum_steps == 2  # 8 / (micro 2 x DP 2)
+    assert "TP 2 x PP 1 x SP 2 (DeepSpeed-Ulysses) x DP 2" in layout.summary()
+
+
+@pytest.mark.parametrize("extra,world,match", [
+    (["--ds-sequence-parallel-size", "2"], 2, r"runs on DeepSpeed's plain engine.*add --no-pipeline-parallel"),
+    (["--pipeline-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4, r"add --no-pipeline-parallel"),
+    ([*ULYSSES, "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
+     r"cannot be combined with Megatron's --sequence-parallel"),
+    # 8 heads over TP 2 x SP 8; GQA: 2 key/value groups cannot go to 4 ranks
+    ([*ULYSSES, "8", "--tensor-model-parallel-size", "2"], 16,
+     r"--num-attention-heads 8 is not divisible by TP 2 x --ds-sequence-parallel-size 8"),
+    ([*ULYSSES, "4", "--num-key-value-heads", "2"], 4,
+     r"--num-key-value-heads 2 is not divisible by TP 1 x --ds-sequence-parallel-size 4"),
+    ([*ULYSSES, "2", "--seq-length", "31", "--max-position-embeddings", "32"], 2,
+     r"--seq-length 31 is not divisible by --ds-sequence-parallel-size 2"),
+    ([*ULYSSES, "2"], 3, r"world size 3 is not divisible by TP x PP x SP = 1 x 1 x 2 = 2"),
+])
+def test_ulysses_refusals(extra, world, match):
+    rejects(match, *extra, world=world)

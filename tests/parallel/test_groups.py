@@ -38,3 +38,30 @@ def test_layout_tp2_pp2_dp2():
         assert r["sums"] == {"tp": sum(tp_ranks), "dp": sum(dp_ranks), "pp": sum(pp_ranks), "mp": sum(mp_ranks)}
         assert r["first"] == (pp_rank == 0) and r["last"] == (pp_rank == pp - 1)
         assert r["mpu"] == (tp, dp, pp, tp * pp)
+
+
+def _ulysses_groups(rank, world, tp, sp):
+    from megatron_ds.parallel.groups import ParallelState
+
+    ps = ParallelState(tp, 1, sp=sp)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=ps.get_sequence_parallel_group())
+    return dict(sp=(ps.get_sequence_parallel_rank(), ps.sp_ranks), sp_sum=t.item(), tp=ps.tp_ranks, dp=ps.dp_ranks,
+                sp_dp=(ps.get_sequence_data_parallel_rank(), ps.sp_dp_ranks), mp=ps.tp_pp_ranks,
+                sizes=(ps.get_sequence_parallel_world_size(), ps.get_sequence_data_parallel_world_size(),
+                       ps.get_data_parallel_world_size(), ps.get_model_parallel_world_size()))
+
+
+def test_ulysses_layout_tp2_sp2():
+    """TP ranks adjacent, then the sequence parallel ranks, then DP (here 1): rank = sp_rank * tp + tp_rank.
+    The SP ranks hold the same weights: they form the sequence data parallel group, not the model parallel one."""
+    tp, sp = 2, 2
+    for rank, r in enumerate(run_distributed(_ulysses_groups, 4, tp, sp, timeout=180)):
+        tp_rank, sp_rank = rank % tp, rank // tp
+        sp_ranks = [i * tp + tp_rank for i in range(sp)]
+        assert r["sp"] == (sp_rank, sp_ranks) and r["sp_sum"] == sum(sp_ranks)
+        assert r["tp"] == [sp_rank * tp + i for i in range(tp)]
+        assert r["dp"] == [rank]
+        assert r["sp_dp"] == (sp_rank, sp_ranks)
+        assert r["mp"] == r["tp"]
+        assert r["sizes"] == (sp, sp, 1, tp)
