@@ -104,7 +104,11 @@ class LinearFunction(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with a deferrable weight gradient; plain ``F.linear`` where nothing needs a
-    gradient (inference, evaluation)."""
+    gradient (inference, evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block),
+    which casts F.linear's operands but would leave a Function's backward in mixed dtypes: there
+    autograd keeps the weight gradient (not deferred)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
     return LinearFunction.apply(x, weight, bias)

@@ -60,3 +60,14 @@ def test_a_non_leaf_weight_is_not_deferred():
         linear(x, param.float()).backward(grad)
     assert param.grad is not None
     store.pop()  # an empty group: the schedule's weight pass still has its place
+
+
+def test_autocast_keeps_autograds_linear():
+    weight = torch.nn.Parameter(torch.randn(6, 8))
+    x, grad = _inputs(4)
+    store = WeightGradStore()
+    with store.deferring(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(x, weight)
+    out.float().backward(grad)
+    assert out.dtype == torch.bfloat16 and weight.grad is not None
+    store.pop()  # nothing was deferred
