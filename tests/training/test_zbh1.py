@@ -104,7 +104,8 @@ def test_dry_run_prints_the_schedule(capsys):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"], "--enable-zbh1-pipeline and the interleaved"),
+    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--enable-zbh1-pipeline and the interleaved"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--world-size", "8"],
      "cannot be combined with --sequence-parallel"),
     (["--pipeline-model-parallel-size", "1"], "needs --pipeline-model-parallel-size >= 2"),
