@@ -266,6 +266,20 @@ def accumulates_grads_in_fp32(engine) -> bool:
     return is_bf16_optimizer(engine.optimizer)
 
 
+@contextlib.contextmanager
+def outside_backward_gradients(engine):
+    """Around gradients accumulated outside ``engine.backward`` (a zero-bubble weight pass): DeepSpeed's
+    bf16 optimizer clears its bf16 gradients before each backward and adds them into its fp32 ones
+    after (``backward_prologue`` / ``backward_epilogue``), which Megatron-DeepSpeed's ``_exec_weight_pass``
+    repeats by hand (``clear_lp_grads`` / ``update_hp_grads``); other optimizers read ``.grad`` itself."""
+    opt = engine.optimizer
+    if is_bf16_optimizer(opt):
+        opt.clear_lp_grads()
+    yield
+    if is_bf16_optimizer(opt):
+        opt.update_hp_grads(clear_lp_grads=False)
+
+
 def backward_loss_scale(engine) -> float:
     """The factor ``engine.backward`` multiplies a loss by: DeepSpeed 0.19 scales only through a
     ZeRO-family optimizer's ``scale_if_loss`` (``custom_loss_scaler`` / ``external_loss_scale`` /

@@ -59,9 +59,6 @@ IGNORED_FLAGS: dict[str, int] = {
 # flag -> what to do instead
 UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
     "--use-distributed-optimizer": (0, "use --zero-stage 1 (DeepSpeed ZeRO shards optimizer state)"),
-    "--enable-zbh1-pipeline": (0, "zero-bubble pipeline schedules are not supported (DeepSpeed's pipeline "
-                                  "engine runs 1F1B here); drop the flag"),
-    "--enable-zbh1-exact-semantics": (0, "zero-bubble pipeline schedules are not supported; drop the flag"),
 }
 
 # Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off

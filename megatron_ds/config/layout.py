@@ -19,7 +19,7 @@ from megatron_ds.config.validation import (check_activation, check_data, check_d
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, partition_stages,
+from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, describe_zbh1, partition_stages,
                                             virtual_pipeline_size)
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -97,10 +97,18 @@ class Layout:
     stages: tuple[StageParams, ...]
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
+    zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
+
+    @property
+    def own_schedule(self) -> bool:
+        """Our executor runs the pipeline schedule on DeepSpeed's plain engine (interleaved 1F1B, ZB-H1)."""
+        return self.virtual_pp > 1 or self.zbh1 is not None
 
     def _engine_name(self) -> str:
         if self.virtual_pp > 1:
             return "interleaved pipeline schedule on the plain engine"
+        if self.zbh1 is not None:
+            return f"ZB-H1 pipeline schedule ({self.zbh1} semantics) on the plain engine"
         return "pipeline engine" if self.use_pipeline else "plain engine"
 
     def summary(self) -> str:
@@ -136,6 +144,8 @@ class Layout:
             schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
             # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
             lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
+            if self.zbh1 is not None:
+                lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
         return "\n".join(lines)
 
 
@@ -210,6 +220,27 @@ def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
     return v
 
 
+def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
+    """The ZB-H1 schedule asked for ("exact" | "default"), refusing what it cannot run with."""
+    if par.enable_zbh1_exact_semantics and not par.enable_zbh1_pipeline:
+        # Megatron-DeepSpeed asserts the same ("Exact semantics require ZBH1 pipeline enabled")
+        raise ConfigError("--enable-zbh1-exact-semantics needs --enable-zbh1-pipeline")
+    if not par.enable_zbh1_pipeline:
+        return None
+    if pp < 2 or par.no_pipeline_parallel:
+        raise ConfigError(f"--enable-zbh1-pipeline schedules pipeline stages; it needs "
+                          f"--pipeline-model-parallel-size >= 2 without --no-pipeline-parallel (PP = {pp})")
+    if virtual_pp > 1:
+        raise ConfigError("--enable-zbh1-pipeline and the interleaved schedule (virtual pipeline stages) are two "
+                          "different schedules; drop one of them")
+    if par.sequence_parallel:
+        # Megatron-DeepSpeed asserts it off ("Sequence Parallel not tested"); here the sequence-parallel
+        # linear's weight gradient needs a second all-gather of its input, which the weight pass lacks
+        raise ConfigError("--enable-zbh1-pipeline cannot be combined with --sequence-parallel (weight passes "
+                          "of sequence-parallel linear layers are not deferred); drop one of them")
+    return "exact" if par.enable_zbh1_exact_semantics else "default"
+
+
 def _engine(flags: Config, template: dict | None, *, tp: int, pp: int, seq_length: int) -> tuple[int, bool]:
     """(ZeRO stage, whether DeepSpeed's pipeline engine runs the model)."""
     template_stage = ((template or {}).get("zero_optimization") or {}).get("stage")
@@ -258,8 +289,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
     precision = check_precision(t, device_type)
     zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
+    zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
-                               interleaved=virtual_pp > 1)
+                               interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
     check_weight_decay(o)
     check_activation(flags.model)
@@ -267,7 +299,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_data(flags.data)
     check_profile(flags.logging)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
-    partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 else None
+    partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
     total, stages = count_parameters(m, padded, tp, pp, partition)
     notes: list[str] = []
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
@@ -284,5 +316,5 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     use_pipeline=use_pipeline, pipeline_partition=partition,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
-                    ds_config=ds, curriculum=curriculum)
+                    ds_config=ds, curriculum=curriculum, zbh1=zbh1)
     return layout, notes

@@ -205,9 +205,14 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
 
 def in_flight_micro_batches(layout: Layout, stage: int) -> int:
     """Micro-batches whose activations a stage holds at once: DeepSpeed's 1F1B TrainSchedule keeps
-    min(stages - stage_id, micro_batches) buffers (at least 2) -- the first stage the most."""
+    min(stages - stage_id, micro_batches) buffers (at least 2) -- the first stage the most; ZB-H1
+    holds the first stage's count on every stage."""
     if not layout.use_pipeline or layout.pp == 1:
         return 1
+    if layout.zbh1 is not None:
+        # ZB-H1: a micro-batch waiting for its weight pass keeps its linear layers' inputs and output
+        # gradients, up to min(pp, m) on every stage (zbh1_schedule); counted whole, an upper bound
+        return max(2, min(layout.pp, layout.grad_accum_steps))
     return max(2, min(layout.pp - stage, layout.grad_accum_steps))
 
 

@@ -144,7 +144,7 @@ class Iterations:
 
 
 def resolve_iterations(t, o, *, seq_length: int, global_batch: int, micro_dp: int,
-                       interleaved: bool) -> Iterations:
+                       interleaved: bool, zbh1: bool = False) -> Iterations:
     """Iterations to train and the LR schedule's spans from TrainingConfig ``t`` and OptimizerConfig
     ``o``: from --train-iters, or --train-samples in whole global batches (megatron/arguments.py)."""
     if t.train_iters is not None and t.train_samples is not None:
@@ -169,5 +169,7 @@ def resolve_iterations(t, o, *, seq_length: int, global_batch: int, micro_dp: in
             # step (Megatron asserts the same); a ramp changes that count from step to step.
             raise ConfigError("--rampup-batch-size cannot be combined with the interleaved pipeline schedule "
                               "(--num-layers-per-virtual-pipeline-stage); drop one of them")
+        if zbh1:  # the executor's step list is built once, for one count of micro-batches
+            raise ConfigError("--rampup-batch-size cannot be combined with --enable-zbh1-pipeline; drop one of them")
         train_iters = run.train_iters_for_samples(t.train_samples)
     return Iterations(train=train_iters, lr_decay=decay, lr_warmup=warmup, schedule=run)

@@ -112,6 +112,11 @@ class ParallelConfig:
     num_layers / PP / this many chunks (Megatron's virtual pipeline stages)."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved 1F1B schedule: model chunks per pipeline rank (Megatron-LM's spelling of the above)."""
+    enable_zbh1_pipeline: bool = False
+    """The ZB-H1 zero-bubble pipeline schedule: weight-gradient passes fill 1F1B's cool-down bubbles."""
+    enable_zbh1_exact_semantics: bool = False
+    """ZB-H1 splitting every backward of the steady state, so that gradients accumulate in 1F1B's order
+    (bit for bit); without it only where needed, and the order changes."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
     ds_sequence_parallel_size: int = 1

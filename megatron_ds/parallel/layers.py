@@ -8,6 +8,9 @@ Weights start from a *master weight*: the full tensor is created in fp32 on the 
 identically) and each rank keeps its slice. A model therefore starts from the same numbers at any
 tensor-parallel size and on any device.
 
+The linear layers compute through ``parallel.weight_grad.linear``, whose weight gradient a
+zero-bubble schedule may defer to its weight pass (the same code computes it either way).
+
 Parameter attributes, read by DeepSpeed and by our checkpoint tools:
 - `tensor_model_parallel=True`, `partition_dim`, `partition_stride` on parameters split across the
   tensor-parallel ranks. DeepSpeed 0.19 decides how to count a parameter in the gradient norm
@@ -44,6 +47,7 @@ from megatron_ds.parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from megatron_ds.parallel.utils import divide, tp_rank, tp_world_size, vocab_range
+from megatron_ds.parallel.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -165,7 +169,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.sequence_parallel and tp_world_size(self.tp_group) > 1:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)
         else:
-            output = F.linear(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias)
+            output = linear(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.tp_group)
         return output, (self.bias if skip_bias_add else None)
@@ -209,7 +213,7 @@ class RowParallelLinear(torch.nn.Module):
         """``skip_bias_add``: as ColumnParallelLinear.forward."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_parallel_region(input_, self.tp_group)
-        partial = F.linear(input_, self.weight)
+        partial = linear(input_, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,12 +48,14 @@ from megatron_ds import ds_compat
 from megatron_ds.errors import ConfigError
 
 FORWARD = "F"
-BACKWARD = "B"
+BACKWARD = "B"  # the whole backward: input and weight gradients
+INPUT_BACKWARD = "I"  # zero bubble: the input gradients only ("B" in the paper), weights deferred
+WEIGHT = "W"  # zero bubble: the deferred weight gradients of one micro-batch
 
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # FORWARD | BACKWARD
+    kind: str  # FORWARD | BACKWARD | INPUT_BACKWARD | WEIGHT
     chunk: int  # model chunk index on this rank (0 .. v-1)
     microbatch: int  # 0 .. m-1
 
@@ -105,6 +108,107 @@ def pipeline_schedule(pp: int, rank: int, m: int, v: int = 1) -> list[Step]:
         steps += [fwd(k + warmup), bwd(k)]
     steps += [bwd(k) for k in range(total - warmup, total)]
     return steps
+
+
+def zbh1_schedule(pp: int, rank: int, m: int, *, exact: bool) -> list[Step]:
+    """This rank's ZB-H1 steps (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) for one
+    optimizer step of ``m`` micro-batches: 1F1B's order of forwards and (input) backwards, with
+    weight passes moved into the cool-down, where 1F1B idles. A transcription of
+    ``ZeroBubbleH1Pipeline.steps`` in Megatron-DeepSpeed's
+    ``megatron/core/pipeline_parallel/deepspeed_zbh1_schedule.py``:
+
+    * ``pp - rank - 1`` warm-up forwards (1F1B's);
+    * ``rank`` forward + input-backward pairs whose weight passes wait (the first stage has none);
+    * forward + backward pairs: the first stage runs whole backwards; the others run whole ones
+      too by default, but input-backward + weight pass in the last pair and, with ``exact``
+      (``--enable-zbh1-exact-semantics``), in every pair;
+    * the cool-down: input-backward + weight pass (first stage: whole backwards);
+    * the weight passes still waiting.
+
+    A weight pass runs the oldest waiting micro-batch's (upstream's FIFO ``WeightGradStore.pop``):
+    with ``exact`` the weights take their micro-batches' gradients in order 0..m-1, as 1F1B; by
+    default the whole backwards of the middle go first (upstream's README: "4->5->6->7->1->2->3->8"
+    on the last of 4 stages, m = 8). A rank never holds more than ``pp`` micro-batches whose
+    weight pass is pending, 1F1B's peak (its first stage's)."""
+    check_schedule(pp, m, 1)
+    if not 0 <= rank < pp:
+        raise ScheduleError(f"pipeline rank {rank} is outside 0..{pp - 1}")
+    first = rank == 0
+    steps: list[Step] = []
+    waiting: deque = deque()  # micro-batches whose weight pass is pending, oldest first
+    forward = backward = 0
+
+    def input_backward_then_weight() -> None:
+        steps.append(Step(INPUT_BACKWARD, 0, backward))
+        waiting.append(backward)
+        steps.append(Step(WEIGHT, 0, waiting.popleft()))
+
+    for _ in range(min(pp - rank - 1, m)):
+        steps.append(Step(FORWARD, 0, forward))
+        forward += 1
+    for _ in range(min(rank, m - forward)):
+        steps += [Step(FORWARD, 0, forward), Step(INPUT_BACKWARD, 0, backward)]
+        waiting.append(backward)
+        forward, backward = forward + 1, backward + 1
+    while forward < m:
+        steps.append(Step(FORWARD, 0, forward))
+        forward += 1
+        if not first and (exact or forward == m):
+            input_backward_then_weight()
+        else:
+            steps.append(Step(BACKWARD, 0, backward))
+        backward += 1
+    while backward < m:
+        if first:
+            steps.append(Step(BACKWARD, 0, backward))
+        else:
+            input_backward_then_weight()
+        backward += 1
+    steps += [Step(WEIGHT, 0, j) for j in waiting]
+    return steps
+
+
+def simulate_step_time(schedules: Sequence[Sequence[Step]], *, f: float, b: float, w: float) -> float:
+    """The time one optimizer step of a non-interleaved pipeline takes when a forward costs ``f``, an
+    input backward ``b``, a weight pass ``w`` (a whole backward ``b + w``), messages nothing and every
+    rank runs its list (``schedules[rank]``) in order, a step starting once its rank is free and its
+    input exists: the previous rank's forward of the micro-batch, the next rank's (input) backward."""
+    pp = len(schedules)
+    cost = {FORWARD: f, BACKWARD: b + w, INPUT_BACKWARD: b, WEIGHT: w}
+    done: dict = {}  # (rank, "F" | "B", micro-batch) -> finish time; B: the input gradient exists
+    position, clock = [0] * pp, [0.0] * pp
+    while any(position[r] < len(schedules[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(schedules[r]):
+                step = schedules[r][position[r]]
+                grad = step.kind in (BACKWARD, INPUT_BACKWARD)
+                needs = ((r - 1, FORWARD) if step.kind == FORWARD and r > 0 else
+                         (r + 1, BACKWARD) if grad and r < pp - 1 else None)
+                if needs is not None and (needs[0], needs[1], step.microbatch) not in done:
+                    break
+                ready = done[(needs[0], needs[1], step.microbatch)] if needs is not None else 0.0
+                clock[r] = max(clock[r], ready) + cost[step.kind]
+                if step.kind != WEIGHT:
+                    done[(r, BACKWARD if grad else FORWARD, step.microbatch)] = clock[r]
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("the pipeline schedules deadlock")
+    return max(clock)
+
+
+def describe_zbh1(pp: int, m: int, *, exact: bool) -> list[str]:
+    """Lines for --dry-run: the ZB-H1 schedule and its bubble against 1F1B's, timed as the paper does
+    (input backward = weight pass = forward), from the schedules themselves."""
+    ranks = [zbh1_schedule(pp, r, m, exact=exact) for r in range(pp)]
+    ones = [pipeline_schedule(pp, r, m) for r in range(pp)]
+    zb, plain = (simulate_step_time(s, f=1, b=1, w=1) / (3 * m) - 1 for s in (ranks, ones))
+    how = ("exact semantics: every steady-state backward split, gradients summed in 1F1B's order" if exact else
+           "backwards split only where needed (the accumulation order of weight gradients changes)")
+    return [f"ZB-H1: weight passes fill 1F1B's cool-down ({how})",
+            f"predicted bubble with F = B = W: {zb:.1%} of compute (1F1B: {plain:.1%}); at most {pp} micro-batches "
+            f"in flight per rank, 1F1B's peak"]
 
 
 def forward_only_schedule(m: int, v: int = 1, pp: int = 1) -> list[Step]:

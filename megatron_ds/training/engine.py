@@ -51,7 +51,7 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     exists on the host and no second copy is made afterwards."""
     layout = run.layout
     common = model_kwargs(run, ps.tp_group, eod_token, device)
-    if layout.virtual_pp > 1:
+    if layout.own_schedule:
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
@@ -74,9 +74,9 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
 
 
 def model_is_plain(layout: Layout) -> bool:
-    """DeepSpeed's plain engine runs the model (--no-pipeline-parallel, or the interleaved
+    """DeepSpeed's plain engine runs the model (--no-pipeline-parallel, or the interleaved or ZB-H1
     schedule, whose executor drives the plain engine); it then takes our groups as its mpu."""
-    return not layout.use_pipeline or layout.virtual_pp > 1
+    return not layout.use_pipeline or layout.own_schedule
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     scale_fp16_loss(engine, model)
     ds_compat.count_fp16_grads_once(engine.optimizer)
     install_safe_loading(engine, log=print_rank0)
-    if layout.virtual_pp > 1:
+    if layout.own_schedule:
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
     # (Megatron's seed + 100 * stage), distinct per TP rank inside TP regions (the tracker).

@@ -21,6 +21,17 @@ ordinary module, and ``InterleavedPipeline.train_batch`` walks this rank's step 
   ``_allreduce_word_embedding_grads``), then at a forced accumulation boundary the engine reduces
   gradients over data parallel ranks and steps (clipping, overflow skip, LR schedule).
 
+ZB-H1 (``--enable-zbh1-pipeline``, ``parallel.schedules.zbh1_schedule``) runs here too, with one
+chunk per rank: an input backward runs ``engine.backward`` while ``parallel.weight_grad``'s store
+defers the linear layers' weight gradients; a weight pass runs the oldest deferred micro-batch's.
+Megatron-DeepSpeed instead replaces DeepSpeed's ``TrainSchedule`` class and extends
+``PipelineEngine._INSTRUCTION_MAP`` process-wide, swapping its linear layer's backward during each
+``BackwardOnlyPass`` (``megatron/initialize.py``, ``deepspeed_zbh1_engine.py``). This executor
+already sends tagged messages, reduces the tied embedding and writes ``PipelineModule``'s checkpoint
+files, and its step lists are tested without processes; driving it from a ZB-H1 list touches no
+pipeline-engine internals, only the bf16 optimizer's gradient buffers around a weight pass
+(``ds_compat.outside_backward_gradients``), and the checkpoints stay those of a 1F1B run.
+
 The object stands in for the engine everywhere else (attributes fall through to it), so the
 training loop and checkpoint code treat it like DeepSpeed's pipeline engine (``train_batch``,
 ``eval_batch``). Checkpoints hold the same per-layer files a non-interleaved pipeline writes.
@@ -36,7 +47,9 @@ import torch.distributed as dist
 from megatron_ds import ds_compat
 from megatron_ds.model.chunks import build_interleaved_gpt
 from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tied_embedding_group
-from megatron_ds.parallel.schedules import FORWARD, forward_only_schedule, pipeline_schedule
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, forward_only_schedule,
+                                            pipeline_schedule, zbh1_schedule)
+from megatron_ds.parallel.weight_grad import WeightGradStore
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.training.log import print_rank0
 
@@ -44,7 +57,8 @@ from megatron_ds.training.log import print_rank0
 class InterleavedPipeline:
     """This rank's executor; ``activation_specs``: (shape, dtype) of what crosses a stage boundary."""
 
-    def __init__(self, engine, ps, *, micro_batches: int, activation_specs: list, loss_fn):
+    def __init__(self, engine, ps, *, micro_batches: int, activation_specs: list, loss_fn, schedule=None):
+        """``schedule``: this rank's steps (default: the (interleaved) 1F1B of ``pipeline_schedule``)."""
         self.engine = engine
         self.model = engine.module  # GPTModelChunks
         self.ps = ps
@@ -52,7 +66,9 @@ class InterleavedPipeline:
         self.num_stages = self.pp * self.v
         self.activation_specs = activation_specs
         self.loss_fn = loss_fn
-        self.schedule = pipeline_schedule(self.pp, ps.pp_rank, micro_batches, self.v)
+        self.schedule = schedule or pipeline_schedule(self.pp, ps.pp_rank, micro_batches, self.v)
+        self.weight_grads = WeightGradStore()  # zero bubble: the input backwards' deferred weight passes
+        self._deferred = deque()  # their micro-batches, oldest first (checked against the schedule)
         self.eval_schedule = forward_only_schedule(micro_batches, self.v, self.pp)
         self.p2p = PipelineP2P(ps, num_virtual_stages=self.num_stages, micro_batches=micro_batches)
         self._load_dir = None
@@ -120,14 +136,26 @@ class InterleavedPipeline:
         for step in self.schedule:
             if step.kind == FORWARD:
                 self._forward(step, batches, saved, losses, train=True)
-            else:
+            elif step.kind == BACKWARD:
                 self._backward(step, saved)
+            elif step.kind == INPUT_BACKWARD:
+                with self.weight_grads.deferring():
+                    self._backward(step, saved)
+                self._deferred.append(step.microbatch)
+            else:
+                self._weight_pass(step)
         self.p2p.wait_sends()
         self._reduce_tied_grads()
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.allreduce_gradients()
         self.engine.step()
         return self._mean_loss(losses)
+
+    def _weight_pass(self, step) -> None:
+        oldest = self._deferred.popleft()
+        assert oldest == step.microbatch, f"weight pass of micro-batch {step.microbatch} but {oldest} is the oldest"
+        with ds_compat.outside_backward_gradients(self.engine):
+            self.weight_grads.pop()
 
     @torch.no_grad()
     def eval_batch(self, data_iter, reduce_output: str = "avg", bcast_loss: bool = True,
@@ -232,5 +260,8 @@ def wrap_engine(engine, run, ps) -> InterleavedPipeline:
         print_rank0("WARNING: DeepSpeed's plain engine accumulates --bf16 gradients over micro-batches in bf16 "
                     "under ZeRO 0; for fp32 accumulation (what its pipeline engine does) use --zero-stage 1 with "
                     "\"data_types\": {\"grad_accum_dtype\": \"fp32\"} (ds_configs/zero1_bf16.json)")
+    schedule = None  # (interleaved) 1F1B
+    if layout.zbh1 is not None:
+        schedule = zbh1_schedule(layout.pp, ps.pp_rank, layout.grad_accum_steps, exact=layout.zbh1 == "exact")
     return InterleavedPipeline(engine, ps, micro_batches=layout.grad_accum_steps, activation_specs=specs,
-                               loss_fn=engine.module.loss_fn)
+                               loss_fn=engine.module.loss_fn, schedule=schedule)

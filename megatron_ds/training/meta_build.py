@@ -50,7 +50,7 @@ def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Modu
     """The modules pipeline stage ``stage`` builds in training, on the meta device."""
     layout = run.layout
     common = model_kwargs(run, tp_group, eod_token, device="meta")
-    if layout.virtual_pp > 1:
+    if layout.own_schedule:  # interleaved or ZB-H1: our executor's chunks
         # no tie_group: synchronizing the tied copy moves values, and there are none on meta
         return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
     if layout.use_pipeline:

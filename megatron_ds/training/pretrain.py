@@ -38,7 +38,7 @@ def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: 
     tokenizer = build_tokenizer_for(apply_checkpoint_args(flags, saved)[0].data, log=log)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
                   ignored=ignored, saved_flags=saved)
-    check_deepspeed(interleaved=run.layout.virtual_pp > 1)  # once, before DeepSpeed is first used
+    check_deepspeed(interleaved=run.layout.own_schedule)  # once, before DeepSpeed is first used
     validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
     return run, tokenizer
 

@@ -69,7 +69,6 @@ REFUSED = {
     "--num-experts-switch": _MOE,
     **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
                              "--ds-sequence-parallel-fpdt-offloading")},
-    "--enable-zbh1-pipeline": "zero-bubble", "--enable-zbh1-exact-semantics": "zero-bubble",
     "--batch-size": "--micro-batch-size", "--warmup": "--lr-warmup-fraction",
     "--model-parallel-size": "--tensor-model-parallel-size", "--encoder-num-layers": "--num-layers",
     "--encoder-seq-length": "--seq-length", "--distribute-saved-activations": "--sequence-parallel",

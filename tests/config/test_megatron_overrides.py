@@ -23,11 +23,10 @@ def test_upstream_off_values_are_accepted_and_on_values_refused(capsys):
         refused(["--num-experts", "8"], capsys)
 
 
-@pytest.mark.parametrize("flag,reason", [
-    ("--enable-zbh1-pipeline", "zero-bubble pipeline schedules are not supported"),
-])
-def test_refused_with_reason(flag, reason, capsys):
-    assert reason in refused([flag], capsys)
+def test_zero_bubble_flags_are_accepted():
+    # the schedule itself: tests/parallel/test_zbh1_schedule.py, tests/training/test_zbh1.py
+    par = parse_args(["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"])[0].parallel
+    assert par.enable_zbh1_pipeline and par.enable_zbh1_exact_semantics
 
 
 def test_universal_checkpoint_is_accepted():

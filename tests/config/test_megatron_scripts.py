@@ -1,7 +1,7 @@
 """Real Megatron-DeepSpeed launch scripts (tests/config/megatron_scripts.py) through --dry-run as written.
 
 Each must be accepted, with the warnings Megatron-DeepSpeed's silent overrides call for, or -- where
-it uses a feature out of scope here (DeepSpeed-Ulysses, zero-bubble schedules) -- refused with a one-line
+it uses a feature out of scope here (DeepSpeed-Ulysses) -- refused with a one-line
 reason before anything starts.
 """
 import contextlib

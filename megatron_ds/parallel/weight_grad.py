@@ -1,0 +1,114 @@
+"""Deferred weight gradients: the W pass of zero-bubble pipeline schedules (ZB-H1).
+
+A linear layer's backward is two GEMMs: the input gradient ``grad_out @ W`` (B, which the previous
+pipeline stage waits for) and the weight gradient ``grad_out^T @ x`` (W, which nobody waits for
+until the optimizer step). ``LinearFunction`` computes both in backward unless a
+``WeightGradStore`` is deferring: then it computes only B and hands the store a closure for W,
+holding ``x`` and ``grad_out`` until the schedule runs it. Megatron-DeepSpeed's ZB-H1 does the same
+by swapping the backward of its ``LinearWithGradAccumulationAndAsyncCommunication`` during a
+``BackwardOnlyPass`` and running ``WeightGradStore.pop()`` at each ``WeightPass``
+(``megatron/core/pipeline_parallel/deepspeed_zbh1_engine.py``).
+
+Both paths run the same code for the weight gradient (``_weight_grad``), and a deferred gradient is
+accumulated through the parameter's own ``AccumulateGrad`` node (``Tensor.backward`` on the leaf),
+exactly as autograd accumulates the immediate one: same numbers, same accumulation, and the hooks
+DeepSpeed registers on parameters (ZeRO's reduction hooks) see it as they see any gradient. Only
+the order in which micro-batches' gradients are added is the schedule's.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+# The store deferring now (during a schedule's input-gradient pass), else None. A plain global, not
+# a thread-local: autograd runs a CUDA backward on its own device thread.
+_active: "WeightGradStore | None" = None
+
+
+class WeightGradStore:
+    """Weight-gradient closures grouped per backward pass, run first in, first out."""
+
+    def __init__(self):
+        self._open: list = []
+        self._groups: deque = deque()
+
+    @contextmanager
+    def deferring(self):
+        """Within: ``LinearFunction`` defers weight gradients here. On exit the closures of this
+        backward become one group (possibly empty: a stage without linear layers still counts it)."""
+        global _active
+        if _active is not None:
+            raise RuntimeError("a WeightGradStore is already deferring weight gradients")
+        _active = self
+        try:
+            yield self
+        finally:
+            _active = None
+            self._groups.append(self._open)
+            self._open = []
+
+    def put(self, closure) -> None:
+        self._open.append(closure)
+
+    def pop(self) -> None:
+        """Run the oldest group's weight gradients (one micro-batch's W)."""
+        if not self._groups:
+            raise RuntimeError("a weight pass with no deferred weight gradients")
+        for closure in self._groups.popleft():
+            closure()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+def weight_grad_now_or_later(weight: torch.Tensor, compute):
+    """For an autograd Function's backward: ``compute()`` (the weight's gradient) now, or None when a
+    store is deferring, which then accumulates ``compute()`` into ``weight`` at its weight pass.
+    Only a parameter itself (a leaf) can take its gradient later: a cast or view of it has a graph
+    that this backward frees."""
+    if _active is None or weight.grad_fn is not None:
+        return compute()
+    # Tensor.backward on a leaf: the gradient goes through weight's AccumulateGrad node and hooks
+    _active.put(lambda: weight.backward(compute()))
+    return None
+
+
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return grad_out.reshape(-1, grad_out.size(-1)).t().matmul(x.reshape(-1, x.size(-1)))
+
+
+class LinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient a deferring ``WeightGradStore`` takes
+    (the W pass); otherwise computed at once, by the same code."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(x, grad_out))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a deferrable weight gradient; plain ``F.linear`` where nothing needs a
+    gradient (inference, evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block),
+    which casts F.linear's operands but would leave a Function's backward in mixed dtypes: there
+    autograd keeps the weight gradient (not deferred)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
+    return LinearFunction.apply(x, weight, bias)
