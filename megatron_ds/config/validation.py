@@ -125,12 +125,15 @@ def check_ranges(cfg) -> None:
 def missing_flags(cfg, *, with_data: bool = True) -> list[str]:
     """Every flag a run needs that the command line lacks, named at once: pretrain_gpt.py with no
     arguments lists them all rather than stopping at the first (``require`` below, during ``resolve``).
-    The tokenizer files follow the tokenizer type (Megatron-DeepSpeed's default: GPT-2 BPE)."""
+    The tokenizer files follow the tokenizer type (Megatron-DeepSpeed's default: GPT-2 BPE). Under
+    --use-checkpoint-args the model's shape may come from the checkpoint (``require`` still stops a
+    run whose checkpoint lacks it)."""
     m, t, o, d = cfg.model, cfg.training, cfg.optimizer, cfg.data
-    missing = [flag for value, flag in ((m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
-                                        (m.num_attention_heads, "--num-attention-heads"),
-                                        (m.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
-                                        (o.lr, "--lr")) if value is None]
+    shape = () if cfg.checkpoint.use_checkpoint_args and cfg.checkpoint.load else (
+        (m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
+        (m.num_attention_heads, "--num-attention-heads"), (m.seq_length, "--seq-length"))
+    missing = [flag for value, flag in (*shape, (t.micro_batch_size, "--micro-batch-size"), (o.lr, "--lr"))
+               if value is None]
     if t.train_iters is None and t.train_samples is None and not t.skip_train:
         missing.append("--train-iters (or --train-samples)")
     kind = resolved_tokenizer_type(d)

@@ -64,6 +64,20 @@ class WeightGradStore:
         return len(self._groups)
 
 
+# Whether the linear layers build their graph so that a store can defer weight gradients: only a
+# zero-bubble executor asks for it. Otherwise F.linear (the same numbers: LinearFunction's forward is
+# F.linear and its backward the same two GEMMs): non-reentrant activation checkpointing stops its
+# recomputation early on autograd's own nodes but not on a Function's, which recomputed one GEMM
+# more per layer under full recompute (tests/training/test_flops.py counts it).
+_deferrable = False
+
+
+def allow_deferral(on: bool) -> None:
+    """Set by the pipeline executor: True when its schedule has weight passes (ZB-H1)."""
+    global _deferrable
+    _deferrable = on
+
+
 def weight_grad_now_or_later(weight: torch.Tensor, compute):
     """For an autograd Function's backward: ``compute()`` (the weight's gradient) now, or None when a
     store is deferring, which then accumulates ``compute()`` into ``weight`` at its weight pass.
@@ -107,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gradient (inference, evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block),
     which casts F.linear's operands but would leave a Function's backward in mixed dtypes: there
     autograd keeps the weight gradient (not deferred)."""
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+    if not _deferrable or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)

@@ -47,9 +47,9 @@ import torch.distributed as dist
 from megatron_ds import ds_compat
 from megatron_ds.model.chunks import build_interleaved_gpt
 from megatron_ds.parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tied_embedding_group
-from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, forward_only_schedule,
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
                                             pipeline_schedule, zbh1_schedule)
-from megatron_ds.parallel.weight_grad import WeightGradStore
+from megatron_ds.parallel.weight_grad import WeightGradStore, allow_deferral
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.training.log import print_rank0
 
@@ -68,6 +68,7 @@ class InterleavedPipeline:
         self.loss_fn = loss_fn
         self.schedule = schedule or pipeline_schedule(self.pp, ps.pp_rank, micro_batches, self.v)
         self.weight_grads = WeightGradStore()  # zero bubble: the input backwards' deferred weight passes
+        allow_deferral(any(step.kind == WEIGHT for step in self.schedule))
         self._deferred = deque()  # their micro-batches, oldest first (checked against the schedule)
         self.eval_schedule = forward_only_schedule(micro_batches, self.v, self.pp)
         self.p2p = PipelineP2P(ps, num_virtual_stages=self.num_stages, micro_batches=micro_batches)

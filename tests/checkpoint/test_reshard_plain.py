@@ -87,16 +87,19 @@ def _convert(rank, world_size, src, dst, kind):
     """Write ``dst``: the step-3 checkpoint ``src`` as ``kind`` would have written it."""
     shutil.copytree(src, dst)
     step = os.path.join(dst, "global_step3")
+    # as written before manifests existed: no manifest, and no "completeness" entry in the meta file
+    # (with the entry, a meta file without its manifest is an interrupted save)
     os.remove(os.path.join(step, "megatron_ds_manifest.json"))
     weights = _weights_by_name(dst)  # fp32: the fp16 runs' masters
+    with open(os.path.join(step, "megatron_ds_config.json")) as f:
+        meta = json.load(f)
+    meta.pop("completeness", None)
     if kind != "positional":
         for path in sorted(glob.glob(os.path.join(step, "layer_*-model_*-model_states.pt"))):
             torch.save({k: v.half() for k, v in _load(path).items()}, path)
-        with open(os.path.join(step, "megatron_ds_config.json")) as f:
-            meta = json.load(f)
         meta["signature"]["precision"] = "fp16"
-        with open(os.path.join(step, "megatron_ds_config.json"), "w") as f:
-            json.dump(meta, f)
+    with open(os.path.join(step, "megatron_ds_config.json"), "w") as f:
+        json.dump(meta, f)
     for path in sorted(glob.glob(os.path.join(step, "mp_rank_*_model_states.pt"))):
         state = _load(path)
         names = state.pop("optimizer_param_names")

@@ -3,7 +3,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.parallel import weight_grad
 from megatron_ds.parallel.weight_grad import WeightGradStore, linear
+
+
+@pytest.fixture(autouse=True)
+def _deferrable():
+    """As a zero-bubble executor sets it; every other run builds plain F.linear graphs."""
+    weight_grad.allow_deferral(True)
+    yield
+    weight_grad.allow_deferral(False)
+
+
+def test_plain_linear_unless_a_schedule_defers():
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    assert "LinearFunction" in type(linear(x, w).grad_fn).__name__
+    weight_grad.allow_deferral(False)
+    assert "LinearFunction" not in type(linear(x, w).grad_fn).__name__
 
 
 def _inputs(seed):
