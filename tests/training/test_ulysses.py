@@ -14,7 +14,7 @@ import pytest
 from tests.distributed import run_distributed
 from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
 
-STEPS = ["--train-iters", "4", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+STEPS = ["--train-iters", "10", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--no-pipeline-parallel", "--num-layers", "2", "--lr-warmup-iters", "0"]
 RTOL = 2e-5
 # document resets: mock tokens are uniform over the vocabulary and the last id ends a document

@@ -22,7 +22,7 @@ from megatron_ds.training.pretrain import main
 from tests.distributed import run_distributed
 from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
 
-ITERS = 4
+ITERS = 10
 STEPS = ["--train-iters", str(ITERS), "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
 ZBH1 = ["--enable-zbh1-pipeline"]
 EXACT = ZBH1 + ["--enable-zbh1-exact-semantics"]
