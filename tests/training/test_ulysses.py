@@ -48,7 +48,7 @@ def test_llama_tp2_sp2_matches_single_process(llama_reference):
 
 
 def test_the_comparisons_can_fail(llama_reference):
-    """Random tokens teach the model little in four steps, so check the reference is sensitive: the
+    """Random tokens teach the model little in ten steps, so check the reference is sensitive: the
     steps change the loss, and the same run without document masks (causal only) differs."""
     assert len(set(llama_reference)) == len(llama_reference)
     causal = _losses(1, 1, LLAMA + [f for f in RESET if f != "--reset-attention-mask"])

@@ -10,8 +10,8 @@
   doubled weight pass changes a quarter of a gradient, moving weights by ~lr/4 = 2.5e-4;
 * resume: interrupted and resumed equals straight, bit for bit.
 
-4 steps of 4 (PP 2) or 8 (PP 4) micro-batches per run (not 10: each run starts 2-4 processes on a shared 2-core
-machine); dropout off, as the schedules draw from a stage's dropout stream in the same order anyway.
+10 steps of 4 (PP 2) or 8 (PP 4) micro-batches per run (the processes' start-up dominates the time);
+dropout off, as the schedules draw from a stage's dropout stream in the same order anyway.
 """
 import os
 
