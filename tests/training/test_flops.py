@@ -98,3 +98,14 @@ def test_gpu_mfu_bench_dry_run(capsys):
     closed = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     printed = float(out.splitlines()[2].split(": ")[1].split(" TFLOP")[0])
     assert printed == pytest.approx(closed / 1e12, abs=0.005)  # printed with 2 decimals
+
+
+def test_moe_counts_the_active_experts_by_hand():
+    """Issue 21, by hand: GPT-2 shapes, 2 layers, 8 experts on layer 2 (--expert-interval 2), top-2. Per token forward: a dense layer 24h^2 + 4sh; an MoE layer swaps its MLP (16h^2) for the gate
+    (2h x 8) and two experts (2 x 16h^2). Backward x2; the output layer 2hV."""
+    layout = _layout(["--num-experts", "8", "--topk", "2"])
+    b, s, h, v = 2, 16, 32, layout.padded_vocab_size
+    dense = 24 * h * h + 4 * s * h
+    moe = dense - 16 * h * h + 2 * h * 8 + 2 * 16 * h * h
+    expected = 3 * b * s * (dense + moe + 2 * h * v)
+    assert model_flops_per_iteration(layout.model, b, v, False) == expected  # integer counts
