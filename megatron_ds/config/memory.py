@@ -181,13 +181,15 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     by v), and the attention output twice: the core's, and after the all-to-all back the output
     projection's input.
 
-    An MoE layer (``experts`` > 1; DeepSpeed's MOELayer with its einsum dispatch, deepspeed/moe/sharded_moe.py)
-    runs its MLP on the experts' capacity slots, about capacity factor x top-k per token (split over the
-    tensor parallel ranks: DeepSpeed drops the duplicate tokens of TP ranks before the experts), whose inputs
-    (the dispatched tokens) are kept too; on every rank the gate keeps its fp32 input (4) and softmax
-    (4 E/h), the dispatch its mask (2 E C/h) and the combine its fp32 weights (4 E C/h) and the gathered
-    expert outputs (2 x factor x k), C being an expert's capacity (tokens x factor x k / E, at least
-    --moe-min-capacity). PR-MoE's residual MLP keeps what a dense MLP keeps.
+    An MoE layer (``experts`` > 1; DeepSpeed's MOELayer, deepspeed/moe/sharded_moe.py, whose 0.19 dispatch
+    and combine gather and scatter by route index instead of one-hot einsums) runs its MLP on the experts'
+    E x C capacity slots (C = tokens x capacity factor x top-k / E, at least --moe-min-capacity), split over
+    the tensor parallel ranks (DeepSpeed drops the duplicate tokens of TP ranks before the experts): the
+    MLP's activations scale by E C / tokens, and the dispatched tokens (the experts' input, 2) are kept too.
+    On every rank the gate keeps its fp32 input (4) and softmax (4 E/h), the combine each token's k expert
+    outputs (2 k). PR-MoE's residual MLP keeps what a dense MLP keeps, and the mix of the two outputs both
+    (2 + 2).
+    (tests/config/test_memory.py measures an MoE layer as the dense one.)
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
@@ -207,7 +209,7 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
         tokens = s * b
         capacity = max(math.ceil(tokens / experts * factor), m.moe_min_capacity)
         slots = experts * capacity
-        replicated += 4 + 4 * experts / h + (2 + 4) * slots / h + 2 * slots / tokens
+        replicated += 4 + 4 * experts / h + 2 * m.topk + (4 if m.mlp_type == "residual" else 0)
         mlp = mlp * slots / tokens + 2 * slots / tokens + (mlp if m.mlp_type == "residual" else 0.0)
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
