@@ -408,7 +408,9 @@ def _single_changes(layout: Layout, m, world: int):
         tp *= 2
     pp = layout.pp * 2
     # (Ulysses runs on the plain engine only: no pipeline to suggest)
-    while sp == 1 and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and layout.zero_stage < 2:
+    # (nor under --no-pipeline-parallel, which refuses PP > 1)
+    while sp == 1 and layout.use_pipeline and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and \
+            layout.zero_stage < 2:
         yield f"--pipeline-model-parallel-size {pp}", relayout(layout, pp=pp)
         pp *= 2
     micro = layout.micro_batch_size // 2

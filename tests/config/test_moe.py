@@ -151,3 +151,20 @@ def test_dense_model_with_ep_is_a_note():
     rc, out, err = dry_run(SMALL + "--moe-expert-parallel-size 2".split(), 2)
     assert rc == 0, err
     assert "WARNING: --moe-expert-parallel-size 2 has no effect on a dense model" in out
+
+
+def test_memory_suggestions_stay_valid_for_moe():
+    """A MoE layout that does not fit: the single changes the estimate suggests keep EP dividing DP, never ZeRO 3,
+    and a ZeRO change carries --create-moe-param-group; each one resolves."""
+    from megatron_ds.config.memory import estimate_memory, suggestions
+
+    argv = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 "
+            "--global-batch-size 32 --mock-data --train-iters 10 --lr 1e-4 --bf16 --no-pipeline-parallel "
+            "--num-experts 16 --moe-expert-parallel-size 4 --create-moe-param-group --zero-stage 1").split()
+    lay = _layout(argv, 8)
+    fixes = suggestions(lay, estimate_memory(lay).total * 0.9, limit=10)
+    assert fixes and not any("--zero-stage 3" in f for f in fixes), fixes
+    for fix in fixes:
+        flags = fix.split(" (~")[0].split()
+        assert not flags[0] == "--zero-stage" or "--create-moe-param-group" in flags, fix
+        _layout(argv + flags, 8)  # resolves: no ConfigError
