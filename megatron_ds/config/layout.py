@@ -347,7 +347,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)
     notes: list[str] = check_moe(
-        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, own_schedule=virtual_pp > 1 or zbh1 is not None,
+        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
+        own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)

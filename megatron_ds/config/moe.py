@@ -95,8 +95,9 @@ def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELa
                           active=gate + min(m.topk, experts) * expert_full + residual[1])
 
 
-def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, bf16_optimizer: bool,
-              own_schedule: bool, sequence_parallel: bool, create_moe_param_group: bool) -> list[str]:
+def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, precision: str,
+              bf16_optimizer: bool, own_schedule: bool, sequence_parallel: bool,
+              create_moe_param_group: bool) -> list[str]:
     """Refuse (ConfigError, one line) what an MoE run cannot do; returns notes (flags without effect).
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
     for n in m.num_experts:
@@ -131,6 +132,11 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
         wrapper = f"ZeRO stage {zero_stage}" if zero_stage else "DeepSpeed's BF16_Optimizer (bf16 without ZeRO)"
         raise ConfigError(f"mixture of experts under {wrapper} needs --create-moe-param-group: DeepSpeed's optimizer "
                           f"partitions and reduces expert parameters over their own groups and stops without them")
+    if precision != "fp32" and ep > 1 and not create_moe_param_group:
+        # runtime/fp16/fused_optimizer.py step: only groups marked 'moe' join get_norm_with_moe_layers
+        raise ConfigError(f"mixture of experts with --moe-expert-parallel-size {ep} under DeepSpeed's {precision} "
+                          f"optimizer needs --create-moe-param-group: without expert groups it takes the gradient "
+                          f"norm of each rank's own experts, so data parallel replicas would clip differently")
     if sp > 1:
         raise ConfigError(f"mixture of experts cannot be combined with DeepSpeed-Ulysses (--ds-sequence-parallel-size "
                           f"{sp}): DeepSpeed averages expert gradients over its data parallel group, not over the "

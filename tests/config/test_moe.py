@@ -127,6 +127,8 @@ def dry_run(argv, world) -> tuple[int, str, str]:
     ("--num-experts 2 --zero-stage 3 --no-pipeline-parallel", 2, "ZeRO stage 3"),
     ("--num-experts 2 --zero-stage 1", 2, "needs --create-moe-param-group"),
     ("--num-experts 2 --bf16", 1, "needs --create-moe-param-group"),  # BF16_Optimizer in the pipeline engine
+    # FP16_Optimizer's clipping norm (bf16 on the plain engine)
+    ("--num-experts 2 --moe-expert-parallel-size 2 --bf16 --no-pipeline-parallel", 2, "clip differently"),
     ("--num-experts 2 --ds-sequence-parallel-size 2 --no-pipeline-parallel", 2, "DeepSpeed-Ulysses"),
     ("--num-experts 2 --tensor-model-parallel-size 2 --sequence-parallel", 2, "--sequence-parallel"),
     ("--num-experts 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
