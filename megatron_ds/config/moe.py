@@ -115,8 +115,12 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           f"the fewest experts of an MoE layer ({moe[0]})")
     for n in moe:
         if n % ep:
+            # deepspeed/moe/layer.py since DeepSpeed 0.7 (commit 5fe9d61); before, ep_size = min(ep_size, experts)
+            older = (" (DeepSpeed before 0.7 lowered EP to a layer's expert count, which Megatron-DeepSpeed's PR-MoE "
+                     "scripts relied on)" if n < ep else "")
             raise ConfigError(f"--num-experts {n} is not divisible by --moe-expert-parallel-size {ep}: each expert "
-                              f"parallel rank holds num_experts / EP of a layer's experts (DeepSpeed's MoE asserts it)")
+                              f"parallel rank holds num_experts / EP of a layer's experts, as DeepSpeed's MoE "
+                              f"asserts{older}")
     if dp % ep:
         raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data parallel size {dp} (world = TP "
                           f"{tp} x PP {pp} x DP {dp}): the experts are split over groups of EP data parallel ranks, "
