@@ -213,3 +213,19 @@ def test_moe_stage_counts_are_the_built_models(extra, world):
             params = list(model.parameters())
             assert sum(p.numel() for p in params) == stage.params_per_tp_rank
             assert sum(p.numel() for p in params if is_moe_param(p)) == stage.expert_params_per_tp_rank > 0
+
+
+@pytest.mark.parametrize("method", ["type:ParallelTransformerLayer", "uniform", "parameters"])
+def test_moe_partitions_match_the_analytic_count(method):
+    """DeepSpeed's partition methods over an MoE model (8 experts on layers 2 and 4, EP 1): "parameters"
+    balances by what each layer holds, so MoE layers weigh more; the layout's per-stage counts are the stages
+    the built model is cut into."""
+    from megatron_ds.config import count_parameters, resolve_model_config
+    from megatron_ds.config.schema import ModelConfig
+    from megatron_ds.model.pipeline import build_sequential_gpt
+
+    cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                           num_experts=(8,)))
+    model = build_sequential_gpt(cfg, padded_vocab_size=128, seed=1)
+    _, stages = count_parameters(cfg, 128, 1, 2, method)
+    assert model.stage_parameter_counts(2, method) == [s.params_per_tp_rank for s in stages]
