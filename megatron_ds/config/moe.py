@@ -155,3 +155,18 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           "passes only the hidden state between stages (training/interleaved_pipeline.py "
                           "activation_specs), not the MoE layers' auxiliary loss; use the pipeline engine's 1F1B")
     return []
+
+
+def check_moe_zero_json(ds: dict, zero_stage: int) -> None:
+    """DeepSpeed's ZeRO 1/2 optimizer asserts, for an MoE model, "reduce_scatter" (stages 1 and 2) and
+    "contiguous_gradients" (stage 2) on (runtime/zero/stage_1_and_2.py _configure_moe_settings); both default on,
+    so only a JSON turning one off is refused, before the queue rather than at start-up."""
+    if zero_stage not in (1, 2):
+        return
+    zero = ds.get("zero_optimization") or {}
+    off = [key for key in ("reduce_scatter", "contiguous_gradients")
+           if zero.get(key, True) is False and (key == "reduce_scatter" or zero_stage == 2)]
+    if off:
+        raise ConfigError(f"mixture of experts under ZeRO stage {zero_stage} needs \"{off[0]}\": true in the DeepSpeed "
+                          f"JSON's \"zero_optimization\" (DeepSpeed's ZeRO optimizer asserts it for MoE); remove the "
+                          f"false value")

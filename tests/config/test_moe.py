@@ -170,3 +170,14 @@ def test_memory_suggestions_stay_valid_for_moe():
         flags = fix.split(" (~")[0].split()
         assert not flags[0] == "--zero-stage" or "--create-moe-param-group" in flags, fix
         _layout(argv + flags, 8)  # resolves: no ConfigError
+
+
+def test_zero_json_that_moe_cannot_run_is_one_line(tmp_path):
+    """DeepSpeed's ZeRO optimizer asserts reduce_scatter (and at stage 2 contiguous_gradients) for MoE."""
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}))
+    rc, _, err = dry_run(SMALL + ["--num-experts", "2", "--create-moe-param-group", "--no-pipeline-parallel",
+                                  "--deepspeed_config", str(path)], 2)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and '"contiguous_gradients": true' in err, err
