@@ -188,8 +188,9 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     MLP's activations scale by E C / tokens, and the dispatched tokens (the experts' input, 2) are kept too.
     On every rank the gate keeps its fp32 input (4) and softmax (4 E/h), the combine each token's k expert
     outputs (2 k). PR-MoE's residual MLP keeps what a dense MLP keeps, and the mix of the two outputs both
-    (2 + 2).
-    (tests/config/test_memory.py measures an MoE layer as the dense one.)
+    (2 + 2). With --disable-moe-token-dropping an expert's capacity is the most loaded expert's tokens
+    (DeepSpeed's gating), known only at run time: the estimate assumes the balanced load of the capacity
+    factor. (tests/config/test_memory.py measures an MoE layer as the dense one.)
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
