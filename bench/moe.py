@@ -34,6 +34,7 @@ def prepare(workdir: str):
     from quickstart import PRESETS, prepare_data
 
     preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=2.0, vocab=SHAPE["vocab"])
+    os.makedirs(workdir, exist_ok=True)
     with contextlib.redirect_stdout(io.StringIO()):
         prefix, vocab, merges, _, _ = prepare_data(workdir, preset, workers=2)
     return prefix, vocab, merges
