@@ -31,7 +31,7 @@ from megatron_ds.config.run import Run
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.chunks import build_interleaved_gpt
 from megatron_ds.model.pipeline import build_sequential_gpt, build_stage_gpt
-from megatron_ds.training.engine import model_kwargs
+from megatron_ds.training.engine import model_kwargs, params_dtype
 
 TOLERANCE = 0.01
 """Largest relative difference between the built model and the estimate that passes unremarked."""
@@ -48,16 +48,20 @@ class BuiltStage:
 
 
 def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Module:
-    """The modules pipeline stage ``stage`` builds in training, on the meta device."""
+    """The modules pipeline stage ``stage`` builds in training, on the meta device, cast to the compute
+    precision as training casts them (engine.build_module: DeepSpeed's MoE builds its gate and PR-MoE
+    coefficient as fp32 torch.nn.Linear layers)."""
     layout = run.layout
     common = model_kwargs(run, tp_group, eod_token, device="meta")
     if layout.own_schedule:  # interleaved or ZB-H1: our executor's chunks
         # no tie_group: synchronizing the tied copy moves values, and there are none on meta
-        return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
-    if layout.use_pipeline:
-        return build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
-                               partition_method=run.distributed.pipeline_partition_method, **common)
-    return build_sequential_gpt(layout.model, **common)
+        model = build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
+    elif layout.use_pipeline:
+        model = build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
+                                partition_method=run.distributed.pipeline_partition_method, **common)
+    else:
+        model = build_sequential_gpt(layout.model, **common)
+    return model.to(params_dtype(layout)) if layout.precision != "fp32" else model
 
 
 def build_stages(run: Run, eod_token: int, on_built=lambda built: None) -> list[BuiltStage]:

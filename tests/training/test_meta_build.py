@@ -229,3 +229,18 @@ def test_moe_partitions_match_the_analytic_count(method):
     model = build_sequential_gpt(cfg, padded_vocab_size=128, seed=1)
     _, stages = count_parameters(cfg, 128, 1, 2, method)
     assert model.stage_parameter_counts(2, method) == [s.params_per_tp_rank for s in stages]
+
+
+def test_moe_dry_run_build_matches_the_estimate():
+    """--dry-run's meta-device build of an MoE model with experts split over TP (--enable-expert-tensor-parallelism),
+    one count per MoE layer, PR-MoE, ZeRO 1 bf16 on TP 2 x DP 4 with EP 2: parameters, expert parameters and the
+    weights, gradients and optimizer states that follow (ZeRO splits expert states over TP x DP / (EP x TP) = 2
+    ranks, dense ones over DP 4) equal the estimate's."""
+    cfg, _ = parse_args(MOE_BASE + ("--num-experts 4 2 --moe-expert-parallel-size 2 --mlp-type residual "
+                                    "--tensor-model-parallel-size 2 --enable-expert-tensor-parallelism --zero-stage 1 "
+                                    "--create-moe-param-group --bf16").split())
+    run = resolve(cfg, world_size=8, vocab_size=100, device_type="cuda")
+    (built,) = build_stages(run, EOD)
+    assert built.expert_params == run.layout.stages[0].expert_params_per_tp_rank > 0
+    for quantity, (value, estimated) in compare(run.layout, built).items():
+        assert value == pytest.approx(estimated, rel=1e-12), quantity  # the same counts: exact up to float sums
