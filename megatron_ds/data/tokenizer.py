@@ -22,6 +22,8 @@ VALID_TYPES = (
     "HFTokenizer",
     "NullTokenizer",
     "JapaneseSentencePiece",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
 )
 # Megatron-LM spells the HF tokenizer type differently from Megatron-DeepSpeed; accept both.
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
@@ -489,10 +491,19 @@ class NullTokenizer(AbstractTokenizer):
 
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, log=print):
-    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given."""
+                    vocab_size=None, vocab_extra_ids=0, log=print):
+    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
+    `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
-    if kind == "GPT2BPETokenizer":
+    if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase "
+                             f"tokenizers only, not {tokenizer_type}")
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron_ds.data.bert_tokenizer import BertWordPieceTokenizer
+
+        tok = BertWordPieceTokenizer(_require_file(vocab_file, "--vocab-file", kind),
+                                     lower_case=kind == "BertWordPieceLowerCase", vocab_extra_ids=vocab_extra_ids)
+    elif kind == "GPT2BPETokenizer":
         tok = GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", kind),
                                _require_file(merge_file, "--merge-file", kind))
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
@@ -509,7 +520,9 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     else:
         raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(VALID_TYPES)}")
     if log:
-        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, eod id {tok.eod}")
+        ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}" if hasattr(tok, "cls") else \
+            f"eod id {tok.eod}"
+        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, {ids}")
     return tok
 
 
@@ -522,20 +535,23 @@ class MockTokenizer:
         self.name = "mock"
 
 
-def resolved_tokenizer_type(data) -> str | None:
-    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else
-    Megatron-DeepSpeed's default (its pretrain_gpt.py passes args_defaults={'tokenizer_type':
-    'GPT2BPETokenizer'}); None for --mock-data without a --vocab-file (no tokenizer at all)."""
+def resolved_tokenizer_type(data, default_type: str = "GPT2BPETokenizer") -> str | None:
+    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else the entry
+    point's default (Megatron-DeepSpeed's pretrain_gpt.py passes args_defaults={'tokenizer_type':
+    'GPT2BPETokenizer'}, pretrain_bert.py and pretrain_t5.py 'BertWordPieceLowerCase'); None for
+    --mock-data without a --vocab-file (no tokenizer at all)."""
     if data.tokenizer_type is not None:
         return data.tokenizer_type
-    return None if data.mock_data and not data.vocab_file else "GPT2BPETokenizer"
+    return None if data.mock_data and not data.vocab_file else default_type
 
 
-def build_tokenizer_for(data, log=print):
+def build_tokenizer_for(data, log=print, *, vocab_extra_ids: int = 0, default_type: str = "GPT2BPETokenizer"):
     """The tokenizer a run's data section (``DataConfig``) names (``resolved_tokenizer_type``) with its
-    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids."""
-    tokenizer_type = resolved_tokenizer_type(data)
+    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids. vocab_extra_ids:
+    --vocab-extra-ids (T5 sentinels, BERT WordPiece tokenizers only)."""
+    tokenizer_type = resolved_tokenizer_type(data, default_type)
     if tokenizer_type is None:
         return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)
+                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+                           vocab_extra_ids=vocab_extra_ids, log=log)
