@@ -73,6 +73,11 @@ _RANGES: tuple = (
     ("checkpoint", "keep_last", 1, True, None, False),
     ("checkpoint", "ckpt_step", 0, True, None, False),
     ("logging", "log_interval", 1, True, None, False),
+    # BERT / T5 data (issue 24)
+    ("masked_lm", "mask_prob", 0.0, True, 1.0, True),
+    ("masked_lm", "short_seq_prob", 0.0, True, 1.0, True),
+    ("masked_lm", "vocab_extra_ids", 0, True, None, False),
+    ("masked_lm", "decoder_seq_length", 1, True, None, False),
 )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import regex
 
-from megatron_ds.data.tokenizer import AbstractTokenizer, TokenizerError, clean_text
+from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 # Where HF's BertNormalizer differs from Google's BasicTokenizer, the text is adjusted first
 # (only non-ASCII text can be affected; tests/data/test_bert_tokenizer.py covers each case):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_ds.errors import ConfigError
+from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 VALID_TYPES = (
     "GPT2BPETokenizer",
@@ -30,39 +30,6 @@ _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
 
 
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
-
-
-class TokenizerError(ConfigError):
-    """A tokenizer that cannot be built from the given files/flags."""
-
-
-class AbstractTokenizer:
-    name = "abstract"
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eod(self) -> int:
-        raise NotImplementedError
-
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def tokenize_batch(self, texts) -> list[list[int]]:
-        return [self.tokenize(t) for t in texts]
-
-    def detokenize(self, ids) -> str:
-        raise NotImplementedError
-
-    @property
-    def vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
-
-    @property
-    def inv_vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
 
 
 class _MappedTokenizer(AbstractTokenizer):
@@ -91,12 +58,6 @@ def _require_file(path, flag, tokenizer_type):
     if not os.path.isfile(path):
         raise TokenizerError(f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type})")
     return str(path)
-
-
-def clean_text(text: str) -> str:
-    """Replace lone surrogates (JSON allows "\\ud800" escapes) by U+FFFD so the text is valid
-    UTF-8; surrogate pairs become the character they encode. Megatron crashes on such lines."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # GPT-2's pattern regrouped for speed; it splits text identically. tiktoken's regex engine runs a
