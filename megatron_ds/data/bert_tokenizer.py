@@ -23,10 +23,10 @@ from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, c
 # (only non-ASCII text can be affected; tests/data/test_bert_tokenizer.py covers each case):
 # - its CJK table starts a block at 0x2B920 where Google's has 0x2B820: space those ideographs out;
 _CJK_GAP = regex.compile("([\U0002B820-\U0002B91F])")
-# - it drops private-use and unassigned characters as control characters, Google keeps them inside
+# - it drops private-use characters (category Co) as control characters, Google keeps them inside
 #   the word, which then matches no WordPiece and becomes [UNK]: replace them by a letter that no
 #   vocabulary token contains, so that the word becomes [UNK] here too;
-_UNMATCHABLE = regex.compile(r"[\p{Co}\p{Cn}]")
+_UNMATCHABLE = regex.compile(r"\p{Co}")
 # - it lower-cases character by character, Python's str.lower() gives a word-final sigma its final form.
 _FILLER_CANDIDATES = range(0xA000, 0xA48D)  # Yi syllables: letters without case or decomposition
 
@@ -142,8 +142,8 @@ class BertWordPieceTokenizer(AbstractTokenizer):
 
 
 def _filler_for(vocab) -> str | None:
-    """A letter in no vocabulary token (None when the vocabulary itself holds private-use or
-    unassigned characters: then such characters are dropped, as HF does)."""
+    """A letter in no vocabulary token (None when the vocabulary itself holds private-use
+    characters: then they are dropped, as HF does)."""
     chars = set("".join(vocab))
     if any(_UNMATCHABLE.match(c) for c in chars):
         return None
