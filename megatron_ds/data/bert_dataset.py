@@ -19,6 +19,7 @@ import torch
 from megatron_ds.data import masking
 from megatron_ds.data.index_cache import CacheTimings, mmap_restore, mmap_state
 from megatron_ds.data.samples_mapping import get_samples_mapping
+from megatron_ds.errors import ConfigError
 
 
 def pad_and_convert_to_numpy(tokens, tokentypes, masked_positions, masked_labels, pad_id, max_seq_length):
@@ -68,9 +69,9 @@ class TokenizerIds:
     which ids are `##` continuations."""
 
     def __init__(self, tokenizer):
-        missing = [a for a in ("cls", "sep", "mask", "pad", "inv_vocab") if not hasattr(tokenizer, a)]
+        missing = [a for a in ("cls", "sep", "mask", "pad") if not hasattr(tokenizer, a)]
         if missing:
-            raise ValueError(f"the {getattr(tokenizer, 'name', type(tokenizer).__name__)} tokenizer has no "
+            raise ConfigError(f"the {getattr(tokenizer, 'name', type(tokenizer).__name__)} tokenizer has no "
                              f"{', '.join(missing)}; BERT/T5 data needs --tokenizer-type BertWordPieceLowerCase "
                              f"or BertWordPieceCase")
         inv = tokenizer.inv_vocab

@@ -22,6 +22,7 @@ from megatron_ds.data import masking
 from megatron_ds.data.bert_dataset import TokenizerIds
 from megatron_ds.data.index_cache import CacheTimings, mmap_restore, mmap_state
 from megatron_ds.data.samples_mapping import get_samples_mapping
+from megatron_ds.errors import ConfigError
 
 MAX_NGRAMS = 10  # upstream's span-length cap for T5
 
@@ -98,9 +99,9 @@ class T5Dataset(torch.utils.data.Dataset):
         self.indexed_dataset = indexed_dataset
         self.ids = TokenizerIds(tokenizer)
         if not self.ids.sentinels:
-            raise ValueError("T5 data needs sentinel tokens: pass --vocab-extra-ids 100")
+            raise ConfigError("T5 data needs sentinel tokens: pass --vocab-extra-ids 100")
         if self.ids.bos is None or self.ids.eos is None:
-            raise ValueError("T5 data needs a tokenizer with [BOS] and [EOS] (BertWordPieceLowerCase/Case)")
+            raise ConfigError("T5 data needs a tokenizer with [BOS] and [EOS] (BertWordPieceLowerCase/Case)")
         self.samples_mapping = get_samples_mapping(
             indexed_dataset, data_prefix, doc_bounds, name, num_epochs=num_epochs, max_num_samples=num_samples,
             max_seq_length=self.max_seq_length - 2,  # upstream leaves room for two added tokens

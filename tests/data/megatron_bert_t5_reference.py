@@ -405,3 +405,44 @@ def t5_training_sample(sample, target_seq_length, max_seq_length, max_seq_length
         bos_id, eos_id, sentinel_tokens)
     return {"text_enc": tokens_enc, "text_dec": tokens_dec_in, "labels": labels, "loss_mask": loss_mask,
             "truncated": int(truncated), "enc_mask": enc_mask, "dec_mask": dec_mask, "enc_dec_mask": enc_dec_mask}
+
+
+def get_train_valid_test_split_(splits_string, size):
+    """dataset_utils.py: document bounds [0, a, b, size] for '949,50,1'."""
+    if splits_string.find(",") != -1:
+        splits = [float(s) for s in splits_string.split(",")]
+    elif splits_string.find("/") != -1:
+        splits = [float(s) for s in splits_string.split("/")]
+    else:
+        splits = [float(splits_string)]
+    while len(splits) < 3:
+        splits.append(0.)
+    splits = splits[:3]
+    splits_sum = sum(splits)
+    splits = [split / splits_sum for split in splits]
+    splits_index = [0]
+    for index, split in enumerate(splits):
+        splits_index.append(splits_index[index] + int(round(split * float(size))))
+    diff = splits_index[-1] - size
+    for index in range(1, len(splits_index)):
+        splits_index[index] -= diff
+    return splits_index
+
+
+def megatron_bert_vocab(vocab_file, vocab_extra_ids=0):
+    """_BertWordPieceTokenizer's vocabulary: the file's, then [BOS], [EOS] and the sentinels appended
+    by add_token (a new id = len(vocab)). Returns (vocab, inv_vocab, bos, eos, sentinel ids)."""
+    from tests.data.bert_tokenization_reference import load_vocab
+
+    vocab = load_vocab(vocab_file)
+    inv_vocab = {v: k for k, v in vocab.items()}
+
+    def add_token(token):
+        if token not in vocab:
+            inv_vocab[len(vocab)] = token
+            vocab[token] = len(vocab)
+
+    for token in ["[BOS]", "[EOS]"] + ["<extra_id_{}>".format(i) for i in range(vocab_extra_ids)]:
+        add_token(token)
+    sentinels = [vocab["<extra_id_{}>".format(i)] for i in range(vocab_extra_ids)]
+    return vocab, inv_vocab, vocab["[BOS]"], vocab["[EOS]"], sentinels
