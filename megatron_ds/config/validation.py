@@ -150,6 +150,8 @@ def missing_flags(cfg, *, with_data: bool = True) -> list[str]:
         missing.append(f"--tokenizer-model (for {kind})")
     elif kind == "NullTokenizer" and d.vocab_size is None:
         missing.append("--vocab-size (for NullTokenizer)")
+    elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase") and not d.vocab_file:
+        missing.append(f"--vocab-file (a BERT vocab.txt, for {kind})")
     if with_data and not (d.mock_data or d.data_path or d.train_data_path):
         missing.append("--data-path (or --train-data-path, or --mock-data)")
     return missing
