@@ -260,3 +260,16 @@ def test_errors_are_one_line(data, tmp_path):
     gpt = build_tokenizer("NullTokenizer", vocab_size=300, log=None)
     with pytest.raises(ConfigError, match="BertWordPieceLowerCase"):
         build_train_valid_test_datasets(data["prefix"], "1", [10, 0, 0], **{**kw, "tokenizer": gpt})
+
+
+def test_exact_epochs_take_every_epoch(data, tmp_path):
+    # --train-data-exact-num-epochs: upstream's get_samples_mapping builds exactly that many epochs for the
+    # train split, with no sample limit
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=data["vocab"], log=None)
+    train, _, _ = build_train_valid_test_datasets(
+        data["prefix"], "1", [5, 0, 0], max_seq_length=64, masked_lm_prob=0.15, short_seq_prob=0.1, seed=SEED,
+        binary_head=True, tokenizer=tok, data_cache_path=str(tmp_path), train_num_epochs=3, log=QUIET)
+    ds = MMapIndexedDataset(data["prefix"])
+    want = ref.build_mapping(ds.doc_idx.tolist(), ds.sizes.tolist(), 3, np.iinfo(np.int64).max - 1, 61, 0.1, SEED, 2)
+    np.testing.assert_array_equal(train.samples_mapping, want)
+    assert len(train) > 5
