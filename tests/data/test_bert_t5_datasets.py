@@ -273,3 +273,31 @@ def test_exact_epochs_take_every_epoch(data, tmp_path):
     want = ref.build_mapping(ds.doc_idx.tolist(), ds.sizes.tolist(), 3, np.iinfo(np.int64).max - 1, 61, 0.1, SEED, 2)
     np.testing.assert_array_equal(train.samples_mapping, want)
     assert len(train) > 5
+
+
+def _build_in_child(prefix, vocab, cache, log_path, queue):
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab, log=None)
+    with open(log_path, "w") as f:
+        train = build_train_valid_test_datasets(
+            prefix, "1", [300, 0, 0], max_seq_length=64, masked_lm_prob=0.15, short_seq_prob=0.1, seed=SEED,
+            binary_head=True, tokenizer=tok, data_cache_path=cache, log=lambda m: print(m, file=f, flush=True))[0]
+    queue.put(np.asarray(train.samples_mapping).tobytes())
+
+
+def test_samples_mapping_built_once_by_concurrent_processes(data, tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    logs = [tmp_path / f"log{i}" for i in range(3)]
+    procs = [ctx.Process(target=_build_in_child, args=(data["prefix"], data["vocab"], str(tmp_path / "c"), str(p),
+                                                       queue)) for p in logs]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(set(results)) == 1  # every process reads the same mapping
+    builders = [p for p in logs if "building index files" in p.read_text()]
+    assert len(builders) == 1  # one process built it, the others waited for its files
