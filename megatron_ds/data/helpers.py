@@ -166,7 +166,12 @@ def build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, shor
             int(num_epochs), int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed),
             int(min_num_sent))
     if _use_extension(backend):
-        return _ext.build_mapping(*args)
+        if hasattr(_ext, "build_mapping"):
+            return _ext.build_mapping(*args)
+        # an extension compiled before build_mapping existed: rebuilding it (`pip install -e .`) adds it
+        if backend == "cpp":
+            raise RuntimeError("the C++ helpers predate build_mapping; rebuild them with "
+                               "`pip install --no-build-isolation -e .`")
     return _build_mapping_numpy(*args)
 
 
