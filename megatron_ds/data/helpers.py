@@ -21,8 +21,10 @@ except ImportError as exc:  # not compiled (no compiler at install time) or buil
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def have_extension() -> bool:
-    return _ext is not None
+def have_extension(function: str | None = None) -> bool:
+    """The C++ extension is loaded (and, when named, has that function: an extension compiled from an
+    older helpers.cpp lacks the newer ones until reinstalled)."""
+    return _ext is not None and (function is None or hasattr(_ext, function))
 
 
 def backend_description() -> str:

@@ -75,8 +75,9 @@ def test_mersenne_twisters_are_the_standard_ones():
     assert [g64() for _ in range(10000)][-1] == 9981545732273789042
 
 
-BACKENDS = ["numpy", pytest.param("cpp", marks=pytest.mark.skipif(not helpers.have_extension(),
-                                                                 reason="C++ helpers not built"))]
+BACKENDS = ["numpy", pytest.param("cpp", marks=pytest.mark.skipif(not helpers.have_extension("build_mapping"),
+                                                                 reason="C++ helpers not built (or built before "
+                                                                        "build_mapping)"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
