@@ -27,8 +27,10 @@ def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | N
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: Optional[int] = None
-    """Number of transformer layers."""
+    num_layers: Optional[int] = meta(None, flags=("--num-layers", "--encoder-num-layers"))
+    """Number of transformer layers (T5: the encoder's; --encoder-num-layers is its other name)."""
+    decoder_num_layers: Optional[int] = None
+    """pretrain_t5.py: the decoder's transformer layers (default --num-layers)."""
     hidden_size: Optional[int] = None
     """Transformer hidden size."""
     num_attention_heads: Optional[int] = None
@@ -39,8 +41,10 @@ class ModelConfig:
     """MLP hidden size (default 4*hidden; with --swiglu, 2/3 of that rounded down to a multiple of 64)."""
     kv_channels: Optional[int] = None
     """Per-head projection size (default hidden/heads)."""
-    seq_length: Optional[int] = None
-    """Sequence length of a training sample."""
+    seq_length: Optional[int] = meta(None, flags=("--seq-length", "--encoder-seq-length"))
+    """Sequence length of a training sample (T5: the encoder's; --encoder-seq-length is its other name)."""
+    decoder_seq_length: Optional[int] = None
+    """pretrain_t5.py: the decoder's sequence length (input and target)."""
     max_position_embeddings: Optional[int] = None
     """Size of the learned position table (default --seq-length)."""
     position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
@@ -122,6 +126,8 @@ class ParallelConfig:
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
     sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""
+    pipeline_model_parallel_split_rank: Optional[int] = None
+    """pretrain_t5.py: the first pipeline stage of the decoder; stages before it hold the encoder."""
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""
