@@ -45,6 +45,8 @@ class ModelConfig:
     """Sequence length of a training sample (T5: the encoder's; --encoder-seq-length is its other name)."""
     decoder_seq_length: Optional[int] = None
     """pretrain_t5.py: the decoder's sequence length (input and target)."""
+    pipeline_model_parallel_split_rank: Optional[int] = None
+    """pretrain_t5.py: the first pipeline stage of the decoder; stages before it hold the encoder."""
     max_position_embeddings: Optional[int] = None
     """Size of the learned position table (default --seq-length)."""
     position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
@@ -126,8 +128,6 @@ class ParallelConfig:
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
     sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""
-    pipeline_model_parallel_split_rank: Optional[int] = None
-    """pretrain_t5.py: the first pipeline stage of the decoder; stages before it hold the encoder."""
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""

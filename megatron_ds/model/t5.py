@@ -48,6 +48,7 @@ from torch import nn
 
 from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.config.t5_params import t5_stage_bounds
 from megatron_ds.model.gpt import mask_padded_vocab_
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.pipeline import GPTPipelineModel, GPTSequential
@@ -264,21 +265,6 @@ def check_t5(m: ModelConfig, *, decoder_num_layers: int, num_stages: int, split_
                                  f"given to the {name}")
 
 
-def t5_partition(num_layers: int, decoder_num_layers: int, num_stages: int, split_rank: int | None) -> list[int]:
-    """First spec index of each stage, then the number of specs (DeepSpeed's ``parts``): encoder
-    stages get the embedding, equal shares of encoder layers and (the last) the encoder's final
-    norm; decoder stages the decoder embedding, equal shares of decoder layers, the final norm and
-    the LM head."""
-    total = num_layers + decoder_num_layers + 5
-    if num_stages == 1:
-        return [0, total]
-    enc_per, dec_per = num_layers // split_rank, decoder_num_layers // (num_stages - split_rank)
-    parts = [0] + [1 + enc_per * (i + 1) for i in range(split_rank - 1)]
-    decoder_start = num_layers + 2  # the decoder embedding's index
-    parts += [decoder_start + 1 + dec_per * i if i else decoder_start for i in range(num_stages - split_rank)]
-    return parts + [total]
-
-
 def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size: int, tp_group=None,
                    params_dtype: torch.dtype = torch.float32, device=None, vocab_size: int | None = None,
                    recompute_granularity: str | None = None) -> list:
@@ -306,7 +292,7 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
 
 
 class T5PipelineModel(GPTPipelineModel):
-    """The T5 as a ``PipelineModule``, partitioned at the split rank (``t5_partition``)."""
+    """The T5 as a ``PipelineModule``, partitioned at the split rank (``config/t5_params.py`` ``t5_stage_bounds``)."""
 
     def __init__(self, specs: list, *, parts: list[int], **kwargs):
         object.__setattr__(self, "t5_parts", parts)  # read by _partition_layers, inside super().__init__
@@ -320,6 +306,18 @@ class T5PipelineModel(GPTPipelineModel):
     def _is_checkpointable(self, funcs) -> bool:
         return any(isinstance(f, T5_LAYERS) for f in funcs)
 
+    @ds_compat.overrides_deepspeed_hook
+    def get_tied_weights_and_groups(self):
+        """The tied weights DeepSpeed all-reduces across stages, each with a gradient: a stage that
+        holds the tied embedding without using all of it (the first stage never reads the LM-head
+        bias, the last never reads the positions) would have None there, and DeepSpeed's
+        ``_exec_reduce_tied_grads`` skips a None gradient, so the stages' collectives would no
+        longer match. A zero gradient is what that stage contributes anyway."""
+        pairs = super().get_tied_weights_and_groups()
+        for weight, _ in pairs:
+            ds_compat.zero_grad_where_missing(weight)
+        return pairs
+
 
 def build_pipeline_t5(m: ModelConfig, topology, *, decoder_num_layers: int, split_rank: int | None,
                       padded_vocab_size: int, tp_group, seed: int, activation_checkpoint_interval: int = 0,
@@ -329,7 +327,7 @@ def build_pipeline_t5(m: ModelConfig, topology, *, decoder_num_layers: int, spli
     check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=stages, split_rank=split_rank)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
-    return T5PipelineModel(specs, parts=t5_partition(m.num_layers, decoder_num_layers, stages, split_rank),
+    return T5PipelineModel(specs, parts=t5_stage_bounds(m.num_layers, decoder_num_layers, stages, split_rank),
                            topology=topology, tp_group=tp_group, seed=seed,
                            activation_checkpoint_interval=activation_checkpoint_interval)
 
@@ -345,4 +343,4 @@ def build_sequential_t5(m: ModelConfig, *, decoder_num_layers: int, padded_vocab
 
 
 __all__ = ["T5Embedding", "T5EncoderLayer", "T5DecoderLayer", "ParallelCrossAttention", "T5PipelineModel",
-           "build_pipeline_t5", "build_sequential_t5", "t5_layer_specs", "t5_partition", "check_t5"]
+           "build_pipeline_t5", "build_sequential_t5", "t5_layer_specs", "check_t5"]
