@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer
@@ -98,6 +99,7 @@ class Layout:
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
+    family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
 
     @property
     def own_schedule(self) -> bool:
@@ -147,6 +149,12 @@ class Layout:
             if self.zbh1 is not None:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
         return "\n".join(lines)
+
+
+def layer_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over TP, parameters replicated on each TP rank) of one transformer layer,
+    for other model families' counts (``config/bert_params.py``)."""
+    return _layer_params(m, tp)
 
 
 def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -271,11 +279,30 @@ def _recompute(t) -> str | None:
     return t.recompute_granularity or ("full" if full else None)
 
 
+@dataclass(frozen=True)
+class FamilyShape:
+    """What the layout needs of a model family (pretrain_gpt.py, pretrain_bert.py, ...): its name, its
+    analytic parameter count (``count_parameters``'s signature and result) and the checks of the
+    flags it cannot run with (a ConfigError). Other families live in their own modules
+    (``config/bert_params.py``) and reach ``resolve`` through their entry point."""
+    name: str
+    count_parameters: Callable
+    check: Callable[[Config, int], None]  # (flags, pipeline size) -> None or ConfigError
+
+
+def _no_checks(flags: Config, pp: int) -> None:
+    """GPT runs every combination the validation above accepts."""
+
+
+GPT_SHAPE = FamilyShape("gpt", count_parameters, _no_checks)
+
+
 def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,
-                 device_type: str = "cuda") -> tuple[Layout, list[str]]:
+                 device_type: str = "cuda", family: FamilyShape = GPT_SHAPE) -> tuple[Layout, list[str]]:
     """Check ``flags`` for ``world_size`` processes and compute everything that follows from them;
     returns the layout and the notes of DeepSpeed JSON values the command line overrode."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
+    family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     check_parallel_sizes(m, world_size, tp, pp, sp)
@@ -300,7 +327,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_profile(flags.logging)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
-    total, stages = count_parameters(m, padded, tp, pp, partition)
+    total, stages = family.count_parameters(m, padded, tp, pp, partition)
     notes: list[str] = []
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
@@ -316,5 +343,5 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     use_pipeline=use_pipeline, pipeline_partition=partition,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
-                    ds_config=ds, curriculum=curriculum, zbh1=zbh1)
+                    ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family)
     return layout, notes

@@ -177,7 +177,7 @@ class FinalNorm(nn.Module):
 
 
 def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
-                sp_group=None) -> torch.Tensor:
+                sp_group=None, report=None) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
@@ -187,6 +187,9 @@ def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_s
     is their sum over the whole sequence's mask count, so the SP ranks' losses add up to the mean
     (Megatron-DeepSpeed's loss_func divides the shard's sum by the unsliced ``loss_mask.sum()``), which
     is what DeepSpeed's gradient reduction expects: a sum over SP x DP divided by DP.
+
+    ``report``: the ``megatron_ds.model.loss_report.LossReport`` of the run (the engine builder's), to
+    which the loss reports the named scalars it declares; None reports nothing.
     """
     labels, loss_mask = labels_and_mask
     if tp_world_size(sp_group) > 1:

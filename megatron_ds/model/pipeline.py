@@ -154,9 +154,9 @@ def _restore_default_rng():
         yield
 
 
-def _loss_fn(tp_group, sp_group=None):
-    return functools.update_wrapper(functools.partial(gpt_loss_fn, tp_group=tp_group, sp_group=sp_group),
-                                    gpt_loss_fn)
+def _loss_fn(tp_group, sp_group=None, loss_report=None):
+    return functools.update_wrapper(functools.partial(gpt_loss_fn, tp_group=tp_group, sp_group=sp_group,
+                                                      report=loss_report), gpt_loss_fn)
 
 
 class GPTPipelineModel(PipelineModule):
@@ -164,13 +164,15 @@ class GPTPipelineModel(PipelineModule):
     special-cases that name's checkpointing and attention-mask handling)."""
 
     def __init__(self, specs: list, *, topology, tp_group, seed: int, partition_method: str = PARTITION_METHOD,
-                 activation_checkpoint_interval: int = 0):
+                 activation_checkpoint_interval: int = 0, loss_report=None, loss_fn=None):
+        """``loss_fn``: another model family's loss (``model/bert.py``); default the GPT's."""
         seeder = _LayerInitSeeder()
         # no_grad: DeepSpeed broadcasts the tied weights in place at the end of __init__; with
         # grad mode on, autograd records that collective on the parameter and warns in backward.
         with _restore_default_rng(), torch.no_grad():
             super().__init__(
-                layers=specs, topology=topology, loss_fn=_loss_fn(tp_group), seed_layers=True, seed_fn=seeder,
+                layers=specs, topology=topology, loss_fn=loss_fn or _loss_fn(tp_group, loss_report=loss_report),
+                seed_layers=True, seed_fn=seeder,
                 base_seed=seed, partition_method=partition_method,
                 activation_checkpoint_interval=activation_checkpoint_interval,
                 # Ours replays the tensor parallel RNG stream too, so recomputed dropout is exact.
@@ -188,15 +190,16 @@ class GPTPipelineModel(PipelineModule):
 
 def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,
                        activation_checkpoint_interval: int = 0, partition_method: str = PARTITION_METHOD,
-                       **spec_kwargs) -> GPTPipelineModel:
+                       loss_report=None, **spec_kwargs) -> GPTPipelineModel:
     """The GPT as a DeepSpeed ``PipelineModule``. ``topology`` must be the same
     ``PipeModelDataParallelTopology`` the process groups (``tp_group``) were built from.
     ``spec_kwargs`` go to ``gpt_layer_specs`` (sequence_parallel, params_dtype, device,
-    reset_attention_mask, eod_token, recompute_granularity)."""
+    reset_attention_mask, eod_token, recompute_granularity). ``loss_report``: the
+    ``megatron_ds.model.loss_report.LossReport`` the loss function reports to (None: none)."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
     return GPTPipelineModel(specs, topology=topology, tp_group=tp_group, seed=seed,
                             partition_method=partition_method,
-                            activation_checkpoint_interval=activation_checkpoint_interval)
+                            activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report)
 
 
 class GPTSequential(nn.Module):
@@ -212,10 +215,11 @@ class GPTSequential(nn.Module):
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
-                 layer_indices=None, sp_group=None):
+                 layer_indices=None, sp_group=None, loss_report=None, loss_fn=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
-        self.loss_fn = _loss_fn(tp_group, sp_group)
+        # loss_fn: another family's loss (model/bert.py), else the GPT's
+        self.loss_fn = loss_fn or _loss_fn(tp_group, sp_group, loss_report)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
         self.forward_funcs: list = []
@@ -329,18 +333,29 @@ def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padd
     the accelerator, so it cannot stay on the meta device, where --dry-run builds each stage.
     The "parameters" method builds every spec once more to weigh it, as DeepSpeed does."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
+    return stage_of_specs(specs, num_stages=num_stages, stage=stage, tp_group=tp_group, seed=seed,
+                          partition_method=partition_method,
+                          activation_checkpoint_interval=activation_checkpoint_interval)
+
+
+def stage_of_specs(specs: list, *, num_stages: int, stage: int, tp_group=None, seed: int,
+                   partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
+                   loss_fn=None) -> GPTSequential:
+    """Pipeline stage ``stage`` of any model's layer specs, partitioned and seeded as DeepSpeed's
+    ``PipelineModule`` would (``build_stage_gpt``; other model families, ``model/bert.py``)."""
     parts = partition_stages(num_stages, partition_method, [_spec_name(spec) for spec in specs],
                              lambda: [_trainable_parameters(spec) for spec in specs])
     return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
-                         activation_checkpoint_interval=activation_checkpoint_interval)
+                         activation_checkpoint_interval=activation_checkpoint_interval, loss_fn=loss_fn)
 
 
 def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,
-                         activation_checkpoint_interval: int = 0, sp_group=None, **spec_kwargs) -> GPTSequential:
+                         activation_checkpoint_interval: int = 0, sp_group=None, loss_report=None,
+                         **spec_kwargs) -> GPTSequential:
     """The GPT as one plain module (PP = 1, ``--no-pipeline-parallel``, references); same weights
     as ``build_pipeline_gpt`` with the same seed (at any DeepSpeed-Ulysses ``sp_group``).
-    ``spec_kwargs`` as for ``build_pipeline_gpt``."""
+    ``spec_kwargs`` and ``loss_report`` as for ``build_pipeline_gpt``."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, sp_group=sp_group,
                             **spec_kwargs)
     return GPTSequential(specs, tp_group=tp_group, seed=seed, sp_group=sp_group,
-                         activation_checkpoint_interval=activation_checkpoint_interval)
+                         activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report)

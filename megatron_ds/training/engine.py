@@ -16,6 +16,7 @@ from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
 from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
@@ -43,14 +44,15 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 params_dtype=params_dtype(layout), device=device)
 
 
-def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
-    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel).
+def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_report: LossReport | None = None):
+    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel);
+    its loss function reports to ``loss_report``.
 
     Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
     generator (device-independent numbers) and moved at once, so the whole fp32 model never
     exists on the host and no second copy is made afterwards."""
     layout = run.layout
-    common = model_kwargs(run, ps.tp_group, eod_token, device)
+    common = dict(model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report)
     if layout.own_schedule:
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
@@ -59,13 +61,15 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     return build_sequential_gpt(layout.model, sp_group=ps.sp_group, **common)
 
 
-def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> torch.nn.Module:
+def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
+                 loss_report: LossReport | None = None, build=build_model) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
-    is given (and what the fake-CUDA tests run on ``cuda``)."""
+    is given (and what the fake-CUDA tests run on ``cuda``). ``build``: the model family's builder
+    (``training.family.ModelFamily.build_model``; the GPT's by default)."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
-    model = build_model(run, ps, eod_token, device)
+    model = build(run, ps, eod_token, device, loss_report)
     if run.layout.sequence_parallel:
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
@@ -86,6 +90,7 @@ class Runtime:
     optimizer_desc: str
     ps: ParallelState
     device: torch.device
+    loss_report: LossReport  # what the model's loss function reports besides its loss (the loop prints it)
 
 
 def scale_fp16_loss(engine, model) -> None:
@@ -110,11 +115,15 @@ def scale_fp16_loss(engine, model) -> None:
     ds_compat.replace_loss_fn(model, functools.update_wrapper(scaled_loss_fn, loss_fn))
 
 
-def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
+def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *, build=build_model,
+                 loss_names: tuple[str, ...] = ()) -> Runtime:
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
-    inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked)."""
+    inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
+    ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
+    (``training.family.ModelFamily``; the GPT's by default)."""
     layout = run.layout
-    model = build_module(run, ps, device, eod_token)
+    loss_report = LossReport(loss_names)
+    model = build_module(run, ps, device, eod_token, loss_report, build)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
@@ -139,7 +148,8 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     # Megatron-DeepSpeed, whose seeds follow the PP and TP ranks only; a resume restores one state per DP rank
     dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
-    return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device)
+    return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device,
+                   loss_report=loss_report)
 
 
 def log_startup(run: Run, rt: Runtime) -> None:
