@@ -55,7 +55,8 @@ def guards_optimizer(precision: str, zero_stage: int) -> bool:
 
 
 def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
-                    zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None) -> dict:
+                    zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None,
+                    partition_activations: bool = True) -> dict:
     """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions.
     A stale batch size / accumulation count in the JSON loses to the command line with a note, as in
     Megatron-DeepSpeed, whose train loop calls engine.set_train_batch_size(DP x micro x micro-batches)
@@ -93,7 +94,9 @@ def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas
         ds["gradient_clipping"] = 0.0  # our optimizer guard clips instead (see guards_optimizer)
     # DeepSpeed's pipeline partitions activations over TP ranks assuming they are replicated; under
     # sequence parallelism they are already split (and differ per rank), so that must be off.
-    split = not sequence_parallel
+    # partition_activations=False: the model sends several tensors that need gradients (T5), and the
+    # partitioned path sends back only the first one's (runtime/pipe/engine.py _exec_send_grads)
+    split = partition_activations and not sequence_parallel
     ds.setdefault("pipeline", {}).update(pipe_partitioned=split, grad_partitioned=split)
     ds.setdefault("steps_per_print", 10 ** 9)  # we print Megatron's iteration line ourselves
     ds.setdefault("wall_clock_breakdown", False)

@@ -288,6 +288,9 @@ class FamilyShape:
     name: str
     count_parameters: Callable
     check: Callable[[Config, int], None]  # (flags, pipeline size) -> None or ConfigError
+    # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
+    # False where more than one tensor between stages needs its gradient (T5's encoder output)
+    partition_activations: bool = True
 
 
 def _no_checks(flags: Config, pp: int) -> None:
@@ -334,7 +337,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
-                         notes=notes)
+                         notes=notes, partition_activations=family.partition_activations)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, sp=sp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,

@@ -12,14 +12,13 @@ The pipeline layers, in ``model/t5.py``'s order, with the parameters one tensor 
     T5DecoderFinalNorm  one norm
     T5Embedding         the LM head: a copy on the last stage where it does not hold the first
 
-Stages split as ``model/t5.py`` ``t5_partition`` (the split rank's), whatever --pipeline-partition-method.
+Stages split as ``t5_stage_bounds`` says (the split rank's; ``model/t5.py`` builds them so), whatever --pipeline-partition-method.
 The memory estimate counts every layer's activations at --encoder-seq-length (``config/memory.py``),
 which bounds the decoder's shorter ones but leaves out cross-attention's scores.
 """
 from __future__ import annotations
 
-from megatron_ds.config import layout as _layout_module  # TEMP until the family plumbing merges
-from megatron_ds.config.layout import StageParams
+from megatron_ds.config.layout import FamilyShape, StageParams, layer_parameters
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -40,7 +39,7 @@ def cross_attention_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
 def t5_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple[str, int, int]]:
     """(class name, parameters on one TP rank, unique parameters over all TP ranks) per spec."""
     h, d = m.hidden_size, decoder_layers(m)
-    split, repl = _layout_module.layer_parameters(m, tp)
+    split, repl = layer_parameters(m, tp)
     x_split, x_repl = cross_attention_parameters(m, tp)
     words = padded_vocab * h // tp
     pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
@@ -55,8 +54,10 @@ def t5_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple
 
 
 def t5_stage_bounds(num_layers: int, decoder_num_layers: int, pp: int, split_rank: int | None) -> list[int]:
-    """``model/t5.py`` ``t5_partition``, restated here (config sits below model): first spec of each
-    stage, then the number of specs."""
+    """First spec index of each stage, then the number of specs (DeepSpeed's ``parts``): encoder
+    stages get the embedding, equal shares of the encoder layers and (the last) the encoder's final
+    norm; decoder stages the decoder embedding, equal shares of the decoder layers, the final norm
+    and the LM head (megatron/model/transformer.py ``_get_num_layers``'s equal shares per side)."""
     total = num_layers + decoder_num_layers + 5
     if pp == 1:
         return [0, total]
@@ -136,3 +137,6 @@ def check_t5(flags: Config, pp: int) -> None:
         if m.max_position_embeddings < longest:  # megatron/arguments.py asserts both
             raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is shorter than the longest "
                               f"sequence ({longest}): raise it")
+
+
+T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False)

@@ -321,26 +321,42 @@ class T5PipelineModel(GPTPipelineModel):
 
 def build_pipeline_t5(m: ModelConfig, topology, *, decoder_num_layers: int, split_rank: int | None,
                       padded_vocab_size: int, tp_group, seed: int, activation_checkpoint_interval: int = 0,
-                      **spec_kwargs) -> T5PipelineModel:
-    """The T5 as a DeepSpeed ``PipelineModule`` over ``topology`` (see the module docstring)."""
+                      loss_report=None, **spec_kwargs) -> T5PipelineModel:
+    """The T5 as a DeepSpeed ``PipelineModule`` over ``topology`` (see the module docstring); its
+    loss (the GPT's masked token mean) reports to ``loss_report``."""
     stages = topology.get_dim("pipe")
     check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=stages, split_rank=split_rank)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
     return T5PipelineModel(specs, parts=t5_stage_bounds(m.num_layers, decoder_num_layers, stages, split_rank),
-                           topology=topology, tp_group=tp_group, seed=seed,
+                           topology=topology, tp_group=tp_group, seed=seed, loss_report=loss_report,
                            activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 def build_sequential_t5(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size: int, tp_group=None,
-                        seed: int, activation_checkpoint_interval: int = 0, **spec_kwargs) -> GPTSequential:
+                        seed: int, activation_checkpoint_interval: int = 0, loss_report=None,
+                        **spec_kwargs) -> GPTSequential:
     """The T5 as one plain module with the pipeline model's weights and state-dict names; forward
     takes ``(enc tokens, dec tokens, enc flags, dec flags)`` and returns ``[b, s_dec, V/tp]`` logits."""
     check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=1, split_rank=None)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
-    return GPTSequential(specs, tp_group=tp_group, seed=seed, activation_checkpoint_interval=activation_checkpoint_interval)
+    return GPTSequential(specs, tp_group=tp_group, seed=seed, loss_report=loss_report,
+                         activation_checkpoint_interval=activation_checkpoint_interval)
+
+
+def build_stage_t5(m: ModelConfig, *, num_stages: int, stage: int, decoder_num_layers: int, padded_vocab_size: int,
+                   tp_group=None, seed: int, activation_checkpoint_interval: int = 0, **spec_kwargs) -> GPTSequential:
+    """The modules stage ``stage`` of ``build_pipeline_t5``'s model holds (its tied copy included),
+    as one module without topology or accelerator: --dry-run builds it on the meta device."""
+    check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=num_stages,
+             split_rank=m.pipeline_model_parallel_split_rank)
+    specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
+                           tp_group=tp_group, **spec_kwargs)
+    parts = t5_stage_bounds(m.num_layers, decoder_num_layers, num_stages, m.pipeline_model_parallel_split_rank)
+    return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
+                         activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 __all__ = ["T5Embedding", "T5EncoderLayer", "T5DecoderLayer", "ParallelCrossAttention", "T5PipelineModel",
-           "build_pipeline_t5", "build_sequential_t5", "t5_layer_specs", "check_t5"]
+           "build_pipeline_t5", "build_sequential_t5", "build_stage_t5", "t5_layer_specs", "check_t5"]
