@@ -106,6 +106,13 @@ class T5Embedding(nn.Module):
             names.append("lm_head.bias")
         return names
 
+    def forward(self, inputs):
+        """The first layer: ``(enc tokens, dec tokens, enc flags, dec flags)`` -> the encoder's input.
+        A forward of its own (not a ``forward_fn``): DeepSpeed saves and loads a tied module only in
+        the file of a layer that is the module itself (``PipelineModule.save_state_dict``)."""
+        enc_tokens, dec_tokens, enc_flags, dec_flags = inputs
+        return self.embed(enc_tokens), dec_tokens, enc_flags, dec_flags
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` ids -> ``[s, b, h]``; positions 0..s-1 (t5_model.py ``t5_position_ids``)."""
         x = self.word_embeddings(tokens)
@@ -122,12 +129,6 @@ class T5Embedding(nn.Module):
         if self.lm_head is not None:
             out = out + self.lm_head.bias
         return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
-
-
-def embed_encoder(embedding: T5Embedding, inputs):
-    """First layer: ``(enc tokens, dec tokens, enc flags, dec flags)`` -> the encoder's input."""
-    enc_tokens, dec_tokens, enc_flags, dec_flags = inputs
-    return embedding.embed(enc_tokens), dec_tokens, enc_flags, dec_flags
 
 
 def embed_decoder(embedding: T5Embedding, inputs):
@@ -283,7 +284,7 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
                              tied_weight_attr=attrs, **embedding)
 
     layer = dict(tp_group=tp_group, recompute_attention=recompute_granularity == "selective", **common)
-    specs = [tied(embed_encoder)]
+    specs = [tied(None)]
     specs += [LayerSpec(T5EncoderLayer, m, i + 1, **layer) for i in range(m.num_layers)]
     specs += [LayerSpec(T5EncoderFinalNorm, m, **common), tied(embed_decoder)]
     specs += [LayerSpec(T5DecoderLayer, m, i + 1, **layer) for i in range(decoder_num_layers)]
