@@ -125,8 +125,7 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
         "--fp8-e4m3", "--fp8-hybrid")},
     **{f: (0, _BERT_T5) for f in ("--output-bert-embeddings", "--bert-no-binary-head")},
-    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type",
-                                  "--retriever-seq-length", "--mask-prob", "--short-seq-prob", "--sample-rate")},
+    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": (1, "mixture-of-experts (switch MLP) models are not supported"),
     **{f: (0, _FPDT) for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-offloading")},
     "--ds-sequence-parallel-fpdt-chunk-size": (1, _FPDT),
@@ -186,7 +185,6 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
     "--transformer-impl": ("?", "local", "Transformer Engine layers are not supported"),
     "--mlp-type": ("?", "standard", "mixture-of-experts (residual MoE) models are not supported"),
-    "--vocab-extra-ids": ("?", "0", _BERT_T5),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),

@@ -130,10 +130,11 @@ def check_t5(flags: Config, pp: int) -> None:
             if layers is not None and layers % ranks:  # megatron/model/transformer.py _get_num_layers
                 raise ConfigError(f"{name} {layers} must be divisible by the {ranks} pipeline stages on its side "
                                   f"of --pipeline-model-parallel-split-rank {split}")
-    if m.decoder_seq_length is None:
+    decoder_seq = flags.masked_lm.decoder_seq_length
+    if decoder_seq is None:
         raise ConfigError("pretrain_t5.py needs --decoder-seq-length (the decoder's input and target length)")
     if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute":
-        longest = max(m.seq_length or 0, m.decoder_seq_length)
+        longest = max(m.seq_length or 0, decoder_seq)
         if m.max_position_embeddings < longest:  # megatron/arguments.py asserts both
             raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is shorter than the longest "
                               f"sequence ({longest}): raise it")

@@ -129,9 +129,20 @@ def _t5_stage(run, stage: int, tp_group, eod_token: int):
 def _t5_datasets(run, tokenizer, num_samples, log):
     m, data = run.layout.model, run.data
     if data.mock_data:
-        return tuple(MockT5Dataset(n, m.seq_length, m.decoder_seq_length, tokenizer.vocab_size, run.training.seed + i)
+        return tuple(MockT5Dataset(n, m.seq_length, run.masked_lm.decoder_seq_length, tokenizer.vocab_size,
+                                   run.training.seed + i)
                      if n else None for i, n in enumerate(num_samples))
-    raise ConfigError("T5 datasets from --data-path arrive with the BERT/T5 data sets; use --mock-data")
+    from megatron_ds.data.bert_t5_datasets import build_train_valid_test_datasets  # noqa: PLC0415
+
+    ml = run.masked_lm
+    try:  # pretrain_t5.py's train_valid_test_datasets_provider: dataset_type 't5'
+        return build_train_valid_test_datasets(
+            data.data_path, data.split, num_samples, max_seq_length=m.seq_length, masked_lm_prob=ml.mask_prob,
+            short_seq_prob=ml.short_seq_prob, seed=run.training.seed, tokenizer=tokenizer,
+            max_seq_length_dec=ml.decoder_seq_length, dataset_type="t5", data_cache_path=data.data_cache_path,
+            train_num_epochs=data.train_data_exact_num_epochs, log=log)
+    except (ValueError, OSError) as exc:  # the data package's messages are written for the user
+        raise DataError(str(exc)) from None
 
 
 def _t5_collator(run, tokenizer):

@@ -30,7 +30,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _cfg():
-    return resolve_model_config(ModelConfig(num_layers=2, decoder_num_layers=4, seq_length=ENC, decoder_seq_length=DEC,
+    return resolve_model_config(ModelConfig(num_layers=2, decoder_num_layers=4, seq_length=ENC,
                                             max_position_embeddings=ENC, hidden_size=32, num_attention_heads=4,
                                             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1,
                                             pipeline_model_parallel_split_rank=1))
