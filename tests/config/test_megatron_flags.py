@@ -63,7 +63,7 @@ IGNORED = {
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
 REFUSED = {
     "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
-    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type", "--bert-no-binary-head",
+    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type",
                              "--decoder-num-layers", "--decoder-seq-length", "--retriever-seq-length", "--mask-prob",
                              "--short-seq-prob", "--sample-rate")},
     "--num-experts-switch": _MOE,
