@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_ds.errors import ConfigError
+from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 VALID_TYPES = (
     "GPT2BPETokenizer",
@@ -22,45 +22,14 @@ VALID_TYPES = (
     "HFTokenizer",
     "NullTokenizer",
     "JapaneseSentencePiece",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
 )
 # Megatron-LM spells the HF tokenizer type differently from Megatron-DeepSpeed; accept both.
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
 
 
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
-
-
-class TokenizerError(ConfigError):
-    """A tokenizer that cannot be built from the given files/flags."""
-
-
-class AbstractTokenizer:
-    name = "abstract"
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eod(self) -> int:
-        raise NotImplementedError
-
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def tokenize_batch(self, texts) -> list[list[int]]:
-        return [self.tokenize(t) for t in texts]
-
-    def detokenize(self, ids) -> str:
-        raise NotImplementedError
-
-    @property
-    def vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
-
-    @property
-    def inv_vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
 
 
 class _MappedTokenizer(AbstractTokenizer):
@@ -89,12 +58,6 @@ def _require_file(path, flag, tokenizer_type):
     if not os.path.isfile(path):
         raise TokenizerError(f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type})")
     return str(path)
-
-
-def clean_text(text: str) -> str:
-    """Replace lone surrogates (JSON allows "\\ud800" escapes) by U+FFFD so the text is valid
-    UTF-8; surrogate pairs become the character they encode. Megatron crashes on such lines."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # GPT-2's pattern regrouped for speed; it splits text identically. tiktoken's regex engine runs a
@@ -489,10 +452,19 @@ class NullTokenizer(AbstractTokenizer):
 
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, log=print):
-    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given."""
+                    vocab_size=None, vocab_extra_ids=0, log=print):
+    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
+    `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
-    if kind == "GPT2BPETokenizer":
+    if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase "
+                             f"tokenizers only, not {tokenizer_type}")
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron_ds.data.bert_tokenizer import BertWordPieceTokenizer
+
+        tok = BertWordPieceTokenizer(_require_file(vocab_file, "--vocab-file", kind),
+                                     lower_case=kind == "BertWordPieceLowerCase", vocab_extra_ids=vocab_extra_ids)
+    elif kind == "GPT2BPETokenizer":
         tok = GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", kind),
                                _require_file(merge_file, "--merge-file", kind))
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
@@ -509,7 +481,9 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     else:
         raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(VALID_TYPES)}")
     if log:
-        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, eod id {tok.eod}")
+        ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}" if hasattr(tok, "cls") else \
+            f"eod id {tok.eod}"
+        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, {ids}")
     return tok
 
 
@@ -522,20 +496,23 @@ class MockTokenizer:
         self.name = "mock"
 
 
-def resolved_tokenizer_type(data) -> str | None:
-    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else
-    Megatron-DeepSpeed's default (its pretrain_gpt.py passes args_defaults={'tokenizer_type':
-    'GPT2BPETokenizer'}); None for --mock-data without a --vocab-file (no tokenizer at all)."""
+def resolved_tokenizer_type(data, default_type: str = "GPT2BPETokenizer") -> str | None:
+    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else the entry
+    point's default (Megatron-DeepSpeed's pretrain_gpt.py passes args_defaults={'tokenizer_type':
+    'GPT2BPETokenizer'}, pretrain_bert.py and pretrain_t5.py 'BertWordPieceLowerCase'); None for
+    --mock-data without a --vocab-file (no tokenizer at all)."""
     if data.tokenizer_type is not None:
         return data.tokenizer_type
-    return None if data.mock_data and not data.vocab_file else "GPT2BPETokenizer"
+    return None if data.mock_data and not data.vocab_file else default_type
 
 
-def build_tokenizer_for(data, log=print):
+def build_tokenizer_for(data, log=print, *, vocab_extra_ids: int = 0, default_type: str = "GPT2BPETokenizer"):
     """The tokenizer a run's data section (``DataConfig``) names (``resolved_tokenizer_type``) with its
-    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids."""
-    tokenizer_type = resolved_tokenizer_type(data)
+    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids. vocab_extra_ids:
+    --vocab-extra-ids (T5 sentinels, BERT WordPiece tokenizers only)."""
+    tokenizer_type = resolved_tokenizer_type(data, default_type)
     if tokenizer_type is None:
         return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)
+                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+                           vocab_extra_ids=vocab_extra_ids, log=log)

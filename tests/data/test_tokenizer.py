@@ -214,7 +214,9 @@ def test_null_tokenizer():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(tokenizer_type="BertWordPieceLowerCase"), "valid types: GPT2BPETokenizer, SentencePieceTokenizer"),
+        (dict(tokenizer_type="GPT2Tokenizer"), "valid types: GPT2BPETokenizer, SentencePieceTokenizer"),
+        (dict(tokenizer_type="BertWordPieceLowerCase"), "needs --vocab-file"),
+        (dict(tokenizer_type="GPT2BPETokenizer", vocab_extra_ids=100), "--vocab-extra-ids is supported with the Bert"),
         (dict(tokenizer_type="GPT2BPETokenizer"), "needs --vocab-file"),
         (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="nope.json", merge_file="nope.txt"),
          "nope.json does not exist"),
