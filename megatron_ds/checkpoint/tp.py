@@ -30,8 +30,9 @@ _SPLIT_DIM = {
     ("dense_h_to_4h", "weight"): 0,
     ("dense_h_to_4h", "bias"): 0,
     ("dense_4h_to_h", "weight"): 1,
+    ("lm_head", "bias"): 0,  # BERT's MLM bias (model/bert.py BertLMBias), one per vocabulary entry
 }
-VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"))
+VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"), ("lm_head", "bias"))
 
 
 def _key(name: str) -> tuple[str, str]:

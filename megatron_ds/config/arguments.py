@@ -124,7 +124,7 @@ _INDEX_FILES = "index files are built once and cached under --data-cache-path; d
 REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
         "--fp8-e4m3", "--fp8-hybrid")},
-    **{f: (0, _BERT_T5) for f in ("--output-bert-embeddings", "--bert-no-binary-head")},
+    "--output-bert-embeddings": (0, _BERT_T5),
     **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": (1, "mixture-of-experts (switch MLP) models are not supported"),
     **{f: (0, _FPDT) for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-offloading")},

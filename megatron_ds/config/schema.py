@@ -100,6 +100,9 @@ class ModelConfig:
     """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
     apply_residual_connection_post_layernorm: bool = False
     """Add the residual from each norm's output instead of its input (the original BERT's wiring)."""
+    bert_binary_head: bool = meta(True, flags=("--bert-no-binary-head",), invert=True)
+    """pretrain_bert.py: no sentence-order (binary) head, no pooler and no token-type embeddings; the
+    loss is the masked-LM loss alone (Megatron's --bert-no-binary-head)."""
     fp32_residual_connection: bool = False
     """With --bf16/--fp16: keep the residual stream (the embedding output, every layer's output, what
     crosses pipeline stages) in fp32; norms read it in fp32 and hand their output on in the weights'

@@ -64,8 +64,10 @@ IGNORED = {
 REFUSED = {
     "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
     # issue 24: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
-    # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py)
-    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type", "--bert-no-binary-head",
+    # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py),
+    # --bert-no-binary-head too (pretrain_bert.py; tests/training/test_bert_parity.py), --decoder-num-layers
+    # (pretrain_t5.py; tests/training/test_t5_parity.py)
+    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type",
                              "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": _MOE,
     **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
