@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.layout import GPT_SHAPE, FamilyShape, Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
-from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig
+from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
 from megatron_ds.config.validation import check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
 
@@ -87,6 +87,8 @@ class Run:
     # The flags as Megatron-DeepSpeed reads them (after its overrides), saved with every checkpoint
     # and given to W&B; nothing reads a setting from it.
     record: dict = field(hash=False, compare=False, repr=False)
+    # BERT / T5 samples (--mask-prob, --short-seq-prob, --vocab-extra-ids, --decoder-seq-length)
+    masked_lm: MaskedLMDataConfig = field(default_factory=MaskedLMDataConfig)
 
     def describe(self) -> str:
         """The layout, then every section (what ``--dry-run`` prints)."""
@@ -130,4 +132,5 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str
                distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
-               notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict())
+               notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),
+               masked_lm=flags.masked_lm)
