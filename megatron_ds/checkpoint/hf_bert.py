@@ -200,10 +200,13 @@ def save_bert_tokenizer(data, out_dir: str, log: Callable) -> None:
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not data.vocab_file:
         log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
         return
+    import shutil  # noqa: PLC0415
+
     from transformers import BertTokenizerFast  # noqa: PLC0415
 
     BertTokenizerFast(vocab_file=data.vocab_file, do_lower_case=kind == "BertWordPieceLowerCase").save_pretrained(
         out_dir)
+    shutil.copyfile(data.vocab_file, os.path.join(out_dir, "vocab.txt"))  # the vocabulary as trained with
     log(f"wrote {kind} tokenizer files ({data.vocab_file})")
 
 
@@ -230,7 +233,7 @@ def write_hf_bert(out_dir: str, m: ModelConfig, state: dict[str, torch.Tensor], 
 
 
 def export_hf_bert(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
-                   vocab_size: int | None = None, log: Callable = print) -> str:
+                   vocab_size: int | None = None, vocab_file: str | None = None, log: Callable = print) -> str:
     """A pretrain_bert.py checkpoint (any TP / PP / DP) as a transformers model directory."""
     from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
@@ -241,6 +244,8 @@ def export_hf_bert(load_dir: str, out_dir: str, *, iteration: int | None = None,
     if vocab is None:
         raise ConfigError(f"{load_dir} does not record its real vocabulary size; pass --vocab-size")
     saved = {k: v for k, v in c.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
+    if vocab_file:  # moved since training
+        saved["vocab_file"] = vocab_file
     return write_hf_bert(out_dir, c.model, c.state_dict, vocab, data=DataConfig(**saved),
                          dtype=PRECISION_DTYPES[dtype or "fp32"], log=log)
 

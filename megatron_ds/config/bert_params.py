@@ -70,6 +70,9 @@ def check_bert(flags: Config, pp: int) -> None:
         "positions)": m.swiglu or m.normalization.lower() != "layernorm" or m.use_rotary_position_embeddings
         or m.position_embedding_type != "learned_absolute" or m.no_position_embedding,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
+        "--train-data-path / --valid-data-path / --test-data-path (BERT samples come from --data-path and "
+        "--split, as upstream's pretrain_bert.py)": bool(data.train_data_path or data.valid_data_path
+                                                         or data.test_data_path),
     }
     bad = [what for what, on in refused.items() if on]
     if bad:

@@ -23,7 +23,7 @@ SAMPLE_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mas
 def _model_kwargs(run, tp_group, device):
     from megatron_ds.training.engine import model_kwargs  # noqa: PLC0415
 
-    return model_kwargs(run, tp_group, eod_token=0, device=device)  # BERT has no end-of-document token
+    return model_kwargs(run, tp_group, eod_token=None, device=device)  # BERT has no end-of-document token
 
 
 def build_bert_model(run, ps, eod_token: int, device, loss_report):
@@ -90,18 +90,22 @@ class MockBertDataset(torch.utils.data.Dataset):
 
 
 def build_bert_datasets(run, tokenizer, num_samples, log):
-    """(train, valid, test) BERT datasets: synthetic with --mock-data, else Megatron's BERT samples
-    of the ``_text_sentence`` data (``megatron_ds.data.bert_dataset``)."""
+    """(train, valid, test) BERT datasets: synthetic with --mock-data, else Megatron-DeepSpeed's BERT
+    samples of the --split-sentences data (``megatron_ds.data.bert_t5_datasets``, dataset type
+    standard_bert: --mask-prob, --short-seq-prob, the binary head's sentence-order swap)."""
     data, seq, seed = run.data, run.layout.model.seq_length, run.training.seed
     if data.mock_data:
         return tuple(MockBertDataset(n, seq, tokenizer.vocab_size, seed + i) if n else None
                      for i, n in enumerate(num_samples))
-    from megatron_ds.data.bert_dataset import build_bert_train_valid_test_datasets  # noqa: PLC0415
+    from megatron_ds.data.bert_t5_datasets import build_train_valid_test_datasets  # noqa: PLC0415
 
+    ml = run.masked_lm
     try:
-        return build_bert_train_valid_test_datasets(data, tokenizer=tokenizer, num_samples=num_samples,
-                                                    max_seq_length=seq, seed=seed,
-                                                    binary_head=run.layout.model.bert_binary_head, log=log)
+        return build_train_valid_test_datasets(
+            data.data_path, data.split, num_samples, max_seq_length=seq, masked_lm_prob=ml.mask_prob,
+            short_seq_prob=ml.short_seq_prob, seed=seed, tokenizer=tokenizer,
+            binary_head=run.layout.model.bert_binary_head, dataset_type="standard_bert",
+            data_cache_path=data.data_cache_path, train_num_epochs=data.train_data_exact_num_epochs, log=log)
     except (ValueError, OSError) as exc:  # the data package's messages are written for the user
         raise DataError(str(exc)) from None
 
@@ -134,4 +138,4 @@ def make_bert_collator(run, tokenizer):
 
 BERT = ModelFamily(name="bert", shape=BERT_SHAPE, build_model=build_bert_model, build_stage=build_bert_stage,
                    build_datasets=build_bert_datasets, make_collator=make_bert_collator, loss_names=LOSS_NAMES,
-                   default_tokenizer_type=DEFAULT_TOKENIZER)
+                   default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False)

@@ -15,7 +15,8 @@ A ``ModelFamily`` bundles the family's pieces on every floor:
 - ``loss_names``: the terms its loss reports, printed on the iteration and validation lines
   (``"lm loss"`` first: that is the line's ``lm loss``);
 - ``default_tokenizer_type``: --tokenizer-type when the command line names none (Megatron-DeepSpeed's
-  ``args_defaults`` of the family's pretrain script).
+  ``args_defaults`` of the family's pretrain script); ``uses_eod``: whether the builders need the
+  tokenizer's end-of-document id.
 
 The GPT is ``GPT`` below; BERT is ``training/bert.py``'s ``BERT``. The heavy imports (the model,
 DeepSpeed) happen inside the functions, so --help and flag errors stay fast.
@@ -38,6 +39,12 @@ class ModelFamily:
     make_collator: Callable
     loss_names: tuple[str, ...] = ()
     default_tokenizer_type: str | None = None
+    uses_eod: bool = True  # the model reads the tokenizer's end-of-document id (--reset-attention-mask)
+
+    def eod_token(self, tokenizer) -> int | None:
+        """What the builders get as ``eod_token``: None for a family without documents in a sample
+        (a BERT WordPiece tokenizer has no end-of-document token)."""
+        return tokenizer.eod if self.uses_eod else None
 
 
 def _gpt_model(run, ps, eod_token: int, device, loss_report):

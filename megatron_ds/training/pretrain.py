@@ -39,7 +39,8 @@ def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: 
     its JSON parser)."""
     saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
     # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
-    tokenizer = build_tokenizer_for(apply_checkpoint_args(flags, saved)[0].data, log=log)
+    flags_used = apply_checkpoint_args(flags, saved)[0]
+    tokenizer = build_tokenizer_for(flags_used.data, log=log, vocab_extra_ids=flags_used.masked_lm.vocab_extra_ids)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
                   ignored=ignored, saved_flags=saved, family=family.shape)
     check_deepspeed(interleaved=run.layout.own_schedule)  # once, before DeepSpeed is first used
@@ -60,7 +61,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int
     # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
 
-    report(run, tokenizer.eod, build=family.build_stage)
+    report(run, family.eod_token(tokenizer), build=family.build_stage)
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")

@@ -59,7 +59,8 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
-    rt = build_engine(run, ps, device, tokenizer.eod, build=family.build_model, loss_names=family.loss_names)
+    rt = build_engine(run, ps, device, family.eod_token(tokenizer), build=family.build_model,
+                      loss_names=family.loss_names)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
     state = _resume(run, rt.engine, ps, signature)
