@@ -31,10 +31,12 @@ from deepspeed.pipe import TiedLayerSpec
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.format import META, TRACKER, read_meta, step_dir, tracked_iteration
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.t5_params import decoder_layers
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.bert import bert_layer_specs
 from megatron_ds.model.pipeline import gpt_layer_specs
+from megatron_ds.model.t5 import t5_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -59,6 +61,9 @@ def layer_specs(model: ModelConfig, padded_vocab_size: int, family: str = "gpt",
     """The layer specs of a checkpoint's model family (its meta's ``model_family``)."""
     if family == "bert":
         return bert_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
+    if family == "t5":
+        return t5_layer_specs(model, decoder_num_layers=decoder_layers(model), padded_vocab_size=padded_vocab_size,
+                              **kwargs)
     if family != "gpt":
         raise ConfigError(f"checkpoints of {family} models cannot be read by this tool")
     return gpt_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)

@@ -149,7 +149,10 @@ def model_config_from_hf(d: dict) -> tuple[ModelConfig, int]:
     if act is None:
         raise ConfigError(f"our T5 has no {proj!r} MLP (Megatron's MLPs: GeLU, --openai-gelu, --swiglu, "
                           f"--squared-relu): only gelu, gelu_new, gated-silu and relu2 T5 models import")
+    # HF's T5 has no length limit (relative positions); its configs' legacy n_positions (512 in the
+    # original T5's) stands for the encoder length until --encoder-seq-length sets a run's
     m = ModelConfig(num_layers=d["num_layers"], hidden_size=d["d_model"], num_attention_heads=d["num_heads"],
+                    seq_length=d.get("n_positions", 512),
                     num_key_value_heads=d["num_heads"], ffn_hidden_size=d["d_ff"], kv_channels=d["d_kv"],
                     position_embedding_type="none", max_position_embeddings=None, normalization="rmsnorm",
                     layernorm_epsilon=d.get("layer_norm_epsilon", 1e-6), add_bias_linear=False,
@@ -259,3 +262,97 @@ def read_hf(hf_dir: str):
             return f.get_tensor(name).float()
 
     return config, get
+
+
+def save_t5_tokenizer(data, tokenizer, out_dir: str, log) -> None:
+    """The WordPiece vocabulary with the run's added tokens (<extra_id_k> sentinels, T5's start and
+    end where the file lacks them) as transformers' BERT tokenizer files, ids as in training."""
+    kind = data.tokenizer_type
+    if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not data.vocab_file or tokenizer is None:
+        log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
+        return
+    from transformers import BertTokenizerFast  # noqa: PLC0415
+
+    hf = BertTokenizerFast(vocab_file=data.vocab_file, do_lower_case=kind == "BertWordPieceLowerCase")
+    added = [tokenizer.inv_vocab[i] for i in range(len(hf.vocab), tokenizer.vocab_size)]
+    hf.add_special_tokens({"additional_special_tokens": added})
+    if hf.convert_tokens_to_ids(added) != list(range(len(hf.vocab) - len(added), tokenizer.vocab_size)):
+        raise ConfigError("the exported tokenizer would number the added T5 tokens differently from training")
+    hf.save_pretrained(out_dir)
+    log(f"wrote {kind} tokenizer files ({data.vocab_file} + {len(added)} added tokens)")
+
+
+def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
+                 vocab_size: int | None = None, vocab_file: str | None = None, log=print) -> None:
+    """A pretrain_t5.py checkpoint (any TP / PP / DP) as a ``T5ForConditionalGeneration`` directory
+    (model.safetensors, config.json, tokenizer files)."""
+    import dataclasses  # noqa: PLC0415
+
+    from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
+    from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
+    from megatron_ds.config.t5_params import decoder_layers  # noqa: PLC0415
+    from megatron_ds.data.tokenizer import build_tokenizer_for  # noqa: PLC0415
+    from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
+
+    c = load_consolidated(load_dir, iteration, log=log)
+    check_representable(c.model)
+    vocab = vocab_size or c.vocab_size
+    if vocab is None:
+        raise ConfigError(f"{load_dir} does not record its real vocabulary size; pass --vocab-size")
+    saved = {k: v for k, v in c.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
+    data = DataConfig(**saved)
+    if vocab_file:  # moved since training
+        data = dataclasses.replace(data, vocab_file=vocab_file)
+    tokenizer = None
+    if data.vocab_file and not data.mock_data:
+        extra = c.config.get("masked_lm", {}).get("vocab_extra_ids", 0)
+        tokenizer = build_tokenizer_for(data, log=lambda *a: None, vocab_extra_ids=extra)
+    ids = {}
+    if tokenizer is not None:  # the decoder starts from T5's BOS (t5_dataset.py), pads with [PAD]
+        ids = dict(pad=tokenizer.pad, eos=tokenizer.eos_token_id, decoder_start=tokenizer.bos_token_id)
+    dt = PRECISION_DTYPES[dtype or "fp32"]
+    d = decoder_layers(c.model)
+    write_hf(out_dir, to_hf(c.state_dict, c.model, decoder_num_layers=d, vocab_size=vocab),
+             hf_config(c.model, decoder_num_layers=d, vocab_size=vocab, dtype=dt, **ids), dtype=dt)
+    save_t5_tokenizer(data, tokenizer, out_dir, log)
+    log(f"wrote T5ForConditionalGeneration ({vocab} of {c.padded_vocab_size} vocabulary rows) to {out_dir}")
+
+
+def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
+    """Write ``hf_dir``'s T5ForConditionalGeneration as a weights-only pretrain_t5.py checkpoint (TP 1 x
+    PP 1 layer files, fp32; ``--load`` at any layout reshards it); returns our model config."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from megatron_ds.checkpoint.files import layer_file_name, layer_prefixes  # noqa: PLC0415
+    from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir  # noqa: PLC0415
+    from megatron_ds.checkpoint.integrity import write_manifest  # noqa: PLC0415
+    from megatron_ds.config.schema import Config  # noqa: PLC0415
+    from megatron_ds.parallel.utils import pad_vocab_size  # noqa: PLC0415
+
+    d, get = read_hf(hf_dir)
+    m, decoder = model_config_from_hf(d)
+    import dataclasses  # noqa: PLC0415
+
+    m = dataclasses.replace(m, decoder_num_layers=decoder)
+    vocab = d["vocab_size"]
+    padded = pad_vocab_size(vocab, m.make_vocab_size_divisible_by, 1)
+    state = from_hf(get, d, padded_vocab_size=padded)
+    tag_dir = step_dir(save_dir, 0)
+    os.makedirs(tag_dir, exist_ok=True)
+    for idx, prefix in layer_prefixes(m, padded, "t5"):
+        tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
+        torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
+    meta = {"signature": signature(m, padded_vocab_size=padded), "config": Config(model=m).to_dict(),
+            "vocab_size": vocab, "model_family": "t5", "weights_only": True,
+            "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
+    atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
+    write_manifest(tag_dir, 0)
+    atomic_write(os.path.join(save_dir, TRACKER), "0")
+    log(f"imported T5ForConditionalGeneration from {hf_dir} into {save_dir}; train it with pretrain_t5.py "
+        f"--num-layers {m.num_layers} --decoder-num-layers {decoder} --hidden-size {m.hidden_size} "
+        f"--num-attention-heads {m.num_attention_heads} --kv-channels {m.kv_channels} --ffn-hidden-size "
+        f"{m.ffn_hidden_size} --position-embedding-type none --normalization rmsnorm --disable-bias-linear "
+        f"--layernorm-epsilon {m.layernorm_epsilon}{' --' + activation(m).replace('_', '-') if activation(m) != 'gelu' else ''} "
+        f"--load {save_dir}")
+    return m
