@@ -271,12 +271,21 @@ def save_t5_tokenizer(data, tokenizer, out_dir: str, log) -> None:
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not data.vocab_file or tokenizer is None:
         log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
         return
+    import inspect  # noqa: PLC0415
+
     from transformers import BertTokenizerFast  # noqa: PLC0415
 
-    hf = BertTokenizerFast(vocab_file=data.vocab_file, do_lower_case=kind == "BertWordPieceLowerCase")
-    added = [tokenizer.inv_vocab[i] for i in range(len(hf.vocab), tokenizer.vocab_size)]
+    # transformers 5 takes the vocabulary as ``vocab`` and silently ignores a ``vocab_file`` keyword
+    # (a 5-token vocabulary results); 4.x takes ``vocab_file``
+    key = "vocab" if "vocab" in inspect.signature(BertTokenizerFast.__init__).parameters else "vocab_file"
+    hf = BertTokenizerFast(**{key: data.vocab_file}, do_lower_case=kind == "BertWordPieceLowerCase")
+    with open(data.vocab_file, encoding="utf-8") as f:
+        in_file = sum(1 for line in f if line.rstrip("\n"))
+    if len(hf.get_vocab()) != in_file:
+        raise ConfigError(f"transformers read {len(hf.get_vocab())} of the {in_file} tokens of {data.vocab_file}")
+    added = [tokenizer.inv_vocab[i] for i in range(in_file, tokenizer.vocab_size)]
     hf.add_special_tokens({"additional_special_tokens": added})
-    if hf.convert_tokens_to_ids(added) != list(range(len(hf.vocab) - len(added), tokenizer.vocab_size)):
+    if hf.convert_tokens_to_ids(added) != list(range(in_file, tokenizer.vocab_size)):
         raise ConfigError("the exported tokenizer would number the added T5 tokens differently from training")
     hf.save_pretrained(out_dir)
     log(f"wrote {kind} tokenizer files ({data.vocab_file} + {len(added)} added tokens)")

@@ -153,4 +153,5 @@ def _t5_collator(run, tokenizer):
 
 T5 = ModelFamily(name="t5", shape=T5_SHAPE, build_model=_t5_model, build_stage=_t5_stage,
                  build_datasets=_t5_datasets, make_collator=_t5_collator,
-                 default_tokenizer_type="BertWordPieceLowerCase")  # pretrain_t5.py's args_defaults
+                 default_tokenizer_type="BertWordPieceLowerCase",  # pretrain_t5.py's args_defaults
+                 uses_eod=False)  # documents are delimited in the index; the model never reads an EOD id
