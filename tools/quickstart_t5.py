@@ -113,7 +113,7 @@ def train_flags(preset: T5Preset, data_prefix: str, vocab: str, ckpt: str, train
         "--lr", str(preset.lr), "--min-lr", str(preset.lr / 10), "--lr-decay-style", "linear",
         "--lr-warmup-fraction", "0.05", "--lr-decay-iters", str(preset.iters), "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", *HF_VARIANT,
-        "--data-path", data_prefix, "--split", "949,50,1",
+        "--data-path", data_prefix, "--split", "98,2,0",
         "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab, "--vocab-extra-ids", "100",
         "--make-vocab-size-divisible-by", "64", "--mask-prob", "0.15", "--short-seq-prob", "0.1",
         "--log-interval", str(max(preset.iters // 20, 1)), "--eval-interval", str(first), "--eval-iters", "4",
