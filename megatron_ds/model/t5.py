@@ -98,14 +98,6 @@ class T5Embedding(nn.Module):
         self._projection = ColumnParallelLinear(hidden_size, padded_vocab_size, tp_group=tp_group, bias=False,
                                                 gather_output=False, skip_weight_param_allocation=True)
 
-    def tied_weight_attrs(self) -> list[str]:
-        names = ["word_embeddings.weight"]
-        if self.position_embeddings is not None:
-            names.append("position_embeddings.weight")
-        if self.lm_head is not None:
-            names.append("lm_head.bias")
-        return names
-
     def forward(self, inputs):
         """The first layer: ``(enc tokens, dec tokens, enc flags, dec flags)`` -> the encoder's input.
         A forward of its own (not a ``forward_fn``): DeepSpeed saves and loads a tied module only in
@@ -247,7 +239,7 @@ class T5DecoderFinalNorm(T5EncoderFinalNorm):
 T5_LAYERS = (T5EncoderLayer, T5DecoderLayer)
 
 
-def check_t5(m: ModelConfig, *, decoder_num_layers: int, num_stages: int, split_rank: int | None) -> None:
+def check_t5_shape(m: ModelConfig, *, decoder_num_layers: int, num_stages: int, split_rank: int | None) -> None:
     """What the T5 builders cannot build, in one line naming the values (ValueError)."""
     if m.position_embedding_type not in ("learned_absolute", "none"):
         raise ValueError(f"T5 takes learned absolute positions (Megatron's) or none, not {m.position_embedding_type}")
@@ -326,7 +318,7 @@ def build_pipeline_t5(m: ModelConfig, topology, *, decoder_num_layers: int, spli
     """The T5 as a DeepSpeed ``PipelineModule`` over ``topology`` (see the module docstring); its
     loss (the GPT's masked token mean) reports to ``loss_report``."""
     stages = topology.get_dim("pipe")
-    check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=stages, split_rank=split_rank)
+    check_t5_shape(m, decoder_num_layers=decoder_num_layers, num_stages=stages, split_rank=split_rank)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
     return T5PipelineModel(specs, parts=t5_stage_bounds(m.num_layers, decoder_num_layers, stages, split_rank),
@@ -339,7 +331,7 @@ def build_sequential_t5(m: ModelConfig, *, decoder_num_layers: int, padded_vocab
                         **spec_kwargs) -> GPTSequential:
     """The T5 as one plain module with the pipeline model's weights and state-dict names; forward
     takes ``(enc tokens, dec tokens, enc flags, dec flags)`` and returns ``[b, s_dec, V/tp]`` logits."""
-    check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=1, split_rank=None)
+    check_t5_shape(m, decoder_num_layers=decoder_num_layers, num_stages=1, split_rank=None)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
     return GPTSequential(specs, tp_group=tp_group, seed=seed, loss_report=loss_report,
@@ -350,7 +342,7 @@ def build_stage_t5(m: ModelConfig, *, num_stages: int, stage: int, decoder_num_l
                    tp_group=None, seed: int, activation_checkpoint_interval: int = 0, **spec_kwargs) -> GPTSequential:
     """The modules stage ``stage`` of ``build_pipeline_t5``'s model holds (its tied copy included),
     as one module without topology or accelerator: --dry-run builds it on the meta device."""
-    check_t5(m, decoder_num_layers=decoder_num_layers, num_stages=num_stages,
+    check_t5_shape(m, decoder_num_layers=decoder_num_layers, num_stages=num_stages,
              split_rank=m.pipeline_model_parallel_split_rank)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
@@ -360,4 +352,4 @@ def build_stage_t5(m: ModelConfig, *, num_stages: int, stage: int, decoder_num_l
 
 
 __all__ = ["T5Embedding", "T5EncoderLayer", "T5DecoderLayer", "ParallelCrossAttention", "T5PipelineModel",
-           "build_pipeline_t5", "build_sequential_t5", "build_stage_t5", "t5_layer_specs", "check_t5"]
+           "build_pipeline_t5", "build_sequential_t5", "build_stage_t5", "t5_layer_specs", "check_t5_shape"]

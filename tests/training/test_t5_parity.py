@@ -1,6 +1,6 @@
 """T5 model parity (pretrain_t5.py): the same data, seed and global batch trained for 5 steps at
-(TP, PP, DP) = (2, 1, 1), (1, 2, 1) with --pipeline-model-parallel-split-rank 1, and (1, 1, 2) gives
-the single process's losses, in fp32.
+(TP, PP, DP) = (2, 1, 1), (1, 2, 1) with --pipeline-model-parallel-split-rank 1, (1, 1, 2) and
+(2, 2, 1) with the split gives the single process's losses, in fp32.
 
 As tests/training/test_parity.py: dropout off (its streams legitimately depend on the layout), and
 rtol 2e-5 -- the layouts sum the same numbers in other orders (TP splits matmul reductions and the
@@ -50,8 +50,11 @@ def reference():
     return _losses(1, 1, 1)
 
 
-@pytest.mark.parametrize("tp,pp,dp,extra", [(2, 1, 1, ()), (1, 2, 1, ("--pipeline-model-parallel-split-rank", "1")),
-                                            (1, 1, 2, ())], ids=["tp2", "pp2-split1", "dp2"])
+SPLIT = ("--pipeline-model-parallel-split-rank", "1")
+
+
+@pytest.mark.parametrize("tp,pp,dp,extra", [(2, 1, 1, ()), (1, 2, 1, SPLIT), (1, 1, 2, ()), (2, 2, 1, SPLIT)],
+                         ids=["tp2", "pp2-split1", "dp2", "tp2-pp2-split1"])
 def test_t5_layouts_match_single_process(reference, tp, pp, dp, extra):
     losses = _losses(tp, pp, dp, extra)
     assert losses == pytest.approx(reference, rel=RTOL)
