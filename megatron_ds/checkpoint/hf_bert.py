@@ -194,8 +194,10 @@ def bert_model_flags(m: ModelConfig) -> list[str]:
     return f
 
 
-def save_bert_tokenizer(data, out_dir: str, log: Callable) -> None:
-    """The WordPiece vocabulary as transformers' BERT tokenizer files (vocab.txt and its config)."""
+def save_bert_tokenizer(data, out_dir: str, log: Callable, vocab_size: int | None = None) -> None:
+    """The WordPiece vocabulary as transformers' BERT tokenizer files (vocab.txt and its config),
+    with the ids Megatron's BERT tokenizer appends to the file's (``data/bert_tokenizer.py``):
+    ``[BOS]``, ``[EOS]`` where the file lacks them, then ``<extra_id_N>``, up to ``vocab_size``."""
     kind = data.tokenizer_type
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not data.vocab_file:
         log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
@@ -204,8 +206,16 @@ def save_bert_tokenizer(data, out_dir: str, log: Callable) -> None:
 
     from transformers import BertTokenizerFast  # noqa: PLC0415
 
-    BertTokenizerFast(vocab_file=data.vocab_file, do_lower_case=kind == "BertWordPieceLowerCase").save_pretrained(
-        out_dir)
+    lower = kind == "BertWordPieceLowerCase"
+    try:  # transformers 5 reads the file as ``vocab``; 4 as ``vocab_file``
+        tok = BertTokenizerFast(vocab=data.vocab_file, do_lower_case=lower)
+    except TypeError:
+        tok = BertTokenizerFast(vocab_file=data.vocab_file, do_lower_case=lower)
+    appended = [t for t in ("[BOS]", "[EOS]") if t not in tok.get_vocab()]
+    appended += [f"<extra_id_{i}>" for i in range(max(0, (vocab_size or 0) - len(tok) - len(appended)))]
+    if vocab_size is not None and appended:
+        tok.add_special_tokens({"additional_special_tokens": appended[:vocab_size - len(tok)]})
+    tok.save_pretrained(out_dir)
     shutil.copyfile(data.vocab_file, os.path.join(out_dir, "vocab.txt"))  # the vocabulary as trained with
     log(f"wrote {kind} tokenizer files ({data.vocab_file})")
 
@@ -227,7 +237,7 @@ def write_hf_bert(out_dir: str, m: ModelConfig, state: dict[str, torch.Tensor], 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     if data is not None:
-        save_bert_tokenizer(data, out_dir, log)
+        save_bert_tokenizer(data, out_dir, log, vocab)
     log(f"wrote {arch} ({vocab} of {state[EMBED + 'word_embeddings.weight'].shape[0]} vocabulary rows) to {out_dir}")
     return arch
 
@@ -268,7 +278,8 @@ def import_hf_bert(hf_dir: str, save_dir: str, *, log: Callable = print) -> Mode
     """Write ``hf_dir``'s (Megatron)BertForPreTraining as a weights-only pretrain_bert.py checkpoint
     (TP 1 x PP 1 layer files, fp32; ``--load`` at any layout reshards it); returns our model config."""
     from megatron_ds.checkpoint.files import layer_file_name, layer_prefixes  # noqa: PLC0415
-    from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir  # noqa: PLC0415
+    from megatron_ds.checkpoint.format import (COMPLETENESS, META, TRACKER, atomic_write,  # noqa: PLC0415
+                                               signature, step_dir)
     from megatron_ds.checkpoint.import_hf import HFWeights  # noqa: PLC0415
     from megatron_ds.checkpoint.integrity import write_manifest  # noqa: PLC0415
     from megatron_ds.config.schema import Config, DataConfig  # noqa: PLC0415
@@ -286,7 +297,8 @@ def import_hf_bert(hf_dir: str, save_dir: str, *, log: Callable = print) -> Mode
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
     data = _tokenizer_data(hf_dir, DataConfig)
-    meta = {"signature": signature(m, padded_vocab_size=padded), "config": Config(model=m, data=data).to_dict(),
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": "bert"},
+            "config": Config(model=m, data=data).to_dict(),
             "vocab_size": vocab, "model_family": "bert", "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))

@@ -31,7 +31,8 @@ def bert_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tup
     bias = padded_vocab // tp
     return ([("BertEmbedding", embedding, embedding + emb * (tp - 1))]
             + [("ParallelTransformerLayer", split + repl, split * tp + repl)] * m.num_layers
-            + [("FinalNorm", 2 * h, 2 * h), ("BertHeads", heads, heads), (TIED, emb, 0), ("BertLMBias", bias, bias * tp)])
+            + [("FinalNorm", 2 * h, 2 * h), ("BertHeads", heads, heads), (TIED, emb, 0),
+               ("BertLMBias", bias, bias * tp)])
 
 
 def count_bert_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
@@ -61,7 +62,8 @@ def check_bert(flags: Config, pp: int) -> None:
         "schedule runs GPT chunks)": par.num_layers_per_virtual_pipeline_stage or
         (par.virtual_pipeline_model_parallel_size or 1) > 1,
         "--enable-zbh1-pipeline (its executor runs GPT chunks)": par.enable_zbh1_pipeline,
-        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)": par.ds_sequence_parallel_size > 1,
+        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)":
+            par.ds_sequence_parallel_size > 1,
         "--reset-attention-mask / --reset-position-ids (BERT samples are one [CLS] A [SEP] B [SEP] each)":
             data.reset_attention_mask or data.reset_position_ids,
         "--untie-embeddings-and-output-weights (BERT's MLM head is tied, as Megatron's)":

@@ -126,7 +126,8 @@ class Layout:
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
             f" per step = global {self.global_batch_size}; {self.train_iters} iterations",
-            f"model: {self._family_prefix()}{m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
+            f"model: {self._family_prefix()}{m.num_layers} layers, hidden {m.hidden_size},"
+            f" heads {m.num_attention_heads}"
             f" (kv {m.num_key_value_heads}), ffn {m.ffn_hidden_size}, seq {m.seq_length},"
             f" positions {m.position_embedding_type}, {m.normalization},"
             f" {activation_name(m)}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",

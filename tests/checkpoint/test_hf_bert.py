@@ -34,8 +34,9 @@ VOCAB, SEQ, B = 100, 12, 3
 def _batch(types: int):
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (B, SEQ), generator=g)
-    token_types = (torch.arange(SEQ) >= 5).long().expand(B, SEQ).clone() if types == 2 else torch.zeros(B, SEQ,
-                                                                                                         dtype=torch.long)
+    token_types = (torch.arange(SEQ) >= 5).long().expand(B, SEQ).clone()
+    if types == 1:
+        token_types.zero_()
     padding = (torch.arange(SEQ)[None] < torch.tensor([SEQ, 8, 4])[:, None]).long()
     return tokens, token_types, padding
 
@@ -104,3 +105,51 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, post_ln, binary_
     torch.testing.assert_close(logits, hf_logits, **TOL)
     if binary_head:
         torch.testing.assert_close(binary, hf_binary, **TOL)
+
+
+def test_tp2_pp2_checkpoint_exports_the_initial_model(tmp_path):
+    """pretrain_bert.py at TP 2 x PP 2 saves after one step at a learning rate too small to move a
+    weight (1e-30), so the checkpoint holds the initial model, which per-layer seeding makes the
+    same at every layout: the single-process model built here with the run's seed. Its export (the
+    shards merged over TP -- vocab-parallel word embedding and MLM bias, QKV, MLP -- and the stages
+    joined) must give that model's logits in transformers."""
+    from tests.distributed import run_distributed
+    from tests.training.test_bert_parity import TINY_BERT, bert_losses
+
+    from megatron_ds.checkpoint.hf_bert import export_hf_bert
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    argv = [a for a in TINY_BERT] + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--save", ckpt]
+    argv[argv.index("--train-iters") + 1] = "1"
+    argv[argv.index("--lr") + 1] = "1e-30"
+    run_distributed(bert_losses, 4, argv, timeout=900)
+    assert export_hf_bert(ckpt, out, log=lambda *a: None) == "MegatronBertForPreTraining"
+    m = load_consolidated(ckpt, log=lambda *a: None).model
+    ours = build_sequential_bert(m, padded_vocab_size=512, seed=1234, vocab_size=512)
+    hf_model = transformers.AutoModelForPreTraining.from_pretrained(out)
+    batch = _batch(2)
+    (logits, binary), (hf_logits, hf_binary) = _ours(ours, batch), _theirs(hf_model, batch)
+    torch.testing.assert_close(logits, hf_logits[..., :VOCAB], **TOL)
+    torch.testing.assert_close(binary, hf_binary, **TOL)
+
+
+def test_a_checkpoint_of_another_family_is_refused_by_name():
+    """pretrain_gpt.py --load of a BERT checkpoint (or the reverse) stops in one line naming the
+    family, before any weight is read; GPT signatures carry no family field (older ones load)."""
+    from megatron_ds.checkpoint.checkpointing import check_compatible
+    from megatron_ds.checkpoint.format import layout_signature
+    from megatron_ds.config import parse_args, resolve
+    from megatron_ds.config.bert_params import BERT_SHAPE
+    from megatron_ds.errors import ConfigError
+
+    flags, _ = parse_args("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                          "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 100".split())
+    gpt = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu").layout)
+    bert = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu", family=BERT_SHAPE).layout)
+    assert "model_family" not in gpt and bert["model_family"] == "bert"
+    check_compatible(gpt, gpt, "ckpt", load_optim=True)
+    check_compatible(bert, bert, "ckpt", load_optim=True)
+    for saved, now in ((bert, gpt), (gpt, bert)):
+        with pytest.raises(ConfigError, match=r"model_family: checkpoint (bert|gpt) vs now (gpt|bert)"):
+            check_compatible(saved, now, "ckpt", load_optim=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 
 import pytest
 
+from megatron_ds.data.tokenizer import build_tokenizer
 from tests.distributed import run_distributed
 from tests.training.test_bert_parity import bert_losses
 
@@ -73,8 +73,12 @@ def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys):
     model = transformers.AutoModelForPreTraining.from_pretrained(work / "hf")
     assert type(model).__name__ == "MegatronBertForPreTraining"
     tokenizer = transformers.AutoTokenizer.from_pretrained(work / "hf")
-    ids = tokenizer("Return a new list of the items.", return_tensors="pt")
-    assert model(**ids).prediction_logits.shape[-1] == len(tokenizer)
+    ours = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(work / "tokenizer" / "vocab.txt"),
+                           log=lambda *a: None)
+    text = "Return a new list of the items, sorted."
+    ids = tokenizer(text, return_tensors="pt")
+    assert ids["input_ids"][0].tolist() == [ours.cls] + ours.tokenize(text) + [ours.sep]
+    assert model(**ids).prediction_logits.shape[-1] == len(tokenizer) == ours.vocab_size
 
 
 def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
