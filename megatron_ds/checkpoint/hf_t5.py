@@ -352,7 +352,8 @@ def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
     for idx, prefix in layer_prefixes(m, padded, "t5"):
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
-    meta = {"signature": signature(m, padded_vocab_size=padded), "config": Config(model=m).to_dict(),
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": "t5"},
+            "config": Config(model=m).to_dict(),
             "vocab_size": vocab, "model_family": "t5", "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
