@@ -113,9 +113,8 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
     if model.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = model.max_position_embeddings
-    for name in ("decoder_num_layers", "pipeline_model_parallel_split_rank"):  # T5's, where set
-        if getattr(model, name, None) is not None:
-            sig[name] = getattr(model, name)
+    if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
+        sig["decoder_num_layers"] = model.decoder_num_layers
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                data_parallel_size=dp)
     if virtual_pp is not None:

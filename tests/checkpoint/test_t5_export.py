@@ -7,7 +7,8 @@ fixes at any TP size: the consolidated checkpoint must equal a single-process T5
 same seed bit for bit (every TP-split tensor merged along the right dimension, cross-attention's
 query and per-head key/value included). The export's logits (transformers' own T5 reading the
 directory) equal that model's; importing the export gives the same tensors back (kv_channels 16:
-the 1/sqrt(d) folded into the query weights is a power of two, so the round trip is exact; the vocabulary's padding rows, never read, are not exported).
+the 1/sqrt(d) folded into the query weights is a power of two, so the round trip is exact; the vocabulary's padding rows, never read, are not exported), and pretrain_t5.py continues from the import
+at PP 2 with the split rank, its first loss that of the consolidated model on the same samples.
 """
 import os
 
@@ -66,3 +67,21 @@ def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):
         rows = 61 if name.endswith("word_embeddings.weight") else None
         assert torch.equal(imported.state_dict[name][:rows], value[:rows]), name
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+    # the imported checkpoint continues in pretrain_t5.py at another layout (PP 2, split rank 1:
+    # resharded at --load); at lr 0 its first loss is the consolidated model's on the same samples
+    at = VARIANT.index("--tensor-model-parallel-size")
+    layout = VARIANT[:at] + VARIANT[at + 2:]
+    losses = run_distributed(t5_train_losses, 2, layout + ["--load", back, "--pipeline-model-parallel-size", "2",
+                                                           "--pipeline-model-parallel-split-rank", "1"],
+                             timeout=600)[-1]
+    from megatron_ds.training.t5 import MockT5Dataset, T5Collator
+
+    data = MockT5Dataset(4, 16, 8, 61, 1234)  # the run's training samples: seed + 0 for the train split
+    collate = T5Collator(61, "mock")
+    expected = []
+    with torch.no_grad():
+        for first in (0, 2):  # two micro-batches of 2 make the global batch of 4
+            inputs, labels = collate([data[first], data[first + 1]])
+            expected.append(float(ours.loss_fn(ours(inputs), labels)))
+    assert losses[0][1] == pytest.approx(sum(expected) / 2, rel=1e-5)  # fp32, another summation order
