@@ -12,7 +12,7 @@ export DS_BUILD_OPS ?= 0
 # by several venvs (checkouts side by side) is rebuilt whenever another venv's torch uses it.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv install test test-gpu test-fast quickstart bench clean
+.PHONY: venv install test test-gpu test-fast quickstart quickstart-bert quickstart-t5 bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml requirements.txt requirements-test.txt megatron_ds/data/helpers.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-gpu: install
 
 quickstart: install
 	$(PY) tools/quickstart.py
+
+quickstart-bert: install
+	$(PY) tools/quickstart.py --model bert
+
+quickstart-t5: install
+	$(PY) tools/quickstart.py --model t5
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_ds/data/*.so

@@ -62,6 +62,11 @@ _INTERNAL_NAMES = {
 _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
      "overridden by megatron_ds.model.pipeline.GPTPipelineModel"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
+     "overridden by megatron_ds.model.t5.T5PipelineModel (the split rank's partition)"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups",
+     "overridden by megatron_ds.model.t5.T5PipelineModel (tied weights a stage does not read)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint", "bf16 ZeRO-0 checkpoint loading"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "module_state_dict", "interleaved schedule's layer files"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "load_module_state_dict", "interleaved schedule's layer files"),
@@ -362,6 +367,21 @@ def count_fp16_grads_once(opt) -> None:
         return step(*args, **kwargs)
 
     opt.step = step_counting_once
+
+
+def set_pipeline_partition(module, parts: list[int]) -> None:
+    """What ``PipelineModule._partition_layers`` leaves behind, for a partition computed elsewhere:
+    ``parts`` (first layer of each stage, then the number of layers) and this stage's bounds."""
+    module.parts = list(parts)
+    stage = module._topo.get_coord(module.global_rank).pipe
+    module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+
+def zero_grad_where_missing(param) -> None:
+    """A zero ``.grad`` for a parameter backward did not reach, unless DeepSpeed's bf16 optimizer
+    keeps its gradient itself (``_hp_grad``, what ``_exec_reduce_tied_grads`` reads then)."""
+    if param.grad is None and not hasattr(param, "_hp_grad"):
+        param.grad = torch.zeros_like(param)
 
 
 def replace_loss_fn(module, loss_fn) -> None:

@@ -335,7 +335,10 @@ def report(args, preset: Preset, t0: float, trained: dict, outputs: dict, data: 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default=os.path.join(ROOT, "quickstart"))
+    p.add_argument("--model", choices=("gpt", "bert", "t5"), default="gpt",
+                   help="model family: gpt (this script's steps), bert (tools/quickstart_bert.py) or t5 "
+                        "(tools/quickstart_t5.py)")
+    p.add_argument("--workdir", default=None, help="default: quickstart/ (gpt), quickstart-<model>/ (others)")
     p.add_argument("--size", choices=sorted(PRESETS), default=os.environ.get("QUICKSTART_SIZE"),
                    help="model/data size (default: gpu when a GPU is present, else cpu)")
     p.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
@@ -345,6 +348,14 @@ def main(argv=None) -> int:
     if args.size is None:
         import torch
         args.size = "gpu" if torch.cuda.is_available() else "cpu"
+    if args.workdir is None:
+        args.workdir = os.path.join(ROOT, "quickstart" if args.model == "gpt" else f"quickstart-{args.model}")
+    if args.model == "bert":
+        from quickstart_bert import run
+        return run(args)
+    if args.model == "t5":
+        from quickstart_t5 import run as run_t5
+        return run_t5(args)
     preset = PRESETS[args.size]
     if args.train_iters:
         preset = dataclasses.replace(preset, iters=args.train_iters,

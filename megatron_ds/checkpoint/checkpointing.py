@@ -41,7 +41,11 @@ def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool)
         # ZeRO and DeepSpeed's bf16 optimizer shard optimizer state over data parallel ranks: the
         # shard files only fit the same DP size, stage and precision.
         fields += [k for k in optim_fields if k in current]
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]
+             and k != "model_family"]
+    family = (saved.get("model_family", "gpt"), current.get("model_family", "gpt"))  # absent: the GPT
+    if family[0] != family[1]:
+        diffs.insert(0, f"model_family: checkpoint {family[0]} vs now {family[1]} (pretrain_{family[0]}.py wrote it)")
     if diffs:
         hint = ("; or pass --no-load-optim to load the weights only" if any(
             saved.get(k) != current[k] for k in optim_fields if k in fields and k in current) else "")

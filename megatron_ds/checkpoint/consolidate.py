@@ -58,7 +58,7 @@ def iter_consolidated_layers(load_dir: str | CheckpointFiles, iteration: int | N
     master weights of the optimizer files with ``from_masters``)."""
     ckpt = load_dir if isinstance(load_dir, CheckpointFiles) else open_checkpoint(load_dir, iteration)
     source = layer_source(ckpt, from_masters=from_masters)
-    prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size)
+    prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)
     for n, (idx, prefix) in enumerate(prefixes):
         yield idx, merge_layer(source.shards(idx, prefix), prefix, ckpt.model)
         log(f"consolidated layer {n + 1}/{len(prefixes)} of {ckpt.path}")

@@ -31,9 +31,12 @@ from deepspeed.pipe import TiedLayerSpec
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.format import META, TRACKER, read_meta, step_dir, tracked_iteration
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.t5_params import decoder_layers
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.model.bert import bert_layer_specs
 from megatron_ds.model.pipeline import gpt_layer_specs
+from megatron_ds.model.t5 import t5_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -54,14 +57,26 @@ def optim_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
     return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
-def layer_prefixes(model: ModelConfig, padded_vocab_size: int) -> list[tuple[int, str]]:
+def layer_specs(model: ModelConfig, padded_vocab_size: int, family: str = "gpt", **kwargs) -> list:
+    """The layer specs of a checkpoint's model family (its meta's ``model_family``)."""
+    if family == "bert":
+        return bert_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
+    if family == "t5":
+        return t5_layer_specs(model, decoder_num_layers=decoder_layers(model), padded_vocab_size=padded_vocab_size,
+                              **kwargs)
+    if family != "gpt":
+        raise ConfigError(f"checkpoints of {family} models cannot be read by this tool")
+    return gpt_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
+
+
+def layer_prefixes(model: ModelConfig, padded_vocab_size: int, family: str = "gpt") -> list[tuple[int, str]]:
     """(global layer index, state-dict prefix) of every layer that owns parameters, in order.
 
     Read from the model's own layer specs, so the names follow the model code: a tied module is
     ``tied_modules.<key>.`` (stored once, in the file of its first layer), others ``<index>.``.
     """
     out, seen = [], set()
-    for idx, spec in enumerate(gpt_layer_specs(model, padded_vocab_size=padded_vocab_size)):
+    for idx, spec in enumerate(layer_specs(model, padded_vocab_size, family)):
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue  # the tied output layer: the same weights, not saved again
@@ -102,6 +117,11 @@ class CheckpointFiles:
     @property
     def config(self) -> dict:
         return self.meta.get("config", {})
+
+    @property
+    def family(self) -> str:
+        """The model family that wrote it (pretrain_gpt.py's before families were recorded)."""
+        return self.meta.get("model_family", "gpt")
 
     def layer_file(self, layer: int, tp_rank: int) -> str:
         return os.path.join(self.path, layer_file_name(layer, tp_rank))

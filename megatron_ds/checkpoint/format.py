@@ -113,6 +113,8 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
     if model.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = model.max_position_embeddings
+    if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
+        sig["decoder_num_layers"] = model.decoder_num_layers
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                data_parallel_size=dp)
     if virtual_pp is not None:
@@ -124,7 +126,11 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
 def layout_signature(layout) -> dict:
     """The signature of a training run's ``Layout``. Its data parallel size counts the ranks holding
     the same weights, over which ZeRO shards the optimizer state: under DeepSpeed-Ulysses the SP x DP
-    ranks of the sequence data parallel group (the weights themselves do not depend on SP)."""
-    return signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
-                     dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
-                     precision=layout.precision, use_pipeline=layout.use_pipeline)
+    ranks of the sequence data parallel group (the weights themselves do not depend on SP). A model
+    family other than the GPT is recorded as ``model_family`` (a missing one means the GPT)."""
+    sig = signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
+                    dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
+                    precision=layout.precision, use_pipeline=layout.use_pipeline)
+    if layout.family is not None and layout.family.name != "gpt":  # GPT checkpoints stay as they were
+        sig["model_family"] = layout.family.name
+    return sig

@@ -26,10 +26,9 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
-from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, layer_prefixes, load_file
+from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, layer_prefixes, layer_specs, load_file
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.param_groups import param_groups
-from megatron_ds.model.pipeline import gpt_layer_specs
 # What DeepSpeed's ZeRO-0 fp16 optimizers save of their loss scaler (their state_dict())
 LOSS_SCALE_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
@@ -57,10 +56,10 @@ class _Layout:
 
     def __init__(self, ckpt: CheckpointFiles, tp_rank: int):
         self.ckpt, self.tp_rank = ckpt, tp_rank
-        self.specs = gpt_layer_specs(ckpt.model, padded_vocab_size=ckpt.padded_vocab_size, device="meta")
+        self.specs = layer_specs(ckpt.model, ckpt.padded_vocab_size, ckpt.family, device="meta")
         self.n_layers = len(self.specs)
         self.tied = {i: s.key for i, s in enumerate(self.specs) if isinstance(s, TiedLayerSpec)}
-        self.prefixes = dict(layer_prefixes(ckpt.model, ckpt.padded_vocab_size))  # idx -> prefix
+        self.prefixes = dict(layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family))  # idx -> prefix
         self.first = {key: i for i, key in sorted(self.tied.items(), reverse=True)}  # tied key -> first idx
         self._cache: dict[int, list] = {}
         self.module = None if ckpt.has_layer_files() else load_file(ckpt.mp_file(tp_rank))["module"]

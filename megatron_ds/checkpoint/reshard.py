@@ -99,7 +99,7 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     load_optim = load_optim and not weights_only
     saved_opt = SavedOptimizer(ckpt) if load_optim else None
     source = layer_source(ckpt)
-    prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)}
+    prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)}
     params = dict(engine.module.named_parameters())
     by_layer = collections.defaultdict(list)
     for name in params:

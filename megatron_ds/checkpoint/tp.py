@@ -30,8 +30,14 @@ _SPLIT_DIM = {
     ("dense_h_to_4h", "weight"): 0,
     ("dense_h_to_4h", "bias"): 0,
     ("dense_4h_to_h", "weight"): 1,
+    ("lm_head", "bias"): 0,  # BERT's MLM bias (model/bert.py BertLMBias), one per vocabulary entry
+    # T5's cross-attention (model/t5.py ParallelCrossAttention): column parallel, heads split
+    ("query", "weight"): 0,
+    ("query", "bias"): 0,
+    ("key_value", "weight"): 0,
+    ("key_value", "bias"): 0,
 }
-VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"))
+VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"), ("lm_head", "bias"))
 
 
 def _key(name: str) -> tuple[str, str]:

@@ -47,7 +47,6 @@ IGNORED_FLAGS: dict[str, int] = {
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
         "--tensorboard-log-interval",  # scalars are written every --log-interval
-        "--pipeline-model-parallel-split-rank",
     )},
 }
 
@@ -119,9 +118,8 @@ _INDEX_FILES = "index files are built once and cached under --data-cache-path; d
 REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
         "--fp8-e4m3", "--fp8-hybrid")},
-    **{f: (0, _BERT_T5) for f in ("--output-bert-embeddings", "--bert-no-binary-head")},
-    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--decoder-num-layers",
-                                  "--retriever-seq-length", "--sample-rate")},
+    "--output-bert-embeddings": (0, _BERT_T5),
+    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--retriever-seq-length", "--sample-rate")},
     # megatron/model/transformer.py SwitchMLP: Megatron-LM's own top-1 MoE, every expert on every rank run one
     # after the other, no capacity, no auxiliary loss, no expert parallelism
     "--num-experts-switch": (1, "Megatron's own SwitchMLP is not supported; DeepSpeed-MoE's top-1 gating is: "
@@ -132,8 +130,6 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     "--batch-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --micro-batch-size"),
     "--warmup": (1, "no longer valid (as in Megatron-DeepSpeed); use --lr-warmup-fraction or --lr-warmup-iters"),
     "--model-parallel-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --tensor-model-parallel-size"),
-    # GPT reads these as --num-layers / --seq-length (validate_args copies one into the other)
-    "--encoder-num-layers": (1, "use --num-layers (a GPT model's layers)"),
     "--distribute-saved-activations": (0, "splitting recomputed layers' inputs across tensor parallel ranks is "
                                           "not supported; use --sequence-parallel"),
     "--random-ltd": (0, "random layerwise token dropping (DeepSpeed data efficiency) is not supported; drop it"),
@@ -209,7 +205,6 @@ _IGNORED_REASONS: dict[str, str] = {
     "--exit-signal-handler": "SIGTERM/SIGUSR1 handling is on by default here",
     "--distribute-checkpointed-activations": "Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed "
                                              "path never uses",
-    "--pipeline-model-parallel-split-rank": "splits encoder-decoder (T5) pipelines only",
     "--no-initialization": "skips initialising weights that --load then overwrites",
     "--mmap-warmup": "warms the page cache; the samples read are the same",
 }

@@ -76,7 +76,7 @@ def uses_bf16_optimizer(ds: dict, precision: str, zero_stage: int, use_pipeline:
 
 def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
                     zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None,
-                    moe: bool = False) -> dict:
+                    moe: bool = False, partition_activations: bool = True) -> dict:
     """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions.
     A stale batch size / accumulation count in the JSON loses to the command line with a note, as in
     Megatron-DeepSpeed, whose train loop calls engine.set_train_batch_size(DP x micro x micro-batches)
@@ -116,8 +116,10 @@ def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas
     # sequence parallelism they are already split (and differ per rank), so that must be off.
     # An MoE model sends two tensors between stages (the hidden state and the MoE layers' auxiliary loss),
     # which DeepSpeed's partitioned pipeline messages do not handle: Megatron-DeepSpeed asserts both off for
-    # MoE at PP > 1 and TP > 1 (megatron/model/gpt_model.py GPTModelPipe)
-    split = not sequence_parallel and not moe
+    # MoE at PP > 1 and TP > 1 (megatron/model/gpt_model.py GPTModelPipe). partition_activations=False:
+    # the model sends several tensors that need gradients (T5), and the partitioned path sends back only
+    # the first one's (runtime/pipe/engine.py _exec_send_grads)
+    split = partition_activations and not sequence_parallel and not moe
     ds.setdefault("pipeline", {}).update(pipe_partitioned=split, grad_partitioned=split)
     ds.setdefault("steps_per_print", 10 ** 9)  # we print Megatron's iteration line ourselves
     ds.setdefault("wall_clock_breakdown", False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
@@ -102,6 +103,7 @@ class Layout:
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
+    family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
 
     @property
     def own_schedule(self) -> bool:
@@ -115,6 +117,10 @@ class Layout:
             return f"ZB-H1 pipeline schedule ({self.zbh1} semantics) on the plain engine"
         return "pipeline engine" if self.use_pipeline else "plain engine"
 
+    def _family_prefix(self) -> str:
+        """"BERT, " for another family's model (the GPT's line stays as it was)."""
+        return "" if self.family is None or self.family.name == "gpt" else f"{self.family.name.upper()}, "
+
     def summary(self) -> str:
         m = self.model
         lines = [
@@ -124,7 +130,8 @@ class Layout:
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
             f" per step = global {self.global_batch_size}; {self.train_iters} iterations",
-            f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}"
+            f"model: {self._family_prefix()}{m.num_layers} layers, hidden {m.hidden_size},"
+            f" heads {m.num_attention_heads}"
             f" (kv {m.num_key_value_heads}), ffn {m.ffn_hidden_size}, seq {m.seq_length},"
             f" positions {m.position_embedding_type}, {m.normalization},"
             f" {activation_name(m)}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
@@ -162,6 +169,12 @@ class Layout:
             if self.zbh1 is not None:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
         return "\n".join(lines)
+
+
+def layer_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over TP, parameters replicated on each TP rank) of one dense transformer layer,
+    for other model families' counts (``config/bert_params.py``)."""
+    return _layer_params(m, tp)
 
 
 def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -318,11 +331,33 @@ def _recompute(t) -> str | None:
     return t.recompute_granularity or ("full" if full else None)
 
 
+@dataclass(frozen=True)
+class FamilyShape:
+    """What the layout needs of a model family (pretrain_gpt.py, pretrain_bert.py, ...): its name, its
+    analytic parameter count (``count_parameters``'s signature and result) and the checks of the
+    flags it cannot run with (a ConfigError). Other families live in their own modules
+    (``config/bert_params.py``) and reach ``resolve`` through their entry point."""
+    name: str
+    count_parameters: Callable
+    check: Callable[[Config, int], None]  # (flags, pipeline size) -> None or ConfigError
+    # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
+    # False where more than one tensor between stages needs its gradient (T5's encoder output)
+    partition_activations: bool = True
+
+
+def _no_checks(flags: Config, pp: int) -> None:
+    """GPT runs every combination the validation above accepts."""
+
+
+GPT_SHAPE = FamilyShape("gpt", count_parameters, _no_checks)
+
+
 def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,
-                 device_type: str = "cuda") -> tuple[Layout, list[str]]:
+                 device_type: str = "cuda", family: FamilyShape = GPT_SHAPE) -> tuple[Layout, list[str]]:
     """Check ``flags`` for ``world_size`` processes and compute everything that follows from them;
     returns the layout and the notes of DeepSpeed JSON values the command line overrode."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
+    family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     check_parallel_sizes(m, world_size, tp, pp, sp)
@@ -353,13 +388,16 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
-    total, stages = count_parameters(m, padded, tp, pp, partition, ep=ep)
+    if moe and family.name != "gpt":
+        raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
+                          f"for GPT models only (pretrain_gpt.py); train the {family.name.upper()} model dense")
+    total, stages = family.count_parameters(m, padded, tp, pp, partition, **({"ep": ep} if moe else {}))
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
-                         notes=notes, moe=moe)
+                         notes=notes, moe=moe, partition_activations=family.partition_activations)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)
@@ -371,5 +409,5 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, ep=ep,
-                    active_params=active_parameters(m, padded) if moe else None)
+                    active_params=active_parameters(m, padded) if moe else None, family=family)
     return layout, notes

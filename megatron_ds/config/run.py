@@ -13,9 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.deepspeed_json import load_ds_template
-from megatron_ds.config.layout import Layout, build_layout
+from megatron_ds.config.layout import GPT_SHAPE, FamilyShape, Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
-from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig
+from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
 from megatron_ds.config.validation import check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
 
@@ -88,6 +88,8 @@ class Run:
     # The flags as Megatron-DeepSpeed reads them (after its overrides), saved with every checkpoint
     # and given to W&B; nothing reads a setting from it.
     record: dict = field(hash=False, compare=False, repr=False)
+    # BERT / T5 samples (--mask-prob, --short-seq-prob, --vocab-extra-ids, --decoder-seq-length)
+    masked_lm: MaskedLMDataConfig = field(default_factory=MaskedLMDataConfig)
 
     def describe(self) -> str:
         """The layout, then every section (what ``--dry-run`` prints)."""
@@ -109,11 +111,13 @@ def _settings(cls, section):
 
 
 def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
-            ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None) -> Run:
+            ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None,
+            family: FamilyShape = GPT_SHAPE) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
     (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
-    --use-checkpoint-args. Pure: no process group, device or DeepSpeed import."""
+    --use-checkpoint-args. ``family``: the model family's parameter count and checks (the entry
+    point's: pretrain_bert.py gives BERT's). Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
@@ -123,10 +127,11 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str
     flags, template, notes = megatron_overrides(flags, template)
     notes = checkpoint_notes + notes
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
-                                      device_type=device_type)
+                                      device_type=device_type, family=family)
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
                optimizer=_settings(OptimizerSettings, flags.optimizer),
                distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
-               notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict())
+               notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),
+               masked_lm=flags.masked_lm)

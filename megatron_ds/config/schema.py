@@ -27,8 +27,10 @@ def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | N
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: Optional[int] = None
-    """Number of transformer layers."""
+    num_layers: Optional[int] = meta(None, flags=("--num-layers", "--encoder-num-layers"))
+    """Number of transformer layers (T5: the encoder's; --encoder-num-layers is its other name)."""
+    decoder_num_layers: Optional[int] = None
+    """pretrain_t5.py: the decoder's transformer layers (default --num-layers)."""
     hidden_size: Optional[int] = None
     """Transformer hidden size."""
     num_attention_heads: Optional[int] = None
@@ -42,6 +44,8 @@ class ModelConfig:
     seq_length: Optional[int] = meta(None, flags=("--seq-length", "--encoder-seq-length"))
     """Sequence length of a training sample (T5: the encoder's; --encoder-seq-length is Megatron's
     T5 spelling, which its validate_args copies into --seq-length)."""
+    pipeline_model_parallel_split_rank: Optional[int] = None
+    """pretrain_t5.py: the first pipeline stage of the decoder; stages before it hold the encoder."""
     max_position_embeddings: Optional[int] = None
     """Size of the learned position table (default --seq-length)."""
     position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
@@ -96,6 +100,9 @@ class ModelConfig:
     """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
     apply_residual_connection_post_layernorm: bool = False
     """Add the residual from each norm's output instead of its input (the original BERT's wiring)."""
+    bert_binary_head: bool = meta(True, flags=("--bert-no-binary-head",), invert=True)
+    """pretrain_bert.py: no sentence-order (binary) head, no pooler and no token-type embeddings; the
+    loss is the masked-LM loss alone (Megatron's --bert-no-binary-head)."""
     fp32_residual_connection: bool = False
     """With --bf16/--fp16: keep the residual stream (the embedding output, every layer's output, what
     crosses pipeline stages) in fp32; norms read it in fp32 and hand their output on in the weights'

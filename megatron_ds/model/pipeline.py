@@ -173,13 +173,16 @@ class GPTPipelineModel(PipelineModule):
     special-cases that name's checkpointing and attention-mask handling)."""
 
     def __init__(self, specs: list, *, topology, tp_group, seed: int, partition_method: str = PARTITION_METHOD,
-                 activation_checkpoint_interval: int = 0, loss_report=None, moe_loss_coeff: float = 0.0):
+                 activation_checkpoint_interval: int = 0, loss_report=None, moe_loss_coeff: float = 0.0,
+                 loss_fn=None):
+        """``loss_fn``: another model family's loss (``model/bert.py``); default the GPT's."""
         seeder = _LayerInitSeeder()
         # no_grad: DeepSpeed broadcasts the tied weights in place at the end of __init__; with
         # grad mode on, autograd records that collective on the parameter and warns in backward.
         with _restore_default_rng(), torch.no_grad():
             super().__init__(
-                layers=specs, topology=topology, loss_fn=_loss_fn(tp_group, None, loss_report, moe_loss_coeff),
+                layers=specs, topology=topology,
+                loss_fn=loss_fn or _loss_fn(tp_group, None, loss_report, moe_loss_coeff),
                 seed_layers=True, seed_fn=seeder,
                 base_seed=seed, partition_method=partition_method,
                 activation_checkpoint_interval=activation_checkpoint_interval,
@@ -225,10 +228,11 @@ class GPTSequential(nn.Module):
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
-                 layer_indices=None, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0):
+                 layer_indices=None, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0, loss_fn=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
-        self.loss_fn = _loss_fn(tp_group, sp_group, loss_report, moe_loss_coeff)
+        # loss_fn: another family's loss (model/bert.py), else the GPT's
+        self.loss_fn = loss_fn or _loss_fn(tp_group, sp_group, loss_report, moe_loss_coeff)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
         self.forward_funcs: list = []
@@ -342,11 +346,22 @@ def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padd
     the accelerator, so it cannot stay on the meta device, where --dry-run builds each stage.
     The "parameters" method builds every spec once more to weigh it, as DeepSpeed does."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
+    return stage_of_specs(specs, num_stages=num_stages, stage=stage, tp_group=tp_group, seed=seed,
+                          partition_method=partition_method,
+                          activation_checkpoint_interval=activation_checkpoint_interval,
+                          moe_loss_coeff=model_cfg.moe_loss_coeff)
+
+
+def stage_of_specs(specs: list, *, num_stages: int, stage: int, tp_group=None, seed: int,
+                   partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
+                   loss_fn=None, moe_loss_coeff: float = 0.0) -> GPTSequential:
+    """Pipeline stage ``stage`` of any model's layer specs, partitioned and seeded as DeepSpeed's
+    ``PipelineModule`` would (``build_stage_gpt``; other model families, ``model/bert.py``)."""
     parts = partition_stages(num_stages, partition_method, [_spec_name(spec) for spec in specs],
                              lambda: [_trainable_parameters(spec) for spec in specs])
     return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
-                         activation_checkpoint_interval=activation_checkpoint_interval,
-                         moe_loss_coeff=model_cfg.moe_loss_coeff)
+                         activation_checkpoint_interval=activation_checkpoint_interval, loss_fn=loss_fn,
+                         moe_loss_coeff=moe_loss_coeff)
 
 
 def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,

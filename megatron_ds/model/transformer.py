@@ -17,6 +17,12 @@ graph backward runs on -- across pipeline stages too (DeepSpeed's pipeline engin
 floating tensors and their gradients back) -- and activation recompute, which reruns a layer's
 forward inside backward, cannot count it twice.
 
+Bidirectional layers (``self_attn_mask_type="padding"``: BERT, T5's encoder) take the hidden state
+or ``(hidden, padding_mask)`` the same way: the ``[batch, seq]`` integer mask is 1 at real tokens
+and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position attends to padding
+(``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
+stages as they are and get no gradient, as the document ids do.
+
 Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.query_key_value``,
 ``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``,
 ``mlp.dense_4h_to_h``) so familiar conversion tools and habits carry over.
@@ -69,6 +75,20 @@ def pack_activation(hidden, document_ids=None, moe_loss=None):
     return (hidden, *extra) if extra else hidden
 
 
+def padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` padding mask (1 real, 0 padding) -> ``[batch, 1, 1, seq]`` bool, True where a
+    query may attend to a key: the key is a real token.
+
+    Megatron's BERT (``bert_extended_attention_mask``, megatron/model/bert_model.py in
+    Megatron-DeepSpeed) masks a query-key pair when either is padding. For a real query that is the
+    same row as here. A padding query's row is all masked there, and its softmax over the equal
+    -10000 fills attends uniformly to every position; here it attends to the real keys, which keeps
+    SDPA free of all-masked rows (NaN). Padding positions never reach a real one (no real query sees
+    a padding key) nor the loss (their loss mask is 0, the pooler reads position 0), so losses and
+    every real position's output are Megatron's. It is also Hugging Face BERT's mask (keys only)."""
+    return padding_mask.bool()[:, None, None, :]
+
+
 def split_hidden_and_documents(inputs):
     """A layer's input -> ``(hidden, document_ids)`` (ids or None), whatever else it carries."""
     hidden, document_ids, _ = split_activation(inputs)
@@ -93,10 +113,11 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False,
-                 sp_group=None):
+                 sp_group=None, causal: bool = True):
         super().__init__()
         tp = tp_world_size(tp_group)
         d = cfg.kv_channels
+        self.causal = causal  # without a mask: causal (GPT) or every position (bidirectional, unpadded)
         self.kv_channels = d
         self.heads_per_group = divide(cfg.num_attention_heads, cfg.num_key_value_heads)
         self.num_groups = divide(cfg.num_key_value_heads, tp)
@@ -186,9 +207,10 @@ class ParallelAttention(nn.Module):
             # the tensor parallel RNG stream.
             with get_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=mask is None, **extra)
+                                                     is_causal=self.causal and mask is None, **extra)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+                                                 **extra)
         return out.permute(2, 0, 1, 3)
 
 
@@ -269,6 +291,10 @@ def hidden_dropout_stream(sequence_parallel: bool):
 class ParallelTransformerLayer(nn.Module):
     """One pre-LN block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``.
 
+    ``self_attn_mask_type``: "causal" (GPT; the optional second input is document ids) or "padding"
+    (bidirectional, Megatron's ``AttnMaskType.padding``; the optional second input is the padding
+    mask, see the module docstring).
+
     The class name is what the pipeline partitioner balances on
     (``megatron_ds.model.pipeline.PARTITION_METHOD``); keep the two in sync.
 
@@ -281,8 +307,11 @@ class ParallelTransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
                  sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
-                 carry_moe_loss: bool = False, loss_report=None):
+                 carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal"):
         super().__init__()
+        if self_attn_mask_type not in ("causal", "padding"):
+            raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")
+        self.padding = self_attn_mask_type == "padding"
         self.layer_number = layer_number
         self.num_experts, self.carry_moe_loss, self.loss_report = num_experts, carry_moe_loss, loss_report
         self.dropout_p = cfg.hidden_dropout
@@ -299,7 +328,7 @@ class ParallelTransformerLayer(nn.Module):
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
         self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
-                                                **parallel)
+                                                causal=not self.padding, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         if num_experts > 1:
@@ -330,8 +359,11 @@ class ParallelTransformerLayer(nn.Module):
                          expert_tensor_parallel=expert_tp)
 
     def forward(self, inputs, kv_cache=None):
-        hidden, document_ids, moe_loss = split_activation(inputs)
-        mask = None if document_ids is None else document_causal_mask(document_ids)
+        hidden, document_ids, moe_loss = split_activation(inputs)  # ids: or the padding mask (self.padding)
+        if document_ids is None:
+            mask = None
+        else:
+            mask = padding_attention_mask(document_ids) if self.padding else document_causal_mask(document_ids)
         if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too
             mask, kv_cache = kv_cache.mask, kv_cache.layer(self.layer_number)
         normed = self.input_layernorm(hidden)

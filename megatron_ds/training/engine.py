@@ -67,13 +67,14 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_r
 
 
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
-                 loss_report: LossReport | None = None) -> torch.nn.Module:
+                 loss_report: LossReport | None = None, build=build_model) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
-    is given (and what the fake-CUDA tests run on ``cuda``)."""
+    is given (and what the fake-CUDA tests run on ``cuda``). ``build``: the model family's builder
+    (``training.family.ModelFamily.build_model``; the GPT's by default)."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
-    model = build_model(run, ps, eod_token, device, loss_report)
+    model = build(run, ps, eod_token, device, loss_report)
     if run.layout.sequence_parallel:
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
@@ -119,15 +120,19 @@ def scale_fp16_loss(engine, model) -> None:
     ds_compat.replace_loss_fn(model, functools.update_wrapper(scaled_loss_fn, loss_fn))
 
 
-def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> Runtime:
+def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *, build=build_model,
+                 loss_names: tuple[str, ...] = ()) -> Runtime:
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
-    inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked)."""
+    inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
+    ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
+    (``training.family.ModelFamily``; the GPT's by default)."""
     layout = run.layout
     moe = is_moe_model(layout.model)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
-    loss_report = LossReport(reported_names(moe))
-    model = build_module(run, ps, device, eod_token, loss_report)
+    # the family's terms; a GPT reports its parts only when it has more than one (MoE)
+    loss_report = LossReport(loss_names or reported_names(moe))
+    model = build_module(run, ps, device, eod_token, loss_report, build)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:

@@ -64,9 +64,10 @@ def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Modu
     return model.to(params_dtype(layout)) if layout.precision != "fp32" else model
 
 
-def build_stages(run: Run, eod_token: int, on_built=lambda built: None) -> list[BuiltStage]:
+def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=build_stage) -> list[BuiltStage]:
     """Build every pipeline stage on the meta device (see the module docstring); ``on_built``
-    sees each stage as it is done. A shape the layers refuse is a ConfigError."""
+    sees each stage as it is done. A shape the layers refuse is a ConfigError. ``build``: the model
+    family's stage builder (``training.family.ModelFamily.build_stage``; the GPT's by default)."""
     layout = run.layout
     group = ds_compat.fake_process_group(layout.tp, 0) if layout.tp > 1 else contextlib.nullcontext()
     from deepspeed.moe.utils import is_moe_param  # noqa: PLC0415 (DeepSpeed only once a model is built)
@@ -77,7 +78,7 @@ def build_stages(run: Run, eod_token: int, on_built=lambda built: None) -> list[
     with torch.device("meta"), group as tp_group:
         for stage in range(layout.pp):
             try:
-                params = list(build_stage(run, stage, tp_group, eod_token).parameters())
+                params = list(build(run, stage, tp_group, eod_token).parameters())
             except ValueError as exc:
                 raise ConfigError(f"the model of pipeline stage {stage} cannot be built: {exc}") from None
             built.append(BuiltStage(stage, sum(p.numel() for p in params),
@@ -118,14 +119,14 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def report(run: Run, eod_token: int, out=_print) -> list[BuiltStage]:
+def report(run: Run, eod_token: int, out=_print, build=build_stage) -> list[BuiltStage]:
     """Build on the meta device and print a line per stage as it is built (the progress of a
     long build), then the verdict against the estimate."""
     layout = run.layout
     out(f"model built on the meta device, one rank per pipeline stage (TP rank 0 of {layout.tp}, DP rank 0; "
         f"no memory used):")
     start = time.monotonic()
-    built = build_stages(run, eod_token, on_built=lambda b: out(stage_line(layout, b)))
+    built = build_stages(run, eod_token, on_built=lambda b: out(stage_line(layout, b)), build=build)
     diff, stage, name = worst(layout, built)
     took = f"built in {time.monotonic() - start:.1f} s"
     if diff <= TOLERANCE:

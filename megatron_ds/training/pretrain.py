@@ -5,6 +5,7 @@ next to the memory estimate (``meta_build``); nothing distributed starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,29 +26,33 @@ from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.training import device as devices
 from megatron_ds.training import log as mlog
+from megatron_ds.training.family import GPT, ModelFamily
 from megatron_ds.training.file_checks import check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
 
-def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log) -> tuple[Run, object]:
+def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log,
+            family: ModelFamily = GPT) -> tuple[Run, object]:
     """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
-    model), the ``Run``, and the checks only DeepSpeed can make (its version, its JSON parser)."""
+    model), the ``Run`` of ``family``'s model, and the checks only DeepSpeed can make (its version,
+    its JSON parser)."""
     saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
     # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
-    tokenizer = build_tokenizer_for(apply_checkpoint_args(flags, saved)[0].data, log=log)
+    flags_used = apply_checkpoint_args(flags, saved)[0]
+    tokenizer = build_tokenizer_for(flags_used.data, log=log, vocab_extra_ids=flags_used.masked_lm.vocab_extra_ids)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
-                  ignored=ignored, saved_flags=saved)
+                  ignored=ignored, saved_flags=saved, family=family.shape)
     check_deepspeed(interleaved=run.layout.own_schedule)  # once, before DeepSpeed is first used
     validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
     return run, tokenizer
 
 
-def dry_run(flags: Config, ignored: list[str]) -> int:
+def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int:
     """Validate and print the resolved run without starting anything distributed."""
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
-    run, tokenizer = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None)
+    run, tokenizer = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None, family=family)
     check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
     print(run.describe())
     for note in run.notes:
@@ -56,7 +61,7 @@ def dry_run(flags: Config, ignored: list[str]) -> int:
     # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
 
-    report(run, tokenizer.eod)
+    report(run, family.eod_token(tokenizer), build=family.build_stage)
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
@@ -73,8 +78,8 @@ def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
     memory.check_memory(layout, estimate, budget)
 
 
-def pretrain(flags: Config, ignored: list[str]) -> TrainState:
-    """Train as the flags say, on the processes a launcher started; returns the final state."""
+def pretrain(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> TrainState:
+    """Train ``family``'s model as the flags say, on the processes a launcher started; returns the final state."""
     # DeepSpeed and the model are imported here, not at module level: --help and flag errors stay fast.
     from megatron_ds.training.trainer import train  # noqa: PLC0415
 
@@ -83,8 +88,18 @@ def pretrain(flags: Config, ignored: list[str]) -> TrainState:
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
-                             log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None))
-    return train(run, device, tokenizer, start_time)
+                             log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None), family=family)
+    return train(run, device, tokenizer, start_time, family)
+
+
+def with_family_defaults(flags: Config, family: ModelFamily) -> Config:
+    """--tokenizer-type defaults to the family's (Megatron-DeepSpeed's args_defaults of its pretrain
+    script) where the command line names none and the run reads a tokenizer."""
+    data = flags.data
+    if family.default_tokenizer_type is None or data.tokenizer_type is not None or (data.mock_data and
+                                                                                    not data.vocab_file):
+        return flags
+    return dataclasses.replace(flags, data=dataclasses.replace(data, tokenizer_type=family.default_tokenizer_type))
 
 
 def _one_line(exc: Exception) -> str:
@@ -94,18 +109,19 @@ def _one_line(exc: Exception) -> str:
     return text[len(prefix):] if text.startswith(prefix) else text
 
 
-def main(argv=None) -> int:
+def main(argv=None, family: ModelFamily = GPT) -> int:
     """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
     flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
-    same rule as every CLI in tools/."""
+    same rule as every CLI in tools/. ``family``: the entry point's model (pretrain_bert.py: BERT)."""
     flags, ignored = parse_args(argv)
+    flags = with_family_defaults(flags, family)
     missing = missing_flags(flags, with_data=not flags.dry_run)
     if missing:  # all of them at once, as argparse lists its required arguments
         build_parser().error(f"missing required flags: {', '.join(missing)}")
     try:
         if flags.dry_run:
-            return dry_run(flags, ignored)
-        pretrain(flags, ignored)
+            return dry_run(flags, ignored, family)
+        pretrain(flags, ignored, family)
         return 0
     except (ConfigError, DataError, TrainingStopped) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr, flush=True)

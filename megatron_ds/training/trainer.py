@@ -16,9 +16,9 @@ from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
 from megatron_ds.training import log as mlog
 from megatron_ds.training.collective_timeout import CollectiveWatch, is_collective_failure
-from megatron_ds.training.data import (BatchCollator, build_datasets, build_loader, check_train_length, describe_source,
-                                      samples_per_split, stage_iterator)
+from megatron_ds.training.data import build_loader, check_train_length, samples_per_split, stage_iterator
 from megatron_ds.training.engine import build_engine, log_startup
+from megatron_ds.training.family import GPT, ModelFamily
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
 from megatron_ds.training.profiler import step_profiler
@@ -27,13 +27,13 @@ from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrie
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
-def train(run: Run, device, tokenizer, start_time: float) -> TrainState:
-    """Join the process group, check --save, then build, resume and train; the state at the end.
-    A rank that never arrives at a collective ends the run in one line naming it."""
+def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily = GPT) -> TrainState:
+    """Join the process group, check --save, then build, resume and train ``family``'s model; the
+    state at the end. A rank that never arrives at a collective ends the run in one line naming it."""
     init_distributed(run.distributed, device)
     save_lock, watch = _startup_checks(run)
     try:
-        return _train(run, device, tokenizer, start_time, watch)
+        return _train(run, device, tokenizer, start_time, watch, family)
     except TrainingStopped:
         raise
     except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
@@ -55,21 +55,23 @@ def _startup_checks(run: Run):
     return lock, watch
 
 
-def _train(run: Run, device, tokenizer, start_time: float, watch) -> TrainState:
+def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelFamily) -> TrainState:
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
-    rt = build_engine(run, ps, device, tokenizer.eod)
+    rt = build_engine(run, ps, device, family.eod_token(tokenizer), build=family.build_model,
+                      loss_names=family.loss_names)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
     state = _resume(run, rt.engine, ps, signature)
     training = not run.training.skip_train and state.iteration < layout.train_iters
-    train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, training=training)
+    train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, family, training=training)
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb,
-                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group), start_time=start_time,
+                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group, family.name),
+                        start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
@@ -116,14 +118,13 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
     return state
 
 
-def _data_iterators(run: Run, ps, tokenizer, state: TrainState, *, training: bool):
-    """(train, validation, test) micro-batch iterators, each None where the split does not exist;
-    train is None too when this run does not train."""
+def _data_iterators(run: Run, ps, tokenizer, state: TrainState, family: ModelFamily, *, training: bool):
+    """(train, validation, test) micro-batch iterators of ``family``'s samples, each None where the
+    split does not exist; train is None too when this run does not train."""
     layout, t, data = run.layout, run.training, run.data
-    datasets = build_datasets(data, num_samples=samples_per_split(layout, t), seq_length=layout.model.seq_length,
-                              seed=t.seed, vocab_size=tokenizer.vocab_size, log=mlog.print_rank0)
+    datasets = family.build_datasets(run, tokenizer, samples_per_split(layout, t), mlog.print_rank0)
     check_train_length(datasets[0], data, layout.train_iters * layout.global_batch_size)
-    collator = BatchCollator(data, tokenizer.eod, tokenizer.vocab_size, describe_source(data))
+    collator = family.make_collator(run, tokenizer)
 
     def iterator(dataset, consumed, repeat):
         make = functools.partial(build_loader, dataset, data, collator, micro_batch_size=layout.micro_batch_size,
@@ -165,12 +166,13 @@ def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
     return saved[dp_rank if per_rank and dp_rank < len(saved) else 0]
 
 
-def _saver(run: Run, engine, tokenizer, signature: dict, dp_group):
+def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family_name: str = "gpt"):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
-    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10)
+    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10);
+    # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
-            "vocab_size": tokenizer.vocab_size}
+            "vocab_size": tokenizer.vocab_size, "model_family": family_name}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,

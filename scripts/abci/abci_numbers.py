@@ -33,7 +33,10 @@ DOC_BLOCK = re.compile(r"(<!-- abci_numbers\.py: (?P<case>[^>]*?) -->\n```\n)(?P
 # the inputs a job script checks before its DRY_RUN (their contents are never read here)
 PLACEHOLDERS = ("data/gpt2/gpt2-vocab.json", "data/gpt2/gpt2-merges.txt",
                 "data/tinystories/tinystories_train_text_document.bin",
-                "data/tinystories/tinystories_train_text_document.idx")
+                "data/tinystories/tinystories_train_text_document.idx",
+                "data/bert/bert-large-uncased-vocab.txt", "data/bert/bert_text_sentence.bin",
+                "data/bert/bert_text_sentence.idx")
+BERT_VOCAB_SIZE = 30522  # bert-large-uncased's vocab.txt, the BERT scripts' default vocabulary
 RECORD_ARGV = "import json, os, sys\njson.dump(sys.argv[1:], open(os.environ['NUMBERS_ARGV'], 'w'))\n"
 WIDTH = 100
 
@@ -64,13 +67,23 @@ def dry_run_argv(script: str, overrides: dict) -> list[str]:
             return json.load(f)
 
 
-def resolved(argv: list[str]):
-    """(the Run, the GPU memory budget in bytes) of a DRY_RUN's arguments."""
+def resolved(argv: list[str], script: str = ""):
+    """(the Run, the GPU memory budget in bytes) of a DRY_RUN's arguments (a ``*bert*`` script's:
+    pretrain_bert.py's model and a BERT vocabulary; a ``*_t5_*`` script's: pretrain_t5.py's)."""
     from megatron_ds.config import memory, parse_args, resolve
+    from megatron_ds.config.bert_params import BERT_SHAPE
+    from megatron_ds.config.layout import GPT_SHAPE
+    from megatron_ds.config.t5_params import T5_SHAPE
     from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
 
     flags, ignored = parse_args(argv)
-    run = resolve(flags, world_size=flags.world_size, vocab_size=GPT2_VOCAB_SIZE, ignored=ignored)
+    name = os.path.basename(script)
+    bert, t5 = "bert" in name, "_t5_" in name
+    # T5: the BERT vocabulary plus [BOS], [EOS] (which bert-large's vocab.txt lacks) and the sentinels
+    vocab = BERT_VOCAB_SIZE + 2 + flags.masked_lm.vocab_extra_ids if t5 else BERT_VOCAB_SIZE if bert else \
+        GPT2_VOCAB_SIZE
+    run = resolve(flags, world_size=flags.world_size, vocab_size=vocab, ignored=ignored,
+                  family=T5_SHAPE if t5 else BERT_SHAPE if bert else GPT_SHAPE)
     return run, memory.gpu_memory_bytes(flags.gpu_memory_gb)
 
 
@@ -78,7 +91,7 @@ def header_lines(script: str) -> list[str]:
     from megatron_ds.config import memory
     from megatron_ds.training.startup_checks import checkpoint_bytes
 
-    run, budget = resolved(dry_run_argv(script, {}))
+    run, budget = resolved(dry_run_argv(script, {}), script)
     est = memory.estimate_memory(run.layout)
     terms = dict(est.terms)
     states = terms["weights"] + terms["gradients"] + terms["optimizer states"]
@@ -97,7 +110,7 @@ def doc_block(case: str) -> str:
 
     *assignments, script = case.split()
     overrides = dict(a.split("=", 1) for a in assignments)
-    run, budget = resolved(dry_run_argv(script, overrides))
+    run, budget = resolved(dry_run_argv(script, overrides), script)
     est = memory.estimate_memory(run.layout)
     try:
         memory.check_memory(run.layout, est, budget)

@@ -293,7 +293,8 @@ require_data_path() {
   done
 }
 
-# TOKENIZER_ARGS for --tokenizer-type: GPT-2 BPE needs VOCAB_FILE + MERGE_FILE; SentencePiece
+# TOKENIZER_ARGS for --tokenizer-type: GPT-2 BPE needs VOCAB_FILE + MERGE_FILE, BERT WordPiece
+# VOCAB_FILE alone; SentencePiece
 # and HF tokenizers need TOKENIZER_MODEL. The data must have been preprocessed with the same one.
 set_tokenizer_args() {
   case "${TOKENIZER_TYPE:=GPT2BPETokenizer}" in
@@ -301,6 +302,9 @@ set_tokenizer_args() {
       require_file "$VOCAB_FILE" "$MERGE_FILE"
       TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE"
                       --merge-file "$MERGE_FILE") ;;
+    BertWordPieceLowerCase|BertWordPieceCase)  # BERT / T5: a WordPiece vocab.txt
+      require_file "$VOCAB_FILE"
+      TOKENIZER_ARGS=(--tokenizer-type "$TOKENIZER_TYPE" --vocab-file "$VOCAB_FILE") ;;
     *)
       [ -n "${TOKENIZER_MODEL:-}" ] || abci_die "TOKENIZER_TYPE=$TOKENIZER_TYPE needs" \
         "TOKENIZER_MODEL (the tokenizer the data was preprocessed with)"

@@ -50,7 +50,7 @@ IGNORED = {
     "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard", "--distribute-checkpointed-activations",
     "--exit-signal-handler", "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom", "--ds-inference",
     "--use-dataset-only", "--overlap-p2p-communication", "--trust-remote-code", "--adlr-autoresume-interval",
-    "--pipeline-model-parallel-split-rank", "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
+    "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
     "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p", "--use-cpu-initialization",
     "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
     # DistributedAttention at sequence parallel size 1 is the local attention
@@ -61,15 +61,16 @@ IGNORED = {
 REFUSED = {
     "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
     # issue 24: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
-    # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py)
-    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type", "--bert-no-binary-head",
-                             "--decoder-num-layers", "--retriever-seq-length", "--sample-rate")},
+    # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py),
+    # --bert-no-binary-head too (pretrain_bert.py; tests/training/test_bert_parity.py), --decoder-num-layers
+    # (pretrain_t5.py; tests/training/test_t5_parity.py)
+    **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type",
+                             "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": "--num-experts N --topk 1",
     **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
                              "--ds-sequence-parallel-fpdt-offloading")},
     "--batch-size": "--micro-batch-size", "--warmup": "--lr-warmup-fraction",
-    "--model-parallel-size": "--tensor-model-parallel-size", "--encoder-num-layers": "--num-layers",
-    "--distribute-saved-activations": "--sequence-parallel",
+    "--model-parallel-size": "--tensor-model-parallel-size", "--distribute-saved-activations": "--sequence-parallel",
     "--random-ltd": "drop it", "--data-efficiency-curriculum-learning": "--curriculum-learning-legacy",
     "--inference": "tools/evaluate.py", "--lazy-mpu-init": "drop it",
     "--standalone-embedding-stage": "--pipeline-partition-method", "--aml-data-download-path": "--data-path",

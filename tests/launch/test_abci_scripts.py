@@ -44,6 +44,11 @@ SPECIFIC = {
                                "--untie-embeddings-and-output-weights": None,
                                "--ffn-hidden-size": "11008", "--num-layers": "32",
                                "--hidden-size": "4096"},
+    "abci3_h200_t5_220m.sh": {"--bf16": None, "--num-layers": "12", "--decoder-num-layers": "12",
+                              "--seq-length": "512", "--decoder-seq-length": "128", "--vocab-extra-ids": "100",
+                              "--tokenizer-type": "BertWordPieceLowerCase"},
+    "abci3_h200_bert_345m.sh": {"--bf16": None, "--num-layers": "24", "--hidden-size": "1024",
+                                "--seq-length": "512", "--tokenizer-type": "BertWordPieceLowerCase"},
 }
 COMMON = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers",
           "--hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings",
@@ -78,13 +83,15 @@ class FakeJob:
         self.work = root / "work"  # the submit directory: data/, checkpoints/, runs/ go here
         self.local = root / "local"  # node-local scratch ($SGE_LOCALDIR / $PBS_LOCALDIR)
         self.probes = root / "probes"
-        for d in (self.work / "data" / "gpt2", self.work / "data" / "tinystories", self.local,
-                  self.probes, root / "bin"):
+        for d in (self.work / "data" / "gpt2", self.work / "data" / "tinystories", self.work / "data" / "bert",
+                  self.local, self.probes, root / "bin"):
             d.mkdir(parents=True, exist_ok=True)
         # The probe never reads these; the scripts check they exist before launching.
         for name in ("gpt2/gpt2-vocab.json", "gpt2/gpt2-merges.txt",
                      "tinystories/tinystories_train_text_document.bin",
-                     "tinystories/tinystories_train_text_document.idx"):
+                     "tinystories/tinystories_train_text_document.idx",
+                     "bert/bert-large-uncased-vocab.txt", "bert/bert_text_sentence.bin",
+                     "bert/bert_text_sentence.idx"):
             (self.work / "data" / name).write_text("")
         self.module_log = root / "module.calls"
         fake_module = root / "bin" / "module"
@@ -163,6 +170,8 @@ def test_job_script_launches_two_ranks(tmp_path, script):
 
     # The pretrain flags, the user's extra arguments after them, --use-mpi last.
     for flag in COMMON:
+        if flag == "--merge-file" and ("bert" in script or "_t5_" in script):
+            continue  # a WordPiece vocabulary is one file
         assert flag in argv, flag
     for flag, value in SPECIFIC[script].items():
         assert flag in argv, flag

@@ -1,5 +1,8 @@
 """Export a megatron_ds checkpoint (any TP/PP/DP/ZeRO/precision) to a Hugging Face transformers
-directory: GPT2LMHeadModel for GPT-2-style models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm.
+directory: GPT2LMHeadModel for GPT-2-style models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm;
+pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
+--apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the
+variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused).
 
     python tools/checkpoint/to_hf.py --load CHECKPOINT_DIR --out HF_DIR [--iteration N] [--dtype bf16]
         [--from-fp32-masters]
@@ -40,9 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.export import export_hf  # noqa: PLC0415 - keep --help fast
+    from megatron_ds.checkpoint.files import open_checkpoint  # noqa: PLC0415
     from megatron_ds.errors import ConfigError  # noqa: PLC0415
 
     try:
+        family = open_checkpoint(args.load, args.iteration).family
+        if family == "t5":  # pretrain_t5.py's checkpoint (the variant HF's T5 computes: checkpoint/hf_t5.py)
+            from megatron_ds.checkpoint.hf_t5 import export_hf_t5  # noqa: PLC0415
+
+            export_hf_t5(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
+                         vocab_size=args.vocab_size, vocab_file=args.vocab_file)
+            return 0
+        if family == "bert":  # pretrain_bert.py's checkpoint
+            from megatron_ds.checkpoint.hf_bert import export_hf_bert  # noqa: PLC0415
+
+            export_hf_bert(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
+                           vocab_size=args.vocab_size, vocab_file=args.vocab_file)
+            return 0
         export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
                   data_overrides=dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model),

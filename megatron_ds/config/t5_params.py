@@ -1,0 +1,143 @@
+"""T5's shape for the layout: its analytic parameter count per pipeline stage, and the flags it
+cannot run with (pretrain_t5.py gives ``T5_SHAPE`` to ``resolve``).
+
+The pipeline layers, in ``model/t5.py``'s order, with the parameters one tensor parallel rank holds:
+
+    T5Embedding         word V/tp x h, positions P x h (learned), LM-head bias V/tp (with biases)
+    T5EncoderLayer x E  (as the GPT's layer: ``layout.layer_parameters``)
+    T5EncoderFinalNorm  one norm
+    T5Embedding         the decoder's input: a copy on the split-rank stage (tied)
+    T5DecoderLayer x D  a GPT layer + cross-attention (query h x hd, key/value h x 2hd, dense hd x h,
+                        their biases) + one more norm
+    T5DecoderFinalNorm  one norm
+    T5Embedding         the LM head: a copy on the last stage where it does not hold the first
+
+Stages split as ``t5_stage_bounds`` says (the split rank's; ``model/t5.py`` builds them so), whatever --pipeline-partition-method.
+The memory estimate counts every layer's activations at --encoder-seq-length (``config/memory.py``),
+which bounds the decoder's shorter ones but leaves out cross-attention's scores.
+"""
+from __future__ import annotations
+
+from megatron_ds.config.layout import FamilyShape, StageParams, layer_parameters
+from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.errors import ConfigError
+
+
+def decoder_layers(m: ModelConfig) -> int:
+    """--decoder-num-layers, else --num-layers (Megatron-DeepSpeed leaves it unset and fails)."""
+    return m.decoder_num_layers or m.num_layers
+
+
+def cross_attention_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(split over TP, replicated) parameters a decoder layer adds to a GPT layer."""
+    h, q = m.hidden_size, m.num_attention_heads * m.kv_channels
+    split = h * q + 2 * h * q + q * h + (3 * q if m.add_bias_linear else 0)
+    norm = 2 * h if m.normalization.lower() == "layernorm" else h
+    return split // tp, norm + (h if m.add_bias_linear else 0)
+
+
+def t5_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple[str, int, int]]:
+    """(class name, parameters on one TP rank, unique parameters over all TP ranks) per spec."""
+    h, d = m.hidden_size, decoder_layers(m)
+    split, repl = layer_parameters(m, tp)
+    x_split, x_repl = cross_attention_parameters(m, tp)
+    words = padded_vocab * h // tp
+    pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    bias = padded_vocab // tp if m.add_bias_linear else 0
+    embedding = words + pos + bias
+    norm = 2 * h if m.normalization.lower() == "layernorm" else h
+    return ([("T5Embedding", embedding, (words + bias) * tp + pos)]
+            + [("T5EncoderLayer", split + repl, split * tp + repl)] * m.num_layers
+            + [("T5EncoderFinalNorm", norm, norm), ("T5Embedding", embedding, 0)]
+            + [("T5DecoderLayer", split + repl + x_split + x_repl, (split + x_split) * tp + repl + x_repl)] * d
+            + [("T5DecoderFinalNorm", norm, norm), ("T5Embedding", embedding, 0)])
+
+
+def t5_stage_bounds(num_layers: int, decoder_num_layers: int, pp: int, split_rank: int | None) -> list[int]:
+    """First spec index of each stage, then the number of specs (DeepSpeed's ``parts``): encoder
+    stages get the embedding, equal shares of the encoder layers and (the last) the encoder's final
+    norm; decoder stages the decoder embedding, equal shares of the decoder layers, the final norm
+    and the LM head (megatron/model/transformer.py ``_get_num_layers``'s equal shares per side)."""
+    total = num_layers + decoder_num_layers + 5
+    if pp == 1:
+        return [0, total]
+    enc, dec = num_layers // split_rank, decoder_num_layers // (pp - split_rank)
+    parts = [0] + [1 + enc * (i + 1) for i in range(split_rank - 1)]
+    parts += [num_layers + 2] + [num_layers + 3 + dec * i for i in range(1, pp - split_rank)]
+    return parts + [total]
+
+
+def count_t5_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
+                        partition_method: str | None = None) -> tuple[int, tuple[StageParams, ...]]:
+    """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT; a
+    stage builds the tied embedding once however many of its specs use it. The split rank is the
+    model's (--pipeline-model-parallel-split-rank); --dry-run's what-if layouts at another pipeline
+    size split it in the middle."""
+    layers = t5_pipeline_layers(m, padded_vocab, tp)
+    split_rank = m.pipeline_model_parallel_split_rank
+    if pp > 1 and (split_rank is None or split_rank >= pp):
+        split_rank = pp // 2
+    parts = t5_stage_bounds(m.num_layers, decoder_layers(m), pp, split_rank)
+    n_transformer = m.num_layers + decoder_layers(m)
+    stages = []
+    for s in range(pp):
+        first, stop = parts[s], parts[s + 1]
+        held, p, embedded = layers[first:stop], 0, False
+        for name, count, _ in held:
+            if name == "T5Embedding":
+                if embedded:
+                    continue
+                embedded = True
+            p += count
+        # transformer layers before this stage's first spec / its end (encoder 0..E-1, decoder E..E+D-1)
+        before = sum(1 for name, _, _ in layers[:first] if name.endswith("Layer"))
+        inside = sum(1 for name, _, _ in held if name.endswith("Layer"))
+        stages.append(StageParams(s, (before, min(before + inside, n_transformer)), p))
+    return sum(total for _, _, total in layers), tuple(stages)
+
+
+def check_t5(flags: Config, pp: int) -> None:
+    """What pretrain_t5.py refuses, in one line each (the model's own checks: ``model/t5.py``)."""
+    par, data, m = flags.parallel, flags.data, flags.model
+    refused = {
+        "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size (the interleaved "
+        "schedule runs GPT chunks)": par.num_layers_per_virtual_pipeline_stage or
+        (par.virtual_pipeline_model_parallel_size or 1) > 1,
+        "--enable-zbh1-pipeline (its executor runs GPT chunks)": par.enable_zbh1_pipeline,
+        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)": par.ds_sequence_parallel_size > 1,
+        "--sequence-parallel (T5's layers here keep the whole sequence on every tensor parallel rank)":
+            par.sequence_parallel,
+        "--reset-attention-mask / --reset-position-ids (a T5 sample is one span-corrupted text)":
+            data.reset_attention_mask or data.reset_position_ids,
+        "--untie-embeddings-and-output-weights (T5's LM head is the tied embedding, as Megatron's)":
+            m.untie_embeddings_and_output_weights,
+        "rotary positions (Megatron's T5: learned absolute positions; or --position-embedding-type none)":
+            m.use_rotary_position_embeddings or m.position_embedding_type == "rope",
+        "--num-key-value-heads (T5's cross-attention is multi-head, as Megatron's)":
+            m.num_key_value_heads not in (None, m.num_attention_heads),
+        "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
+    }
+    bad = [what for what, on in refused.items() if on]
+    if bad:
+        raise ConfigError(f"pretrain_t5.py cannot run with {'; '.join(bad)}: drop the flag")
+    split = m.pipeline_model_parallel_split_rank
+    if pp > 1 and (split is None or not 0 < split < pp):
+        raise ConfigError(f"pretrain_t5.py at --pipeline-model-parallel-size {pp} needs "
+                          f"--pipeline-model-parallel-split-rank in [1, {pp - 1}] (encoder stages before it)")
+    if pp > 1 and not par.no_pipeline_parallel:
+        for name, layers, ranks in (("--encoder-num-layers", m.num_layers, split),
+                                    ("--decoder-num-layers", m.decoder_num_layers or m.num_layers, pp - split)):
+            if layers is not None and layers % ranks:  # megatron/model/transformer.py _get_num_layers
+                raise ConfigError(f"{name} {layers} must be divisible by the {ranks} pipeline stages on its side "
+                                  f"of --pipeline-model-parallel-split-rank {split}")
+    decoder_seq = flags.masked_lm.decoder_seq_length
+    if decoder_seq is None:
+        raise ConfigError("pretrain_t5.py needs --decoder-seq-length (the decoder's input and target length)")
+    if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute":
+        longest = max(m.seq_length or 0, decoder_seq)
+        if m.max_position_embeddings < longest:  # megatron/arguments.py asserts both
+            raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is shorter than the longest "
+                              f"sequence ({longest}): raise it")
+
+
+T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False)

@@ -1,0 +1,121 @@
+"""Our T5 <-> Hugging Face's T5ForConditionalGeneration (checkpoint/hf_t5.py), both directions.
+
+Export: our T5 in the variant HF's code can compute (no absolute positions, RMS norms, no biases;
+GeLU, --openai-gelu, --swiglu or --squared-relu MLP), written as safetensors + config.json and read
+back by transformers' own ``from_pretrained``: its logits equal ours on a padded batch.
+Import: transformers builds a T5 from a T5Config (its own initialisation, relative biases zeroed:
+the variant ours represents), converted into our model: our logits equal HF's, with HF's
+``scale_decoder_outputs`` folded into the decoder's final norm. What HF cannot express (or what
+ours cannot) is refused in one line.
+
+Tolerance 1e-5 absolute on logits of size ~1-10 in fp32: the two models sum the same products in
+different orders (fused vs separate q/k/v, SDPA vs matmul-softmax) and one side multiplies the
+query by 1/sqrt(d_kv) where the other divides the scores; that is ~1e-7 relative per operation
+over a few layers. A wrong mapping (a swapped head, a missing scale) moves logits by 1e-2 or more.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ds.checkpoint import hf_t5
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.errors import ConfigError
+from megatron_ds.model.t5 import build_sequential_t5
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PADDED = 61, 64
+ATOL = 1e-5  # see the module docstring
+
+
+def _variant(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=48,
+                kv_channels=8, seq_length=12, max_position_embeddings=None, position_embedding_type="none",
+                normalization="rmsnorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                layernorm_epsilon=1e-6)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    enc = torch.randint(2, VOCAB, (2, 12), generator=g)
+    dec = torch.randint(2, VOCAB, (2, 7), generator=g)
+    ef = torch.ones(2, 12, dtype=torch.long)
+    ef[1, 9:] = 0
+    df = torch.ones(2, 7, dtype=torch.long)
+    df[0, 5:] = 0
+    return enc * ef, dec * df, ef, df
+
+
+def _ours(m, decoder_layers=3):
+    model = build_sequential_t5(m, decoder_num_layers=decoder_layers, padded_vocab_size=PADDED, seed=7,
+                                vocab_size=VOCAB).eval()
+    with torch.no_grad():  # norms start at one: make them matter
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def _hf_logits(hf, enc, dec, ef, df):
+    with torch.no_grad():
+        return hf(input_ids=enc, attention_mask=ef, decoder_input_ids=dec, decoder_attention_mask=df).logits
+
+
+@pytest.mark.parametrize("act", [{}, {"swiglu": True}, {"openai_gelu": True}, {"squared_relu": True}])
+def test_export_gives_our_logits(tmp_path, act):
+    m = _variant(**act)
+    model = _ours(m)
+    tensors = hf_t5.to_hf(model.state_dict(), m, decoder_num_layers=3, vocab_size=VOCAB)
+    hf_t5.write_hf(str(tmp_path), tensors, hf_t5.hf_config(m, decoder_num_layers=3, vocab_size=VOCAB))
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
+    batch = _batch()
+    with torch.no_grad():
+        ours = model(batch)[..., :VOCAB]
+    theirs = _hf_logits(hf, *batch)
+    real = batch[3].bool()  # padding positions' logits are nobody's business (no loss there)
+    assert torch.allclose(ours[real], theirs[real], atol=ATOL, rtol=0), (ours[real] - theirs[real]).abs().max()
+    assert ours.abs().max() > 0.1  # not trivially equal
+
+
+@pytest.mark.parametrize("proj,tie", [("gated-silu", None), ("gelu", False)])
+def test_hf_model_imports_with_its_logits(proj, tie):
+    extra = {} if tie is None else {"tie_word_embeddings": tie}
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                num_heads=4, feed_forward_proj=proj, dropout_rate=0.0, **extra)
+    torch.manual_seed(3)
+    hf = transformers.T5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # the variant ours represents: no relative position biases
+        for block in (hf.encoder.block[0], hf.decoder.block[0]):
+            block.layer[0].SelfAttention.relative_attention_bias.weight.zero_()
+    d = cfg.to_dict()
+    state = {k: v.float() for k, v in hf.state_dict().items()}
+    ours_state = hf_t5.from_hf(lambda n: state[n], d, padded_vocab_size=PADDED)
+    m, decoder_layers = hf_t5.model_config_from_hf(d)
+    model = build_sequential_t5(dataclasses.replace(m, seq_length=12), decoder_num_layers=decoder_layers,
+                                padded_vocab_size=PADDED, seed=1, vocab_size=VOCAB).eval()
+    model.load_state_dict(ours_state, strict=True)
+    batch = _batch(1)
+    with torch.no_grad():
+        ours = model(batch)[..., :VOCAB]
+    theirs = _hf_logits(hf, *batch)
+    real = batch[3].bool()
+    assert torch.allclose(ours[real], theirs[real], atol=ATOL, rtol=0), (ours[real] - theirs[real]).abs().max()
+
+
+def test_what_hf_cannot_express_is_refused():
+    with pytest.raises(ConfigError, match="relative position buckets"):
+        hf_t5.check_representable(_variant(position_embedding_type="learned_absolute", max_position_embeddings=12))
+    with pytest.raises(ConfigError, match="RMS"):
+        hf_t5.check_representable(_variant(normalization="layernorm"))
+    with pytest.raises(ConfigError, match="--disable-bias-linear"):
+        hf_t5.check_representable(_variant(add_bias_linear=True))
+    with pytest.raises(ConfigError, match="'relu' MLP"):
+        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="relu").to_dict())
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
+                                feed_forward_proj="gated-silu")
+    state = transformers.T5ForConditionalGeneration(cfg).state_dict()
+    with pytest.raises(ConfigError, match="relative position biases"):
+        hf_t5.from_hf(lambda n: state[n].float(), cfg.to_dict(), padded_vocab_size=PADDED)
