@@ -45,7 +45,9 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
                 recompute_granularity=layout.recompute,
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
-                params_dtype=params_dtype(layout), device=device, ep_size=layout.ep)
+                params_dtype=params_dtype(layout), device=device,
+                # the expert parallel size only where MoE layers exist (GPT only: other families take no ep_size)
+                **({"ep_size": layout.ep} if layout.active_params is not None else {}))
 
 
 def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_report: LossReport | None = None):
