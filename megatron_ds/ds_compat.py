@@ -52,6 +52,7 @@ _INTERNAL_NAMES = {
     "_create_expert_and_data_parallel": "deepspeed.utils.groups",
     "_create_expert_data_and_model_parallel": "deepspeed.utils.groups",
     "_get_expert_parallel_group_dict": "deepspeed.utils.groups",
+    "_release_process_group_references": "deepspeed.utils.groups",
     "_get_expert_parallel_group_ranks": "deepspeed.utils.groups",
     "_get_expert_data_parallel_group_ranks": "deepspeed.utils.groups",
     "get_norm_with_moe_layers": "deepspeed.runtime.utils",
@@ -568,8 +569,14 @@ def create_expert_groups(ep_size: int, expert_tensor_parallel: bool, mpu) -> tup
     rank's (expert parallel ranks, expert data parallel ranks)."""
     from deepspeed.utils import groups  # noqa: PLC0415
 
-    groups.mpu = mpu  # what the engine sets too (DeepSpeedEngine._configure_distributed_model)
     name = moe_group_name(ep_size)
+    cached = _internal("_get_expert_parallel_group_dict")().get(name)
+    if cached is not None:
+        try:  # groups of an earlier process group in this process (torch's destroy_process_group does
+            dist.get_process_group_ranks(cached)  # not tell DeepSpeed, deepspeed.comm's would): forget them
+        except (KeyError, ValueError, RuntimeError):
+            _internal("_release_process_group_references")(None)
+    groups.mpu = mpu  # what the engine sets too (DeepSpeedEngine._configure_distributed_model)
     if name not in _internal("_get_expert_parallel_group_dict")():
         if expert_tensor_parallel:
             _internal("_create_expert_data_and_model_parallel")(ep_size, mpu=mpu)
