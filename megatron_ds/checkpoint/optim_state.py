@@ -7,7 +7,8 @@ and Adam moments, read from
   ``param_slice_mappings``; the data parallel ranks' fragments concatenate to the flat parameter;
 - ZeRO-3's flat partitions (``zero3``);
 - the ZeRO-0 torch / fp16 optimizer's positional state (``plain_optim``: by the
-  ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints).
+  ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints);
+  with MoE layers one such state per expert parallel rank (``moe``), experts named by global id.
 
 Files are memory-mapped: tensors are read when a parameter's slice is used.
 """
@@ -17,9 +18,11 @@ import collections
 
 import torch
 
-from megatron_ds.checkpoint import plain_optim
+from megatron_ds.checkpoint import moe, plain_optim
 from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file
+from megatron_ds.checkpoint.moe_files import MoEModuleSource, expert_optimizer_files
 from megatron_ds.checkpoint.zero3 import Zero3State
+from megatron_ds.errors import ConfigError
 
 
 class SavedOptimizer:
@@ -37,9 +40,14 @@ class SavedOptimizer:
         if ckpt.zero_stage == 3:
             self.zero3 = Zero3State(ckpt, with_moments=with_moments)
             self.step = self.zero3.step
+        elif files and moe.has_expert_files(ckpt.path):
+            raise ConfigError(f"{ckpt.path}: resharding the ZeRO optimizer state of a mixture-of-experts model is "
+                              f"not supported; resume it at its own layout, or pass --no-load-optim")
         elif files:
             for path in files:
                 self._index_zero_file(path)
+        elif expert_optimizer_files(ckpt):
+            self._index_plain_moe(expert_optimizer_files(ckpt))
         else:
             self._index_plain()
 
@@ -72,6 +80,27 @@ class SavedOptimizer:
                 found, step = plain_optim.index_state(self.ckpt, mp, state["optimizer"], group_names, shapes)
                 self.plain.update({(name, mp): tensors for name, tensors in found.items() if tensors})
                 self.step = step if step is not None else self.step
+
+    def _index_plain_moe(self, files: dict[int, dict[int, str]]) -> None:
+        """ZeRO-0 with MoE layers: each expert parallel rank's whole optimizer in its own file
+        (``moe``), positions named by the ``optimizer_param_names`` of data parallel rank 0, the
+        same local names on every expert parallel rank; its experts renamed to global ids."""
+        weights = MoEModuleSource(self.ckpt)
+        for t in range(self.ckpt.tp):
+            shapes = weights.shapes(t)
+            for mp in self._mp_ranks(t):
+                names = load_file(self.ckpt.mp_file(mp)).get("optimizer_param_names")
+                if names is None:
+                    raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters; resume it "
+                                      f"at its own layout, or pass --no-load-optim")
+                ranks = files.get(mp, {})
+                for r, path in sorted(ranks.items()):
+                    local = moe.to_local(shapes, r, len(ranks))
+                    opt = load_file(path)["optimizer"]
+                    found, step = plain_optim.index_state(self.ckpt, mp, opt, names, local)
+                    self.plain.update({(name, mp): tensors for name, tensors in moe.to_global(found, r).items()
+                                       if tensors})
+                    self.step = step if step is not None else self.step
 
     def _mp_ranks(self, tp_rank: int) -> list[int]:
         return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]
