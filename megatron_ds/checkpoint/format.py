@@ -38,6 +38,11 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_val
                 "untie_embeddings_and_output_weights")
 
 
+# With MoE layers also: the parameters each layer has and how experts split over TP ranks.
+MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
+EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
+
+
 def checkpoint_tag(iteration: int) -> str:
     return f"global_step{iteration}"
 
@@ -107,10 +112,15 @@ def read_meta(ckpt_dir: str) -> dict:
 
 
 def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: int = 1, virtual_pp: int | None = None,
-              zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True) -> dict:
+              zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True, ep: int = 1) -> dict:
     """What a checkpoint records about the run that wrote it (compared on load): the resolved
-    model's shape and the layout. The defaults are those of an imported (TP 1, fp32) checkpoint."""
+    model's shape and the layout. The defaults are those of an imported (TP 1, fp32) checkpoint.
+    A mixture-of-experts model adds its experts' shape and the expert parallel size (a dense
+    model's signature is what it was before MoE existed, so older checkpoints still match)."""
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
+    if max(model.num_experts) > 1:
+        sig.update({name: getattr(model, name) for name in MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
+        sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = model.max_position_embeddings
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

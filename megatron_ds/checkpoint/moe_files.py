@@ -11,6 +11,8 @@ import collections
 import os
 
 import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
 
 from megatron_ds.checkpoint import moe
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
@@ -72,3 +74,20 @@ def expert_optimizer_files(ckpt: CheckpointFiles) -> dict[int, dict[int, str]]:
         if parsed is not None:
             out[parsed[1]][parsed[0]] = os.path.join(ckpt.path, name)
     return dict(out)
+
+
+def expert_global_names(module: torch.nn.Module) -> dict[str, str]:
+    """{expert parameter name of this rank's ``module`` (local id): the same with its global id}.
+    A DeepSpeed ``MoE`` layer holds ``num_local_experts`` experts of its expert parallel group
+    (``deepspeed_moe.ep_group``, set by the engine; none outside an engine: EP 1)."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, MoE):
+            continue
+        group = getattr(sub.deepspeed_moe, "ep_group", None)
+        ep_rank = dist.get_rank(group=group) if group is not None else 0
+        for name, _ in sub.named_parameters(prefix=prefix):
+            e = moe.expert_id(name)
+            if e is not None:
+                out[name] = moe.with_expert_id(name, moe.global_expert(ep_rank, e, sub.num_local_experts))
+    return out

@@ -1,0 +1,87 @@
+"""Mixture-of-experts checkpoints with the real entry point (tiny GPT, 4 layers, MoE on layers 2
+and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both stages hold one).
+
+- Resume is bitwise at EP 2 (DP 2): 10 steps straight == 5, save, fresh processes, load, 5 more;
+  top-2 gating with DeepSpeed's second-expert sampling and dropout on, so the RNG streams must
+  come back too. The checkpoint holds DeepSpeed's own MoE files (mp_rank files without experts,
+  one file per expert with its global id, ZeRO-0's optimizer per expert parallel rank).
+- Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1, one saved at PP 2 at PP 1, and
+  both continue as the uninterrupted run does (losses of steps 4-6, then the step-6 weights by
+  ``load_consolidated``, which reads the experts by their global ids at either EP size).
+  Tolerances as tests/checkpoint/test_reshard.py: fp32, the layouts sum the same numbers in other
+  orders (EP 2 exchanges tokens all-to-all and reduces expert gradients over other groups; PP 2
+  sums the tied embedding's gradient across stages): losses within 2e-5 relative, weights within
+  rtol 1e-5 / atol 1e-6 -- a lost Adam moment or master would move weights of ~0.02 by ~1e-4.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.checkpoint.common import layout_flags
+from tests.distributed import run_distributed
+from tests.training.common import TINY_GPT, train_losses
+
+pytestmark = pytest.mark.timeout(1500)
+MOE = ["--num-experts", "4", "--global-batch-size", "8"]
+RESUME = TINY_GPT + MOE + ["--train-iters", "10", "--topk", "2", "--hidden-dropout", "0.1",
+                           "--attention-dropout", "0.1"]
+RESHAPE = TINY_GPT + MOE + ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",
+                            "--adam-eps", "1e-4"]
+FP32 = dict(loss=dict(rel=2e-5), weights=dict(rtol=1e-5, atol=1e-6))
+
+
+def _ep(n):
+    return ["--moe-expert-parallel-size", str(n)]
+
+
+def _run(world, argv):
+    return run_distributed(train_losses, world, argv, timeout=900)[-1]
+
+
+def test_resume_at_ep2_is_bitwise(tmp_path):
+    argv = RESUME + _ep(2)
+    straight = _run(2, argv)
+    ckpt = str(tmp_path / "ckpt")
+    first = _run(2, argv + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "5"])
+    files = sorted(os.listdir(os.path.join(ckpt, "global_step5")))
+    # DeepSpeed's MoE layout (deepspeed/runtime/engine.py _save_moe_checkpoint): MoE layer k of the
+    # module (layers 2 and 4), global experts 0-3, ZeRO-0 optimizer per expert parallel rank
+    assert [f for f in files if f.startswith("layer_")] == sorted(
+        f"layer_{k}_expert_{e}_mp_rank_00_model_states.pt" for k in (0, 1) for e in range(4))
+    assert [f for f in files if f.startswith("expp_rank_")] == [
+        "expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"]
+    meta = json.load(open(os.path.join(ckpt, "global_step5", "megatron_ds_config.json")))
+    assert meta["signature"]["expert_parallel_size"] == 2 and meta["signature"]["num_experts"] == [4]
+    second = _run(2, argv + ["--load", ckpt])
+    assert [it for it, _ in first] == [1, 2, 3, 4, 5]
+    assert [it for it, _ in second] == [6, 7, 8, 9, 10]
+    assert first + second == straight
+
+
+def _weights(path, iteration=None):
+    from megatron_ds.checkpoint import load_consolidated
+
+    return load_consolidated(path, iteration, log=lambda *a: None).state_dict
+
+
+@pytest.mark.parametrize("name,saved,resumed", [
+    # (world, flags) of the saving run and of the resuming run
+    ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1))),
+    ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1))),
+])
+def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed):
+    ckpt = str(tmp_path / "saved")
+    straight = _run(saved[0], RESHAPE + saved[1] + ["--save", ckpt, "--save-interval", "3"])
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")  # resume from the middle of the run
+    out = str(tmp_path / "resumed")
+    got = _run(resumed[0], RESHAPE + resumed[1] + ["--load", ckpt, "--save", out])
+    assert [it for it, _ in got] == [4, 5, 6]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in straight[3:]], **FP32["loss"])
+    want, have = _weights(ckpt, 6), _weights(out)
+    assert sorted(want) == sorted(have)
+    assert any(".deepspeed_experts.3." in k for k in want)  # every expert, by its global id
+    for key, tensor in want.items():
+        torch.testing.assert_close(have[key], tensor, **FP32["weights"], msg=lambda m, key=key: f"{key}: {m}")
