@@ -19,6 +19,7 @@ import importlib.util
 import itertools
 from dataclasses import dataclass
 
+from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout, count_parameters
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
@@ -105,13 +106,6 @@ class StateBytes:
     optimizer_path: str = ""
 
 
-def _dtype_bytes(name: str | None, default: int) -> int:
-    if name is None:
-        return default
-    return {"fp32": 4, "float32": 4, "float": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2,
-            "bfloat16": 2}.get(str(name).lower(), default)
-
-
 def state_bytes(layout: Layout) -> StateBytes:
     """Which DeepSpeed optimizer wrapper this layout gets and what it allocates per parameter.
 
@@ -122,7 +116,7 @@ def state_bytes(layout: Layout) -> StateBytes:
     bare torch optimizer. Adam keeps two fp32 moments (8 bytes) per parameter it steps.
     """
     lp = 4 if layout.precision == "fp32" else 2
-    acc = _dtype_bytes(((layout.ds_config.get("data_types") or {}).get("grad_accum_dtype")), lp)
+    acc = grad_accum_bytes(layout.ds_config, layout.precision)
     zero = layout.zero_stage
     if layout.precision == "fp32" and zero == 0:
         # the gradients live from backward until the engine zeroes them after the step

@@ -16,6 +16,9 @@ from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
 from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.model.gpt import reported_names
+from megatron_ds.model.loss_report import LossReport
+from megatron_ds.model.moe import is_moe_model
 from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
@@ -40,17 +43,19 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
                 recompute_granularity=layout.recompute,
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
-                params_dtype=params_dtype(layout), device=device)
+                params_dtype=params_dtype(layout), device=device, ep_size=layout.ep)
 
 
-def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
-    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel).
+def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_report: LossReport | None = None):
+    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel);
+    its loss function reports to ``loss_report``.
 
     Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
     generator (device-independent numbers) and moved at once, so the whole fp32 model never
     exists on the host and no second copy is made afterwards."""
     layout = run.layout
-    common = model_kwargs(run, ps.tp_group, eod_token, device)
+    common = dict(model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
+                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
     if layout.own_schedule:
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
@@ -59,13 +64,14 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None):
     return build_sequential_gpt(layout.model, sp_group=ps.sp_group, **common)
 
 
-def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int) -> torch.nn.Module:
+def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
+                 loss_report: LossReport | None = None) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
     is given (and what the fake-CUDA tests run on ``cuda``)."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
-    model = build_model(run, ps, eod_token, device)
+    model = build_model(run, ps, eod_token, device, loss_report)
     if run.layout.sequence_parallel:
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
@@ -86,6 +92,7 @@ class Runtime:
     optimizer_desc: str
     ps: ParallelState
     device: torch.device
+    loss_report: LossReport  # what the model's loss function reports besides its loss (the loop prints it)
 
 
 def scale_fp16_loss(engine, model) -> None:
@@ -114,11 +121,16 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked)."""
     layout = run.layout
-    model = build_module(run, ps, device, eod_token)
+    moe = is_moe_model(layout.model)
+    if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
+        ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
+    loss_report = LossReport(reported_names(moe))
+    model = build_module(run, ps, device, eod_token, loss_report)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
-        optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad)
+        optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad,
+                                     expert_group=ds_compat.moe_group_name(layout.ep) if moe else None)
     scheduler = make_lr_schedule(optimizer, run)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=layout.ds_config, mpu=ps if model_is_plain(layout) else None,
@@ -139,7 +151,8 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     # Megatron-DeepSpeed, whose seeds follow the PP and TP ranks only; a resume restores one state per DP rank
     dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
-    return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device)
+    return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device,
+                   loss_report=loss_report)
 
 
 def log_startup(run: Run, rt: Runtime) -> None:

@@ -32,7 +32,10 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
                    global_batch_size: int, loss: float | None, loss_scale: float, grad_norm: float | None,
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
                    tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None,
-                   eta_s: float | None = None, curriculum_seqlen: int | None = None) -> str:
+                   eta_s: float | None = None, curriculum_seqlen: int | None = None,
+                   reported: dict | None = None) -> str:
+    """``reported``: the loss function's other named scalars (``model/loss_report.py``), printed after
+    ``lm loss`` as ``| name: value |`` (None values left out)."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
@@ -46,6 +49,7 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     ]
     if loss is not None:
         parts.append(f" lm loss: {loss:.6E}")
+    parts += [f" {name}: {value:.6E}" for name, value in (reported or {}).items() if value is not None]
     parts.append(f" loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
@@ -64,9 +68,11 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     return "".join(p + " |" for p in parts)
 
 
-def validation_lines(label: str, loss: float) -> str:
+def validation_lines(label: str, loss: float, reported: dict | None = None) -> str:
+    """Megatron's validation line; ``reported`` (as for ``iteration_line``) follow as ``| name value: X |``."""
     ppl = math.exp(min(20.0, loss))
     body = f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    body += "".join(f"{name} value: {value:.6E} | " for name, value in (reported or {}).items() if value is not None)
     bar = "-" * len(body)
     return f"{bar}\n{body}\n{bar}"
 

@@ -19,6 +19,7 @@ from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
+from megatron_ds.model.loss_report import EVAL, LossReport
 from megatron_ds.training import log as mlog
 from megatron_ds.training.curriculum import SeqlenWarmup
 from megatron_ds.training.flops import model_flops_per_iteration
@@ -140,6 +141,8 @@ class Loop:
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
+    # the named scalars the model's loss function reports (model/loss_report.py): printed after lm loss
+    loss_report: LossReport = field(default_factory=LossReport)
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
@@ -228,6 +231,7 @@ class Loop:
         lr = engine.lr_scheduler.get_lr()[0] if engine.lr_scheduler is not None else self.run.optimizer.lr
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
+        reported, mean_loss = self._reported(mean_loss)
         flops = self.flops if seqlen == layout.model.seq_length else self._flops(seqlen)  # warm-up: shorter
         mlog.print_last_rank(mlog.iteration_line(
             iteration=state.iteration, train_iters=layout.train_iters,
@@ -240,8 +244,8 @@ class Loop:
             tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
             mem_gb=mlog.peak_memory_gb(self.device),
             eta_s=elapsed * (layout.train_iters - state.iteration),
-            curriculum_seqlen=seqlen if layout.curriculum else None))
-        self.tb.scalars(state.iteration, {
+            curriculum_seqlen=seqlen if layout.curriculum else None, reported=reported))
+        self.tb.scalars(state.iteration, {**reported,
             "lm loss": mean_loss, "learning-rate": lr if lg.log_learning_rate_to_tensorboard else None,
             "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
@@ -250,6 +254,13 @@ class Loop:
             "loss-scale": ds_compat.reported_loss_scale(engine),
             "seqlen/curriculum_seqlen": seqlen if layout.curriculum else None,  # Megatron-DeepSpeed's tag
         })
+
+    def _reported(self, loss: float | None, phase: str = "train") -> tuple[dict, float | None]:
+        """The loss report's means (collective: every rank is here) and the loss to print as lm loss:
+        the reported "lm loss" where the loss function reports one (its loss holds more terms)."""
+        reported = self.loss_report.reduce(self.device, phase=phase)
+        lm = reported.pop("lm loss", None)
+        return reported, lm if lm is not None else loss
 
     def _between_iterations(self, state: TrainState, valid_iter) -> bool:
         """Validation when due, the save when due or when stopping, and the stop decision (marked in
@@ -278,12 +289,14 @@ class Loop:
         layout = self.run.layout
         if self.warmup is not None:  # evaluation at the full length (megatron/training.py evaluate)
             self.warmup.set_length(layout.model.seq_length)
-        loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
+        with self.loss_report.phase(EVAL):
+            loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
+        reported, loss = self._reported(loss, EVAL)
         if t.empty_unused_memory_level >= 2 and cuda_runtime():
             torch.cuda.empty_cache()
         state.consumed_valid_samples += t.eval_iters * layout.global_batch_size
-        mlog.print_last_rank(mlog.validation_lines(label, loss))
-        values = {"lm loss validation": loss}
+        mlog.print_last_rank(mlog.validation_lines(label, loss, reported))
+        values = {"lm loss validation": loss, **{f"{name} validation": v for name, v in reported.items()}}
         if self.run.logging.log_validation_ppl_to_tensorboard:
             values["lm loss validation ppl"] = math.exp(min(20.0, loss))
         self.tb.scalars(state.iteration, values)
