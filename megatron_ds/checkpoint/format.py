@@ -19,6 +19,7 @@ import json
 import os
 import re
 
+from megatron_ds.config.moe import is_moe
 from megatron_ds.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -118,7 +119,7 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     A mixture-of-experts model adds its experts' shape and the expert parallel size (a dense
     model's signature is what it was before MoE existed, so older checkpoints still match)."""
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
-    if max(model.num_experts) > 1:
+    if is_moe(model):
         sig.update({name: getattr(model, name) for name in MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
         sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":
@@ -137,4 +138,4 @@ def layout_signature(layout) -> dict:
     ranks of the sequence data parallel group (the weights themselves do not depend on SP)."""
     return signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
                      dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
-                     precision=layout.precision, use_pipeline=layout.use_pipeline)
+                     precision=layout.precision, use_pipeline=layout.use_pipeline, ep=layout.ep)

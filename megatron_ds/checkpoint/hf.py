@@ -23,6 +23,7 @@ import torch
 
 from megatron_ds.checkpoint import mixtral
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.moe import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -36,7 +37,7 @@ _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorc
 
 def choose_architecture(m: ModelConfig) -> str:
     """The transformers class that can express ``m`` exactly; ConfigError naming what cannot."""
-    if max(m.num_experts) > 1:
+    if is_moe(m):
         mixtral.check_expressible(m)
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:

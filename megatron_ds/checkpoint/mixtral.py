@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ds.checkpoint.moe import expert_id
+from megatron_ds.config.moe import model_experts
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -64,11 +65,12 @@ def _moe_problems(m: ModelConfig) -> list[str]:
     problems = []
     if m.mlp_type != "standard":
         problems.append(f"--mlp-type {m.mlp_type} (Mixtral has no dense MLP beside the experts)")
+    per_layer = model_experts(m)
     if m.expert_interval != 1:
         problems.append(f"--expert-interval {m.expert_interval} (Mixtral has experts on every layer)")
-    if len(set(m.num_experts)) > 1:
-        problems.append(f"--num-experts {' '.join(map(str, m.num_experts))} (Mixtral has one expert count for "
-                        f"every layer{'; a layer with 1 expert is dense' if 1 in m.num_experts else ''})")
+    elif len(set(per_layer)) > 1:
+        problems.append(f"--num-experts {' '.join(map(str, m.num_experts))} (Mixtral has the same experts on every "
+                        f"layer{'; a layer with 1 expert is dense' if 1 in per_layer else ''})")
     if m.topk < 2:
         problems.append("--topk 1 (DeepSpeed's top-1 gate scales the expert by its probability, Mixtral's router "
                         "renormalizes it to 1)")
@@ -121,5 +123,5 @@ def moe_from_hf(i: int, num_experts: int, get) -> dict[str, torch.Tensor]:
 
 def config_kwargs(m: ModelConfig) -> dict:
     """MixtralConfig's MoE fields for ``m`` (its Llama fields come from ``hf.hf_config``)."""
-    return dict(num_local_experts=m.num_experts[0], num_experts_per_tok=m.topk, router_aux_loss_coef=m.moe_loss_coeff,
+    return dict(num_local_experts=model_experts(m)[0], num_experts_per_tok=m.topk, router_aux_loss_coef=m.moe_loss_coeff,
                 router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)

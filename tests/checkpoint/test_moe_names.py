@@ -156,7 +156,7 @@ def test_mixtral_names_round_trip():
     (dict(swiglu=False), "GeLU experts"),
     (dict(mlp_type="residual"), "--mlp-type residual"),
     (dict(expert_interval=2, num_layers=2), "--expert-interval 2"),
-    (dict(num_experts=(4, 1)), "--num-experts 4 1"),
+    (dict(num_experts=(4, 1)), "--num-experts 4 1 (Mixtral has the same experts on every layer; a layer with 1"),
     (dict(topk=1), "--topk 1"),
     (dict(disable_moe_token_dropping=False), "token dropping"),
     (dict(disable_moe_top2_2nd_expert_sampling=False), "second-expert sampling"),
