@@ -8,6 +8,10 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
 - Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1, one saved at PP 2 at PP 1, and
   both continue as the uninterrupted run does (losses of steps 4-6, then the step-6 weights by
   ``load_consolidated``, which reads the experts by their global ids at either EP size).
+  The EP case keeps DeepSpeed's default routing: top-1 with token dropping, whose random token
+  selection (``use_rts``) draws from the RNG streams the checkpoint restores (TP and PP unchanged).
+  A PP change restarts those streams (each saved state belongs to a stage that no longer exists),
+  so the PP case routes without dropping (capacity = the largest expert load; nothing random).
   Tolerances as tests/checkpoint/test_reshard.py: fp32, the layouts sum the same numbers in other
   orders (EP 2 exchanges tokens all-to-all and reduces expert gradients over other groups; PP 2
   sums the tied embedding's gradient across stages): losses within 2e-5 relative, weights within
@@ -66,18 +70,18 @@ def _weights(path, iteration=None):
     return load_consolidated(path, iteration, log=lambda *a: None).state_dict
 
 
-@pytest.mark.parametrize("name,saved,resumed", [
-    # (world, flags) of the saving run and of the resuming run
-    ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1))),
-    ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1))),
+@pytest.mark.parametrize("name,saved,resumed,extra", [
+    # (world, flags) of the saving run and of the resuming run; flags of both
+    ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1)), []),
+    ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1)), ["--disable-moe-token-dropping"]),
 ])
-def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed):
+def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed, extra):
     ckpt = str(tmp_path / "saved")
-    straight = _run(saved[0], RESHAPE + saved[1] + ["--save", ckpt, "--save-interval", "3"])
+    straight = _run(saved[0], RESHAPE + saved[1] + extra + ["--save", ckpt, "--save-interval", "3"])
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")  # resume from the middle of the run
     out = str(tmp_path / "resumed")
-    got = _run(resumed[0], RESHAPE + resumed[1] + ["--load", ckpt, "--save", out])
+    got = _run(resumed[0], RESHAPE + resumed[1] + extra + ["--load", ckpt, "--save", out])
     assert [it for it, _ in got] == [4, 5, 6]
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in straight[3:]], **FP32["loss"])
     want, have = _weights(ckpt, 6), _weights(out)
