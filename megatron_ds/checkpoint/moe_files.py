@@ -27,13 +27,18 @@ class MoEModuleSource:
         # tp rank -> the module of each pipeline stage (mp rank = pp rank * tp + tp rank)
         self.modules = {t: [self._module(pp * ckpt.tp + t) for pp in range(ckpt.pp)] for t in range(ckpt.tp)}
         self.expert_files = collections.defaultdict(dict)  # tp rank -> {full name (global id): file}
+        # Whole experts (no --enable-expert-tensor-parallelism): DeepSpeed's expert parallel groups
+        # span tensor parallel ranks, so one TP rank's files may hold only some experts; any TP
+        # rank's copy of an expert is the expert.
+        whole = not ckpt.model.enable_expert_tensor_parallelism
         for name in sorted(os.listdir(ckpt.path)):
             parsed = moe.parse_expert_file(name)
             if parsed is None:
                 continue
             path = os.path.join(ckpt.path, name)
             for key in load_file(path):
-                self.expert_files[parsed[2] % ckpt.tp][key] = path
+                for t in range(ckpt.tp) if whole else (parsed[2] % ckpt.tp,):
+                    self.expert_files[t].setdefault(key, path)
 
     def _module(self, mp: int) -> dict:
         try:

@@ -5,7 +5,9 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
   top-2 gating with DeepSpeed's second-expert sampling and dropout on, so the RNG streams must
   come back too. The checkpoint holds DeepSpeed's own MoE files (mp_rank files without experts,
   one file per expert with its global id, ZeRO-0's optimizer per expert parallel rank).
-- Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1, one saved at PP 2 at PP 1, and
+- Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1 (ZeRO-0: DeepSpeed's optimizer
+  file per expert parallel rank; ZeRO-1: shards whose experts carry local ids, partitioned over
+  the expert data parallel group), one saved at PP 2 at PP 1, and
   both continue as the uninterrupted run does (losses of steps 4-6, then the step-6 weights by
   ``load_consolidated``, which reads the experts by their global ids at either EP size).
   The EP case keeps DeepSpeed's default routing: top-1 with token dropping, whose random token
@@ -74,6 +76,7 @@ def _weights(path, iteration=None):
     # (world, flags) of the saving run and of the resuming run; flags of both
     ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1)), []),
     ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1)), ["--disable-moe-token-dropping"]),
+    ("ep2_zero1_to_ep1", (2, _ep(2)), (2, _ep(1)), ["--zero-stage", "1"]),
 ])
 def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed, extra):
     ckpt = str(tmp_path / "saved")

@@ -171,3 +171,19 @@ def test_mixtral_refusals_name_the_reason(change, reason):
     message = str(info.value)
     assert "\n" not in message and reason in message and message.startswith(
         "a mixture-of-experts model exports as MixtralForCausalLM, which cannot express")
+
+
+@pytest.mark.parametrize("tp,dp,ep,expert_tp", [(1, 4, 2, False), (2, 2, 2, False), (2, 2, 4, False),
+                                                (2, 4, 2, True), (1, 2, 1, False)])
+def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
+    """The placement the ZeRO shard reader assumes is the one the model is built with
+    (``ParallelState.expert_parallel_rank``, which training checks against DeepSpeed's groups)."""
+    from megatron_ds.parallel.groups import ParallelState
+
+    pp = 2
+    for rank in range(tp * dp * pp):
+        stage_rank = rank % (tp * dp)  # our topology: pipe-major, then data, then tensor
+        state = types.SimpleNamespace(rank=rank, world_size=tp * dp * pp, pp_size=pp, sp_size=1, dp_size=dp,
+                                      dp_rank=stage_rank // tp)
+        want = ParallelState.expert_parallel_rank(state, ep, expert_tp)
+        assert moe.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp) == want
