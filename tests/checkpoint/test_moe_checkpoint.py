@@ -76,7 +76,7 @@ def _weights(path, iteration=None):
     # (world, flags) of the saving run and of the resuming run; flags of both
     ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1)), []),
     ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1)), ["--disable-moe-token-dropping"]),
-    ("ep2_zero1_to_ep1", (2, _ep(2)), (2, _ep(1)), ["--zero-stage", "1"]),
+    ("ep2_zero1_to_ep1", (2, _ep(2)), (2, _ep(1)), ["--zero-stage", "1", "--create-moe-param-group"]),
 ])
 def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed, extra):
     ckpt = str(tmp_path / "saved")
