@@ -14,7 +14,8 @@ is identical and the outputs differ only by summation order in attention and the
 difference would move a token's output by a whole expert's contribution (~1e-1).
 
 A checkpoint Mixtral cannot express (GPT-2-style MoE with top-1 gating and token dropping) is
-refused by the CLI with one line naming the reasons.
+refused by the CLI with one line naming the reasons; tools/checkpoint/to_universal.py refuses MoE
+checkpoints in one line too (DeepSpeed's converter does not read expert files).
 """
 import os
 import sys
@@ -72,3 +73,9 @@ def test_export_refuses_what_mixtral_cannot_express(tmp_path, capsys):
     for reason in ("--position-embedding-type learned_absolute", "GeLU experts", "biases", "--expert-interval 2",
                    "--topk 1", "token dropping"):
         assert reason in err
+    # DeepSpeed's ds_to_universal cannot read expert files (Megatron-DeepSpeed's KeyError 'param_shapes')
+    import to_universal
+
+    assert to_universal.main(["--load", ckpt]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "mixture-of-experts layers, whose expert files" in err

@@ -4,7 +4,8 @@
   trained at EP 2 x DP 2, initialized with std 0.3 so that greedy choices are far apart): greedy
   generation from the checkpoint equals greedy decoding by transformers' MixtralForCausalLM on its
   export (its logits equal ours: tests/checkpoint/test_moe_hf.py; the smallest margin between the
-  best and second-best token is asserted, so equality is not luck), and tools/evaluate.py's
+  best and second-best token is asserted, so equality is not luck), as does generation at TP 2
+  under a launcher (whole experts on both ranks), and tools/evaluate.py's
   perplexity equals Hugging Face's perplexity guide run on that Mixtral (fp32 both; the kernels
   differ, ~1e-6 on logits, less on a mean over 299 tokens: rel 1e-5 as in
   tests/inference/test_checkpoint_generation.py).
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from tests.checkpoint.common import train
+from tests.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,10 +69,21 @@ def test_greedy_generation_equals_mixtral(llama_moe, tmp_path):
     argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--greedy", "--max-new-tokens", str(NEW),
             "--no-stop-at-eod", "--output", out, "--batch-size", "2"]
     assert main(argv + [a for p in PROMPTS for a in ("--prompt", p)]) == 0
-    for prompt, result in zip(PROMPTS, _read(out)):
+    reference = _read(out)
+    for prompt, result in zip(PROMPTS, reference):
         tokens, margin = _greedy(mixtral, [int(t) for t in prompt.split()], NEW)
         assert margin > 1e-3
         assert result["generated"].split() == [str(t) for t in tokens]
+    # TP 2 under a launcher: every TP rank holds whole experts (EP 1), attention and dense parts split
+    out2 = str(tmp_path / "gen_tp2.jsonl")
+    argv2 = [a if a != out else out2 for a in argv] + [a for p in PROMPTS for a in ("--prompt", p)]
+    assert run_distributed(_cli_under_launcher, 2, argv2, timeout=600) == [0, 0]
+    assert _read(out2) == reference
+
+
+def _cli_under_launcher(rank, world_size, argv):
+    from generate_samples_gpt import main
+    return main(argv)
 
 
 def _hf_guide_nll(model, ids, window, stride):
