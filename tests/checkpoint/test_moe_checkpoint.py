@@ -7,13 +7,15 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
   one file per expert with its global id, ZeRO-0's optimizer per expert parallel rank).
 - Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1 (ZeRO-0: DeepSpeed's optimizer
   file per expert parallel rank; ZeRO-1: shards whose experts carry local ids, partitioned over
-  the expert data parallel group), one saved at PP 2 at PP 1, and
+  the expert data parallel group), one saved at PP 2 at PP 1, one saved at TP 2 with experts
+  split over TP (--enable-expert-tensor-parallelism: each GeLU expert split as the dense
+  MLP) at TP 1, and
   both continue as the uninterrupted run does (losses of steps 4-6, then the step-6 weights by
   ``load_consolidated``, which reads the experts by their global ids at either EP size).
   The EP case keeps DeepSpeed's default routing: top-1 with token dropping, whose random token
   selection (``use_rts``) draws from the RNG streams the checkpoint restores (TP and PP unchanged).
-  A PP change restarts those streams (each saved state belongs to a stage that no longer exists),
-  so the PP case routes without dropping (capacity = the largest expert load; nothing random).
+  A TP or PP change restarts those streams (each saved state belongs to a rank that no longer
+  exists), so those cases route without dropping (capacity = the largest expert load; nothing random).
   Tolerances as tests/checkpoint/test_reshard.py: fp32, the layouts sum the same numbers in other
   orders (EP 2 exchanges tokens all-to-all and reduces expert gradients over other groups; PP 2
   sums the tied embedding's gradient across stages): losses within 2e-5 relative, weights within
@@ -77,6 +79,8 @@ def _weights(path, iteration=None):
     ("ep2_to_ep1", (2, _ep(2)), (2, _ep(1)), []),
     ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1)), ["--disable-moe-token-dropping"]),
     ("ep2_zero1_to_ep1", (2, _ep(2)), (2, _ep(1)), ["--zero-stage", "1", "--create-moe-param-group"]),
+    ("tp2_to_tp1_expert_tp", (2, layout_flags(2, 1)), (1, layout_flags(1, 1)),
+     ["--enable-expert-tensor-parallelism", "--disable-moe-token-dropping"]),
 ])
 def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed, extra):
     ckpt = str(tmp_path / "saved")
