@@ -8,10 +8,9 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
 - Reshape at --load: a checkpoint saved at EP 2 resumes at EP 1 (ZeRO-0: DeepSpeed's optimizer
   file per expert parallel rank; ZeRO-1: shards whose experts carry local ids, partitioned over
   the expert data parallel group), one saved at PP 2 at PP 1, one saved at TP 2 with experts
-  split over TP (--enable-expert-tensor-parallelism: each GeLU expert split as the dense
-  MLP) at TP 1, and
-  both continue as the uninterrupted run does (losses of steps 4-6, then the step-6 weights by
-  ``load_consolidated``, which reads the experts by their global ids at either EP size).
+  split over TP (--enable-expert-tensor-parallelism: each GeLU expert split as the dense MLP) at
+  TP 1, and all continue as the uninterrupted run does (losses of steps 4-6, then the step-6
+  weights by ``load_consolidated``, which reads the experts by their global ids at either EP size).
   The EP case keeps DeepSpeed's default routing: top-1 with token dropping, whose random token
   selection (``use_rts``) draws from the RNG streams the checkpoint restores (TP and PP unchanged).
   A TP or PP change restarts those streams (each saved state belongs to a rank that no longer
