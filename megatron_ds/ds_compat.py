@@ -572,6 +572,32 @@ def moe_gate_kept_routes(gate_output) -> torch.Tensor:
     raise incompatible(f"its TopKGate returns {len(gate_output)} values (expected 7 or 4)")
 
 
+def gather_flat_on_gloo(group) -> None:
+    """DeepSpeed's MoE gathers tokens over the tensor parallel ranks into a flat buffer
+    (deepspeed/moe/mappings.py ``_gather_tokens``: ``all_gather_into_tensor`` of a [world * numel]
+    output from a [e, c, m] input), which NCCL accepts and gloo refuses (it wants the output shaped
+    [world * e, c, m]). Where ``group`` is gloo, wrap ``deepspeed.comm.all_gather_into_tensor`` once
+    so that such a flat output is viewed in that shape (the same memory, the same numbers); every
+    other call passes through unchanged."""
+    import functools  # noqa: PLC0415
+
+    import deepspeed.comm as ds_comm  # noqa: PLC0415
+
+    original = ds_comm.all_gather_into_tensor
+    if getattr(original, "megatron_ds_flat_gather", False) or str(dist.get_backend(group)) != "gloo":
+        return
+
+    @functools.wraps(original)
+    def all_gather_into_tensor(output_tensor, tensor, *args, **kwargs):
+        if output_tensor.dim() == 1 and tensor.dim() > 1 and output_tensor.numel() % tensor.numel() == 0:
+            ranks = output_tensor.numel() // tensor.numel()
+            output_tensor = output_tensor.view(ranks * tensor.shape[0], *tensor.shape[1:])
+        return original(output_tensor, tensor, *args, **kwargs)
+
+    all_gather_into_tensor.megatron_ds_flat_gather = True
+    ds_comm.all_gather_into_tensor = all_gather_into_tensor
+
+
 def norm_with_expert_grads(dense_norm: float, mpu, expert_grads: dict) -> float:
     """The global gradient norm with expert gradients (``{group name: [grads]}``) counted over their
     expert parallel groups, as DeepSpeed's bf16 optimizer does (runtime/utils.py

@@ -103,5 +103,6 @@ def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: i
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
                             loss_report=loss_report, **spec_kwargs)
     return GPTModelChunks(specs, num_layers=model_cfg.num_layers, pp=pp, pp_rank=pp_rank, v=v, tp_group=tp_group,
-                          seed=seed, tie_group=tie_group, loss_report=loss_report, moe_loss_coeff=model_cfg.moe_loss_coeff,
+                          seed=seed, tie_group=tie_group, loss_report=loss_report,
+                          moe_loss_coeff=model_cfg.moe_loss_coeff,
                           activation_checkpoint_interval=activation_checkpoint_interval)

@@ -27,7 +27,10 @@ how many of the gate's routes fell beyond the experts' capacity.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
 from megatron_ds import ds_compat
@@ -75,6 +78,27 @@ class DropCounter:
         self.last = (1.0 - kept.float() / routes).detach()
 
 
+@contextlib.contextmanager
+def _groups_set_aside(module: torch.nn.Module):
+    """Process groups cannot be deep-copied, and DeepSpeed deep-copies the expert it is given
+    (deepspeed/moe/experts.py Experts.__init__): set aside the ones a module's layers hold (an expert
+    split over tensor parallel ranks keeps its group) while that happens; yields a function that puts
+    them back into the module or any copy of it."""
+    held = [(name, attr, value) for name, m in module.named_modules() for attr, value in vars(m).items()
+            if isinstance(value, dist.ProcessGroup)]
+    for name, attr, _ in held:
+        setattr(module.get_submodule(name), attr, None)
+
+    def restore(target: torch.nn.Module) -> None:
+        for name, attr, value in held:
+            setattr(target.get_submodule(name), attr, value)
+
+    try:
+        yield restore
+    finally:
+        restore(module)
+
+
 def build_moe(hidden_size: int, make_expert, *, num_experts: int, ep_size: int, ep_rank: int, seed: int,
               topk: int, residual: bool, train_capacity_factor: float, eval_capacity_factor: float,
               min_capacity: int, drop_tokens: bool, top2_2nd_expert_sampling: bool,
@@ -88,12 +112,15 @@ def build_moe(hidden_size: int, make_expert, *, num_experts: int, ep_size: int, 
     if num_experts % ep_size:
         raise ValueError(f"{num_experts} experts do not divide over expert parallel size {ep_size}")
     template = _seeded(seed, make_expert)  # the residual MoE's dense MLP; DeepSpeed copies it per expert
-    moe = MoE(hidden_size, template, num_experts=num_experts, ep_size=ep_size, k=topk, capacity_factor=train_capacity_factor,
-              eval_capacity_factor=eval_capacity_factor, min_capacity=min_capacity, use_residual=residual,
-              drop_tokens=drop_tokens, use_rts=True, use_tutel=False,
-              enable_expert_tensor_parallelism=expert_tensor_parallel,
-              top2_2nd_expert_sampling=top2_2nd_expert_sampling)
-    local = moe.deepspeed_moe.experts.deepspeed_experts
+    with _groups_set_aside(template) as restore:
+        moe = MoE(hidden_size, template, num_experts=num_experts, ep_size=ep_size, k=topk,
+                  capacity_factor=train_capacity_factor, eval_capacity_factor=eval_capacity_factor,
+                  min_capacity=min_capacity, use_residual=residual, drop_tokens=drop_tokens, use_rts=True,
+                  use_tutel=False, enable_expert_tensor_parallelism=expert_tensor_parallel,
+                  top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        local = moe.deepspeed_moe.experts.deepspeed_experts
+        for expert in local:
+            restore(expert)
     if template.dense_h_to_4h.weight.device.type != "meta":  # a meta build has no values to draw
         with torch.no_grad():
             for j, expert in enumerate(local):

@@ -179,7 +179,8 @@ class GPTPipelineModel(PipelineModule):
         # grad mode on, autograd records that collective on the parameter and warns in backward.
         with _restore_default_rng(), torch.no_grad():
             super().__init__(
-                layers=specs, topology=topology, loss_fn=_loss_fn(tp_group, None, loss_report, moe_loss_coeff), seed_layers=True, seed_fn=seeder,
+                layers=specs, topology=topology, loss_fn=_loss_fn(tp_group, None, loss_report, moe_loss_coeff),
+                seed_layers=True, seed_fn=seeder,
                 base_seed=seed, partition_method=partition_method,
                 activation_checkpoint_interval=activation_checkpoint_interval,
                 # Ours replays the tensor parallel RNG stream too, so recomputed dropout is exact.

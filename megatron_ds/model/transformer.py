@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
+from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
@@ -315,9 +316,11 @@ class ParallelTransformerLayer(nn.Module):
             raise ValueError("MoE layers do not combine with (Megatron) sequence parallelism: DeepSpeed's MoE "
                              "expects every tensor parallel rank to hold the same tokens")
         expert_tp = cfg.enable_expert_tensor_parallelism
+        if tp_world_size(parallel["tp_group"]) > 1:  # DeepSpeed's MoE then gathers tokens over TP
+            ds_compat.gather_flat_on_gloo(parallel["tp_group"])
         expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
         # the experts' seeds: drawn from this layer's generator, so they follow the layer's seed
-        seed = int(torch.randint(0, 2 ** 31 - 1 - num_experts, ()))
+        seed = int(torch.randint(0, 2 ** 31 - 1 - num_experts, (), device="cpu"))  # (a meta build too)
         return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,
                          ep_size=ep_size, ep_rank=ep_rank, seed=seed, topk=cfg.topk,
                          residual=cfg.mlp_type == "residual", train_capacity_factor=cfg.moe_train_capacity_factor,
