@@ -14,7 +14,10 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
   The EP case keeps DeepSpeed's default routing: top-1 with token dropping, whose random token
   selection (``use_rts``) draws from the RNG streams the checkpoint restores (TP and PP unchanged).
   A TP or PP change restarts those streams (each saved state belongs to a rank that no longer
-  exists), so those cases route without dropping (capacity = the largest expert load; nothing random).
+  exists), so those cases drop nothing: PP without token dropping (capacity = the largest expert
+  load), TP with capacity factor 4 (capacity = every token of a micro-batch: the random priority
+  then picks them all; DeepSpeed 0.19's no-dropping capacity is not padded to the TP size when
+  experts are TP-split, which its token split then asserts on).
   Tolerances as tests/checkpoint/test_reshard.py: fp32, the layouts sum the same numbers in other
   orders (EP 2 exchanges tokens all-to-all and reduces expert gradients over other groups; PP 2
   sums the tied embedding's gradient across stages): losses within 2e-5 relative, weights within
@@ -79,7 +82,7 @@ def _weights(path, iteration=None):
     ("pp2_to_pp1", (2, layout_flags(1, 2)), (1, layout_flags(1, 1)), ["--disable-moe-token-dropping"]),
     ("ep2_zero1_to_ep1", (2, _ep(2)), (2, _ep(1)), ["--zero-stage", "1", "--create-moe-param-group"]),
     ("tp2_to_tp1_expert_tp", (2, layout_flags(2, 1)), (1, layout_flags(1, 1)),
-     ["--enable-expert-tensor-parallelism", "--disable-moe-token-dropping"]),
+     ["--enable-expert-tensor-parallelism", "--moe-train-capacity-factor", "4"]),
 ])
 def test_reshape_continues_the_uninterrupted_run(tmp_path, name, saved, resumed, extra):
     ckpt = str(tmp_path / "saved")
