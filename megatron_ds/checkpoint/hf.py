@@ -160,6 +160,8 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
             t[ours + ".weight"] = get(p + theirs + ".weight").t()
             t[ours + ".bias"] = get(p + theirs + ".bias")
         return t
+    if arch == MIXTRAL:
+        t.update(mixtral.moe_from_hf(i, m.num_experts[0], get))
     for ours, theirs in _transformer_layer_names(arch, i).items():
         x = get(theirs)
         if x is not None:
@@ -225,7 +227,9 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         return GPT2, resolve_model_config(_gpt2_config(d))
     if kind == "llama":
         return LLAMA, resolve_model_config(_llama_config(d))
-    raise ConfigError(f"model_type {kind!r}: only gpt2 and llama models import")
+    if kind == "mixtral":
+        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d), d))
+    raise ConfigError(f"model_type {kind!r}: only gpt2, llama and mixtral models import")
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -290,4 +294,10 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append("--disable-bias-linear")
     if m.untie_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
+    if is_moe(m):
+        f += [f"--num-experts {' '.join(map(str, m.num_experts))}", f"--expert-interval {m.expert_interval}",
+              f"--topk {m.topk}", f"--moe-loss-coeff {m.moe_loss_coeff:g}"]
+        f += [flag for flag, on in (("--disable-moe-token-dropping", m.disable_moe_token_dropping),
+                                    ("--disable-moe-top2-2nd-expert-sampling", m.disable_moe_top2_2nd_expert_sampling))
+              if on]
     return f

@@ -147,6 +147,13 @@ def test_mixtral_names_round_trip():
     assert torch.equal(hf[p + "experts.2.w3.weight"], _expert(2)["dense_h_to_4h.weight"][F:])  # up half
     back = mixtral.moe_from_hf(0, E, hf.get)
     assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    # transformers 5's own fused layout (MixtralExperts: gate_up_proj [E, 2F, H] = [w1; w3], down_proj [E, H, F])
+    fused = {"model.layers.0.mlp.gate.weight": hf[p + "gate.weight"],
+             "model.layers.0.mlp.experts.gate_up_proj": torch.stack(
+                 [torch.cat([hf[f"{p}experts.{e}.w1.weight"], hf[f"{p}experts.{e}.w3.weight"]]) for e in range(E)]),
+             "model.layers.0.mlp.experts.down_proj": torch.stack([hf[f"{p}experts.{e}.w2.weight"] for e in range(E)])}
+    back = mixtral.moe_from_hf(0, E, fused.get)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
     with pytest.raises(ConfigError, match="mlp.coefficient.weight has no place in MixtralForCausalLM"):
         mixtral.moe_to_hf(0, {**local, "mlp.coefficient.weight": torch.zeros(2, H)})
 
@@ -187,3 +194,18 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
                                       dp_rank=stage_rank // tp)
         want = ParallelState.expert_parallel_rank(state, ep, expert_tp)
         assert moe.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp) == want
+
+
+def test_mixtral_config_imports_as_deepspeed_moe():
+    from megatron_ds.checkpoint import hf
+
+    transformers = pytest.importorskip("transformers")
+    d = transformers.MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=F, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                   num_experts_per_tok=2).to_dict()
+    arch, m = hf.model_config_from_hf(d)
+    assert arch == hf.MIXTRAL and m.num_experts == (E,) and m.expert_interval == 1 and m.topk == 2
+    assert m.disable_moe_token_dropping and m.disable_moe_top2_2nd_expert_sampling and not m.add_bias_linear
+    hf.choose_architecture(m)  # exports back as Mixtral
+    with pytest.raises(ConfigError, match="num_experts_per_tok 1"):
+        hf.model_config_from_hf({**d, "num_experts_per_tok": 1})

@@ -8,7 +8,8 @@
   under a launcher (whole experts on both ranks), and tools/evaluate.py's
   perplexity equals Hugging Face's perplexity guide run on that Mixtral (fp32 both; the kernels
   differ, ~1e-6 on logits, less on a mean over 299 tokens: rel 1e-5 as in
-  tests/inference/test_checkpoint_generation.py).
+  tests/inference/test_checkpoint_generation.py); the export imported back (``--hf-model``) gives
+  that perplexity exactly.
 - A GPT-2-style MoE with DeepSpeed's defaults in evaluation -- token dropping at
   --moe-eval-capacity-factor and Gumbel sampling of the second expert -- generates and evaluates
   too (its routing is random by DeepSpeed's design, so only the shape of the results is checked).
@@ -42,7 +43,7 @@ def llama_moe(tmp_path_factory):
     train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE])
     hf_dir = str(tmp_path_factory.mktemp("llama-moe-hf"))
     export_hf(ckpt, hf_dir, dtype="fp32", log=lambda *a: None)
-    return ckpt, transformers.MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return ckpt, transformers.MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), hf_dir
 
 
 def _read(path):
@@ -64,7 +65,7 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
 def test_greedy_generation_equals_mixtral(llama_moe, tmp_path):
     from generate_samples_gpt import main
 
-    ckpt, mixtral = llama_moe
+    ckpt, mixtral, _ = llama_moe
     out = str(tmp_path / "gen.jsonl")
     argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--greedy", "--max-new-tokens", str(NEW),
             "--no-stop-at-eod", "--output", out, "--batch-size", "2"]
@@ -109,7 +110,7 @@ def _hf_guide_nll(model, ids, window, stride):
 def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
     from evaluate import main
 
-    ckpt, mixtral = llama_moe
+    ckpt, mixtral, _ = llama_moe
     ids = [(i * 37 + i // 7) % 500 for i in range(300)]
     text = tmp_path / "ids.txt"
     text.write_text(" ".join(map(str, ids)))
@@ -120,6 +121,13 @@ def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
     (got,) = json.load(open(out))["perplexity"].values()
     assert got["scored_tokens"] == count == len(ids) - 1
     assert got["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    # The Mixtral export imported back (--hf-model: import_hf, the hub's block_sparse_moe names) is the
+    # same model: fp32 export and import only move tensors, so the perplexity is the same number.
+    hf_out = tmp_path / "eval_hf.json"
+    assert main(["--hf-model", llama_moe[2], "--tokenizer-type", "NullTokenizer", "--ppl-data", str(text),
+                 "--window", "32", "--stride", "12", "--output", str(hf_out), "--no-progress"]) == 0
+    (imported,) = json.load(open(hf_out))["perplexity"].values()
+    assert imported == got
 
 
 def test_deepspeed_default_routing_generates_and_evaluates(tmp_path):
