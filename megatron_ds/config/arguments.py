@@ -120,8 +120,8 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
         "--fp8-e4m3", "--fp8-hybrid")},
     **{f: (0, _BERT_T5) for f in ("--output-bert-embeddings", "--bert-no-binary-head")},
-    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--decoder-num-layers", "--decoder-seq-length",
-                                  "--retriever-seq-length", "--mask-prob", "--short-seq-prob", "--sample-rate")},
+    **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--decoder-num-layers",
+                                  "--retriever-seq-length", "--sample-rate")},
     # megatron/model/transformer.py SwitchMLP: Megatron-LM's own top-1 MoE, every expert on every rank run one
     # after the other, no capacity, no auxiliary loss, no expert parallelism
     "--num-experts-switch": (1, "Megatron's own SwitchMLP is not supported; DeepSpeed-MoE's top-1 gating is: "
@@ -134,7 +134,6 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
     "--model-parallel-size": (1, "no longer valid (as in Megatron-DeepSpeed); use --tensor-model-parallel-size"),
     # GPT reads these as --num-layers / --seq-length (validate_args copies one into the other)
     "--encoder-num-layers": (1, "use --num-layers (a GPT model's layers)"),
-    "--encoder-seq-length": (1, "use --seq-length"),
     "--distribute-saved-activations": (0, "splitting recomputed layers' inputs across tensor parallel ranks is "
                                           "not supported; use --sequence-parallel"),
     "--random-ltd": (0, "random layerwise token dropping (DeepSpeed data efficiency) is not supported; drop it"),
@@ -186,7 +185,6 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
     "--transformer-impl": ("?", "local", "Transformer Engine layers are not supported"),
-    "--vocab-extra-ids": ("?", "0", _BERT_T5),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
-from megatron_ds.config.moe import check_moe, is_moe, mlp_params, model_experts, moe_layer_params
+from megatron_ds.config.moe import check_moe, check_moe_zero_json, is_moe, mlp_params, model_experts, moe_layer_params
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
@@ -347,7 +347,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)
     notes: list[str] = check_moe(
-        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, own_schedule=virtual_pp > 1 or zbh1 is not None,
+        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
+        own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
@@ -360,6 +361,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if moe:
+        check_moe_zero_json(ds, zero_stage)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, sp=sp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,

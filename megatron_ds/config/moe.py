@@ -95,8 +95,9 @@ def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELa
                           active=gate + min(m.topk, experts) * expert_full + residual[1])
 
 
-def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, bf16_optimizer: bool,
-              own_schedule: bool, sequence_parallel: bool, create_moe_param_group: bool) -> list[str]:
+def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, precision: str,
+              bf16_optimizer: bool, own_schedule: bool, sequence_parallel: bool,
+              create_moe_param_group: bool) -> list[str]:
     """Refuse (ConfigError, one line) what an MoE run cannot do; returns notes (flags without effect).
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
     for n in m.num_experts:
@@ -114,8 +115,12 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           f"the fewest experts of an MoE layer ({moe[0]})")
     for n in moe:
         if n % ep:
+            # deepspeed/moe/layer.py since DeepSpeed 0.7 (commit 5fe9d61); before, ep_size = min(ep_size, experts)
+            older = (" (DeepSpeed before 0.7 lowered EP to a layer's expert count, which Megatron-DeepSpeed's PR-MoE "
+                     "scripts relied on)" if n < ep else "")
             raise ConfigError(f"--num-experts {n} is not divisible by --moe-expert-parallel-size {ep}: each expert "
-                              f"parallel rank holds num_experts / EP of a layer's experts (DeepSpeed's MoE asserts it)")
+                              f"parallel rank holds num_experts / EP of a layer's experts, as DeepSpeed's MoE "
+                              f"asserts{older}")
     if dp % ep:
         raise ConfigError(f"--moe-expert-parallel-size {ep} does not divide the data parallel size {dp} (world = TP "
                           f"{tp} x PP {pp} x DP {dp}): the experts are split over groups of EP data parallel ranks, "
@@ -131,6 +136,11 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
         wrapper = f"ZeRO stage {zero_stage}" if zero_stage else "DeepSpeed's BF16_Optimizer (bf16 without ZeRO)"
         raise ConfigError(f"mixture of experts under {wrapper} needs --create-moe-param-group: DeepSpeed's optimizer "
                           f"partitions and reduces expert parameters over their own groups and stops without them")
+    if precision != "fp32" and ep > 1 and not create_moe_param_group:
+        # runtime/fp16/fused_optimizer.py step: only groups marked 'moe' join get_norm_with_moe_layers
+        raise ConfigError(f"mixture of experts with --moe-expert-parallel-size {ep} under DeepSpeed's {precision} "
+                          f"optimizer needs --create-moe-param-group: without expert groups it takes the gradient "
+                          f"norm of each rank's own experts, so data parallel replicas would clip differently")
     if sp > 1:
         raise ConfigError(f"mixture of experts cannot be combined with DeepSpeed-Ulysses (--ds-sequence-parallel-size "
                           f"{sp}): DeepSpeed averages expert gradients over its data parallel group, not over the "
@@ -145,3 +155,18 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           "passes only the hidden state between stages (training/interleaved_pipeline.py "
                           "activation_specs), not the MoE layers' auxiliary loss; use the pipeline engine's 1F1B")
     return []
+
+
+def check_moe_zero_json(ds: dict, zero_stage: int) -> None:
+    """DeepSpeed's ZeRO 1/2 optimizer asserts, for an MoE model, "reduce_scatter" (stages 1 and 2) and
+    "contiguous_gradients" (stage 2) on (runtime/zero/stage_1_and_2.py _configure_moe_settings); both default on,
+    so only a JSON turning one off is refused, before the queue rather than at start-up."""
+    if zero_stage not in (1, 2):
+        return
+    zero = ds.get("zero_optimization") or {}
+    off = [key for key in ("reduce_scatter", "contiguous_gradients")
+           if zero.get(key, True) is False and (key == "reduce_scatter" or zero_stage == 2)]
+    if off:
+        raise ConfigError(f"mixture of experts under ZeRO stage {zero_stage} needs \"{off[0]}\": true in the DeepSpeed "
+                          f"JSON's \"zero_optimization\" (DeepSpeed's ZeRO optimizer asserts it for MoE); remove the "
+                          f"false value")

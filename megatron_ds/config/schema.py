@@ -39,8 +39,9 @@ class ModelConfig:
     """MLP hidden size (default 4*hidden; with --swiglu, 2/3 of that rounded down to a multiple of 64)."""
     kv_channels: Optional[int] = None
     """Per-head projection size (default hidden/heads)."""
-    seq_length: Optional[int] = None
-    """Sequence length of a training sample."""
+    seq_length: Optional[int] = meta(None, flags=("--seq-length", "--encoder-seq-length"))
+    """Sequence length of a training sample (T5: the encoder's; --encoder-seq-length is Megatron's
+    T5 spelling, which its validate_args copies into --seq-length)."""
     max_position_embeddings: Optional[int] = None
     """Size of the learned position table (default --seq-length)."""
     position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
@@ -451,6 +452,22 @@ class DeepSpeedConfig:
 
 
 @dataclass(frozen=True)
+class MaskedLMDataConfig:
+    """BERT / T5 samples (Megatron-DeepSpeed's megatron/arguments.py _add_data_args; read by its
+    megatron/data/bert_dataset.py and t5_dataset.py through pretrain_bert.py / pretrain_t5.py)."""
+
+    mask_prob: float = 0.15
+    """Fraction of a sample's tokens to mask (BERT: by [MASK] 8 times in 10, kept 1 in 10, a random
+    token 1 in 10; T5: whole spans, each replaced by one sentinel)."""
+    short_seq_prob: float = 0.1
+    """Probability that a sample's target length is drawn at random in [2, max] instead of the maximum."""
+    vocab_extra_ids: int = 0
+    """T5 sentinel tokens <extra_id_0>.. added to a BERT WordPiece vocabulary (T5 uses 100)."""
+    decoder_seq_length: Optional[int] = None
+    """T5 decoder sequence length (the encoder's is --seq-length / --encoder-seq-length)."""
+
+
+@dataclass(frozen=True)
 class Config:
     """Every flag of the command line, grouped by concern (``parse_args``'s result)."""
 
@@ -462,6 +479,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    masked_lm: MaskedLMDataConfig = field(default_factory=MaskedLMDataConfig)
     dry_run: bool = False
     world_size: Optional[int] = None
     gpu_memory_gb: Optional[str] = None  # --dry-run: GB, an ABCI resource type or a GPU name
@@ -470,4 +488,4 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "deepspeed")
+SECTIONS = ("model", "parallel", "optimizer", "training", "data", "checkpoint", "logging", "deepspeed", "masked_lm")

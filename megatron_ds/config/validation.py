@@ -80,6 +80,11 @@ _RANGES: tuple = (
     ("checkpoint", "keep_last", 1, True, None, False),
     ("checkpoint", "ckpt_step", 0, True, None, False),
     ("logging", "log_interval", 1, True, None, False),
+    # BERT / T5 data (issue 24)
+    ("masked_lm", "mask_prob", 0.0, True, 1.0, True),
+    ("masked_lm", "short_seq_prob", 0.0, True, 1.0, True),
+    ("masked_lm", "vocab_extra_ids", 0, True, None, False),
+    ("masked_lm", "decoder_seq_length", 1, True, None, False),
 )
 
 
@@ -152,6 +157,8 @@ def missing_flags(cfg, *, with_data: bool = True) -> list[str]:
         missing.append(f"--tokenizer-model (for {kind})")
     elif kind == "NullTokenizer" and d.vocab_size is None:
         missing.append("--vocab-size (for NullTokenizer)")
+    elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase") and not d.vocab_file:
+        missing.append(f"--vocab-file (a BERT vocab.txt, for {kind})")
     if with_data and not (d.mock_data or d.data_path or d.train_data_path):
         missing.append("--data-path (or --train-data-path, or --mock-data)")
     return missing

@@ -1,4 +1,4 @@
-"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT samples, blending, samplers, batches.
+"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT/BERT/T5 samples, blending, samplers, batches.
 
 Names are re-exported lazily (PEP 562): `tools/preprocess_data.py` and its worker processes use
 the tokenizer and the indexed dataset builder without paying for importing torch.
@@ -13,7 +13,13 @@ _EXPORTS = {
         "data_file_path", "dataset_exists", "index_file_path",
     ),
     "tokenizer": ("MockTokenizer", "TokenizerError", "build_tokenizer", "build_tokenizer_for"),
-    "helpers": ("build_blending_indices", "build_sample_idx"),
+    "helpers": ("build_blending_indices", "build_mapping", "build_sample_idx"),
+    "bert_tokenizer": ("BertWordPieceTokenizer",),
+    "masking": ("create_masked_lm_predictions",),
+    "samples_mapping": ("get_samples_mapping",),
+    "bert_dataset": ("BertDataset",),
+    "t5_dataset": ("T5Dataset",),
+    "bert_t5_datasets": ("DSET_TYPE_BERT", "DSET_TYPE_T5"),
     "index_cache": ("CacheTimings", "cache_dirs", "description_hash", "load_or_build"),
     "gpt_dataset": (
         "GPTDataset", "build_index_mappings", "build_train_valid_test_datasets", "check_train_valid_test_data",

@@ -1,6 +1,6 @@
-// Index builders for GPT datasets (pybind11 module megatron_ds.data._helpers).
+// Index builders for GPT, BERT and T5 datasets (pybind11 module megatron_ds.data._helpers).
 //
-// Both functions are sequential scans that are slow in Python at the 10^9-token scale.
+// All three functions are sequential scans that are slow in Python at the 10^9-token scale.
 // megatron_ds/data/helpers.py holds NumPy versions with identical results; the tests prove it.
 // The GIL is released while scanning so other Python threads (the index-cache heartbeat)
 // keep running during a long build.
@@ -16,7 +16,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdint>
+#include <random>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -171,14 +173,162 @@ py::tuple build_blending_indices(const py::array_t<double, py::array::c_style | 
     return py::make_tuple(dataset_index, sample_index);
 }
 
+// ---------------------------------------------------------------------------------------------
+// BERT / T5 samples mapping: Megatron-DeepSpeed's megatron/data/helpers.cpp `build_mapping`
+// (algorithm transcribed; the arrays it returns are identical for the same inputs and seed).
+// A sample is a run of whole sentences of one document: rows (first sentence, one past the last
+// sentence, target length). Documents with fewer than min_num_sent sentences, or with a sentence
+// longer than kLongSentenceLen tokens, give no samples.
+
+constexpr int32_t kLongSentenceLen = 512;
+
+// Megatron's get_target_sample_len: with probability ~short_seq_prob a random length in
+// [2, max_length], else max_length; one draw from the 32-bit Mersenne Twister per call.
+inline int32_t target_sample_len(int32_t short_seq_ratio, int32_t max_length, std::mt19937& gen) {
+    if (short_seq_ratio == 0) {
+        return max_length;
+    }
+    const auto r = gen();
+    if ((r % static_cast<uint32_t>(short_seq_ratio)) == 0) {
+        return static_cast<int32_t>(2 + r % static_cast<uint32_t>(max_length - 1));
+    }
+    return max_length;
+}
+
+// One pass over the epochs; writes rows when out != nullptr, returns the number of samples.
+// Both passes seed the generator alike, so they make the same decisions.
+template <typename OutT>
+uint64_t mapping_pass(const int64_t* docs, int64_t num_doc_bounds, const int32_t* sizes, int32_t num_epochs,
+                      uint64_t max_num_samples, int32_t max_seq_length, int32_t short_seq_ratio, int32_t seed,
+                      int32_t min_num_sent, OutT* out) {
+    std::mt19937 gen(static_cast<uint32_t>(seed));
+    uint64_t map_index = 0;
+    for (int32_t epoch = 0; epoch < num_epochs; ++epoch) {
+        // Megatron checks the sample count only between epochs: the last epoch is always whole.
+        if (map_index >= max_num_samples) {
+            break;
+        }
+        const uint64_t at_epoch_start = map_index;
+        for (int64_t doc = 0; doc + 1 < num_doc_bounds; ++doc) {
+            const int64_t first = docs[doc];
+            const int64_t last = docs[doc + 1];
+            int64_t remaining = last - first;
+            bool long_sentence = false;
+            if (remaining > 1) {
+                for (int64_t s = first; s < last; ++s) {
+                    if (sizes[s] > kLongSentenceLen) {
+                        long_sentence = true;
+                        break;
+                    }
+                }
+            }
+            if (remaining < min_num_sent || long_sentence) {
+                continue;
+            }
+            int64_t start = first;
+            int64_t seq_len = 0;
+            int32_t num_sent = 0;
+            int32_t target = target_sample_len(short_seq_ratio, max_seq_length, gen);
+            for (int64_t s = first; s < last; ++s) {
+                seq_len += sizes[s];
+                ++num_sent;
+                --remaining;
+                // Close the sample at the target length unless that would leave a lone sentence,
+                // and always at the end of the document.
+                if ((seq_len >= target && remaining > 1 && num_sent >= min_num_sent) || remaining == 0) {
+                    if (out != nullptr) {
+                        out[3 * map_index] = static_cast<OutT>(start);
+                        out[3 * map_index + 1] = static_cast<OutT>(s + 1);
+                        out[3 * map_index + 2] = static_cast<OutT>(target);
+                    }
+                    ++map_index;
+                    start = s + 1;
+                    target = target_sample_len(short_seq_ratio, max_seq_length, gen);
+                    seq_len = 0;
+                    num_sent = 0;
+                }
+            }
+        }
+        if (map_index == at_epoch_start) {
+            // Megatron would loop over ~2^31 empty epochs here; no document can give a sample.
+            throw std::invalid_argument(
+                "build_mapping: no document has enough sentences (each of at most 512 tokens) for a sample");
+        }
+    }
+    return map_index;
+}
+
+template <typename OutT>
+py::array build_mapping_typed(const int64_t* docs, int64_t num_doc_bounds, const int32_t* sizes,
+                              int32_t num_epochs, uint64_t max_num_samples, int32_t max_seq_length,
+                              int32_t short_seq_ratio, int32_t seed, int32_t min_num_sent) {
+    uint64_t num_samples = 0;
+    {
+        py::gil_scoped_release release;
+        num_samples = mapping_pass<OutT>(docs, num_doc_bounds, sizes, num_epochs, max_num_samples, max_seq_length,
+                                         short_seq_ratio, seed, min_num_sent, nullptr);
+    }
+    py::array_t<OutT> out({static_cast<int64_t>(num_samples), int64_t{3}});
+    OutT* rows = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        mapping_pass<OutT>(docs, num_doc_bounds, sizes, num_epochs, max_num_samples, max_seq_length,
+                           short_seq_ratio, seed, min_num_sent, rows);
+        // Fisher-Yates with a 64-bit Mersenne Twister seeded seed + 1, as Megatron shuffles rows.
+        std::mt19937_64 gen64(static_cast<uint64_t>(seed) + 1);
+        for (int64_t i = static_cast<int64_t>(num_samples) - 1; i > 0; --i) {
+            const auto j = static_cast<int64_t>(gen64() % static_cast<uint64_t>(i + 1));
+            for (int k = 0; k < 3; ++k) {
+                std::swap(rows[3 * i + k], rows[3 * j + k]);
+            }
+        }
+    }
+    return std::move(out);
+}
+
+py::array build_mapping(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& docs,
+                        const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& sizes,
+                        int32_t num_epochs, uint64_t max_num_samples, int32_t max_seq_length,
+                        double short_seq_prob, int32_t seed, int32_t min_num_sent) {
+    if (docs.ndim() != 1 || sizes.ndim() != 1 || docs.shape(0) < 1) {
+        throw std::invalid_argument("build_mapping: docs (document bounds) and sizes must be non-empty 1-D arrays");
+    }
+    if (num_epochs < 1 || max_seq_length < 2 || short_seq_prob < 0.0 || short_seq_prob > 1.0 || seed < 1 ||
+        min_num_sent < 1) {
+        throw std::invalid_argument(
+            "build_mapping: needs num_epochs >= 1, max_seq_length >= 2, 0 <= short_seq_prob <= 1, seed >= 1, "
+            "min_num_sent >= 1");
+    }
+    const int64_t* d = docs.data();
+    const int64_t n = docs.shape(0);
+    for (int64_t i = 0; i < n; ++i) {
+        if (d[i] < 0 || d[i] > sizes.shape(0) || (i > 0 && d[i] < d[i - 1])) {
+            throw std::out_of_range("build_mapping: docs must be non-decreasing sentence indices within sizes");
+        }
+    }
+    // Megatron turns the probability into a ratio: a length is short when draw % ratio == 0.
+    const int32_t ratio = short_seq_prob > 0 ? static_cast<int32_t>(std::round(1.0 / short_seq_prob)) : 0;
+    if (sizes.shape(0) > static_cast<int64_t>(std::numeric_limits<uint32_t>::max())) {
+        return build_mapping_typed<uint64_t>(d, n, sizes.data(), num_epochs, max_num_samples, max_seq_length, ratio,
+                                             seed, min_num_sent);
+    }
+    return build_mapping_typed<uint32_t>(d, n, sizes.data(), num_epochs, max_num_samples, max_seq_length, ratio, seed,
+                                         min_num_sent);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_helpers, m) {
-    m.doc() = "megatron_ds data index helpers: GPT sample index and dataset blending";
+    m.doc() = "megatron_ds data index helpers: GPT sample index, BERT/T5 samples mapping and dataset blending";
     m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"), py::arg("seq_length"),
           py::arg("num_epochs"), py::arg("tokens_per_epoch"),
           "[(num_epochs * tokens_per_epoch - 1) // seq_length + 1, 2] array of (doc_idx position, offset) "
           "where each sample of seq_length + 1 tokens starts; int32 when it fits, else int64.");
     m.def("build_blending_indices", &build_blending_indices, py::arg("weights"), py::arg("size"),
           "(dataset_index uint8 (int16 above 256 datasets), dataset_sample_index int64) for a greedy blend.");
+    m.def("build_mapping", &build_mapping, py::arg("docs"), py::arg("sizes"), py::arg("num_epochs"),
+          py::arg("max_num_samples"), py::arg("max_seq_length"), py::arg("short_seq_prob"), py::arg("seed"),
+          py::arg("min_num_sent"),
+          "[num_samples, 3] shuffled rows (first sentence, end sentence, target length) of BERT/T5 samples; "
+          "uint32 unless sizes has more than 2^32 - 1 entries (then uint64). Megatron's build_mapping.");
 }

@@ -1,4 +1,5 @@
-"""GPT sample index and dataset blending: the C++ extension when built, NumPy otherwise.
+"""GPT sample index, BERT/T5 samples mapping and dataset blending: the C++ extension when built,
+NumPy otherwise.
 
 The extension (`megatron_ds.data._helpers`, compiled by `pip install` from helpers.cpp) is never
 built at run time: a rank-0 `make` racing other ranks on a shared file system is one of the
@@ -20,8 +21,10 @@ except ImportError as exc:  # not compiled (no compiler at install time) or buil
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def have_extension() -> bool:
-    return _ext is not None
+def have_extension(function: str | None = None) -> bool:
+    """The C++ extension is loaded (and, when named, has that function: an extension compiled from an
+    older helpers.cpp lacks the newer ones until reinstalled)."""
+    return _ext is not None and (function is None or hasattr(_ext, function))
 
 
 def backend_description() -> str:
@@ -141,3 +144,142 @@ def _build_blending_indices_numpy(weights, size) -> tuple[np.ndarray, np.ndarray
         taken[best] += 1
     dataset_index[:] = choices
     return dataset_index, np.asarray(sample_index, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT / T5 samples mapping (Megatron-DeepSpeed megatron/data/helpers.cpp `build_mapping`)
+
+LONG_SENTENCE_LEN = 512  # Megatron skips documents holding a sentence longer than this
+
+
+def build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed, min_num_sent,
+                  *, backend=None) -> np.ndarray:
+    """Shuffled rows (first sentence, end sentence, target length) of BERT/T5 samples.
+
+    docs are document bounds into sizes (a doc_idx slice: document d is sentences
+    [docs[d], docs[d + 1])). A sample is a run of whole sentences of one document, closed once it
+    reaches its target length (max_seq_length, or with probability ~short_seq_prob a random
+    length in [2, max_seq_length]) unless that leaves one sentence, and always at the document's
+    end. Epochs repeat until max_num_samples is reached (checked between epochs, as Megatron does,
+    so the result may hold more). uint32 rows unless sizes has 2^32 or more entries.
+    Raises ValueError when no document yields a sample.
+    """
+    args = (np.ascontiguousarray(docs, dtype=np.int64), np.ascontiguousarray(sizes, dtype=np.int32),
+            int(num_epochs), int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed),
+            int(min_num_sent))
+    if _use_extension(backend):
+        if hasattr(_ext, "build_mapping"):
+            return _ext.build_mapping(*args)
+        # an extension compiled before build_mapping existed: rebuilding it (`pip install -e .`) adds it
+        if backend == "cpp":
+            raise RuntimeError("the C++ helpers predate build_mapping; rebuild them with "
+                               "`pip install --no-build-isolation -e .`")
+    return _build_mapping_numpy(*args)
+
+
+class _MT19937:
+    """std::mt19937(seed)'s stream, in blocks: NumPy's legacy RandomState seeds the same generator
+    (init_genrand) and returns raw 32-bit outputs for the full uint32 range."""
+
+    def __init__(self, seed):
+        self._rs = np.random.RandomState(seed)
+        self._buf, self._pos = np.empty(0, dtype=np.uint32), 0
+
+    def __call__(self) -> int:
+        if self._pos == len(self._buf):
+            self._buf, self._pos = self._rs.randint(0, 1 << 32, size=4096, dtype=np.uint32), 0
+        self._pos += 1
+        return int(self._buf[self._pos - 1])
+
+
+class _MT19937_64:
+    """std::mt19937_64 (Matsumoto & Nishimura's MT19937-64), twisted a block at a time with NumPy."""
+
+    _N, _M = 312, 156
+    _MATRIX_A, _UPPER, _LOWER = 0xB5026F5AA96619E9, 0xFFFFFFFF80000000, 0x7FFFFFFF
+
+    def __init__(self, seed):
+        mt = [int(seed) & 0xFFFFFFFFFFFFFFFF]
+        for i in range(1, self._N):
+            mt.append((6364136223846793005 * (mt[-1] ^ (mt[-1] >> 62)) + i) & 0xFFFFFFFFFFFFFFFF)
+        self._mt = np.array(mt, dtype=np.uint64)
+        self._out, self._pos = np.empty(0, dtype=np.uint64), 0
+
+    def _twist(self):
+        mt, n, m = self._mt, self._N, self._M
+        a = np.uint64(self._MATRIX_A)
+        # Entry i depends on entries i + 1 and i + m, which are already new for i >= n - m: three slices.
+        for lo, hi in ((0, n - m), (n - m, n - 1), (n - 1, n)):
+            nxt = mt[(np.arange(lo, hi) + 1) % n]
+            x = (mt[lo:hi] & np.uint64(self._UPPER)) | (nxt & np.uint64(self._LOWER))
+            xa = (x >> np.uint64(1)) ^ np.where(x & np.uint64(1), a, np.uint64(0))
+            mt[lo:hi] = mt[(np.arange(lo, hi) + m) % n] ^ xa
+        y = mt.copy()
+        y ^= (y >> np.uint64(29)) & np.uint64(0x5555555555555555)
+        y ^= (y << np.uint64(17)) & np.uint64(0x71D67FFFEDA60000)
+        y ^= (y << np.uint64(37)) & np.uint64(0xFFF7EEE000000000)
+        y ^= y >> np.uint64(43)
+        self._out, self._pos = y, 0
+
+    def __call__(self) -> int:
+        if self._pos == len(self._out):
+            self._twist()
+        self._pos += 1
+        return int(self._out[self._pos - 1])
+
+
+def _mapping_rows(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_ratio, seed, min_num_sent):
+    gen = _MT19937(seed)
+
+    def target():
+        if short_seq_ratio == 0:
+            return max_seq_length
+        r = gen()
+        return 2 + r % (max_seq_length - 1) if r % short_seq_ratio == 0 else max_seq_length
+
+    # A document qualifies (enough sentences, none too long) or not in every epoch alike.
+    too_long = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(sizes) > LONG_SENTENCE_LEN, out=too_long[1:])
+    sizes = np.asarray(sizes).tolist()
+    docs = np.asarray(docs).tolist()
+    rows = []
+    for _ in range(num_epochs):
+        if len(rows) >= max_num_samples:
+            break
+        at_start = len(rows)
+        for first, last in zip(docs[:-1], docs[1:]):
+            remaining = last - first
+            if remaining < min_num_sent or (remaining > 1 and too_long[last] > too_long[first]):
+                continue
+            start, seq_len, num_sent, goal = first, 0, 0, target()
+            for s in range(first, last):
+                seq_len += sizes[s]
+                num_sent += 1
+                remaining -= 1
+                if (seq_len >= goal and remaining > 1 and num_sent >= min_num_sent) or remaining == 0:
+                    rows.append((start, s + 1, goal))
+                    start, seq_len, num_sent, goal = s + 1, 0, 0, target()
+        if len(rows) == at_start:
+            raise ValueError("build_mapping: no document has enough sentences (each of at most 512 tokens) "
+                             "for a sample")
+    return rows
+
+
+def _build_mapping_numpy(docs, sizes, num_epochs, max_num_samples, max_seq_length, short_seq_prob, seed,
+                         min_num_sent) -> np.ndarray:
+    if docs.ndim != 1 or sizes.ndim != 1 or docs.shape[0] < 1:
+        raise ValueError("build_mapping: docs (document bounds) and sizes must be non-empty 1-D arrays")
+    if num_epochs < 1 or max_seq_length < 2 or not 0.0 <= short_seq_prob <= 1.0 or seed < 1 or min_num_sent < 1:
+        raise ValueError("build_mapping: needs num_epochs >= 1, max_seq_length >= 2, 0 <= short_seq_prob <= 1, "
+                         "seed >= 1, min_num_sent >= 1")
+    if docs.min() < 0 or docs.max() > sizes.shape[0] or np.any(np.diff(docs) < 0):
+        raise IndexError("build_mapping: docs must be non-decreasing sentence indices within sizes")
+    # C's round() rounds halves away from zero; Python's round() would round them to even.
+    ratio = int(np.floor(1.0 / short_seq_prob + 0.5)) if short_seq_prob > 0 else 0
+    rows = _mapping_rows(docs, sizes, num_epochs, max_num_samples, max_seq_length, ratio, seed, min_num_sent)
+    out = np.array(rows, dtype=np.uint32 if sizes.shape[0] <= 0xFFFFFFFF else np.uint64).reshape(-1, 3)
+    gen64 = _MT19937_64(seed + 1)
+    for i in range(len(out) - 1, 0, -1):
+        j = gen64() % (i + 1)
+        out[[i, j]] = out[[j, i]]
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_ds.errors import ConfigError
+from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 VALID_TYPES = (
     "GPT2BPETokenizer",
@@ -22,45 +22,14 @@ VALID_TYPES = (
     "HFTokenizer",
     "NullTokenizer",
     "JapaneseSentencePiece",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
 )
 # Megatron-LM spells the HF tokenizer type differently from Megatron-DeepSpeed; accept both.
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
 
 
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
-
-
-class TokenizerError(ConfigError):
-    """A tokenizer that cannot be built from the given files/flags."""
-
-
-class AbstractTokenizer:
-    name = "abstract"
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eod(self) -> int:
-        raise NotImplementedError
-
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def tokenize_batch(self, texts) -> list[list[int]]:
-        return [self.tokenize(t) for t in texts]
-
-    def detokenize(self, ids) -> str:
-        raise NotImplementedError
-
-    @property
-    def vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
-
-    @property
-    def inv_vocab(self) -> dict:
-        raise NotImplementedError(f"{self.name} has no vocabulary mapping")
 
 
 class _MappedTokenizer(AbstractTokenizer):
@@ -89,12 +58,6 @@ def _require_file(path, flag, tokenizer_type):
     if not os.path.isfile(path):
         raise TokenizerError(f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type})")
     return str(path)
-
-
-def clean_text(text: str) -> str:
-    """Replace lone surrogates (JSON allows "\\ud800" escapes) by U+FFFD so the text is valid
-    UTF-8; surrogate pairs become the character they encode. Megatron crashes on such lines."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # GPT-2's pattern regrouped for speed; it splits text identically. tiktoken's regex engine runs a
@@ -232,12 +195,14 @@ class GPT2BPETokenizer(_MappedTokenizer):
 
 class SentencePieceTokenizer(_MappedTokenizer):
     """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
-    them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos). `eod` is <EOD>.
+    them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos, then the
+    --vocab-extra-ids sentinels <extra_id_0>..). `eod` is <EOD>; `cls sep mask pad bos_token_id
+    eos_token_id additional_special_tokens_ids` as upstream's (BERT/T5 data).
     Special-token strings inside text map to their ids, as in Megatron."""
 
     name = "SentencePieceTokenizer"
 
-    def __init__(self, model_file):
+    def __init__(self, model_file, vocab_extra_ids: int = 0):
         import sentencepiece
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
@@ -246,20 +211,22 @@ class SentencePieceTokenizer(_MappedTokenizer):
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._special: dict[str, int] = {}
         self._add_specials(n)
+        self.additional_special_tokens = [f"<extra_id_{i}>" for i in range(int(vocab_extra_ids))]
+        self.additional_special_tokens_ids = [self._add_special(t) for t in self.additional_special_tokens]
 
     def _add_specials(self, n):
-        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
-            self._add_special(token)
+        self.cls, self.sep, self._eod, self.mask = (self._add_special(t) for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"))
         sp = self._sp
-        for sp_id, fallback in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")):
+        self.pad, self.bos_token_id, self.eos_token_id = (
             self._add_special(self._sp.id_to_piece(sp_id) if 0 <= sp_id < n else fallback)
-        self._eod = self._vocab["<EOD>"]
+            for sp_id, fallback in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")))
 
-    def _add_special(self, token):
+    def _add_special(self, token) -> int:
         if token not in self._vocab:
             new_id = len(self._vocab)
             self._vocab[token], self._inv_vocab[new_id] = new_id, token
         self._special[token] = self._vocab[token]
+        return self._vocab[token]
 
     def _encode(self, text_or_texts):
         try:
@@ -489,15 +456,25 @@ class NullTokenizer(AbstractTokenizer):
 
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, log=print):
-    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given."""
+                    vocab_size=None, vocab_extra_ids=0, log=print):
+    """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
+    `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
-    if kind == "GPT2BPETokenizer":
+    if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
+        raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
+                             f"SentencePieceTokenizer tokenizers only (as in Megatron-DeepSpeed), not {tokenizer_type}")
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron_ds.data.bert_tokenizer import BertWordPieceTokenizer
+
+        tok = BertWordPieceTokenizer(_require_file(vocab_file, "--vocab-file", kind),
+                                     lower_case=kind == "BertWordPieceLowerCase", vocab_extra_ids=vocab_extra_ids)
+    elif kind == "GPT2BPETokenizer":
         tok = GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", kind),
                                _require_file(merge_file, "--merge-file", kind))
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        cls = SentencePieceTokenizer if kind == "SentencePieceTokenizer" else GPTSentencePieceTokenizer
-        tok = cls(_require_file(tokenizer_model, "--tokenizer-model", kind))
+    elif kind == "SentencePieceTokenizer":
+        tok = SentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind), vocab_extra_ids)
+    elif kind == "GPTSentencePieceTokenizer":
+        tok = GPTSentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
         tok = HFTokenizer(tokenizer_model)
     elif kind == "JapaneseSentencePiece":  # its forks pass the SentencePiece model as --vocab-file
@@ -509,7 +486,11 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     else:
         raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(VALID_TYPES)}")
     if log:
-        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, eod id {tok.eod}")
+        try:
+            ids = f"eod id {tok.eod}"
+        except TokenizerError:  # BERT WordPiece: no end-of-document token
+            ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}"
+        log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, {ids}")
     return tok
 
 
@@ -522,20 +503,23 @@ class MockTokenizer:
         self.name = "mock"
 
 
-def resolved_tokenizer_type(data) -> str | None:
-    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else
-    Megatron-DeepSpeed's default (its pretrain_gpt.py passes args_defaults={'tokenizer_type':
-    'GPT2BPETokenizer'}); None for --mock-data without a --vocab-file (no tokenizer at all)."""
+def resolved_tokenizer_type(data, default_type: str = "GPT2BPETokenizer") -> str | None:
+    """The tokenizer type a data section (``DataConfig``) means: --tokenizer-type, else the entry
+    point's default (Megatron-DeepSpeed's pretrain_gpt.py passes args_defaults={'tokenizer_type':
+    'GPT2BPETokenizer'}, pretrain_bert.py and pretrain_t5.py 'BertWordPieceLowerCase'); None for
+    --mock-data without a --vocab-file (no tokenizer at all)."""
     if data.tokenizer_type is not None:
         return data.tokenizer_type
-    return None if data.mock_data and not data.vocab_file else "GPT2BPETokenizer"
+    return None if data.mock_data and not data.vocab_file else default_type
 
 
-def build_tokenizer_for(data, log=print):
+def build_tokenizer_for(data, log=print, *, vocab_extra_ids: int = 0, default_type: str = "GPT2BPETokenizer"):
     """The tokenizer a run's data section (``DataConfig``) names (``resolved_tokenizer_type``) with its
-    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids."""
-    tokenizer_type = resolved_tokenizer_type(data)
+    files, or for --mock-data alone a ``MockTokenizer`` of --vocab-size ids. vocab_extra_ids:
+    --vocab-extra-ids (T5 sentinels, BERT WordPiece tokenizers only)."""
+    tokenizer_type = resolved_tokenizer_type(data, default_type)
     if tokenizer_type is None:
         return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size, log=log)
+                           tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+                           vocab_extra_ids=vocab_extra_ids, log=log)

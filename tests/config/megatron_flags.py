@@ -244,7 +244,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ('data', ('--vocab-size',), ('1',)),
     ('data', ('--vocab-file',), ('x',)),
     ('data', ('--merge-file',), ('x',)),
-    ('data', ('--vocab-extra-ids',), ('0',)),
+    ('data', ('--vocab-extra-ids',), ('100',)),
     ('data', ('--seq-length',), ('1',)),
     ('data', ('--encoder-seq-length',), ('1',)),
     ('data', ('--decoder-seq-length',), ('1',)),

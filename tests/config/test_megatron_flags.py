@@ -25,7 +25,7 @@ _INDEX = "--data-cache-path"
 
 # Accepted at the value that turns the feature off (the one a dense script passes); others refused.
 AT_OFF_VALUE = {"--transformer-impl": ("transformer_engine", "Engine"),
-                "--remote-device": ("cpu", "offload_param"), "--vocab-extra-ids": ("1", _BERT_T5),
+                "--remote-device": ("cpu", "offload_param"),
                 "--recompute-method": ("block", "invalid choice")}
 
 # no effect in Megatron-DeepSpeed's own DeepSpeed path either, or a CUDA kernel choice with no counterpart
@@ -60,15 +60,16 @@ IGNORED = {
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
 REFUSED = {
     "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
+    # issue 24: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
+    # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py)
     **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type", "--bert-no-binary-head",
-                             "--decoder-num-layers", "--decoder-seq-length", "--retriever-seq-length", "--mask-prob",
-                             "--short-seq-prob", "--sample-rate")},
+                             "--decoder-num-layers", "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": "--num-experts N --topk 1",
     **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
                              "--ds-sequence-parallel-fpdt-offloading")},
     "--batch-size": "--micro-batch-size", "--warmup": "--lr-warmup-fraction",
     "--model-parallel-size": "--tensor-model-parallel-size", "--encoder-num-layers": "--num-layers",
-    "--encoder-seq-length": "--seq-length", "--distribute-saved-activations": "--sequence-parallel",
+    "--distribute-saved-activations": "--sequence-parallel",
     "--random-ltd": "drop it", "--data-efficiency-curriculum-learning": "--curriculum-learning-legacy",
     "--inference": "tools/evaluate.py", "--lazy-mpu-init": "drop it",
     "--standalone-embedding-stage": "--pipeline-partition-method", "--aml-data-download-path": "--data-path",

@@ -154,6 +154,12 @@ def test_sentences_lists_and_empty_documents(bpe, tmp_path, capsys):
     assert ds.doc_idx.tolist() == [0, 4, 6]  # empty document and empty sentence dropped
     sentences = [ref.decode(ds[i].tolist()) for i in range(len(ds))]
     eod = "<|endoftext|>"
+    # Punkt, as Megatron's NLTK splitter: the whitespace between sentences is dropped
+    assert sentences == ["One sentence.", "Two sentences!", "Three?", "Four" + eod, "pre", "split" + eod]
+    # --keep-newlines: the whitespace stays at the end of the sentence before it
+    assert run(bpe, inp, tmp_path / "k", "--split-sentences", "--keep-newlines", "--append-eod") == 0
+    ds = MMapIndexedDataset(tmp_path / "k_text_sentence")
+    sentences = [ref.decode(ds[i].tolist()) for i in range(len(ds))]
     assert sentences == ["One sentence. ", "Two sentences!  ", "Three? ", "Four" + eod, "pre", "split" + eod]
 
 
