@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint import integrity
-from megatron_ds.checkpoint.format import (COMPLETENESS, META, TRACKER, atomic_write, checkpoint_tag, read_meta,
-                                           step_dir, write_trackers)
+from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, META, TRACKER, atomic_write,
+                                           checkpoint_tag, read_meta, step_dir, write_trackers)
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
 from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
 from megatron_ds.ds_compat import TorchCheckpointEngine
@@ -95,7 +95,9 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
     # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
-    if "signature" in meta:  # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py)
+    # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py); not with MoE layers:
+    # the converter cannot read expert files, and DeepSpeed's MoE save refuses the key in client state
+    if "signature" in meta and EXPERT_PARALLEL_SIZE not in meta["signature"]:
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files

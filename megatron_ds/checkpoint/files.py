@@ -12,7 +12,9 @@ A checkpoint ``DIR/global_stepN/`` (``megatron_ds.checkpoint.format``) holds:
   (``--no-pipeline-parallel``), the module's weights under ``"module"``;
 - ``[bf16_]zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt``: ZeRO / bf16 optimizer shards;
 - ZeRO-3 only: ``zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt`` instead of the mp_rank files,
-  the weights in the optimizer shards (``megatron_ds.checkpoint.zero3``).
+  the weights in the optimizer shards (``megatron_ds.checkpoint.zero3``);
+- with MoE layers: no layer files, the mp_rank files hold every stage's non-expert weights, and
+  DeepSpeed's expert files hold the experts (``megatron_ds.checkpoint.moe``, ``moe_files``).
 
 Files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay on disk until a
 slice of them is used, which keeps conversion memory near one layer even when a file (an

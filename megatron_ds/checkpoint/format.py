@@ -19,6 +19,7 @@ import json
 import os
 import re
 
+from megatron_ds.config.moe import is_moe
 from megatron_ds.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -36,6 +37,11 @@ _STEP = re.compile(r"^global_step(\d+)$")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "ffn_hidden_size",
                 "kv_channels", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
                 "untie_embeddings_and_output_weights")
+
+
+# With MoE layers also: the parameters each layer has and how experts split over TP ranks.
+MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
+EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
 
 
 def checkpoint_tag(iteration: int) -> str:
@@ -107,10 +113,15 @@ def read_meta(ckpt_dir: str) -> dict:
 
 
 def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: int = 1, virtual_pp: int | None = None,
-              zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True) -> dict:
+              zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True, ep: int = 1) -> dict:
     """What a checkpoint records about the run that wrote it (compared on load): the resolved
-    model's shape and the layout. The defaults are those of an imported (TP 1, fp32) checkpoint."""
+    model's shape and the layout. The defaults are those of an imported (TP 1, fp32) checkpoint.
+    A mixture-of-experts model adds its experts' shape and the expert parallel size (a dense
+    model's signature is what it was before MoE existed, so older checkpoints still match)."""
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
+    if is_moe(model):
+        sig.update({name: getattr(model, name) for name in MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
+        sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = model.max_position_embeddings
     if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
@@ -130,7 +141,7 @@ def layout_signature(layout) -> dict:
     family other than the GPT is recorded as ``model_family`` (a missing one means the GPT)."""
     sig = signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
                     dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
-                    precision=layout.precision, use_pipeline=layout.use_pipeline)
+                    precision=layout.precision, use_pipeline=layout.use_pipeline, ep=layout.ep)
     if layout.family is not None and layout.family.name != "gpt":  # GPT checkpoints stay as they were
         sig["model_family"] = layout.family.name
     return sig

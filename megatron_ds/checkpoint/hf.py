@@ -5,6 +5,7 @@ Two targets, chosen by the model's shape:
 - ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied embeddings,
   multi-head attention with ``kv_channels * heads == hidden``. GPT-2's ``Conv1D`` layers store
   their weights transposed (``[in, out]``), and its ``c_attn`` is ``[Q(all heads); K; V]``.
+- ``MixtralForCausalLM``: a Llama-style model with DeepSpeed-MoE layers (``megatron_ds.checkpoint.mixtral``).
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
   SwiGLU, optional grouped-query attention, tied or untied output layer; biases map to Llama's
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ds.checkpoint import mixtral
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.moe import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
-GPT2, LLAMA = "gpt2", "llama"
-ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
+ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -34,6 +37,9 @@ _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorc
 
 def choose_architecture(m: ModelConfig) -> str:
     """The transformers class that can express ``m`` exactly; ConfigError naming what cannot."""
+    if is_moe(m):
+        mixtral.check_expressible(m)
+        return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
         raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor LlamaForCausalLM "
                           "can express it (both add the residual from before the norm)")
@@ -114,6 +120,9 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
             out[p + theirs + ".weight"] = t[ours + ".weight"].t()  # Conv1D: [in, out]
             out[p + theirs + ".bias"] = t[ours + ".bias"]
         return one_plus(m, out)
+    if arch == MIXTRAL:  # Llama's attention and norms, Mixtral's MoE block in place of the MLP
+        out.update(mixtral.moe_to_hf(i, t))
+        t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
     names = _transformer_layer_names(arch, i)
     out.update({names[k]: v for k, v in t.items() if k in names})
     p = f"model.layers.{i}."
@@ -151,6 +160,8 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
             t[ours + ".weight"] = get(p + theirs + ".weight").t()
             t[ours + ".bias"] = get(p + theirs + ".bias")
         return t
+    if arch == MIXTRAL:
+        t.update(mixtral.moe_from_hf(i, m.num_experts[0], get))
     for ours, theirs in _transformer_layer_names(arch, i).items():
         x = get(theirs)
         if x is not None:
@@ -191,6 +202,14 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
+    if arch == MIXTRAL:
+        return transformers.MixtralConfig(
+            hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+            head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
+            rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+            rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+            attention_dropout=m.attention_dropout, **mixtral.config_kwargs(m), **common)
     return transformers.LlamaConfig(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
@@ -208,7 +227,9 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         return GPT2, resolve_model_config(_gpt2_config(d))
     if kind == "llama":
         return LLAMA, resolve_model_config(_llama_config(d))
-    raise ConfigError(f"model_type {kind!r}: only gpt2 and llama models import")
+    if kind == "mixtral":
+        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d), d))
+    raise ConfigError(f"model_type {kind!r}: only gpt2, llama and mixtral models import")
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -273,4 +294,10 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append("--disable-bias-linear")
     if m.untie_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
+    if is_moe(m):
+        f += [f"--num-experts {' '.join(map(str, m.num_experts))}", f"--expert-interval {m.expert_interval}",
+              f"--topk {m.topk}", f"--moe-loss-coeff {m.moe_loss_coeff:g}"]
+        f += [flag for flag, on in (("--disable-moe-token-dropping", m.disable_moe_token_dropping),
+                                    ("--disable-moe-top2-2nd-expert-sampling", m.disable_moe_top2_2nd_expert_sampling))
+              if on]
     return f

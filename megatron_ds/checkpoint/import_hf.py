@@ -1,4 +1,4 @@
-"""Import a local Hugging Face GPT-2 or Llama directory as a megatron_ds checkpoint.
+"""Import a local Hugging Face GPT-2, Llama or Mixtral directory as a megatron_ds checkpoint.
 
 The result is a weights-only checkpoint (``DIR/global_step0``, tracker 0) in the per-layer format
 of a TP 1 x PP 1 run, fp32. ``pretrain_gpt.py --load DIR`` (or ``--finetune``) at any layout

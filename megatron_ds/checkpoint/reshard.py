@@ -14,6 +14,8 @@ Every rank of the new run fills its own parameters and optimizer state from the 
   ZeRO-0); ZeRO-3 weights through ``GatheredParameters`` (``engine_state``);
 - fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
+- mixture of experts: the saved experts are numbered globally (``megatron_ds.checkpoint.moe``);
+  each rank takes the experts of its expert parallel rank, whatever EP size saved them;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
   that no longer exists otherwise); the new run then keeps its freshly seeded streams.
 
@@ -31,12 +33,14 @@ from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
+from megatron_ds.checkpoint.moe_files import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.sources import layer_source
 from megatron_ds.errors import ConfigError
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
-                 "precision", "padded_vocab_size", "use_pipeline")
+                 "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE)
 
 
 def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
@@ -46,7 +50,10 @@ def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
     saved = saved_meta["signature"]
     weights = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size", "use_pipeline")
     optim = ("data_parallel_size", "zero_stage", "precision")
-    return any(saved.get(k) != current[k] for k in weights + (optim if load_optim else ()))
+    # Another expert parallel size: DeepSpeed's loader would read the experts by their global ids,
+    # but ZeRO-0's optimizer state of the wrong expert parallel rank (expp_rank files)
+    moe = (EXPERT_PARALLEL_SIZE,) if EXPERT_PARALLEL_SIZE in current else ()
+    return any(saved.get(k) != current[k] for k in weights + moe + (optim if load_optim else ()))
 
 
 def optimizer_param_names(engine) -> list[list[str]] | None:
@@ -105,15 +112,17 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     for name in params:
         by_layer[_layer_of(name, prefixes)].append(name)
     setter = StateSetter(engine)
+    saved_names = expert_global_names(engine.module)  # this rank's experts by their saved (global) ids
     for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
         if idx not in by_layer:
             continue
         full = full_tensors(ckpt, source, saved_opt, idx, prefix)
         for name in by_layer[idx]:
-            if name not in full:
-                raise ConfigError(f"{ckpt.path} has no tensor for parameter {name}")
+            saved = saved_names.get(name, name)
+            if saved not in full:
+                raise ConfigError(f"{ckpt.path} has no tensor for parameter {saved}")
             shard = {k: tp_rules.split(name, tp_rules.resize_vocab(name, t, padded_vocab_size), ps.tp_size,
-                                       ps.tp_rank, ckpt.model) for k, t in full[name].items()}
+                                       ps.tp_rank, ckpt.model) for k, t in full[saved].items()}
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)

@@ -13,11 +13,18 @@ weight along dim 1 (its bias is replicated), a ``VocabParallelEmbedding`` along 
 
 Names are matched by their last two components, which the layers fix (``query_key_value.weight``
 ...); a parameter matching no rule must be replicated, which ``merge`` checks.
+
+Mixture of experts (Megatron-DeepSpeed ``megatron/model/transformer.py``, ``ParallelMLP(moe=True,
+enable_expert_tensor_parallelism=...)``): an expert's MLP is split like the dense MLP only with
+--enable-expert-tensor-parallelism; otherwise every tensor parallel rank holds whole experts. The
+gate (``deepspeed_moe.gate.wg``) and PR-MoE's ``coefficient`` are replicated; PR-MoE's residual MLP
+(``mlp.mlp.*``) is a dense MLP.
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_ds.checkpoint.moe import EXPERTS_INFIX
 from megatron_ds.config.schema import ModelConfig
 
 # (module name, parameter name) -> partition dim; stride below
@@ -49,6 +56,8 @@ def partition(name: str, model: ModelConfig) -> tuple[int, int] | None:
     """(dim, stride) of a tensor parallel parameter, None for a replicated one."""
     key = _key(name)
     if key not in _SPLIT_DIM:
+        return None
+    if EXPERTS_INFIX in name and not model.enable_expert_tensor_parallelism:
         return None
     stride = 2 if key[0] == "dense_h_to_4h" and model.swiglu else 1
     return _SPLIT_DIM[key], stride

@@ -40,7 +40,8 @@ from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
-from megatron_ds.checkpoint.format import SHAPE_FIELDS, UNIVERSAL_TRACKER
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
+from megatron_ds.checkpoint.moe import has_expert_files
 from megatron_ds.errors import ConfigError
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
@@ -94,6 +95,12 @@ def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, lo
     it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
     The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
     ckpt = open_checkpoint(load_dir, iteration)
+    if has_expert_files(ckpt.path):
+        # ds_to_universal (0.19) reads the module's parameters from ZeRO files and mp_rank files;
+        # DeepSpeed-MoE's expert files are neither (Megatron-DeepSpeed's reported KeyError 'param_shapes')
+        raise ConfigError(f"{ckpt.path} has mixture-of-experts layers, whose expert files DeepSpeed's "
+                          f"ds_to_universal does not convert; load it directly with --load at any EP / TP / PP "
+                          f"(megatron_ds reshards it)")
     if ckpt.zero_stage == 0:
         # ds_to_universal reads each parameter's fragments from ZeRO optimizer files
         # (*_optim_states.pt with param_slice_mappings) and its shapes from the mp_rank files'
@@ -239,6 +246,9 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
                    log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
     ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies)."""
+    if EXPERT_PARALLEL_SIZE in signature:
+        raise ConfigError("--universal-checkpoint: DeepSpeed's universal checkpoints do not hold mixture-of-experts "
+                          "expert files; load the MoE checkpoint with --load alone (it reshards across EP / TP / PP)")
     uc = UniversalCheckpoint(find_universal(load_dir))
     uc.check_model(signature)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)

@@ -8,6 +8,14 @@ tensor parallel group and copies in its slice of every split parameter: the slic
 ``partition_dim`` / ``partition_stride`` attributes describe, the same rule the layers use to cut
 their master weights (``megatron_ds.parallel.layers._master_weight_shard``). Pipeline parallelism
 needs nothing at inference: the consolidated model holds every stage's layers.
+
+Mixture of experts: the consolidated weights hold every expert by its global id, which is the
+model at EP 1 (every rank holds all experts; DeepSpeed's MoE at EP 1 needs no process group). In
+eval mode DeepSpeed's gate routes as it does in evaluation during training: capacity from
+--moe-eval-capacity-factor when tokens are dropped, and the second expert sampled with Gumbel
+noise unless the model was trained with --disable-moe-top2-2nd-expert-sampling
+(deepspeed/moe/sharded_moe.py ``TopKGate.forward`` / ``top2gating``), so such a model's
+generations vary from run to run, as upstream's do.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.gpt import GPTEmbedding
+from megatron_ds.model.gpt import GPTEmbedding, split_moe_loss
 from megatron_ds.model.pipeline import GPTSequential, build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -100,7 +108,8 @@ class InferenceModel:
             kv_cache.advance(tokens.shape[1])
         for f in self._head:
             hidden = f(hidden)
-        return hidden
+        logits, _ = split_moe_loss(hidden)  # an MoE model's output carries its auxiliary loss: not needed here
+        return logits
 
     def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor, kv_cache=None) -> torch.Tensor:
         out = self.parallel_logits(tokens, position_ids, kv_cache)

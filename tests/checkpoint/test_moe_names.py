@@ -1,0 +1,211 @@
+"""The pure parts of MoE checkpoints against DeepSpeed's own code, on synthetic tensors.
+
+- file names equal DeepSpeed's ``_get_expert_ckpt_name`` / ``_get_optimizer_ckpt_name``
+  (deepspeedai/DeepSpeed ``deepspeed/runtime/engine.py``);
+- expert files written from a global (EP 1) state with our names are what DeepSpeed's own
+  ``load_moe_state_dict`` reads into an EP 2 model on each expert parallel rank, and that is what
+  ``moe.to_local`` says the rank holds; ``regroup`` between EP sizes agrees with it;
+- tensor parallel rules: experts are whole on every TP rank unless
+  --enable-expert-tensor-parallelism, then split like the dense MLP;
+- the Mixtral name map round-trips and refuses what Mixtral cannot express, one line each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+
+import pytest
+import torch
+
+from megatron_ds.checkpoint import mixtral, moe
+from megatron_ds.checkpoint import tp as tp_rules
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.errors import ConfigError
+
+H, F, E = 8, 6, 4  # hidden, expert ffn (SwiGLU: dense_h_to_4h has 2F rows), experts
+
+
+def _expert(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"dense_h_to_4h.weight": torch.randn(2 * F, H, generator=g),
+            "dense_4h_to_h.weight": torch.randn(H, F, generator=g)}
+
+
+def _global_state(prefix: str = "3.mlp") -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.deepspeed_moe.gate.wg.weight": torch.randn(E, H)}
+    for e in range(E):
+        out.update({f"{prefix}{moe.EXPERTS_INFIX}{e}.{k}": v for k, v in _expert(e).items()})
+    return out
+
+
+def test_file_names_are_deepspeeds():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    ours = moe.expert_file_name(1, 5, 3)
+    assert ours == os.path.basename(DeepSpeedEngine._get_expert_ckpt_name("d", 1, 5, "t", checkpoint_mp_rank=3))
+    assert moe.parse_expert_file(ours) == (1, 5, 3)
+    engine = types.SimpleNamespace(checkpoint_mp_rank=2)
+    assert moe.expert_optim_file_name(1, 2) == os.path.basename(
+        DeepSpeedEngine._get_optimizer_ckpt_name(engine, "d", "t", 1))
+    assert moe.parse_expert_optim_file(moe.expert_optim_file_name(1, 2)) == (1, 2)
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense_h_to_4h = torch.nn.Linear(H, 2 * F, bias=False)
+        self.dense_4h_to_h = torch.nn.Linear(F, H, bias=False)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, ep_size: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.mlp = MoE(H, _Expert(), num_experts=E, ep_size=ep_size, k=2)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 4])
+def test_deepspeed_loads_what_to_local_says(tmp_path, monkeypatch, ep_size):
+    """DeepSpeed's loader, at each expert parallel rank, reads our expert files into exactly
+    ``to_local``'s tensors (global ids -> the rank's local ids as DeepSpeed numbers them)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import groups
+
+    model = torch.nn.ModuleDict({"3": _Layer(ep_size)})  # named like a PipelineModule's layer "3"
+    full = _global_state()
+    tag = "global_step1"
+    os.makedirs(tmp_path / tag)
+    for e in range(E):  # what _save_moe_checkpoint writes: one file per global expert, keys with the global id
+        torch.save({k: v for k, v in full.items() if moe.expert_id(k) == e},
+                   tmp_path / tag / moe.expert_file_name(0, e, 0))
+    for rank in range(ep_size):
+        monkeypatch.setattr(groups, "_get_expert_parallel_rank", lambda name, r=rank: r)
+        loaded = {}
+        DeepSpeedEngine.load_moe_state_dict(str(tmp_path), tag, loaded, old_moe_load=False, model=model,
+                                            checkpoint_mp_rank=0)
+        ours = {k: v for k, v in moe.to_local(full, rank, ep_size).items() if moe.expert_id(k) is not None}
+        assert sorted(loaded) == sorted(ours)
+        assert all(torch.equal(loaded[k], ours[k]) for k in ours)
+        # and the names are the model's own parameter names on that rank
+        own = {k for k in model.state_dict() if moe.expert_id(k) is not None}
+        assert set(ours) == own
+
+
+def test_regroup_between_ep_sizes():
+    full = _global_state()
+    per_rank = {n: [moe.to_local(full, r, n) for r in range(n)] for n in (1, 2, 4)}
+    for src in (1, 2, 4):
+        for dst in (1, 2, 4):
+            out = moe.regroup(per_rank[src], dst)
+            assert [sorted(s) for s in out] == [sorted(s) for s in per_rank[dst]]
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(out, per_rank[dst]) for k in a)
+    assert moe.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items() if moe.expert_id(k) in (2, 3)
+                                                or moe.expert_id(k) is None}
+    with pytest.raises(ValueError, match="do not divide over expert parallel size 3"):
+        moe.to_local(full, 0, 3)
+
+
+def _model(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F, seq_length=8,
+                max_position_embeddings=8, position_embedding_type="rope", normalization="rmsnorm", swiglu=True,
+                add_bias_linear=False, num_experts=(E,), expert_interval=1, topk=2,
+                disable_moe_token_dropping=True, disable_moe_top2_2nd_expert_sampling=True)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("expert_tp", [False, True])
+def test_expert_tensor_parallel_rule(expert_tp):
+    m = _model(enable_expert_tensor_parallelism=expert_tp)
+    full = _global_state()
+    up = f"3.mlp{moe.EXPERTS_INFIX}1.dense_h_to_4h.weight"
+    down = f"3.mlp{moe.EXPERTS_INFIX}1.dense_4h_to_h.weight"
+    shards_up = [tp_rules.split(up, full[up], 2, r, m) for r in range(2)]
+    shards_down = [tp_rules.split(down, full[down], 2, r, m) for r in range(2)]
+    if expert_tp:  # as the dense SwiGLU MLP: [gate_r; up_r] rows, and the down projection's columns
+        gate, upper = full[up].chunk(2)
+        assert torch.equal(shards_up[1], torch.cat([gate[F // 2:], upper[F // 2:]]))
+        assert torch.equal(shards_down[0], full[down][:, :F // 2])
+    else:
+        assert all(torch.equal(s, full[up]) for s in shards_up)
+        assert all(torch.equal(s, full[down]) for s in shards_down)
+    assert torch.equal(tp_rules.merge(up, shards_up, m), full[up])
+    assert torch.equal(tp_rules.merge(down, shards_down, m), full[down])
+    gate_name = "3.mlp.deepspeed_moe.gate.wg.weight"
+    assert tp_rules.partition(gate_name, m) is None
+    # PR-MoE's residual MLP is a dense MLP: split whatever the expert flag says
+    assert tp_rules.partition("3.mlp.mlp.dense_h_to_4h.weight", m) == (0, 2)
+
+
+def test_mixtral_names_round_trip():
+    local = {k.split(".", 1)[1]: v for k, v in _global_state().items()}  # without the layer prefix
+    hf = mixtral.moe_to_hf(0, local)
+    p = "model.layers.0.block_sparse_moe."
+    assert set(hf) == {p + "gate.weight"} | {f"{p}experts.{e}.w{j}.weight" for e in range(E) for j in (1, 2, 3)}
+    assert torch.equal(hf[p + "experts.2.w1.weight"], _expert(2)["dense_h_to_4h.weight"][:F])  # gate half
+    assert torch.equal(hf[p + "experts.2.w3.weight"], _expert(2)["dense_h_to_4h.weight"][F:])  # up half
+    back = mixtral.moe_from_hf(0, E, hf.get)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    # transformers 5's own fused layout (MixtralExperts: gate_up_proj [E, 2F, H] = [w1; w3], down_proj [E, H, F])
+    fused = {"model.layers.0.mlp.gate.weight": hf[p + "gate.weight"],
+             "model.layers.0.mlp.experts.gate_up_proj": torch.stack(
+                 [torch.cat([hf[f"{p}experts.{e}.w1.weight"], hf[f"{p}experts.{e}.w3.weight"]]) for e in range(E)]),
+             "model.layers.0.mlp.experts.down_proj": torch.stack([hf[f"{p}experts.{e}.w2.weight"] for e in range(E)])}
+    back = mixtral.moe_from_hf(0, E, fused.get)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    with pytest.raises(ConfigError, match="mlp.coefficient.weight has no place in MixtralForCausalLM"):
+        mixtral.moe_to_hf(0, {**local, "mlp.coefficient.weight": torch.zeros(2, H)})
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(add_bias_linear=True), "biases"),
+    (dict(swiglu=False), "GeLU experts"),
+    (dict(mlp_type="residual"), "--mlp-type residual"),
+    (dict(expert_interval=2, num_layers=2), "--expert-interval 2"),
+    (dict(num_experts=(4, 1)), "--num-experts 4 1 (Mixtral has the same experts on every layer; a layer with 1"),
+    (dict(topk=1), "--topk 1"),
+    (dict(disable_moe_token_dropping=False), "token dropping"),
+    (dict(disable_moe_top2_2nd_expert_sampling=False), "second-expert sampling"),
+    (dict(normalization="layernorm"), "--normalization layernorm"),
+])
+def test_mixtral_refusals_name_the_reason(change, reason):
+    from megatron_ds.checkpoint import hf
+
+    assert hf.choose_architecture(_model()) == hf.MIXTRAL
+    with pytest.raises(ConfigError) as info:
+        hf.choose_architecture(dataclasses.replace(_model(), **change))
+    message = str(info.value)
+    assert "\n" not in message and reason in message and message.startswith(
+        "a mixture-of-experts model exports as MixtralForCausalLM, which cannot express")
+
+
+@pytest.mark.parametrize("tp,dp,ep,expert_tp", [(1, 4, 2, False), (2, 2, 2, False), (2, 2, 4, False),
+                                                (2, 4, 2, True), (1, 2, 1, False)])
+def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
+    """The placement the ZeRO shard reader assumes is the one the model is built with
+    (``ParallelState.expert_parallel_rank``, which training checks against DeepSpeed's groups)."""
+    from megatron_ds.parallel.groups import ParallelState
+
+    pp = 2
+    for rank in range(tp * dp * pp):
+        stage_rank = rank % (tp * dp)  # our topology: pipe-major, then data, then tensor
+        state = types.SimpleNamespace(rank=rank, world_size=tp * dp * pp, pp_size=pp, sp_size=1, dp_size=dp,
+                                      dp_rank=stage_rank // tp)
+        want = ParallelState.expert_parallel_rank(state, ep, expert_tp)
+        assert moe.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp) == want
+
+
+def test_mixtral_config_imports_as_deepspeed_moe():
+    from megatron_ds.checkpoint import hf
+
+    transformers = pytest.importorskip("transformers")
+    d = transformers.MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=F, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                   num_experts_per_tok=2).to_dict()
+    arch, m = hf.model_config_from_hf(d)
+    assert arch == hf.MIXTRAL and m.num_experts == (E,) and m.expert_interval == 1 and m.topk == 2
+    assert m.disable_moe_token_dropping and m.disable_moe_top2_2nd_expert_sampling and not m.add_bias_linear
+    hf.choose_architecture(m)  # exports back as Mixtral
+    with pytest.raises(ConfigError, match="num_experts_per_tok 1"):
+        hf.model_config_from_hf({**d, "num_experts_per_tok": 1})
