@@ -193,8 +193,9 @@ class SentenceSplitter:
         starts = [start for start, _ in self._punkt.span_tokenize(text)]
         if not starts:
             return [text] if text else []
-        starts[0] = 0  # leading whitespace stays with the first sentence
-        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+        # NLTK's slices: the first starts at 0, the last ends at the text's last non-space character
+        starts[0] = 0
+        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text.rstrip())])]
 
 
 def _parse_line(raw: bytes, json_keys):

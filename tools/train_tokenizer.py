@@ -138,7 +138,9 @@ BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 def train_wordpiece(args, log):
     """A BERT vocab.txt trained with HF tokenizers' WordPiece trainer on text normalized and split as
-    BertWordPieceLowerCase / BertWordPieceCase tokenize it."""
+    BertWordPieceLowerCase / BertWordPieceCase tokenize it. The trainer numbers `##` pieces in
+    hash-map order, so two trainings on the same corpus may order (and, at tied merges, choose) a
+    few tokens differently: train once and keep the file with the data made from it."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     lower = not args.cased

@@ -72,8 +72,8 @@ class TokenizerIds:
         missing = [a for a in ("cls", "sep", "mask", "pad") if not hasattr(tokenizer, a)]
         if missing:
             raise ConfigError(f"the {getattr(tokenizer, 'name', type(tokenizer).__name__)} tokenizer has no "
-                             f"{', '.join(missing)}; BERT/T5 data needs --tokenizer-type BertWordPieceLowerCase "
-                             f"or BertWordPieceCase")
+                              f"{', '.join(missing)} id; BERT/T5 data needs --tokenizer-type BertWordPieceLowerCase, "
+                              f"BertWordPieceCase or SentencePieceTokenizer")
         inv = tokenizer.inv_vocab
         self.vocab_id_list = list(inv.keys())
         self.table = masking.continuation_table(inv)
@@ -97,6 +97,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.name, self.seed, self.masked_lm_prob = name, int(seed), float(masked_lm_prob)
         self.max_seq_length, self.binary_head = int(max_seq_length), bool(binary_head)
         self.indexed_dataset = indexed_dataset
+        self.ids = TokenizerIds(tokenizer)
         self.samples_mapping = get_samples_mapping(
             indexed_dataset, data_prefix, doc_bounds, name, num_epochs=num_epochs, max_num_samples=num_samples,
             max_seq_length=self.max_seq_length - 3,  # room for [CLS] and two [SEP]
@@ -106,7 +107,6 @@ class BertDataset(torch.utils.data.Dataset):
         self.desc = (f"BertDataset {name} of {data_prefix}: sentences [{int(doc_bounds[0])}, {int(doc_bounds[-1])}), "
                      f"{len(self)} samples, length {self.max_seq_length}, mask prob {self.masked_lm_prob!r}, "
                      f"short seq prob {float(short_seq_prob)!r}, seed {self.seed}, binary head: {self.binary_head}")
-        self.ids = TokenizerIds(tokenizer)
 
     def __len__(self) -> int:
         return self.samples_mapping.shape[0]

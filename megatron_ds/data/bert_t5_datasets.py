@@ -43,8 +43,11 @@ def _dataset(dataset_type, name, indexed, prefix, bounds, num_samples, kw):
     from megatron_ds.data.t5_dataset import T5Dataset
 
     doc_bounds = np.asarray(indexed.doc_idx[bounds[0]:bounds[1] + 1], dtype=np.int64)
-    common = dict(num_epochs=kw["train_num_epochs"] if name == "train" else None,
-                  data_cache_path=kw["data_cache_path"], log=kw["log"], cache_timings=kw["cache_timings"])
+    epochs = kw["train_num_epochs"] if name == "train" else None
+    if epochs is not None:  # upstream: exactly that many epochs, however many samples they hold
+        num_samples = None
+    common = dict(num_epochs=epochs, data_cache_path=kw["data_cache_path"], log=kw["log"],
+                  cache_timings=kw["cache_timings"])
     if dataset_type == DSET_TYPE_BERT:
         return BertDataset(name, indexed, prefix, doc_bounds, num_samples, kw["masked_lm_prob"], kw["max_seq_length"],
                            kw["short_seq_prob"], kw["seed"], kw["binary_head"], kw["tokenizer"], **common)

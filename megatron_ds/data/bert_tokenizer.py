@@ -20,15 +20,18 @@ import regex
 from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 # Where HF's BertNormalizer differs from Google's BasicTokenizer, the text is adjusted first
-# (only non-ASCII text can be affected; tests/data/test_bert_tokenizer.py covers each case):
+# (`_prepare`; only non-ASCII text can be affected; tests/data/test_bert_tokenizer.py covers each):
 # - its CJK table starts a block at 0x2B920 where Google's has 0x2B820: space those ideographs out;
-_CJK_GAP = regex.compile("([\U0002B820-\U0002B91F])")
 # - it drops private-use characters (category Co) as control characters, Google keeps them inside
 #   the word, which then matches no WordPiece and becomes [UNK]: replace them by a letter that no
-#   vocabulary token contains, so that the word becomes [UNK] here too;
+#   vocabulary token contains (a Yi syllable: no case, no decomposition), so that the word becomes
+#   [UNK] here too;
+# - it lower-cases character by character, where Python's str.lower() gives a word-final capital
+#   sigma its final form: such text is lower-cased by Python first.
+_CJK_GAP = regex.compile("([\U0002B820-\U0002B91F])")
 _UNMATCHABLE = regex.compile(r"\p{Co}")
-# - it lower-cases character by character, Python's str.lower() gives a word-final sigma its final form.
-_FILLER_CANDIDATES = range(0xA000, 0xA48D)  # Yi syllables: letters without case or decomposition
+_FILLER_CANDIDATES = range(0xA000, 0xA48D)
+_CAPITAL_SIGMA = "\u03a3"
 
 
 def load_vocab(vocab_file) -> dict[str, int]:
@@ -40,7 +43,8 @@ def load_vocab(vocab_file) -> dict[str, int]:
             for index, line in enumerate(f):
                 vocab[line.strip()] = index
     except UnicodeDecodeError:
-        raise TokenizerError(f"--vocab-file {vocab_file} is not UTF-8 text; a BERT vocab.txt has one token a line")
+        raise TokenizerError(f"--vocab-file {vocab_file} is not UTF-8 text; a BERT vocab.txt has one token a "
+                             "line") from None
     if not vocab:
         raise TokenizerError(f"--vocab-file {vocab_file} is empty")
     return vocab
@@ -53,7 +57,7 @@ class BertWordPieceTokenizer(AbstractTokenizer):
     has none either): BERT/T5 data marks documents in the index, not with a token."""
 
     def __init__(self, vocab_file, lower_case: bool = True, vocab_extra_ids: int = 0):
-        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
         self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
         self.lower_case = lower_case
@@ -71,7 +75,6 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
                                                     strip_accents=lower_case, lowercase=lower_case)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece(prefix="##")
         self._tok = tok
         self.cls, self.sep = self._vocab["[CLS]"], self._vocab["[SEP]"]
         self.pad, self.mask = self._vocab["[PAD]"], self._vocab["[MASK]"]
@@ -108,7 +111,7 @@ class BertWordPieceTokenizer(AbstractTokenizer):
     def _prepare(self, text: str) -> str:
         if text.isascii():
             return text
-        if self.lower_case and "\u03a3" in text:  # capital sigma
+        if self.lower_case and _CAPITAL_SIGMA in text:
             text = text.lower()
         text = _CJK_GAP.sub(r" \1 ", text)
         if self._filler is not None:

@@ -21,8 +21,10 @@ except ImportError as exc:  # not compiled (no compiler at install time) or buil
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def have_extension() -> bool:
-    return _ext is not None
+def have_extension(function: str | None = None) -> bool:
+    """The C++ extension is loaded (and, when named, has that function: an extension compiled from an
+    older helpers.cpp lacks the newer ones until reinstalled)."""
+    return _ext is not None and (function is None or hasattr(_ext, function))
 
 
 def backend_description() -> str:
@@ -166,7 +168,12 @@ def build_mapping(docs, sizes, num_epochs, max_num_samples, max_seq_length, shor
             int(num_epochs), int(max_num_samples), int(max_seq_length), float(short_seq_prob), int(seed),
             int(min_num_sent))
     if _use_extension(backend):
-        return _ext.build_mapping(*args)
+        if hasattr(_ext, "build_mapping"):
+            return _ext.build_mapping(*args)
+        # an extension compiled before build_mapping existed: rebuilding it (`pip install -e .`) adds it
+        if backend == "cpp":
+            raise RuntimeError("the C++ helpers predate build_mapping; rebuild them with "
+                               "`pip install --no-build-isolation -e .`")
     return _build_mapping_numpy(*args)
 
 

@@ -195,12 +195,14 @@ class GPT2BPETokenizer(_MappedTokenizer):
 
 class SentencePieceTokenizer(_MappedTokenizer):
     """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
-    them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos). `eod` is <EOD>.
+    them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos, then the
+    --vocab-extra-ids sentinels <extra_id_0>..). `eod` is <EOD>; `cls sep mask pad bos_token_id
+    eos_token_id additional_special_tokens_ids` as upstream's (BERT/T5 data).
     Special-token strings inside text map to their ids, as in Megatron."""
 
     name = "SentencePieceTokenizer"
 
-    def __init__(self, model_file):
+    def __init__(self, model_file, vocab_extra_ids: int = 0):
         import sentencepiece
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
@@ -209,20 +211,22 @@ class SentencePieceTokenizer(_MappedTokenizer):
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._special: dict[str, int] = {}
         self._add_specials(n)
+        self.additional_special_tokens = [f"<extra_id_{i}>" for i in range(int(vocab_extra_ids))]
+        self.additional_special_tokens_ids = [self._add_special(t) for t in self.additional_special_tokens]
 
     def _add_specials(self, n):
-        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
-            self._add_special(token)
+        self.cls, self.sep, self._eod, self.mask = (self._add_special(t) for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"))
         sp = self._sp
-        for sp_id, fallback in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")):
+        self.pad, self.bos_token_id, self.eos_token_id = (
             self._add_special(self._sp.id_to_piece(sp_id) if 0 <= sp_id < n else fallback)
-        self._eod = self._vocab["<EOD>"]
+            for sp_id, fallback in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")))
 
-    def _add_special(self, token):
+    def _add_special(self, token) -> int:
         if token not in self._vocab:
             new_id = len(self._vocab)
             self._vocab[token], self._inv_vocab[new_id] = new_id, token
         self._special[token] = self._vocab[token]
+        return self._vocab[token]
 
     def _encode(self, text_or_texts):
         try:
@@ -456,9 +460,9 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
     `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
     kind = _ALIASES.get(tokenizer_type, tokenizer_type)
-    if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase "
-                             f"tokenizers only, not {tokenizer_type}")
+    if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
+        raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
+                             f"SentencePieceTokenizer tokenizers only (as in Megatron-DeepSpeed), not {tokenizer_type}")
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         from megatron_ds.data.bert_tokenizer import BertWordPieceTokenizer
 
@@ -467,9 +471,10 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     elif kind == "GPT2BPETokenizer":
         tok = GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", kind),
                                _require_file(merge_file, "--merge-file", kind))
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        cls = SentencePieceTokenizer if kind == "SentencePieceTokenizer" else GPTSentencePieceTokenizer
-        tok = cls(_require_file(tokenizer_model, "--tokenizer-model", kind))
+    elif kind == "SentencePieceTokenizer":
+        tok = SentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind), vocab_extra_ids)
+    elif kind == "GPTSentencePieceTokenizer":
+        tok = GPTSentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
         tok = HFTokenizer(tokenizer_model)
     elif kind == "JapaneseSentencePiece":  # its forks pass the SentencePiece model as --vocab-file
@@ -481,8 +486,10 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     else:
         raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(VALID_TYPES)}")
     if log:
-        ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}" if hasattr(tok, "cls") else \
-            f"eod id {tok.eod}"
+        try:
+            ids = f"eod id {tok.eod}"
+        except TokenizerError:  # BERT WordPiece: no end-of-document token
+            ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}"
         log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, {ids}")
     return tok
 

@@ -75,8 +75,9 @@ def test_mersenne_twisters_are_the_standard_ones():
     assert [g64() for _ in range(10000)][-1] == 9981545732273789042
 
 
-BACKENDS = ["numpy", pytest.param("cpp", marks=pytest.mark.skipif(not helpers.have_extension(),
-                                                                 reason="C++ helpers not built"))]
+BACKENDS = ["numpy", pytest.param("cpp", marks=pytest.mark.skipif(not helpers.have_extension("build_mapping"),
+                                                                 reason="C++ helpers not built (or built before "
+                                                                        "build_mapping)"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -260,3 +261,44 @@ def test_errors_are_one_line(data, tmp_path):
     gpt = build_tokenizer("NullTokenizer", vocab_size=300, log=None)
     with pytest.raises(ConfigError, match="BertWordPieceLowerCase"):
         build_train_valid_test_datasets(data["prefix"], "1", [10, 0, 0], **{**kw, "tokenizer": gpt})
+
+
+def test_exact_epochs_take_every_epoch(data, tmp_path):
+    # --train-data-exact-num-epochs: upstream's get_samples_mapping builds exactly that many epochs for the
+    # train split, with no sample limit
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=data["vocab"], log=None)
+    train, _, _ = build_train_valid_test_datasets(
+        data["prefix"], "1", [5, 0, 0], max_seq_length=64, masked_lm_prob=0.15, short_seq_prob=0.1, seed=SEED,
+        binary_head=True, tokenizer=tok, data_cache_path=str(tmp_path), train_num_epochs=3, log=QUIET)
+    ds = MMapIndexedDataset(data["prefix"])
+    want = ref.build_mapping(ds.doc_idx.tolist(), ds.sizes.tolist(), 3, np.iinfo(np.int64).max - 1, 61, 0.1, SEED, 2)
+    np.testing.assert_array_equal(train.samples_mapping, want)
+    assert len(train) > 5
+
+
+def _build_in_child(prefix, vocab, cache, log_path, queue):
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab, log=None)
+    with open(log_path, "w") as f:
+        train = build_train_valid_test_datasets(
+            prefix, "1", [300, 0, 0], max_seq_length=64, masked_lm_prob=0.15, short_seq_prob=0.1, seed=SEED,
+            binary_head=True, tokenizer=tok, data_cache_path=cache, log=lambda m: print(m, file=f, flush=True))[0]
+    queue.put(np.asarray(train.samples_mapping).tobytes())
+
+
+def test_samples_mapping_built_once_by_concurrent_processes(data, tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    logs = [tmp_path / f"log{i}" for i in range(3)]
+    procs = [ctx.Process(target=_build_in_child, args=(data["prefix"], data["vocab"], str(tmp_path / "c"), str(p),
+                                                       queue)) for p in logs]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(set(results)) == 1  # every process reads the same mapping
+    builders = [p for p in logs if "building index files" in p.read_text()]
+    assert len(builders) == 1  # one process built it, the others waited for its files

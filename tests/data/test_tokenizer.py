@@ -171,6 +171,13 @@ def test_sentencepiece_megatron_conventions(sp_model):
     texts = ["plain text", "with <SEP> special", "", "日本語"]
     assert tok.tokenize_batch(texts) == [tok.tokenize(t) for t in texts]
     assert tok.detokenize(tok.tokenize(text)) == text
+    # BERT/T5 data ids (megatron/tokenizer/tokenizer.py _SentencePieceTokenizer): --vocab-extra-ids sentinels
+    # follow the specials, and like them are recognised in text
+    t5 = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=2, log=None)
+    assert (t5.cls, t5.sep, t5.mask, t5.pad) == (n, n + 1, n + 3, n + 4)
+    assert (t5.bos_token_id, t5.eos_token_id) == (sp.bos_id(), sp.eos_id())
+    assert t5.additional_special_tokens_ids == [n + 5, n + 6] and t5.vocab_size == n + 7
+    assert t5.tokenize(f"{text}<extra_id_1>") == sp.encode(text) + [n + 6]
 
 
 def test_gpt_sentencepiece_uses_eos(sp_model):
