@@ -386,7 +386,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
     total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
-    notes: list[str] = []
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
