@@ -101,9 +101,9 @@ class Layout:
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
+    family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
-    family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
 
     @property
     def own_schedule(self) -> bool:
@@ -391,7 +391,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if moe and family.name != "gpt":
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.name.upper()} model dense")
-    total, stages = family.count_parameters(m, padded, tp, pp, partition, **({"ep": ep} if moe else {}))
+    total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
@@ -408,6 +408,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     use_pipeline=use_pipeline, pipeline_partition=partition,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
-                    ds_config=ds, curriculum=curriculum, zbh1=zbh1, ep=ep,
-                    active_params=active_parameters(m, padded) if moe else None, family=family)
+                    ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
+                    active_params=active_parameters(m, padded) if moe else None)
     return layout, notes

@@ -370,9 +370,8 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
-    count = layout.family.count_parameters if layout.family else count_parameters
-    moe_ranks = {"ep": layout.ep} if layout.active_params is not None else {}  # MoE: GPT only
-    total, stages = count(layout.model, padded, tp, pp, partition, **moe_ranks)
+    total, stages = (layout.family.count_parameters if layout.family else count_parameters)(
+        layout.model, padded, tp, pp, partition, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),

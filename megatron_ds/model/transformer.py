@@ -9,6 +9,12 @@ restricted to each document (``--reset-attention-mask``): the ``[batch, seq]`` d
 a layer needs to rebuild the mask, so they, not a ``[batch, 1, seq, seq]`` mask, are what travels
 with the hidden state between pipeline stages.
 
+Bidirectional layers (``self_attn_mask_type="padding"``: BERT, T5's encoder) take the hidden state
+or ``(hidden, padding_mask)`` the same way: the ``[batch, seq]`` integer mask is 1 at real tokens
+and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position attends to padding
+(``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
+stages as they are and get no gradient, as the document ids do.
+
 In a mixture-of-experts model (``model/moe.py``) every layer also carries the sum of the MoE layers'
 auxiliary losses so far, a ``[1]`` fp32 tensor, last in the tuple: ``(hidden[, document_ids],
 moe_loss)``, as Megatron-DeepSpeed's ParallelTransformerLayerPipe carries its "aggregated_moe_loss".
@@ -16,12 +22,6 @@ It reaches the loss function through the final norm and the output layer, so it 
 graph backward runs on -- across pipeline stages too (DeepSpeed's pipeline engine sends a tuple's
 floating tensors and their gradients back) -- and activation recompute, which reruns a layer's
 forward inside backward, cannot count it twice.
-
-Bidirectional layers (``self_attn_mask_type="padding"``: BERT, T5's encoder) take the hidden state
-or ``(hidden, padding_mask)`` the same way: the ``[batch, seq]`` integer mask is 1 at real tokens
-and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position attends to padding
-(``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
-stages as they are and get no gradient, as the document ids do.
 
 Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.query_key_value``,
 ``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``,
@@ -58,6 +58,20 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return same_document & causal
 
 
+def padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` padding mask (1 real, 0 padding) -> ``[batch, 1, 1, seq]`` bool, True where a
+    query may attend to a key: the key is a real token.
+
+    Megatron's BERT (``bert_extended_attention_mask``, megatron/model/bert_model.py in
+    Megatron-DeepSpeed) masks a query-key pair when either is padding. For a real query that is the
+    same row as here. A padding query's row is all masked there, and its softmax over the equal
+    -10000 fills attends uniformly to every position; here it attends to the real keys, which keeps
+    SDPA free of all-masked rows (NaN). Padding positions never reach a real one (no real query sees
+    a padding key) nor the loss (their loss mask is 0, the pooler reads position 0), so losses and
+    every real position's output are Megatron's. It is also Hugging Face BERT's mask (keys only)."""
+    return padding_mask.bool()[:, None, None, :]
+
+
 def split_activation(inputs):
     """A layer's input (see the module docstring) -> ``(hidden, document_ids, moe_loss)``, None for
     what it does not carry (the ids are the integer tensor, the loss the floating one after hidden)."""
@@ -73,20 +87,6 @@ def pack_activation(hidden, document_ids=None, moe_loss=None):
     """``split_activation``'s inverse: the hidden state alone when it carries nothing else."""
     extra = tuple(t for t in (document_ids, moe_loss) if t is not None)
     return (hidden, *extra) if extra else hidden
-
-
-def padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq]`` padding mask (1 real, 0 padding) -> ``[batch, 1, 1, seq]`` bool, True where a
-    query may attend to a key: the key is a real token.
-
-    Megatron's BERT (``bert_extended_attention_mask``, megatron/model/bert_model.py in
-    Megatron-DeepSpeed) masks a query-key pair when either is padding. For a real query that is the
-    same row as here. A padding query's row is all masked there, and its softmax over the equal
-    -10000 fills attends uniformly to every position; here it attends to the real keys, which keeps
-    SDPA free of all-masked rows (NaN). Padding positions never reach a real one (no real query sees
-    a padding key) nor the loss (their loss mask is 0, the pooler reads position 0), so losses and
-    every real position's output are Megatron's. It is also Hugging Face BERT's mask (keys only)."""
-    return padding_mask.bool()[:, None, None, :]
 
 
 def split_hidden_and_documents(inputs):
@@ -359,7 +359,8 @@ class ParallelTransformerLayer(nn.Module):
                          expert_tensor_parallel=expert_tp)
 
     def forward(self, inputs, kv_cache=None):
-        hidden, document_ids, moe_loss = split_activation(inputs)  # ids: or the padding mask (self.padding)
+        # the integer tensor: document ids, or the padding mask of a bidirectional layer (self.padding)
+        hidden, document_ids, moe_loss = split_activation(inputs)
         if document_ids is None:
             mask = None
         else:

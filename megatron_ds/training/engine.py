@@ -132,7 +132,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     moe = is_moe_model(layout.model)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
-    # the family's terms; a GPT reports its parts only when it has more than one (MoE)
+    # the family's reported terms (BERT: lm loss, sop loss), else the GPT's (with MoE: lm loss, moe loss, ...)
     loss_report = LossReport(loss_names or reported_names(moe))
     model = build_module(run, ps, device, eod_token, loss_report, build)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
