@@ -14,7 +14,8 @@ from typing import Callable
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
-from megatron_ds.config.moe import check_moe, check_moe_zero_json, is_moe, mlp_params, model_experts, moe_layer_params
+from megatron_ds.config.moe import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
+                                    is_moe, mlp_params, model_experts, moe_layer_params)
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
@@ -401,6 +402,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)
+        check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)
+        check_moe_stages(stages, bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage,
+                                                                    use_pipeline))
     layout = Layout(world_size=world_size, tp=tp, pp=pp, sp=sp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,

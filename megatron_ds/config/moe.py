@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -170,3 +172,50 @@ def check_moe_zero_json(ds: dict, zero_stage: int) -> None:
         raise ConfigError(f"mixture of experts under ZeRO stage {zero_stage} needs \"{off[0]}\": true in the DeepSpeed "
                           f"JSON's \"zero_optimization\" (DeepSpeed's ZeRO optimizer asserts it for MoE); remove the "
                           f"false value")
+
+
+def expert_capacity(tokens: int, experts: int, topk: int, capacity_factor: float, min_capacity: int) -> int:
+    """Slots per expert with token dropping, as DeepSpeed's gates size them (deepspeed/moe/sharded_moe.py
+    ``_capacity``: ceil(tokens / experts x factor), the factor times k for top-2 and top-k, at least
+    min_capacity), computed in float32 as DeepSpeed's tensor arithmetic does."""
+    factor = np.float32(capacity_factor * (1 if topk == 1 else topk))
+    return max(int(np.ceil(np.float32(tokens / experts) * factor)), min_capacity)
+
+
+def check_moe_tensor_parallel(m: ModelConfig, *, tp: int, tokens: int) -> None:
+    """At TP > 1 DeepSpeed's MOELayer.forward splits each expert's capacity slots over the tensor parallel
+    ranks (sharded_moe.py: ``drop_tokens(dispatched_input, dim=1)``, which asserts the split is even), so
+    the capacity must be a multiple of TP. ``tokens``: a micro-batch's tokens (every TP rank routes all)."""
+    if tp == 1 or not is_moe(m):
+        return
+    if m.disable_moe_token_dropping:
+        # top1gating / top2gating pad the no-drop capacity to TP only when experts are not split over TP
+        if m.enable_expert_tensor_parallelism:
+            raise ConfigError(f"--disable-moe-token-dropping with --enable-expert-tensor-parallelism at TP {tp} stops "
+                              f"DeepSpeed's MoE layer: it pads the no-drop capacity to a multiple of TP only when "
+                              f"experts are not split over TP, then splits it over TP all the same (sharded_moe.py); "
+                              f"drop one of the two flags")
+        return
+    for experts in sorted({n for n in model_experts(m) if n > 1}):
+        for flag, factor in (("--moe-train-capacity-factor", m.moe_train_capacity_factor),
+                             ("--moe-eval-capacity-factor", m.moe_eval_capacity_factor)):
+            capacity = expert_capacity(tokens, experts, m.topk, factor, m.moe_min_capacity)
+            if capacity % tp:
+                raise ConfigError(f"an MoE layer's capacity of {capacity} tokens per expert ({tokens} tokens of a "
+                                  f"micro-batch, {experts} experts, top-{m.topk}, {flag} {factor}, "
+                                  f"--moe-min-capacity {m.moe_min_capacity}) is not divisible by TP {tp}: DeepSpeed "
+                                  f"splits each expert's slots over the tensor parallel ranks (sharded_moe.py "
+                                  f"MOELayer.forward); change the capacity factor, the micro-batch size or "
+                                  f"--seq-length, or use --disable-moe-token-dropping")
+
+
+def check_moe_stages(stages, *, bf16_optimizer: bool) -> None:
+    """Under DeepSpeed's BF16_Optimizer the expert gradient norm is a reduction over the pipeline stages that
+    only stages holding an MoE layer join (runtime/utils.py get_norm_with_moe_layers): a stage without one
+    would leave the others waiting. ``stages``: the layout's ``StageParams``."""
+    empty = [s.stage for s in stages if s.expert_params_per_tp_rank == 0]
+    if bf16_optimizer and len(stages) > 1 and empty:
+        raise ConfigError(f"pipeline stage(s) {', '.join(map(str, empty))} would hold no MoE layer: DeepSpeed's bf16 "
+                          f"optimizer waits for every stage in the expert gradient norm and would hang; place MoE "
+                          f"layers on every stage (--expert-interval, --num-layers, --pipeline-model-parallel-size) "
+                          f"or use ZeRO stage 1")

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 import deepspeed
-from deepspeed.moe.layer import MoE
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
@@ -16,7 +15,6 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
-from megatron_ds.errors import ConfigError
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.loss_report import LossReport
@@ -146,8 +144,6 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
                                            dist_init_required=False)
     if guarded:
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
-    if moe and layout.pp > 1:
-        check_moe_stages(engine, model)
     # DeepSpeed's ZeRO-0 fp16 optimizers: the loss scale its backward leaves out, the norm they clip by
     scale_fp16_loss(engine, model)
     ds_compat.count_fp16_grads_once(engine.optimizer)
@@ -164,18 +160,6 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device,
                    loss_report=loss_report)
-
-
-def check_moe_stages(engine, model) -> None:
-    """Collective (every rank). DeepSpeed's BF16_Optimizer sums expert gradient norms over the pipeline
-    stages (runtime/utils.py get_norm_with_moe_layers) only on ranks whose stage holds an MoE layer, so
-    a stage without one would leave the others waiting in that reduction: refuse such a partition."""
-    holds = torch.tensor([float(any(isinstance(m, MoE) for m in model.modules()))])
-    torch.distributed.all_reduce(holds, op=torch.distributed.ReduceOp.MIN)
-    if holds.item() == 0 and ds_compat.is_bf16_optimizer(engine.optimizer):
-        raise ConfigError("a pipeline stage holds no MoE layer: DeepSpeed's bf16 optimizer would wait forever for it "
-                          "in the expert gradient norm; place MoE layers on every stage (--expert-interval, "
-                          "--num-layers, --pipeline-model-parallel-size)")
 
 
 def log_startup(run: Run, rt: Runtime) -> None:
