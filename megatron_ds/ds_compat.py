@@ -47,6 +47,14 @@ _INTERNAL_NAMES = {
     "DeepSpeedConfig": "deepspeed.runtime.config",  # validates a JSON as deepspeed.initialize would
     "ZeROOptimizer": "deepspeed.runtime.base_optimizer",  # base of the ZeRO and bf16 optimizers
     "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",  # keeps the accumulated grad in _hp_grad
+    # mixture of experts (model/moe.py, parallel/groups.py): DeepSpeed's own expert group set-up, called
+    # up front on every rank (see create_expert_groups), and its norm of expert gradients
+    "_create_expert_and_data_parallel": "deepspeed.utils.groups",
+    "_create_expert_data_and_model_parallel": "deepspeed.utils.groups",
+    "_get_expert_parallel_group_dict": "deepspeed.utils.groups",
+    "_get_expert_parallel_group_ranks": "deepspeed.utils.groups",
+    "_get_expert_data_parallel_group_ranks": "deepspeed.utils.groups",
+    "get_norm_with_moe_layers": "deepspeed.runtime.utils",
 }
 
 # Methods megatron_ds calls, replaces on an instance or overrides in a subclass:
@@ -544,6 +552,77 @@ def checkpoint_safe_globals() -> list:
         except (ImportError, AttributeError):
             pass
     return allowed
+
+
+def moe_group_name(ep_size: int) -> str:
+    """The name DeepSpeed's MoE layer gives its expert groups (deepspeed/moe/layer.py MoE.__init__) and
+    stores on each expert parameter as ``group_name``."""
+    return f"ep_size_{ep_size}"
+
+
+def create_expert_groups(ep_size: int, expert_tensor_parallel: bool, mpu) -> tuple[list[int], list[int]]:
+    """Create DeepSpeed's expert parallel and expert data parallel groups for ``ep_size`` now, on every
+    rank, exactly as ``MoE._create_process_groups`` would when the engine calls
+    ``set_deepspeed_parallelism`` (which then finds them and creates nothing). Group creation is
+    collective, and the engine only calls it on ranks whose stage holds an MoE layer. Returns this
+    rank's (expert parallel ranks, expert data parallel ranks)."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+
+    groups.mpu = mpu  # what the engine sets too (DeepSpeedEngine._configure_distributed_model)
+    name = moe_group_name(ep_size)
+    if name not in _internal("_get_expert_parallel_group_dict")():
+        if expert_tensor_parallel:
+            _internal("_create_expert_data_and_model_parallel")(ep_size, mpu=mpu)
+        else:
+            _internal("_create_expert_and_data_parallel")(ep_size)
+    return (list(_internal("_get_expert_parallel_group_ranks")(name)),
+            list(_internal("_get_expert_data_parallel_group_ranks")(name)))
+
+
+def moe_gate_kept_routes(gate_output) -> torch.Tensor:
+    """How many (token, expert) routes DeepSpeed's ``TopKGate.forward`` kept within the experts'
+    capacity, from what it returned: 0.19's sparse dispatch (MOELayer asks for sparse routes) returns
+    ``(l_aux, capacity, num_experts, indices [k, tokens] (-1: dropped), locations, gates, exp_counts)``;
+    earlier releases ``(l_aux, combine_weights, dispatch_mask [tokens, experts, capacity], exp_counts)``
+    with one True per kept route."""
+    if len(gate_output) == 7:
+        return (gate_output[3] >= 0).sum()
+    if len(gate_output) == 4:
+        return gate_output[2].sum()
+    raise incompatible(f"its TopKGate returns {len(gate_output)} values (expected 7 or 4)")
+
+
+def gather_flat_on_gloo(group) -> None:
+    """DeepSpeed's MoE gathers tokens over the tensor parallel ranks into a flat buffer
+    (deepspeed/moe/mappings.py ``_gather_tokens``: ``all_gather_into_tensor`` of a [world * numel]
+    output from a [e, c, m] input), which NCCL accepts and gloo refuses (it wants the output shaped
+    [world * e, c, m]). Where ``group`` is gloo, wrap ``deepspeed.comm.all_gather_into_tensor`` once
+    so that such a flat output is viewed in that shape (the same memory, the same numbers); every
+    other call passes through unchanged."""
+    import functools  # noqa: PLC0415
+
+    import deepspeed.comm as ds_comm  # noqa: PLC0415
+
+    original = ds_comm.all_gather_into_tensor
+    if getattr(original, "megatron_ds_flat_gather", False) or str(dist.get_backend(group)) != "gloo":
+        return
+
+    @functools.wraps(original)
+    def all_gather_into_tensor(output_tensor, tensor, *args, **kwargs):
+        if output_tensor.dim() == 1 and tensor.dim() > 1 and output_tensor.numel() % tensor.numel() == 0:
+            ranks = output_tensor.numel() // tensor.numel()
+            output_tensor = output_tensor.view(ranks * tensor.shape[0], *tensor.shape[1:])
+        return original(output_tensor, tensor, *args, **kwargs)
+
+    all_gather_into_tensor.megatron_ds_flat_gather = True
+    ds_comm.all_gather_into_tensor = all_gather_into_tensor
+
+
+def norm_with_expert_grads(dense_norm: float, mpu, expert_grads: dict) -> float:
+    """The global gradient norm with expert gradients (``{group name: [grads]}``) counted over their
+    expert parallel groups, as DeepSpeed's bf16 optimizer does (runtime/utils.py
+    ``get_norm_with_moe_layers``; -1 when not finite)."""
+    return float(_internal("get_norm_with_moe_layers")(dense_norm, mpu=mpu, expert_tensors=expert_grads))
 
 
 @contextlib.contextmanager

@@ -42,16 +42,11 @@ IGNORED_FLAGS: dict[str, int] = {
         # (megatron/initialize.py _initialize_mem_buffs; the checkpoint call sites pass
         # --distribute-saved-activations / DeepSpeed's partition_activations instead).
         "--distribute-checkpointed-activations",
-        # MoE switches, meaningless at --num-experts 1 (the only value accepted; see OFF_VALUE_FLAGS);
-        # Megatron-DeepSpeed's dense MoE-family scripts pass them anyway
-        "--create-moe-param-group", "--disable-moe-token-dropping",
         "--exit-signal-handler",  # SIGTERM/SIGUSR1 handling is on by default here
     )},
     **{f: 1 for f in (
         "--DDP-impl", "--timing-log-level", "--timing-log-option", "--tensorboard-queue-size",
         "--tensorboard-log-interval",  # scalars are written every --log-interval
-        "--moe-expert-parallel-size", "--moe-loss-coeff", "--moe-train-capacity-factor",
-        "--moe-eval-capacity-factor", "--moe-min-capacity",
     )},
 }
 
@@ -62,15 +57,12 @@ UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
 
 # Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off
 # (upstream scripts pass it explicitly): flag -> (nargs, off value, what to do instead).
-OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {
-    "--num-experts": ("+", "1", "mixture-of-experts models are not supported"),  # upstream nargs='+', default [1]
-}
+OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {}
 
 
 # --- issue 23: the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
 # commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
-_MOE_KNOB = "a mixture-of-experts knob, inert at --num-experts 1, the only value accepted"
 _FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid, which are refused"
 _KERNEL = "a CUDA kernel choice with no counterpart here"
 # flag -> (number of values, why it changes nothing here); reported with the reason (``describe_ignored``)
@@ -84,9 +76,11 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     "--tile-factor": (1, _NEVER_READ),
     # megatron/initialize.py: it only doubles num_checkpoints for DeepSpeed's contiguous checkpointing
     "--split-transformers": (0, "only sizes DeepSpeed's contiguous-checkpointing buffers, ignored here too"),
-    **{f: (0, _MOE_KNOB) for f in ("--disable-moe-top2-2nd-expert-sampling", "--use-tutel",
-                                   "--enable-expert-tensor-parallelism")},
-    **{f: (1, _MOE_KNOB) for f in ("--topk", "--expert-interval")},
+    # deepspeed/moe/sharded_moe.py: Tutel's kernels (an optional package) replace the einsum dispatch and the
+    # cumsum of top-1 gating by faster ones computing the same routing; without tutel installed DeepSpeed
+    # itself proceeds without them, as it does here
+    "--use-tutel": (0, "Tutel's optional top-1 dispatch kernels compute the same routing as DeepSpeed's "
+                       "default dispatch, which runs here (tutel is not a dependency)"),
     "--no-fp8-wgrad": (0, _FP8_KNOB),
     **{f: (1, _FP8_KNOB) for f in ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
                                    "--fp8-amax-compute-algo")},
@@ -126,7 +120,10 @@ REFUSED_FLAGS: dict[str, tuple[int, str]] = {
         "--fp8-e4m3", "--fp8-hybrid")},
     "--output-bert-embeddings": (0, _BERT_T5),
     **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--retriever-seq-length", "--sample-rate")},
-    "--num-experts-switch": (1, "mixture-of-experts (switch MLP) models are not supported"),
+    # megatron/model/transformer.py SwitchMLP: Megatron-LM's own top-1 MoE, every expert on every rank run one
+    # after the other, no capacity, no auxiliary loss, no expert parallelism
+    "--num-experts-switch": (1, "Megatron's own SwitchMLP is not supported; DeepSpeed-MoE's top-1 gating is: "
+                                "--num-experts N --topk 1 (with --expert-interval 1 for every layer)"),
     **{f: (0, _FPDT) for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-offloading")},
     "--ds-sequence-parallel-fpdt-chunk-size": (1, _FPDT),
     # megatron/arguments.py validate_args asserts these deprecated ones are unset, naming the new flag
@@ -184,7 +181,6 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
     "--transformer-impl": ("?", "local", "Transformer Engine layers are not supported"),
-    "--mlp-type": ("?", "standard", "mixture-of-experts (residual MoE) models are not supported"),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),
@@ -195,9 +191,6 @@ _LOGGING = "a Megatron logging or timer detail not reproduced here"
 _OWN_DDP = "configures Megatron's own data parallel wrapper, which its DeepSpeed path replaces by DeepSpeed's engine"
 _OWN_P2P = "configures Megatron's own pipeline messages; DeepSpeed's pipeline engine sends the activations here"
 _IGNORED_REASONS: dict[str, str] = {
-    **{f: _MOE_KNOB for f in ("--create-moe-param-group", "--disable-moe-token-dropping", "--moe-expert-parallel-size",
-                              "--moe-loss-coeff", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
-                              "--moe-min-capacity")},
     **{f: _CHECKPOINTING for f in ("--partition-activations", "--contigious-checkpointing",
                                    "--contiguous-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer",
                                    "--profile-backward")},
@@ -255,13 +248,23 @@ def _add_field(group, section: str | None, f: dataclasses.Field, hints: dict, do
     else:
         if md.get("nargs"):
             kwargs["nargs"] = md["nargs"]
-            kind = str
+            if kind is tuple:  # a tuple of ints (frozen, hashable), e.g. --num-experts 8 16
+                kwargs["action"] = _StoreTuple
+                kind = int
+            else:
+                kind = str
         kwargs["type"] = kind
         if md.get("choices"):
             kwargs["choices"] = md["choices"]
         if default is not None:
-            kwargs["help"] = f"{doc} (default: {default})"
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+            kwargs["help"] = f"{doc} (default: {shown})"
     group.add_argument(*flags, **kwargs)
+
+
+class _StoreTuple(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(values))
 
 
 class _Ignored(argparse.Action):

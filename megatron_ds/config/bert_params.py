@@ -36,8 +36,9 @@ def bert_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tup
 
 
 def count_bert_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                          partition_method: str | None = None) -> tuple[int, tuple[StageParams, ...]]:
-    """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT."""
+                          partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+    """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT
+    (``ep``: its expert parallel size, 1 here: BERT has no MoE layers)."""
     layers = bert_pipeline_layers(m, padded_vocab, tp)
     if partition_method is None:
         partition_method = "type:ParallelTransformerLayer"
@@ -72,6 +73,7 @@ def check_bert(flags: Config, pp: int) -> None:
         "positions)": m.swiglu or m.normalization.lower() != "layernorm" or m.use_rotary_position_embeddings
         or m.position_embedding_type != "learned_absolute" or m.no_position_embedding,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
+        "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
         "--train-data-path / --valid-data-path / --test-data-path (BERT samples come from --data-path and "
         "--split, as upstream's pretrain_bert.py)": bool(data.train_data_path or data.valid_data_path
                                                          or data.test_data_path),

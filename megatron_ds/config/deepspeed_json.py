@@ -54,9 +54,29 @@ def guards_optimizer(precision: str, zero_stage: int) -> bool:
     return precision == "fp32" and zero_stage == 0
 
 
+def grad_accum_bytes(ds: dict, precision: str) -> int:
+    """Bytes per element of DeepSpeed's gradient accumulation ("data_types": {"grad_accum_dtype"}; default:
+    the weights' dtype)."""
+    lp = 4 if precision == "fp32" else 2
+    name = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    return lp if name is None else {"fp32": 4, "float32": 4, "float": 4, "fp16": 2, "float16": 2, "half": 2,
+                                    "bf16": 2, "bfloat16": 2}.get(str(name).lower(), lp)
+
+
+def uses_bf16_optimizer(ds: dict, precision: str, zero_stage: int, use_pipeline: bool) -> bool:
+    """Whether DeepSpeed wraps the optimizer in BF16_Optimizer: deepspeed/runtime/engine.py
+    _do_optimizer_sanity_check (0.19) picks it for bf16 weights with ZeRO 1 and fp32 gradient accumulation
+    (without CPU offload), or without ZeRO in the pipeline engine with bf16 accumulation."""
+    if precision != "bf16":
+        return False
+    acc = grad_accum_bytes(ds, precision)
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    return (zero_stage == 1 and acc == 4 and not offload) or (zero_stage == 0 and use_pipeline and acc == 2)
+
+
 def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
                     zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None,
-                    partition_activations: bool = True) -> dict:
+                    moe: bool = False, partition_activations: bool = True) -> dict:
     """Merge the user's DeepSpeed JSON with what the command line owns, rejecting contradictions.
     A stale batch size / accumulation count in the JSON loses to the command line with a note, as in
     Megatron-DeepSpeed, whose train loop calls engine.set_train_batch_size(DP x micro x micro-batches)
@@ -94,9 +114,12 @@ def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas
         ds["gradient_clipping"] = 0.0  # our optimizer guard clips instead (see guards_optimizer)
     # DeepSpeed's pipeline partitions activations over TP ranks assuming they are replicated; under
     # sequence parallelism they are already split (and differ per rank), so that must be off.
-    # partition_activations=False: the model sends several tensors that need gradients (T5), and the
-    # partitioned path sends back only the first one's (runtime/pipe/engine.py _exec_send_grads)
-    split = partition_activations and not sequence_parallel
+    # An MoE model sends two tensors between stages (the hidden state and the MoE layers' auxiliary loss),
+    # which DeepSpeed's partitioned pipeline messages do not handle: Megatron-DeepSpeed asserts both off for
+    # MoE at PP > 1 and TP > 1 (megatron/model/gpt_model.py GPTModelPipe). partition_activations=False:
+    # the model sends several tensors that need gradients (T5), and the partitioned path sends back only
+    # the first one's (runtime/pipe/engine.py _exec_send_grads)
+    split = not sequence_parallel and not moe and partition_activations
     ds.setdefault("pipeline", {}).update(pipe_partitioned=split, grad_partitioned=split)
     ds.setdefault("steps_per_print", 10 ** 9)  # we print Megatron's iteration line ourselves
     ds.setdefault("wall_clock_breakdown", False)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
-from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer
+from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
+from megatron_ds.config.moe import check_moe, check_moe_zero_json, is_moe, mlp_params, model_experts, moe_layer_params
 from megatron_ds.config.schedule import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
@@ -65,6 +66,7 @@ class StageParams:
     stage: int
     layers: tuple[int, int]  # [first, last) transformer layer indices
     params_per_tp_rank: int
+    expert_params_per_tp_rank: int = 0  # of which MoE experts' (this rank's 1/EP of them; config/moe.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class Layout:
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
     family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
+    ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
+    active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
 
     @property
     def own_schedule(self) -> bool:
@@ -133,6 +137,15 @@ class Layout:
             f" {activation_name(m)}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
             f"parameters: {self.total_params / 1e6:,.1f}M total",
         ]
+        if self.active_params is not None:
+            experts = model_experts(m)
+            moe = [n for n in experts if n > 1]
+            counts = "/".join(map(str, sorted(set(moe))))
+            lines[2] += (f"; mixture of experts: {len(moe)} of {m.num_layers} layers (every {m.expert_interval}), "
+                         f"{counts} experts, top-{m.topk}{', residual' if m.mlp_type == 'residual' else ''}, "
+                         f"EP {self.ep} ({'/'.join(str(n // self.ep) for n in sorted(set(moe)))} per rank"
+                         f"{', split over TP' if m.enable_expert_tensor_parallelism and self.tp > 1 else ''})")
+            lines[3] += f", {self.active_params / 1e6:,.1f}M active per token"
         r = self.schedule
         if r.rampup is not None:
             lines.insert(2, f"batch ramp-up: global {r.rampup.start} + {r.rampup.increment} every "
@@ -145,8 +158,10 @@ class Layout:
         for s in self.stages:
             first, stop = s.layers
             layers = "" if self.virtual_pp > 1 else f" layers {first}-{stop - 1}," if stop > first else " no layers,"
+            experts = (f" ({s.expert_params_per_tp_rank / 1e6:,.1f}M of them experts: 1/EP of each MoE layer's)"
+                       if self.active_params is not None else "")
             lines.append(f"  stage {s.stage}:{layers}"
-                         f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank")
+                         f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank{experts}")
         if self.pp > 1:
             schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
             # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
@@ -157,37 +172,56 @@ class Layout:
 
 
 def layer_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
-    """(parameters split over TP, parameters replicated on each TP rank) of one transformer layer,
+    """(parameters split over TP, parameters replicated on each TP rank) of one dense transformer layer,
     for other model families' counts (``config/bert_params.py``)."""
     return _layer_params(m, tp)
 
 
-def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
-    """(parameters split over TP, parameters replicated on each TP rank) of one transformer layer."""
+def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over TP, parameters replicated on each TP rank) of a transformer layer without its
+    MLP: attention and the two norms."""
     h, d, bias = m.hidden_size, m.kv_channels, m.add_bias_linear
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
-    ffn_in = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
-    split = h * (q + 2 * kv) + q * h + h * ffn_in + m.ffn_hidden_size * h
-    if bias:
-        split += (q + 2 * kv) + ffn_in
+    split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias else 0)
     norm = 2 * h if m.normalization == "layernorm" else h
-    replicated = 2 * norm + (2 * h if bias else 0)  # two norms; row-parallel biases are not split
-    return split // tp, replicated
+    return split // tp, 2 * norm + (h if bias else 0)  # the row-parallel bias is not split
 
 
-def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple[str, int]]:
+def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over TP, parameters replicated on each TP rank) of one dense transformer layer."""
+    (a_split, a_repl), (m_split, m_repl) = _attention_params(m, tp), mlp_params(m, tp)
+    return a_split + m_split, a_repl + m_repl
+
+
+def _layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, int]]:
+    """Per transformer layer: (parameters on one rank, of which experts', in the whole model, active per token)."""
+    a_split, a_repl = _attention_params(m, tp)
+    split, repl = _layer_params(m, tp)
+    dense = (split + repl, 0, split * tp + repl, split * tp + repl)
+    out = []
+    for experts in model_experts(m):
+        if experts == 1:
+            out.append(dense)
+            continue
+        moe = moe_layer_params(m, experts, tp=tp, ep=ep)
+        attention = a_split * tp + a_repl
+        out.append((a_split + a_repl + moe.per_rank, moe.experts_per_rank, attention + moe.total,
+                    attention + moe.active))
+    return out
+
+
+def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
     ``model/pipeline.py`` lists them (the names are what a "type:" partition method matches): the
     embedding, the transformer layers, the final norm, the output layer -- tied, a second
     ``GPTEmbedding`` holding the word embedding only, or untied, its own weight."""
     h = m.hidden_size
-    split, repl = _layer_params(m, tp)
     emb = padded_vocab * h // tp
     pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
     final_norm = 2 * h if m.normalization == "layernorm" else h
     head = "GPTOutputHead" if m.untie_embeddings_and_output_weights else "GPTEmbedding"
-    return ([("GPTEmbedding", emb + pos)] + [("ParallelTransformerLayer", split + repl)] * m.num_layers
-            + [("FinalNorm", final_norm), (head, emb)])
+    layers = [("ParallelTransformerLayer", per_rank) for per_rank, _, _, _ in _layer_counts(m, tp, ep)]
+    return [("GPTEmbedding", emb + pos)] + layers + [("FinalNorm", final_norm), (head, emb)]
 
 
 def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, layers: list) -> list[int]:
@@ -197,15 +231,17 @@ def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, la
 
 
 def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                     partition_method: str | None = None) -> tuple[int, tuple[StageParams, ...]]:
-    """Analytic parameter count: (unique total, per-stage count on one TP rank).
+                     partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+    """Analytic parameter count: (unique total, per-stage count on one TP rank). With MoE layers a rank
+    holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe.py).
 
     ``partition_method``: how DeepSpeed's pipeline engine splits the layers over the stages
     (--pipeline-partition-method); None: ``num_layers / pp`` transformer layers per stage (the
     interleaved schedule's, and what the default "type:ParallelTransformerLayer" gives). Other
     methods move layers between stages ("uniform" counts the embedding, final norm and output
     layer as layers too), which the stages' parameters and activations must follow."""
-    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp)
+    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp, ep)
+    per_layer = _layer_counts(m, tp, ep)
     parts = _stage_boundaries(n, pp, partition_method, layers)
     tied = not m.untie_embeddings_and_output_weights
     stages = []
@@ -215,12 +251,23 @@ def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
         if tied and first == 0 and stop == len(layers):
             p -= layers[-1][1]  # the output layer borrows the embedding of its own stage: no copy
         held = (min(max(first - 1, 0), n), min(max(stop - 1, 0), n))  # transformer layers are 1..n
-        stages.append(StageParams(s, held, p))
-    split, repl = _layer_params(m, tp)
+        stages.append(StageParams(s, held, p, sum(c[1] for c in per_layer[held[0]:held[1]])))
     emb, final_norm = layers[-1][1], layers[-2][1]
     pos = layers[0][1] - emb
-    total = n * (split * tp + repl) + emb * tp + pos + final_norm + (0 if tied else emb * tp)
+    total = sum(c[2] for c in per_layer) + emb * tp + pos + final_norm + (0 if tied else emb * tp)
     return total, tuple(stages)
+
+
+def active_parameters(m: ModelConfig, padded_vocab: int) -> int:
+    """The parameters one token goes through: count_parameters' total with each MoE layer's experts replaced
+    by the --topk it is routed to (the gate and a residual MLP included)."""
+    per_layer = _layer_counts(m, 1, 1)
+    h = m.hidden_size
+    pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    final_norm = 2 * h if m.normalization == "layernorm" else h
+    emb = padded_vocab * h
+    return sum(c[3] for c in per_layer) + emb + pos + final_norm + (emb if m.untie_embeddings_and_output_weights
+                                                                    else 0)
 
 
 def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
@@ -333,17 +380,24 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     check_data(flags.data)
     check_profile(flags.logging)
+    ep, moe = par.moe_expert_parallel_size, is_moe(m)
+    notes: list[str] = check_moe(
+        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
+        own_schedule=virtual_pp > 1 or zbh1 is not None,
+        bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
+        sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
-    total, stages = family.count_parameters(m, padded, tp, pp, partition)
-    notes: list[str] = []
+    total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
-                         notes=notes, partition_activations=family.partition_activations)
+                         notes=notes, moe=moe, partition_activations=family.partition_activations)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if moe:
+        check_moe_zero_json(ds, zero_stage)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, sp=sp, virtual_pp=virtual_pp, dp=dp, micro_batch_size=micro,
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
@@ -351,5 +405,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     use_pipeline=use_pipeline, pipeline_partition=partition,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
-                    ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family)
+                    ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
+                    active_params=active_parameters(m, padded) if moe else None)
     return layout, notes

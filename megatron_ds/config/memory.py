@@ -17,9 +17,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import math
 from dataclasses import dataclass
 
+from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout, count_parameters
+from megatron_ds.config.moe import expert_data_parallel_size, model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -105,13 +108,6 @@ class StateBytes:
     optimizer_path: str = ""
 
 
-def _dtype_bytes(name: str | None, default: int) -> int:
-    if name is None:
-        return default
-    return {"fp32": 4, "float32": 4, "float": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2,
-            "bfloat16": 2}.get(str(name).lower(), default)
-
-
 def state_bytes(layout: Layout) -> StateBytes:
     """Which DeepSpeed optimizer wrapper this layout gets and what it allocates per parameter.
 
@@ -122,7 +118,7 @@ def state_bytes(layout: Layout) -> StateBytes:
     bare torch optimizer. Adam keeps two fp32 moments (8 bytes) per parameter it steps.
     """
     lp = 4 if layout.precision == "fp32" else 2
-    acc = _dtype_bytes(((layout.ds_config.get("data_types") or {}).get("grad_accum_dtype")), lp)
+    acc = grad_accum_bytes(layout.ds_config, layout.precision)
     zero = layout.zero_stage
     if layout.precision == "fp32" and zero == 0:
         # the gradients live from backward until the engine zeroes them after the step
@@ -152,7 +148,7 @@ def state_bytes(layout: Layout) -> StateBytes:
                       optimizer_split=4 + 8, optimizer_path="DeepSpeed ZeRO stage 3")
 
 
-def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> float:
+def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts: int = 1) -> float:
     """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
 
     Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
@@ -184,6 +180,17 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
     of its inputs, so q, k, v are kept once, after it (no rotated copies, no fused QKV output held
     by v), and the attention output twice: the core's, and after the all-to-all back the output
     projection's input.
+
+    An MoE layer (``experts`` > 1; DeepSpeed's MOELayer, deepspeed/moe/sharded_moe.py, whose 0.19 dispatch
+    and combine gather and scatter by route index instead of one-hot einsums) runs its MLP on the experts'
+    E x C capacity slots (C = tokens x capacity factor x top-k / E, at least --moe-min-capacity), split over
+    the tensor parallel ranks (DeepSpeed drops the duplicate tokens of TP ranks before the experts): the
+    MLP's activations scale by E C / tokens, and the dispatched tokens (the experts' input, 2) are kept too.
+    On every rank the gate keeps its fp32 input (4) and softmax (4 E/h), the combine each token's k expert
+    outputs (2 k). PR-MoE's residual MLP keeps what a dense MLP keeps, and the mix of the two outputs both
+    (2 + 2). With --disable-moe-token-dropping an expert's capacity is the most loaded expert's tokens
+    (DeepSpeed's gating), known only at run time: the estimate assumes the balanced load of the capacity
+    factor. (tests/config/test_memory.py measures an MoE layer as the dense one.)
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
@@ -198,6 +205,13 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None) -> floa
     rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" and layout.sp == 1 else 0.0
     core = 2 * a * d / h * (2 if layout.sp > 1 else 1) + (4 * a / h if recompute != "selective" else 0.0)
     mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
+    if experts > 1:
+        factor = m.moe_train_capacity_factor * m.topk
+        tokens = s * b
+        capacity = max(math.ceil(tokens / experts * factor), m.moe_min_capacity)
+        slots = experts * capacity
+        replicated += 4 + 4 * experts / h + 2 * m.topk + (4 if m.mlp_type == "residual" else 0)
+        mlp = mlp * slots / tokens + 2 * slots / tokens + (mlp if m.mlp_type == "residual" else 0.0)
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
     return per_layer * (2 if layout.precision == "fp32" else 1)
@@ -249,15 +263,30 @@ class ParameterState:
 
 
 def parameter_state(layout: Layout, params: int, weight_bytes: float | None = None,
-                    sb: StateBytes | None = None) -> ParameterState:
+                    sb: StateBytes | None = None, expert_params: int = 0) -> ParameterState:
     """Weights, gradients and optimizer states of ``params`` parameters of one tensor parallel
     shard, on one GPU. ``weight_bytes``: what those parameters take in the module as built (the
     meta-device build of --dry-run); the default is the compute precision's bytes per parameter.
     ZeRO-3 keeps 1/DP of the module's weights on each GPU. Under DeepSpeed-Ulysses ZeRO partitions
     over the sequence data parallel group (SP x DP ranks hold the same weights: runtime/engine.py
-    hands ZeRO ``seq_data_parallel_group``)."""
+    hands ZeRO ``seq_data_parallel_group``). ``expert_params`` of the ``params`` are MoE experts', which ZeRO
+    splits over the expert data parallel group instead (config/moe.py)."""
     sb = sb or state_bytes(layout)
     dp = layout.dp * layout.sp
+    if expert_params:
+        edp = expert_data_parallel_size(layout.model, tp=layout.tp, dp=layout.dp, ep=layout.ep)
+        dense_bytes = expert_bytes = None
+        if weight_bytes is not None:  # the built module's bytes, shared in proportion (one dtype)
+            expert_bytes = weight_bytes * expert_params / params
+            dense_bytes = weight_bytes - expert_bytes
+        a = _state(sb, params - expert_params, dp, dense_bytes)
+        e = _state(sb, expert_params, edp, expert_bytes)
+        return ParameterState(*(x + y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(e))))
+    return _state(sb, params, dp, weight_bytes)
+
+
+def _state(sb: StateBytes, params: int, dp: int, weight_bytes: float | None) -> ParameterState:
+    """``parameter_state`` of ``params`` replicated on ``dp`` ranks, which ZeRO splits them over."""
     per_weight = sb.weights + sb.weights_split / dp
     # the module holds sb.weights + sb.weights_split bytes per weight before ZeRO-3 splits them
     weights = params * per_weight if weight_bytes is None else weight_bytes * per_weight / (
@@ -269,7 +298,8 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
 
 def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str, float]], float]:
     p, m = stage.params_per_tp_rank, layout.model
-    state = parameter_state(layout, p, sb=sb)
+    state = parameter_state(layout, p, sb=sb, expert_params=stage.expert_params_per_tp_rank)
+    experts = model_experts(m)[stage.layers[0]:stage.layers[1]]
 
     layers = stage.layers[1] - stage.layers[0]
     in_flight = in_flight_micro_batches(layout, stage.stage)
@@ -281,11 +311,13 @@ def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str,
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time.
         chunk = max(1, min(layout.recompute_num_layers, layers))
         kept = -(-layers // chunk) * sbh * act_bytes / shard
-        working = chunk * activation_bytes_per_layer(layout, recompute=None)
+        # the largest chunk's layers (MoE layers keep more than dense ones)
+        working = chunk * max((activation_bytes_per_layer(layout, recompute=None, experts=e) for e in set(experts)),
+                              default=0.0)
         activations = in_flight * kept + working
     else:
-        per_layer = activation_bytes_per_layer(layout, recompute=layout.recompute)
-        activations = in_flight * layers * per_layer
+        activations = in_flight * sum(activation_bytes_per_layer(layout, recompute=layout.recompute, experts=e)
+                                      for e in experts)
     activations += in_flight * sbh * act_bytes  # the stage's input/output hidden state buffers
     logits = 0.0
     if stage.stage == layout.pp - 1:
@@ -339,7 +371,7 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
     total, stages = (layout.family.count_parameters if layout.family else count_parameters)(
-        layout.model, padded, tp, pp, partition)
+        layout.model, padded, tp, pp, partition, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
@@ -350,6 +382,17 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
 def _candidates(layout: Layout):
     """(flag text, layout) for single changes that keep the layout valid."""
     m, world = layout.model, layout.world_size
+    moe = layout.active_params is not None
+    for text, candidate in _single_changes(layout, m, world):
+        # MoE (config/moe.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
+        if moe and (candidate.zero_stage == 3 or candidate.dp % layout.ep):
+            continue
+        if moe and candidate.zero_stage != layout.zero_stage:
+            text += " --create-moe-param-group"
+        yield text, candidate
+
+
+def _single_changes(layout: Layout, m, world: int):
     if layout.recompute != "full":
         yield "--checkpoint-activations", relayout(layout, recompute="full")
     for stage in range(layout.zero_stage + 1, 4):
@@ -367,7 +410,9 @@ def _candidates(layout: Layout):
         tp *= 2
     pp = layout.pp * 2
     # (Ulysses runs on the plain engine only: no pipeline to suggest)
-    while sp == 1 and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and layout.zero_stage < 2:
+    # (nor under --no-pipeline-parallel, which refuses PP > 1)
+    while sp == 1 and layout.use_pipeline and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and \
+            layout.zero_stage < 2:
         yield f"--pipeline-model-parallel-size {pp}", relayout(layout, pp=pp)
         pp *= 2
     micro = layout.micro_batch_size // 2

@@ -61,6 +61,7 @@ class OptimizerSettings:
     use_checkpoint_lr_scheduler: bool
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
+    create_moe_param_group: bool = False  # issue 21: expert parameters in optimizer groups of their own
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,42 @@ class ModelConfig:
     """With --bf16/--fp16: keep the residual stream (the embedding output, every layer's output, what
     crosses pipeline stages) in fp32; norms read it in fp32 and hand their output on in the weights'
     dtype, the branches (attention, MLP) still compute in half precision (Megatron's flag)."""
+    # -- issue 21: mixture of experts, DeepSpeed-MoE as Megatron-DeepSpeed runs it. Defaults and meanings are
+    # deepspeedai/Megatron-DeepSpeed megatron/arguments.py (_add_network_size_args, _add_training_args,
+    # _add_distributed_args); megatron/model/transformer.py builds deepspeed.moe.layer.MoE from them.
+    num_experts: tuple = meta((1,), nargs="+")
+    """Experts per MoE layer: one value for every MoE layer, or one per MoE layer (num_layers / --expert-interval
+    values); 1 is a dense model (transformer.py get_num_experts_per_layer)."""
+    expert_interval: int = 2
+    """With --num-experts > 1: the MoE layers are those whose 1-based number is a multiple of this (2: every
+    second layer, as upstream's default; 1: every layer); the others keep a dense MLP."""
+    topk: int = 1
+    """Experts each token is routed to: k of DeepSpeed's TopKGate (top-1, top-2, or its general top-k gating)."""
+    mlp_type: str = meta("standard", choices=("standard", "residual"))
+    """residual: PR-MoE's Residual MoE, a dense MLP beside the experts mixed by a learned 2-way coefficient
+    (DeepSpeed MoE(use_residual=True)); standard: the experts alone."""
+    moe_train_capacity_factor: float = 1.0
+    """Expert capacity in training: tokens an expert takes are at most factor x tokens x k / experts."""
+    moe_eval_capacity_factor: float = 1.0
+    """Expert capacity in evaluation (as --moe-train-capacity-factor)."""
+    moe_min_capacity: int = 4
+    """Minimum tokens an expert takes, whatever the capacity factor."""
+    moe_loss_coeff: float = 0.1
+    """Coefficient of the gates' load-balancing loss added to the language-model loss (pretrain_gpt.py)."""
+    disable_moe_token_dropping: bool = False
+    """Do not drop tokens beyond an expert's capacity (unlimited capacity; upstream's dest moe_token_dropping)."""
+    disable_moe_top2_2nd_expert_sampling: bool = False
+    """With --topk 2: take the second expert by argmax instead of sampling it with Gumbel noise (DeepSpeed
+    samples by default, in evaluation too)."""
+    enable_expert_tensor_parallelism: bool = False
+    """Split each expert's MLP across the tensor parallel ranks like the dense MLP (default: every tensor
+    parallel rank holds whole experts and DeepSpeed's expert groups span tensor parallel ranks)."""
+
+    def __post_init__(self):
+        # --num-experts is a tuple of ints however it arrives: the parser's tuple, a checkpoint's saved
+        # JSON list, or one int from code
+        n = self.num_experts
+        object.__setattr__(self, "num_experts", tuple(int(v) for v in (n if isinstance(n, (list, tuple)) else [n])))
 
 
 @dataclass(frozen=True)
@@ -133,6 +169,10 @@ class ParallelConfig:
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""
+    moe_expert_parallel_size: int = 1
+    """Mixture of experts: ranks that split each MoE layer's experts (--num-experts / this experts per rank);
+    it divides the data parallel size, and the ranks holding the same experts average their gradients
+    (DeepSpeed's expert and expert-data parallel groups)."""
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",
                                           flags=("--pipeline-partition-method",))
     """DeepSpeed PipelineModule partition method; the default balances transformer layers."""
@@ -202,6 +242,10 @@ class OptimizerConfig:
     cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
     """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
     "zero_force_ds_cpu_optimizer": false)."""
+    # issue 21 (megatron/optimizer/__init__.py get_megatron_optimizer)
+    create_moe_param_group: bool = False
+    """Put expert parameters in optimizer groups of their own (deepspeed.moe.utils.
+    split_params_into_different_moe_groups_for_optimizer), as DeepSpeed's ZeRO optimizer needs for MoE."""
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,13 @@ _RANGES: tuple = (
     ("model", "make_vocab_size_divisible_by", 1, True, None, False),
     ("model", "rope_theta", 0.0, False, None, False),
     ("model", "rotary_percent", 0.0, False, 1.0, True),
+    ("model", "expert_interval", 1, True, None, False),  # issue 21: mixture of experts
+    ("model", "topk", 1, True, None, False),
+    ("model", "moe_train_capacity_factor", 0.0, False, None, False),
+    ("model", "moe_eval_capacity_factor", 0.0, False, None, False),
+    ("model", "moe_min_capacity", 0, True, None, False),
+    ("model", "moe_loss_coeff", 0.0, True, None, False),
+    ("parallel", "moe_expert_parallel_size", 1, True, None, False),
     ("parallel", "tensor_model_parallel_size", 1, True, None, False),
     ("parallel", "pipeline_model_parallel_size", 1, True, None, False),
     ("parallel", "distributed_timeout_minutes", 0.0, False, None, False),

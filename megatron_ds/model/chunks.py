@@ -50,13 +50,15 @@ class GPTModelChunks(nn.Module):
     """
 
     def __init__(self, specs: list, *, num_layers: int, pp: int, pp_rank: int, v: int, tp_group=None, seed: int,
-                 tie_group=None, activation_checkpoint_interval: int = 0, loss_report=None):
+                 tie_group=None, activation_checkpoint_interval: int = 0, loss_report=None,
+                 moe_loss_coeff: float = 0.0):
         super().__init__()
         self.pp, self.pp_rank, self.v = pp, pp_rank, v
         self.layer_indices = [chunk_spec_indices(num_layers, pp, v, pp_rank, c) for c in range(v)]
         self.chunks = nn.ModuleList(
             GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=indices,
-                          activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report)
+                          activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report,
+                          moe_loss_coeff=moe_loss_coeff)
             for indices in self.layer_indices)
         self.loss_fn = self.chunks[0].loss_fn
         self.tied_weight = None
@@ -98,7 +100,9 @@ def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: i
                           loss_report=None, **spec_kwargs) -> GPTModelChunks:
     """This rank's chunks of the GPT (``spec_kwargs`` as for ``build_pipeline_gpt``); ``tie_group``
     from ``megatron_ds.parallel.p2p.tied_embedding_group`` (None: no copies to synchronize)."""
-    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
+    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
+                            loss_report=loss_report, **spec_kwargs)
     return GPTModelChunks(specs, num_layers=model_cfg.num_layers, pp=pp, pp_rank=pp_rank, v=v, tp_group=tp_group,
                           seed=seed, tie_group=tie_group, loss_report=loss_report,
+                          moe_loss_coeff=model_cfg.moe_loss_coeff,
                           activation_checkpoint_interval=activation_checkpoint_interval)

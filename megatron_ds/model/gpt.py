@@ -24,7 +24,8 @@ from torch import nn
 
 from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.transformer import hidden_dropout, split_hidden_and_documents
+from megatron_ds.model.moe import DROP_FRACTION
+from megatron_ds.model.transformer import hidden_dropout, split_activation
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
@@ -131,10 +132,21 @@ class GPTEmbedding(nn.Module):
         return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
 
 
+def with_moe_loss(output, moe_loss):
+    """The output layers' output: the logits, or ``(logits, moe_loss)`` in an MoE model (the sum of its
+    layers' auxiliary losses, ``model/transformer.py``), which the loss function adds."""
+    return output if moe_loss is None else (output, moe_loss)
+
+
+def split_moe_loss(output):
+    """``with_moe_loss``'s inverse: ``(logits, moe_loss or None)``."""
+    return output if isinstance(output, tuple) else (output, None)
+
+
 def tied_output_logits(embedding: GPTEmbedding, inputs) -> torch.Tensor:
     """``TiedLayerSpec`` forward_fn of the output layer: project with the shared word embedding."""
-    hidden, _ = split_hidden_and_documents(inputs)
-    return embedding.logits(hidden)
+    hidden, _, moe_loss = split_activation(inputs)
+    return with_moe_loss(embedding.logits(hidden), moe_loss)
 
 
 class GPTOutputHead(nn.Module):
@@ -151,15 +163,16 @@ class GPTOutputHead(nn.Module):
             params_dtype=params_dtype, device=device)
 
     def forward(self, inputs) -> torch.Tensor:
-        hidden, _ = split_hidden_and_documents(inputs)
+        hidden, _, moe_loss = split_activation(inputs)
         if use_fused_linear_loss(self.fused_loss, self.training, hidden, self.output_layer.weight, self.tp_group):
-            return HiddenForLoss(hidden, self.output_layer.weight, self.vocab_size)
+            return with_moe_loss(HiddenForLoss(hidden, self.output_layer.weight, self.vocab_size), moe_loss)
         out, _ = self.output_layer(hidden)
-        return mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1)
+        return with_moe_loss(mask_padded_vocab_(out, self.vocab_size, self.tp_group).transpose(0, 1), moe_loss)
 
 
 class FinalNorm(nn.Module):
-    """The norm after the last transformer layer; drops the document ids, which end here.
+    """The norm after the last transformer layer; drops the document ids, which end here (an MoE
+    model's auxiliary loss goes on to the output layer).
     ``fp32_input`` (--fp32-residual-connection): it ends the fp32 residual stream, handing the
     output layer the weights' dtype (``model/norms.py`` ``Fp32InputNorm``)."""
 
@@ -172,12 +185,12 @@ class FinalNorm(nn.Module):
                                           fp32_input=fp32_input)
 
     def forward(self, inputs) -> torch.Tensor:
-        hidden, _ = split_hidden_and_documents(inputs)
-        return self.final_layernorm(hidden)
+        hidden, _, moe_loss = split_activation(inputs)
+        return with_moe_loss(self.final_layernorm(hidden), moe_loss)
 
 
 def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
-                sp_group=None, report=None) -> torch.Tensor:
+                sp_group=None, report=None, moe_loss_coeff: float = 0.0) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
@@ -190,7 +203,28 @@ def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_s
 
     ``report``: the ``megatron_ds.model.loss_report.LossReport`` of the run (the engine builder's), to
     which the loss reports the named scalars it declares; None reports nothing.
+
+    Mixture of experts: ``output`` is ``(logits, moe_loss)`` and the loss is the language-model loss +
+    ``moe_loss_coeff`` x the layers' summed auxiliary losses (Megatron-DeepSpeed's pretrain_gpt.py
+    forward_step and loss_func), reported as "lm loss" and "moe loss" (upstream's log names).
     """
+    output, moe_loss = split_moe_loss(output)
+    lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group)
+    if moe_loss is None:
+        return lm
+    moe = moe_loss_coeff * moe_loss.sum()
+    if report:
+        report.add("lm loss", lm)
+        report.add("moe loss", moe)
+    return lm + moe
+
+
+def reported_names(moe: bool) -> tuple[str, ...]:
+    """The names ``gpt_loss_fn`` (and an MoE model's layers) report: a ``LossReport``'s declaration."""
+    return ("lm loss", "moe loss", DROP_FRACTION) if moe else ()
+
+
+def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group) -> torch.Tensor:
     labels, loss_mask = labels_and_mask
     if tp_world_size(sp_group) > 1:
         labels, full_mask, loss_mask = sequence_shard(labels, sp_group), loss_mask, sequence_shard(loss_mask, sp_group)

@@ -40,6 +40,7 @@ from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_loss_fn, tied_output_logits
+from megatron_ds.model.moe import experts_per_layer
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import checkpoint
 from megatron_ds.parallel.schedules import partition_stages
@@ -79,7 +80,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                     sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
                     reset_attention_mask: bool = False, eod_token: int | None = None,
                     recompute_granularity: str | None = None, vocab_size: int | None = None,
-                    sp_group=None) -> list:
+                    sp_group=None, ep_size: int = 1, ep_rank: int = 0, loss_report=None) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
@@ -87,7 +88,9 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     ``activation_checkpoint_interval`` and changes nothing here. ``vocab_size`` (the real
     vocabulary, <= padded) makes the output layer mask the padding columns (``model/gpt.py``).
     ``sp_group``: DeepSpeed-Ulysses' sequence parallel group (the embedding and attention's; plain
-    module only, ``build_sequential_gpt``).
+    module only, ``build_sequential_gpt``). Mixture of experts (``model/moe.py``): the layers
+    ``experts_per_layer`` names hold this rank's share of their experts (``ep_size``, ``ep_rank``:
+    ``ParallelState.expert_parallel_rank``); ``loss_report`` gets their dropped-route fractions.
     """
     m = model_cfg
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
@@ -101,6 +104,10 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         raise ValueError(f"vocab_size {vocab_size} must be in (0, padded_vocab_size {padded_vocab_size}]")
     tied = not m.untie_embeddings_and_output_weights
 
+    experts = experts_per_layer(m.num_experts, m.num_layers, m.expert_interval)
+    moe = any(n > 1 for n in experts)
+    if moe and tp_world_size(sp_group) > 1:
+        raise ValueError("MoE layers do not combine with DeepSpeed-Ulysses sequence parallelism here")
     specs = []
     if tied:
         specs.append(TiedLayerSpec(TIED_EMBEDDING_KEY, GPTEmbedding, m.hidden_size, padded_vocab_size,
@@ -113,7 +120,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     for i in range(m.num_layers):
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,
                                recompute_attention=recompute_granularity == "selective", sp_group=sp_group,
-                               **common))
+                               num_experts=experts[i], ep_size=ep_size, ep_rank=ep_rank, carry_moe_loss=moe,
+                               loss_report=loss_report, **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
                            one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))
@@ -154,9 +162,10 @@ def _restore_default_rng():
         yield
 
 
-def _loss_fn(tp_group, sp_group=None, loss_report=None):
+def _loss_fn(tp_group, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0):
     return functools.update_wrapper(functools.partial(gpt_loss_fn, tp_group=tp_group, sp_group=sp_group,
-                                                      report=loss_report), gpt_loss_fn)
+                                                      report=loss_report, moe_loss_coeff=moe_loss_coeff),
+                                    gpt_loss_fn)
 
 
 class GPTPipelineModel(PipelineModule):
@@ -164,14 +173,16 @@ class GPTPipelineModel(PipelineModule):
     special-cases that name's checkpointing and attention-mask handling)."""
 
     def __init__(self, specs: list, *, topology, tp_group, seed: int, partition_method: str = PARTITION_METHOD,
-                 activation_checkpoint_interval: int = 0, loss_report=None, loss_fn=None):
+                 activation_checkpoint_interval: int = 0, loss_report=None, moe_loss_coeff: float = 0.0,
+                 loss_fn=None):
         """``loss_fn``: another model family's loss (``model/bert.py``); default the GPT's."""
         seeder = _LayerInitSeeder()
         # no_grad: DeepSpeed broadcasts the tied weights in place at the end of __init__; with
         # grad mode on, autograd records that collective on the parameter and warns in backward.
         with _restore_default_rng(), torch.no_grad():
             super().__init__(
-                layers=specs, topology=topology, loss_fn=loss_fn or _loss_fn(tp_group, loss_report=loss_report),
+                layers=specs, topology=topology,
+                loss_fn=loss_fn or _loss_fn(tp_group, None, loss_report, moe_loss_coeff),
                 seed_layers=True, seed_fn=seeder,
                 base_seed=seed, partition_method=partition_method,
                 activation_checkpoint_interval=activation_checkpoint_interval,
@@ -196,10 +207,12 @@ def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: i
     ``spec_kwargs`` go to ``gpt_layer_specs`` (sequence_parallel, params_dtype, device,
     reset_attention_mask, eod_token, recompute_granularity). ``loss_report``: the
     ``megatron_ds.model.loss_report.LossReport`` the loss function reports to (None: none)."""
-    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
+    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
+                            loss_report=loss_report, **spec_kwargs)
     return GPTPipelineModel(specs, topology=topology, tp_group=tp_group, seed=seed,
                             partition_method=partition_method,
-                            activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report)
+                            activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report,
+                            moe_loss_coeff=model_cfg.moe_loss_coeff)
 
 
 class GPTSequential(nn.Module):
@@ -215,11 +228,11 @@ class GPTSequential(nn.Module):
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,
-                 layer_indices=None, sp_group=None, loss_report=None, loss_fn=None):
+                 layer_indices=None, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0, loss_fn=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
         # loss_fn: another family's loss (model/bert.py), else the GPT's
-        self.loss_fn = loss_fn or _loss_fn(tp_group, sp_group, loss_report)
+        self.loss_fn = loss_fn or _loss_fn(tp_group, sp_group, loss_report, moe_loss_coeff)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
         self.forward_funcs: list = []
@@ -335,18 +348,20 @@ def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padd
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
     return stage_of_specs(specs, num_stages=num_stages, stage=stage, tp_group=tp_group, seed=seed,
                           partition_method=partition_method,
-                          activation_checkpoint_interval=activation_checkpoint_interval)
+                          activation_checkpoint_interval=activation_checkpoint_interval,
+                          moe_loss_coeff=model_cfg.moe_loss_coeff)
 
 
 def stage_of_specs(specs: list, *, num_stages: int, stage: int, tp_group=None, seed: int,
                    partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
-                   loss_fn=None) -> GPTSequential:
+                   loss_fn=None, moe_loss_coeff: float = 0.0) -> GPTSequential:
     """Pipeline stage ``stage`` of any model's layer specs, partitioned and seeded as DeepSpeed's
     ``PipelineModule`` would (``build_stage_gpt``; other model families, ``model/bert.py``)."""
     parts = partition_stages(num_stages, partition_method, [_spec_name(spec) for spec in specs],
                              lambda: [_trainable_parameters(spec) for spec in specs])
     return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
-                         activation_checkpoint_interval=activation_checkpoint_interval, loss_fn=loss_fn)
+                         activation_checkpoint_interval=activation_checkpoint_interval, loss_fn=loss_fn,
+                         moe_loss_coeff=moe_loss_coeff)
 
 
 def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,
@@ -356,6 +371,7 @@ def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_g
     as ``build_pipeline_gpt`` with the same seed (at any DeepSpeed-Ulysses ``sp_group``).
     ``spec_kwargs`` and ``loss_report`` as for ``build_pipeline_gpt``."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, sp_group=sp_group,
-                            **spec_kwargs)
+                            loss_report=loss_report, **spec_kwargs)
     return GPTSequential(specs, tp_group=tp_group, seed=seed, sp_group=sp_group,
-                         activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report)
+                         activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report,
+                         moe_loss_coeff=model_cfg.moe_loss_coeff)

@@ -15,6 +15,14 @@ and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position
 (``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
 stages as they are and get no gradient, as the document ids do.
 
+In a mixture-of-experts model (``model/moe.py``) every layer also carries the sum of the MoE layers'
+auxiliary losses so far, a ``[1]`` fp32 tensor, last in the tuple: ``(hidden[, document_ids],
+moe_loss)``, as Megatron-DeepSpeed's ParallelTransformerLayerPipe carries its "aggregated_moe_loss".
+It reaches the loss function through the final norm and the output layer, so it is part of the
+graph backward runs on -- across pipeline stages too (DeepSpeed's pipeline engine sends a tuple's
+floating tensors and their gradients back) -- and activation recompute, which reruns a layer's
+forward inside backward, cannot count it twice.
+
 Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.query_key_value``,
 ``self_attention.dense``, ``post_attention_layernorm``, ``mlp.dense_h_to_4h``,
 ``mlp.dense_4h_to_h``) so familiar conversion tools and habits carry over.
@@ -28,9 +36,11 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
+from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
+from megatron_ds.model.moe import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
@@ -62,12 +72,27 @@ def padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
     return padding_mask.bool()[:, None, None, :]
 
 
+def split_activation(inputs):
+    """A layer's input (see the module docstring) -> ``(hidden, document_ids, moe_loss)``, None for
+    what it does not carry (the ids are the integer tensor, the loss the floating one after hidden)."""
+    if not isinstance(inputs, (tuple, list)):
+        return inputs, None, None
+    hidden, *rest = inputs
+    document_ids = next((t for t in rest if not t.is_floating_point()), None)
+    moe_loss = next((t for t in rest if t.is_floating_point()), None)
+    return hidden, document_ids, moe_loss
+
+
+def pack_activation(hidden, document_ids=None, moe_loss=None):
+    """``split_activation``'s inverse: the hidden state alone when it carries nothing else."""
+    extra = tuple(t for t in (document_ids, moe_loss) if t is not None)
+    return (hidden, *extra) if extra else hidden
+
+
 def split_hidden_and_documents(inputs):
-    """A layer's input is the hidden state or ``(hidden, document_ids)``; return both (ids or None)."""
-    if isinstance(inputs, (tuple, list)):
-        hidden, document_ids = inputs
-        return hidden, document_ids
-    return inputs, None
+    """A layer's input -> ``(hidden, document_ids)`` (ids or None), whatever else it carries."""
+    hidden, document_ids, _ = split_activation(inputs)
+    return hidden, document_ids
 
 
 class ParallelAttention(nn.Module):
@@ -200,11 +225,15 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 
 
 class ParallelMLP(nn.Module):
-    """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden."""
+    """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden.
+
+    ``expert``: an MoE expert (``model/moe.py``); DeepSpeed keeps only the first of the pair it returns,
+    so the output bias is always added here (Megatron-DeepSpeed's expert RowParallelLinear adds it too)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, expert: bool = False):
         super().__init__()
+        self.expert = expert
         self.swiglu = cfg.swiglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
         self.activation = openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.gelu
@@ -238,7 +267,7 @@ class ParallelMLP(nn.Module):
             x = F.silu(gate) * up
         else:
             x = self.activation(x)
-        return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled)
+        return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled and not self.expert)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -268,16 +297,23 @@ class ParallelTransformerLayer(nn.Module):
 
     The class name is what the pipeline partitioner balances on
     (``megatron_ds.model.pipeline.PARTITION_METHOD``); keep the two in sync.
+
+    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe.py``) holding this rank's share of the
+    experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
+    ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
+    ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
-                 sp_group=None, self_attn_mask_type: str = "causal"):
+                 sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
+                 carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal"):
         super().__init__()
         if self_attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")
         self.padding = self_attn_mask_type == "padding"
         self.layer_number = layer_number
+        self.num_experts, self.carry_moe_loss, self.loss_report = num_experts, carry_moe_loss, loss_report
         self.dropout_p = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
@@ -295,10 +331,36 @@ class ParallelTransformerLayer(nn.Module):
                                                 causal=not self.padding, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
-        self.mlp = ParallelMLP(cfg, **parallel)
+        if num_experts > 1:
+            self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
+            self.drops = DropCounter(self.mlp)
+        else:
+            self.mlp = ParallelMLP(cfg, **parallel)
+
+    @staticmethod
+    def _build_moe(cfg: ModelConfig, num_experts: int, ep_size: int, ep_rank: int, parallel: dict):
+        """DeepSpeed's MoE around our expert MLP, with Megatron-DeepSpeed's arguments
+        (megatron/model/transformer.py ParallelTransformerLayer.__init__)."""
+        if parallel["sequence_parallel"]:
+            raise ValueError("MoE layers do not combine with (Megatron) sequence parallelism: DeepSpeed's MoE "
+                             "expects every tensor parallel rank to hold the same tokens")
+        expert_tp = cfg.enable_expert_tensor_parallelism
+        if tp_world_size(parallel["tp_group"]) > 1:  # DeepSpeed's MoE then gathers tokens over TP
+            ds_compat.gather_flat_on_gloo(parallel["tp_group"])
+        expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
+        # the experts' seeds: drawn from this layer's generator, so they follow the layer's seed
+        seed = int(torch.randint(0, 2 ** 31 - 1 - num_experts, (), device="cpu"))  # (a meta build too)
+        return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,
+                         ep_size=ep_size, ep_rank=ep_rank, seed=seed, topk=cfg.topk,
+                         residual=cfg.mlp_type == "residual", train_capacity_factor=cfg.moe_train_capacity_factor,
+                         eval_capacity_factor=cfg.moe_eval_capacity_factor, min_capacity=cfg.moe_min_capacity,
+                         drop_tokens=not cfg.disable_moe_token_dropping,
+                         top2_2nd_expert_sampling=not cfg.disable_moe_top2_2nd_expert_sampling,
+                         expert_tensor_parallel=expert_tp)
 
     def forward(self, inputs, kv_cache=None):
-        hidden, document_ids = split_hidden_and_documents(inputs)  # or the padding mask (self.padding)
+        # the integer tensor: document ids, or the padding mask of a bidirectional layer (self.padding)
+        hidden, document_ids, moe_loss = split_activation(inputs)
         if document_ids is None:
             mask = None
         else:
@@ -309,8 +371,21 @@ class ParallelTransformerLayer(nn.Module):
         hidden = self._residual(*self.self_attention(normed, mask, kv_cache),
                                 normed if self.residual_after_norm else hidden)
         normed = self.post_attention_layernorm(hidden)
-        hidden = self._residual(*self.mlp(normed), normed if self.residual_after_norm else hidden)
-        return hidden if document_ids is None else (hidden, document_ids)
+        residual = normed if self.residual_after_norm else hidden
+        if self.num_experts > 1:
+            out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
+            if self.loss_report:
+                self.loss_report.add(DROP_FRACTION, self.drops.last)
+            hidden = self._residual(out, None, residual)
+            l_aux = l_aux.float().reshape(1)
+            moe_loss = l_aux if moe_loss is None else moe_loss + l_aux
+        else:
+            hidden = self._residual(*self.mlp(normed), residual)
+        if self.carry_moe_loss and moe_loss is None:  # the first layer, dense: the sum starts at 0
+            # a leaf that requires grad: DeepSpeed's pipeline engine runs backward on every floating
+            # tensor a stage sends
+            moe_loss = torch.zeros(1, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        return pack_activation(hidden, document_ids, moe_loss if self.carry_moe_loss else None)
 
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.

@@ -13,11 +13,29 @@ every layer), then DP. At TP 1 that makes an SP group ``SP`` consecutive ranks, 
 weights, so they belong to the "sequence data parallel" group DeepSpeed's engine and ZeRO reduce
 gradients over (sum over SP x DP, divided by DP: runtime/engine.py ``_reduce_non_expert_gradients``),
 and not to the model parallel group (TP x PP: checkpoint ranks, gradient norms).
+
+Mixture of experts: the expert parallel groups (ranks that split one MoE layer's experts and
+all-to-all tokens) and expert data parallel groups (ranks holding the same experts, which average
+their gradients) are DeepSpeed's own (deepspeed/utils/groups.py), created by ``expert_groups`` on every
+rank before the engine exists; ``expert_parallel_rank`` transcribes the rank order they get, so a
+model can be built holding the right experts (and ``expert_groups`` checks DeepSpeed agrees). Within
+each pipeline stage DeepSpeed orders the ranks data-major, tensor-minor, as our topology does:
+- without --enable-expert-tensor-parallelism (``_create_expert_and_data_parallel``), an expert
+  parallel group is ``EP`` consecutive ranks of the stage, so tensor parallel ranks are expert parallel
+  ranks too: at TP 2, EP 2 the two TP ranks of a replica hold half the experts each, and DeepSpeed's
+  MoE hands each TP rank half of every expert's capacity slots (sharded_moe.py drop_tokens); the
+  expert data parallel group is every ``EP``-th rank of the stage (TP ranks included);
+- with it (``_create_expert_data_and_model_parallel``), each TP rank holds a TP slice of its experts,
+  the expert parallel group is ``EP`` consecutive data parallel ranks of one TP rank, and the expert
+  data parallel group the data parallel ranks ``EP`` apart.
+DeepSpeed divides expert gradients by the data parallel size either way (runtime/engine.py
+``_reduce_expert_gradients``), which is right since each expert's gradient sums all of its tokens.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_ds import ds_compat
 from megatron_ds.ds_compat import PipeModelDataParallelTopology, ProcessTopology
 
 
@@ -81,6 +99,32 @@ class ParallelState:
                 mine = (group, list(ranks))
         assert mine is not None, f"rank {self.rank} is in none of the groups {lists}"
         return mine
+
+    def expert_parallel_rank(self, ep: int, expert_tensor_parallel: bool) -> int:
+        """This rank's place in its expert parallel group of size ``ep`` (module docstring): it holds
+        experts ``[rank * E/ep, (rank + 1) * E/ep)`` of every MoE layer."""
+        if ep == 1:
+            return 0
+        if self.sp_size > 1:
+            raise ValueError("MoE does not combine with DeepSpeed-Ulysses sequence parallelism here")
+        stage_size = self.world_size // self.pp_size
+        if expert_tensor_parallel:
+            if self.dp_size % ep:
+                raise ValueError(f"expert parallel size {ep} does not divide the data parallel size {self.dp_size}")
+            return self.dp_rank % ep
+        if stage_size % ep:
+            raise ValueError(f"expert parallel size {ep} does not divide the {stage_size} ranks of a pipeline stage")
+        return (self.rank % stage_size) % ep
+
+    def expert_groups(self, ep: int, expert_tensor_parallel: bool) -> tuple[list[int], list[int]]:
+        """Create DeepSpeed's expert and expert data parallel groups of size ``ep`` (collective: every
+        rank calls it, before ``deepspeed.initialize``); returns this rank's (expert parallel ranks,
+        expert data parallel ranks) after checking they are the ones ``expert_parallel_rank`` assumes."""
+        ep_ranks, edp_ranks = ds_compat.create_expert_groups(ep, expert_tensor_parallel, mpu=self)
+        if len(ep_ranks) != ep or ep_ranks.index(self.rank) != self.expert_parallel_rank(ep, expert_tensor_parallel):
+            raise ds_compat.incompatible(f"its expert parallel group {ep_ranks} on rank {self.rank} is not "
+                                         f"ordered as megatron_ds builds the experts")
+        return ep_ranks, edp_ranks
 
     @property
     def is_first_stage(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import deepspeed
+from deepspeed.moe.layer import MoE
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
@@ -15,8 +16,11 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
+from megatron_ds.errors import ConfigError
+from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.loss_report import LossReport
+from megatron_ds.model.moe import is_moe_model
 from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
@@ -41,7 +45,7 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
                 recompute_granularity=layout.recompute,
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
-                params_dtype=params_dtype(layout), device=device)
+                params_dtype=params_dtype(layout), device=device, ep_size=layout.ep)
 
 
 def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_report: LossReport | None = None):
@@ -52,7 +56,8 @@ def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_r
     generator (device-independent numbers) and moved at once, so the whole fp32 model never
     exists on the host and no second copy is made afterwards."""
     layout = run.layout
-    common = dict(model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report)
+    common = dict(model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
+                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
     if layout.own_schedule:
         return build_interleaved_model(layout, ps, common)
     if layout.use_pipeline:
@@ -122,18 +127,25 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
     (``training.family.ModelFamily``; the GPT's by default)."""
     layout = run.layout
-    loss_report = LossReport(loss_names)
+    moe = is_moe_model(layout.model)
+    if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
+        ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
+    # the family's reported terms (BERT: lm loss, sop loss), else the GPT's (with MoE: lm loss, moe loss, ...)
+    loss_report = LossReport(loss_names or reported_names(moe))
     model = build_module(run, ps, device, eod_token, loss_report, build)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
-        optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad)
+        optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad,
+                                     expert_group=ds_compat.moe_group_name(layout.ep) if moe else None)
     scheduler = make_lr_schedule(optimizer, run)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=layout.ds_config, mpu=ps if model_is_plain(layout) else None,
                                            dist_init_required=False)
     if guarded:
         optimizer.mpu = engine.mpu if engine.mpu is not None else ps
+    if moe and layout.pp > 1:
+        check_moe_stages(engine, model)
     # DeepSpeed's ZeRO-0 fp16 optimizers: the loss scale its backward leaves out, the norm they clip by
     scale_fp16_loss(engine, model)
     ds_compat.count_fp16_grads_once(engine.optimizer)
@@ -150,6 +162,18 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device,
                    loss_report=loss_report)
+
+
+def check_moe_stages(engine, model) -> None:
+    """Collective (every rank). DeepSpeed's BF16_Optimizer sums expert gradient norms over the pipeline
+    stages (runtime/utils.py get_norm_with_moe_layers) only on ranks whose stage holds an MoE layer, so
+    a stage without one would leave the others waiting in that reduction: refuse such a partition."""
+    holds = torch.tensor([float(any(isinstance(m, MoE) for m in model.modules()))])
+    torch.distributed.all_reduce(holds, op=torch.distributed.ReduceOp.MIN)
+    if holds.item() == 0 and ds_compat.is_bf16_optimizer(engine.optimizer):
+        raise ConfigError("a pipeline stage holds no MoE layer: DeepSpeed's bf16 optimizer would wait forever for it "
+                          "in the expert gradient norm; place MoE layers on every stage (--expert-interval, "
+                          "--num-layers, --pipeline-model-parallel-size)")
 
 
 def log_startup(run: Run, rt: Runtime) -> None:

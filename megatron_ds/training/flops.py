@@ -20,8 +20,18 @@ Embedding lookups, norms and element-wise work are not matmuls and are not count
 
 For GPT-2 shapes (a = g, a d = h, f = 4h, no SwiGLU) this is the closed form
 ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``.
+
+Mixture of experts (issue 21): an MoE layer with E experts counts the experts a token is routed to, top-k
+MLPs (the active experts only), plus the gate's 2 h E and, with --mlp-type residual, the dense MLP and the
+2-way coefficient 2 h 2. What DeepSpeed's MOELayer runs around them is not model work and is not counted:
+the dispatch and combine einsums (matmuls over the one-hot routing), and the capacity slots the experts
+run empty or that hold dropped tokens. (Megatron-DeepSpeed's throughput_calculator multiplies every layer's
+MLP by --topk, dense layers too; this counts each layer as it is.) Under full recompute an MoE layer runs
+its whole forward again: the experts' outputs are what the combine keeps for backward.
 """
 from __future__ import annotations
+
+from megatron_ds.config.moe import model_experts
 
 
 def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_channels: int, ffn: int,
@@ -33,6 +43,14 @@ def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_
     return qkv + attention + projection + mlp
 
 
+def moe_mlp_forward_flops_per_token(m, experts: int) -> int:
+    """An MoE layer's MLP side per token, forward: the gate, top-k experts, a residual MLP and its coefficient."""
+    h = m.hidden_size
+    mlp = 2 * h * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    residual = mlp + 2 * h * 2 if m.mlp_type == "residual" else 0
+    return 2 * h * experts + min(m.topk, experts) * mlp + residual
+
+
 def model_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool) -> float:
     """FLOPs of one iteration over ``batch`` sequences (the global batch) of ``model.seq_length``
     tokens; ``model`` is a resolved ``ModelConfig`` (every size set)."""
@@ -42,5 +60,13 @@ def model_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_re
                                           kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
                                           ffn=m.ffn_hidden_size, swiglu=m.swiglu, seq=m.seq_length)
     output_layer = 2 * m.hidden_size * padded_vocab_size
-    recompute = layer - 2 * m.ffn_hidden_size * m.hidden_size if full_recompute else 0
-    return float(tokens * (m.num_layers * (3 * layer + recompute) + 3 * output_layer))
+    dense_mlp = 2 * m.hidden_size * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    total = 0
+    for experts in model_experts(m):
+        if experts == 1:
+            forward, recompute = layer, layer - 2 * m.ffn_hidden_size * m.hidden_size
+        else:
+            forward = layer - dense_mlp + moe_mlp_forward_flops_per_token(m, experts)
+            recompute = forward
+        total += 3 * forward + (recompute if full_recompute else 0)
+    return float(tokens * (total + 3 * output_layer))

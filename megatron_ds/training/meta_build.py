@@ -31,7 +31,7 @@ from megatron_ds.config.run import Run
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.chunks import build_interleaved_gpt
 from megatron_ds.model.pipeline import build_sequential_gpt, build_stage_gpt
-from megatron_ds.training.engine import model_kwargs
+from megatron_ds.training.engine import model_kwargs, params_dtype
 
 TOLERANCE = 0.01
 """Largest relative difference between the built model and the estimate that passes unremarked."""
@@ -44,19 +44,24 @@ class BuiltStage:
     stage: int
     params: int  # parameters one rank of the stage holds (a tied weight once)
     param_bytes: int  # what they take in the module: elements x bytes of their dtype
+    expert_params: int = 0  # of which MoE experts' (DeepSpeed marks them allreduce=False; ZeRO splits them apart)
 
 
 def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Module:
-    """The modules pipeline stage ``stage`` builds in training, on the meta device."""
+    """The modules pipeline stage ``stage`` builds in training, on the meta device, cast to the compute
+    precision as training casts them (engine.build_module: DeepSpeed's MoE builds its gate and PR-MoE
+    coefficient as fp32 torch.nn.Linear layers)."""
     layout = run.layout
     common = model_kwargs(run, tp_group, eod_token, device="meta")
     if layout.own_schedule:  # interleaved or ZB-H1: our executor's chunks
         # no tie_group: synchronizing the tied copy moves values, and there are none on meta
-        return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
-    if layout.use_pipeline:
-        return build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
-                               partition_method=run.distributed.pipeline_partition_method, **common)
-    return build_sequential_gpt(layout.model, **common)
+        model = build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
+    elif layout.use_pipeline:
+        model = build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
+                                partition_method=run.distributed.pipeline_partition_method, **common)
+    else:
+        model = build_sequential_gpt(layout.model, **common)
+    return model.to(params_dtype(layout)) if layout.precision != "fp32" else model
 
 
 def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=build_stage) -> list[BuiltStage]:
@@ -65,6 +70,8 @@ def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=bu
     family's stage builder (``training.family.ModelFamily.build_stage``; the GPT's by default)."""
     layout = run.layout
     group = ds_compat.fake_process_group(layout.tp, 0) if layout.tp > 1 else contextlib.nullcontext()
+    from deepspeed.moe.utils import is_moe_param  # noqa: PLC0415 (DeepSpeed only once a model is built)
+
     built = []
     # The meta device as the default too: a tensor parallel layer draws the full weight before
     # it keeps its shard (parallel/layers.py), which must not allocate either.
@@ -75,7 +82,8 @@ def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=bu
             except ValueError as exc:
                 raise ConfigError(f"the model of pipeline stage {stage} cannot be built: {exc}") from None
             built.append(BuiltStage(stage, sum(p.numel() for p in params),
-                                    sum(p.numel() * p.element_size() for p in params)))
+                                    sum(p.numel() * p.element_size() for p in params),
+                                    sum(p.numel() for p in params if is_moe_param(p))))
             on_built(built[-1])
     return built
 
@@ -86,7 +94,7 @@ def _relative(built: float, estimated: float) -> float:
 
 def compare(layout: Layout, built: BuiltStage) -> dict[str, tuple[float, float]]:
     """(built, estimated) parameters, weights, gradients and optimizer-state bytes of a stage."""
-    state = parameter_state(layout, built.params, weight_bytes=built.param_bytes)
+    state = parameter_state(layout, built.params, weight_bytes=built.param_bytes, expert_params=built.expert_params)
     estimate = dict(estimate_stages(layout)[built.stage].terms)
     pairs = {"parameters": (built.params, layout.stages[built.stage].params_per_tp_rank)}
     for name, value in zip(_TERMS, (state.weights, state.gradients, state.optimizer)):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from deepspeed.moe.utils import is_moe_param
+
 from megatron_ds import ds_compat
 from megatron_ds.model.param_groups import param_groups
 
 
 def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     """Returns (optimizer, description). ``settings``: the run's ``OptimizerSettings``."""
-    groups = param_groups(model, settings.weight_decay)
+    groups = param_groups(model, settings.weight_decay, moe_groups=settings.create_moe_param_group)
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), "torch.optim.SGD"
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
@@ -39,11 +41,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
     bf16/fp16/ZeRO optimizers already do: computes the global grad norm (TP/PP aware, via DeepSpeed's
     ``get_grad_norm`` with the engine's ``mpu``), sets ``overflow`` (DeepSpeed then counts a skipped
     step and does not advance the LR schedule), else clips and steps. ``_global_grad_norm`` is what
-    the engine reports as the grad norm."""
+    the engine reports as the grad norm.
 
-    def __init__(self, inner: torch.optim.Optimizer, clip_grad: float):
+    Mixture of experts (``expert_group``: DeepSpeed's name of the model's expert groups): expert
+    gradients are different experts on each expert parallel rank, so their norm is summed over the
+    expert parallel group by DeepSpeed's ``get_norm_with_moe_layers``, as its bf16 optimizer does. Every
+    rank of an MoE model joins those reductions, with a zero where its stage holds no expert."""
+
+    def __init__(self, inner: torch.optim.Optimizer, clip_grad: float, expert_group: str | None = None):
         self.inner = inner
         self.clip_grad = clip_grad
+        self.expert_group = expert_group
         self.mpu = None  # set once the engine exists
         # both read by DeepSpeed's engine after each step (checked: ds_compat._READ_BY_DEEPSPEED)
         self.overflow = False
@@ -62,20 +70,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         copies -- tied copies marked ds_pipe_replicated skipped, TP-replicated ones only on TP rank 0."""
         tp_rank = self.mpu.get_tensor_model_parallel_rank() if self.mpu is not None else 0
         return [p.grad for p in params
-                if not ds_compat.is_pipe_replicated(p)
+                if not ds_compat.is_pipe_replicated(p) and not is_moe_param(p)
                 and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))]
+
+    def _global_norm(self, params) -> float:
+        """DeepSpeed's helpers report a non-finite norm as -1."""
+        from megatron_ds.ds_compat import get_global_norm_of_tensors  # noqa: PLC0415 - imports deepspeed
+
+        grads = self._grads_for_norm(params)
+        # a rank holding nothing to count must still join the reduction
+        norm = float(get_global_norm_of_tensors(grads or [torch.zeros(1, device=params[0].device)], mpu=self.mpu))
+        if self.expert_group is None:
+            return norm
+        experts = [p.grad for p in params if is_moe_param(p)] or [torch.zeros(1, device=params[0].device)]
+        return ds_compat.norm_with_expert_grads(norm, self.mpu, {self.expert_group: experts})
 
     @torch.no_grad()
     def step(self, closure=None):
-        from megatron_ds.ds_compat import get_global_norm_of_tensors  # noqa: PLC0415 - imports deepspeed
-
         params = self._params()
-        grads = self._grads_for_norm(params)
-        if grads:
-            norm = float(get_global_norm_of_tensors(grads, mpu=self.mpu))
-        else:  # this rank holds nothing to count, but must still join the reduction
-            norm = float(get_global_norm_of_tensors([torch.zeros(1, device=params[0].device)], mpu=self.mpu))
-        # DeepSpeed's helper reports a non-finite norm as -1
+        norm = self._global_norm(params)
         self.overflow = not (0.0 <= norm < float("inf"))
         self._global_grad_norm = norm if not self.overflow else float("inf")
         if self.overflow:

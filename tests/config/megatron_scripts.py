@@ -9,7 +9,8 @@ Sources (repository: path):
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/universal_checkpointing/megatron_gpt/run_{bf16,fp16}.sh,
       run_universal_bf16.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/ds_pretrain_gpt_{350M,1.3B,6.7B}_dense.sh,
-      ds_pretrain_gpt_1.3B_dense_cl.sh (+ MoE/ds_config_gpt_TEMPLATE.json)
+      ds_pretrain_gpt_1.3B_dense_cl.sh, ds_pretrain_gpt_125M_MoE64.sh, ds_pretrain_gpt_350M_PR-MoE32or64.sh
+      (+ MoE/ds_config_gpt_TEMPLATE.json)
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/rebase/ds_pretrain_gpt_{125M_flashattn,1.3B_rope}.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/sequence_parallel/ds_pretrain_gpt_1.3B_seq_parallel_32k.sh
   deepspeedai/Megatron-DeepSpeed: examples_deepspeed/zero_bubble_pp/zbh1_pretrain_gpt_1.3b.sh
@@ -176,6 +177,54 @@ def _moe_dense(files, *, layers, hidden, heads, gbs, lr, min_lr, batch, mp, init
             "--pipeline-model-parallel-size", "1", "--deepspeed-activation-checkpointing"]
 
 
+def _moe_125m_moe64(files) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh as written (issue 21): EP_SIZE=64 experts,
+    EP_PARALLEL_SIZE = min(EP_SIZE, NUM_GPUS) = 64 on 64 GPUs, MLC 0.01, capacity factors 1.0, min capacity 4,
+    MOE_DROP_TOKEN=true (no --disable-moe-token-dropping), ACTIVATION_CHECKPOINT=true, MP 1, PP 1 with
+    --no-pipeline-parallel ("Currently MoE is not compatible with pipeline parallel"), ZeRO 0, fp16;
+    TRAIN_ITERS = 300e9 x 3 / 256 / 2048 in bash integers."""
+    return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "64", "--num-experts", "64",
+            "--moe-loss-coeff", "0.01", "--moe-train-capacity-factor", "1.0", "--moe-eval-capacity-factor", "1.0",
+            "--moe-min-capacity", "4", "--init-method-std", "0.014", "--lr-decay-tokens", "300000000000",
+            "--lr-warmup-tokens", "375000000", "--micro-batch-size", "4", "--exit-duration-in-mins", "30000000",
+            "--global-batch-size", "256", "--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+            "--seq-length", "2048", "--max-position-embeddings", "2048", "--train-tokens", "300000000000",
+            "--train-iters", "1716613", "--lr", "4.5e-4", "--min-lr", "4.5e-06", "--lr-decay-style", "cosine",
+            "--split", "98,2,0", "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "10",
+            "--save-interval", "10000", "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2",
+            "--num-workers", "0", "--fp16", "--load", files["ckpt"], "--save", files["ckpt"],
+            "--tensorboard-queue-size", "1", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+            "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", files["tb"], "--checkpoint-activations",
+            "--create-moe-param-group",
+            "--vocab-file", files["vocab"], "--merge-file", files["merges"], "--data-path", files["data"],
+            "--data-impl", "mmap", "--deepspeed", "--deepspeed_config", files["json"],
+            "--pipeline-model-parallel-size", "1", "--no-pipeline-parallel", "--deepspeed-activation-checkpointing"]
+
+
+def _pr_moe_350m(files) -> list[str]:
+    """examples_deepspeed/MoE/ds_pretrain_gpt_350M_PR-MoE32or64.sh: PR-MoE (--mlp-type residual) with
+    EP_SIZE="32 32 32 32 32 32 32 32 32 32 64 64" (one count per MoE layer: 24 layers, interval 2) and
+    EP_PARALLEL_SIZE=NUM_GPUS=64, fp16, ZeRO 0, --no-pipeline-parallel."""
+    return ["--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "64",
+            "--num-experts", *["32"] * 10, "64", "64", "--moe-loss-coeff", "0.01", "--mlp-type", "residual",
+            "--moe-train-capacity-factor", "1.0", "--moe-eval-capacity-factor", "1.0", "--moe-min-capacity", "4",
+            "--init-method-std", "0.014", "--lr-decay-tokens", "300000000000", "--lr-warmup-tokens", "375000000",
+            "--micro-batch-size", "4", "--exit-duration-in-mins", "30000000", "--global-batch-size", "256",
+            "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--train-tokens", "300000000000", "--train-iters", "1716613",
+            "--lr", "3.0e-4", "--min-lr", "1.0e-06", "--lr-decay-style", "cosine", "--split", "98,2,0",
+            "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "10", "--save-interval", "10000",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0", "--fp16",
+            "--load", files["ckpt"], "--save", files["ckpt"], "--tensorboard-queue-size", "1",
+            "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+            "--tensorboard-dir", files["tb"], "--checkpoint-activations", "--create-moe-param-group",
+            "--vocab-file", files["vocab"], "--merge-file", files["merges"], "--data-path", files["data"],
+            "--data-impl", "mmap", "--deepspeed", "--deepspeed_config", files["json"],
+            "--pipeline-model-parallel-size", "1", "--no-pipeline-parallel", "--deepspeed-activation-checkpointing"]
+
+
 def _moe_json(gbs, mbs, *, cl_enabled=False, cl_step=110916) -> dict:
     return {"train_batch_size": gbs, "train_micro_batch_size_per_gpu": mbs, "steps_per_print": 10,
             "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": True,
@@ -312,6 +361,14 @@ def scripts(files: dict) -> list[Script]:
                "ds_pretrain_gpt_6.7B_dense.sh", 64, _moe_dense(
                    f, layers=32, hidden=4096, heads=32, gbs=1024, lr="1.2e-4", min_lr="1.2e-5", batch=4, mp=8,
                    init_std=0.01, rampup=("32", "32", "4882812")), _moe_json(1024, 4)),
+        Script("moe_125M_MoE64", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_125M_MoE64.sh", 64, _moe_125m_moe64(f), _moe_json(256, 4),
+               notes=['disabled legacy "curriculum_learning" block is dropped']),
+        # 32 experts over EP 64: DeepSpeed before 0.7 lowered EP to a layer's expert count, its MoE asserts
+        # divisibility since (deepspeed/moe/layer.py), so this script stops there on current DeepSpeed too
+        Script("moe_350M_PR-MoE32or64", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
+               "ds_pretrain_gpt_350M_PR-MoE32or64.sh", 64, _pr_moe_350m(f), _moe_json(256, 4),
+               refused=r"--num-experts 32 is not divisible by --moe-expert-parallel-size 64.*before 0\.7"),
         Script("moe_family_350M_dense", "deepspeedai/Megatron-DeepSpeed: examples_deepspeed/MoE/"
                "ds_pretrain_gpt_350M_dense.sh", 64, _moe_dense(
                    f, layers=24, hidden=1024, heads=16, gbs=256, lr="3.0e-4", min_lr="3.0e-5", batch=4, mp=1,

@@ -5,7 +5,8 @@ Each transcribed flag (tests/config/megatron_flags.py) passed alone must be: acc
 with a reason, or refused in one line that says what to use instead. Only the out-of-scope groups
 (retro, vision, biencoder, distillation) may stay unrecognized. ``python -m tests.config.test_megatron_flags``
 prints the table by outcome (with PYTHONPATH pointing at another tree, that tree's table: before issue 23,
-accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out of scope).
+accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out of scope; before issue 21's MoE flags
+(ignored, or accepted at their off value only), accepted 142, ignored 76, refused 36 + 60 out of scope).
 """
 from __future__ import annotations
 
@@ -18,14 +19,12 @@ import pytest
 from megatron_ds.config.arguments import parse_args
 from tests.config.megatron_flags import FLAGS, OUT_OF_SCOPE_GROUPS
 
-_MOE = "mixture-of-experts"
 _ULYSSES = "DeepSpeed-Ulysses"
 _BERT_T5 = "BERT and T5"
 _INDEX = "--data-cache-path"
 
 # Accepted at the value that turns the feature off (the one a dense script passes); others refused.
-AT_OFF_VALUE = {"--num-experts": ("2", _MOE), "--mlp-type": ("residual", _MOE),
-                "--transformer-impl": ("transformer_engine", "Engine"),
+AT_OFF_VALUE = {"--transformer-impl": ("transformer_engine", "Engine"),
                 "--remote-device": ("cpu", "offload_param"),
                 "--recompute-method": ("block", "invalid choice")}
 
@@ -36,10 +35,8 @@ IGNORED = {
     "--use-pin-memory", "--scattered-embeddings", "--memory-centric-tiled-linear", "--tile-factor",
     "--split-transformers", "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer", "--profile-backward",
-    # MoE knobs at --num-experts 1, fp8 recipe knobs without fp8
-    "--disable-moe-token-dropping", "--moe-train-capacity-factor", "--moe-eval-capacity-factor", "--moe-min-capacity",
-    "--moe-loss-coeff", "--create-moe-param-group", "--disable-moe-top2-2nd-expert-sampling", "--use-tutel",
-    "--enable-expert-tensor-parallelism", "--moe-expert-parallel-size", "--topk", "--expert-interval",
+    # Tutel's optional kernels compute DeepSpeed-MoE's routing (issue 21); fp8 recipe knobs without fp8
+    "--use-tutel",
     "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
     # kernel choices
     "--no-masked-softmax-fusion", "--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton",
@@ -69,7 +66,7 @@ REFUSED = {
     # (pretrain_t5.py; tests/training/test_t5_parity.py)
     **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type",
                              "--retriever-seq-length", "--sample-rate")},
-    "--num-experts-switch": _MOE,
+    "--num-experts-switch": "--num-experts N --topk 1",
     **{f: _ULYSSES for f in ("--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
                              "--ds-sequence-parallel-fpdt-offloading")},
     "--batch-size": "--micro-batch-size", "--warmup": "--lr-warmup-fraction",

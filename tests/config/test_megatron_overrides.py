@@ -15,12 +15,16 @@ def refused(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_upstream_off_values_are_accepted_and_on_values_refused(capsys):
-    # Megatron-DeepSpeed's default --num-experts [1] (nargs='+')
-    parse_args(["--num-experts", "1"])
-    parse_args(["--num-experts", "1", "1"])
-    assert "--num-experts 8: mixture-of-experts models are not supported (--num-experts 1 is accepted)" in \
-        refused(["--num-experts", "8"], capsys)
+def test_num_experts_takes_one_value_or_a_list():
+    """Megatron-DeepSpeed's --num-experts: type=int, nargs='+', default [1] (megatron/arguments.py); issue 21
+    accepts MoE (layer placement and checks: tests/config/test_moe.py)."""
+    assert parse_args([])[0].model.num_experts == (1,)
+    assert parse_args(["--num-experts", "8"])[0].model.num_experts == (8,)
+    assert parse_args(["--num-experts", "64", "128"])[0].model.num_experts == (64, 128)
+
+
+def test_num_experts_switch_is_refused_naming_deepspeed_moe(capsys):
+    assert "--num-experts N --topk 1" in refused(["--num-experts-switch", "8"], capsys)
 
 
 def test_zero_bubble_flags_are_accepted():

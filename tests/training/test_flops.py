@@ -3,7 +3,8 @@
 torch's FlopCounterMode counts every matmul (mm, addmm, bmm) that a forward and backward of the
 built model actually dispatch. Attention runs on SDPA's math backend here (the CPU flash kernel is
 not one the counter knows): two batched matmuls over all s keys, the formula's convention. Nothing of the formula is reused:
-the model is built from the same flags the CLI parses, and its shapes decide the count.
+the model is built from the same flags the CLI parses, and its shapes decide the count. MoE models (issue 21)
+are DeepSpeed's MoE layer, counted per module to tell its routing from the experts.
 """
 import pytest
 import torch
@@ -32,7 +33,7 @@ def _layout(extra):
     return resolve(cfg, world_size=1, vocab_size=100, device_type="cpu").layout
 
 
-def _counted_flops(layout, batch, full_recompute):
+def _counted_flops(layout, batch, full_recompute, per_module=False):
     model = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=3,
                                  activation_checkpoint_interval=1 if full_recompute else 0)
     seq = layout.model.seq_length
@@ -44,6 +45,8 @@ def _counted_flops(layout, batch, full_recompute):
         logits = model((tokens, positions))
         loss = model.loss_fn(logits, (tokens, torch.ones(batch, seq)))
         loss.backward()
+    if per_module:
+        return counter.get_total_flops(), {name: dict(ops) for name, ops in counter.get_flop_counts().items()}
     return counter.get_total_flops()
 
 
@@ -98,3 +101,69 @@ def test_gpu_mfu_bench_dry_run(capsys):
     closed = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     printed = float(out.splitlines()[2].split(": ")[1].split(" TFLOP")[0])
     assert printed == pytest.approx(closed / 1e12, abs=0.005)  # printed with 2 decimals
+
+
+def test_moe_counts_the_active_experts_by_hand():
+    """Issue 21, by hand: GPT-2 shapes, 2 layers, 8 experts on layer 2 (--expert-interval 2), top-2. Per token forward: a dense layer 24h^2 + 4sh; an MoE layer swaps its MLP (16h^2) for the gate
+    (2h x 8) and two experts (2 x 16h^2). Backward x2; the output layer 2hV."""
+    layout = _layout(["--num-experts", "8", "--topk", "2"])
+    b, s, h, v = 2, 16, 32, layout.padded_vocab_size
+    dense = 24 * h * h + 4 * s * h
+    moe = dense - 16 * h * h + 2 * h * 8 + 2 * 16 * h * h
+    expected = 3 * b * s * (dense + moe + 2 * h * v)
+    assert model_flops_per_iteration(layout.model, b, v, False) == expected  # integer counts
+
+
+MOE = {
+    # GPT-2 MLP experts on layer 2 of 2, top-2 (capacity 32 tokens x 2 / 8 = 8 slots an expert: exactly top-k)
+    "top2": "--num-experts 8 --topk 2".split(),
+    # PR-MoE on every layer, Llama-style SwiGLU experts without biases, top-1 (capacity 32 / 4 = 8)
+    "residual": "--num-experts 4 --expert-interval 1 --mlp-type residual --swiglu --ffn-hidden-size 48 "
+                "--disable-bias-linear".split(),
+}
+
+
+def _moe_counts(layout, batch, full_recompute, backward=True):
+    """(total FLOPs, the MoE layers' routing FLOPs, the experts' FLOPs) of a forward (and backward). Per-module
+    attribution is exact without recompute only (a recomputed forward runs inside a module's backward)."""
+    model = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=3,
+                                 activation_checkpoint_interval=1 if full_recompute else 0)
+    seq = layout.model.seq_length
+    tokens = torch.randint(0, 100, (batch, seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).repeat(batch, 1)
+    sdpa_supports_gqa()
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        loss = model.loss_fn(model((tokens, positions)), (tokens, torch.ones(batch, seq)))
+        if backward:
+            loss.backward()
+    routing = experts = 0
+    modules = counter.get_flop_counts()
+    for name, ops in modules.items():
+        if name.endswith("deepspeed_moe"):
+            gate, expert = modules[name + ".gate"], modules[name + ".experts"]
+            model_work = sum(expert.values()) + sum(v for op, v in gate.items() if "bmm" not in str(op))
+            routing += sum(ops.values()) - model_work
+            experts += sum(expert.values())
+    return counter.get_total_flops(), routing, experts
+
+
+@pytest.mark.parametrize("shape", list(MOE))
+def test_moe_flops_are_the_active_experts_matmuls(shape):
+    """Issue 21: FlopCounterMode on the real MoE model (DeepSpeed's MoE layer, one process, EP 1). The model's
+    matmuls are the gate's linear and the experts' (and the residual MLP's and coefficient's); what else
+    DeepSpeed's MOELayer counts is its routing (batched products picking each token's gate values), not
+    model work. The experts run on capacity slots: with these sizes exactly top-k per token. Under full
+    recompute the MoE layer's forward, routing included, runs once more."""
+    layout = _layout(MOE[shape])
+    m, batch = layout.model, 2
+    total, routing, experts = _moe_counts(layout, batch, False)
+    mlp = 2 * m.hidden_size * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    moe_layers = m.num_layers // m.expert_interval
+    # the experts ran top-k (not all E) MLPs per token, forward and two backward matmuls: exact integer counts
+    assert experts == 3 * moe_layers * batch * m.seq_length * m.topk * mlp
+    assert model_flops_per_iteration(m, batch, layout.padded_vocab_size, False) == total - routing
+    routing_forward = _moe_counts(layout, batch, False, backward=False)[1]
+    recomputed = _moe_counts(layout, batch, True)[0]
+    assert model_flops_per_iteration(m, batch, layout.padded_vocab_size, True) == \
+        recomputed - routing - routing_forward

@@ -179,3 +179,68 @@ def test_dry_run_prints_the_built_model_per_stage():
     assert re.search(r"^  every stage within 1% of the estimate \(built in [\d.]+ s\)$", text, re.M)
     assert text.index("every stage within") < text.index("memory per GPU")
     assert not torch.distributed.is_initialized()
+
+
+MOE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+            "--micro-batch-size 1 --mock-data --vocab-size 100 --train-iters 10 --lr 1e-4").split()
+
+
+@pytest.mark.parametrize("extra, world", [
+    ("--num-experts 8 --moe-expert-parallel-size 2 --topk 2", 4),  # GPT-2 MLP experts on layers 2 and 4
+    # PR-MoE on every layer, Llama-style experts, TP 2 x PP 2 x DP 2 (experts whole on each TP rank)
+    ("--num-experts 4 --expert-interval 1 --moe-expert-parallel-size 2 --mlp-type residual "
+     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --swiglu --disable-bias-linear", 8),
+])
+def test_moe_stage_counts_are_the_built_models(extra, world):
+    """Issue 21: the layout's per-rank counts (config/moe.py: 1/EP of the experts) and its expert share are what
+    the MoE model builds on each stage; expert parameters are those DeepSpeed marks (is_moe_param). Built on the
+    CPU: these are small."""
+    from deepspeed.moe.utils import is_moe_param
+
+    from megatron_ds import ds_compat
+    from megatron_ds.model.pipeline import build_stage_gpt
+    from megatron_ds.training.engine import model_kwargs
+
+    cfg, _ = parse_args(MOE_BASE + extra.split())
+    run = resolve(cfg, world_size=world, vocab_size=100, device_type="cpu")
+    lay = run.layout
+    group = ds_compat.fake_process_group(lay.tp, 0) if lay.tp > 1 else contextlib.nullcontext()
+    with group as tp_group:
+        for stage in lay.stages:
+            model = build_stage_gpt(lay.model, num_stages=lay.pp, stage=stage.stage,
+                                    partition_method=run.distributed.pipeline_partition_method,
+                                    **model_kwargs(run, tp_group, EOD, device="cpu"))
+            params = list(model.parameters())
+            assert sum(p.numel() for p in params) == stage.params_per_tp_rank
+            assert sum(p.numel() for p in params if is_moe_param(p)) == stage.expert_params_per_tp_rank > 0
+
+
+@pytest.mark.parametrize("method", ["type:ParallelTransformerLayer", "uniform", "parameters"])
+def test_moe_partitions_match_the_analytic_count(method):
+    """DeepSpeed's partition methods over an MoE model (8 experts on layers 2 and 4, EP 1): "parameters"
+    balances by what each layer holds, so MoE layers weigh more; the layout's per-stage counts are the stages
+    the built model is cut into."""
+    from megatron_ds.config import count_parameters, resolve_model_config
+    from megatron_ds.config.schema import ModelConfig
+    from megatron_ds.model.pipeline import build_sequential_gpt
+
+    cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                           num_experts=(8,)))
+    model = build_sequential_gpt(cfg, padded_vocab_size=128, seed=1)
+    _, stages = count_parameters(cfg, 128, 1, 2, method)
+    assert model.stage_parameter_counts(2, method) == [s.params_per_tp_rank for s in stages]
+
+
+def test_moe_dry_run_build_matches_the_estimate():
+    """--dry-run's meta-device build of an MoE model with experts split over TP (--enable-expert-tensor-parallelism),
+    one count per MoE layer, PR-MoE, ZeRO 1 bf16 on TP 2 x DP 4 with EP 2: parameters, expert parameters and the
+    weights, gradients and optimizer states that follow (ZeRO splits expert states over TP x DP / (EP x TP) = 2
+    ranks, dense ones over DP 4) equal the estimate's."""
+    cfg, _ = parse_args(MOE_BASE + ("--num-experts 4 2 --moe-expert-parallel-size 2 --mlp-type residual "
+                                    "--tensor-model-parallel-size 2 --enable-expert-tensor-parallelism --zero-stage 1 "
+                                    "--create-moe-param-group --bf16").split())
+    run = resolve(cfg, world_size=8, vocab_size=100, device_type="cuda")
+    (built,) = build_stages(run, EOD)
+    assert built.expert_params == run.layout.stages[0].expert_params_per_tp_rank > 0
+    for quantity, (value, estimated) in compare(run.layout, built).items():
+        assert value == pytest.approx(estimated, rel=1e-12), quantity  # the same counts: exact up to float sums
