@@ -67,12 +67,12 @@ def t5_stage_bounds(num_layers: int, decoder_num_layers: int, pp: int, split_ran
     return parts + [total]
 
 
-def count_t5_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                        partition_method: str | None = None) -> tuple[int, tuple[StageParams, ...]]:
+def count_t5_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int, partition_method: str | None = None,
+                        ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
     """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT; a
     stage builds the tied embedding once however many of its specs use it. The split rank is the
     model's (--pipeline-model-parallel-split-rank); --dry-run's what-if layouts at another pipeline
-    size split it in the middle."""
+    size split it in the middle. ``ep`` (expert parallel size) is 1: T5 has no MoE layers."""
     layers = t5_pipeline_layers(m, padded_vocab, tp)
     split_rank = m.pipeline_model_parallel_split_rank
     if pp > 1 and (split_rank is None or split_rank >= pp):
@@ -116,6 +116,8 @@ def check_t5(flags: Config, pp: int) -> None:
         "--num-key-value-heads (T5's cross-attention is multi-head, as Megatron's)":
             m.num_key_value_heads not in (None, m.num_attention_heads),
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
+        "--num-experts > 1 (MoE layers are the GPT's)":
+            any(n > 1 for n in (m.num_experts or (1,))),
     }
     bad = [what for what, on in refused.items() if on]
     if bad:

@@ -59,3 +59,11 @@ def test_t5_layouts_match_single_process(reference, tp, pp, dp, extra):
     losses = _losses(tp, pp, dp, extra)
     assert losses == pytest.approx(reference, rel=RTOL)
     assert losses[-1] < losses[0]  # it trains: equal losses would otherwise prove little
+
+
+def test_t5_plain_engine_with_full_recompute_matches_pipeline_engine(reference):
+    """--no-pipeline-parallel runs the plain module (model/t5.py build_sequential_t5) in DeepSpeed's
+    plain engine; --checkpoint-activations recomputes its encoder and decoder layers (their tuple
+    inputs included) in backward, which changes no number."""
+    losses = _losses(1, 1, 1, ("--no-pipeline-parallel", "--checkpoint-activations"))
+    assert losses == pytest.approx(reference, rel=RTOL)
