@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.memory import parameter_state, state_bytes
-from megatron_ds.config.moe import experts_per_layer
+from megatron_ds.config.moe import expert_capacity, experts_per_layer
 from megatron_ds.errors import ConfigError
 from megatron_ds.training.pretrain import main
 
@@ -136,6 +136,13 @@ def dry_run(argv, world) -> tuple[int, str, str]:
     ("--num-experts 2 --pipeline-model-parallel-size 2 --enable-zbh1-pipeline --global-batch-size 4", 2,
      "interleaved or ZB-H1"),
     ("--num-experts 2 --moe-train-capacity-factor 0", 1, "--moe-train-capacity-factor 0.0 is out of range"),
+    # 64 tokens over 6 experts: ceil(10.67) = 11 slots, which DeepSpeed's drop_tokens cannot split over TP 2
+    ("--num-experts 6 --tensor-model-parallel-size 2", 2, "capacity of 11 tokens per expert"),
+    ("--num-experts 2 --tensor-model-parallel-size 2 --disable-moe-token-dropping "
+     "--enable-expert-tensor-parallelism", 2, "drop one of the two flags"),
+    # MoE on layer 4 only: stage 0 (layers 1-2) has none, and BF16_Optimizer's expert norm would wait for it
+    ("--num-experts 2 --expert-interval 4 --pipeline-model-parallel-size 2 --bf16 --create-moe-param-group", 2,
+     "stage(s) 0 would hold no MoE layer"),
 ])
 def test_bad_moe_input_is_one_line_at_dry_run(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)
@@ -181,3 +188,22 @@ def test_zero_json_that_moe_cannot_run_is_one_line(tmp_path):
     rc, _, err = dry_run(SMALL + ["--num-experts", "2", "--create-moe-param-group", "--no-pipeline-parallel",
                                   "--deepspeed_config", str(path)], 2)
     assert rc == 1 and len(err.strip().splitlines()) == 1 and '"contiguous_gradients": true' in err, err
+
+
+@pytest.mark.parametrize("tokens, experts, topk, factor, min_capacity", [
+    (64, 6, 1, 1.0, 4), (64, 4, 2, 1.0, 4), (4096, 64, 1, 1.25, 4), (10, 8, 2, 0.5, 4), (96, 7, 3, 1.1, 0)])
+def test_expert_capacity_is_deepspeeds(tokens, experts, topk, factor, min_capacity):
+    """The slots --dry-run checks against TP equal DeepSpeed's own _capacity on gates of that shape
+    (deepspeed/moe/sharded_moe.py; top-2 and top-k gates pass the factor times k)."""
+    import torch  # noqa: PLC0415
+    from deepspeed.moe.sharded_moe import _capacity  # noqa: PLC0415
+
+    gates = torch.zeros(tokens, experts)
+    k = 1 if topk == 1 else topk
+    expected = int(_capacity(gates, torch.tensor(factor * k), torch.tensor(min_capacity)))
+    assert expert_capacity(tokens, experts, topk, factor, min_capacity) == expected
+
+
+def test_capacity_that_tp_splits_passes_dry_run():
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --tensor-model-parallel-size 2".split(), 2)  # 16 slots
+    assert rc == 0, err
