@@ -103,3 +103,16 @@ def test_temperature_is_greedy_at_zero_and_refused_below(capsys, tmp_path, tempe
 def test_evaluate_with_nothing_to_do_is_a_usage_error(capsys):
     rc, err = _status(capsys, "evaluate", ["--load", "x"])
     assert rc == 2 and "nothing to evaluate: pass --ppl-data and/or --lambada" in err
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_other_entry_points_name_themselves_in_usage_errors(capsys, family):
+    from megatron_ds.training.pretrain import main
+
+    module = importlib.import_module(f"megatron_ds.training.{family}")
+    try:
+        rc = main(["--no-such-flag"], family=getattr(module, family.upper()))
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"pretrain_{family}.py: error: "), err

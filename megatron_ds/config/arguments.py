@@ -347,9 +347,10 @@ def describe_ignored(flags) -> str:
                      for f in flags)
 
 
-def parse_args(argv=None) -> tuple[Config, list[str]]:
-    """Parse a command line into a Config. Returns (config, ignored compatibility flags)."""
-    ns = vars(build_parser().parse_args(argv))
+def parse_args(argv=None, prog: str = "pretrain_gpt.py") -> tuple[Config, list[str]]:
+    """Parse a command line into a Config. Returns (config, ignored compatibility flags). ``prog``:
+    the entry point its error lines name (pretrain_bert.py, pretrain_t5.py)."""
+    ns = vars(build_parser(prog).parse_args(argv))
     ignored = ns.pop("_ignored", [])
     sections: dict[str, dict] = {name: {} for name in SECTIONS}
     top = {}

@@ -113,11 +113,12 @@ def main(argv=None, family: ModelFamily = GPT) -> int:
     """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
     flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
     same rule as every CLI in tools/. ``family``: the entry point's model (pretrain_bert.py: BERT)."""
-    flags, ignored = parse_args(argv)
+    prog = f"pretrain_{family.name}.py"  # what the error lines name
+    flags, ignored = parse_args(argv, prog)
     flags = with_family_defaults(flags, family)
     missing = missing_flags(flags, with_data=not flags.dry_run)
     if missing:  # all of them at once, as argparse lists its required arguments
-        build_parser().error(f"missing required flags: {', '.join(missing)}")
+        build_parser(prog).error(f"missing required flags: {', '.join(missing)}")
     try:
         if flags.dry_run:
             return dry_run(flags, ignored, family)
