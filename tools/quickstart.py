@@ -207,32 +207,37 @@ def train_flags(preset: Preset, data_prefix: str, vocab: str, merges: str, ckpt:
     return flags
 
 
+def run_job(cmd: list[str], log_path: str, echo: tuple[str, ...], patterns: tuple) -> list[list[tuple]]:
+    """One training job under the launcher, its output written to log_path; shows the lines that start
+    with `echo` (and errors); for each regex of `patterns`, the groups of the lines it matches."""
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    # One compute thread per process: two processes on two cores, no oversubscription.
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    found = [[] for _ in patterns]
+    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True, env=env, cwd=ROOT) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith(echo) or "Error" in line:
+                print(line, end="", flush=True)
+            for hits, pattern in zip(found, patterns):
+                m = pattern.match(line)
+                if m:
+                    hits.append(m.groups())
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed (exit code {proc.returncode}); full log in {log_path}")
+    return found
+
+
 def train(args, flags: list[str], nproc: int, load: str | None, log_path: str) -> tuple[list, list]:
     """One pretrain_gpt.py job under the launcher; (iteration losses, validation losses) from its log."""
     cmd = launcher_cmd(args.launcher, nproc) + [os.path.join(ROOT, "pretrain_gpt.py")] + flags
     if load:
         cmd += ["--load", load]
-    print(f"$ {shlex.join(cmd)}", flush=True)
-    # One compute thread per process: two processes on two cores, no oversubscription.
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    losses, valid = [], []
-    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, env=env, cwd=ROOT) as proc:
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith((" iteration", " validation", "-" * 20, "> megatron_ds", "saved", "loaded",
-                                "error", "WARNING: ignoring")) or "Error" in line:
-                print(line, end="", flush=True)
-            m = LOSS_RE.match(line)
-            if m:
-                losses.append((int(m.group(1)), float(m.group(2))))
-            m = VALID_RE.match(line)
-            if m:
-                valid.append((float(m.group(1)), float(m.group(2))))
-    if proc.returncode != 0:
-        raise SystemExit(f"training failed (exit code {proc.returncode}); full log in {log_path}")
-    return losses, valid
+    echo = (" iteration", " validation", "-" * 20, "> megatron_ds", "saved", "loaded", "error", "WARNING: ignoring")
+    losses, valid = run_job(cmd, log_path, echo, (LOSS_RE, VALID_RE))
+    return [(int(it), float(loss)) for it, loss in losses], [(float(loss), float(ppl)) for loss, ppl in valid]
 
 
 def checkpoint_iteration(ckpt: str) -> int:

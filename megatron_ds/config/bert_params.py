@@ -12,7 +12,7 @@ The pipeline layers, in ``model/bert.py``'s order, with the parameters one tenso
 """
 from __future__ import annotations
 
-from megatron_ds.config.layout import FamilyShape, StageParams, layer_parameters
+from megatron_ds.config.layout import FamilyShape, StageParams, gpt_only_refusals, layer_parameters
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import partition_stages
@@ -57,14 +57,9 @@ def count_bert_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
 
 def check_bert(flags: Config, pp: int) -> None:
     """What pretrain_bert.py refuses, in one line each."""
-    par, data, m = flags.parallel, flags.data, flags.model
+    data, m = flags.data, flags.model
     refused = {
-        "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size (the interleaved "
-        "schedule runs GPT chunks)": par.num_layers_per_virtual_pipeline_stage or
-        (par.virtual_pipeline_model_parallel_size or 1) > 1,
-        "--enable-zbh1-pipeline (its executor runs GPT chunks)": par.enable_zbh1_pipeline,
-        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)":
-            par.ds_sequence_parallel_size > 1,
+        **gpt_only_refusals(flags),
         "--reset-attention-mask / --reset-position-ids (BERT samples are one [CLS] A [SEP] B [SEP] each)":
             data.reset_attention_mask or data.reset_position_ids,
         "--untie-embeddings-and-output-weights (BERT's MLM head is tied, as Megatron's)":
@@ -72,8 +67,6 @@ def check_bert(flags: Config, pp: int) -> None:
         "--swiglu / --normalization rmsnorm / rotary or no positions (Megatron's BERT: GeLU, LayerNorm, learned "
         "positions)": m.swiglu or m.normalization.lower() != "layernorm" or m.use_rotary_position_embeddings
         or m.position_embedding_type != "learned_absolute" or m.no_position_embedding,
-        "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
-        "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
         "--train-data-path / --valid-data-path / --test-data-path (BERT samples come from --data-path and "
         "--split, as upstream's pretrain_bert.py)": bool(data.train_data_path or data.valid_data_path
                                                          or data.test_data_path),

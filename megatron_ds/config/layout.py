@@ -346,6 +346,22 @@ class FamilyShape:
     partition_activations: bool = True
 
 
+def gpt_only_refusals(flags: Config) -> dict[str, bool]:
+    """{refusal: whether the flag is set} for what only the GPT's code runs, which the other families'
+    ``check`` refuse alike (each adds its own)."""
+    par, m = flags.parallel, flags.model
+    return {
+        "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size (the interleaved "
+        "schedule runs GPT chunks)": bool(par.num_layers_per_virtual_pipeline_stage
+                                          or (par.virtual_pipeline_model_parallel_size or 1) > 1),
+        "--enable-zbh1-pipeline (its executor runs GPT chunks)": bool(par.enable_zbh1_pipeline),
+        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)":
+            par.ds_sequence_parallel_size > 1,
+        "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
+        "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
+    }
+
+
 def _no_checks(flags: Config, pp: int) -> None:
     """GPT runs every combination the validation above accepts."""
 

@@ -18,7 +18,7 @@ which bounds the decoder's shorter ones but leaves out cross-attention's scores.
 """
 from __future__ import annotations
 
-from megatron_ds.config.layout import FamilyShape, StageParams, layer_parameters
+from megatron_ds.config.layout import FamilyShape, StageParams, gpt_only_refusals, layer_parameters
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -100,11 +100,7 @@ def check_t5(flags: Config, pp: int) -> None:
     """What pretrain_t5.py refuses, in one line each (the model's own checks: ``model/t5.py``)."""
     par, data, m = flags.parallel, flags.data, flags.model
     refused = {
-        "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size (the interleaved "
-        "schedule runs GPT chunks)": par.num_layers_per_virtual_pipeline_stage or
-        (par.virtual_pipeline_model_parallel_size or 1) > 1,
-        "--enable-zbh1-pipeline (its executor runs GPT chunks)": par.enable_zbh1_pipeline,
-        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)": par.ds_sequence_parallel_size > 1,
+        **gpt_only_refusals(flags),
         "--sequence-parallel (T5's layers here keep the whole sequence on every tensor parallel rank)":
             par.sequence_parallel,
         "--reset-attention-mask / --reset-position-ids (a T5 sample is one span-corrupted text)":
@@ -115,9 +111,6 @@ def check_t5(flags: Config, pp: int) -> None:
             m.use_rotary_position_embeddings or m.position_embedding_type == "rope",
         "--num-key-value-heads (T5's cross-attention is multi-head, as Megatron's)":
             m.num_key_value_heads not in (None, m.num_attention_heads),
-        "--curriculum-learning-legacy (the warm-up cuts GPT samples)": flags.training.curriculum_learning_legacy,
-        "--num-experts > 1 (MoE layers are the GPT's)":
-            any(n > 1 for n in (m.num_experts or (1,))),
     }
     bad = [what for what, on in refused.items() if on]
     if bad:

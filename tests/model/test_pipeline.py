@@ -96,6 +96,26 @@ def _train_pipeline(rank, world_size, name):
     return {"stage": model.stage_id, "initial": initial, "final": final, "losses": losses, "num_params": num_params}
 
 
+def train_sequentially(model, optimizer, micro_batches, steps: int, gas: int) -> tuple[dict, dict, list[float]]:
+    """The single-process reference of a pipeline test: (initial weights, final weights, the mean loss
+    of each step) after `steps` steps of `gas` micro-batches each, taken in order from micro_batches."""
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = iter(micro_batches)
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(gas):
+            inputs, labels = next(batches)
+            loss = model.loss_fn(model(inputs), labels)
+            (loss / gas).backward()  # DeepSpeed scales each micro-batch's loss by 1/gas likewise
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / gas)
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return initial, final, losses
+
+
 def _train_sequential(name):
     from megatron_ds.model.pipeline import build_sequential_gpt
     from megatron_ds.parallel.random import set_parallel_seeds
@@ -104,21 +124,7 @@ def _train_sequential(name):
     set_parallel_seeds(1234, 0)
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=7, activation_checkpoint_interval=interval,
                                  **spec_kwargs)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = _optimizer(model.parameters())
-    batches = iter(_micro_batches())
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            inputs, labels = next(batches)
-            loss = model.loss_fn(model(inputs), labels)
-            (loss / GAS).backward()  # DeepSpeed scales each micro-batch's loss by 1/GAS likewise
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / GAS)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    initial, final, losses = train_sequentially(model, _optimizer(model.parameters()), _micro_batches(), STEPS, GAS)
     return model, initial, final, losses
 
 

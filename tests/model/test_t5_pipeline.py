@@ -19,6 +19,7 @@ import torch
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from tests.distributed import run_distributed
+from tests.model.test_pipeline import train_sequentially
 
 VOCAB, ENC, DEC = 64, 10, 6
 MICRO, GAS, STEPS = 2, 2, 3
@@ -86,22 +87,7 @@ def _train_sequential():
 
     set_parallel_seeds(1234, 0)
     model = build_sequential_t5(_cfg(), decoder_num_layers=4, padded_vocab_size=VOCAB, seed=7)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = _optimizer(model.parameters())
-    batches = iter(_micro_batches())
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for _ in range(GAS):
-            inputs, labels = next(batches)
-            loss = model.loss_fn(model(inputs), labels)
-            (loss / GAS).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / GAS)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return initial, final, losses
+    return train_sequentially(model, _optimizer(model.parameters()), _micro_batches(), STEPS, GAS)
 
 
 def test_split_rank_pipeline_trains_like_the_sequential_model():

@@ -1,6 +1,8 @@
 """Helpers for tests that run the real training entry point inside gloo test processes."""
 from __future__ import annotations
 
+from tests.distributed import run_distributed
+
 TINY_GPT = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
             "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --lr-decay-style cosine "
             "--lr-warmup-iters 2 --mock-data --vocab-size 512 --make-vocab-size-divisible-by 4 "
@@ -22,3 +24,15 @@ def train_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[int,
     with contextlib.redirect_stdout(io.StringIO()):  # keep test output readable; losses are returned
         state = pretrain(cfg, ignored)
     return state.history
+
+
+def layout_losses(fn, base: list[str], tp: int, pp: int, dp: int, extra=(), *, timeout: float) -> list[float]:
+    """The 5 losses of ``fn(rank, world_size, argv)`` (one of the ``*_losses`` bodies) trained at TP x PP x DP
+    in tp * pp * dp gloo processes, after checking that every rank reports them."""
+    argv = [*base, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
+    results = run_distributed(fn, tp * pp * dp, argv, timeout=timeout)
+    last = results[-1]  # the last rank holds the last pipeline stage
+    assert [it for it, _ in last] == [1, 2, 3, 4, 5]
+    for other in results:  # the pipeline engine broadcasts the loss: every rank reports the same
+        assert other == last
+    return [loss for _, loss in last]

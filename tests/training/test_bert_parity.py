@@ -14,7 +14,7 @@ all-reduce, a wrong shard, a mask lost between stages) moves the loss by 1e-3 or
 """
 import pytest
 
-from tests.distributed import run_distributed
+from tests.training.common import layout_losses
 
 TINY_BERT = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
              "--max-position-embeddings 32 --micro-batch-size 2 --lr 1e-3 --lr-decay-style cosine "
@@ -40,13 +40,7 @@ def bert_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[int, 
 
 
 def _losses(tp, pp, dp, extra=()):
-    argv = TINY_BERT + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
-    results = run_distributed(bert_losses, tp * pp * dp, argv, timeout=900)
-    last = results[-1]  # the last rank holds the last pipeline stage
-    assert [it for it, _ in last] == [1, 2, 3, 4, 5]
-    for other in results:  # the pipeline engine broadcasts the loss: every rank reports the same
-        assert other == last
-    return [loss for _, loss in last]
+    return layout_losses(bert_losses, TINY_BERT, tp, pp, dp, extra, timeout=900)
 
 
 @pytest.fixture(scope="module")

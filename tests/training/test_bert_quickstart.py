@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(1200)
 
 @pytest.fixture(scope="module")
 def bert_data(tmp_path_factory):
-    from quickstart_bert import BERT_PRESETS, prepare_data
+    from quickstart_bert import BERT_PRESETS
+    from quickstart_masked import prepare_data
 
     work = tmp_path_factory.mktemp("bert_data")
     return prepare_data(str(work), BERT_PRESETS["tiny"], workers=1)

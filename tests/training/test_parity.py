@@ -15,8 +15,7 @@ shard, a mis-seeded layer) moves the loss by 1e-3 or more.
 """
 import pytest
 
-from tests.distributed import run_distributed
-from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
+from tests.training.common import LLAMA_FLAGS, TINY_GPT, layout_losses, train_losses
 
 # vocab 512 pads to 512 at every TP size here; a different padded vocabulary would change the
 # initial embedding and the softmax, so layouts could not be compared.
@@ -25,14 +24,7 @@ RTOL = 2e-5
 
 
 def _losses(tp, pp, dp, extra=()):
-    argv = TINY_GPT + STEPS + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                               *extra]
-    results = run_distributed(train_losses, tp * pp * dp, argv, timeout=600)
-    last = results[-1]  # the last rank holds the last pipeline stage
-    assert [it for it, _ in last] == [1, 2, 3, 4, 5]
-    for other in results:  # the pipeline engine broadcasts the loss: every rank reports the same
-        assert other == last
-    return [loss for _, loss in last]
+    return layout_losses(train_losses, TINY_GPT + STEPS, tp, pp, dp, extra, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ layer moves the loss by 1e-3 or more.
 """
 import pytest
 
-from tests.distributed import run_distributed
+from tests.training.common import layout_losses
 
 TINY_T5 = ("--num-layers 2 --decoder-num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
            "--decoder-seq-length 8 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
@@ -36,13 +36,7 @@ def t5_train_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[i
 
 
 def _losses(tp, pp, dp, extra=()):
-    argv = TINY_T5 + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
-    results = run_distributed(t5_train_losses, tp * pp * dp, argv, timeout=900)
-    last = results[-1]
-    assert [it for it, _ in last] == [1, 2, 3, 4, 5]
-    for other in results:
-        assert other == last
-    return [loss for _, loss in last]
+    return layout_losses(t5_train_losses, TINY_T5, tp, pp, dp, extra, timeout=900)
 
 
 @pytest.fixture(scope="module")
