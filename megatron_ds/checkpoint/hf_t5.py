@@ -6,8 +6,9 @@ code can compute, and anything else is refused in one line naming what HF cannot
 =============================  =====================================  ===============================
 Megatron-DeepSpeed's T5         HF T5 (transformers modeling_t5)       what is exported / imported
 =============================  =====================================  ===============================
-learned absolute positions      relative position buckets (layer 0)    --position-embedding-type none
-                                                                        <-> all-zero bucket biases
+learned absolute positions      relative position buckets (layer 0)    --position-embedding-type
+                                                                        relative <-> the bucket tables
+                                                                        (none <-> all-zero tables)
 LayerNorm (with bias)           T5LayerNorm: RMS, no bias, fp32 stats  --normalization rmsnorm
 biases in every linear and the  no biases                              --disable-bias-linear (our LM
 LM head (T5LMHead)                                                      head then has no bias either)
@@ -23,8 +24,8 @@ tied LM head                    decoder output x d_model^-0.5 when     exported 
                                                                         the decoder's final norm
 =============================  =====================================  ===============================
 
-The position-free variant keeps the decoder's causal mask, so it is a working (if weaker) T5; HF's
-relative biases of an imported model must be zero (a model exported from here has them so).
+HF's T5 models import with --position-embedding-type relative (their bucket count and maximum
+distance); the position-free variant (the decoder's causal mask alone) exports with zero tables.
 Parameter names (ours, from ``t5_layer_specs``): spec 0 and the tied module ``tied_modules.embed``,
 encoder layers ``1..E``, encoder final norm ``E+1``, decoder layers ``E+3..E+2+D``, decoder final
 norm ``E+D+3``.
@@ -38,20 +39,22 @@ import torch
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
-_ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2"}
+_ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2",
+                "relu": "relu"}
 _EMBED = "tied_modules.embed."
 
 
 def activation(m: ModelConfig) -> str:
     return ("swiglu" if m.swiglu else "openai_gelu" if m.openai_gelu else
-            "squared_relu" if m.squared_relu else "gelu")
+            "squared_relu" if m.squared_relu else "relu" if m.relu else "gelu")
 
 
 def check_representable(m: ModelConfig) -> None:
     """ConfigError naming the first setting HF's T5 cannot compute."""
     problems = [
-        (m.position_embedding_type != "none", "learned absolute positions (HF's T5 has only relative position "
-                                              "buckets): train with --position-embedding-type none"),
+        (m.position_embedding_type not in ("none", "relative"),
+         "learned absolute positions (HF's T5 has only relative position buckets): train with "
+         "--position-embedding-type relative (or none)"),
         (m.normalization.lower() != "rmsnorm", "LayerNorm with a bias (HF's T5LayerNorm is an RMS norm): train "
                                                "with --normalization rmsnorm"),
         (m.add_bias_linear, "biases in the linear layers and the LM head (HF's T5 has none): train with "
@@ -74,6 +77,8 @@ def hf_config(m: ModelConfig, *, decoder_num_layers: int, vocab_size: int, pad: 
     cfg = T5Config(vocab_size=vocab_size, d_model=m.hidden_size, d_kv=m.kv_channels, d_ff=m.ffn_hidden_size,
                    num_layers=m.num_layers, num_decoder_layers=decoder_num_layers, num_heads=m.num_attention_heads,
                    layer_norm_epsilon=m.layernorm_epsilon, feed_forward_proj=_ACTIVATIONS[activation(m)],
+                   relative_attention_num_buckets=m.relative_attention_num_buckets,
+                   relative_attention_max_distance=m.relative_attention_max_distance,
                    dropout_rate=m.hidden_dropout, pad_token_id=pad, eos_token_id=eos,
                    decoder_start_token_id=decoder_start if decoder_start is not None else pad,
                    tie_word_embeddings=False, architectures=["T5ForConditionalGeneration"])
@@ -116,9 +121,10 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig, *, decoder_num_layers:
     E, D, scale = m.num_layers, decoder_num_layers, _q_scale(m)
     words = state[_EMBED + "word_embeddings.weight"][:vocab_size]
     hf = {"shared.weight": words, "lm_head.weight": words}
-    buckets = torch.zeros(32, m.num_attention_heads, dtype=words.dtype)  # T5Config's default bucket count
+    zeros = torch.zeros(m.relative_attention_num_buckets, m.num_attention_heads, dtype=words.dtype)
     for side, first, n, blocks in (("encoder", 1, E, 2), ("decoder", E + 3, D, 3)):
-        hf[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = buckets
+        hf[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = (
+            state[_EMBED + f"{side}_relative_attention_bias.weight"] if m.position_embedding_type == "relative" else zeros)
         for i in range(n):
             p, o = f"{first + i}.", f"{side}.block.{i}.layer."
             q, k, v = _split_self_qkv(state[p + "self_attention.query_key_value.weight"], m)
@@ -141,22 +147,25 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig, *, decoder_num_layers:
 
 def model_config_from_hf(d: dict) -> tuple[ModelConfig, int]:
     """(our resolved ModelConfig, decoder layers) of an HF T5 config.json; ConfigError for what our
-    T5 cannot compute (HF's relu and gated-gelu MLPs)."""
+    T5 cannot compute (HF's gated-gelu MLP)."""
     proj = d.get("feed_forward_proj", "relu")
     if proj == "gated-gelu":
         proj = "gated-gelu_new"
     act = {v: k for k, v in _ACTIVATIONS.items()}.get(proj)
     if act is None:
-        raise ConfigError(f"our T5 has no {proj!r} MLP (Megatron's MLPs: GeLU, --openai-gelu, --swiglu, "
-                          f"--squared-relu): only gelu, gelu_new, gated-silu and relu2 T5 models import")
+        raise ConfigError(f"our T5 has no {proj!r} MLP (GeLU, --openai-gelu, --swiglu, --squared-relu, --relu): "
+                          f"only gelu, gelu_new, gated-silu, relu2 and relu T5 models import")
     # HF's T5 has no length limit (relative positions); its configs' legacy n_positions (512 in the
     # original T5's) stands for the encoder length until --encoder-seq-length sets a run's
     m = ModelConfig(num_layers=d["num_layers"], hidden_size=d["d_model"], num_attention_heads=d["num_heads"],
                     seq_length=d.get("n_positions", 512),
                     num_key_value_heads=d["num_heads"], ffn_hidden_size=d["d_ff"], kv_channels=d["d_kv"],
-                    position_embedding_type="none", max_position_embeddings=None, normalization="rmsnorm",
+                    position_embedding_type="relative", max_position_embeddings=None, normalization="rmsnorm",
+                    relative_attention_num_buckets=d.get("relative_attention_num_buckets", 32),
+                    relative_attention_max_distance=d.get("relative_attention_max_distance", 128),
                     layernorm_epsilon=d.get("layer_norm_epsilon", 1e-6), add_bias_linear=False,
                     swiglu=act == "swiglu", openai_gelu=act == "openai_gelu", squared_relu=act == "squared_relu",
+                    relu=act == "relu",
                     hidden_dropout=d.get("dropout_rate", 0.1), attention_dropout=d.get("dropout_rate", 0.1))
     return m, d.get("num_decoder_layers") or d["num_layers"]
 
@@ -173,11 +182,6 @@ def from_hf(get, d: dict, *, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """Our full (TP 1) state dict from HF tensors (``get(name)``) and config ``d``."""
     m, D = model_config_from_hf(d)
     E, scale = m.num_layers, 1.0 / _q_scale(m)
-    for side in ("encoder", "decoder"):
-        bias = get(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-        if bias.abs().max() > 0:
-            raise ConfigError(f"Hugging Face's T5 relative position biases ({side}) are not zero: our T5 has no "
-                              f"relative position buckets (only models exported from here import)")
     words = get("shared.weight")
     if not scales_decoder_output(d):
         lm = get("lm_head.weight") if _has(get, "lm_head.weight") else words
@@ -186,6 +190,8 @@ def from_hf(get, d: dict, *, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     padded = torch.zeros(padded_vocab_size, words.shape[1], dtype=words.dtype)
     padded[:words.shape[0]] = words
     out = {_EMBED + "word_embeddings.weight": padded}
+    for side in ("encoder", "decoder"):  # block 0's table serves the whole stack (HF's has_relative_attention_bias)
+        out[_EMBED + f"{side}_relative_attention_bias.weight"] = get(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
     for side, first, n, blocks in (("encoder", 1, E, 2), ("decoder", E + 3, D, 3)):
         for i in range(n):
             p, o = f"{first + i}.", f"{side}.block.{i}.layer."
@@ -362,7 +368,9 @@ def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
     log(f"imported T5ForConditionalGeneration from {hf_dir} into {save_dir}; train it with pretrain_t5.py "
         f"--num-layers {m.num_layers} --decoder-num-layers {decoder} --hidden-size {m.hidden_size} "
         f"--num-attention-heads {m.num_attention_heads} --kv-channels {m.kv_channels} --ffn-hidden-size "
-        f"{m.ffn_hidden_size} --position-embedding-type none --normalization rmsnorm --disable-bias-linear "
+        f"{m.ffn_hidden_size} --position-embedding-type relative --relative-attention-num-buckets "
+        f"{m.relative_attention_num_buckets} --relative-attention-max-distance {m.relative_attention_max_distance} "
+        f"--normalization rmsnorm --disable-bias-linear "
         f"--layernorm-epsilon {m.layernorm_epsilon}{' --' + activation(m).replace('_', '-') if activation(m) != 'gelu' else ''} "
         f"--load {save_dir}")
     return m

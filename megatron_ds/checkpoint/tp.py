@@ -43,6 +43,9 @@ _SPLIT_DIM = {
     ("query", "bias"): 0,
     ("key_value", "weight"): 0,
     ("key_value", "bias"): 0,
+    # T5's relative position bias tables ([buckets, heads], model/t5.py T5Embedding): heads split
+    ("encoder_relative_attention_bias", "weight"): 1,
+    ("decoder_relative_attention_bias", "weight"): 1,
 }
 VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"), ("lm_head", "bias"))
 

@@ -59,7 +59,8 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
 
 def activation_name(m: ModelConfig) -> str:
     """The MLP's activation as the start-up summary names it."""
-    return "swiglu" if m.swiglu else "openai-gelu" if m.openai_gelu else "squared-relu" if m.squared_relu else "gelu"
+    return ("swiglu" if m.swiglu else "openai-gelu" if m.openai_gelu else "squared-relu" if m.squared_relu
+            else "relu" if m.relu else "gelu")
 
 
 @dataclass(frozen=True)
@@ -362,11 +363,17 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
     }
 
 
-def _no_checks(flags: Config, pp: int) -> None:
-    """GPT runs every combination the validation above accepts."""
+def _check_gpt(flags: Config, pp: int) -> None:
+    """GPT runs every combination the validation above accepts but T5's own: relative position
+    biases and the relu MLP (model/t5.py)."""
+    m = flags.model
+    bad = [what for what, on in (("--position-embedding-type relative", m.position_embedding_type == "relative"),
+                                 ("--relu", m.relu)) if on]
+    if bad:
+        raise ConfigError(f"{' and '.join(bad)}: T5 only (pretrain_t5.py); the GPT does not have it")
 
 
-GPT_SHAPE = FamilyShape("gpt", count_parameters, _no_checks)
+GPT_SHAPE = FamilyShape("gpt", count_parameters, _check_gpt)
 
 
 def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,

@@ -48,8 +48,13 @@ class ModelConfig:
     """pretrain_t5.py: the first pipeline stage of the decoder; stages before it hold the encoder."""
     max_position_embeddings: Optional[int] = None
     """Size of the learned position table (default --seq-length)."""
-    position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "none"))
-    """Position encoding: learned absolute (GPT-2), rope, or none."""
+    position_embedding_type: str = meta("learned_absolute", choices=("learned_absolute", "rope", "relative", "none"))
+    """Position encoding: learned absolute (GPT-2), rope, relative (T5 only: HF T5's bucketed relative
+    attention biases, Megatron-LM's --position-embedding-type relative), or none."""
+    relative_attention_num_buckets: int = 32
+    """--position-embedding-type relative: buckets of relative positions (HF T5Config's default)."""
+    relative_attention_max_distance: int = 128
+    """--position-embedding-type relative: distance beyond which positions share the last bucket."""
     use_rotary_position_embeddings: bool = False
     """Use rotary position embeddings (same as --position-embedding-type rope)."""
     no_position_embedding: bool = False
@@ -96,6 +101,8 @@ class ModelConfig:
     """MLP activation: GeLU's tanh approximation (GPT-2's original "gelu_new") instead of the exact GeLU."""
     squared_relu: bool = False
     """MLP activation: relu(x)^2 instead of GeLU."""
+    relu: bool = False
+    """MLP activation: relu (the original T5's, HF feed_forward_proj "relu"; T5 only)."""
     apply_layernorm_1p: bool = False
     """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
     apply_residual_connection_post_layernorm: bool = False

@@ -44,9 +44,12 @@ def t5_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tuple
     words = padded_vocab * h // tp
     pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
     bias = padded_vocab // tp if m.add_bias_linear else 0
-    embedding = words + pos + bias
+    # --position-embedding-type relative: the encoder's and the decoder's [buckets, heads] tables, heads split
+    rel = 2 * m.relative_attention_num_buckets * m.num_attention_heads // tp \
+        if m.position_embedding_type == "relative" else 0
+    embedding = words + pos + bias + rel
     norm = 2 * h if m.normalization.lower() == "layernorm" else h
-    return ([("T5Embedding", embedding, (words + bias) * tp + pos)]
+    return ([("T5Embedding", embedding, (words + bias + rel) * tp + pos)]
             + [("T5EncoderLayer", split + repl, split * tp + repl)] * m.num_layers
             + [("T5EncoderFinalNorm", norm, norm), ("T5Embedding", embedding, 0)]
             + [("T5DecoderLayer", split + repl + x_split + x_repl, (split + x_split) * tp + repl + x_repl)] * d

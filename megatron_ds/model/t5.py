@@ -41,6 +41,8 @@ for T5. The flags are int64, never bool (DeepSpeed pops a trailing bool tensor a
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -57,9 +59,49 @@ from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear
                                          init_method_normal, scaled_init_method_normal,
                                          set_tensor_parallel_attributes)
 from megatron_ds.parallel.random import get_rng_tracker
-from megatron_ds.parallel.utils import divide, tp_world_size
+from megatron_ds.parallel.utils import divide, tp_rank, tp_world_size
 
 TIED_KEY = "embed"
+
+
+def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """HF transformers' ``T5Attention._relative_position_bucket`` (models/t5/modeling_t5.py),
+    transcribed: half the buckets per direction when bidirectional (keys after the query in the
+    upper half), else only keys at or before the query count; distances below half the buckets get
+    one bucket each, larger ones logarithmically many up to ``max_distance``, the rest the last."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+def relative_position_bias(table: torch.Tensor, sq: int, sk: int, *, bidirectional: bool, num_buckets: int,
+                           max_distance: int) -> torch.Tensor:
+    """``[1, heads, sq, sk]`` score biases from a ``[buckets, heads]`` table (HF's ``compute_bias``)."""
+    position = torch.arange(sk, device=table.device)[None, :] - torch.arange(sq, device=table.device)[:, None]
+    bucket = relative_position_bucket(position, bidirectional=bidirectional, num_buckets=num_buckets,
+                                      max_distance=max_distance)
+    return F.embedding(bucket, table).permute(2, 0, 1).unsqueeze(0)
+
+
+def biased_mask(bias: list, mask: torch.Tensor) -> torch.Tensor:
+    """The boolean ``mask`` alone, or with a relative position bias (``[bias]`` of the activation
+    tuple) as SDPA's additive float mask: the bias where allowed, the dtype's minimum elsewhere (HF
+    adds its mask the same way)."""
+    if not bias:
+        return mask
+    b = bias[0]
+    return torch.where(mask, b, torch.full((), torch.finfo(b.dtype).min, dtype=b.dtype, device=b.device))
 
 
 def causal_padding_mask(flags: torch.Tensor) -> torch.Tensor:
@@ -77,10 +119,27 @@ class T5Embedding(nn.Module):
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, lm_head_bias: bool, tp_group=None,
                  params_dtype: torch.dtype = torch.float32, device=None, vocab_size: int | None = None,
-                 fp32_residual: bool = False):
+                 fp32_residual: bool = False, relative: tuple[int, int, int] | None = None):
         super().__init__()
         self.tp_group, self.vocab_size, self.dropout, self.fp32_residual = tp_group, vocab_size, dropout, fp32_residual
         init = init_method_normal(init_method_std)
+        # --position-embedding-type relative: (buckets, max distance, heads). One [buckets, heads]
+        # table per stack (HF keeps it in block 0 and hands its bias to every layer); here it is in
+        # the tied module, so every stage of a stack sees the same table and DeepSpeed sums its
+        # gradients across the copies. Heads split over TP ranks as the attention heads (contiguous).
+        self.relative = relative
+        if relative is not None:
+            buckets, _, heads = relative
+            tp, rank = tp_world_size(tp_group), tp_rank(tp_group)
+            for stack in ("encoder", "decoder"):
+                table = torch.empty(buckets, heads, dtype=torch.float32)
+                init(table)  # the full table on the CPU generator: the same numbers at any TP size
+                local = table[:, rank * heads // tp:(rank + 1) * heads // tp].contiguous()
+                param = nn.Parameter(local.to(device=device, dtype=params_dtype))
+                set_tensor_parallel_attributes(param, partition_dim=1, stride=1)
+                holder = nn.Module()  # "<stack>_relative_attention_bias.weight", as HF's nn.Embedding
+                holder.weight = param
+                setattr(self, f"{stack}_relative_attention_bias", holder)
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp_group=tp_group,
                                                       init_method=init, params_dtype=params_dtype, device=device)
         self.position_embeddings = None
@@ -103,7 +162,20 @@ class T5Embedding(nn.Module):
         A forward of its own (not a ``forward_fn``): DeepSpeed saves and loads a tied module only in
         the file of a layer that is the module itself (``PipelineModule.save_state_dict``)."""
         enc_tokens, dec_tokens, enc_flags, dec_flags = inputs
-        return self.embed(enc_tokens), dec_tokens, enc_flags, dec_flags
+        s = enc_tokens.shape[1]
+        return (self.embed(enc_tokens), dec_tokens, enc_flags, dec_flags, *self.position_bias("encoder", s))
+
+    def position_bias(self, stack: str, s: int) -> tuple:
+        """``(bias,)`` for a stack's self-attention at length ``s`` (bidirectional buckets in the
+        encoder, causal in the decoder, as HF's ``is_decoder``), or ``()`` without relative positions.
+        It rides in the activation tuple to every layer of the stack (on any stage), so its gradient
+        flows back to this table like the encoder output's to the encoder."""
+        if self.relative is None:
+            return ()
+        buckets, distance, _ = self.relative
+        return (relative_position_bias(getattr(self, f"{stack}_relative_attention_bias").weight, s, s,
+                                       bidirectional=stack == "encoder", num_buckets=buckets,
+                                       max_distance=distance),)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` ids -> ``[s, b, h]``; positions 0..s-1 (t5_model.py ``t5_position_ids``)."""
@@ -126,7 +198,8 @@ class T5Embedding(nn.Module):
 def embed_decoder(embedding: T5Embedding, inputs):
     """The decoder's first layer: the encoder output joins the decoder's embedded input."""
     encoder_output, dec_tokens, enc_flags, dec_flags = inputs
-    return embedding.embed(dec_tokens), encoder_output, enc_flags, dec_flags
+    return (embedding.embed(dec_tokens), encoder_output, enc_flags, dec_flags,
+            *embedding.position_bias("decoder", dec_tokens.shape[1]))
 
 
 def lm_logits(embedding: T5Embedding, hidden):
@@ -141,13 +214,13 @@ class T5EncoderLayer(ParallelTransformerLayer):
         super().__init__(cfg, layer_number, self_attn_mask_type="padding", **kwargs)
 
     def forward(self, inputs, kv_cache=None):
-        hidden, other, enc_flags, dec_flags = inputs
-        mask = padding_attention_mask(enc_flags)
+        hidden, other, enc_flags, dec_flags, *bias = inputs
+        mask = biased_mask(bias, padding_attention_mask(enc_flags))
         normed = self.input_layernorm(hidden)
         hidden = self._residual(*self.self_attention(normed, mask), normed if self.residual_after_norm else hidden)
         normed = self.post_attention_layernorm(hidden)
         hidden = self._residual(*self.mlp(normed), normed if self.residual_after_norm else hidden)
-        return hidden, other, enc_flags, dec_flags
+        return (hidden, other, enc_flags, dec_flags, *bias)
 
 
 class ParallelCrossAttention(nn.Module):
@@ -202,21 +275,24 @@ class T5DecoderLayer(ParallelTransformerLayer):
             one_plus=cfg.apply_layernorm_1p, fp32_input=cfg.fp32_residual_connection)
 
     def forward(self, inputs, kv_cache=None):
-        hidden, encoder_output, enc_flags, dec_flags = inputs
+        hidden, encoder_output, enc_flags, dec_flags, *bias = inputs
         after_norm = self.residual_after_norm
         normed = self.input_layernorm(hidden)
-        hidden = self._residual(*self.self_attention(normed, causal_padding_mask(dec_flags)),
+        # (no position bias in the cross-attention, as HF's EncDecAttention)
+        hidden = self._residual(*self.self_attention(normed, biased_mask(bias, causal_padding_mask(dec_flags))),
                                 normed if after_norm else hidden)
         normed = self.post_attention_layernorm(hidden)
         hidden = self._residual(*self.inter_attention(normed, encoder_output, padding_attention_mask(enc_flags)),
                                 normed if after_norm else hidden)
         normed = self.post_inter_attention_layernorm(hidden)
         hidden = self._residual(*self.mlp(normed), normed if after_norm else hidden)
-        return hidden, encoder_output, enc_flags, dec_flags
+        return (hidden, encoder_output, enc_flags, dec_flags, *bias)
 
 
 class T5EncoderFinalNorm(nn.Module):
-    """The encoder's final norm; hands the decoder embedding ``(encoder output, dec tokens, flags)``."""
+    """The encoder's final norm; hands the decoder embedding ``(encoder output, dec tokens, flags)``
+    (the encoder's position bias ends here: a tensor sent on that nobody uses would have no gradient
+    to send back, which DeepSpeed's pipeline engine asserts against)."""
 
     def __init__(self, cfg: ModelConfig, *, params_dtype=torch.float32, device=None):
         super().__init__()
@@ -226,7 +302,7 @@ class T5EncoderFinalNorm(nn.Module):
 
     def forward(self, inputs):
         hidden, *rest = inputs
-        return (self.final_layernorm(hidden), *rest)
+        return (self.final_layernorm(hidden), *rest[:3])
 
 
 class T5DecoderFinalNorm(T5EncoderFinalNorm):
@@ -241,8 +317,9 @@ T5_LAYERS = (T5EncoderLayer, T5DecoderLayer)
 
 def check_t5_shape(m: ModelConfig, *, decoder_num_layers: int, num_stages: int, split_rank: int | None) -> None:
     """What the T5 builders cannot build, in one line naming the values (ValueError)."""
-    if m.position_embedding_type not in ("learned_absolute", "none"):
-        raise ValueError(f"T5 takes learned absolute positions (Megatron's) or none, not {m.position_embedding_type}")
+    if m.position_embedding_type not in ("learned_absolute", "relative", "none"):
+        raise ValueError(f"T5 takes learned absolute positions (Megatron's), relative (HF T5's) or none, not "
+                         f"{m.position_embedding_type}")
     if m.num_key_value_heads != m.num_attention_heads:
         raise ValueError("T5's cross-attention is multi-head only (Megatron-DeepSpeed asserts no GQA there)")
     if m.untie_embeddings_and_output_weights:
@@ -268,8 +345,13 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
     embedding = dict(max_position_embeddings=positions, init_method_std=m.init_method_std, dropout=m.hidden_dropout,
                      lm_head_bias=m.add_bias_linear, tp_group=tp_group, vocab_size=vocab_size,
                      fp32_residual=m.fp32_residual_connection, **common)
+    relative = m.position_embedding_type == "relative"
+    if relative:
+        embedding["relative"] = (m.relative_attention_num_buckets, m.relative_attention_max_distance,
+                                 m.num_attention_heads)
     attrs = ["word_embeddings.weight"] + (["position_embeddings.weight"] if positions else []) + (
-        ["lm_head.bias"] if m.add_bias_linear else [])
+        ["lm_head.bias"] if m.add_bias_linear else []) + (
+        ["encoder_relative_attention_bias.weight", "decoder_relative_attention_bias.weight"] if relative else [])
 
     def tied(forward_fn):
         return TiedLayerSpec(TIED_KEY, T5Embedding, m.hidden_size, padded_vocab_size, forward_fn=forward_fn,

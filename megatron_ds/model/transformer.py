@@ -236,7 +236,8 @@ class ParallelMLP(nn.Module):
         self.expert = expert
         self.swiglu = cfg.swiglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
-        self.activation = openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.gelu
+        self.activation = (openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu
+                           else F.relu if cfg.relu else F.gelu)
         # (Megatron-DeepSpeed never fuses --openai-gelu / --squared-relu either: ParallelMLP.__init__)
         self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else \
             cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu

@@ -1,12 +1,13 @@
 """Our T5 <-> Hugging Face's T5ForConditionalGeneration (checkpoint/hf_t5.py), both directions.
 
-Export: our T5 in the variant HF's code can compute (no absolute positions, RMS norms, no biases;
-GeLU, --openai-gelu, --swiglu or --squared-relu MLP), written as safetensors + config.json and read
-back by transformers' own ``from_pretrained``: its logits equal ours on a padded batch.
-Import: transformers builds a T5 from a T5Config (its own initialisation, relative biases zeroed:
-the variant ours represents), converted into our model: our logits equal HF's, with HF's
-``scale_decoder_outputs`` folded into the decoder's final norm. What HF cannot express (or what
-ours cannot) is refused in one line.
+Export: our T5 in the variant HF's code can compute (relative position biases or none, RMS norms,
+no biases; GeLU, --openai-gelu, --swiglu, --squared-relu or --relu MLP), written as safetensors +
+config.json and read back by transformers' own ``from_pretrained``: its logits equal ours on a
+padded batch.
+Import: transformers builds a T5 from a T5Config (its own initialisation, random relative position
+bias tables, non-default bucket count and distance so that a wrong bucket shows), converted into our
+model: our logits equal HF's, with HF's ``scale_decoder_outputs`` folded into the decoder's final
+norm. What HF cannot express (or what ours cannot) is refused in one line.
 
 Tolerance 1e-5 absolute on logits of size ~1-10 in fp32: the two models sum the same products in
 different orders (fused vs separate q/k/v, SDPA vs matmul-softmax) and one side multiplies the
@@ -52,10 +53,12 @@ def _batch(seed=0):
 def _ours(m, decoder_layers=3):
     model = build_sequential_t5(m, decoder_num_layers=decoder_layers, padded_vocab_size=PADDED, seed=7,
                                 vocab_size=VOCAB).eval()
-    with torch.no_grad():  # norms start at one: make them matter
+    with torch.no_grad():  # norms start at one, bias tables at 0.02: make them matter
         for name, p in model.named_parameters():
             if "layernorm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            if "relative_attention_bias" in name:
+                p.normal_(0, 1.0)
     return model
 
 
@@ -64,7 +67,10 @@ def _hf_logits(hf, enc, dec, ef, df):
         return hf(input_ids=enc, attention_mask=ef, decoder_input_ids=dec, decoder_attention_mask=df).logits
 
 
-@pytest.mark.parametrize("act", [{}, {"swiglu": True}, {"openai_gelu": True}, {"squared_relu": True}])
+@pytest.mark.parametrize("act", [{}, {"swiglu": True}, {"openai_gelu": True}, {"squared_relu": True},
+                                 {"relu": True, "position_embedding_type": "relative"},
+                                 {"swiglu": True, "position_embedding_type": "relative",
+                                  "relative_attention_num_buckets": 8, "relative_attention_max_distance": 10}])
 def test_export_gives_our_logits(tmp_path, act):
     m = _variant(**act)
     model = _ours(m)
@@ -80,16 +86,19 @@ def test_export_gives_our_logits(tmp_path, act):
     assert ours.abs().max() > 0.1  # not trivially equal
 
 
-@pytest.mark.parametrize("proj,tie", [("gated-silu", None), ("gelu", False)])
+@pytest.mark.parametrize("proj,tie", [("gated-silu", None), ("gelu", False), ("relu", None)])
 def test_hf_model_imports_with_its_logits(proj, tie):
+    """Buckets 8 / max distance 10 over 12 encoder positions: exact, logarithmic and clamped buckets
+    all occur in both directions (HF's defaults 32 / 128 would leave these lengths all exact)."""
     extra = {} if tie is None else {"tie_word_embeddings": tie}
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
-                                num_heads=4, feed_forward_proj=proj, dropout_rate=0.0, **extra)
+                                num_heads=4, feed_forward_proj=proj, dropout_rate=0.0, relative_attention_num_buckets=8,
+                                relative_attention_max_distance=10, **extra)
     torch.manual_seed(3)
     hf = transformers.T5ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # the variant ours represents: no relative position biases
+    with torch.no_grad():  # HF initialises the tables at std d_model^-0.5: make the biases large
         for block in (hf.encoder.block[0], hf.decoder.block[0]):
-            block.layer[0].SelfAttention.relative_attention_bias.weight.zero_()
+            block.layer[0].SelfAttention.relative_attention_bias.weight.normal_(0, 1.0)
     d = cfg.to_dict()
     state = {k: v.float() for k, v in hf.state_dict().items()}
     ours_state = hf_t5.from_hf(lambda n: state[n], d, padded_vocab_size=PADDED)
@@ -112,10 +121,21 @@ def test_what_hf_cannot_express_is_refused():
         hf_t5.check_representable(_variant(normalization="layernorm"))
     with pytest.raises(ConfigError, match="--disable-bias-linear"):
         hf_t5.check_representable(_variant(add_bias_linear=True))
-    with pytest.raises(ConfigError, match="'relu' MLP"):
-        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="relu").to_dict())
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4,
-                                feed_forward_proj="gated-silu")
-    state = transformers.T5ForConditionalGeneration(cfg).state_dict()
-    with pytest.raises(ConfigError, match="relative position biases"):
-        hf_t5.from_hf(lambda n: state[n].float(), cfg.to_dict(), padded_vocab_size=PADDED)
+    with pytest.raises(ConfigError, match="'gated-gelu_new' MLP"):
+        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="gated-gelu").to_dict())
+
+
+def test_relative_position_bucket_is_hfs():
+    """Our transcription against transformers' own ``T5Attention._relative_position_bucket``."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from megatron_ds.model.t5 import relative_position_bucket
+
+    position = torch.arange(300)[None, :] - torch.arange(300)[:, None]
+    for bidirectional in (True, False):
+        for buckets, distance in ((32, 128), (8, 10), (16, 40)):
+            ours = relative_position_bucket(position, bidirectional=bidirectional, num_buckets=buckets,
+                                            max_distance=distance)
+            theirs = T5Attention._relative_position_bucket(position, bidirectional=bidirectional,
+                                                           num_buckets=buckets, max_distance=distance)
+            assert torch.equal(ours, theirs), (bidirectional, buckets, distance)
