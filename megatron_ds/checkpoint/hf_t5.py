@@ -15,8 +15,8 @@ LM head (T5LMHead)                                                      head the
 GeLU MLP                        relu, gelu, gelu_new, gated-ACT        gelu <-> "gelu", --openai-gelu
                                                                         <-> "gelu_new", --swiglu <->
                                                                         "gated-silu", --squared-relu
-                                                                        <-> "relu2"; HF's relu and
-                                                                        gated-gelu are refused
+                                                                        <-> "relu2", --relu <-> "relu",
+                                                                        --geglu <-> "gated-gelu"
 scores / sqrt(d_kv)             unscaled scores                        query weights x / sqrt(d_kv)
 tied LM head                    decoder output x d_model^-0.5 when     exported with
                                 scale_decoder_outputs                  scale_decoder_outputs false;
@@ -40,13 +40,13 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
 _ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2",
-                "relu": "relu"}
+                "relu": "relu", "geglu": "gated-gelu"}
 _EMBED = "tied_modules.embed."
 
 
 def activation(m: ModelConfig) -> str:
     return ("swiglu" if m.swiglu else "openai_gelu" if m.openai_gelu else
-            "squared_relu" if m.squared_relu else "relu" if m.relu else "gelu")
+            "squared_relu" if m.squared_relu else "relu" if m.relu else "geglu" if m.geglu else "gelu")
 
 
 def check_representable(m: ModelConfig) -> None:
@@ -106,7 +106,7 @@ def _split_kv(w: torch.Tensor, m: ModelConfig):
 def _mlp_to_hf(prefix: str, t: dict, m: ModelConfig, out: str) -> dict:
     w = t[prefix + "mlp.dense_h_to_4h.weight"]
     res = {out + "wo.weight": t[prefix + "mlp.dense_4h_to_h.weight"]}
-    if m.swiglu:
+    if m.swiglu or m.geglu:
         gate, up = w.chunk(2, dim=0)
         res.update({out + "wi_0.weight": gate, out + "wi_1.weight": up})
     else:
@@ -147,14 +147,12 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig, *, decoder_num_layers:
 
 def model_config_from_hf(d: dict) -> tuple[ModelConfig, int]:
     """(our resolved ModelConfig, decoder layers) of an HF T5 config.json; ConfigError for what our
-    T5 cannot compute (HF's gated-gelu MLP)."""
+    T5 cannot compute (other MLPs)."""
     proj = d.get("feed_forward_proj", "relu")
-    if proj == "gated-gelu":
-        proj = "gated-gelu_new"
     act = {v: k for k, v in _ACTIVATIONS.items()}.get(proj)
     if act is None:
-        raise ConfigError(f"our T5 has no {proj!r} MLP (GeLU, --openai-gelu, --swiglu, --squared-relu, --relu): "
-                          f"only gelu, gelu_new, gated-silu, relu2 and relu T5 models import")
+        raise ConfigError(f"our T5 has no {proj!r} MLP (GeLU, --openai-gelu, --swiglu, --squared-relu, --relu, "
+                          f"--geglu): only gelu, gelu_new, gated-silu, relu2, relu and gated-gelu T5 models import")
     # HF's T5 has no length limit (relative positions); its configs' legacy n_positions (512 in the
     # original T5's) stands for the encoder length until --encoder-seq-length sets a run's
     m = ModelConfig(num_layers=d["num_layers"], hidden_size=d["d_model"], num_attention_heads=d["num_heads"],
@@ -165,7 +163,7 @@ def model_config_from_hf(d: dict) -> tuple[ModelConfig, int]:
                     relative_attention_max_distance=d.get("relative_attention_max_distance", 128),
                     layernorm_epsilon=d.get("layer_norm_epsilon", 1e-6), add_bias_linear=False,
                     swiglu=act == "swiglu", openai_gelu=act == "openai_gelu", squared_relu=act == "squared_relu",
-                    relu=act == "relu",
+                    relu=act == "relu", geglu=act == "geglu",
                     hidden_dropout=d.get("dropout_rate", 0.1), attention_dropout=d.get("dropout_rate", 0.1))
     return m, d.get("num_decoder_layers") or d["num_layers"]
 
@@ -210,7 +208,7 @@ def from_hf(get, d: dict, *, padded_vocab_size: int) -> dict[str, torch.Tensor]:
                             p + "inter_attention.dense.weight": get(o + "1.EncDecAttention.o.weight"),
                             p + "post_inter_attention_layernorm.weight": get(o + "2.layer_norm.weight")})
             ff = o + f"{blocks - 1}.DenseReluDense."
-            w = torch.cat([get(ff + "wi_0.weight"), get(ff + "wi_1.weight")]) if m.swiglu else get(ff + "wi.weight")
+            w = torch.cat([get(ff + "wi_0.weight"), get(ff + "wi_1.weight")]) if m.swiglu or m.geglu else get(ff + "wi.weight")
             out.update({p + "mlp.dense_h_to_4h.weight": w, p + "mlp.dense_4h_to_h.weight": get(ff + "wo.weight")})
     out[f"{E + 1}.final_layernorm.weight"] = get("encoder.final_layer_norm.weight")
     final = get("decoder.final_layer_norm.weight")

@@ -62,7 +62,7 @@ def partition(name: str, model: ModelConfig) -> tuple[int, int] | None:
         return None
     if EXPERTS_INFIX in name and not model.enable_expert_tensor_parallelism:
         return None
-    stride = 2 if key[0] == "dense_h_to_4h" and model.swiglu else 1
+    stride = 2 if key[0] == "dense_h_to_4h" and (model.swiglu or model.geglu) else 1
     return _SPLIT_DIM[key], stride
 
 

@@ -60,7 +60,7 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
 def activation_name(m: ModelConfig) -> str:
     """The MLP's activation as the start-up summary names it."""
     return ("swiglu" if m.swiglu else "openai-gelu" if m.openai_gelu else "squared-relu" if m.squared_relu
-            else "relu" if m.relu else "gelu")
+            else "relu" if m.relu else "geglu" if m.geglu else "gelu")
 
 
 @dataclass(frozen=True)
@@ -365,10 +365,10 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
 
 def _check_gpt(flags: Config, pp: int) -> None:
     """GPT runs every combination the validation above accepts but T5's own: relative position
-    biases and the relu MLP (model/t5.py)."""
+    biases and the relu and gated-GeLU MLPs (model/t5.py)."""
     m = flags.model
     bad = [what for what, on in (("--position-embedding-type relative", m.position_embedding_type == "relative"),
-                                 ("--relu", m.relu)) if on]
+                                 ("--relu", m.relu), ("--geglu", m.geglu)) if on]
     if bad:
         raise ConfigError(f"{' and '.join(bad)}: T5 only (pretrain_t5.py); the GPT does not have it")
 

@@ -204,7 +204,7 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     qkv = 2 * (a + 2 * g) * d / h
     rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" and layout.sp == 1 else 0.0
     core = 2 * a * d / h * (2 if layout.sp > 1 else 1) + (4 * a / h if recompute != "selective" else 0.0)
-    mlp = (4 + 2 + 2) * f / h if m.swiglu else (2 + 2) * f / h
+    mlp = (4 + 2 + 2) * f / h if m.swiglu or m.geglu else (2 + 2) * f / h
     if experts > 1:
         factor = m.moe_train_capacity_factor * m.topk
         tokens = s * b

@@ -70,7 +70,7 @@ def mlp_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     """(parameters split over ``tp``, parameters whole on each rank) of one MLP: the first linear (with SwiGLU
     gate and up) and the second; its column-parallel bias splits, the row-parallel one does not."""
     h, f = m.hidden_size, m.ffn_hidden_size
-    ffn_in = 2 * f if m.swiglu else f
+    ffn_in = 2 * f if m.swiglu or m.geglu else f
     split = h * ffn_in + f * h + (ffn_in if m.add_bias_linear else 0)
     return split // tp, h if m.add_bias_linear else 0
 

@@ -103,6 +103,9 @@ class ModelConfig:
     """MLP activation: relu(x)^2 instead of GeLU."""
     relu: bool = False
     """MLP activation: relu (the original T5's, HF feed_forward_proj "relu"; T5 only)."""
+    geglu: bool = False
+    """MLP: gated GeLU, tanh-approximated gate times the up projection (T5 v1.1 / Flan-T5's, HF
+    feed_forward_proj "gated-gelu"; a fused [gate; up] projection as --swiglu's; T5 only)."""
     apply_layernorm_1p: bool = False
     """LayerNorm weights centred on zero: the norm multiplies by (1 + weight), weights start at 0."""
     apply_residual_connection_post_layernorm: bool = False

@@ -267,10 +267,10 @@ def check_learning_rate(o) -> None:
 
 def check_activation(m) -> None:
     """One MLP activation. Megatron-DeepSpeed's ParallelMLP takes the first of --openai-gelu, --swiglu,
-    --squared-relu (T5's --relu is ours) (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
+    --squared-relu (T5's --relu and --geglu are ours) (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
     one is refused rather than silently dropped."""
     chosen = [f for f, on in (("--openai-gelu", m.openai_gelu), ("--swiglu", m.swiglu),
-                              ("--squared-relu", m.squared_relu), ("--relu", m.relu)) if on]
+                              ("--squared-relu", m.squared_relu), ("--relu", m.relu), ("--geglu", m.geglu)) if on]
     if len(chosen) > 1:
         raise ConfigError(f"{' and '.join(chosen)} each choose the MLP's activation; pass one")
 

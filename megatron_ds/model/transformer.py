@@ -235,12 +235,14 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.expert = expert
         self.swiglu = cfg.swiglu
+        # gated MLPs: --swiglu (silu gate) or T5's --geglu (tanh-GeLU gate, HF T5's "gated-gelu")
+        self.gated = cfg.swiglu or cfg.geglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
         self.activation = (openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu
                            else F.relu if cfg.relu else F.gelu)
         # (Megatron-DeepSpeed never fuses --openai-gelu / --squared-relu either: ParallelMLP.__init__)
         self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else \
-            cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu
+            cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu and not cfg.geglu
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -249,8 +251,8 @@ class ParallelMLP(nn.Module):
         # the matching slice of up, so the rows are split with stride 2: rank r holds
         # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.
         self.dense_h_to_4h = ColumnParallelLinear(
-            cfg.hidden_size, 2 * ffn if self.swiglu else ffn, gather_output=False,
-            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.swiglu else 1, **common)
+            cfg.hidden_size, 2 * ffn if self.gated else ffn, gather_output=False,
+            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.gated else 1, **common)
         self.dense_4h_to_h = RowParallelLinear(
             ffn, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)
@@ -263,9 +265,9 @@ class ParallelMLP(nn.Module):
         x, bias = self.dense_h_to_4h(x, skip_bias_add=fuse)
         if fuse:
             x = bias_swiglu(True, x, bias) if self.swiglu else bias_gelu(True, x, bias)
-        elif self.swiglu:
+        elif self.gated:
             gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = (F.silu(gate) if self.swiglu else openai_gelu(gate)) * up
         else:
             x = self.activation(x)
         return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled and not self.expert)

@@ -46,7 +46,7 @@ def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_
 def moe_mlp_forward_flops_per_token(m, experts: int) -> int:
     """An MoE layer's MLP side per token, forward: the gate, top-k experts, a residual MLP and its coefficient."""
     h = m.hidden_size
-    mlp = 2 * h * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    mlp = 2 * h * m.ffn_hidden_size * (3 if m.swiglu or m.geglu else 2)
     residual = mlp + 2 * h * 2 if m.mlp_type == "residual" else 0
     return 2 * h * experts + min(m.topk, experts) * mlp + residual
 
@@ -58,9 +58,9 @@ def model_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_re
     tokens = batch * m.seq_length
     layer = layer_forward_flops_per_token(hidden=m.hidden_size, heads=m.num_attention_heads,
                                           kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
-                                          ffn=m.ffn_hidden_size, swiglu=m.swiglu, seq=m.seq_length)
+                                          ffn=m.ffn_hidden_size, swiglu=m.swiglu or m.geglu, seq=m.seq_length)
     output_layer = 2 * m.hidden_size * padded_vocab_size
-    dense_mlp = 2 * m.hidden_size * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    dense_mlp = 2 * m.hidden_size * m.ffn_hidden_size * (3 if m.swiglu or m.geglu else 2)
     total = 0
     for experts in model_experts(m):
         if experts == 1:

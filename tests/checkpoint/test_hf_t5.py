@@ -1,7 +1,7 @@
 """Our T5 <-> Hugging Face's T5ForConditionalGeneration (checkpoint/hf_t5.py), both directions.
 
 Export: our T5 in the variant HF's code can compute (relative position biases or none, RMS norms,
-no biases; GeLU, --openai-gelu, --swiglu, --squared-relu or --relu MLP), written as safetensors +
+no biases; GeLU, --openai-gelu, --swiglu, --squared-relu, --relu or --geglu MLP), written as safetensors +
 config.json and read back by transformers' own ``from_pretrained``: its logits equal ours on a
 padded batch.
 Import: transformers builds a T5 from a T5Config (its own initialisation, random relative position
@@ -69,7 +69,7 @@ def _hf_logits(hf, enc, dec, ef, df):
 
 @pytest.mark.parametrize("act", [{}, {"swiglu": True}, {"openai_gelu": True}, {"squared_relu": True},
                                  {"relu": True, "position_embedding_type": "relative"},
-                                 {"swiglu": True, "position_embedding_type": "relative",
+                                 {"geglu": True, "position_embedding_type": "relative",
                                   "relative_attention_num_buckets": 8, "relative_attention_max_distance": 10}])
 def test_export_gives_our_logits(tmp_path, act):
     m = _variant(**act)
@@ -86,7 +86,7 @@ def test_export_gives_our_logits(tmp_path, act):
     assert ours.abs().max() > 0.1  # not trivially equal
 
 
-@pytest.mark.parametrize("proj,tie", [("gated-silu", None), ("gelu", False), ("relu", None)])
+@pytest.mark.parametrize("proj,tie", [("gated-silu", None), ("gelu", False), ("relu", None), ("gated-gelu", None)])
 def test_hf_model_imports_with_its_logits(proj, tie):
     """Buckets 8 / max distance 10 over 12 encoder positions: exact, logarithmic and clamped buckets
     all occur in both directions (HF's defaults 32 / 128 would leave these lengths all exact)."""
@@ -121,8 +121,8 @@ def test_what_hf_cannot_express_is_refused():
         hf_t5.check_representable(_variant(normalization="layernorm"))
     with pytest.raises(ConfigError, match="--disable-bias-linear"):
         hf_t5.check_representable(_variant(add_bias_linear=True))
-    with pytest.raises(ConfigError, match="'gated-gelu_new' MLP"):
-        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="gated-gelu").to_dict())
+    with pytest.raises(ConfigError, match="'gated-relu' MLP"):
+        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="gated-relu").to_dict())
 
 
 def test_relative_position_bucket_is_hfs():

@@ -61,3 +61,19 @@ def test_t5_plain_engine_with_full_recompute_matches_pipeline_engine(reference):
     inputs included) in backward, which changes no number."""
     losses = _losses(1, 1, 1, ("--no-pipeline-parallel", "--checkpoint-activations"))
     assert losses == pytest.approx(reference, rel=RTOL)
+
+
+RELATIVE = ("--position-embedding-type", "relative", "--relative-attention-num-buckets", "8",
+            "--relative-attention-max-distance", "12", "--relu")
+
+
+def test_t5_relative_position_bias_tp2_pp2_matches_single_process():
+    """--position-embedding-type relative (model/t5.py): each stack's bias table lives in the tied
+    embedding, its bias rides in the activation tuple to the stack's stages, heads split over TP.
+    At TP 2 x PP 2 (split rank 1) the losses equal the single process's: a table gradient lost on a
+    stage (not summed across the tied copies) or a wrong head slice would move them. 8 buckets, max
+    distance 12 over 16 / 8 positions: logarithmic and clamped buckets occur."""
+    reference = _losses(1, 1, 1, RELATIVE)
+    losses = _losses(2, 2, 1, SPLIT + RELATIVE)
+    assert losses == pytest.approx(reference, rel=RTOL)
+    assert losses[-1] < losses[0]
