@@ -118,6 +118,12 @@ def check_t5(flags: Config, pp: int) -> None:
     bad = [what for what, on in refused.items() if on]
     if bad:
         raise ConfigError(f"pretrain_t5.py cannot run with {'; '.join(bad)}: drop the flag")
+    buckets, distance = m.relative_attention_num_buckets, m.relative_attention_max_distance
+    if m.position_embedding_type == "relative" and (buckets < 4 or distance <= buckets // 2):
+        # HF's _relative_position_bucket divides by log(max_distance / (buckets // 4)) in the encoder
+        # and log(max_distance / (buckets // 2)) in the decoder: both must be positive
+        raise ConfigError(f"--relative-attention-num-buckets {buckets} must be at least 4 and "
+                          f"--relative-attention-max-distance {distance} above half of it")
     split = m.pipeline_model_parallel_split_rank
     if pp > 1 and (split is None or not 0 < split < pp):
         raise ConfigError(f"pretrain_t5.py at --pipeline-model-parallel-size {pp} needs "

@@ -91,7 +91,8 @@ def relative_position_bias(table: torch.Tensor, sq: int, sk: int, *, bidirection
     position = torch.arange(sk, device=table.device)[None, :] - torch.arange(sq, device=table.device)[:, None]
     bucket = relative_position_bucket(position, bidirectional=bidirectional, num_buckets=num_buckets,
                                       max_distance=max_distance)
-    return F.embedding(bucket, table).permute(2, 0, 1).unsqueeze(0)
+    # contiguous: it is sent to the stack's next pipeline stage (torch.distributed sends no strided views)
+    return F.embedding(bucket, table).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
 def biased_mask(bias: list, mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ evaluation's model loader (inference/span_loss.py).
 The run trains one step at learning rate 0, so its weights are the initial ones, which the seed
 fixes at any TP size: the consolidated checkpoint must equal a single-process T5 built with the
 same seed bit for bit (every TP-split tensor merged along the right dimension, cross-attention's
-query and per-head key/value included). The export's logits (transformers' own T5 reading the
+query and per-head key/value, the gated MLP's stride-2 [gate; up] and the relative position
+tables' head split included). The export's logits (transformers' own T5 reading the
 directory) equal that model's; importing the export gives the same tensors back (kv_channels 16:
 the 1/sqrt(d) folded into the query weights is a power of two, so the round trip is exact; the vocabulary's padding rows, never read, are not exported), and pretrain_t5.py continues from the import
 at PP 2 with the split rank, its first loss that of the consolidated model on the same samples.
@@ -24,7 +25,8 @@ VARIANT = ("--num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attenti
            "--decoder-seq-length 8 --micro-batch-size 2 --global-batch-size 4 --lr 0 --min-lr 0 --train-iters 1 "
            "--mock-data --vocab-size 61 --make-vocab-size-divisible-by 4 --log-interval 1 --eval-interval 1000 "
            "--eval-iters 0 --num-workers 0 --seed 1234 --hidden-dropout 0 --attention-dropout 0 "
-           "--position-embedding-type none --normalization rmsnorm --disable-bias-linear --swiglu "
+           "--position-embedding-type relative --relative-attention-num-buckets 8 --relative-attention-max-distance 12 "
+           "--normalization rmsnorm --disable-bias-linear --geglu "
            "--layernorm-epsilon 1e-6 --tensor-model-parallel-size 2").split()
 ATOL = 1e-5  # as tests/checkpoint/test_hf_t5.py: fp32, the same products summed in other orders
 

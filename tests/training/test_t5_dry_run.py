@@ -25,6 +25,8 @@ T5_BASE = ("--num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-atte
            f"--micro-batch-size 4 --train-iters 10 --lr 1e-4 --mock-data --vocab-size {VOCAB} "
            "--make-vocab-size-divisible-by 1").split()
 HF_VARIANT = "--position-embedding-type none --normalization rmsnorm --disable-bias-linear".split()
+# HF's own T5 v1.1 / Flan-T5: relative position biases (tables split over TP with the heads), gated GeLU
+HF_T5_V11 = "--position-embedding-type relative --normalization rmsnorm --disable-bias-linear --geglu".split()
 
 
 def _run(tp: int, pp: int, extra=()):
@@ -35,7 +37,8 @@ def _run(tp: int, pp: int, extra=()):
 
 @pytest.mark.parametrize("tp,pp,extra", [(1, 1, ()), (2, 2, ("--pipeline-model-parallel-split-rank", "1")),
                                          (1, 4, ("--pipeline-model-parallel-split-rank", "2")),
-                                         (2, 3, ("--pipeline-model-parallel-split-rank", "1", *HF_VARIANT))])
+                                         (2, 3, ("--pipeline-model-parallel-split-rank", "1", *HF_VARIANT)),
+                                         (2, 2, ("--pipeline-model-parallel-split-rank", "1", *HF_T5_V11))])
 def test_built_stages_match_the_estimate(tp, pp, extra):
     run = _run(tp, pp, extra)
     built = build_stages(run, None, build=T5.build_stage)
@@ -51,6 +54,20 @@ def test_total_matches_transformers_t5():
         hf = transformers.T5ForConditionalGeneration(config)
     buckets = 2 * config.relative_attention_num_buckets * 12  # HF's relative position tables, none here
     assert run.layout.total_params == hf.num_parameters() - buckets
+
+
+@pytest.mark.parametrize("proj,extra", [("gated-gelu", ("--geglu",)), ("relu", ("--relu",))])
+def test_total_matches_transformers_t5_with_relative_biases(proj, extra):
+    """HF's T5 v1.1 (gated-gelu) and v1.0 (relu) as they are: relative tables counted on both sides."""
+    transformers = pytest.importorskip("transformers")
+    run = _run(1, 1, ("--position-embedding-type", "relative", "--normalization", "rmsnorm", "--disable-bias-linear",
+                      "--relative-attention-num-buckets", "16", *extra))
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=768, d_kv=64, d_ff=3072, num_layers=12,
+                                   num_decoder_layers=12, num_heads=12, feed_forward_proj=proj,
+                                   relative_attention_num_buckets=16)
+    with torch.device("meta"):
+        hf = transformers.T5ForConditionalGeneration(config)
+    assert run.layout.total_params == hf.num_parameters()
 
 
 def test_megatron_deepspeed_t5_example_dry_runs(tmp_path, capsys):
@@ -84,9 +101,20 @@ def test_megatron_deepspeed_t5_example_dry_runs(tmp_path, capsys):
     (["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "3", "--num-layers", "10"],
      "--encoder-num-layers 10 must be divisible by the 3 pipeline stages"),
     (["--num-key-value-heads", "4"], "multi-head"),
+    (["--position-embedding-type", "relative", "--relative-attention-num-buckets", "2"], "at least 4"),
+    (["--relu", "--geglu"], "each choose the MLP's activation"),
 ])
 def test_refused_combinations_are_one_line(capsys, extra, says):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(T5_BASE + ["--dry-run", "--world-size", "8", *extra], family=T5) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.parametrize("flag", [("--position-embedding-type", "relative"), ("--relu",), ("--geglu",)])
+def test_t5_only_flags_are_refused_for_the_gpt(flag):
+    from megatron_ds.errors import ConfigError
+
+    flags, ignored = parse_args(T5_BASE + list(flag))
+    with pytest.raises(ConfigError, match="T5 only"):
+        resolve(flags, world_size=1, vocab_size=VOCAB, device_type="cpu", ignored=ignored)

@@ -63,17 +63,26 @@ def test_t5_plain_engine_with_full_recompute_matches_pipeline_engine(reference):
     assert losses == pytest.approx(reference, rel=RTOL)
 
 
+
 RELATIVE = ("--position-embedding-type", "relative", "--relative-attention-num-buckets", "8",
-            "--relative-attention-max-distance", "12", "--relu")
+            "--relative-attention-max-distance", "12", "--relu", "--num-layers", "4", "--decoder-num-layers", "4")
 
 
-def test_t5_relative_position_bias_tp2_pp2_matches_single_process():
+@pytest.fixture(scope="module")
+def relative_reference():
+    return _losses(1, 1, 1, RELATIVE)
+
+
+@pytest.mark.parametrize("tp,pp,extra", [(2, 2, SPLIT), (1, 4, ("--pipeline-model-parallel-split-rank", "2"))],
+                         ids=["tp2-pp2-split1", "pp4-split2"])
+def test_t5_relative_position_bias_matches_single_process(relative_reference, tp, pp, extra):
     """--position-embedding-type relative (model/t5.py): each stack's bias table lives in the tied
-    embedding, its bias rides in the activation tuple to the stack's stages, heads split over TP.
-    At TP 2 x PP 2 (split rank 1) the losses equal the single process's: a table gradient lost on a
-    stage (not summed across the tied copies) or a wrong head slice would move them. 8 buckets, max
-    distance 12 over 16 / 8 positions: logarithmic and clamped buckets occur."""
-    reference = _losses(1, 1, 1, RELATIVE)
-    losses = _losses(2, 2, 1, SPLIT + RELATIVE)
-    assert losses == pytest.approx(reference, rel=RTOL)
+    embedding and its bias rides in the activation tuple to the stack's later stages, heads split
+    over TP. TP 2 x PP 2 checks the head split; PP 4 with split rank 2 sends each stack's bias to a
+    second stage, whose gradient must come back to the table (DeepSpeed's tuple gradients) and be
+    summed with the tied copies'. 8 buckets, max distance 12 over 16 / 8 positions: logarithmic and
+    clamped buckets occur; 4 + 4 layers (PP 4 needs --num-layers divisible by 4). The losses equal the
+    single process's (same tolerance as above)."""
+    losses = _losses(tp, pp, 1, extra + RELATIVE)
+    assert losses == pytest.approx(relative_reference, rel=RTOL)
     assert losses[-1] < losses[0]
