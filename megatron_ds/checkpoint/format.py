@@ -124,6 +124,10 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
         sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":
         sig["max_position_embeddings"] = model.max_position_embeddings
+    if model.position_embedding_type == "relative":  # T5's bias tables' shape (added only then: older
+        sig["relative_attention_num_buckets"] = model.relative_attention_num_buckets  # signatures still match)
+    if model.geglu:  # T5's gated GeLU doubles the first MLP matrix, as --swiglu
+        sig["geglu"] = True
     if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
         sig["decoder_num_layers"] = model.decoder_num_layers
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

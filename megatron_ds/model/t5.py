@@ -13,6 +13,9 @@ Megatron-DeepSpeed's T5 (megatron/model/t5_model.py ``T5Model``, language_model.
   ``post_attention_layernorm`` -> cross-attention (``inter_attention``: a query projection of the
   decoder's state, a fused key/value projection of the encoder's output, per head [k; v]) over the
   encoder's padding, then ``post_inter_attention_layernorm`` -> MLP; then a final norm;
+- opt-in, as HF's T5 (transformers models/t5/modeling_t5.py): relative position biases (one
+  table per stack, bidirectional buckets in the encoder, causal in the decoder, none in the
+  cross-attention), relu and gated-GeLU MLPs (``ParallelMLP``: --relu, --geglu);
 - the loss is the vocab-parallel cross entropy averaged over the decoder's ``loss_mask``
   (pretrain_t5.py ``loss_func``).
 
@@ -27,8 +30,13 @@ Pipeline (``--pipeline-model-parallel-split-rank R``): stages ``< R`` hold the e
 ``>= R`` the decoder, layers split evenly within each part as Megatron's ``_get_num_layers`` does.
 What travels between stages:
 
-    encoder stages:  (encoder hidden, decoder tokens, encoder flags, decoder flags)
-    decoder stages:  (decoder hidden, encoder output, encoder flags, decoder flags)
+    encoder stages:  (encoder hidden, decoder tokens, encoder flags, decoder flags[, encoder bias])
+    decoder stages:  (decoder hidden, encoder output, encoder flags, decoder flags[, decoder bias])
+
+The bias (``--position-embedding-type relative``, HF T5's relative position buckets; not in
+Megatron-DeepSpeed) is ``[1, heads/tp, s, s]``, computed from its stack's table in the tied embedding
+by the stack's embedding layer and added to that stack's self-attention scores; it travels like
+the encoder output, so its gradient from every stage reaches the table.
 
 The encoder output rides in every decoder stage's activation tuple. DeepSpeed's pipeline engine
 (runtime/pipe/engine.py, ``_exec_send_grads`` / ``_exec_backward_pass``) sends back the gradient of
