@@ -73,15 +73,17 @@ def relative_reference():
     return _losses(1, 1, 1, RELATIVE)
 
 
-@pytest.mark.parametrize("tp,pp,extra", [(2, 2, SPLIT), (1, 4, ("--pipeline-model-parallel-split-rank", "2"))],
-                         ids=["tp2-pp2-split1", "pp4-split2"])
+@pytest.mark.parametrize("tp,pp,extra", [(2, 2, SPLIT), (1, 4, ("--pipeline-model-parallel-split-rank", "2")),
+                                         (1, 2, SPLIT + ("--checkpoint-activations",))],
+                         ids=["tp2-pp2-split1", "pp4-split2", "pp2-split1-recompute"])
 def test_t5_relative_position_bias_matches_single_process(relative_reference, tp, pp, extra):
     """--position-embedding-type relative (model/t5.py): each stack's bias table lives in the tied
     embedding and its bias rides in the activation tuple to the stack's later stages, heads split
     over TP. TP 2 x PP 2 checks the head split; PP 4 with split rank 2 sends each stack's bias to a
     second stage, whose gradient must come back to the table (DeepSpeed's tuple gradients) and be
     summed with the tied copies'. 8 buckets, max distance 12 over 16 / 8 positions: logarithmic and
-    clamped buckets occur; 4 + 4 layers (PP 4 needs --num-layers divisible by 4). The losses equal the
+    clamped buckets occur; with --checkpoint-activations the layers recompute with the bias among
+    their tuple inputs. 4 + 4 layers (PP 4 needs --num-layers divisible by 4). The losses equal the
     single process's (same tolerance as above)."""
     losses = _losses(tp, pp, 1, extra + RELATIVE)
     assert losses == pytest.approx(relative_reference, rel=RTOL)
