@@ -132,23 +132,6 @@ class T5Embedding(nn.Module):
         super().__init__()
         self.tp_group, self.vocab_size, self.dropout, self.fp32_residual = tp_group, vocab_size, dropout, fp32_residual
         init = init_method_normal(init_method_std)
-        # --position-embedding-type relative: (buckets, max distance, heads). One [buckets, heads]
-        # table per stack (HF keeps it in block 0 and hands its bias to every layer); here it is in
-        # the tied module, so every stage of a stack sees the same table and DeepSpeed sums its
-        # gradients across the copies. Heads split over TP ranks as the attention heads (contiguous).
-        self.relative = relative
-        if relative is not None:
-            buckets, _, heads = relative
-            tp, rank = tp_world_size(tp_group), tp_rank(tp_group)
-            for stack in ("encoder", "decoder"):
-                table = torch.empty(buckets, heads, dtype=torch.float32)
-                init(table)  # the full table on the CPU generator: the same numbers at any TP size
-                local = table[:, rank * heads // tp:(rank + 1) * heads // tp].contiguous()
-                param = nn.Parameter(local.to(device=device, dtype=params_dtype))
-                set_tensor_parallel_attributes(param, partition_dim=1, stride=1)
-                holder = nn.Module()  # "<stack>_relative_attention_bias.weight", as HF's nn.Embedding
-                holder.weight = param
-                setattr(self, f"{stack}_relative_attention_bias", holder)
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp_group=tp_group,
                                                       init_method=init, params_dtype=params_dtype, device=device)
         self.position_embeddings = None
@@ -165,6 +148,24 @@ class T5Embedding(nn.Module):
             set_tensor_parallel_attributes(self.lm_head.bias, partition_dim=0, stride=1)
         self._projection = ColumnParallelLinear(hidden_size, padded_vocab_size, tp_group=tp_group, bias=False,
                                                 gather_output=False, skip_weight_param_allocation=True)
+        # --position-embedding-type relative: (buckets, max distance, heads), drawn after the rest (the
+        # other tables are those of the same seed without it). One [buckets, heads]
+        # table per stack (HF keeps it in block 0 and hands its bias to every layer); here it is in
+        # the tied module, so every stage of a stack sees the same table and DeepSpeed sums its
+        # gradients across the copies. Heads split over TP ranks as the attention heads (contiguous).
+        self.relative = relative
+        if relative is not None:
+            buckets, _, heads = relative
+            tp, rank = tp_world_size(tp_group), tp_rank(tp_group)
+            for stack in ("encoder", "decoder"):
+                table = torch.empty(buckets, heads, dtype=torch.float32)
+                init(table)  # the full table on the CPU generator: the same numbers at any TP size
+                local = table[:, rank * heads // tp:(rank + 1) * heads // tp].contiguous()
+                param = nn.Parameter(local.to(device=device, dtype=params_dtype))
+                set_tensor_parallel_attributes(param, partition_dim=1, stride=1)
+                holder = nn.Module()  # "<stack>_relative_attention_bias.weight", as HF's nn.Embedding
+                holder.weight = param
+                setattr(self, f"{stack}_relative_attention_bias", holder)
 
     def forward(self, inputs):
         """The first layer: ``(enc tokens, dec tokens, enc flags, dec flags)`` -> the encoder's input.
