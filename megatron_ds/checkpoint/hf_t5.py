@@ -123,8 +123,9 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig, *, decoder_num_layers:
     hf = {"shared.weight": words, "lm_head.weight": words}
     zeros = torch.zeros(m.relative_attention_num_buckets, m.num_attention_heads, dtype=words.dtype)
     for side, first, n, blocks in (("encoder", 1, E, 2), ("decoder", E + 3, D, 3)):
+        relative = m.position_embedding_type == "relative"
         hf[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = (
-            state[_EMBED + f"{side}_relative_attention_bias.weight"] if m.position_embedding_type == "relative" else zeros)
+            state[_EMBED + f"{side}_relative_attention_bias.weight"] if relative else zeros)
         for i in range(n):
             p, o = f"{first + i}.", f"{side}.block.{i}.layer."
             q, k, v = _split_self_qkv(state[p + "self_attention.query_key_value.weight"], m)
@@ -189,7 +190,8 @@ def from_hf(get, d: dict, *, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     padded[:words.shape[0]] = words
     out = {_EMBED + "word_embeddings.weight": padded}
     for side in ("encoder", "decoder"):  # block 0's table serves the whole stack (HF's has_relative_attention_bias)
-        out[_EMBED + f"{side}_relative_attention_bias.weight"] = get(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+        table = get(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+        out[_EMBED + f"{side}_relative_attention_bias.weight"] = table
     for side, first, n, blocks in (("encoder", 1, E, 2), ("decoder", E + 3, D, 3)):
         for i in range(n):
             p, o = f"{first + i}.", f"{side}.block.{i}.layer."
@@ -208,7 +210,8 @@ def from_hf(get, d: dict, *, padded_vocab_size: int) -> dict[str, torch.Tensor]:
                             p + "inter_attention.dense.weight": get(o + "1.EncDecAttention.o.weight"),
                             p + "post_inter_attention_layernorm.weight": get(o + "2.layer_norm.weight")})
             ff = o + f"{blocks - 1}.DenseReluDense."
-            w = torch.cat([get(ff + "wi_0.weight"), get(ff + "wi_1.weight")]) if m.swiglu or m.geglu else get(ff + "wi.weight")
+            gated = m.swiglu or m.geglu
+            w = torch.cat([get(ff + "wi_0.weight"), get(ff + "wi_1.weight")]) if gated else get(ff + "wi.weight")
             out.update({p + "mlp.dense_h_to_4h.weight": w, p + "mlp.dense_4h_to_h.weight": get(ff + "wo.weight")})
     out[f"{E + 1}.final_layernorm.weight"] = get("encoder.final_layer_norm.weight")
     final = get("decoder.final_layer_norm.weight")

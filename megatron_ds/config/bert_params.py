@@ -64,8 +64,9 @@ def check_bert(flags: Config, pp: int) -> None:
             data.reset_attention_mask or data.reset_position_ids,
         "--untie-embeddings-and-output-weights (BERT's MLM head is tied, as Megatron's)":
             m.untie_embeddings_and_output_weights,
-        "--swiglu / --relu / --geglu / --normalization rmsnorm / rotary, relative or no positions (Megatron's BERT: GeLU, "
-        "LayerNorm, learned positions)": m.swiglu or m.relu or m.geglu or m.normalization.lower() != "layernorm" or m.use_rotary_position_embeddings
+        "--swiglu / --relu / --geglu / --normalization rmsnorm / rotary, relative or no positions (Megatron's "
+        "BERT: GeLU, LayerNorm, learned positions)": m.swiglu or m.relu or m.geglu
+        or m.normalization.lower() != "layernorm" or m.use_rotary_position_embeddings
         or m.position_embedding_type != "learned_absolute" or m.no_position_embedding,
         "--train-data-path / --valid-data-path / --test-data-path (BERT samples come from --data-path and "
         "--split, as upstream's pretrain_bert.py)": bool(data.train_data_path or data.valid_data_path

@@ -267,8 +267,8 @@ def check_learning_rate(o) -> None:
 
 def check_activation(m) -> None:
     """One MLP activation. Megatron-DeepSpeed's ParallelMLP takes the first of --openai-gelu, --swiglu,
-    --squared-relu (T5's --relu and --geglu are ours) (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
-    one is refused rather than silently dropped."""
+    --squared-relu (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second
+    one is refused rather than silently dropped (T5's --relu and --geglu are ours)."""
     chosen = [f for f, on in (("--openai-gelu", m.openai_gelu), ("--swiglu", m.swiglu),
                               ("--squared-relu", m.squared_relu), ("--relu", m.relu), ("--geglu", m.geglu)) if on]
     if len(chosen) > 1:
