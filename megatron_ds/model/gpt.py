@@ -140,7 +140,7 @@ def with_moe_loss(output, moe_loss):
 
 def split_moe_loss(output):
     """``with_moe_loss``'s inverse: ``(logits, moe_loss or None)``."""
-    return output if isinstance(output, tuple) else (output, None)
+    return output if type(output) is tuple else (output, None)  # HiddenForLoss (liger) is a NamedTuple
 
 
 def tied_output_logits(embedding: GPTEmbedding, inputs) -> torch.Tensor:

@@ -23,7 +23,8 @@ from tests.launch.test_abci_scripts import ABCI, EXPECTED_PORT, JOB_SCRIPTS, Fak
 # GPUs per node and nodes each script's header asks for (the layout is then the real one).
 LAYOUT = {"abci2_v100_gpt_345m.sh": (4, 1, "rt_F"), "abci2_v100_gpt_13b.sh": (4, 8, "rt_F"),
           "abci2_a100_gpt_1.3b.sh": (8, 1, "rt_AF"), "abci3_h200_gpt_1.3b.sh": (8, 1, "rt_HF"),
-          "abci3_h200_llama_7b.sh": (8, 2, "rt_HF"), "abci3_h200_bert_345m.sh": (8, 1, "rt_HF")}
+          "abci3_h200_llama_7b.sh": (8, 2, "rt_HF"), "abci3_h200_bert_345m.sh": (8, 1, "rt_HF"),
+          "abci3_h200_t5_220m.sh": (8, 1, "rt_HF")}
 
 
 def header_nodes(script):
@@ -37,7 +38,7 @@ def real_job(tmp_path, script, e2e_data, hosts):
     job = FakeJob(tmp_path, "sge" if script.startswith("abci2") else "pbs", hosts=hosts)
     env = dict(MEGATRON_DS_ENTRY="", PYTHON="", GPUS_PER_NODE="", VOCAB_FILE=e2e_data["vocab"],
                MERGE_FILE=e2e_data["merges"], DATA_PATH=e2e_data["prefix"])
-    if "bert" in script:  # pretrain_bert.py reads a WordPiece vocab.txt (the dry run only its size)
+    if "bert" in script or "t5" in script:  # pretrain_bert.py / pretrain_t5.py read a WordPiece vocab.txt (the dry run only its size)
         vocab = tmp_path / "vocab.txt"
         vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]))
         env["VOCAB_FILE"] = str(vocab)
@@ -78,7 +79,7 @@ def test_dry_run_prints_the_full_launch(tmp_path, script, e2e_data):
     argv = printed_mpirun(out)
     assert argv[:7] == ["mpirun", "-np", str(world), "-npernode", str(gpus), "-hostfile",
                         str(job.local / "hostfile")]
-    entry = argv.index(str(REPO / ("pretrain_bert.py" if "bert" in script else "pretrain_gpt.py")))
+    entry = argv.index(str(REPO / next((f"pretrain_{m}.py" for m in ("bert", "t5") if f"_{m}_" in script), "pretrain_gpt.py")))
     options, train_args = argv[7:entry - 1], argv[entry + 1:]
     exported = [options[i + 1] for i, o in enumerate(options) if o == "-x"]
     expected = {"MASTER_ADDR", "MASTER_PORT", "PATH", "LD_LIBRARY_PATH", "CUDA_DEVICE_MAX_CONNECTIONS",
