@@ -24,6 +24,7 @@ import torch
 
 from tests.checkpoint.common import train
 from tests.distributed import run_distributed
+from tests.inference.test_checkpoint_generation import _hf_guide_nll  # HF's perplexity guide, transcribed
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,26 +86,6 @@ def test_greedy_generation_equals_mixtral(llama_moe, tmp_path):
 def _cli_under_launcher(rank, world_size, argv):
     from generate_samples_gpt import main
     return main(argv)
-
-
-def _hf_guide_nll(model, ids, window, stride):
-    """Hugging Face's perplexity guide, transcribed (as tests/inference/test_checkpoint_generation.py)."""
-    nll, count, prev_end = 0.0, 0, 0
-    for begin in range(0, len(ids), stride):
-        end = min(begin + window, len(ids))
-        trg_len = end - prev_end
-        input_ids = torch.tensor(ids[begin:end])[None]
-        target_ids = input_ids.clone()
-        target_ids[:, :-trg_len] = -100
-        with torch.no_grad():
-            loss = model(input_ids, labels=target_ids).loss
-        scored = int((target_ids[:, 1:] != -100).sum())
-        nll += float(loss) * scored
-        count += scored
-        prev_end = end
-        if end == len(ids):
-            break
-    return nll, count
 
 
 def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
