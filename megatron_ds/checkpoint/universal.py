@@ -253,7 +253,7 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
     uc.check_model(signature)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                                                 "swiglu")})
+                                                                 "swiglu")}, geglu=signature.get("geglu", False))
     padded = signature["padded_vocab_size"]
     setter = StateSetter(engine)
     for name, param in engine.module.named_parameters():
