@@ -106,6 +106,7 @@ class Layout:
     family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
+    decoder_seq_length: int | None = None  # T5: --decoder-seq-length (model.seq_length is the encoder's); else None
 
     @property
     def own_schedule(self) -> bool:
@@ -436,5 +437,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
-                    active_params=active_parameters(m, padded) if moe else None)
+                    active_params=active_parameters(m, padded) if moe else None,
+                    decoder_seq_length=flags.masked_lm.decoder_seq_length if family.name == "t5" else None)
     return layout, notes

@@ -13,6 +13,7 @@ import torch
 from megatron_ds.config.bert_params import BERT_SHAPE
 from megatron_ds.errors import DataError
 from megatron_ds.training.family import ModelFamily
+from megatron_ds.training.flops import bert_iteration_flops
 
 # Megatron-DeepSpeed's pretrain_bert.py: args_defaults={'tokenizer_type': 'BertWordPieceLowerCase'}
 DEFAULT_TOKENIZER = "BertWordPieceLowerCase"
@@ -138,4 +139,5 @@ def make_bert_collator(run, tokenizer):
 
 BERT = ModelFamily(name="bert", shape=BERT_SHAPE, build_model=build_bert_model, build_stage=build_bert_stage,
                    build_datasets=build_bert_datasets, make_collator=make_bert_collator, loss_names=LOSS_NAMES,
+                   flops=bert_iteration_flops,
                    default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False)

@@ -14,6 +14,8 @@ A ``ModelFamily`` bundles the family's pieces on every floor:
   the micro-batch DeepSpeed's engines take (inputs to the first stage, labels to the loss);
 - ``loss_names``: the terms its loss reports, printed on the iteration and validation lines
   (``"lm loss"`` first: that is the line's ``lm loss``);
+- ``flops(layout, seq_length)``: the model FLOPs of one iteration (``training/flops.py``: the
+  family's own count, for the iteration line's TFLOP/s);
 - ``default_tokenizer_type``: --tokenizer-type when the command line names none (Megatron-DeepSpeed's
   ``args_defaults`` of the family's pretrain script); ``uses_eod``: whether the builders need the
   tokenizer's end-of-document id.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_ds.config.layout import GPT_SHAPE, FamilyShape
+from megatron_ds.training.flops import gpt_iteration_flops
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ModelFamily:
     build_datasets: Callable
     make_collator: Callable
     loss_names: tuple[str, ...] = ()
+    flops: Callable = gpt_iteration_flops  # (layout, sequence length) -> model FLOPs of one iteration
     default_tokenizer_type: str | None = None
     uses_eod: bool = True  # the model reads the tokenizer's end-of-document id (--reset-attention-mask)
 

@@ -6,7 +6,6 @@ or --exit-interval, printing Megatron's iteration line every --log-interval iter
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
 from megatron_ds.training import log as mlog
 from megatron_ds.training.curriculum import SeqlenWarmup
-from megatron_ds.training.flops import model_flops_per_iteration
+from megatron_ds.training.flops import gpt_iteration_flops
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
 from megatron_ds.training.profiler import StepProfiler
 from megatron_ds.training.signals import StopSignals, agreed_stop
@@ -143,6 +142,8 @@ class Loop:
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     # the named scalars the model's loss function reports (model/loss_report.py): printed after lm loss
     loss_report: LossReport = field(default_factory=LossReport)
+    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (training/family.py)
+    count_flops: Callable = gpt_iteration_flops
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
@@ -152,10 +153,7 @@ class Loop:
         self.warmup = SeqlenWarmup(self.engine, layout.use_pipeline) if layout.curriculum else None
 
     def _flops(self, seq_length: int) -> float:
-        layout = self.run.layout
-        model = dataclasses.replace(layout.model, seq_length=seq_length)
-        return model_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
-                                         layout.recompute == "full")
+        return self.count_flops(self.run.layout, seq_length)
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""

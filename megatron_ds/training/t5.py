@@ -22,6 +22,7 @@ import torch
 from megatron_ds.config.t5_params import T5_SHAPE, decoder_layers
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.family import ModelFamily
+from megatron_ds.training.flops import t5_iteration_flops
 
 KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask", "enc_dec_mask")
 # --mock-data ids: padding 0 (what upstream's masks treat as padding: ``>= 1`` is a token), then the
@@ -152,6 +153,6 @@ def _t5_collator(run, tokenizer):
 
 
 T5 = ModelFamily(name="t5", shape=T5_SHAPE, build_model=_t5_model, build_stage=_t5_stage,
-                 build_datasets=_t5_datasets, make_collator=_t5_collator,
+                 build_datasets=_t5_datasets, make_collator=_t5_collator, flops=t5_iteration_flops,
                  default_tokenizer_type="BertWordPieceLowerCase",  # pretrain_t5.py's args_defaults
                  uses_eod=False)  # documents are delimited in the index; the model never reads an EOD id

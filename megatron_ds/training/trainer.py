@@ -72,7 +72,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb,
                         save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group, family.name),
                         start_time=start_time,
-                        stop_signals=stop_signals, loss_report=rt.loss_report,
+                        stop_signals=stop_signals, loss_report=rt.loss_report, count_flops=family.flops,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)

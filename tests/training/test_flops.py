@@ -21,6 +21,8 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--hidden-dropout 0 --attention-dropout 0 --train-iters 1 --lr 1e-4").split()
 SHAPES = {
     "gpt2": [],
+    # hidden dropout on: full recompute re-runs each layer's MLP output projection too (the mask after it)
+    "gpt2_dropout": ["--hidden-dropout", "0.1"],
     # GQA (2 of 4 heads), SwiGLU with its own ffn size, untied output layer, rope, kv_channels != h/a
     "llama": ("--use-rotary-position-embeddings --swiglu --ffn-hidden-size 48 --normalization rmsnorm "
               "--num-key-value-heads 2 --disable-bias-linear --untie-embeddings-and-output-weights "
