@@ -9,10 +9,15 @@ The pipeline layers, in ``model/bert.py``'s order, with the parameters one tenso
     BertHeads       dense h x h + h, LayerNorm 2 h; pooler h x h + h and binary head 2 h + 2 (binary head only)
     BertEmbedding   the tied word embedding V/tp x h (a copy where the stage does not hold the first)
     BertLMBias      V/tp
+
+The memory estimate (``config/memory.py``) counts BERT's transformer layers as the GPT's (the same
+layer; its [b, 1, 1, s] padding mask is negligible) and adds, on the last stage, what the MLM head's
+transform keeps (``mlm_head_activation_bytes``; tests/config/test_family_memory.py measures it).
 """
 from __future__ import annotations
 
-from megatron_ds.config.layout import FamilyShape, StageParams, gpt_only_refusals, layer_parameters
+from megatron_ds.config.layout import FamilyShape, Layout, StageParams, gpt_only_refusals, layer_parameters
+from megatron_ds.config.memory import LayerActivations, gpt_stage_activations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import partition_stages
@@ -77,4 +82,22 @@ def check_bert(flags: Config, pp: int) -> None:
         raise ConfigError(f"pretrain_bert.py cannot run with {'; '.join(bad)}: drop the flag")
 
 
-BERT_SHAPE = FamilyShape("bert", count_bert_parameters, check_bert)
+def mlm_head_activation_bytes(layout: Layout) -> float:
+    """What ``model/bert.py BertHeads``' MLM transform keeps for backward, one micro-batch: the dense
+    h -> h's output (GeLU's input), GeLU's output (the LayerNorm's input) and the LayerNorm's output (the
+    tied projection's input), 2 bytes per s b h each (fp32: 4), replicated over the tensor parallel ranks
+    (the head gathers the sequence first). Its input, the final norm's output, is the GPT's output layer's
+    input too; the pooler's [b, h] tensors are negligible."""
+    m = layout.model
+    return 3 * 2 * m.seq_length * layout.micro_batch_size * m.hidden_size * (2 if layout.precision == "fp32" else 1)
+
+
+def bert_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
+    """``FamilyShape.activations`` of BERT: the GPT's, and on the last stage the MLM head's transform."""
+    runs, boundary = gpt_stage_activations(layout, stage)
+    if stage.stage == layout.pp - 1:
+        boundary += mlm_head_activation_bytes(layout)
+    return runs, boundary
+
+
+BERT_SHAPE = FamilyShape("bert", count_bert_parameters, check_bert, activations=bert_stage_activations)

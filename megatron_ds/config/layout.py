@@ -346,6 +346,9 @@ class FamilyShape:
     # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
     # False where more than one tensor between stages needs its gradient (T5's encoder output)
     partition_activations: bool = True
+    # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output
+    # buffers per micro-batch), for the memory estimate; None: the GPT's (``memory.gpt_stage_activations``)
+    activations: Callable | None = None
 
 
 def gpt_only_refusals(flags: Config) -> dict[str, bool]:

@@ -66,7 +66,8 @@ def logits_bytes(layout: Layout) -> float:
     tensor exists: it computes the gradients during forward a chunk of about tokens*h logits at a
     time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
     m = layout.model
-    tokens = m.seq_length // layout.sp * layout.micro_batch_size
+    # the output layer's length: the decoder's for T5
+    tokens = (layout.decoder_seq_length or m.seq_length) // layout.sp * layout.micro_batch_size
     vocab = layout.padded_vocab_size / layout.tp
     if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
         act_bytes = 4 if layout.precision == "fp32" else 2
@@ -217,6 +218,51 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     return per_layer * (2 if layout.precision == "fp32" else 1)
 
 
+@dataclass(frozen=True)
+class LayerActivations:
+    """What one transformer layer keeps for backward, one micro-batch on one GPU (bytes)."""
+    kept: float  # under the layout's recompute setting, full recompute aside
+    working: float  # without recompute: what full recompute rebuilds while it re-runs the layer
+    chunk_input: float  # its input hidden state: what full recompute keeps of a chunk starting here
+
+
+def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
+    """``FamilyShape.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
+    layers as runs that full recompute may chunk together (one run here), and the bytes per micro-batch of
+    the stage's input/output hidden state buffers."""
+    m = layout.model
+    # the hidden state kept per recomputed chunk and crossing stages: the residual stream
+    act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
+    shard = layout.tp if layout.sequence_parallel else 1
+    sbh = m.seq_length // layout.sp * layout.micro_batch_size * m.hidden_size
+    experts = model_experts(m)[stage.layers[0]:stage.layers[1]]
+    kept = {e: activation_bytes_per_layer(layout, recompute=layout.recompute, experts=e) for e in set(experts)}
+    working = {e: activation_bytes_per_layer(layout, recompute=None, experts=e) for e in set(experts)}
+    run = [LayerActivations(kept[e], working[e], sbh * act_bytes / shard) for e in experts]
+    return [run], sbh * act_bytes
+
+
+def stage_activation_bytes(layout: Layout, stage) -> float:
+    """The activations a stage holds at its peak: the micro-batches in flight times what each keeps
+    (with full recompute only each chunk's input, plus one chunk's working set re-run in backward),
+    and the stage's input/output buffers. The family's ``activations`` says what its layers keep."""
+    family_activations = getattr(layout.family, "activations", None) or gpt_stage_activations
+    runs, boundary = family_activations(layout, stage)
+    in_flight = in_flight_micro_batches(layout, stage.stage)
+    layers = [layer for run in runs for layer in run]
+    if layout.recompute == "full":
+        # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time (a chunk
+        # ends where the run of layers does: model/pipeline.py checkpoints transformer layers only).
+        chunk = max(1, min(layout.recompute_num_layers, len(layers)))
+        kept = sum(layer.chunk_input for run in runs for layer in run[::chunk])
+        # the largest chunk's layers (MoE layers keep more than dense ones)
+        working = chunk * max((layer.working for layer in layers), default=0.0)
+        activations = in_flight * kept + working
+    else:
+        activations = in_flight * sum(layer.kept for layer in layers)
+    return activations + in_flight * boundary
+
+
 def in_flight_micro_batches(layout: Layout, stage: int) -> int:
     """Micro-batches whose activations a stage holds at once: DeepSpeed's 1F1B TrainSchedule keeps
     min(stages - stage_id, micro_batches) buffers (at least 2) -- the first stage the most; ZB-H1
@@ -297,28 +343,9 @@ def _state(sb: StateBytes, params: int, dp: int, weight_bytes: float | None) -> 
 
 
 def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str, float]], float]:
-    p, m = stage.params_per_tp_rank, layout.model
+    p = stage.params_per_tp_rank
     state = parameter_state(layout, p, sb=sb, expert_params=stage.expert_params_per_tp_rank)
-    experts = model_experts(m)[stage.layers[0]:stage.layers[1]]
-
-    layers = stage.layers[1] - stage.layers[0]
-    in_flight = in_flight_micro_batches(layout, stage.stage)
-    # the hidden state kept per recomputed chunk and crossing stages: the residual stream
-    act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
-    shard = layout.tp if layout.sequence_parallel else 1
-    sbh = m.seq_length // layout.sp * layout.micro_batch_size * m.hidden_size
-    if layout.recompute == "full":
-        # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time.
-        chunk = max(1, min(layout.recompute_num_layers, layers))
-        kept = -(-layers // chunk) * sbh * act_bytes / shard
-        # the largest chunk's layers (MoE layers keep more than dense ones)
-        working = chunk * max((activation_bytes_per_layer(layout, recompute=None, experts=e) for e in set(experts)),
-                              default=0.0)
-        activations = in_flight * kept + working
-    else:
-        activations = in_flight * sum(activation_bytes_per_layer(layout, recompute=layout.recompute, experts=e)
-                                      for e in experts)
-    activations += in_flight * sbh * act_bytes  # the stage's input/output hidden state buffers
+    activations = stage_activation_bytes(layout, stage)
     logits = 0.0
     if stage.stage == layout.pp - 1:
         logits = logits_bytes(layout)

@@ -13,12 +13,19 @@ The pipeline layers, in ``model/t5.py``'s order, with the parameters one tensor 
     T5Embedding         the LM head: a copy on the last stage where it does not hold the first
 
 Stages split as ``t5_stage_bounds`` says (the split rank's; ``model/t5.py`` builds them so), whatever --pipeline-partition-method.
-The memory estimate counts every layer's activations at --encoder-seq-length (``config/memory.py``),
-which bounds the decoder's shorter ones but leaves out cross-attention's scores.
+
+The memory estimate (``config/memory.py``; ``t5_stage_activations`` here) counts encoder layers at
+--encoder-seq-length as the GPT's, decoder layers at --decoder-seq-length with their cross-attention
+(``decoder_layer_activation_bytes``), the encoder output each decoder stage holds for its
+cross-attentions, and the logits at the decoder length. tests/config/test_family_memory.py measures a
+layer of each kind with saved-tensor hooks.
 """
 from __future__ import annotations
 
-from megatron_ds.config.layout import FamilyShape, StageParams, gpt_only_refusals, layer_parameters
+import dataclasses
+
+from megatron_ds.config.layout import FamilyShape, Layout, StageParams, gpt_only_refusals, layer_parameters
+from megatron_ds.config.memory import LayerActivations, activation_bytes_per_layer
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -144,4 +151,78 @@ def check_t5(flags: Config, pp: int) -> None:
                               f"sequence ({longest}): raise it")
 
 
-T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False)
+def _act_scale(layout: Layout) -> int:
+    """fp32 activations double every 16-bit byte (``activation_bytes_per_layer``)."""
+    return 2 if layout.precision == "fp32" else 1
+
+
+def relative_mask_bytes(layout: Layout, seq: int) -> float:
+    """--position-embedding-type relative: the additive mask a self-attention hands SDPA (its stack's
+    bias where a key is allowed, ``model/t5.py biased_mask``), ``[b, a/t, s, s]`` in the activations'
+    dtype. On a GPU the memory-efficient kernel (flash takes no mask) keeps it for backward, which also
+    computes its gradient; without relative positions the mask is boolean and broadcast over heads."""
+    if layout.model.position_embedding_type != "relative":
+        return 0.0
+    heads = layout.model.num_attention_heads / layout.tp
+    return 2 * layout.micro_batch_size * heads * seq * seq * _act_scale(layout)
+
+
+def decoder_layer_activation_bytes(layout: Layout, *, recompute: str | None) -> float:
+    """Activations a T5 decoder layer keeps for backward, one micro-batch on one GPU (``model/t5.py``
+    ``T5DecoderLayer``), in the terms of ``memory.activation_bytes_per_layer`` (b micro batch, t TP
+    ranks, s_d / s_e the decoder's / encoder's lengths):
+
+      the GPT layer's at s_d: causal self-attention and the MLP (selective recompute re-runs the
+        self-attention's core only)
+      cross-attention, per s_d b h: replicated its norm's input (2, 4 with --fp32-residual-connection),
+        the query projection's input 2 and its dropout mask (as the GPT layer's); split by t the query
+        2 a d/h, the attention output 2 a d/h (the output projection's input) and the logsumexp 4 a/h
+      cross-attention, per s_e b h: the keys and values 2 2 a d/h split by t (views of the fused
+        key/value projection's output, which they keep whole); its input is the encoder output, held
+        once per stage (``t5_stage_activations``), not per layer
+      the self-attention's causal mask [b, 1, s_d, s_d] as SDPA's additive mask, 2 bytes (with relative
+        positions, the [b, a/t, s_d, s_d] biased mask instead: ``relative_mask_bytes``)
+    """
+    m = layout.model
+    s_e, s_d, b, h, t = m.seq_length, layout.decoder_seq_length, layout.micro_batch_size, m.hidden_size, layout.tp
+    a, d = m.num_attention_heads, m.kv_channels
+    at_decoder = dataclasses.replace(layout, model=dataclasses.replace(m, seq_length=s_d))
+    self_attention_and_mlp = activation_bytes_per_layer(at_decoder, recompute=recompute)
+    residual = 4 if m.fp32_residual_connection else 2
+    mask = (2 if m.bias_dropout_fusion else 1) if m.hidden_dropout > 0 else 0
+    per_decoder_token = residual + 2 + mask + (2 * a * d / h + 2 * a * d / h + 4 * a / h) / t
+    per_encoder_token = 2 * 2 * a * d / h / t
+    cross = (s_d * b * h * per_decoder_token + s_e * b * h * per_encoder_token) * _act_scale(layout)
+    causal = relative_mask_bytes(layout, s_d) or 2 * b * s_d * s_d * _act_scale(layout)
+    return self_attention_and_mlp + cross + causal
+
+
+def t5_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
+    """``FamilyShape.activations`` of T5: the stage's encoder layers (0..E-1) as one run at the encoder's
+    length, its decoder layers (E..) as another, and its buffers per micro-batch: the hidden state of
+    each stack it holds at that stack's length (with relative positions, that stack's [1, a/t, s, s]
+    bias, which rides along), and on a stage with decoder layers the encoder output, which every
+    cross-attention's key/value projection keeps as its input."""
+    m = layout.model
+    s_e, s_d, b, h = m.seq_length, layout.decoder_seq_length, layout.micro_batch_size, m.hidden_size
+    act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
+    first, stop = stage.layers
+    encoder_layers = max(0, min(stop, m.num_layers) - first)
+    decoder_layers_here = max(0, stop - max(first, m.num_layers))
+    encoder = LayerActivations(activation_bytes_per_layer(layout, recompute=layout.recompute)
+                               + relative_mask_bytes(layout, s_e),
+                               activation_bytes_per_layer(layout, recompute=None) + relative_mask_bytes(layout, s_e),
+                               s_e * b * h * act_bytes)
+    decoder = LayerActivations(decoder_layer_activation_bytes(layout, recompute=layout.recompute),
+                               decoder_layer_activation_bytes(layout, recompute=None), s_d * b * h * act_bytes)
+    boundary = 0.0
+    for layers, seq in ((encoder_layers, s_e), (decoder_layers_here, s_d)):
+        if layers:
+            boundary += seq * b * h * act_bytes + relative_mask_bytes(layout, seq) / b
+    if decoder_layers_here:
+        boundary += s_e * b * h * act_bytes  # the encoder output
+    return [[encoder] * encoder_layers, [decoder] * decoder_layers_here], boundary
+
+
+T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False,
+                       activations=t5_stage_activations)
