@@ -8,6 +8,11 @@ entropy, DeepSpeed's communication buckets and a runtime reserve. ``check_memory
 total with the GPU's memory and, when it does not fit, raises a ``ConfigError`` naming the biggest
 term and the single changes (TP, PP, recompute, ZeRO, micro batch) that would fit.
 
+What a stage's layers keep comes from the model family's shape (``FamilyShape.activations``): the
+GPT's ``gpt_stage_activations`` below, BERT's (the same layers, plus its MLM head) in
+``config/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
+the encoder output on decoder stages) in ``config/t5_params.py``.
+
 Pure arithmetic on the ``Layout``: ``pretrain_gpt.py --dry-run`` runs it on a login node.
 Sizes are decimal GB (1e9 bytes), as GPU memory is sold ("V100 16 GB"), which keeps the comparison
 on the safe side of the real capacity (16 GiB = 17.2 GB).
