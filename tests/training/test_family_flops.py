@@ -21,7 +21,8 @@ from megatron_ds.model.bert import build_sequential_bert
 from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.t5 import build_sequential_t5
 from megatron_ds.training.bert import BERT
-from megatron_ds.training.flops import bert_flops_per_iteration, t5_flops_per_iteration
+from megatron_ds.training.flops import bert_flops_per_iteration, model_flops_per_iteration, t5_flops_per_iteration
+from megatron_ds.training.loop import Loop
 from megatron_ds.training.t5 import T5
 
 VOCAB = 100
@@ -112,10 +113,15 @@ def test_t5_flops_equal_the_matmuls_the_model_runs(case, full_recompute):
 
 
 def test_families_hand_the_loop_their_count():
-    """pretrain_bert.py / pretrain_t5.py's families give the loop (training/loop.py ``count_flops``) their own
-    formula at the layout's global batch, which for T5 is far above the GPT formula at the encoder length."""
+    """pretrain_bert.py / pretrain_t5.py's families give the loop (training/loop.py ``count_flops``, which
+    training/trainer.py sets to ``family.flops``) their own formula at the layout's global batch."""
     bert = _layout(BERT_FLAGS + ["--checkpoint-activations"], BERT_SHAPE)
     assert BERT.flops(bert, 16) == bert_flops_per_iteration(bert.model, 2, bert.padded_vocab_size, True)
-    t5 = _layout(T5_FLAGS, T5_SHAPE)
-    assert T5.flops(t5, 16) == t5_flops_per_iteration(t5.model, 2, t5.padded_vocab_size, False,
-                                                      decoder_seq_length=8)
+    cfg, _ = parse_args(T5_FLAGS)
+    run = resolve(cfg, world_size=1, vocab_size=VOCAB, device_type="cpu", family=T5_SHAPE)
+    loop = Loop(run, engine=None, loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=None, save=None,
+                count_flops=T5.flops)
+    t5 = run.layout
+    assert loop.flops == t5_flops_per_iteration(t5.model, 2, t5.padded_vocab_size, False, decoder_seq_length=8)
+    # what the line printed before: the GPT formula at the encoder length, without decoder or cross-attention
+    assert loop.flops > 1.5 * model_flops_per_iteration(t5.model, 2, t5.padded_vocab_size, False)
