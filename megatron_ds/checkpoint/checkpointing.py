@@ -109,8 +109,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
     if dist.get_rank() == 0:
         write_trackers(save_dir, iteration)
-        if keep_last:
-            integrity.prune(save_dir, iteration, keep_last, log=log)
+        integrity.prune(save_dir, iteration, keep_last, log=log)
     dist.barrier()
 
 
