@@ -97,7 +97,9 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
     # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py); not with MoE layers:
     # the converter cannot read expert files, and DeepSpeed's MoE save refuses the key in client state
-    if "signature" in meta and EXPERT_PARALLEL_SIZE not in meta["signature"]:
+    # (nor for BERT / T5: the patterns are the GPT's)
+    sig = meta.get("signature")
+    if sig is not None and EXPERT_PARALLEL_SIZE not in sig and sig.get("model_family", "gpt") == "gpt":
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
@@ -107,8 +109,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
     if dist.get_rank() == 0:
         write_trackers(save_dir, iteration)
-        if keep_last:
-            integrity.prune(save_dir, iteration, keep_last, log=log)
+        integrity.prune(save_dir, iteration, keep_last, log=log)
     dist.barrier()
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 
@@ -44,6 +45,8 @@ from megatron_ds.errors import ConfigError
 
 _CHUNK = 16 << 20
 DELETING = ".deleting"
+# what protect_newer names an interrupted save it moves aside (_free_name numbers repeats)
+_INTERRUPTED_ASIDE = re.compile(r"^global_step\d+\.incomplete\d*$")
 # Checkpoints found damaged by choose_checkpoint in this process (path -> problem), so that
 # protect_newer moves them aside instead of hashing them again or calling them complete.
 _found_damaged: dict[str, str] = {}
@@ -286,18 +289,29 @@ def _free_name(base: str) -> str:
     return name
 
 
-def prune(save_dir: str, newest: int, keep_last: int, *, log=print) -> None:
-    """rank 0, after checkpoint `newest` is complete: delete complete checkpoints older than the
+def prune(save_dir: str, newest: int, keep_last: int | None, *, log=print) -> None:
+    """rank 0, after checkpoint `newest` is complete: delete the interrupted saves moved aside earlier
+    (``*.incomplete``: nothing loads from them, and a job killed inside saves again and again would
+    otherwise fill the disk with them), and with `keep_last` the complete checkpoints older than the
     newest `keep_last` (damaged ones are left for a person to look at). Each is renamed first, so a
     kill during the deletion leaves a ``*.deleting`` folder (finished next time), never a
     half-deleted checkpoint that looks damaged."""
-    for name in os.listdir(save_dir):
+    for name in sorted(os.listdir(save_dir)):
         if name.endswith(DELETING):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        elif _INTERRUPTED_ASIDE.match(name):
+            _delete(os.path.join(save_dir, name))
+            log(f"deleted the interrupted save {os.path.join(save_dir, name)} (checkpoint {newest} is complete)")
+    if not keep_last:
+        return
     complete = [s for s in list_steps(save_dir) if s <= newest
                 and quick_status(step_dir(save_dir, s)) is None]
     for step in complete[keep_last:]:
         path = step_dir(save_dir, step)
-        os.rename(path, path + DELETING)
-        shutil.rmtree(path + DELETING, ignore_errors=True)
+        _delete(path)
         log(f"deleted checkpoint {path} (--keep-last {keep_last})")
+
+
+def _delete(path: str) -> None:
+    os.rename(path, path + DELETING)
+    shutil.rmtree(path + DELETING, ignore_errors=True)

@@ -95,6 +95,11 @@ def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, lo
     it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
     The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
     ckpt = open_checkpoint(load_dir, iteration)
+    if ckpt.family != "gpt":
+        # the parameter patterns (checkpoint_info) are the GPT's, as upstream's: only Megatron-DeepSpeed's
+        # gpt_model.py declares UniversalCheckpointInfo
+        raise ConfigError(f"{ckpt.path} is a {ckpt.family.upper()} checkpoint: universal checkpoints hold GPT models "
+                          f"only; load it directly with --load at any TP / PP / DP (megatron_ds reshards it)")
     if has_expert_files(ckpt.path):
         # ds_to_universal (0.19) reads the module's parameters from ZeRO files and mp_rank files;
         # DeepSpeed-MoE's expert files are neither (Megatron-DeepSpeed's reported KeyError 'param_shapes')
@@ -246,6 +251,10 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
                    log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
     ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies)."""
+    if signature.get("model_family", "gpt") != "gpt":
+        raise ConfigError(f"--universal-checkpoint: universal checkpoints hold GPT models only (pretrain_gpt.py), "
+                          f"this run is {signature['model_family'].upper()}; load its checkpoints with --load alone "
+                          f"(megatron_ds reshards them across TP / PP / DP)")
     if EXPERT_PARALLEL_SIZE in signature:
         raise ConfigError("--universal-checkpoint: DeepSpeed's universal checkpoints do not hold mixture-of-experts "
                           "expert files; load the MoE checkpoint with --load alone (it reshards across EP / TP / PP)")

@@ -346,6 +346,8 @@ class FamilyShape:
     # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
     # False where more than one tensor between stages needs its gradient (T5's encoder output)
     partition_activations: bool = True
+    # --num-layers must divide over the pipeline stages (False: the family's check divides its layers)
+    layers_over_pp: bool = True
     # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output
     # buffers per micro-batch), for the memory estimate; None: the GPT's (``memory.gpt_stage_activations``)
     activations: Callable | None = None
@@ -388,7 +390,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp)
+    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.layers_over_pp)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp

@@ -224,5 +224,7 @@ def t5_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivati
     return [[encoder] * encoder_layers, [decoder] * decoder_layers_here], boundary
 
 
-T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False,
+# Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
+# divides each side of the split rank over that side's stages (check_t5)
+T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False, layers_over_pp=False,
                        activations=t5_stage_activations)

@@ -19,7 +19,7 @@ import torch
 from megatron_ds.data import masking
 from megatron_ds.data.index_cache import CacheTimings, mmap_restore, mmap_state
 from megatron_ds.data.samples_mapping import get_samples_mapping
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, DataError
 
 
 def pad_and_convert_to_numpy(tokens, tokentypes, masked_positions, masked_labels, pad_id, max_seq_length):
@@ -68,7 +68,8 @@ class TokenizerIds:
     the special ids, the id list random replacements draw from (inv_vocab's keys, in order) and
     which ids are `##` continuations."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, source: str = "this data set"):
+        self.source = source
         missing = [a for a in ("cls", "sep", "mask", "pad") if not hasattr(tokenizer, a)]
         if missing:
             raise ConfigError(f"the {getattr(tokenizer, 'name', type(tokenizer).__name__)} tokenizer has no "
@@ -83,6 +84,11 @@ class TokenizerIds:
         self.sentinels = list(getattr(tokenizer, "additional_special_tokens_ids", []))
 
     def is_continuation(self, token) -> bool:
+        # the first look-up of every token (masking asks before anything else indexes by it): data made
+        # with another tokenizer fails here in one line instead of an IndexError inside the sampler
+        if not 0 <= token < len(self.table):
+            raise DataError(f"token id {token} is outside the tokenizer's vocabulary ({len(self.table)} ids) in "
+                            f"data set {self.source}: was it preprocessed with another tokenizer?")
         return bool(self.table[token])
 
 
@@ -97,7 +103,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.name, self.seed, self.masked_lm_prob = name, int(seed), float(masked_lm_prob)
         self.max_seq_length, self.binary_head = int(max_seq_length), bool(binary_head)
         self.indexed_dataset = indexed_dataset
-        self.ids = TokenizerIds(tokenizer)
+        self.ids = TokenizerIds(tokenizer, data_prefix)
         self.samples_mapping = get_samples_mapping(
             indexed_dataset, data_prefix, doc_bounds, name, num_epochs=num_epochs, max_num_samples=num_samples,
             max_seq_length=self.max_seq_length - 3,  # room for [CLS] and two [SEP]

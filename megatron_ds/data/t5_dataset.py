@@ -97,7 +97,7 @@ class T5Dataset(torch.utils.data.Dataset):
         self.name, self.seed, self.masked_lm_prob = name, int(seed), float(masked_lm_prob)
         self.max_seq_length, self.max_seq_length_dec = int(max_seq_length), int(max_seq_length_dec)
         self.indexed_dataset = indexed_dataset
-        self.ids = TokenizerIds(tokenizer)
+        self.ids = TokenizerIds(tokenizer, data_prefix)
         if not self.ids.sentinels:
             raise ConfigError("T5 data needs sentinel tokens: pass --vocab-extra-ids 100")
         if self.ids.bos is None or self.ids.eos is None:

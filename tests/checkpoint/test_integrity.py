@@ -164,3 +164,25 @@ def test_prune_interrupted_by_a_kill_leaves_no_damaged_checkpoint(tmp_path):
     os.remove(tmp_path / f"global_step2{ci.DELETING}" / "sub" / "x.pt")
     ci.prune(str(tmp_path), 6, 1, log=lambda m: None)
     assert sorted(os.listdir(tmp_path)) == ["global_step6"]
+
+
+def test_a_complete_save_deletes_the_interrupted_saves_moved_aside(tmp_path):
+    """A job killed inside its saves again and again: each restart moves the interrupted save aside
+    (global_stepN.incomplete, then .incomplete2 ...); the next complete save deletes them (nothing loads
+    from them) and keeps a damaged checkpoint for a person to look at."""
+    for step in (2, 4):
+        _checkpoint(tmp_path, step)
+    for _ in range(2):  # killed twice while saving iteration 6
+        _kill_after(_checkpoint(tmp_path, 6), "meta")
+        ci.protect_newer(str(tmp_path), 4, log=lambda m: None)
+    damaged = _checkpoint(tmp_path, 8)
+    os.remove(damaged / "sub" / "x.pt")
+    ci.protect_newer(str(tmp_path), 4, log=lambda m: None)
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "global_step4", "global_step6.incomplete",
+                                            "global_step6.incomplete2", "global_step8.damaged"]
+    _checkpoint(tmp_path, 6)  # the third attempt completes
+    notes = []
+    ci.prune(str(tmp_path), 6, None, log=notes.append)
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "global_step4", "global_step6", "global_step8.damaged"]
+    assert notes == [f"deleted the interrupted save {tmp_path}/global_step6.incomplete{n} (checkpoint 6 is complete)"
+                     for n in ("", "2")]

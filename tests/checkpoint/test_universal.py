@@ -69,3 +69,26 @@ def test_load_without_a_universal_checkpoint_says_how_to_make_one(tmp_path):
 
     with pytest.raises(ConfigError, match="ds_to_universal --input_folder"):
         find_universal(str(tmp_path))
+
+
+def test_bert_and_t5_are_refused_both_ways(tmp_path, capsys):
+    """The converter's parameter patterns are the GPT's (Megatron-DeepSpeed declares
+    UniversalCheckpointInfo in gpt_model.py only): a BERT checkpoint is refused before conversion, and a
+    BERT/T5 run asked for --universal-checkpoint says to use --load (which reshards those families)."""
+    from megatron_ds.checkpoint.universal import load_universal
+    from megatron_ds.errors import ConfigError
+
+    step = tmp_path / "global_step1"
+    step.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    sig = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1, zero_stage=1,
+               precision="fp32", padded_vocab_size=64, model_family="bert")
+    model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16)
+    meta = {"signature": sig, "config": {"model": model}, "model_family": "bert"}  # as training/trainer.py writes
+    (step / "megatron_ds_config.json").write_text(json.dumps(meta))
+    assert to_universal.main(["--load", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a BERT checkpoint" in err and "--load" in err
+    with pytest.raises(ConfigError, match="this run is T5; load its checkpoints with --load alone"):
+        load_universal(None, str(tmp_path), signature={"model_family": "t5"}, ps=None, load_optim=True,
+                       load_lr_state=True)

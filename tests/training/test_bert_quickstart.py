@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +25,7 @@ from tests.distributed import run_distributed
 from tests.training.test_bert_parity import bert_losses
 
 pytestmark = pytest.mark.timeout(1200)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +127,25 @@ def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
     assert ours["masked_tokens"] == scored > 0
     assert ours["accuracy"] == correct / scored
     assert ours["sop_accuracy"] == order / len(samples)
+
+
+def test_data_of_another_tokenizer_is_one_line(bert_data, tmp_path):
+    """Data made with a bigger WordPiece vocabulary than the run's: one line naming the data set, not an
+    IndexError from inside a loader worker (the masking looks every token up before anything else)."""
+    prefix, _, vocab = bert_data
+    with open(vocab, encoding="utf-8") as f:
+        lines = f.readlines()
+    small = tmp_path / "small_vocab.txt"
+    small.write_text("".join(lines[:200]), encoding="utf-8")  # the specials and a few pieces
+    argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32 "
+            "--micro-batch-size 2 --lr 1e-3 --train-iters 1 --num-workers 1 --split 949,50,1 "
+            "--tokenizer-type BertWordPieceLowerCase").split()
+    argv += ["--data-path", prefix, "--vocab-file", str(small), "--data-cache-path", str(tmp_path / "cache")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    rc = subprocess.run([sys.executable, str(REPO / "pretrain_bert.py"), *argv], capture_output=True, text=True,
+                        cwd=REPO, timeout=600, env=env)
+    assert rc.returncode == 1, rc.stdout[-2000:] + rc.stderr[-2000:]
+    # 202: the file's 200 lines, then [BOS] and [EOS], which Megatron's BERT tokenizer appends
+    assert re.search(r"error: token id \d+ is outside the tokenizer's vocabulary \(202 ids\) in data set "
+                     + re.escape(prefix), rc.stderr), rc.stderr[-2000:]
+    assert "Traceback" not in rc.stderr

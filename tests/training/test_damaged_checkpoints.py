@@ -172,3 +172,6 @@ def test_states_a_kill_during_a_save_leaves(saved, tmp_path):
     assert [it for it, _ in iterations(out_c)] == [7, 8]
     for d in (first, config_only, untracked):
         assert open(os.path.join(d, TRACKER)).read() == "8"
+        # the next complete save deleted what was moved aside: repeated kills do not fill the disk
+        assert not [name for name in os.listdir(d) if ".incomplete" in name], os.listdir(d)
+    assert f"deleted the interrupted save {first}/global_step2.incomplete" in out_a

@@ -38,7 +38,9 @@ def _run(tp: int, pp: int, extra=()):
 @pytest.mark.parametrize("tp,pp,extra", [(1, 1, ()), (2, 2, ("--pipeline-model-parallel-split-rank", "1")),
                                          (1, 4, ("--pipeline-model-parallel-split-rank", "2")),
                                          (2, 3, ("--pipeline-model-parallel-split-rank", "1", *HF_VARIANT)),
-                                         (2, 2, ("--pipeline-model-parallel-split-rank", "1", *HF_T5_V11))])
+                                         (2, 2, ("--pipeline-model-parallel-split-rank", "1", *HF_T5_V11)),
+                                         # each side divides over its own stages, the total does not over 4
+                                         (1, 4, ("--pipeline-model-parallel-split-rank", "3", "--num-layers", "6"))])
 def test_built_stages_match_the_estimate(tp, pp, extra):
     run = _run(tp, pp, extra)
     built = build_stages(run, None, build=T5.build_stage)
