@@ -251,7 +251,8 @@ def stage_activation_bytes(layout: Layout, stage) -> float:
     """The activations a stage holds at its peak: the micro-batches in flight times what each keeps
     (with full recompute only each chunk's input, plus one chunk's working set re-run in backward),
     and the stage's input/output buffers. The family's ``activations`` says what its layers keep."""
-    family_activations = getattr(layout.family, "activations", None) or gpt_stage_activations
+    family = layout.family
+    family_activations = family.activations if family is not None and family.activations else gpt_stage_activations
     runs, boundary = family_activations(layout, stage)
     in_flight = in_flight_micro_batches(layout, stage.stage)
     layers = [layer for run in runs for layer in run]
