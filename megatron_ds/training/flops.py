@@ -13,9 +13,9 @@ plus the output layer, 2 h V per token (V the padded vocabulary: the matmul runs
 untied, it is one matmul). Backward costs two forwards (gradients for inputs and weights): x3.
 Full recompute runs the transformer layers' forward once more, with --hidden-dropout 0 except each
 layer's last matmul (the MLP's output projection): torch's non-reentrant checkpoint
-(megatron_ds.parallel.random) stops recomputing once every tensor backward needs is back. With hidden
-dropout on, the mask drawn after that matmul is one of them, so the whole forward re-runs. The output layer is not inside a
-recomputed chunk, so it stays x3. (Megatron's closed form, 96 instead of 72, scales everything by
+(megatron_ds.parallel.random) stops recomputing once every tensor backward needs is back. With
+hidden dropout on, the mask drawn after that matmul is one of them, so the whole forward re-runs.
+The output layer is not inside a recomputed chunk, so it stays x3. (Megatron's closed form, 96 instead of 72, scales everything by
 4; this counts what runs.) Selective recompute is not counted, as in Megatron.
 Embedding lookups, norms and element-wise work are not matmuls and are not counted.
 
