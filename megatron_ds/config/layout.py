@@ -351,6 +351,9 @@ class FamilyShape:
     # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output
     # buffers per micro-batch), for the memory estimate; None: the GPT's (``memory.gpt_stage_activations``)
     activations: Callable | None = None
+    # (model, pipeline size) -> (the model at that size, the flags it adds) or None where its layers cannot split
+    # so, for --dry-run's suggestions; None: the GPT's (--num-layers divides over the stages, nothing added)
+    pipeline_choice: Callable | None = None
 
 
 def gpt_only_refusals(flags: Config) -> dict[str, bool]:

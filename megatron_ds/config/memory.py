@@ -394,8 +394,9 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
 
 def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, zero_stage: int | None = None,
              recompute: str | None = "keep", micro_batch_size: int | None = None,
-             use_pipeline: bool | None = None) -> Layout:
+             use_pipeline: bool | None = None, model=None) -> Layout:
     """The layout with some choices changed (same world size and global batch), for suggestions."""
+    layout = layout if model is None else dataclasses.replace(layout, model=model)
     tp = tp or layout.tp
     pp = pp or layout.pp
     micro = micro_batch_size or layout.micro_batch_size
@@ -444,14 +445,21 @@ def _single_changes(layout: Layout, m, world: int):
     pp = layout.pp * 2
     # (Ulysses runs on the plain engine only: no pipeline to suggest)
     # (nor under --no-pipeline-parallel, which refuses PP > 1)
-    while sp == 1 and layout.use_pipeline and world % (layout.tp * pp) == 0 and m.num_layers % pp == 0 and \
-            layout.zero_stage < 2:
-        yield f"--pipeline-model-parallel-size {pp}", relayout(layout, pp=pp)
+    choose = (layout.family and layout.family.pipeline_choice) or _gpt_pipeline_choice
+    while sp == 1 and layout.use_pipeline and world % (layout.tp * pp) == 0 and layout.zero_stage < 2:
+        choice = choose(m, pp)
+        if choice is not None:
+            model, flags = choice
+            yield f"--pipeline-model-parallel-size {pp}{flags}", relayout(layout, pp=pp, model=model)
         pp *= 2
     micro = layout.micro_batch_size // 2
     while micro >= 1 and layout.global_batch_size % (micro * layout.dp) == 0:
         yield f"--micro-batch-size {micro}", relayout(layout, micro_batch_size=micro)
         micro //= 2
+
+
+def _gpt_pipeline_choice(m, pp: int):
+    return (m, "") if m.num_layers % pp == 0 else None
 
 
 def suggestions(layout: Layout, budget: float, *, limit: int = 4) -> list[str]:

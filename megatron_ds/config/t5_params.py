@@ -224,7 +224,18 @@ def t5_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivati
     return [[encoder] * encoder_layers, [decoder] * decoder_layers_here], boundary
 
 
+def t5_pipeline_choice(m: ModelConfig, pp: int):
+    """--dry-run's suggestion of pipeline size ``pp``: split in the middle (the rank a what-if layout takes in
+    count_t5_parameters), when each side's layers divide over its stages (check_t5); the model with that
+    split rank and its flag, or None."""
+    split = pp // 2
+    if m.num_layers % split or decoder_layers(m) % (pp - split):
+        return None
+    flag = f" --pipeline-model-parallel-split-rank {split}"
+    return dataclasses.replace(m, pipeline_model_parallel_split_rank=split), flag
+
+
 # Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
 # divides each side of the split rank over that side's stages (check_t5)
 T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False, layers_over_pp=False,
-                       activations=t5_stage_activations)
+                       activations=t5_stage_activations, pipeline_choice=t5_pipeline_choice)

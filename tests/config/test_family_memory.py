@@ -163,3 +163,26 @@ def test_bert_mlm_head_keeps_what_the_estimate_counts():
     gpt_acts = [dict(e.terms)["activations"] for e in estimate_stages(gpt_like)]
     in_flight_last = 2  # DeepSpeed's 1F1B keeps at least 2 buffers (config/memory.py in_flight_micro_batches)
     assert acts == [gpt_acts[0], gpt_acts[1] + in_flight_last * mlm_head_activation_bytes(pp2)]
+
+
+def test_t5_suggestions_name_a_split_rank_that_runs():
+    """--dry-run's "would fit" list for a T5 (12 + 12 layers of T5-base on 8 GPUs at PP 1): a pipeline size it
+    proposes comes with the split rank pretrain_t5.py needs, and every suggestion, applied to the flags, passes
+    pretrain_t5.py's checks and is estimated as the suggestion says."""
+    base = ("--num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 "
+            "--decoder-seq-length 128 --max-position-embeddings 512 --micro-batch-size 32 --global-batch-size 256 "
+            "--train-iters 10 --lr 1e-4 --mock-data --vocab-size 32128 --bf16").split()
+
+    def layout(extra):
+        cfg, _ = parse_args(base + list(extra))
+        return resolve(cfg, world_size=8, vocab_size=32128, device_type="cuda", family=T5_SHAPE).layout
+
+    start = layout([])
+    budget = 2 * memory.estimate_memory(start).total  # every single change is listed
+    fixes = memory.suggestions(start, budget, limit=20)
+    pipeline = [f for f in fixes if "--pipeline-model-parallel-size" in f]
+    assert pipeline and all("--pipeline-model-parallel-split-rank" in f for f in pipeline), fixes
+    for fix in fixes:
+        flags, said = fix.split(" (~")
+        applied = layout(flags.split())
+        assert f"{memory.estimate_memory(applied).total / memory.GB:.1f} GB)" == said, fix
