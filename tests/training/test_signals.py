@@ -6,6 +6,7 @@ Losses are compared as printed (7 significant digits): the resumed run repeats t
 operations on the same state, so any lost state (weights, Adam moments, LR step, data position,
 dropout RNG -- dropout is on) shows as a different digit; identical floats print identically.
 """
+import contextlib
 import os
 import re
 import signal
@@ -248,8 +249,23 @@ def test_loader_workers_outlive_a_group_signal_and_end_with_the_trainer(tmp_path
     """SIGTERM to the trainer's process group: its DataLoader workers ignore it (the batch after the
     signal still arrives), and the process still exits promptly, ending them itself (multiprocessing's
     exit handler would SIGTERM and wait for them forever)."""
-    proc = subprocess.run([sys.executable, "-c", LOADER_WORKERS_PROBE], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env=clean_env(), start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1].startswith("after the signal: [")
-    assert "DataLoader worker" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # -X faulthandler: on a hang, SIGABRT to the group prints where each process (the probe and its
+    # workers, which inherit the handler) is stuck, so a failure says which side did not end
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", LOADER_WORKERS_PROBE], cwd=REPO,
+                            env=clean_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(proc.pid)], capture_output=True,
+                              text=True).stdout
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):  # (the group may have ended meanwhile)
+                os.killpg(proc.pid, sig)
+            time.sleep(2)
+        out, err = proc.communicate()
+        pytest.fail(f"the probe did not end in 120 s; its processes then:\n{tree}\nstdout:\n{out[-2000:]}\n"
+                    f"stderr (stacks):\n{err[-6000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert out.splitlines()[-1].startswith("after the signal: [")
+    assert "DataLoader worker" not in err and "Traceback" not in err, err[-3000:]
