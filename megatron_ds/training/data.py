@@ -15,7 +15,7 @@ from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import CyclicSampler, PretrainingSampler
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
-from megatron_ds.training.signals import ignore_stop_signals
+from megatron_ds.training.signals import end_loader_workers_at_exit, ignore_stop_signals
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -92,6 +92,8 @@ def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed
     # A private generator: creating an iterator would otherwise draw its worker seed from the
     # global torch RNG, which drives dropout, and a resumed run would draw at a different time.
     generator = torch.Generator().manual_seed(consumed_samples)
+    if data.num_workers > 0:
+        end_loader_workers_at_exit()  # they ignore SIGTERM, which multiprocessing's exit would wait on
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
                                        collate_fn=collator, pin_memory=pin_memory(),
                                        persistent_workers=data.num_workers > 0, generator=generator,

@@ -56,7 +56,7 @@ class StopSignals:
             os._exit(128 + signum)
 
     def __enter__(self):
-        _register_loader_cleanup()
+        end_loader_workers_at_exit()
         if self.enabled:
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -78,14 +78,17 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:  # noqa: ARG001 -
     (torchrun's forwarding) or to every process of the job (PBS, Grid Engine), they would kill the
     workers first, and the trainer would die on "DataLoader worker (pid N) is killed by signal:
     Terminated" instead of finishing the iteration and saving. The trainer ends them itself
-    (``_end_loader_workers``)."""
+    (``end_loader_workers_at_exit``)."""
     for sig in HANDLED:
         signal.signal(sig, signal.SIG_IGN)
 
 
 @functools.lru_cache(maxsize=None)
-def _register_loader_cleanup() -> None:
-    """Once per process; registered after multiprocessing's exit handler, so it runs before it."""
+def end_loader_workers_at_exit() -> None:
+    """Once per process, in a process that starts loader workers running ``ignore_stop_signals``
+    (``training/data.py build_loader``; the trainer's StopSignals too): without it such a process hangs at
+    exit whenever a loader's iterator is still referenced. Registered after multiprocessing's exit handler
+    (torch imports it first), so it runs before it."""
     atexit.register(_end_loader_workers)
 
 

@@ -269,3 +269,25 @@ def test_loader_workers_outlive_a_group_signal_and_end_with_the_trainer(tmp_path
     assert proc.returncode == 0, err[-3000:]
     assert out.splitlines()[-1].startswith("after the signal: [")
     assert "DataLoader worker" not in err and "Traceback" not in err, err[-3000:]
+
+
+LOADER_WITHOUT_HANDLER_PROBE = """
+from megatron_ds.config.schema import DataConfig
+from megatron_ds.training.data import MockGPTDataset, build_loader
+
+loader = build_loader(MockGPTDataset(64, 8, 50, seed=0), DataConfig(num_workers=2), lambda samples: samples,
+                      consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1)
+batches = iter(loader)  # still referenced at exit, with both workers running
+for _ in range(4):
+    next(batches)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_with_loader_workers_and_no_signal_handler_exits():
+    """Loader workers ignore SIGTERM (ignore_stop_signals), which multiprocessing's exit handler sends its
+    daemonic children before waiting for them without a limit: any process that builds a loader (a tool,
+    a test; not only the trainer, whose StopSignals took care of it) must end them itself, or never exit."""
+    proc = subprocess.run([sys.executable, "-c", LOADER_WITHOUT_HANDLER_PROBE], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=clean_env(), start_new_session=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "exiting", proc.stderr[-3000:]
