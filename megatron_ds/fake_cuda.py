@@ -227,10 +227,20 @@ def activate(*, allow_non_fake_inputs: bool = True) -> Iterator[object]:
         with FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs) as mode:
             swap = torch.utils.swap_tensors
             torch.utils.swap_tensors = functools.partial(_swap_fake, swap, mode)
+            # copy.deepcopy of a module (DeepSpeed's MoE copies its expert once per local expert)
+            # copies each fake parameter's __dict__, its mode with it: the copies would belong to
+            # another mode (which mixing refuses) whose memo holds weak references to every tensor
+            # of this one (which Module.to's swap refuses). One mode, as one device.
+            FakeTensorMode.__deepcopy__ = _same_mode
             try:
                 yield mode
             finally:
                 torch.utils.swap_tensors = swap
+                del FakeTensorMode.__deepcopy__
+
+
+def _same_mode(mode, memo):
+    return mode
 
 
 def _swap_fake(swap, mode, t1, t2) -> None:
