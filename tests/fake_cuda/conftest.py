@@ -7,11 +7,13 @@ import gc
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megatron_ds import ds_compat, fake_cuda
 from megatron_ds.config import parse_args
 from megatron_ds.model import fusions
 from megatron_ds.model.rotary import rotary_cos_sin
+from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
 from megatron_ds.training.family import GPT
 from megatron_ds.training.pretrain import prepare, with_family_defaults
@@ -58,7 +60,8 @@ def build_run(flags: list[str], tp: int, pp: int, *, base=TINY_GPT, family=GPT):
     argv = [*base, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), *flags]
     cfg, ignored = parse_args(argv)
-    return prepare(with_family_defaults(cfg, family), ignored, world_size=tp * pp, device_type="cuda", log=lambda *a: None, family=family)
+    return prepare(with_family_defaults(cfg, family), ignored, world_size=tp * pp, device_type="cuda",
+                   log=lambda *a: None, family=family)
 
 
 def stage_step(model, ps, batch, device, received=None):
@@ -89,8 +92,6 @@ def stage_step(model, ps, batch, device, received=None):
 def check_trained(model, optimizer, device, dtype) -> None:
     """After one step: every parameter a fake tensor on ``device`` in ``dtype`` with a gradient
     there, and AdamW's two states of each on ``device``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     params = list(model.parameters())
     assert params and all(isinstance(p, FakeTensor) for p in params)
     for name, p in model.named_parameters():
@@ -104,10 +105,8 @@ def check_trained(model, optimizer, device, dtype) -> None:
 def loader_batches(dataset, run, collator) -> list:
     """Every micro-batch of the run's training loader over ``dataset`` (``training.data.build_loader``,
     pinned on a CUDA run, through its workers). The loader is shut down before returning, even when
-    it fails: its persistent workers ignore SIGTERM (``training.signals.ignore_stop_signals``) (the trainer stops them itself), so one left to
-    the interpreter's exit would be joined forever."""
-    from megatron_ds.training import data as train_data
-
+    it fails: its persistent workers ignore SIGTERM (``training.signals.ignore_stop_signals``; the
+    trainer stops them itself), so one left to the interpreter's exit would be joined forever."""
     loader = train_data.build_loader(dataset, run.data, collator, consumed_samples=0,
                                      micro_batch_size=run.layout.micro_batch_size, dp_rank=0, dp_size=1)
     try:
