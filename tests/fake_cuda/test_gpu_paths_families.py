@@ -26,6 +26,7 @@ from megatron_ds.training.optimizer import build_optimizer
 from megatron_ds.training.t5 import T5
 from tests.data.test_bert_t5_datasets import random_documents, write_dataset, write_vocab
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step
+from tests.fake_cuda.test_gpu_paths import FULL
 from tests.training.test_bert_parity import TINY_BERT
 from tests.training.test_t5_parity import RELATIVE, TINY_T5
 
@@ -44,6 +45,10 @@ CASES = {
     # relative position biases: each stack's float bias mask built on the device from its table
     "t5-fp16-relative": ("t5", ["--fp16", *RELATIVE], 1, 1, 0),
     "t5-bf16-relative-tp2-pp2-split1-decoder-stage": ("t5", ["--bf16", *RELATIVE, *SPLIT], 2, 2, 3),
+    # the MLM head gathers the sequence-parallel hidden state (TP rank 1)
+    "bert-bf16-tp2-sequence-parallel": ("bert", ["--bf16", "--sequence-parallel"], 2, 1, 1),
+    # DeepSpeed's activation checkpointing of the encoder and decoder layers, their tuple inputs included
+    "t5-fp16-full-recompute": ("t5", ["--fp16", *FULL], 1, 1, 0),
 }
 
 
