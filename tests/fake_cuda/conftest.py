@@ -54,13 +54,13 @@ def fake_world(world_size: int, rank: int):
         yield
 
 
-def build_run(flags: list[str], tp: int, pp: int, *, base=TINY_GPT, family=GPT):
-    """(run, tokenizer) of ``family``'s CLI at TP x PP for this process (``training.pretrain.main``'s
+def build_run(flags: list[str], tp: int, pp: int, *, dp: int = 1, base=TINY_GPT, family=GPT):
+    """(run, tokenizer) of ``family``'s CLI at TP x PP x DP for this process (``training.pretrain.main``'s
     family defaults, then ``prepare``, as pretrain_<family>.py resolves it), on device type cuda."""
     argv = [*base, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), *flags]
     cfg, ignored = parse_args(argv)
-    return prepare(with_family_defaults(cfg, family), ignored, world_size=tp * pp, device_type="cuda",
+    return prepare(with_family_defaults(cfg, family), ignored, world_size=tp * pp * dp, device_type="cuda",
                    log=lambda *a: None, family=family)
 
 

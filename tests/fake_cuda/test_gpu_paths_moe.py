@@ -1,5 +1,5 @@
 """Mixture of experts on the CUDA code paths, on a CPU (tests/fake_cuda/test_gpu_paths.py's
-machinery): a GPT with ``--num-experts 2`` at expert parallel size 1 on one fake rank, built as
+machinery): a GPT with ``--num-experts 2`` at expert parallel size 1 on one fake rank (and at EP 2, and TP 2), built as
 pretrain_gpt.py builds it (DeepSpeed's expert groups on the ``fake`` process-group backend first,
 as ``training.engine.build_engine`` creates them), runs forward, backward and a fused AdamW step on
 fake tensors on ``cuda`` with top-1 and top-2 gating; every parameter (the gate's, the experts') its
@@ -30,14 +30,19 @@ from megatron_ds.training.family import GPT
 from megatron_ds.training.optimizer import build_optimizer
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, stage_step
 
-MOE = "--num-experts 2 --expert-interval 1 --moe-expert-parallel-size 1 --create-moe-param-group".split()
+MOE = "--num-experts 2 --expert-interval 1 --create-moe-param-group".split()
 
+# (flags, tensor parallel, data parallel, this process's rank)
 CASES = {
-    "top1-bf16": ["--bf16", "--topk", "1"],
+    "top1-bf16": (["--bf16", "--topk", "1"], 1, 1, 0),
     # second expert drawn with Gumbel noise (DeepSpeed's gumbel_rsample on the logits' device)
-    "top2-fp16": ["--fp16", "--topk", "2"],
-    "top2-bf16-residual": ["--bf16", "--topk", "2", "--mlp-type", "residual",
-                           "--disable-moe-top2-2nd-expert-sampling"],
+    "top2-fp16": (["--fp16", "--topk", "2"], 1, 1, 0),
+    "top2-bf16-residual": (["--bf16", "--topk", "2", "--mlp-type", "residual",
+                            "--disable-moe-top2-2nd-expert-sampling"], 1, 1, 0),
+    # one expert per rank: MOELayer's two all-to-alls over the expert parallel group
+    "top2-bf16-ep2": (["--bf16", "--topk", "2", "--moe-expert-parallel-size", "2"], 1, 2, 1),
+    # experts whole on each TP rank: MOELayer drops the duplicate tokens and gathers them back over TP
+    "top1-bf16-tp2": (["--bf16", "--topk", "1"], 2, 1, 1),
 }
 
 
@@ -47,11 +52,11 @@ def _micro_batch(run, tokenizer):
     return GPT.make_collator(run, tokenizer)([train[i] for i in range(run.layout.micro_batch_size)])
 
 
-def _build(run, tokenizer):
+def _build(run, tokenizer, tp: int = 1):
     """This rank's MoE GPT on the device, as ``training.engine.build_engine`` makes it: DeepSpeed's
     expert groups first (on the fake backend), then the model; then what ``deepspeed.initialize``
     does with each MoE layer (runtime/engine.py ``_configure_distributed_model``: its expert group)."""
-    ps = ParallelState(1, 1)
+    ps = ParallelState(tp, 1)
     device = select_device(0)
     ps.expert_groups(run.layout.ep, run.layout.model.enable_expert_tensor_parallelism)
     model = build_module(run, ps, device, tokenizer.eod, LossReport(reported_names(True)))
@@ -67,12 +72,12 @@ def test_moe_forward_backward_step_on_cuda(case, gpu):
     """Also the failing case of two fixes: the experts' seeds were read back from a torch tensor
     (model/transformer.py), and DeepSpeed's copies of the expert belonged to copies of the fake
     mode (megatron_ds/fake_cuda.py)."""
-    flags = CASES[case]
-    run, tokenizer = build_run([*MOE, *flags], 1, 1)
+    flags, tp, dp, rank = CASES[case]
+    run, tokenizer = build_run([*MOE, *flags], tp, 1, dp=dp)
     half = torch.float16 if "--fp16" in flags else torch.bfloat16
     batch = _micro_batch(run, tokenizer)
-    with fake_world(1, 0), fake_cuda.activate():
-        model, ps, device = _build(run, tokenizer)
+    with fake_world(tp * dp, rank), fake_cuda.activate():
+        model, ps, device = _build(run, tokenizer, tp)
         loss = stage_step(model, ps, batch, device)
         optimizer, desc = build_optimizer(model, run.optimizer, device)
         optimizer.step()
@@ -81,7 +86,9 @@ def test_moe_forward_backward_step_on_cuda(case, gpu):
     assert loss.device == device
     names = [n for n, _ in model.named_parameters()]
     assert any(".deepspeed_moe.gate.wg." in n for n in names)
-    assert sum(".deepspeed_experts.1." in n for n in names) > 0  # both experts held at EP 1
+    local = 2 // run.layout.ep
+    assert sum(f".deepspeed_experts.{local - 1}." in n for n in names) > 0
+    assert not any(f".deepspeed_experts.{local}." in n for n in names)  # this rank's 2 / EP experts
     drops = [m.drops.last for m in model.modules() if hasattr(m, "drops")]
     assert len(drops) == run.layout.model.num_layers  # --expert-interval 1: every layer
     assert all(d.device == device and d.dtype == torch.float32 for d in drops)
