@@ -66,16 +66,17 @@ def build_run(flags: list[str], tp: int, pp: int, *, dp: int = 1, base=TINY_GPT,
 
 def stage_step(model, ps, batch, device, received=None):
     """What DeepSpeed's pipeline engine does with one micro-batch on this stage: forward of the
-    batch's inputs moved to ``device`` (first stage) or of ``received``, the activation (a tensor or
-    tuple on ``device``) the previous stage sent; the loss on the last stage, else a gradient
-    arriving from the next stage for every floating output (runtime/pipe/engine.py
-    ``_exec_backward_pass``); backward; then the reduction of the tied weights' gradients across
+    batch's inputs moved to ``device`` as runtime/pipe/engine.py ``_exec_load_micro_batch`` moves
+    them (a detached copy, a floating one requiring a gradient; the labels moved for the loss), or
+    of ``received``, the activation (a tensor or tuple on ``device``) the previous stage sent; the
+    loss on the last stage, else a gradient arriving from the next stage for every floating output
+    (``_exec_backward_pass``); backward; then the reduction of the tied weights' gradients across
     their stages (``_exec_reduce_tied_grads``). Returns the loss (None before the last stage)."""
     inputs, labels = batch
-    x = tuple(t.to(device, non_blocking=True) for t in inputs) if ps.is_first_stage else received
+    x = tuple(_loaded(t, device) for t in inputs) if ps.is_first_stage else received
     out = model(x)
     if ps.is_last_stage:
-        loss = model.loss_fn(out, tuple(t.to(device, non_blocking=True) for t in labels))
+        loss = model.loss_fn(out, tuple(t.to(device).detach() for t in labels))
         assert loss.device.type == "cuda" and loss.dtype == torch.float32
         loss.backward()
     else:
@@ -87,6 +88,12 @@ def stage_step(model, ps, batch, device, received=None):
             if weight.grad is not None:
                 torch.distributed.all_reduce(weight.grad, group=group)
     return loss
+
+
+def _loaded(t: torch.Tensor, device) -> torch.Tensor:
+    mine = t.clone().detach().to(device)
+    mine.requires_grad = mine.is_floating_point()
+    return mine
 
 
 def check_trained(model, optimizer, device, dtype) -> None:
