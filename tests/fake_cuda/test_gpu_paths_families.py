@@ -49,6 +49,10 @@ CASES = {
     "bert-bf16-tp2-sequence-parallel": ("bert", ["--bf16", "--sequence-parallel"], 2, 1, 1),
     # DeepSpeed's activation checkpointing of the encoder and decoder layers, their tuple inputs included
     "t5-fp16-full-recompute": ("t5", ["--fp16", *FULL], 1, 1, 0),
+    # the plain engine's module (GPTSequential); BERT without the binary head: the MLM logits alone
+    "bert-fp16-no-pipeline-no-binary-head": ("bert", ["--fp16", "--no-pipeline-parallel", "--bert-no-binary-head"],
+                                             1, 1, 0),
+    "t5-bf16-no-pipeline": ("t5", ["--bf16", "--no-pipeline-parallel"], 1, 1, 0),
 }
 
 
@@ -88,7 +92,8 @@ def test_forward_backward_step_on_cuda(case, gpu):
         device = select_device(0)
         assert device == torch.device("cuda", 0)
         model = build_module(run, ps, device, family.eod_token(tokenizer), report, build=family.build_model)
-        model._precompute_checkpointable_values()  # DeepSpeed's PipelineEngine does this at start
+        if hasattr(model, "_precompute_checkpointable_values"):
+            model._precompute_checkpointable_values()  # DeepSpeed's PipelineEngine does this at start
         received = None if ps.is_first_stage else _received(name, run, batch, device, half)
         loss = stage_step(model, ps, batch, device, received)
         optimizer, desc = build_optimizer(model, run.optimizer, device)

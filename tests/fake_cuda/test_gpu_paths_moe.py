@@ -32,17 +32,19 @@ from tests.fake_cuda.conftest import build_run, check_trained, fake_world, stage
 
 MOE = "--num-experts 2 --expert-interval 1 --create-moe-param-group".split()
 
-# (flags, tensor parallel, data parallel, this process's rank)
+# (flags, tensor parallel, pipeline parallel, data parallel, this process's rank)
 CASES = {
-    "top1-bf16": (["--bf16", "--topk", "1"], 1, 1, 0),
+    "top1-bf16": (["--bf16", "--topk", "1"], 1, 1, 1, 0),
     # second expert drawn with Gumbel noise (DeepSpeed's gumbel_rsample on the logits' device)
-    "top2-fp16": (["--fp16", "--topk", "2"], 1, 1, 0),
+    "top2-fp16": (["--fp16", "--topk", "2"], 1, 1, 1, 0),
     "top2-bf16-residual": (["--bf16", "--topk", "2", "--mlp-type", "residual",
-                            "--disable-moe-top2-2nd-expert-sampling"], 1, 1, 0),
+                            "--disable-moe-top2-2nd-expert-sampling"], 1, 1, 1, 0),
     # one expert per rank: MOELayer's two all-to-alls over the expert parallel group
-    "top2-bf16-ep2": (["--bf16", "--topk", "2", "--moe-expert-parallel-size", "2"], 1, 2, 1),
+    "top2-bf16-ep2": (["--bf16", "--topk", "2", "--moe-expert-parallel-size", "2"], 1, 1, 2, 1),
     # experts whole on each TP rank: MOELayer drops the duplicate tokens and gathers them back over TP
-    "top1-bf16-tp2": (["--bf16", "--topk", "1"], 2, 1, 1),
+    "top1-bf16-tp2": (["--bf16", "--topk", "1"], 2, 1, 1, 1),
+    # the first stage sends its layers' summed auxiliary loss on with the hidden state
+    "top1-fp16-pp2-first-stage": (["--fp16", "--topk", "1"], 1, 2, 1, 0),
 }
 
 
@@ -52,11 +54,11 @@ def _micro_batch(run, tokenizer):
     return GPT.make_collator(run, tokenizer)([train[i] for i in range(run.layout.micro_batch_size)])
 
 
-def _build(run, tokenizer, tp: int = 1):
+def _build(run, tokenizer, tp: int = 1, pp: int = 1):
     """This rank's MoE GPT on the device, as ``training.engine.build_engine`` makes it: DeepSpeed's
     expert groups first (on the fake backend), then the model; then what ``deepspeed.initialize``
     does with each MoE layer (runtime/engine.py ``_configure_distributed_model``: its expert group)."""
-    ps = ParallelState(tp, 1)
+    ps = ParallelState(tp, pp)
     device = select_device(0)
     ps.expert_groups(run.layout.ep, run.layout.model.enable_expert_tensor_parallelism)
     model = build_module(run, ps, device, tokenizer.eod, LossReport(reported_names(True)))
@@ -72,25 +74,25 @@ def test_moe_forward_backward_step_on_cuda(case, gpu):
     """Also the failing case of two fixes: the experts' seeds were read back from a torch tensor
     (model/transformer.py), and DeepSpeed's copies of the expert belonged to copies of the fake
     mode (megatron_ds/fake_cuda.py)."""
-    flags, tp, dp, rank = CASES[case]
-    run, tokenizer = build_run([*MOE, *flags], tp, 1, dp=dp)
+    flags, tp, pp, dp, rank = CASES[case]
+    run, tokenizer = build_run([*MOE, *flags], tp, pp, dp=dp)
     half = torch.float16 if "--fp16" in flags else torch.bfloat16
     batch = _micro_batch(run, tokenizer)
-    with fake_world(tp * dp, rank), fake_cuda.activate():
-        model, ps, device = _build(run, tokenizer, tp)
+    with fake_world(tp * pp * dp, rank), fake_cuda.activate():
+        model, ps, device = _build(run, tokenizer, tp, pp)
         loss = stage_step(model, ps, batch, device)
         optimizer, desc = build_optimizer(model, run.optimizer, device)
         optimizer.step()
     assert desc == "torch.optim.AdamW(fused=True)"
     check_trained(model, optimizer, device, half)
-    assert loss.device == device
+    assert loss.device == device if ps.is_last_stage else loss is None
     names = [n for n, _ in model.named_parameters()]
     assert any(".deepspeed_moe.gate.wg." in n for n in names)
     local = 2 // run.layout.ep
     assert sum(f".deepspeed_experts.{local - 1}." in n for n in names) > 0
     assert not any(f".deepspeed_experts.{local}." in n for n in names)  # this rank's 2 / EP experts
     drops = [m.drops.last for m in model.modules() if hasattr(m, "drops")]
-    assert len(drops) == run.layout.model.num_layers  # --expert-interval 1: every layer
+    assert len(drops) == run.layout.model.num_layers // pp  # --expert-interval 1: every layer of the stage
     assert all(d.device == device and d.dtype == torch.float32 for d in drops)
 
 
