@@ -227,10 +227,24 @@ def activate(*, allow_non_fake_inputs: bool = True) -> Iterator[object]:
         with FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs) as mode:
             swap = torch.utils.swap_tensors
             torch.utils.swap_tensors = functools.partial(_swap_fake, swap, mode)
+            # copy.deepcopy of a module with fake parameters (even an nn.Linear; DeepSpeed's MoE copies
+            # its expert once per local expert) copies the mode too: the copies would belong to
+            # another mode (which mixing refuses) whose memo holds weak references to every tensor
+            # of this one (which Module.to's swap refuses). One mode, as one device.
+            own = vars(FakeTensorMode).get("__deepcopy__")
+            FakeTensorMode.__deepcopy__ = _same_mode
             try:
                 yield mode
             finally:
                 torch.utils.swap_tensors = swap
+                if own is None:
+                    del FakeTensorMode.__deepcopy__
+                else:  # an enclosing activate()'s, or torch's own
+                    FakeTensorMode.__deepcopy__ = own
+
+
+def _same_mode(mode, memo):
+    return mode
 
 
 def _swap_fake(swap, mode, t1, t2) -> None:

@@ -30,6 +30,7 @@ Parameter names follow Megatron-LM's GPT (``input_layernorm``, ``self_attention.
 from __future__ import annotations
 
 import contextlib
+import random
 
 import torch
 import torch.nn.functional as F
@@ -351,8 +352,10 @@ class ParallelTransformerLayer(nn.Module):
         if tp_world_size(parallel["tp_group"]) > 1:  # DeepSpeed's MoE then gathers tokens over TP
             ds_compat.gather_flat_on_gloo(parallel["tp_group"])
         expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
-        # the experts' seeds: drawn from this layer's generator, so they follow the layer's seed
-        seed = int(torch.randint(0, 2 ** 31 - 1 - num_experts, (), device="cpu"))  # (a meta build too)
+        # the experts' seeds follow this layer's seed (the generators are seeded just before each layer
+        # is built: model/pipeline.py), drawn by Python's generator, not torch's: a build on fake tensors
+        # (tests/fake_cuda/test_gpu_paths_moe.py) or on the meta device has no tensor value to read back
+        seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - num_experts)
         return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,
                          ep_size=ep_size, ep_rank=ep_rank, seed=seed, topk=cfg.topk,
                          residual=cfg.mlp_type == "residual", train_capacity_factor=cfg.moe_train_capacity_factor,

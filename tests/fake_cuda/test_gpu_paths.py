@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from megatron_ds import fake_cuda
-from megatron_ds.config import parse_args
 from megatron_ds.model import fusions
 from megatron_ds.model import gpt as gpt_module
 from megatron_ds.parallel.groups import ParallelState
@@ -21,9 +19,8 @@ from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
 from megatron_ds.training.engine import build_module
 from megatron_ds.training.optimizer import build_optimizer
-from megatron_ds.training.pretrain import prepare
-from tests.fake_cuda.conftest import fake_world
-from tests.training.common import LLAMA_FLAGS, TINY_GPT
+from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step
+from tests.training.common import LLAMA_FLAGS
 
 SELECTIVE = "--recompute-granularity selective".split()
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
@@ -42,13 +39,6 @@ CASES = {
 }
 
 
-def _build_run(flags: list[str], tp: int, pp: int):
-    argv = TINY_GPT + ["--train-iters", "2", "--tensor-model-parallel-size", str(tp),
-                       "--pipeline-model-parallel-size", str(pp), *flags]
-    cfg, ignored = parse_args(argv)
-    return prepare(cfg, ignored, world_size=tp * pp, device_type="cuda", log=lambda *a: None)
-
-
 def _micro_batch(run, tokenizer):
     """A real micro-batch from the real collator (CPU tensors, as the loader yields them)."""
     collator = train_data.BatchCollator(run.data, eod=tokenizer.eod, vocab_size=run.layout.padded_vocab_size,
@@ -57,28 +47,10 @@ def _micro_batch(run, tokenizer):
     return collator([dataset[i] for i in range(run.layout.micro_batch_size)])
 
 
-def _stage_step(model, ps, batch, device, hidden_shape):
-    """What DeepSpeed's engine does with one micro-batch on this stage: forward (the batch on the
-    first stage, a received activation elsewhere), the loss on the last stage (else a gradient
-    arriving from the next stage), backward."""
-    inputs, labels = batch
-    if ps.is_first_stage:
-        x = tuple(t.to(device, non_blocking=True) for t in inputs)
-    else:
-        x = torch.randn(hidden_shape, device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
-    out = model(x)
-    if ps.is_last_stage:
-        loss = model.loss_fn(out, tuple(t.to(device, non_blocking=True) for t in labels))
-        assert loss.device.type == "cuda" and loss.dtype == torch.float32
-        loss.backward()
-    else:
-        out.backward(torch.ones_like(out))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_backward_step_on_cuda(case, gpu, monkeypatch):
     flags, tp, pp, rank = CASES[case]
-    run, tokenizer = _build_run(flags, tp, pp)
+    run, tokenizer = build_run(flags, tp, pp)
     half = torch.float16 if "--fp16" in flags else torch.bfloat16
     chunked = []
     monkeypatch.setattr(gpt_module, "chunked_vocab_parallel_cross_entropy",
@@ -94,18 +66,13 @@ def test_forward_backward_step_on_cuda(case, gpu, monkeypatch):
         m = run.layout.model
         hidden_shape = (m.seq_length // (tp if run.layout.sequence_parallel else 1), run.layout.micro_batch_size,
                         m.hidden_size)
-        _stage_step(model, ps, batch, device, hidden_shape)
+        received = None if ps.is_first_stage else torch.randn(hidden_shape, device=device, dtype=half,
+                                                              requires_grad=True)
+        stage_step(model, ps, batch, device, received)
         optimizer, desc = build_optimizer(model, run.optimizer, device)
         optimizer.step()
     assert desc == "torch.optim.AdamW(fused=True)"
-    params = list(model.parameters())
-    assert params and all(isinstance(p, FakeTensor) for p in params)
-    for p in params:
-        assert p.device == device and p.dtype == half, (p.device, p.dtype)
-        assert p.grad is not None and p.grad.device == device and p.grad.dtype == half
-    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    assert len(states) == 2 * len(params)  # exp_avg and exp_avg_sq of every parameter, on the GPU
-    assert all(v.device == device for v in states)
+    check_trained(model, optimizer, device, half)
     assert chunked == ([True] if ps.is_last_stage else [])  # half-precision logits: chunked CE
 
 
@@ -120,14 +87,14 @@ def test_compile_failure_falls_back_once_saying_why(gpu, capsys):
     """The compiled fusions cannot compile for fake CUDA tensors (no CUDA torch, no Triton): the
     fallback must fire once, run the same math eagerly, and name the real cause, not only Dynamo's
     wrapper line ("BackendCompilerFailed: backend='inductor' raised:")."""
-    run, tokenizer = _build_run(["--bf16", *LLAMA_FLAGS], 1, 1)
+    run, tokenizer = build_run(["--bf16", *LLAMA_FLAGS], 1, 1)
     batch = _micro_batch(run, tokenizer)
     with fake_world(1, 0), fake_cuda.activate():
         ps = ParallelState(1, 1)
         model = build_module(run, ps, select_device(0), tokenizer.eod)
         model._precompute_checkpointable_values()
         for _ in range(2):
-            _stage_step(model, ps, batch, torch.device("cuda", 0), None)
+            stage_step(model, ps, batch, torch.device("cuda", 0))
     warnings = [line for line in capsys.readouterr().err.splitlines() if "torch.compile of the fused" in line]
     assert len(warnings) == 1, warnings
     reason = fusions.compile_unavailable()
@@ -143,14 +110,11 @@ def test_pinned_loader_batches(gpu, monkeypatch):
     position_ids: the crash of the first H100 run), through a worker process as training runs it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what the DataLoader asks before pinning
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # its pin thread's device query
-    run, tokenizer = _build_run(["--bf16", "--num-workers", "1"], 1, 1)
+    run, tokenizer = build_run(["--bf16", "--num-workers", "1"], 1, 1)
     collator = train_data.BatchCollator(run.data, eod=tokenizer.eod, vocab_size=run.layout.padded_vocab_size,
                                         source="mock")
     dataset = train_data.MockGPTDataset(8, run.layout.model.seq_length, run.layout.vocab_size, seed=1)
-    loader = train_data.build_loader(dataset, run.data, collator, consumed_samples=0,
-                                     micro_batch_size=run.layout.micro_batch_size, dp_rank=0, dp_size=1)
-    assert loader.pin_memory
-    batches = list(loader)
+    batches = loader_batches(dataset, run, collator)
     assert len(batches) == 4
     for inputs, labels in batches:
         assert all(t.is_pinned() for t in (*inputs, *labels))
