@@ -21,6 +21,7 @@ signal once that collective returns or times out.)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -78,9 +79,12 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:  # noqa: ARG001 -
     (torchrun's forwarding) or to every process of the job (PBS, Grid Engine), they would kill the
     workers first, and the trainer would die on "DataLoader worker (pid N) is killed by signal:
     Terminated" instead of finishing the iteration and saving. The trainer ends them itself
-    (``end_loader_workers_at_exit``)."""
+    (``end_loader_workers_at_exit``) with SIGINT, which must therefore raise KeyboardInterrupt here even
+    where the worker inherited it ignored: a shell starts background commands (``cmd &`` in a job script,
+    ``nohup``) with SIGINT ignored, and such a worker would outlive the trainer's exit."""
     for sig in HANDLED:
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,15 +100,21 @@ def _end_loader_workers() -> None:
     """At exit, before multiprocessing's own exit handler: that one ends daemonic children (loader
     workers whose iterator is still referenced, e.g. by DeepSpeed's pipeline engine) with SIGTERM and
     waits for them, which workers ignoring SIGTERM would turn into a hang. SIGINT instead: a
-    DataLoader worker's loop ends on KeyboardInterrupt and exits 0 (torch/utils/data/_utils/worker.py),
-    which the trainer's SIGCHLD watch accepts; SIGKILL for one still there after the wait."""
+    DataLoader worker's loop ends on KeyboardInterrupt and exits 0 (torch/utils/data/_utils/worker.py);
+    SIGKILL for one still there after the wait. torch's SIGCHLD watch goes first: the process is
+    exiting, and a worker it sees killed would raise out of this function before the others are ended
+    (then multiprocessing's handler would wait for them forever)."""
+    with contextlib.suppress(ValueError):  # (signal handlers are set from the main thread only)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     workers = [child for child in multiprocessing.active_children() if child.daemon]
     for child in workers:
-        os.kill(child.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGINT)
     for child in workers:
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
+            child.join(timeout=10)
 
 
 def agreed_stop(signals: StopSignals | None, start: float, minutes: float | None, device,

@@ -245,6 +245,13 @@ with StopSignals() as stop:
 """
 
 
+def _as_if_in_background():
+    """A job script's ``cmd &`` (or nohup) starts cmd with SIGINT ignored, which its loader workers inherit;
+    the trainer ends them with SIGINT at exit (signals.py): this is how two full-suite runs started in the
+    background hung here while foreground runs passed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_loader_workers_outlive_a_group_signal_and_end_with_the_trainer(tmp_path):
     """SIGTERM to the trainer's process group: its DataLoader workers ignore it (the batch after the
     signal still arrives), and the process still exits promptly, ending them itself (multiprocessing's
@@ -253,7 +260,7 @@ def test_loader_workers_outlive_a_group_signal_and_end_with_the_trainer(tmp_path
     # workers, which inherit the handler) is stuck, so a failure says which side did not end
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", LOADER_WORKERS_PROBE], cwd=REPO,
                             env=clean_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_as_if_in_background)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -289,5 +296,6 @@ def test_a_process_with_loader_workers_and_no_signal_handler_exits():
     daemonic children before waiting for them without a limit: any process that builds a loader (a tool,
     a test; not only the trainer, whose StopSignals took care of it) must end them itself, or never exit."""
     proc = subprocess.run([sys.executable, "-c", LOADER_WITHOUT_HANDLER_PROBE], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=clean_env(), start_new_session=True)
+                          timeout=120, cwd=REPO, env=clean_env(), start_new_session=True,
+                          preexec_fn=_as_if_in_background)
     assert proc.returncode == 0 and proc.stdout.strip() == "exiting", proc.stderr[-3000:]
