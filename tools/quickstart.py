@@ -130,6 +130,16 @@ def lambada_style(texts: list[str], max_samples: int = 300) -> list[str]:
     return out[:max_samples]
 
 
+def train_tokenizer_once(corpus: str, kind: str, vocab_size: int, tok_dir: str, *, made: str) -> None:
+    """tools/train_tokenizer.py on the corpus into ``tok_dir``, unless ``made`` (a file it writes) exists."""
+    if os.path.exists(made):
+        print(f"reusing {tok_dir}")
+        return
+    from train_tokenizer import main as train_tokenizer
+    run_tool(train_tokenizer, ["--input", corpus, "--type", kind, "--vocab-size", str(vocab_size),
+                               "--output-dir", tok_dir], "tools/train_tokenizer.py")
+
+
 def prepare_data(workdir: str, preset: Preset, workers: int) -> tuple[str, str, str, str, str]:
     """Steps 1-3. Returns (data prefix, vocab file, merge file, held-out JSONL, LAMBADA-style JSONL)."""
     tok_dir = os.path.join(workdir, "tokenizer")
@@ -141,12 +151,7 @@ def prepare_data(workdir: str, preset: Preset, workers: int) -> tuple[str, str, 
     corpus, heldout, lambada = make_corpus(workdir, preset)
 
     step("2. tokenizer")
-    if not os.path.exists(merges):
-        from train_tokenizer import main as train_tokenizer
-        run_tool(train_tokenizer, ["--input", corpus, "--type", "bpe", "--vocab-size", str(preset.vocab),
-                                   "--output-dir", tok_dir], "tools/train_tokenizer.py")
-    else:
-        print(f"reusing {tok_dir}")
+    train_tokenizer_once(corpus, "bpe", preset.vocab, tok_dir, made=merges)
 
     step("3. preprocess")
     if not os.path.exists(data_prefix + ".idx"):

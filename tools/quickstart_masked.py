@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Callable
 
-from quickstart import ROOT, checkpoint_iteration, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool, step
+from quickstart import (ROOT, checkpoint_iteration, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
+                        step, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -58,12 +59,7 @@ def prepare_data(workdir: str, preset: MaskedPreset, workers: int) -> tuple[str,
     step("1. corpus")
     corpus, heldout, _ = make_corpus(workdir, preset)
     step("2. WordPiece vocabulary")
-    if not os.path.exists(vocab):
-        from train_tokenizer import main as train_tokenizer
-        run_tool(train_tokenizer, ["--input", corpus, "--type", "wordpiece", "--vocab-size", str(preset.vocab),
-                                   "--output-dir", tok_dir], "tools/train_tokenizer.py")
-    else:
-        print(f"reusing {vocab}")
+    train_tokenizer_once(corpus, "wordpiece", preset.vocab, tok_dir, made=vocab)
     step("3. preprocess, one sequence per sentence")
     prefixes = []
     for source, name in ((corpus, "corpus"), (heldout, "heldout")):

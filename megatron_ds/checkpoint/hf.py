@@ -202,22 +202,17 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
-    if arch == MIXTRAL:
-        return transformers.MixtralConfig(
-            hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-            head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
-            rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-            rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-            attention_dropout=m.attention_dropout, **mixtral.config_kwargs(m), **common)
-    return transformers.LlamaConfig(
+    # what Llama and Mixtral describe alike (Mixtral: Llama's layers with an MoE MLP)
+    llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear, attention_dropout=m.attention_dropout,
-        **common)
+        attention_dropout=m.attention_dropout, **common)
+    if arch == MIXTRAL:
+        return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m))
+    return transformers.LlamaConfig(**llama, attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear)
 
 
 def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:

@@ -31,15 +31,16 @@ import to_hf  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
+# what Mixtral can express (an MoE layer every layer, top-2, no drops, no sampling), at EP 2; the
+# init std is each test's (tests/inference/test_moe_inference.py uses these flags too)
 MIXTRAL_MOE = ["--num-experts", "4", "--expert-interval", "1", "--topk", "2", "--disable-moe-token-dropping",
-               "--disable-moe-top2-2nd-expert-sampling", "--moe-expert-parallel-size", "2", "--vocab-size", "500",
-               "--init-method-std", "0.1"]
+               "--disable-moe-top2-2nd-expert-sampling", "--moe-expert-parallel-size", "2", "--vocab-size", "500"]
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("moe-ckpt"))
-    train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE])
+    train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE, "--init-method-std", "0.1"])
     out = str(tmp_path_factory.mktemp("moe-hf"))
     assert to_hf.main(["--load", ckpt, "--out", out]) == 0
     return ckpt, out

@@ -18,6 +18,7 @@ import torch
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import activation_bytes_per_layer, estimate_stages, logits_bytes
 from megatron_ds.config.t5_params import T5_SHAPE, decoder_layer_activation_bytes
+from tests.config.test_memory import saved_bytes
 
 S_ENC, S_DEC, B, H, A = 256, 64, 2, 256, 8
 
@@ -29,23 +30,6 @@ def _layout(extra=(), world=1):
              f"--attention-dropout 0").split() + list(extra)
     cfg, _ = parse_args(flags)
     return resolve(cfg, world_size=world, vocab_size=1000, device_type="cuda", family=T5_SHAPE).layout
-
-
-def _saved(layer, inputs, held_elsewhere=()) -> int:
-    """Bytes ``layer(inputs)`` saves for backward; parameters and ``held_elsewhere`` left out."""
-    outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    outside |= {t.untyped_storage().data_ptr() for t in held_elsewhere}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in outside:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(inputs)
-    return sum(saved.values())
 
 
 def _flags():
@@ -70,7 +54,7 @@ def test_encoder_layer_keeps_what_the_estimate_counts():
     layer = T5EncoderLayer(layout.model, 1, params_dtype=torch.bfloat16, device="cpu")
     enc_flags, dec_flags = _flags()
     x = torch.randn(S_ENC, B, H, dtype=torch.bfloat16, requires_grad=True)
-    measured = _saved(layer, (x, None, enc_flags, dec_flags))
+    measured = saved_bytes(layer, (x, None, enc_flags, dec_flags))
     estimated = activation_bytes_per_layer(layout, recompute=None)  # the GPT layer's, at the encoder length
     assert measured == pytest.approx(estimated, rel=REL), (measured / (S_ENC * B * H), estimated / (S_ENC * B * H))
 
@@ -90,7 +74,7 @@ def test_decoder_layer_keeps_what_the_estimate_counts(extra):
     enc_flags, dec_flags = _flags()
     y = torch.randn(S_DEC, B, H, dtype=torch.bfloat16, requires_grad=True)
     encoder_output = torch.randn(S_ENC, B, H, dtype=torch.bfloat16, requires_grad=True)
-    measured = _saved(layer, (y, encoder_output, enc_flags, dec_flags), held_elsewhere=[encoder_output])
+    measured = saved_bytes(layer, (y, encoder_output, enc_flags, dec_flags), held_elsewhere=[encoder_output])
     estimated = decoder_layer_activation_bytes(layout, recompute=None)
     assert measured == pytest.approx(estimated, rel=REL), (measured / (S_DEC * B * H), estimated / (S_DEC * B * H))
     # the estimate before the decoder was counted: a GPT layer at the encoder length; it is not this
@@ -152,7 +136,7 @@ def test_bert_mlm_head_keeps_what_the_estimate_counts():
     head_and_projection.embedding = torch.nn.Parameter(torch.randn(1000, H, dtype=torch.bfloat16))
     head_and_projection.forward = lambda x: heads(x)[0] @ head_and_projection.embedding.t()
     x = torch.randn(S_ENC, B, H, dtype=torch.bfloat16, requires_grad=True)
-    measured = _saved(head_and_projection, x, held_elsewhere=[x])
+    measured = saved_bytes(head_and_projection, x, held_elsewhere=[x])
     assert measured == pytest.approx(mlm_head_activation_bytes(layout), rel=REL)
     # on the last stage only, beside the GPT's count of the same layers
     pp2 = resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(

@@ -38,29 +38,34 @@ def _gpt_flags(layers, hidden, heads, seq, micro, gbs, tp=1, pp=1):
 
 # --------------------------------------------------------------------------- the arithmetic
 
+def saved_bytes(layer, inputs, held_elsewhere=()) -> int:
+    """Bytes ``layer(inputs)`` keeps for backward, measured: every tensor autograd saves during its
+    forward (saved-tensor hooks), each storage once, parameters and ``held_elsewhere`` left out."""
+    outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    outside |= {t.untyped_storage().data_ptr() for t in held_elsewhere}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in outside:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(inputs)
+    return sum(saved.values())
+
+
 def _saved_by_one_layer(model_cfg) -> int:
-    """Bytes one bf16 transformer layer keeps for backward, measured: every tensor autograd saves
-    during its forward (saved-tensor hooks), each storage once, parameters left out."""
+    """Bytes one bf16 transformer layer keeps for backward (``saved_bytes``)."""
     from megatron_ds.model.transformer import ParallelTransformerLayer
     from megatron_ds.parallel.random import set_parallel_seeds
 
     set_parallel_seeds(1, 0)
     m = model_cfg
     layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cpu")
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     stream = torch.float32 if m.fp32_residual_connection else torch.bfloat16  # the layer's input
-    x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=stream, requires_grad=True)
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(saved.values())
+    return saved_bytes(layer, torch.randn(m.seq_length, 2, m.hidden_size, dtype=stream, requires_grad=True))
 
 
 LAYER_CASES = {
@@ -390,18 +395,7 @@ def test_moe_activation_term_is_what_an_moe_layer_saves(case):
     # cast as training does (engine.build_module): DeepSpeed's residual coefficient is built in fp32
     layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cpu", num_experts=experts)
     layer = layer.to(torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    measured = sum(saved.values())
+    measured = saved_bytes(layer, torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True))
     estimated = activation_bytes_per_layer(layout, recompute=None, experts=experts)
     # left out: the routing's index and per-token scalars (int64 [tokens, k] and such), the norms' mean/rstd;
     # and a top-1 gate saves a little less than the formula's top-k terms: within 3%

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.checkpoint.common import train
+from tests.checkpoint.test_moe_hf import MIXTRAL_MOE
 from tests.distributed import run_distributed
 from tests.inference.test_checkpoint_generation import _hf_guide_nll  # HF's perplexity guide, transcribed
 
@@ -31,9 +32,6 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(1500)
 NEW = 8
 PROMPTS = ["5 17 33 9 100 7", "42 43"]
-MIXTRAL_MOE = ["--num-experts", "4", "--expert-interval", "1", "--topk", "2", "--disable-moe-token-dropping",
-               "--disable-moe-top2-2nd-expert-sampling", "--moe-expert-parallel-size", "2", "--vocab-size", "500",
-               "--init-method-std", "0.3"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ def llama_moe(tmp_path_factory):
     from megatron_ds.checkpoint.export import export_hf
 
     ckpt = str(tmp_path_factory.mktemp("llama-moe"))
-    train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE])
+    train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE, "--init-method-std", "0.3"])
     hf_dir = str(tmp_path_factory.mktemp("llama-moe-hf"))
     export_hf(ckpt, hf_dir, dtype="fp32", log=lambda *a: None)
     return ckpt, transformers.MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), hf_dir
