@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -253,6 +254,36 @@ def checkpoint_iteration(ckpt: str) -> int:
         return 0
 
 
+def train_then_resume(workdir: str, ckpt: str, first: int, total: int, layout: str, make_flags: Callable,
+                      run_training: Callable) -> dict:
+    """Steps 4-5, each skipped when the checkpoint already has its iterations: train ``first`` iterations
+    and save, then resume from that checkpoint up to ``total``. ``make_flags(iters)``: the training flags
+    up to iteration iters; ``run_training(flags, load, log_path)``: (losses, validation) of one job."""
+    summary = {"losses": [], "validation": [], "layout": layout, "checkpoints": ckpt}
+    step(f"4. train {first} iterations ({layout})")
+    if checkpoint_iteration(ckpt) >= first:
+        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
+    else:
+        if os.path.isdir(ckpt):
+            # A partial earlier run: training refuses to overwrite its newer checkpoints, so start over.
+            print(f"   (removing the previous run's {ckpt})", flush=True)
+            shutil.rmtree(ckpt)
+        losses, valid = run_training(make_flags(first), None, os.path.join(workdir, "train.log"))
+        summary["losses"] += losses
+        summary["validation"] += valid
+
+    step(f"5. resume from the checkpoint for the last {total - first} iterations")
+    if checkpoint_iteration(ckpt) >= total:
+        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
+    else:
+        flags = make_flags(total)
+        flags[flags.index("--save-interval") + 1] = str(total)
+        losses, valid = run_training(flags, ckpt, os.path.join(workdir, "resume.log"))
+        summary["losses"] += losses
+        summary["validation"] += valid
+    return summary
+
+
 def train_stages(args, preset: Preset, data: tuple) -> dict:
     """Steps 4-5, each skipped when the checkpoint already has its iterations."""
     data_prefix, vocab, merges = data[:3]
@@ -261,30 +292,10 @@ def train_stages(args, preset: Preset, data: tuple) -> dict:
     first_iters = preset.iters - preset.resume_iters
     log_interval = max(preset.iters // 20, 1)
     layout = f"{nproc} processes, tensor parallel {tp}, pipeline parallel {pp}, {preset.precision}"
-    summary = {"losses": [], "validation": [], "layout": layout, "checkpoints": ckpt}
-
-    step(f"4. train {first_iters} iterations ({layout})")
-    if checkpoint_iteration(ckpt) >= first_iters:
-        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
-    else:
-        if os.path.isdir(ckpt):
-            # A partial earlier run: training refuses to overwrite its newer checkpoints, so start over.
-            print(f"   (removing the previous run's {ckpt})", flush=True)
-            shutil.rmtree(ckpt)
-        flags = train_flags(preset, data_prefix, vocab, merges, ckpt, first_iters, log_interval, tp, pp)
-        losses, valid = train(args, flags, nproc, None, os.path.join(args.workdir, "train.log"))
-        summary["losses"] += losses
-        summary["validation"] += valid
-
-    step(f"5. resume from the checkpoint for the last {preset.resume_iters} iterations")
-    if checkpoint_iteration(ckpt) >= preset.iters:
-        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
-    else:
-        flags = train_flags(preset, data_prefix, vocab, merges, ckpt, preset.iters, log_interval, tp, pp)
-        flags[flags.index("--save-interval") + 1] = str(preset.iters)
-        losses, valid = train(args, flags, nproc, ckpt, os.path.join(args.workdir, "resume.log"))
-        summary["losses"] += losses
-        summary["validation"] += valid
+    summary = train_then_resume(
+        args.workdir, ckpt, first_iters, preset.iters, layout,
+        lambda iters: train_flags(preset, data_prefix, vocab, merges, ckpt, iters, log_interval, tp, pp),
+        lambda flags, load, log_path: train(args, flags, nproc, load, log_path))
     if not summary["validation"]:  # both stages reused: the last run's figures are in its logs
         for name in ("train.log", "resume.log"):
             path = os.path.join(args.workdir, name)

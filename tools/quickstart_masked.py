@@ -9,14 +9,13 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Callable
 
-from quickstart import (ROOT, checkpoint_iteration, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
-                        step, train_tokenizer_once)
+from quickstart import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
+                        step, train_then_resume, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -109,27 +108,10 @@ def train_stages(args, family: Family, preset: MaskedPreset, data_prefix: str, v
     ckpt = os.path.join(args.workdir, "checkpoints")
     nproc, tp, pp = parallel_layout()
     first = preset.iters - preset.resume_iters
-    summary = {"losses": [], "validation": [], "layout": f"{nproc} processes, TP {tp}, PP {pp}", "checkpoints": ckpt}
-    step(f"4. train {first} iterations ({summary['layout']})")
-    if checkpoint_iteration(ckpt) >= first:
-        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
-    else:
-        if os.path.isdir(ckpt):
-            shutil.rmtree(ckpt)  # a partial earlier run: start over
-        flags = train_flags(family, preset, data_prefix, vocab, ckpt, first, tp, pp)
-        losses, valid = train(args, family, flags, nproc, None, os.path.join(args.workdir, "train.log"))
-        summary["losses"] += losses
-        summary["validation"] += valid
-    step(f"5. resume from the checkpoint for the last {preset.resume_iters} iterations")
-    if checkpoint_iteration(ckpt) >= preset.iters:
-        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
-    else:
-        flags = train_flags(family, preset, data_prefix, vocab, ckpt, preset.iters, tp, pp)
-        flags[flags.index("--save-interval") + 1] = str(preset.iters)
-        losses, valid = train(args, family, flags, nproc, ckpt, os.path.join(args.workdir, "resume.log"))
-        summary["losses"] += losses
-        summary["validation"] += valid
-    return summary
+    return train_then_resume(
+        args.workdir, ckpt, first, preset.iters, f"{nproc} processes, TP {tp}, PP {pp}",
+        lambda iters: train_flags(family, preset, data_prefix, vocab, ckpt, iters, tp, pp),
+        lambda flags, load, log_path: train(args, family, flags, nproc, load, log_path))
 
 
 def evaluate_and_export(args, family: Family, preset: MaskedPreset, heldout_prefix: str) -> dict:
