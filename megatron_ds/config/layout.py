@@ -346,13 +346,12 @@ class FamilyShape:
     # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
     # False where more than one tensor between stages needs its gradient (T5's encoder output)
     partition_activations: bool = True
-    # --num-layers must divide over the pipeline stages (False: the family's check divides its layers)
-    layers_over_pp: bool = True
     # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output
     # buffers per micro-batch), for the memory estimate; None: the GPT's (``memory.gpt_stage_activations``)
     activations: Callable | None = None
     # (model, pipeline size) -> (the model at that size, the flags it adds) or None where its layers cannot split
-    # so, for --dry-run's suggestions; None: the GPT's (--num-layers divides over the stages, nothing added)
+    # so, for --dry-run's suggestions; None: the GPT's (--num-layers divides over the stages, nothing added).
+    # A family that has one divides its layers over the stages itself (its ``check`` says where they cannot).
     pipeline_choice: Callable | None = None
 
 
@@ -393,7 +392,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.layers_over_pp)
+    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp

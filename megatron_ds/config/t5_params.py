@@ -237,5 +237,5 @@ def t5_pipeline_choice(m: ModelConfig, pp: int):
 
 # Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
 # divides each side of the split rank over that side's stages (check_t5)
-T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False, layers_over_pp=False,
+T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False,
                        activations=t5_stage_activations, pipeline_choice=t5_pipeline_choice)
