@@ -2,14 +2,14 @@
 # Run a job script's training on the node(s) of an interactive job, the same way the batch job
 # would (same modules, hostfile, mpirun line, flags):
 #
-#   ABCI 2.0:  qrsh -g GROUP -l rt_F=1 -l h_rt=1:00:00
 #   ABCI 3.0:  qsub -I -P GROUP -q rt_HF -l select=1:mpiprocs=8 -l walltime=1:00:00
+#   Grid Engine (ABCI 2.0's names):  qrsh -g GROUP -l rt_F=1 -l h_rt=1:00:00
 #   then, in the repository:
-#              bash scripts/abci/interactive.sh scripts/abci/abci2_v100_gpt_345m.sh --train-iters 20
+#              bash scripts/abci/interactive.sh scripts/abci/abci3_h200_gpt_1.3b.sh --train-iters 20
 #
 # Arguments after the job script go to pretrain_gpt.py (the last value of a flag wins); every
 # variable of the job script can be set in front (TP=2 NUM_LAYERS=4 bash scripts/abci/...).
-# Run outside an interactive job, it prints the qrsh / qsub -I command that gets one for that
+# Run outside an interactive job, it prints the qsub -I / qrsh command that gets one for that
 # script (its resource type and node count, from its #$ / #PBS header) and exits 1; DRY_RUN=1
 # works anywhere.
 #

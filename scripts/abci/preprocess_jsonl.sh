@@ -11,11 +11,11 @@
 # Tokenize a directory of JSONL files (.jsonl / .jsonl.gz) into Megatron's .bin/.idx on a CPU node,
 # with every core of the job, staging through node-local storage:
 #
-#   ABCI 2.0 (rt_C.large, 20 cores):  qsub -g GROUP -v INPUT_DIR=...,OUTPUT_PREFIX=... scripts/abci/preprocess_jsonl.sh
 #   ABCI 3.0 (rt_HC, 32 cores):       qsub -P GROUP -v INPUT_DIR=...,OUTPUT_PREFIX=... scripts/abci/preprocess_jsonl.sh
-#   interactively (qrsh / qsub -I):   bash scripts/abci/preprocess_jsonl.sh INPUT_DIR OUTPUT_PREFIX [flags]
+#   Grid Engine (rt_C.large, 20):     qsub -g GROUP -v INPUT_DIR=...,OUTPUT_PREFIX=... scripts/abci/preprocess_jsonl.sh
+#   interactively (qsub -I / qrsh):   bash scripts/abci/preprocess_jsonl.sh INPUT_DIR OUTPUT_PREFIX [flags]
 #
-# (one file serves both systems: Grid Engine reads the #$ lines, PBS the #PBS lines.)
+# (one file serves both systems: PBS reads the #PBS lines, Grid Engine the #$ lines.)
 # Writes OUTPUT_PREFIX_<key>_document.{bin,idx} (key: each of JSON_KEYS, default "text"). Steps:
 #   1. copy the corpus to the node-local directory ($SGE_LOCALDIR / $PBS_LOCALDIR): the tokenizer
 #      processes then read local disk, not the shared file system;

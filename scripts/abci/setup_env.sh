@@ -11,12 +11,13 @@
 # Build the Python environment the job scripts use, on a compute node with the training modules
 # loaded (apex and other CUDA extensions must be compiled there, never on a login node):
 #
-#   ABCI 2.0:  qsub -g GROUP scripts/abci/setup_env.sh                    # V100 (rt_G.small)
-#              qsub -g GROUP -l rt_AG.small=1 scripts/abci/setup_env.sh   # for A100 jobs
 #   ABCI 3.0:  qsub -P GROUP scripts/abci/setup_env.sh                    # H200 (rt_HG)
-#   or inside qrsh / qsub -I:  bash scripts/abci/setup_env.sh
+#   Grid Engine (ABCI 2.0's names):
+#              qsub -g GROUP scripts/abci/setup_env.sh                    # V100 (rt_G.small)
+#              qsub -g GROUP -l rt_AG.small=1 scripts/abci/setup_env.sh   # for A100 jobs
+#   or inside qsub -I / qrsh:  bash scripts/abci/setup_env.sh
 #
-# (one file serves both systems: Grid Engine reads the #$ lines, PBS the #PBS lines; outside a job,
+# (one file serves both systems: PBS reads the #PBS lines, Grid Engine the #$ lines; outside a job,
 # ABCI_SYSTEM=3 picks ABCI 3.0's module names, ABCI 2.0's otherwise.) Steps, each
 # skipped when already done with the same inputs, so re-running is cheap and safe:
 #   1. module load cuda / cudnn / nccl / hpcx (the job scripts' list, common.sh), python on ABCI 3.0
