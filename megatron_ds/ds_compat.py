@@ -62,7 +62,7 @@ _INTERNAL_NAMES = {
 # (module, class, attribute, who relies on it).
 _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
-     "overridden by megatron_ds.model.pipeline.GPTPipelineModel"),
+     "overridden by megatron_ds.model.layer_specs.GPTPipelineModel"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
      "overridden by megatron_ds.model.t5.T5PipelineModel (the split rank's partition)"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),

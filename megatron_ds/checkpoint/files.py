@@ -37,7 +37,7 @@ from megatron_ds.config.t5_params import decoder_layers
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.bert import bert_layer_specs
-from megatron_ds.model.pipeline import gpt_layer_specs
+from megatron_ds.model.layer_specs import gpt_layer_specs
 from megatron_ds.model.t5 import t5_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")

@@ -196,7 +196,7 @@ def bert_model_flags(m: ModelConfig) -> list[str]:
 
 def save_bert_tokenizer(data, out_dir: str, log: Callable, vocab_size: int | None = None) -> None:
     """The WordPiece vocabulary as transformers' BERT tokenizer files (vocab.txt and its config),
-    with the ids Megatron's BERT tokenizer appends to the file's (``data/bert_tokenizer.py``):
+    with the ids Megatron's BERT tokenizer appends to the file's (``data/wordpiece.py``):
     ``[BOS]``, ``[EOS]`` where the file lacks them, then ``<extra_id_N>``, up to ``vocab_size``."""
     kind = data.tokenizer_type
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not data.vocab_file:

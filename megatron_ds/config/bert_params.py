@@ -20,7 +20,7 @@ from megatron_ds.config.layout import FamilyShape, Layout, StageParams, gpt_only
 from megatron_ds.config.memory import LayerActivations, gpt_stage_activations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.schedules import partition_stages
+from megatron_ds.parallel.partition import partition_stages
 
 TIED = "BertEmbedding"
 

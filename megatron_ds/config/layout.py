@@ -16,15 +16,15 @@ from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
 from megatron_ds.config.moe import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
-from megatron_ds.config.schedule import RunSchedule, resolve_iterations
+from megatron_ds.config.run_length import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, describe_zbh1, partition_stages,
-                                            virtual_pipeline_size)
+from megatron_ds.parallel.partition import partition_stages
 from megatron_ds.parallel.utils import pad_vocab_size
+from megatron_ds.pipeline.plan import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 
 
 def resolve_model_config(m: ModelConfig) -> ModelConfig:
@@ -215,7 +215,7 @@ def _layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int,
 
 def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
-    ``model/pipeline.py`` lists them (the names are what a "type:" partition method matches): the
+    ``model/layer_specs.py`` lists them (the names are what a "type:" partition method matches): the
     embedding, the transformer layers, the final norm, the output layer -- tied, a second
     ``GPTEmbedding`` holding the word embedding only, or untied, its own weight."""
     h = m.hidden_size

@@ -258,7 +258,7 @@ def stage_activation_bytes(layout: Layout, stage) -> float:
     layers = [layer for run in runs for layer in run]
     if layout.recompute == "full":
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time (a chunk
-        # ends where the run of layers does: model/pipeline.py checkpoints transformer layers only).
+        # ends where the run of layers does: model/layer_specs.py checkpoints transformer layers only).
         chunk = max(1, min(layout.recompute_num_layers, len(layers)))
         kept = sum(layer.chunk_input for run in runs for layer in run[::chunk])
         # the largest chunk's layers (MoE layers keep more than dense ones)

@@ -154,7 +154,7 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           "drop_tokens), while sequence parallelism gives each rank different ones")
     if own_schedule:
         raise ConfigError("mixture of experts cannot run on the interleaved or ZB-H1 pipeline schedules: their executor "
-                          "passes only the hidden state between stages (training/interleaved_pipeline.py "
+                          "passes only the hidden state between stages (pipeline/executor.py "
                           "activation_specs), not the MoE layers' auxiliary loss; use the pipeline engine's 1F1B")
     return []
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     ),
     "tokenizer": ("MockTokenizer", "TokenizerError", "build_tokenizer", "build_tokenizer_for"),
     "helpers": ("build_blending_indices", "build_mapping", "build_sample_idx"),
-    "bert_tokenizer": ("BertWordPieceTokenizer",),
+    "wordpiece": ("BertWordPieceTokenizer",),
     "masking": ("create_masked_lm_predictions",),
     "samples_mapping": ("get_samples_mapping",),
     "bert_dataset": ("BertDataset",),

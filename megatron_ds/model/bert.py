@@ -30,8 +30,8 @@ from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, gpt_loss_fn
-from megatron_ds.model.pipeline import (PARTITION_METHOD, TIED_EMBEDDING_KEY, GPTPipelineModel, GPTSequential,
-                                        stage_of_specs)
+from megatron_ds.model.layer_specs import (PARTITION_METHOD, TIED_EMBEDDING_KEY, GPTPipelineModel, GPTSequential,
+                                           stage_of_specs)
 from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout, openai_gelu
 from megatron_ds.parallel.layers import ColumnParallelLinear, init_method_normal
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
@@ -221,7 +221,7 @@ def _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs):
 def build_pipeline_bert(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,
                         activation_checkpoint_interval: int = 0, partition_method: str = PARTITION_METHOD,
                         loss_report=None, **spec_kwargs) -> GPTPipelineModel:
-    """BERT as a DeepSpeed ``PipelineModule`` (seeded per layer as the GPT: ``model/pipeline.py``)."""
+    """BERT as a DeepSpeed ``PipelineModule`` (seeded per layer as the GPT: ``model/layer_specs.py``)."""
     specs = _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs)
     return GPTPipelineModel(specs, topology=topology, tp_group=tp_group, seed=seed, partition_method=partition_method,
                             activation_checkpoint_interval=activation_checkpoint_interval,

@@ -1,7 +1,7 @@
 """The GPT-specific pieces around the transformer layers: embedding, final norm, output head, loss.
 
 Each piece is a module whose forward takes one object (a tensor or a tuple), so they chain as
-DeepSpeed pipeline layers (see ``pipeline.py``):
+DeepSpeed pipeline layers (see ``layer_specs.py``):
 
     (tokens, position_ids)  --GPTEmbedding-->  hidden [s, b, h]  (or (hidden, document_ids))
     --ParallelTransformerLayer x N-->  --FinalNorm-->  hidden  --output head-->  logits [b, s, V/tp]

@@ -61,7 +61,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.config.t5_params import t5_stage_bounds
 from megatron_ds.model.gpt import mask_padded_vocab_
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.pipeline import GPTPipelineModel, GPTSequential
+from megatron_ds.model.layer_specs import GPTPipelineModel, GPTSequential
 from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout, padding_attention_mask
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          init_method_normal, scaled_init_method_normal,

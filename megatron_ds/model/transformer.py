@@ -300,7 +300,7 @@ class ParallelTransformerLayer(nn.Module):
     mask, see the module docstring).
 
     The class name is what the pipeline partitioner balances on
-    (``megatron_ds.model.pipeline.PARTITION_METHOD``); keep the two in sync.
+    (``megatron_ds.model.layer_specs.PARTITION_METHOD``); keep the two in sync.
 
     ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe.py``) holding this rank's share of the
     experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
@@ -353,7 +353,7 @@ class ParallelTransformerLayer(nn.Module):
             ds_compat.gather_flat_on_gloo(parallel["tp_group"])
         expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
         # the experts' seeds follow this layer's seed (the generators are seeded just before each layer
-        # is built: model/pipeline.py), drawn by Python's generator, not torch's: a build on fake tensors
+        # is built: model/layer_specs.py), drawn by Python's generator, not torch's: a build on fake tensors
         # (tests/fake_cuda/test_gpu_paths_moe.py) or on the meta device has no tensor value to read back
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - num_experts)
         return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,

@@ -10,7 +10,6 @@
                     startup_checks.py     --save usable, port clashes, the start-up barrier
                     engine.py             model + optimizer + LR schedule inside DeepSpeed's engine
                     optimizer.py          the fastest AdamW available, the fp32 NaN guard
-                    interleaved_pipeline.py  the interleaved 1F1B and ZB-H1 executor on the plain engine
     the loop        loop.py               Loop: train / evaluate, Megatron's iteration line
                     lr_schedule.py        Megatron's LR schedules (iteration- or sample/token-counted)
                     data.py               datasets, resumable loaders, micro-batches

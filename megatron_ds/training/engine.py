@@ -17,15 +17,15 @@ from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe import is_moe_model
-from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.parallel.utils import PRECISION_DTYPES
-from megatron_ds.training.interleaved_pipeline import build_interleaved_model, wrap_engine
-from megatron_ds.training.log import print_rank0
+from megatron_ds.pipeline.executor import build_interleaved_model, wrap_engine
+from megatron_ds.progress import print_rank0
 from megatron_ds.training.lr_schedule import make_lr_schedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
 

@@ -29,8 +29,8 @@ from megatron_ds.config.layout import Layout
 from megatron_ds.config.memory import GB, estimate_stages, parameter_state
 from megatron_ds.config.run import Run
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.chunks import build_interleaved_gpt
-from megatron_ds.model.pipeline import build_sequential_gpt, build_stage_gpt
+from megatron_ds.pipeline.chunks import build_interleaved_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt, build_stage_gpt
 from megatron_ds.training.engine import model_kwargs, params_dtype
 
 TOLERANCE = 0.01

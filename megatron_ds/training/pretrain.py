@@ -24,8 +24,8 @@ from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
+from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
-from megatron_ds.training import log as mlog
 from megatron_ds.training.family import GPT, ModelFamily
 from megatron_ds.training.file_checks import check_run_files
 from megatron_ds.training.initialize import discover_world
@@ -88,7 +88,7 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> Tr
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
-                             log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None), family=family)
+                             log=print_rank0 if env.rank == 0 else (lambda *a: None), family=family)
     return train(run, device, tokenizer, start_time, family)
 
 

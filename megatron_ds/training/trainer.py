@@ -14,6 +14,7 @@ from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
+from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
 from megatron_ds.training.collective_timeout import CollectiveWatch, is_collective_failure
 from megatron_ds.training.data import build_loader, check_train_length, samples_per_split, stage_iterator
@@ -51,7 +52,7 @@ def _startup_checks(run: Run):
     startup_barrier(timeout)
     watch = CollectiveWatch(timeout)
     save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, timeout, log=mlog.print_rank0) if save else None
+    lock = prepare_save_dir(save, run.layout, timeout, log=print_rank0) if save else None
     return lock, watch
 
 
@@ -103,7 +104,7 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
     ckpt, layout = run.checkpoint, run.layout
     state = TrainState()
     if ckpt.load:
-        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, log=mlog.print_rank0)
+        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, log=print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -114,7 +115,7 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
         if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
             set_rng_state(_own_rng_state(client["rng"], ps.dp_rank, run.training.data_parallel_random_init))
     if ckpt.save:
-        protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
+        protect_newer(ckpt.save, state.iteration, log=print_rank0)
     return state
 
 
@@ -122,7 +123,7 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, family: ModelFam
     """(train, validation, test) micro-batch iterators of ``family``'s samples, each None where the
     split does not exist; train is None too when this run does not train."""
     layout, t, data = run.layout, run.training, run.data
-    datasets = family.build_datasets(run, tokenizer, samples_per_split(layout, t), mlog.print_rank0)
+    datasets = family.build_datasets(run, tokenizer, samples_per_split(layout, t), print_rank0)
     check_train_length(datasets[0], data, layout.train_iters * layout.global_batch_size)
     collator = family.make_collator(run, tokenizer)
 
@@ -181,7 +182,7 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family_name: 
         if ckpt.save_rng:
             client["rng"] = _rng_states(run, dp_group)
         save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
-                        log=mlog.print_rank0)
-        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
+                        log=print_rank0)
+        print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
 
     return save

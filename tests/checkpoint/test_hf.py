@@ -45,7 +45,7 @@ def exported(request, tmp_path_factory):
 
 def _ours(ckpt):
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     c = load_consolidated(ckpt, log=lambda *a: None)
     model = build_sequential_gpt(c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)

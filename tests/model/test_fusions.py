@@ -17,7 +17,7 @@ from megatron_ds.config.arguments import IGNORED_FLAGS, parse_args
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model import fusions
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
 

@@ -11,7 +11,7 @@ import torch
 from megatron_ds.checkpoint import hf
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.model.test_reference import TOL, VOCAB, batch, gpt2_config
 
 VARIANTS = {"openai_gelu": True, "squared_relu": True, "apply_layernorm_1p": True,

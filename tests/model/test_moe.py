@@ -28,7 +28,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe import experts_per_layer
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 
 H, E = 16, 4

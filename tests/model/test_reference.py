@@ -19,7 +19,7 @@ from megatron_ds.config.layout import count_parameters, resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.gpt import document_ids
-from megatron_ds.model.pipeline import build_sequential_gpt, gpt_layer_specs
+from megatron_ds.model.layer_specs import build_sequential_gpt, gpt_layer_specs
 from megatron_ds.parallel.random import set_parallel_seeds
 
 VOCAB = 96  # padded vocabulary

@@ -114,7 +114,7 @@ def test_model_built_in_place_equals_built_then_cast(dtype):
     """Training builds the model directly in its compute precision on its device (no full fp32
     copy first): the weights are exactly those of the fp32 build cast afterwards."""
     from megatron_ds.config import parse_args, resolve
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
     from tests.training.common import LLAMA_FLAGS
 
     cfg, _ = parse_args(TINY_GPT + LLAMA_FLAGS + ["--train-iters", "1"])

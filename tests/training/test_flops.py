@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.training.flops import model_flops_per_iteration
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "

@@ -198,7 +198,7 @@ def test_moe_stage_counts_are_the_built_models(extra, world):
     from deepspeed.moe.utils import is_moe_param
 
     from megatron_ds import ds_compat
-    from megatron_ds.model.pipeline import build_stage_gpt
+    from megatron_ds.model.layer_specs import build_stage_gpt
     from megatron_ds.training.engine import model_kwargs
 
     cfg, _ = parse_args(MOE_BASE + extra.split())
@@ -222,7 +222,7 @@ def test_moe_partitions_match_the_analytic_count(method):
     the built model is cut into."""
     from megatron_ds.config import count_parameters, resolve_model_config
     from megatron_ds.config.schema import ModelConfig
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                                            num_experts=(8,)))

@@ -29,23 +29,20 @@ its default):
 
 Megatron-DeepSpeed also asserts PP > 2 for interleaving; that is a limit of its paired
 send/receive calls, which with two ranks send both directions between the same pair at once. The
-executor here (``megatron_ds.training.interleaved_pipeline``) posts independent tagged messages, so PP = 2
+executor here (``megatron_ds.pipeline.executor``) posts independent tagged messages, so PP = 2
 interleaves too.
 
-Without interleaving, DeepSpeed's pipeline engine places the layers itself: ``partition_stages``
-is its partition (--pipeline-partition-method), for the layout's analytic count and the model's
-build of one stage alike.
+Which layers a chunk holds (``chunk_layer_range``) and DeepSpeed's own partition of the layers
+without interleaving (``partition_stages``) live in ``megatron_ds.parallel.partition``.
 """
 from __future__ import annotations
 
-import functools
-import re
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_ds import ds_compat
 from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.partition import chunk_layer_range
 
 FORWARD = "F"
 BACKWARD = "B"  # the whole backward: input and weight gradients
@@ -261,46 +258,6 @@ def virtual_pipeline_size(num_layers: int, pp: int, layers_per_virtual_stage: in
     if v > 1 and pp < 2:
         raise ScheduleError("interleaving (virtual pipeline stages) needs --pipeline-model-parallel-size >= 2")
     return v
-
-
-def chunk_layer_range(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> range:
-    """Transformer layers (0-based) of chunk ``chunk`` on pipeline rank ``rank``: Megatron's
-    assignment, virtual stage ``chunk * pp + rank`` of ``pp * v`` equal ones."""
-    per = num_layers // (pp * v)
-    stage = chunk * pp + rank
-    return range(stage * per, (stage + 1) * per)
-
-
-def partition_stages(num_stages: int, method: str, names: Sequence[str | None],
-                     parameters: Callable[[], Sequence[int]]) -> list[int]:
-    """Index of the first layer of each pipeline stage, then the number of layers: how DeepSpeed's
-    ``PipelineModule._partition_layers`` splits the layers called ``names`` (class names) by
-    --pipeline-partition-method: "uniform" (equal numbers of layers, whatever they hold),
-    "parameters" (balanced trainable parameters; ``parameters()`` gives them per layer, asked only
-    for this method) or "type:REGEX" (balanced numbers of layers whose class name matches,
-    case-insensitive; the default "type:ParallelTransformerLayer" balances transformer layers)."""
-    kind, weights = method.lower(), ()  # DeepSpeed lower-cases the method, its regex included
-    if kind.startswith("type:"):
-        pattern = re.compile(kind.split(":", 1)[1], re.IGNORECASE)
-        weights = tuple(1 if name and pattern.search(name) else 0 for name in names)
-        if not any(weights):  # DeepSpeed would stop at start-up ("found no valid layers")
-            raise ConfigError(f"--pipeline-partition-method {method} matches no layer of the model "
-                              f"({', '.join(sorted({n for n in names if n}))})")
-    elif kind not in ("uniform", "parameters"):
-        raise ConfigError(f"--pipeline-partition-method {method}: DeepSpeed's pipeline knows uniform, parameters "
-                          f"and type:REGEX")
-    if num_stages == 1:
-        return [0, len(names)]
-    if kind == "uniform":
-        return [int(i) for i in ds_compat.partition_uniform(num_items=len(names), num_parts=num_stages)]
-    return list(_balanced(tuple(parameters()) if kind == "parameters" else weights, num_stages))
-
-
-@functools.lru_cache(maxsize=64)
-def _balanced(weights: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
-    # DeepSpeed's dynamic program is O(layers^2 x stages) in Python: --dry-run's suggestions ask
-    # for the same partition more than once
-    return tuple(int(i) for i in ds_compat.partition_balanced(weights=list(weights), num_parts=num_stages))
 
 
 def bubble_fraction(pp: int, m: int, v: int = 1) -> float:

@@ -43,7 +43,7 @@ from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_lo
 from megatron_ds.model.moe import experts_per_layer
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import checkpoint
-from megatron_ds.parallel.schedules import partition_stages
+from megatron_ds.parallel.partition import partition_stages
 from megatron_ds.parallel.utils import tp_world_size
 
 TRANSFORMER_LAYER_CLASS = ParallelTransformerLayer.__name__
@@ -224,7 +224,7 @@ class GPTSequential(nn.Module):
 
     ``activation_checkpoint_interval > 0`` recomputes runs of that many consecutive transformer
     layers in backward (full recompute). ``layer_indices`` builds only those specs (a chunk of the
-    interleaved schedule, ``megatron_ds.model.chunks``), seeded and named by their index.
+    interleaved schedule, ``megatron_ds.pipeline.chunks``), seeded and named by their index.
     """
 
     def __init__(self, specs: list, *, tp_group=None, seed: int, activation_checkpoint_interval: int = 0,

@@ -2,7 +2,7 @@
 
 Pipeline rank ``r`` of ``pp`` holds ``v`` chunks; chunk ``c`` is virtual stage ``c * pp + r`` and
 holds transformer layers ``[(c*pp + r) * L, (c*pp + r + 1) * L)`` (Megatron's assignment, see
-``megatron_ds.parallel.schedules.chunk_layer_range``). Virtual stage 0 also holds the embedding;
+``megatron_ds.parallel.partition.chunk_layer_range``). Virtual stage 0 also holds the embedding;
 the last one the final norm and the output layer.
 
 Each chunk is a ``GPTSequential`` over a subset of the same DeepSpeed layer specs the
@@ -26,8 +26,8 @@ from torch import nn
 
 from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.pipeline import GPTSequential, gpt_layer_specs
-from megatron_ds.parallel.schedules import chunk_layer_range
+from megatron_ds.model.layer_specs import GPTSequential, gpt_layer_specs
+from megatron_ds.parallel.partition import chunk_layer_range
 
 
 def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> list[int]:
@@ -99,7 +99,7 @@ def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: i
                           tp_group, seed: int, tie_group=None, activation_checkpoint_interval: int = 0,
                           loss_report=None, **spec_kwargs) -> GPTModelChunks:
     """This rank's chunks of the GPT (``spec_kwargs`` as for ``build_pipeline_gpt``); ``tie_group``
-    from ``megatron_ds.parallel.p2p.tied_embedding_group`` (None: no copies to synchronize)."""
+    from ``megatron_ds.pipeline.p2p.tied_embedding_group`` (None: no copies to synchronize)."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
                             loss_report=loss_report, **spec_kwargs)
     return GPTModelChunks(specs, num_layers=model_cfg.num_layers, pp=pp, pp_rank=pp_rank, v=v, tp_group=tp_group,
