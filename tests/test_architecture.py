@@ -1,10 +1,12 @@
 """The floors of docs/architecture.md hold: every import in megatron_ds/ (function-level ones
 included) points to the importer's floor or below, no modules import each other in a circle, and
-no private name crosses a module boundary. The floor list is read from the document itself."""
+no private name crosses a module boundary. The floor list is read from the document itself. No
+two modules share a file name either, so that a name says where a module is."""
 from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,15 @@ def test_imports_follow_the_floors():
     floors = read_floors(REPO / "docs" / "architecture.md")
     problems = check(REPO / PACKAGE, floors)
     assert not problems, "\n".join(problems)
+
+
+def test_no_two_modules_share_a_file_name():
+    seen = defaultdict(list)
+    for path in sorted((REPO / PACKAGE).rglob("*.py")):
+        if path.name != "__init__.py":
+            seen[path.name].append(str(path.relative_to(REPO / PACKAGE)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, "modules sharing a file name: " + "; ".join(" ".join(p) for p in shared.values())
 
 
 @pytest.mark.parametrize("files,expected", [
