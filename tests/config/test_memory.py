@@ -212,7 +212,8 @@ def test_over_budget_names_layouts_that_fit():
 
 
 def test_design_reference_13b_on_v100_fits():
-    # DESIGN.md: a 13B GPT fits V100 16 GB with micro batch 1, TP 4, PP 8 and checkpointing.
+    # the layout of scripts/abci/abci2_v100_gpt_13b.sh: a 13B GPT fits V100 16 GB with micro batch 1,
+    # TP 4, PP 8 and activation checkpointing
     flags = _gpt_flags(40, 5120, 40, 2048, 1, 512, tp=4, pp=8) + ["--fp16", "--checkpoint-activations",
                                                                   "--deepspeed_config", "ds_configs/zero1_fp16.json"]
     cfg, layout = _layout(flags, 32)
