@@ -94,7 +94,7 @@ def test_activation_term_is_what_a_layer_saves(case):
     # small size; they do not grow with the micro batch)
     assert measured == pytest.approx(estimated, rel=0.015), (measured / (s * b * h), estimated / (s * b * h))
     if case == "gpt":
-        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (see the docstring)
+        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (docs/memory.md)
         assert estimated == pytest.approx(s * b * h * (34 + 2 + 4 * a / h), rel=1e-9)
         assert estimated < s * b * h * (34 + 5 * a * s / h) / 2  # the unfused count would double it
 
