@@ -97,12 +97,9 @@ def place_expert(expert: int, num_local: int) -> tuple[int, int]:
 
 
 def expert_parallel_rank(dp_rank: int, tp_rank: int, *, tp: int, ep: int, expert_tp: bool) -> int:
-    """The expert parallel rank of the rank at (data parallel, tensor parallel) coordinates of a
-    pipeline stage, as DeepSpeed's groups order them (deepspeed/utils/groups.py
-    ``_create_expert_and_data_parallel``: ``EP`` consecutive ranks of the stage, which is
-    data-major, tensor-minor; ``_create_expert_data_and_model_parallel`` with expert tensor
-    parallelism: ``EP`` consecutive data parallel ranks of one TP rank). The same rule as
-    ``megatron_ds.parallel.groups.ParallelState.expert_parallel_rank``, for ranks that are not this one."""
+    """The expert parallel rank of the rank at (data parallel, tensor parallel) coordinates of a pipeline
+    stage, in DeepSpeed's group order (explained in ``megatron_ds.parallel.groups``): the rule of
+    ``ParallelState.expert_parallel_rank``, for ranks other than this one (checkpoint readers)."""
     return dp_rank % ep if expert_tp else (dp_rank * tp + tp_rank) % ep
 
 

@@ -155,48 +155,16 @@ def state_bytes(layout: Layout) -> StateBytes:
 
 
 def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts: int = 1) -> float:
-    """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
+    """Bytes of activations one transformer layer keeps for backward, for one micro-batch on one GPU.
 
-    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
-    count s*b*h*(34 + 5*a*s/h) bytes for a GPT layer in 16 bits (with tensor parallelism the 24 of
-    the 34 kept inside the tensor parallel region divide by t; sequence parallelism divides the
-    other 10 too). The 5*a*s/h are the [s, s] attention scores, softmax and dropout mask, which the
-    fused attention kernels this model runs on a GPU (flash / memory-efficient
-    scaled_dot_product_attention) never store: they keep q, k, v, the output and an fp32 logsumexp
-    per head and position, and redraw the dropout mask. The rest is counted by what this model's
-    layer saves, which reproduces the 34 for GPT shapes and follows the model's ffn size, SwiGLU
-    and grouped-query attention (tests/config/test_memory.py measures it with saved-tensor hooks):
-
-      replicated: both norms' inputs 2+2 (4+4 with --fp32-residual-connection: the residual stream
-        they read is fp32), the QKV and first MLP linear inputs 2+2, one dropout mask
-        after attention and one after the MLP when hidden dropout is on (2 bytes: the fused
-        bias-dropout-add multiplies by a mask in the activations' dtype; 1 byte, CUDA's bool mask,
-        with --no-bias-dropout-fusion)
-      split by t: q, k, v 2*(a + 2*g)*d/h (g key/value heads, d channels per head), the attention
-        output 2*a*d/h (also the output projection's input), the logsumexp 4*a/h, with RoPE the
-        rotated copies of q and k 2*(a + g)*d/h (v, a view of the fused QKV output, keeps that
-        whole output alive); GeLU MLP 2*f/h (its input) + 2*f/h (the second linear's input),
-        SwiGLU 4*f/h (gate and up) + 2*f/h (SiLU(gate)) + 2*f/h (the product)
-
-    Selective recompute re-runs the attention core from q, k, v: its logsumexp is not kept (the
-    output still is, as the projection's input). fp32 activations double everything.
-
-    DeepSpeed-Ulysses (SP ranks) keeps everything for s / SP positions: outside attention the rank
-    holds its positions, inside it all s positions of 1/SP of the heads. The all-to-all keeps none
-    of its inputs, so q, k, v are kept once, after it (no rotated copies, no fused QKV output held
-    by v), and the attention output twice: the core's, and after the all-to-all back the output
-    projection's input.
-
-    An MoE layer (``experts`` > 1; DeepSpeed's MOELayer, deepspeed/moe/sharded_moe.py, whose 0.19 dispatch
-    and combine gather and scatter by route index instead of one-hot einsums) runs its MLP on the experts'
-    E x C capacity slots (C = tokens x capacity factor x top-k / E, at least --moe-min-capacity), split over
-    the tensor parallel ranks (DeepSpeed drops the duplicate tokens of TP ranks before the experts): the
-    MLP's activations scale by E C / tokens, and the dispatched tokens (the experts' input, 2) are kept too.
-    On every rank the gate keeps its fp32 input (4) and softmax (4 E/h), the combine each token's k expert
-    outputs (2 k). PR-MoE's residual MLP keeps what a dense MLP keeps, and the mix of the two outputs both
-    (2 + 2). With --disable-moe-token-dropping an expert's capacity is the most loaded expert's tokens
-    (DeepSpeed's gating), known only at run time: the estimate assumes the balanced load of the capacity
-    factor. (tests/config/test_memory.py measures an MoE layer as the dense one.)
+    Megatron's ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022) without the ``5 a s / h``: the
+    fused attention kernels this model runs on a GPU never store the ``[s, s]`` scores. The rest is
+    counted term by term from what this model's layer saves (q, k, v with their own head counts, the
+    ffn size, SwiGLU, RoPE's copies, dropout masks, the attention logsumexp), then divided by TP where
+    the tensor is split; ``recompute`` is the layout's setting ("selective" drops the logsumexp; full
+    recompute is the caller's), ``experts`` > 1 an MoE layer at its capacity slots. The terms, with
+    sequence parallelism (Ulysses) and MoE, are in docs/memory.md; tests/config/test_memory.py
+    measures them with saved-tensor hooks.
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \

@@ -1,4 +1,4 @@
-"""Mixture of experts (issue 21) in the plan: which layers hold experts, what they weigh, what MoE refuses.
+"""Mixture of experts in the plan: which layers hold experts, what they weigh, what MoE refuses.
 
 DeepSpeed-MoE as Megatron-DeepSpeed builds it (deepspeedai/Megatron-DeepSpeed megatron/model/transformer.py
 ParallelTransformerLayer, gpt_model.py GPTModelPipe): the layers whose 1-based number is a multiple of

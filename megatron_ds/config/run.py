@@ -36,8 +36,8 @@ class TrainingSettings:
     exit_signal_handler: bool
     max_consecutive_nan_iters: int
     empty_unused_memory_level: int
-    kill_switch_file: str | None  # issue 23: save and exit when this file exists
-    data_parallel_random_init: bool  # issue 23: a seed per data parallel rank
+    kill_switch_file: str | None  # save and exit when this file exists
+    data_parallel_random_init: bool  # a seed per data parallel rank
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class OptimizerSettings:
     min_lr: float
     lr_decay_style: str
     weight_decay: float
-    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine (issue 23)
+    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine
     end_weight_decay: float | None
     weight_decay_incr_style: str
     clip_grad: float
@@ -61,7 +61,7 @@ class OptimizerSettings:
     use_checkpoint_lr_scheduler: bool
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
-    create_moe_param_group: bool = False  # issue 21: expert parameters in optimizer groups of their own
+    create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT/BERT/T5 samples, blending, samplers, batches.
+"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT/BERT/T5 samples, blending, samplers,
+batches, and the index cache that one process builds while the others wait.
 
 Names are re-exported lazily (PEP 562): `tools/preprocess_data.py` and its worker processes use
 the tokenizer and the indexed dataset builder without paying for importing torch.

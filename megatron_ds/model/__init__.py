@@ -1,12 +1,18 @@
-"""The GPT model: tensor parallel transformer layers, and the layer specs that build it as a DeepSpeed
-``PipelineModule`` or as one plain module.
+"""Model building blocks: tensor parallel transformer layers, the GPT built from them, MoE layers,
+and the layer specs that turn a model into a DeepSpeed ``PipelineModule`` or one plain module.
+The families' own models (BERT, T5, in ``megatron_ds.families``) are built from these pieces.
 
     specs/builders  layer_specs.py  gpt_layer_specs, build_pipeline_gpt, build_sequential_gpt
     GPT pieces      gpt.py          embedding, final norm, output head, gpt_loss_fn
-    blocks          transformer.py  attention (SDPA, GQA, rope), MLP (GeLU / SwiGLU), layer
+    blocks          transformer.py  attention (SDPA, GQA), MLP (GeLU / SwiGLU), the layer
+                    rotary.py       rotary position embeddings (Megatron/Llama "rotate half")
+                    norms.py        LayerNorm / RMSNorm, apex's kernels when importable
+                    moe.py          DeepSpeed's MoE layer around the expert MLP, which layers hold experts
     kernels         kernels.py      kernel choice: optional apex norms, SDPA; describe_kernels() for the log
                     fusions.py      compiled bias-GeLU / bias-SwiGLU / bias-dropout-add / RoPE
                     liger.py        liger-kernel's fused linear + cross entropy (optional extra)
+    inference       kv_cache.py     keys/values of earlier positions for incremental decoding
+    loss            loss_report.py  named scalars a loss function reports next to the loss
     optimizer       param_groups.py which parameters decay (shared with the checkpoint readers)
 
 The model chunks of the interleaved schedule are in ``megatron_ds.pipeline.chunks``.

@@ -71,7 +71,8 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int
 
 
 def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
-    """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError (issue 13)."""
+    """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError, so a
+    layout that cannot fit fails at submission instead of after the queue."""
     estimate = memory.estimate_memory(layout)
     budget = memory.gpu_memory_bytes(gpu_memory_gb)
     print(estimate.describe(budget))

@@ -170,7 +170,7 @@ def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
 def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family_name: str = "gpt"):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
-    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10);
+    # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
             "vocab_size": tokenizer.vocab_size, "model_family": family_name}

@@ -3,7 +3,7 @@
 The parameter-state part is compared with what a real DeepSpeed engine holds after one step on CPU
 (every live tensor storage in the process, counted once, before and after), the activation part
 with torch.cuda.max_memory_allocated on a GPU when there is one, and the whole with the layouts
-the job scripts and the issue name.
+of the job scripts and of a known failure (GPT 6.7B on one 80 GB GPU).
 """
 import gc
 import json
@@ -94,7 +94,7 @@ def test_activation_term_is_what_a_layer_saves(case):
     # small size; they do not grow with the micro batch)
     assert measured == pytest.approx(estimated, rel=0.015), (measured / (s * b * h), estimated / (s * b * h))
     if case == "gpt":
-        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (see the docstring)
+        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (docs/memory.md)
         assert estimated == pytest.approx(s * b * h * (34 + 2 + 4 * a / h), rel=1e-9)
         assert estimated < s * b * h * (34 + 5 * a * s / h) / 2  # the unfused count would double it
 
@@ -185,7 +185,7 @@ def test_pipeline_first_stage_holds_the_most_micro_batches():
 
 
 def test_seven_billion_on_one_80gb_gpu_is_refused():
-    # The issue's report: GPT 6.7B on one 80 GB GPU passed --dry-run, then ran out of memory.
+    # The failure this check exists for: GPT 6.7B on one 80 GB GPU passed --dry-run, then ran out of memory.
     # Mixed-precision Adam alone is 16 bytes/parameter = ~107 GB.
     cfg, layout = _layout(_gpt_flags(32, 4096, 32, 2048, 1, 8) + ["--bf16"], 1)
     est = estimate_memory(layout)
@@ -212,7 +212,8 @@ def test_over_budget_names_layouts_that_fit():
 
 
 def test_design_reference_13b_on_v100_fits():
-    # DESIGN.md: a 13B GPT fits V100 16 GB with micro batch 1, TP 4, PP 8 and checkpointing.
+    # the layout of scripts/abci/abci2_v100_gpt_13b.sh: a 13B GPT fits V100 16 GB with micro batch 1,
+    # TP 4, PP 8 and activation checkpointing
     flags = _gpt_flags(40, 5120, 40, 2048, 1, 512, tp=4, pp=8) + ["--fp16", "--checkpoint-activations",
                                                                   "--deepspeed_config", "ds_configs/zero1_fp16.json"]
     cfg, layout = _layout(flags, 32)
@@ -380,7 +381,7 @@ MOE_LAYER_CASES = {
 
 @pytest.mark.parametrize("case", list(MOE_LAYER_CASES))
 def test_moe_activation_term_is_what_an_moe_layer_saves(case):
-    """Issue 21: an MoE layer (DeepSpeed's MoE around our expert MLP, one process) against the estimate, measured
+    """An MoE layer (DeepSpeed's MoE around our expert MLP, one process) against the estimate, measured
     as the dense layer above: the experts' MLP activations over their capacity slots, the dispatched tokens, the
     gate's fp32 input, each token's k expert outputs, PR-MoE's residual MLP."""
     from megatron_ds.model.transformer import ParallelTransformerLayer

@@ -1,4 +1,4 @@
-"""Mixture of experts in the plan (issue 21): layer placement, parameter counts, memory, and the one-line refusals.
+"""Mixture of experts in the plan: layer placement, parameter counts, memory, and the one-line refusals.
 
 Layer placement is checked against a transcription of Megatron-DeepSpeed's get_num_experts_per_layer
 (megatron/model/transformer.py); parameter counts against closed forms written here from DeepSpeed's MoE layer

@@ -1,4 +1,4 @@
-"""`tools/preprocess_data.py --split-sentences` end to end for BERT/T5 (issue 24): a JSONL corpus, a WordPiece
+"""`tools/preprocess_data.py --split-sentences` end to end for BERT/T5: a JSONL corpus, a WordPiece
 vocabulary trained offline (tools/train_tokenizer.py --type wordpiece), sentence-level `.bin/.idx` with
 documents delimited, then BERT and T5 samples built from it.
 

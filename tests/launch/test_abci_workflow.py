@@ -1,4 +1,4 @@
-"""The ABCI workflow around the job scripts, in simulated Grid Engine / PBS jobs (issue 13):
+"""The ABCI workflow around the job scripts, in simulated Grid Engine / PBS jobs:
 DRY_RUN's printed launch (hostfile and mpirun line, field by field) with the real
 pretrain_gpt.py --dry-run verdict, node-local data staging, interactive.sh, setup_env.sh,
 preprocess_jsonl.sh with the real tools/preprocess_data.py, and shellcheck on every script.

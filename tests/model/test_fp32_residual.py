@@ -1,4 +1,4 @@
-"""--fp32-residual-connection (issue 23): the residual stream of a half-precision model in fp32.
+"""--fp32-residual-connection: the residual stream of a half-precision model in fp32.
 
 Megatron-DeepSpeed casts the embedding output to fp32 (megatron/model/language_model.py), adds each
 branch's half-precision output onto the fp32 residual (megatron/model/transformer.py: the

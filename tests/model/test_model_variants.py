@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed's model variants (issue 23): --openai-gelu, --squared-relu, --apply-layernorm-1p,
+"""Megatron-DeepSpeed's model variants: --openai-gelu, --squared-relu, --apply-layernorm-1p,
 --apply-residual-connection-post-layernorm. Their numerics are checked against the dense reference
 (tests/model/test_reference.py); here: each changes the model (the reference check is not vacuous),
 1p starts from zero weights, the Hugging Face export expresses what GPT2LMHeadModel can (its logits equal

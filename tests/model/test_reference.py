@@ -205,7 +205,7 @@ def _model_and_reference(cfg, reset_attention_mask=False, **batch_kw):
                                              untie_embeddings_and_output_weights=True), False),
     ("llama", llama_config(), False),
     ("llama-partial-rotary-mha-reset", llama_config(rotary_percent=0.5, num_key_value_heads=4), True),
-    # Megatron-DeepSpeed's variants (issue 23)
+    # Megatron-DeepSpeed's variants
     ("gpt2-openai-gelu", gpt2_config(openai_gelu=True), False),
     ("gpt2-squared-relu", gpt2_config(squared_relu=True), False),
     ("gpt2-layernorm-1p", gpt2_config(apply_layernorm_1p=True), False),

@@ -192,7 +192,7 @@ MOE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lengt
      "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --swiglu --disable-bias-linear", 8),
 ])
 def test_moe_stage_counts_are_the_built_models(extra, world):
-    """Issue 21: the layout's per-rank counts (config/moe.py: 1/EP of the experts) and its expert share are what
+    """MoE: the layout's per-rank counts (config/moe.py: 1/EP of the experts) and its expert share are what
     the MoE model builds on each stage; expert parameters are those DeepSpeed marks (is_moe_param). Built on the
     CPU: these are small."""
     from deepspeed.moe.utils import is_moe_param
