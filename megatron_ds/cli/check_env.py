@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Print what training start-up would use in this environment, without starting anything:
 
     python tools/check_env.py              # on a compute node, with the job's modules loaded
@@ -15,8 +14,6 @@ import argparse
 import importlib.util
 import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 
 def _cuda_lines(torch) -> list[str]:
@@ -114,7 +111,3 @@ def main(argv=None) -> int:
               "and install a CUDA build of torch", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

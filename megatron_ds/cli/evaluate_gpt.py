@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluate a trained GPT: sliding-window perplexity and LAMBADA-style last-word accuracy.
 
 The model comes from a checkpoint directory (--load; saved at any tensor / pipeline parallel size)
@@ -34,11 +33,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists  # noqa: E402
-from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity  # noqa: E402
-from megatron_ds.inference.runtime import add_model_args, close_session, open_session  # noqa: E402
+from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
+from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity
+from megatron_ds.inference.runtime import add_model_args, close_session, open_session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +146,3 @@ def main(argv=None) -> int:
     finally:
         close_session()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

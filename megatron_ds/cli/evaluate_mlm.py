@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluate a BERT checkpoint (pretrain_bert.py, saved at any TP / PP) on held-out data: masked-LM
 accuracy and loss, and sentence-order accuracy (megatron_ds/inference/masked_lm.py).
 
@@ -12,9 +11,8 @@ checkpoint's own --data-path / --split, which training never reads; --data-path 
 from __future__ import annotations
 
 import os
-import sys
 
-from evaluate_masked import build_parser, evaluate, held_out_samples, write_results
+from megatron_ds.cli.evaluate_masked import build_parser, evaluate, held_out_samples, write_results
 
 
 def _datasets(args, weights, tokenizer):
@@ -38,7 +36,3 @@ def main(argv=None) -> int:
           f"{results['masked_tokens']} masked tokens of {samples} samples{sop}")
     write_results(args.output, results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluate a T5 checkpoint (pretrain_t5.py, saved at any TP / PP) on held-out data: span-prediction
 loss and token accuracy (megatron_ds/inference/span_loss.py).
 
@@ -13,9 +12,8 @@ evaluated.
 from __future__ import annotations
 
 import os
-import sys
 
-from evaluate_masked import build_parser, evaluate, held_out_samples, write_results
+from megatron_ds.cli.evaluate_masked import build_parser, evaluate, held_out_samples, write_results
 
 
 def _dataset(args, weights, tokenizer):
@@ -39,7 +37,3 @@ def main(argv=None) -> int:
           f"{results['target_tokens']} target tokens of {samples} samples")
     write_results(args.output, results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Generate text with a trained GPT (Megatron's tools/generate_samples_gpt.py, reworked).
 
 The model comes from a checkpoint directory written by pretrain_gpt.py (--load; saved at any
@@ -28,10 +27,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ds.inference.generate import SamplingConfig, generate  # noqa: E402
-from megatron_ds.inference.runtime import add_model_args, close_session, open_session  # noqa: E402
+from megatron_ds.inference.generate import SamplingConfig, generate
+from megatron_ds.inference.runtime import add_model_args, close_session, open_session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +168,3 @@ def write_results(results: list[dict], output: str | None) -> None:
         return
     for r in results:
         print(f"--- prompt: {r['prompt']!r} ({r['new_tokens']} new tokens)\n{r['prompt']}{r['generated']}\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

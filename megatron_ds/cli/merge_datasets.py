@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Concatenate indexed datasets (`.bin/.idx` pairs) into one, Megatron's merge_datasets.
 
     python tools/merge_datasets.py --input shards/ --output-prefix data/all_text_document
@@ -14,9 +13,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from megatron_ds.data.indexed_dataset import (  # noqa: E402
+from megatron_ds.data.indexed_dataset import (
     IndexedDatasetError,
     MMapIndexedDataset,
     MMapIndexedDatasetBuilder,
@@ -88,7 +85,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Tokenize JSONL into Megatron's indexed dataset (`{prefix}_{key}_document.bin/.idx`).
 
     python tools/preprocess_data.py --input corpus/ --output-prefix data/my \\
@@ -27,16 +26,14 @@ from itertools import chain
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from megatron_ds.data.indexed_dataset import (  # noqa: E402
+from megatron_ds.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
     data_file_path,
     index_file_path,
 )
-from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
-from megatron_ds.progress import progress  # noqa: E402
+from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
+from megatron_ds.progress import progress
 
 MAX_REPORTED = 5  # malformed lines shown individually; the rest only counted
 _CHUNK_BYTES = 8 << 20  # a chunk also ends at this many bytes, so huge documents don't pile up
@@ -496,7 +493,3 @@ def main(argv=None) -> int:
         print("interrupted: no output written", file=sys.stderr)
         return 130
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,11 +13,9 @@ Every step prints the command it runs; a second run reuses what the first built.
 """
 from __future__ import annotations
 
-import os
 import re
-import sys
 
-from quickstart_masked import Family, MaskedPreset, run as run_family
+from megatron_ds.cli.quickstart_masked import Family, MaskedPreset, run as run_family
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|.*? sop loss: ([0-9.E+-]+) \|")
 
@@ -55,9 +53,3 @@ BERT = Family("BERT", "pretrain_bert.py", BERT_PRESETS, model_flags, LOSS_RE, "e
 def run(args) -> int:
     """The BERT quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
     return run_family(args, BERT)
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from quickstart import main
-    sys.exit(main(["--model", "bert", *sys.argv[1:]]))

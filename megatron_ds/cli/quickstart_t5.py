@@ -17,11 +17,9 @@ Every step prints the command it runs; a second run reuses what the first built.
 """
 from __future__ import annotations
 
-import os
 import re
-import sys
 
-from quickstart_masked import Family, MaskedPreset, run as run_family
+from megatron_ds.cli.quickstart_masked import Family, MaskedPreset, run as run_family
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 HF_VARIANT = ["--position-embedding-type", "none", "--normalization", "rmsnorm", "--disable-bias-linear"]
@@ -64,9 +62,3 @@ T5 = Family("T5", "pretrain_t5.py", T5_PRESETS, model_flags, LOSS_RE, "evaluate_
 def run(args) -> int:
     """The T5 quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
     return run_family(args, T5)
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from quickstart import main
-    sys.exit(main(["--model", "t5", *sys.argv[1:]]))

@@ -12,10 +12,7 @@ Then ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTok
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +68,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}; the export needs transformers (pip install 'megatron_ds[hf]')", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,10 +11,7 @@ layout with ``pretrain_gpt.py ... --load CHECKPOINT_DIR --universal-checkpoint``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +36,3 @@ def main(argv=None) -> int:
         return 1
     print(f"wrote {out}; resume with: pretrain_gpt.py ... --load {args.load} --universal-checkpoint")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Train a tokenizer on your own JSONL corpus, offline.
 
     # GPT-2 style byte-level BPE: writes OUT/vocab.json + OUT/merges.txt
@@ -23,11 +22,8 @@ import os
 import sys
 from itertools import islice
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling preprocess_data
-
-from megatron_ds.data.bpe_reference import bytes_to_unicode  # noqa: E402
-from preprocess_data import PreprocessError, iter_json_texts, resolve_inputs  # noqa: E402
+from megatron_ds.cli.preprocess_data import PreprocessError, iter_json_texts, resolve_inputs
+from megatron_ds.data.bpe_reference import bytes_to_unicode
 
 EOD = "<|endoftext|>"
 
@@ -174,7 +170,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
