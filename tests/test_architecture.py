@@ -181,9 +181,10 @@ def script_problems(path: Path, repo: Path, local: set[str]) -> list[str]:
                 for module, module_line in absolute_imports(tree) if module.split(".")[0] in local]
     for node in ast.walk(tree):
         where = f"{name}:{getattr(node, 'lineno', 0)}"
-        sys_path = (isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
-                    or isinstance(node, ast.ImportFrom) and node.module == "sys"
-                    and any(a.name == "path" for a in node.names))
+        sys_path = ((isinstance(node, ast.Attribute) and node.attr == "path"
+                     and getattr(node.value, "id", None) == "sys")
+                    or (isinstance(node, ast.ImportFrom) and node.module == "sys"
+                        and any(a.name == "path" for a in node.names)))
         if sys_path:
             problems.append(f"{where}: uses sys.path (the package is installed: import it)")
         if isinstance(node, ast.ImportFrom) and node.level:
