@@ -35,7 +35,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VOCAB = 50257
 SHAPES = {  # layers, hidden, heads, ffn (None: 4h, GeLU), llama-style

@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import re
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPE = dict(layers=8, hidden=256, heads=8, seq=256, vocab=50304, micro=8)
 

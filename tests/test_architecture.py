@@ -1,7 +1,11 @@
 """The floors of docs/architecture.md hold: every import in megatron_ds/ (function-level ones
 included) points to the importer's floor or below, no modules import each other in a circle, and
 no private name crosses a module boundary. The floor list is read from the document itself. No
-two modules share a file name either, so that a name says where a module is."""
+two modules share a file name either, so that a name says where a module is.
+
+The scripts (tools/, bench/, pretrain_*.py) stand on top: each imports the installed package and
+nothing else of the repository, never touches sys.path, and the package imports none of them, so
+no import circle can run through them; none runs through tests/ either."""
 from __future__ import annotations
 
 import ast
@@ -13,6 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_ds"
+SCRIPT_DIRS = ("tools", "bench")
+# Calls that load a file as a module (or put a folder on the import path) around ``import``.
+FILE_LOADERS = {"spec_from_file_location", "SourceFileLoader", "run_path", "addsitedir"}
 
 
 def read_floors(doc: Path) -> dict[str, int]:
@@ -143,6 +150,75 @@ def check(root: Path, floors: dict[str, int]) -> list[str]:
     return problems
 
 
+def script_files(repo: Path) -> list[Path]:
+    """The repository's scripts: every .py under tools/ and bench/, and the pretrain_*.py entry points."""
+    return sorted([p for d in SCRIPT_DIRS for p in (repo / d).rglob("*.py")] + list(repo.glob("pretrain_*.py")))
+
+
+def local_names(repo: Path) -> set[str]:
+    """Top-level names under which an import would reach the repository's own files instead of the
+    installed package: the script folders and tests/, the top-level scripts, and every script by its
+    bare name (as with its folder on sys.path)."""
+    return {*SCRIPT_DIRS, "tests"} | {p.stem for p in repo.glob("*.py")} | {p.stem for p in script_files(repo)}
+
+
+def absolute_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(module, line) of every absolute import at any depth (``from a import b``: ``a``), and of
+    every ``importlib.import_module("a")`` with a literal name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.module, node.lineno))
+        elif (isinstance(node, ast.Call) and _called(node) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out.append((node.args[0].value, node.lineno))
+    return out
+
+
+def _called(call: ast.Call) -> str | None:
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+
+
+def script_problems(path: Path, repo: Path, local: set[str]) -> list[str]:
+    """What makes a script more than a caller of the installed package: sys.path used, a file loaded
+    as a module, a relative import, an import of another script, of tools/, bench/ or tests/."""
+    tree = ast.parse(path.read_text(), str(path))
+    name = path.relative_to(repo)
+    problems = [f"{name}:{module_line}: imports {module}, which is not the installed package"
+                for module, module_line in absolute_imports(tree) if module.split(".")[0] in local]
+    for node in ast.walk(tree):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        sys_path = ((isinstance(node, ast.Attribute) and node.attr == "path"
+                     and getattr(node.value, "id", None) == "sys")
+                    or (isinstance(node, ast.ImportFrom) and node.module == "sys"
+                        and any(a.name == "path" for a in node.names)))
+        if sys_path:
+            problems.append(f"{where}: uses sys.path (the package is installed: import it)")
+        if isinstance(node, ast.ImportFrom) and node.level:
+            problems.append(f"{where}: a relative import (a script is no package)")
+        if isinstance(node, ast.Call) and _called(node) in FILE_LOADERS:
+            problems.append(f"{where}: loads a file as a module ({_called(node)})")
+    return problems
+
+
+def repository_graph(repo: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the repository's modules it imports, over the package, tests/ (``tests.*``) and the
+    scripts (named by their path; an import of a script's bare name is an edge to it)."""
+    files = {**module_files(repo / package), **module_files(repo / "tests")}
+    known = set(files) | _extension_modules(repo / package)
+    scripts = {str(p.relative_to(repo)): p for p in script_files(repo)}
+    by_stem = {Path(name).stem: name for name in scripts}
+    graph = {}
+    for name, path in {**files, **scripts}.items():
+        importer = name if name in files else "__main__"
+        graph[name] = {target for top in (package, "tests")
+                       for target, _, _ in imports_of(importer, path, known, top) if target != name}
+        graph[name] |= {by_stem[m] for m, _ in absolute_imports(ast.parse(path.read_text())) if m in by_stem}
+    return graph
+
+
 def test_imports_follow_the_floors():
     floors = read_floors(REPO / "docs" / "architecture.md")
     problems = check(REPO / PACKAGE, floors)
@@ -156,6 +232,25 @@ def test_no_two_modules_share_a_file_name():
             seen[path.name].append(str(path.relative_to(REPO / PACKAGE)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, "modules sharing a file name: " + "; ".join(" ".join(p) for p in shared.values())
+
+
+def test_scripts_only_call_the_installed_package():
+    local = local_names(REPO)
+    problems = [p for path in script_files(REPO) for p in script_problems(path, REPO, local)]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_circle_in_the_repository():
+    """The package, tests/ and the scripts together. The scripts import only the package; the
+    package imports no script by its bare name either, so no circle runs through them."""
+    local = local_names(REPO)
+    problems = [f"{path.relative_to(REPO)}:{line}: imports {module}, a script or a folder of scripts"
+                for path in module_files(REPO / PACKAGE).values()
+                for module, line in absolute_imports(ast.parse(path.read_text())) if module.split(".")[0] in local]
+    cycle = find_cycle(repository_graph(REPO, PACKAGE))
+    if cycle:
+        problems.append("import circle: " + " -> ".join(cycle))
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("files,expected", [
@@ -190,3 +285,33 @@ def test_a_module_on_a_higher_floor_may_import_from_it(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert check(root, {"low": 0, "high": 1, "low.up": 1}) == []
+
+
+@pytest.mark.parametrize("script,expected", [
+    ("import sys\nsys.path.insert(0, 'tools')\n", "uses sys.path"),
+    ("from sys import path\n", "uses sys.path"),
+    ("def main():\n    from other import main\n", "imports other, which is not the installed package"),
+    ("from tools.other import main\n", "imports tools.other"),
+    ("import importlib\nimportlib.import_module('tests.e2e_data')\n", "imports tests.e2e_data"),
+    ("import runpy\nrunpy.run_path('bench/other.py')\n", "loads a file as a module (run_path)"),
+    ("from . import other\n", "a relative import"),
+    ("import sys\n\nfrom pkg.cli.tool import main\n\nsys.exit(main())\n", None),
+])
+def test_the_script_check_finds_what_it_forbids(tmp_path, script, expected):
+    for name, text in {"tools/tool.py": script, "bench/other.py": "", "tools/other.py": ""}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    problems = script_problems(tmp_path / "tools" / "tool.py", tmp_path, local_names(tmp_path))
+    assert any(expected in p for p in problems) if expected else not problems, problems
+
+
+def test_the_repository_graph_sees_circles_through_tests_and_scripts(tmp_path):
+    files = {"pkg/__init__.py": "", "tests/__init__.py": "", "tests/a.py": "from tests.b import x\n",
+             "tests/b.py": "import tests.a\n", "tools/one.py": "import two\n", "tools/two.py": "import one\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = repository_graph(tmp_path, "pkg")
+    assert graph["tests.a"] == {"tests.b"} and graph["tests.b"] == {"tests.a"}
+    assert graph["tools/one.py"] == {"tools/two.py"} and graph["tools/two.py"] == {"tools/one.py"}
+    assert find_cycle(graph)

@@ -36,8 +36,8 @@ def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):
     from megatron_ds.config.t5_params import decoder_layers
     from megatron_ds.inference.span_loss import load_t5
     from megatron_ds.model.t5 import build_sequential_t5
-    from tools.checkpoint.from_hf import main as from_hf
-    from tools.checkpoint.to_hf import main as to_hf
+    from megatron_ds.cli.from_hf import main as from_hf
+    from megatron_ds.cli.to_hf import main as to_hf
 
     ckpt = str(tmp_path / "ckpt")
     run_distributed(t5_train_losses, 2, VARIANT + ["--save", ckpt], timeout=600)

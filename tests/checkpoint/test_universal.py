@@ -12,14 +12,11 @@ moments that resharding reads, so nothing here is looser.
 import argparse
 import json
 import os
-import sys
 
 import pytest
 
+from megatron_ds.cli import to_universal
 from tests.checkpoint.test_reshard import BF16, FP32, _check_resumed, _straight
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-import to_universal  # noqa: E402
 
 
 def ds_to_universal(ckpt: str, iteration: int) -> str:

@@ -71,7 +71,7 @@ def fuzz_texts(n, seed):
 
 
 def _tool(name):
-    return importlib.import_module(name)  # tools/ is on sys.path (pytest's pythonpath setting)
+    return importlib.import_module(f"megatron_ds.cli.{name}")  # the body of tools/<name>.py
 
 
 def training_corpus(path, n_docs=400, seed=0):

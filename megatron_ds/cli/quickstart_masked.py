@@ -1,7 +1,7 @@
-"""The steps the masked-data quickstarts share (BERT: tools/quickstart_bert.py, T5:
-tools/quickstart_t5.py): a WordPiece vocabulary, --split-sentences data, the training job and its
-resumed continuation, the family's evaluation tool and the export to transformers. A `Family` holds
-what differs between them: the training script, its model flags, its log's losses, its evaluation.
+"""The steps the masked-data quickstarts share (BERT: quickstart_bert.py, T5: quickstart_t5.py): a
+WordPiece vocabulary, --split-sentences data, the training job and its resumed continuation, the
+family's evaluation tool and the export to transformers. A `Family` holds what differs between
+them: the training script, its model flags, its log's losses, its evaluation.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Callable
 
-from quickstart import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
-                        step, train_then_resume, train_tokenizer_once)
+from megatron_ds.cli.quickstart_steps import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
+                                              step, train_then_resume, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -46,7 +46,7 @@ class Family:
     presets: dict[str, MaskedPreset]
     model_flags: Callable[[MaskedPreset, int], list[str]]  # (preset, PP): the architecture's flags
     loss_re: re.Pattern  # a training log line: its iteration, then its losses
-    evaluation: str  # the evaluation tool, a module in tools/
+    evaluation: str  # the evaluation tool: tools/<evaluation>.py, its body megatron_ds.cli.<evaluation>
     evaluation_title: str  # step 6's title
     summarize: Callable[[list, dict], list[str]]  # (training losses, evaluation JSON): the summary's lines
 
@@ -65,7 +65,7 @@ def prepare_data(workdir: str, preset: MaskedPreset, workers: int) -> tuple[str,
         prefix = os.path.join(data_dir, name)
         if not os.path.exists(prefix + "_text_sentence.idx"):
             os.makedirs(data_dir, exist_ok=True)
-            from preprocess_data import main as preprocess
+            from megatron_ds.cli.preprocess_data import main as preprocess
             run_tool(preprocess, ["--input", source, "--output-prefix", prefix, "--json-keys", "text",
                                   "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
                                   "--vocab-file", vocab, "--workers", str(workers)], "tools/preprocess_data.py")
@@ -116,14 +116,14 @@ def train_stages(args, family: Family, preset: MaskedPreset, data_prefix: str, v
 
 def evaluate_and_export(args, family: Family, preset: MaskedPreset, heldout_prefix: str) -> dict:
     """Steps 6-7 on the final checkpoint, in this process."""
-    from checkpoint.to_hf import main as to_hf
+    from megatron_ds.cli.to_hf import main as to_hf
 
     ckpt = os.path.join(args.workdir, "checkpoints")
     out = os.path.join(args.workdir, "evaluation.json")
     step(f"6. evaluate: {family.evaluation_title}")
-    run_tool(import_module(family.evaluation).main, ["--load", ckpt, "--data-path", heldout_prefix, "--samples",
-                                                     str(preset.eval_samples), "--output", out],
-             f"tools/{family.evaluation}.py")
+    evaluation = import_module(f"megatron_ds.cli.{family.evaluation}").main
+    run_tool(evaluation, ["--load", ckpt, "--data-path", heldout_prefix, "--samples", str(preset.eval_samples),
+                          "--output", out], f"tools/{family.evaluation}.py")
     step("7. export to Hugging Face transformers")
     hf_dir = os.path.join(args.workdir, "hf")
     run_tool(to_hf, ["--load", ckpt, "--out", hf_dir], "tools/checkpoint/to_hf.py")

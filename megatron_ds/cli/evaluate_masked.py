@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser(doc: str, script: str) -> argparse.ArgumentParser:
