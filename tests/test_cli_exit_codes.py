@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "check
 
 def _main(tool):
     if tool == "pretrain_gpt":
-        from megatron_ds.training.pretrain import main
+        from megatron_ds.families import main
         return main
     return importlib.import_module(tool).main
 
@@ -107,7 +107,7 @@ def test_evaluate_with_nothing_to_do_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("family", ["bert", "t5"])
 def test_other_entry_points_name_themselves_in_usage_errors(capsys, family):
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     module = importlib.import_module(f"megatron_ds.training.{family}")
     try:

@@ -24,10 +24,10 @@ def _datasets(args, weights, tokenizer):
 
 def main(argv=None) -> int:
     args = build_parser(__doc__, "pretrain_bert.py").parse_args(argv)
-    from megatron_ds.inference.masked_lm import load_bert, masked_lm_accuracy  # noqa: PLC0415
-    from megatron_ds.training.bert import BertCollator  # noqa: PLC0415
+    from megatron_ds.families.bert.bert_family import BertCollator  # noqa: PLC0415
+    from megatron_ds.families.bert.masked_lm import load_bert, masked_lm_accuracy  # noqa: PLC0415
 
-    done = evaluate(args, _datasets, BertCollator,
+    done = evaluate(args, "bert", _datasets, BertCollator,
                     lambda weights, loader, vocab_size: masked_lm_accuracy(load_bert(weights), loader, vocab_size))
     if done is None:
         return 1

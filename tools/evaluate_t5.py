@@ -25,10 +25,10 @@ def _dataset(args, weights, tokenizer):
 
 def main(argv=None) -> int:
     args = build_parser(__doc__, "pretrain_t5.py").parse_args(argv)
-    from megatron_ds.inference.span_loss import load_t5, span_prediction_loss  # noqa: PLC0415
-    from megatron_ds.training.t5 import T5Collator  # noqa: PLC0415
+    from megatron_ds.families.t5.span_loss import load_t5, span_prediction_loss  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_family import T5Collator  # noqa: PLC0415
 
-    done = evaluate(args, _dataset, T5Collator,
+    done = evaluate(args, "t5", _dataset, T5Collator,
                     lambda weights, loader, vocab_size: span_prediction_loss(load_t5(weights), loader, vocab_size))
     if done is None:
         return 1

@@ -1,8 +1,8 @@
 """Training a resolved ``Run``.
 
-    entry point     pretrain.py           main(): parse, resolve, --dry-run, pretrain()
-                    family.py, bert.py    the model family an entry point trains (GPT, BERT): builders,
-                                          datasets, micro-batches, reported loss names
+    entry point     pretrain.py           main(family): parse, resolve, --dry-run, pretrain(); the family (its
+                                          builders, datasets, micro-batches, loss names) is the entry
+                                          point's, from megatron_ds.families
                     meta_build.py         --dry-run: each pipeline stage built on the meta device
                     trainer.py            train(): start-up checks, build, resume, loop, final evaluation
     set-up          initialize.py         rank discovery, the process group

@@ -1,4 +1,4 @@
-"""Our T5 <-> Hugging Face's T5ForConditionalGeneration (checkpoint/hf_t5.py), both directions.
+"""Our T5 <-> Hugging Face's T5ForConditionalGeneration (families/t5/t5_hf.py), both directions.
 
 Export: our T5 in the variant HF's code can compute (relative position biases or none, RMS norms,
 no biases; GeLU, --openai-gelu, --swiglu, --squared-relu, --relu or --geglu MLP), written as safetensors +
@@ -22,7 +22,7 @@ import torch
 from megatron_ds.checkpoint import hf_t5
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.t5 import build_sequential_t5
+from megatron_ds.families.t5.t5_model import build_sequential_t5
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,7 +129,7 @@ def test_relative_position_bucket_is_hfs():
     """Our transcription against transformers' own ``T5Attention._relative_position_bucket``."""
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    from megatron_ds.model.t5 import relative_position_bucket
+    from megatron_ds.families.t5.t5_model import relative_position_bucket
 
     position = torch.arange(300)[None, :] - torch.arange(300)[:, None]
     for bidirectional in (True, False):

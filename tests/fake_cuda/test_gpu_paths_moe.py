@@ -26,7 +26,7 @@ from megatron_ds.model.loss_report import LossReport
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.training.device import select_device
 from megatron_ds.training.engine import build_module
-from megatron_ds.training.family import GPT
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training.optimizer import build_optimizer
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, stage_step
 

@@ -27,7 +27,7 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.loss_report import LossReport
-from megatron_ds.model.moe import experts_per_layer
+from megatron_ds.model.moe_layer import experts_per_layer
 from megatron_ds.model.pipeline import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.model.bert import build_sequential_bert
+from megatron_ds.families.bert.bert_model import build_sequential_bert
 
 
 def load_bert(weights, device="cpu") -> torch.nn.Module:

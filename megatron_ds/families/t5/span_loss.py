@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.config.t5_params import decoder_layers
-from megatron_ds.model.t5 import build_sequential_t5
+from megatron_ds.families.t5.t5_model import build_sequential_t5
+from megatron_ds.families.t5.t5_params import decoder_layers
 
 
 def load_t5(weights, device="cpu") -> torch.nn.Module:
