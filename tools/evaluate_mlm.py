@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Evaluate a BERT checkpoint (pretrain_bert.py, saved at any TP / PP) on held-out data: masked-LM
-accuracy and loss, and sentence-order accuracy (megatron_ds/inference/masked_lm.py).
+accuracy and loss, and sentence-order accuracy (megatron_ds/families/bert/masked_lm.py).
 
 The samples are built as training builds them (Megatron-DeepSpeed's BERT samples: the checkpoint's
 --seq-length, --mask-prob, --short-seq-prob and seed): by default from the test split of the

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Evaluate a T5 checkpoint (pretrain_t5.py, saved at any TP / PP) on held-out data: span-prediction
-loss and token accuracy (megatron_ds/inference/span_loss.py).
+loss and token accuracy (megatron_ds/families/t5/span_loss.py).
 
 The samples are built as training builds them (Megatron-DeepSpeed's T5 span corruption: the
 checkpoint's --encoder-seq-length, --decoder-seq-length, --mask-prob, --short-seq-prob and seed): by

@@ -14,7 +14,7 @@ A checkpoint ``DIR/global_stepN/`` (``megatron_ds.checkpoint.format``) holds:
 - ZeRO-3 only: ``zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt`` instead of the mp_rank files,
   the weights in the optimizer shards (``megatron_ds.checkpoint.zero3``);
 - with MoE layers: no layer files, the mp_rank files hold every stage's non-expert weights, and
-  DeepSpeed's expert files hold the experts (``megatron_ds.checkpoint.expert_files``, ``moe_files``).
+  DeepSpeed's expert files hold the experts (``megatron_ds.checkpoint.expert_files``, ``moe_sources``).
 
 Files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay on disk until a
 slice of them is used, which keeps conversion memory near one layer even when a file (an

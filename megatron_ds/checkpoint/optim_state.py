@@ -8,7 +8,7 @@ and Adam moments, read from
 - ZeRO-3's flat partitions (``zero3``);
 - the ZeRO-0 torch / fp16 optimizer's positional state (``plain_optim``: by the
   ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints);
-  with MoE layers one such state per expert parallel rank (``moe``), experts named by global id
+  with MoE layers one such state per expert parallel rank (``expert_files``), experts named by global id
   (as the ZeRO shards' experts are renamed).
 
 Files are memory-mapped: tensors are read when a parameter's slice is used.
@@ -107,7 +107,7 @@ class SavedOptimizer:
 
     def _index_plain_moe(self, files: dict[int, dict[int, str]]) -> None:
         """ZeRO-0 with MoE layers: each expert parallel rank's whole optimizer in its own file
-        (``moe``), positions named by the ``optimizer_param_names`` of data parallel rank 0, the
+        (``expert_files``), positions named by the ``optimizer_param_names`` of data parallel rank 0, the
         same local names on every expert parallel rank; its experts renamed to global ids."""
         weights = MoEModuleSource(self.ckpt)
         ep = self.ckpt.meta["signature"][EXPERT_PARALLEL_SIZE]

@@ -4,7 +4,7 @@
 - ``LayerFileSource``: DeepSpeed's per-layer files (``layer_XX-model_YY-model_states.pt``, the
   pipeline engine and the interleaved schedule);
 - ``ModuleSource``: the plain engine's module in the ``mp_rank`` files (``--no-pipeline-parallel``);
-- ``MoEModuleSource`` (``moe_files``): an engine with MoE layers, either engine: the mp_rank files
+- ``MoEModuleSource`` (``moe_sources``): an engine with MoE layers, either engine: the mp_rank files
   and DeepSpeed's expert files;
 - ``MasterSource``: the fp32 master weights in the optimizer files. Mixed-precision runs (bf16,
   fp16) and every ZeRO stage keep an fp32 copy of each weight there; the module files hold the

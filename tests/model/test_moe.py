@@ -1,4 +1,4 @@
-"""The MoE layer (megatron_ds/model/moe.py, model/transformer.py) in one process.
+"""The MoE layer (megatron_ds/model/moe_layer.py, model/transformer.py) in one process.
 
 - Token dropping and routing equal DeepSpeed's gating on the same inputs: an independent
   transcription of deepspeed/moe/sharded_moe.py (``_capacity``, ``top1gating`` with random token
