@@ -27,8 +27,8 @@ import torch
 
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
-from megatron_ds.config.family import ModelFamily
 from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
 
 

@@ -94,5 +94,6 @@ def expert_global_names(module: torch.nn.Module) -> dict[str, str]:
         for name, _ in sub.named_parameters(prefix=prefix):
             e = expert_files.expert_id(name)
             if e is not None:
-                out[name] = expert_files.with_expert_id(name, expert_files.global_expert(ep_rank, e, sub.num_local_experts))
+                global_id = expert_files.global_expert(ep_rank, e, sub.num_local_experts)
+                out[name] = expert_files.with_expert_id(name, global_id)
     return out

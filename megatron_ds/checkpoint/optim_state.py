@@ -45,7 +45,8 @@ class _ZeroExperts:
             return name
         rank = expert_files.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
                                         expert_tp=self.ckpt.model.enable_expert_tensor_parallelism)
-        return expert_files.with_expert_id(name, expert_files.global_expert(rank, e, self.num_local[expert_files.experts_prefix(name)]))
+        local = self.num_local[expert_files.experts_prefix(name)]
+        return expert_files.with_expert_id(name, expert_files.global_expert(rank, e, local))
 
 
 class SavedOptimizer:

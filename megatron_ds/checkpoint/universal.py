@@ -39,9 +39,9 @@ from megatron_ds import ds_compat
 from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
+from megatron_ds.checkpoint.expert_files import has_expert_files
 from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
-from megatron_ds.checkpoint.expert_files import has_expert_files
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
 

@@ -424,5 +424,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
                     active_params=active_parameters(m, padded) if moe else None,
-                    decoder_seq_length=family.decoder_seq_length(flags) if family and family.decoder_seq_length else None)
+                    decoder_seq_length=(family.decoder_seq_length(flags) if family and family.decoder_seq_length
+                                        else None))
     return layout, notes

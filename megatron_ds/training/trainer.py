@@ -10,9 +10,9 @@ import torch
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ds.checkpoint.format import layout_signature
 from megatron_ds.checkpoint.integrity import protect_newer
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
-from megatron_ds.config.family import ModelFamily
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
 from megatron_ds.training import log as mlog

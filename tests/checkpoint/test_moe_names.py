@@ -85,7 +85,8 @@ def test_deepspeed_loads_what_to_local_says(tmp_path, monkeypatch, ep_size):
         loaded = {}
         DeepSpeedEngine.load_moe_state_dict(str(tmp_path), tag, loaded, old_moe_load=False, model=model,
                                             checkpoint_mp_rank=0)
-        ours = {k: v for k, v in expert_files.to_local(full, rank, ep_size).items() if expert_files.expert_id(k) is not None}
+        ours = {k: v for k, v in expert_files.to_local(full, rank, ep_size).items()
+                if expert_files.expert_id(k) is not None}
         assert sorted(loaded) == sorted(ours)
         assert all(torch.equal(loaded[k], ours[k]) for k in ours)
         # and the names are the model's own parameter names on that rank
@@ -101,8 +102,9 @@ def test_regroup_between_ep_sizes():
             out = expert_files.regroup(per_rank[src], dst)
             assert [sorted(s) for s in out] == [sorted(s) for s in per_rank[dst]]
             assert all(torch.equal(a[k], b[k]) for a, b in zip(out, per_rank[dst]) for k in a)
-    assert expert_files.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items() if expert_files.expert_id(k) in (2, 3)
-                                                or expert_files.expert_id(k) is None}
+    assert expert_files.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items()
+                                                         if expert_files.expert_id(k) in (2, 3)
+                                                         or expert_files.expert_id(k) is None}
     with pytest.raises(ValueError, match="do not divide over expert parallel size 3"):
         expert_files.to_local(full, 0, 3)
 
@@ -193,7 +195,8 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
         state = types.SimpleNamespace(rank=rank, world_size=tp * dp * pp, pp_size=pp, sp_size=1, dp_size=dp,
                                       dp_rank=stage_rank // tp)
         want = ParallelState.expert_parallel_rank(state, ep, expert_tp)
-        assert expert_files.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp) == want
+        got = expert_files.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp)
+        assert got == want
 
 
 def test_mixtral_config_imports_as_deepspeed_moe():

@@ -17,8 +17,8 @@ import torch
 
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import activation_bytes_per_layer, estimate_stages, logits_bytes
-from megatron_ds.families.t5.t5_params import decoder_layer_activation_bytes
 from megatron_ds.families.t5.t5_family import T5
+from megatron_ds.families.t5.t5_params import decoder_layer_activation_bytes
 from tests.config.test_memory import saved_bytes
 
 S_ENC, S_DEC, B, H, A = 256, 64, 2, 256, 8
@@ -116,12 +116,12 @@ def test_full_recompute_keeps_each_layers_input_at_its_length():
 
 
 def test_bert_mlm_head_keeps_what_the_estimate_counts():
-    """BERT's heads (families/bert/bert_model.py BertHeads, binary head on) and the tied projection after the final norm:
-    the MLM transform's dense output, GeLU output and LayerNorm output (the projection's input); their input
+    """BERT's heads (families/bert/bert_model.py BertHeads, binary head on) and the tied projection after the
+    final norm: the MLM transform's dense output, GeLU output and LayerNorm output (the projection's input); their input
     (the final norm's output) is left out, as for the GPT's output layer. The pooler's [b, h] tensors and the LayerNorm's mean/rstd are what differs."""
-    from megatron_ds.families.bert.bert_params import mlm_head_activation_bytes
     from megatron_ds.families.bert.bert_family import BERT
     from megatron_ds.families.bert.bert_model import BertHeads
+    from megatron_ds.families.bert.bert_params import mlm_head_activation_bytes
     from megatron_ds.parallel.random import set_parallel_seeds
 
     cfg, _ = parse_args(f"--num-layers 2 --hidden-size {H} --num-attention-heads {A} --seq-length {S_ENC} "

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args, resolve
+from megatron_ds.families import main
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.training.meta_build import build_stages
-from megatron_ds.families import main
 
 VOCAB = 30522  # bert-large-uncased; even, so TP 2 pads nothing with --make-vocab-size-divisible-by 1
 BERT_LARGE = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "

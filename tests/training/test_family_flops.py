@@ -1,7 +1,9 @@
-"""BERT's and T5's iteration-line FLOPs (training/flops.py) against the matmuls their real models run.
+"""BERT's and T5's iteration-line FLOPs (families/bert/bert_flops.py, families/t5/t5_flops.py) against the
+matmuls their real models run.
 
 As tests/training/test_flops.py for the GPT: the model is built from the flags the CLI parses
-(``families/bert/bert_model.py`` / ``families/t5/t5_model.py`` through their sequential builders, the plain engine's module),
+(``families/bert/bert_model.py`` / ``families/t5/t5_model.py`` through their sequential builders, the plain
+engine's module),
 a forward and backward of one batch runs under torch's FlopCounterMode with SDPA's math backend
 (attention as two batched matmuls over all keys, the formula's convention), and the formula must
 give the same integer count. Nothing of the formula is reused: the model's shapes decide the count.
@@ -15,16 +17,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.families.t5.t5_params import decoder_layers
-from megatron_ds.families.bert.bert_model import build_sequential_bert
-from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.families.t5.t5_model import build_sequential_t5
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.families.bert.bert_flops import bert_flops_per_iteration
+from megatron_ds.families.bert.bert_model import build_sequential_bert
+from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.families.t5.t5_flops import t5_flops_per_iteration
+from megatron_ds.families.t5.t5_model import build_sequential_t5
+from megatron_ds.families.t5.t5_params import decoder_layers
+from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.loop import Loop
-from megatron_ds.families.t5.t5_family import T5
 
 VOCAB = 100
 COMMON = ("--hidden-size 32 --num-attention-heads 4 --micro-batch-size 2 --mock-data --vocab-size 100 "

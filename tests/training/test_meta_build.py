@@ -18,8 +18,8 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
 from megatron_ds.families import main
+from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 50257  # GPT-2's, the scripts' default tokenizer

@@ -307,8 +307,8 @@ def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, d
 
     from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
-    from megatron_ds.families.t5.t5_params import decoder_layers  # noqa: PLC0415
     from megatron_ds.data.tokenizer import build_tokenizer_for  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_params import decoder_layers  # noqa: PLC0415
     from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
 
     c = load_consolidated(load_dir, iteration, family=FAMILY, log=log)

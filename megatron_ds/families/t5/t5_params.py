@@ -13,7 +13,8 @@ The pipeline layers, in ``families/t5/t5_model.py``'s order, with the parameters
     T5DecoderFinalNorm  one norm
     T5Embedding         the LM head: a copy on the last stage where it does not hold the first
 
-Stages split as ``t5_stage_bounds`` says (the split rank's; ``families/t5/t5_model.py`` builds them so), whatever --pipeline-partition-method.
+Stages split as ``t5_stage_bounds`` says (the split rank's; ``families/t5/t5_model.py`` builds them so),
+whatever --pipeline-partition-method.
 
 The memory estimate (``config/memory.py``; ``t5_stage_activations`` here) counts encoder layers at
 --encoder-seq-length as the GPT's, decoder layers at --decoder-seq-length with their cross-attention
