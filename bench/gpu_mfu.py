@@ -88,7 +88,7 @@ def model_flops(argv: list[str], micro: int, vocab: int | None = None) -> float:
 
 def run_ours(argv: list[str]) -> tuple[float, float]:
     """(seconds per iteration over the second half of the run, peak memory GB) from the log."""
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     _reset_memory()
     out = io.StringIO()

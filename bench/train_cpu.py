@@ -22,7 +22,7 @@ SHAPE = dict(layers=8, hidden=256, heads=8, seq=256, vocab=50304, micro=8)
 
 
 def run_megatron_ds(iters: int, warmup: int) -> float:
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     s = SHAPE
     argv = (f"--num-layers {s['layers']} --hidden-size {s['hidden']} --num-attention-heads {s['heads']} "

@@ -315,3 +315,86 @@ def test_the_repository_graph_sees_circles_through_tests_and_scripts(tmp_path):
     assert graph["tests.a"] == {"tests.b"} and graph["tests.b"] == {"tests.a"}
     assert graph["tools/one.py"] == {"tools/two.py"} and graph["tools/two.py"] == {"tools/one.py"}
     assert find_cycle(graph)
+
+
+# --- no switch on a model family's name below megatron_ds/families/ ---------------------------------------
+
+FAMILY_NAMES = {"gpt", "bert", "t5", "moe"}
+FAMILY_WORDS = ("family", "kind")  # identifiers (and string keys like "model_family") that name a family
+
+
+def _literals(node: ast.AST) -> set[str]:
+    """The string literals a comparison side is made of: ``"bert"``, or each of ``("bert", "t5")``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_literals(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _about_family(node: ast.AST) -> bool:
+    """Whether an expression reads a family: a name or attribute containing "family" or "kind", any
+    ``.name`` attribute, or a string key containing "family" (``sig.get("model_family", ...)``)."""
+    for sub in ast.walk(node):
+        word = (sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute)
+                else sub.value if isinstance(sub, ast.Constant) and isinstance(sub.value, str) else None)
+        if word is None:
+            continue
+        if isinstance(sub, ast.Attribute) and word == "name":
+            return True
+        if any(w in word.lower() for w in FAMILY_WORDS):
+            return True
+    return False
+
+
+def family_switches(root: Path, exempt: str = "families") -> list[str]:
+    """Every comparison (``==``, ``!=``, ``in``, ``is``, a ``match`` case) of a literal family name
+    against an expression about a family, in the package at ``root`` outside its ``exempt`` sub-package."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == exempt:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                hit = any(_literals(a) & FAMILY_NAMES and any(_about_family(b) for b in sides if b is not a)
+                          for a in sides)
+            elif isinstance(node, ast.Match):
+                values = {c.pattern.value.value for c in node.cases if isinstance(c.pattern, ast.MatchValue)
+                          and isinstance(c.pattern.value, ast.Constant)}
+                hit = bool(values & FAMILY_NAMES) and _about_family(node.subject)
+            else:
+                continue
+            if hit:
+                problems.append(f"{path.relative_to(root.parent)}:{node.lineno}: switches on a model family's name")
+    return problems
+
+
+def test_no_floor_below_the_families_switches_on_a_family_name():
+    """A floor below ``megatron_ds/families/`` gets what differs between model families from the
+    ``ModelFamily`` object (its fields and hooks), never by comparing its name: a comparison or
+    ``match`` of a literal "gpt" / "bert" / "t5" / "moe" against an expression that reads a family --
+    a name or attribute containing "family" or "kind", any ``.name`` attribute, a "model_family"
+    key -- fails here. A string that only shares a value (``masking_style == "t5"``, a masking style
+    read from no family) is not a family switch. Only ``families/`` may look families up by name."""
+    problems = family_switches(REPO / PACKAGE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("text,found", [
+    ('if family.name == "bert":\n    pass\n', True),
+    ('x = sig.get("model_family", "gpt") != "gpt"\n', True),
+    ('x = ckpt.family in ("t5", "bert")\n', True),
+    ('match kind:\n    case "t5":\n        pass\n', True),
+    ('x = masking_style == "t5"\n', False),
+    ('x = family.label == "BERT"\n', False),  # not a family name: labels are for messages
+    ('x = family.decoder_seq_length is None\n', False),
+])
+def test_the_family_check_finds_what_it_forbids(tmp_path, text, found):
+    root = tmp_path / "pkg"
+    (root / "families").mkdir(parents=True)
+    (root / "low.py").write_text(text)
+    (root / "families" / "allowed.py").write_text('if family.name == "bert":\n    pass\n')
+    problems = family_switches(root)
+    assert bool(problems) == found, problems
+    assert not any("allowed.py" in p for p in problems)

@@ -11,7 +11,7 @@ MODULES = {"evaluate": "evaluate_gpt"}
 
 def _main(tool):
     if tool == "pretrain_gpt":
-        from megatron_ds.training.pretrain import main
+        from megatron_ds.families import main
         return main
     return importlib.import_module(f"megatron_ds.cli.{MODULES.get(tool, tool)}").main
 
@@ -106,11 +106,10 @@ def test_evaluate_with_nothing_to_do_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("family", ["bert", "t5"])
 def test_other_entry_points_name_themselves_in_usage_errors(capsys, family):
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import get_family, main
 
-    module = importlib.import_module(f"megatron_ds.training.{family}")
     try:
-        rc = main(["--no-such-flag"], family=getattr(module, family.upper()))
+        rc = main(["--no-such-flag"], family=get_family(family))
     except SystemExit as exc:
         rc = exc.code
     err = capsys.readouterr().err

@@ -43,8 +43,9 @@ def held_out_samples(args, weights, tokenizer, **family):
     return test
 
 
-def evaluate(args, samples, collator, score):
+def evaluate(args, family: str, samples, collator, score):
     """(checkpoint weights, samples evaluated, score's results), or None after a one-line error.
+    ``family`` names the model family the checkpoint must hold (``megatron_ds.families``);
     samples(args, weights, tokenizer) builds the dataset, collator(vocab size, source name) batches it,
     score(weights, loader, vocab size) scores it."""
     import dataclasses  # noqa: PLC0415
@@ -55,9 +56,10 @@ def evaluate(args, samples, collator, score):
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
     from megatron_ds.data.tokenizer import build_tokenizer_for  # noqa: PLC0415
     from megatron_ds.errors import ConfigError, DataError  # noqa: PLC0415
+    from megatron_ds.families import get_family  # noqa: PLC0415
 
     try:
-        weights = load_consolidated(args.load, args.iteration, log=lambda *a: None)
+        weights = load_consolidated(args.load, args.iteration, family=get_family(family), log=lambda *a: None)
         saved = {k: v for k, v in weights.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
         data = DataConfig(**saved)
         if args.vocab_file:

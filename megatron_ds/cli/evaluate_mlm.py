@@ -1,5 +1,5 @@
 """Evaluate a BERT checkpoint (pretrain_bert.py, saved at any TP / PP) on held-out data: masked-LM
-accuracy and loss, and sentence-order accuracy (megatron_ds/inference/masked_lm.py).
+accuracy and loss, and sentence-order accuracy (megatron_ds/families/bert/masked_lm.py).
 
 The samples are built as training builds them (Megatron-DeepSpeed's BERT samples: the checkpoint's
 --seq-length, --mask-prob, --short-seq-prob and seed): by default from the test split of the
@@ -22,10 +22,10 @@ def _datasets(args, weights, tokenizer):
 
 def main(argv=None) -> int:
     args = build_parser(__doc__, "pretrain_bert.py").parse_args(argv)
-    from megatron_ds.inference.masked_lm import load_bert, masked_lm_accuracy  # noqa: PLC0415
-    from megatron_ds.training.bert import BertCollator  # noqa: PLC0415
+    from megatron_ds.families.bert.bert_family import BertCollator  # noqa: PLC0415
+    from megatron_ds.families.bert.masked_lm import load_bert, masked_lm_accuracy  # noqa: PLC0415
 
-    done = evaluate(args, _datasets, BertCollator,
+    done = evaluate(args, "bert", _datasets, BertCollator,
                     lambda weights, loader, vocab_size: masked_lm_accuracy(load_bert(weights), loader, vocab_size))
     if done is None:
         return 1

@@ -1,5 +1,5 @@
 """Evaluate a T5 checkpoint (pretrain_t5.py, saved at any TP / PP) on held-out data: span-prediction
-loss and token accuracy (megatron_ds/inference/span_loss.py).
+loss and token accuracy (megatron_ds/families/t5/span_loss.py).
 
 The samples are built as training builds them (Megatron-DeepSpeed's T5 span corruption: the
 checkpoint's --encoder-seq-length, --decoder-seq-length, --mask-prob, --short-seq-prob and seed): by
@@ -23,10 +23,10 @@ def _dataset(args, weights, tokenizer):
 
 def main(argv=None) -> int:
     args = build_parser(__doc__, "pretrain_t5.py").parse_args(argv)
-    from megatron_ds.inference.span_loss import load_t5, span_prediction_loss  # noqa: PLC0415
-    from megatron_ds.training.t5 import T5Collator  # noqa: PLC0415
+    from megatron_ds.families.t5.span_loss import load_t5, span_prediction_loss  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_family import T5Collator  # noqa: PLC0415
 
-    done = evaluate(args, _dataset, T5Collator,
+    done = evaluate(args, "t5", _dataset, T5Collator,
                     lambda weights, loader, vocab_size: span_prediction_loss(load_t5(weights), loader, vocab_size))
     if done is None:
         return 1

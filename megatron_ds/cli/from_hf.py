@@ -37,12 +37,12 @@ def main(argv=None) -> int:
 
     try:
         if _model_type(args.hf_dir) == "t5":  # a checkpoint for pretrain_t5.py
-            from megatron_ds.checkpoint.hf_t5 import import_hf_t5  # noqa: PLC0415
+            from megatron_ds.families.t5.t5_hf import import_hf_t5  # noqa: PLC0415
 
             import_hf_t5(args.hf_dir, args.save)
             return 0
         if _model_type(args.hf_dir) in ("bert", "megatron-bert"):  # a checkpoint for pretrain_bert.py
-            from megatron_ds.checkpoint.hf_bert import import_hf_bert  # noqa: PLC0415
+            from megatron_ds.families.bert.bert_hf import import_hf_bert  # noqa: PLC0415
 
             import_hf_bert(args.hf_dir, args.save)
             return 0

@@ -11,7 +11,7 @@
   7. the model exported to transformers' T5ForConditionalGeneration     tools/checkpoint/to_hf.py
 
 The T5 here is the variant Hugging Face's T5 computes (no absolute positions, RMS norms, no
-biases: megatron_ds/checkpoint/hf_t5.py), so step 7 can export it; drop those three flags for
+biases: megatron_ds/families/t5/t5_hf.py), so step 7 can export it; drop those three flags for
 Megatron's own T5 (learned positions, LayerNorm, biases), which trains the same way but does not export.
 Every step prints the command it runs; a second run reuses what the first built.
 """

@@ -40,22 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_ds.checkpoint.export import export_hf  # noqa: PLC0415 - keep --help fast
-    from megatron_ds.checkpoint.files import open_checkpoint  # noqa: PLC0415
     from megatron_ds.errors import ConfigError  # noqa: PLC0415
+    from megatron_ds.families import HF_EXPORTS, checkpoint_family  # noqa: PLC0415
 
     try:
-        family = open_checkpoint(args.load, args.iteration).family
-        if family == "t5":  # pretrain_t5.py's checkpoint (the variant HF's T5 computes: checkpoint/hf_t5.py)
-            from megatron_ds.checkpoint.hf_t5 import export_hf_t5  # noqa: PLC0415
-
-            export_hf_t5(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
-                         vocab_size=args.vocab_size, vocab_file=args.vocab_file)
-            return 0
-        if family == "bert":  # pretrain_bert.py's checkpoint
-            from megatron_ds.checkpoint.hf_bert import export_hf_bert  # noqa: PLC0415
-
-            export_hf_bert(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
-                           vocab_size=args.vocab_size, vocab_file=args.vocab_file)
+        # BERT's and T5's exports are their families' own (families/bert/bert_hf.py, families/t5/t5_hf.py:
+        # the variant HF's T5 computes)
+        own_export = HF_EXPORTS.get(checkpoint_family(args.load, args.iteration).name)
+        if own_export is not None:
+            own_export(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
+                       vocab_size=args.vocab_size, vocab_file=args.vocab_file)
             return 0
         export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
                   data_overrides=dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,

@@ -27,10 +27,12 @@ def main(argv=None) -> int:
     from megatron_ds.checkpoint.universal import convert  # noqa: PLC0415 - keep --help fast
     from megatron_ds.errors import ConfigError  # noqa: PLC0415
     from megatron_ds.ds_compat import check_deepspeed  # noqa: PLC0415
+    from megatron_ds.families import checkpoint_family  # noqa: PLC0415
 
     try:
         check_deepspeed()  # the universal format is DeepSpeed's internal layout of its files
-        out = convert(args.load, args.iteration, workers=args.workers)
+        out = convert(args.load, args.iteration, workers=args.workers,
+                      family=checkpoint_family(args.load, args.iteration))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -8,10 +8,10 @@ entropy, DeepSpeed's communication buckets and a runtime reserve. ``check_memory
 total with the GPU's memory and, when it does not fit, raises a ``ConfigError`` naming the biggest
 term and the single changes (TP, PP, recompute, ZeRO, micro batch) that would fit.
 
-What a stage's layers keep comes from the model family's shape (``FamilyShape.activations``): the
+What a stage's layers keep comes from the model family (``ModelFamily.activations``): the
 GPT's ``gpt_stage_activations`` below, BERT's (the same layers, plus its MLM head) in
-``config/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
-the encoder output on decoder stages) in ``config/t5_params.py``.
+``families/bert/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
+the encoder output on decoder stages) in ``families/t5/t5_params.py``.
 
 Pure arithmetic on the ``Layout``: ``pretrain_gpt.py --dry-run`` runs it on a login node.
 Sizes are decimal GB (1e9 bytes), as GPU memory is sold ("V100 16 GB"), which keeps the comparison
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout, count_parameters
-from megatron_ds.config.moe import expert_data_parallel_size, model_experts
+from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -200,7 +200,7 @@ class LayerActivations:
 
 
 def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """``FamilyShape.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
+    """``ModelFamily.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
     layers as runs that full recompute may chunk together (one run here), and the bytes per micro-batch of
     the stage's input/output hidden state buffers."""
     m = layout.model
@@ -290,7 +290,7 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     ZeRO-3 keeps 1/DP of the module's weights on each GPU. Under DeepSpeed-Ulysses ZeRO partitions
     over the sequence data parallel group (SP x DP ranks hold the same weights: runtime/engine.py
     hands ZeRO ``seq_data_parallel_group``). ``expert_params`` of the ``params`` are MoE experts', which ZeRO
-    splits over the expert data parallel group instead (config/moe.py)."""
+    splits over the expert data parallel group instead (config/moe_params.py)."""
     sb = sb or state_bytes(layout)
     dp = layout.dp * layout.sp
     if expert_params:
@@ -386,7 +386,7 @@ def _candidates(layout: Layout):
     m, world = layout.model, layout.world_size
     moe = layout.active_params is not None
     for text, candidate in _single_changes(layout, m, world):
-        # MoE (config/moe.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
+        # MoE (config/moe_params.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
         if moe and (candidate.zero_stage == 3 or candidate.dp % layout.ep):
             continue
         if moe and candidate.zero_stage != layout.zero_stage:

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.deepspeed_json import load_ds_template
-from megatron_ds.config.layout import GPT_SHAPE, FamilyShape, Layout, build_layout
+from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
 from megatron_ds.config.validation import check_ranges
@@ -112,12 +113,12 @@ def _settings(cls, section):
 
 def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
             ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None,
-            family: FamilyShape = GPT_SHAPE) -> Run:
+            family: ModelFamily | None = None) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
     (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
-    --use-checkpoint-args. ``family``: the model family's parameter count and checks (the entry
-    point's: pretrain_bert.py gives BERT's). Pure: no process group, device or DeepSpeed import."""
+    --use-checkpoint-args. ``family``: the model family (the entry point's: pretrain_bert.py gives
+    BERT's; None: the GPT). Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
+from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.moe import DROP_FRACTION
 from megatron_ds.model.transformer import hidden_dropout, split_activation
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy

@@ -40,7 +40,7 @@ from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, GPTOutputHead, gpt_loss_fn, tied_output_logits
-from megatron_ds.model.moe import experts_per_layer
+from megatron_ds.model.moe_layer import experts_per_layer
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import checkpoint
 from megatron_ds.parallel.partition import partition_stages
@@ -88,7 +88,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     ``activation_checkpoint_interval`` and changes nothing here. ``vocab_size`` (the real
     vocabulary, <= padded) makes the output layer mask the padding columns (``model/gpt.py``).
     ``sp_group``: DeepSpeed-Ulysses' sequence parallel group (the embedding and attention's; plain
-    module only, ``build_sequential_gpt``). Mixture of experts (``model/moe.py``): the layers
+    module only, ``build_sequential_gpt``). Mixture of experts (``model/moe_layer.py``): the layers
     ``experts_per_layer`` names hold this rank's share of their experts (``ep_size``, ``ep_rank``:
     ``ParallelState.expert_parallel_rank``); ``loss_report`` gets their dropped-route fractions.
     """
@@ -175,7 +175,7 @@ class GPTPipelineModel(PipelineModule):
     def __init__(self, specs: list, *, topology, tp_group, seed: int, partition_method: str = PARTITION_METHOD,
                  activation_checkpoint_interval: int = 0, loss_report=None, moe_loss_coeff: float = 0.0,
                  loss_fn=None):
-        """``loss_fn``: another model family's loss (``model/bert.py``); default the GPT's."""
+        """``loss_fn``: another model family's loss (``families/bert/bert_model.py``); default the GPT's."""
         seeder = _LayerInitSeeder()
         # no_grad: DeepSpeed broadcasts the tied weights in place at the end of __init__; with
         # grad mode on, autograd records that collective on the parameter and warns in backward.
@@ -231,7 +231,7 @@ class GPTSequential(nn.Module):
                  layer_indices=None, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0, loss_fn=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
-        # loss_fn: another family's loss (model/bert.py), else the GPT's
+        # loss_fn: another family's loss (families/bert/bert_model.py), else the GPT's
         self.loss_fn = loss_fn or _loss_fn(tp_group, sp_group, loss_report, moe_loss_coeff)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         # the built layers in order, public under the name DeepSpeed's PipelineModule gives its list
@@ -356,7 +356,7 @@ def stage_of_specs(specs: list, *, num_stages: int, stage: int, tp_group=None, s
                    partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
                    loss_fn=None, moe_loss_coeff: float = 0.0) -> GPTSequential:
     """Pipeline stage ``stage`` of any model's layer specs, partitioned and seeded as DeepSpeed's
-    ``PipelineModule`` would (``build_stage_gpt``; other model families, ``model/bert.py``)."""
+    ``PipelineModule`` would (``build_stage_gpt``; other model families, ``families/bert/bert_model.py``)."""
     parts = partition_stages(num_stages, partition_method, [_spec_name(spec) for spec in specs],
                              lambda: [_trainable_parameters(spec) for spec in specs])
     return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),

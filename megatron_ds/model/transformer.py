@@ -15,7 +15,7 @@ and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position
 (``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
 stages as they are and get no gradient, as the document ids do.
 
-In a mixture-of-experts model (``model/moe.py``) every layer also carries the sum of the MoE layers'
+In a mixture-of-experts model (``model/moe_layer.py``) every layer also carries the sum of the MoE layers'
 auxiliary losses so far, a ``[1]`` fp32 tensor, last in the tuple: ``(hidden[, document_ids],
 moe_loss)``, as Megatron-DeepSpeed's ParallelTransformerLayerPipe carries its "aggregated_moe_loss".
 It reaches the loss function through the final norm and the output layer, so it is part of the
@@ -41,7 +41,7 @@ from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.moe import DROP_FRACTION, DropCounter, build_moe
+from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
@@ -228,7 +228,7 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 class ParallelMLP(nn.Module):
     """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden.
 
-    ``expert``: an MoE expert (``model/moe.py``); DeepSpeed keeps only the first of the pair it returns,
+    ``expert``: an MoE expert (``model/moe_layer.py``); DeepSpeed keeps only the first of the pair it returns,
     so the output bias is always added here (Megatron-DeepSpeed's expert RowParallelLinear adds it too)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
@@ -302,7 +302,7 @@ class ParallelTransformerLayer(nn.Module):
     The class name is what the pipeline partitioner balances on
     (``megatron_ds.model.layer_specs.PARTITION_METHOD``); keep the two in sync.
 
-    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe.py``) holding this rank's share of the
+    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``) holding this rank's share of the
     experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).

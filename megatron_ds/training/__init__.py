@@ -1,7 +1,9 @@
 """Training a resolved ``Run``: the stack every model family shares (the families themselves, and the
 pipeline executors beyond DeepSpeed's own, live in ``megatron_ds.families`` and ``megatron_ds.pipeline``).
 
-    entry point     pretrain.py           main(): parse, resolve, --dry-run, pretrain()
+    entry point     pretrain.py           main(family): parse, resolve, --dry-run, pretrain(); the family (its
+                                          builders, datasets, micro-batches, loss names) is the entry
+                                          point's, from megatron_ds.families
                     meta_build.py         --dry-run: each pipeline stage built on the meta device
                     file_checks.py        --dry-run: data, --load and --save looked at before the queue
                     trainer.py            train(): start-up checks, build, resume, loop, final evaluation

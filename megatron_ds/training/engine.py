@@ -19,7 +19,7 @@ from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.model.loss_report import LossReport
-from megatron_ds.model.moe import is_moe_model
+from megatron_ds.model.moe_layer import is_moe_model
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
@@ -70,7 +70,7 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
                  loss_report: LossReport | None = None, build=build_model) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
     is given (and what the fake-CUDA tests run on ``cuda``). ``build``: the model family's builder
-    (``training.family.ModelFamily.build_model``; the GPT's by default)."""
+    (``config.family.ModelFamily.build_model``; the GPT's by default)."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
@@ -125,7 +125,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
     ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
-    (``training.family.ModelFamily``; the GPT's by default)."""
+    (``config.family.ModelFamily``; the GPT's by default)."""
     layout = run.layout
     moe = is_moe_model(layout.model)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)

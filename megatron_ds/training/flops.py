@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.config.moe import model_experts
-from megatron_ds.config.t5_params import decoder_layers
+from megatron_ds.config.moe_params import model_experts
 
 
 def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_channels: int, ffn: int,
@@ -67,41 +66,12 @@ def _unrecomputed(m) -> int:
     return 2 * m.ffn_hidden_size * m.hidden_size if m.hidden_dropout == 0 else 0
 
 
-def _dense_layer(m, seq: int) -> tuple[int, int]:
+def dense_layer_flops(m, seq: int) -> tuple[int, int]:
     """(forward, recomputed) FLOPs per token of one dense transformer layer at ``seq`` keys."""
     forward = layer_forward_flops_per_token(hidden=m.hidden_size, heads=m.num_attention_heads,
                                             kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
                                             ffn=m.ffn_hidden_size, swiglu=m.swiglu or m.geglu, seq=seq)
     return forward, forward - _unrecomputed(m)
-
-
-def bert_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool) -> float:
-    """BERT's FLOPs of one iteration over ``batch`` sequences of ``model.seq_length`` tokens (docs/flops.md)."""
-    m, h = model, model.hidden_size
-    tokens = batch * m.seq_length
-    forward, recompute = _dense_layer(m, m.seq_length)
-    layers = m.num_layers * (3 * forward + (recompute if full_recompute else 0))
-    mlm_head = 2 * h * h + 2 * h * padded_vocab_size
-    pooler = 2 * h * h + 2 * h * 2 if m.bert_binary_head else 0  # once per sequence: position 0
-    return float(tokens * (layers + 3 * mlm_head) + batch * 3 * pooler)
-
-
-def t5_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool, *,
-                           decoder_seq_length: int) -> float:
-    """T5's FLOPs of one iteration over ``batch`` samples of ``model.seq_length`` encoder and
-    ``decoder_seq_length`` decoder tokens (docs/flops.md)."""
-    m, h, s_e, s_d = model, model.hidden_size, model.seq_length, decoder_seq_length
-    q = m.num_attention_heads * m.kv_channels  # multi-head only (config/t5_params.py check_t5)
-    enc_forward, enc_recompute = _dense_layer(m, s_e)
-    dec_forward, dec_recompute = _dense_layer(m, s_d)
-    cross_per_decoder_token = 2 * h * q + 2 * 2 * s_e * q + 2 * q * h
-    cross_per_encoder_token = 2 * h * 2 * q
-    encoder = m.num_layers * s_e * (3 * enc_forward + (enc_recompute if full_recompute else 0))
-    per_decoder_layer = (s_d * (dec_forward + cross_per_decoder_token) + s_e * cross_per_encoder_token,
-                         s_d * (dec_recompute + cross_per_decoder_token) + s_e * cross_per_encoder_token)
-    decoder = decoder_layers(m) * (3 * per_decoder_layer[0] + (per_decoder_layer[1] if full_recompute else 0))
-    lm_head = s_d * 2 * h * padded_vocab_size
-    return float(batch * (encoder + decoder + 3 * lm_head))
 
 
 def gpt_iteration_flops(layout, seq_length: int) -> float:
@@ -110,17 +80,3 @@ def gpt_iteration_flops(layout, seq_length: int) -> float:
     model = dataclasses.replace(layout.model, seq_length=seq_length)
     return model_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
                                      layout.recompute == "full")
-
-
-def bert_iteration_flops(layout, seq_length: int) -> float:
-    """``gpt_iteration_flops`` for BERT (no warm-up: ``seq_length`` is the model's)."""
-    model = dataclasses.replace(layout.model, seq_length=seq_length)
-    return bert_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
-                                    layout.recompute == "full")
-
-
-def t5_iteration_flops(layout, seq_length: int) -> float:
-    """``gpt_iteration_flops`` for T5: ``seq_length`` the encoder's, the decoder's the layout's."""
-    model = dataclasses.replace(layout.model, seq_length=seq_length)
-    return t5_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
-                                  layout.recompute == "full", decoder_seq_length=layout.decoder_seq_length)

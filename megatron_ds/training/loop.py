@@ -143,7 +143,7 @@ class Loop:
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     # the named scalars the model's loss function reports (model/loss_report.py): printed after lm loss
     loss_report: LossReport = field(default_factory=LossReport)
-    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (training/family.py)
+    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (config/family.py ModelFamily.flops)
     count_flops: Callable = gpt_iteration_flops
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one

@@ -74,6 +74,7 @@ def test_bert_and_t5_are_refused_both_ways(tmp_path, capsys):
     BERT/T5 run asked for --universal-checkpoint says to use --load (which reshards those families)."""
     from megatron_ds.checkpoint.universal import load_universal
     from megatron_ds.errors import ConfigError
+    from megatron_ds.families import get_family
 
     step = tmp_path / "global_step1"
     step.mkdir()
@@ -88,4 +89,4 @@ def test_bert_and_t5_are_refused_both_ways(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "is a BERT checkpoint" in err and "--load" in err
     with pytest.raises(ConfigError, match="this run is T5; load its checkpoints with --load alone"):
         load_universal(None, str(tmp_path), signature={"model_family": "t5"}, ps=None, load_optim=True,
-                       load_lr_state=True)
+                       load_lr_state=True, family=get_family("t5"))

@@ -15,7 +15,7 @@ import torch
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
-from megatron_ds.training.pretrain import main as pretrain_main
+from megatron_ds.families import main as pretrain_main
 from tests.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,7 +358,7 @@ def _cuda_peak(rank, world_size, argv):
     import contextlib
     import io
 
-    from megatron_ds.training.pretrain import pretrain
+    from megatron_ds.families import pretrain
 
     cfg, ignored = parse_args(argv)
     torch.cuda.reset_peak_memory_stats()

@@ -14,9 +14,9 @@ import pytest
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.memory import parameter_state, state_bytes
-from megatron_ds.config.moe import expert_capacity, experts_per_layer
+from megatron_ds.config.moe_params import expert_capacity, experts_per_layer
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 SMALL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 8 --train-iters 10 "

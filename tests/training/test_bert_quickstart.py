@@ -94,10 +94,10 @@ def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
 
     from megatron_ds.checkpoint.consolidate import load_consolidated
     from megatron_ds.cli.evaluate_mlm import _datasets
-    from megatron_ds.checkpoint.hf_bert import write_hf_bert
     from megatron_ds.data.tokenizer import build_tokenizer
-    from megatron_ds.inference.masked_lm import load_bert, masked_lm_accuracy
-    from megatron_ds.training.bert import BertCollator
+    from megatron_ds.families.bert.bert_family import BERT, BertCollator
+    from megatron_ds.families.bert.bert_hf import write_hf_bert
+    from megatron_ds.families.bert.masked_lm import load_bert, masked_lm_accuracy
 
     transformers = pytest.importorskip("transformers")
     prefix, heldout, vocab = bert_data
@@ -107,7 +107,7 @@ def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
            "--eval-interval 1000 --eval-iters 1 --num-workers 0 --tokenizer-type BertWordPieceLowerCase").split()
     run += ["--data-path", prefix, "--vocab-file", vocab, "--save", ckpt, "--data-cache-path", str(tmp_path / "c")]
     run_distributed(bert_losses, 1, run, timeout=900)
-    weights = load_consolidated(ckpt, log=lambda *a: None)
+    weights = load_consolidated(ckpt, family=BERT, log=lambda *a: None)
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab, log=lambda *a: None)
     args = argparse.Namespace(data_path=heldout, samples=64, seed=None)
     samples = [s for _, s in zip(range(64), _datasets(args, weights, tokenizer))]

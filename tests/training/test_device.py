@@ -61,7 +61,7 @@ def test_ds_accelerator_cpu_forces_the_cpu(one_gpu, monkeypatch):
 
 def test_cli_prints_the_error_and_exits_1(one_gpu, monkeypatch):
     """Through pretrain_gpt.py's main, as torchrun would start the second process of two."""
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     for key, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():

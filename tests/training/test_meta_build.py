@@ -18,8 +18,8 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families import main
 from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
-from megatron_ds.training.pretrain import main
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 50257  # GPT-2's, the scripts' default tokenizer
@@ -192,7 +192,7 @@ MOE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lengt
      "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --swiglu --disable-bias-linear", 8),
 ])
 def test_moe_stage_counts_are_the_built_models(extra, world):
-    """MoE: the layout's per-rank counts (config/moe.py: 1/EP of the experts) and its expert share are what
+    """MoE: the layout's per-rank counts (config/moe_params.py: 1/EP of the experts) and its expert share are what
     the MoE model builds on each stage; expert parameters are those DeepSpeed marks (is_moe_param). Built on the
     CPU: these are small."""
     from deepspeed.moe.utils import is_moe_param

@@ -213,7 +213,7 @@ def bert_loss(tp_group, vocab_size: int | None, report=None):
 
 def _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs):
     # the GPT builders' arguments that BERT has no use for (engine.model_kwargs gives them to every family)
-    for unused in ("reset_attention_mask", "eod_token", "ep_size", "ep_rank"):  # (no MoE: config/bert_params.py)
+    for unused in ("reset_attention_mask", "eod_token", "ep_size", "ep_rank"):  # (no MoE: families/bert/bert_params.py)
         spec_kwargs.pop(unused, None)
     return bert_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, **spec_kwargs)
 

@@ -1,13 +1,16 @@
-"""The T5 model family: what pretrain_t5.py gives the shared training stack (``training/family.py``).
+"""The T5 model family: ``T5``, the ``ModelFamily`` (``config/family.py``) pretrain_t5.py gives the
+shared training stack -- model builders, datasets and micro-batches here, its parameter count, checks,
+memory terms and pipeline split (``t5_params.py``), FLOPs (``t5_flops.py``), the layer specs its
+checkpoints follow (``t5_model.py``).
 
 Samples are Megatron-DeepSpeed's T5 samples (megatron/data/t5_dataset.py ``build_training_sample``:
 ``text_enc, text_dec, labels, loss_mask, truncated, enc_mask, dec_mask, enc_dec_mask``). The
 collator turns a batch of them into DeepSpeed's micro-batch
-``((text_enc, text_dec, enc_flags, dec_flags), (labels, loss_mask))`` for ``model/t5.py``:
+``((text_enc, text_dec, enc_flags, dec_flags), (labels, loss_mask))`` for ``families/t5/t5_model.py``:
 
 - the ``[s_q, s_k]`` masks are outer products of "not padding" (``make_attention_mask``; the
   decoder's times the causal ``make_history_mask``), so each column's any() is that key's flag
-  (``[b, s]`` int64; the model rebuilds the masks, see model/t5.py);
+  (``[b, s]`` int64; the model rebuilds the masks, see families/t5/t5_model.py);
 - ``labels`` are -1 where ``loss_mask`` is 0 upstream (its cross entropy masks them); here they
   become 0, a real id, whose loss the zero ``loss_mask`` drops all the same.
 
@@ -19,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_ds.config.t5_params import T5_SHAPE, decoder_layers
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError, DataError
-from megatron_ds.training.family import ModelFamily
-from megatron_ds.training.flops import t5_iteration_flops
+from megatron_ds.families.t5.t5_flops import t5_iteration_flops
+from megatron_ds.families.t5.t5_params import (check_t5, count_t5_parameters, decoder_layers, t5_decoder_seq_length,
+                                               t5_pipeline_choice, t5_stage_activations)
 
 KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask", "enc_dec_mask")
 # --mock-data ids: padding 0 (what upstream's masks treat as padding: ``>= 1`` is a token), then the
@@ -109,7 +113,7 @@ def _model_kwargs(run, tp_group, device, loss_report=None) -> dict:
 
 
 def _t5_model(run, ps, eod_token: int, device, loss_report):
-    from megatron_ds.model.t5 import build_pipeline_t5, build_sequential_t5  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_model import build_pipeline_t5, build_sequential_t5  # noqa: PLC0415
 
     m = run.layout.model
     kwargs = _model_kwargs(run, ps.tp_group, device, loss_report)
@@ -118,8 +122,16 @@ def _t5_model(run, ps, eod_token: int, device, loss_report):
     return build_sequential_t5(m, **kwargs)
 
 
+def t5_checkpoint_specs(model, padded_vocab_size: int, **kwargs) -> list:
+    """``ModelFamily.layer_specs`` of T5: the pipeline layer specs its checkpoints' layer files follow."""
+    from megatron_ds.families.t5.t5_model import t5_layer_specs  # noqa: PLC0415
+
+    return t5_layer_specs(model, decoder_num_layers=decoder_layers(model), padded_vocab_size=padded_vocab_size,
+                          **kwargs)
+
+
 def _t5_stage(run, stage: int, tp_group, eod_token: int):
-    from megatron_ds.model.t5 import build_sequential_t5, build_stage_t5  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_model import build_sequential_t5, build_stage_t5  # noqa: PLC0415
 
     kwargs = _model_kwargs(run, tp_group, "meta")
     if run.layout.use_pipeline:
@@ -152,7 +164,12 @@ def _t5_collator(run, tokenizer):
     return T5Collator(tokenizer.vocab_size, describe_source(run.data))
 
 
-T5 = ModelFamily(name="t5", shape=T5_SHAPE, build_model=_t5_model, build_stage=_t5_stage,
-                 build_datasets=_t5_datasets, make_collator=_t5_collator, flops=t5_iteration_flops,
+# Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
+# divides each side of the split rank over that side's stages (check_t5, t5_pipeline_choice)
+T5 = ModelFamily(name="t5", label="T5", check=check_t5, count_parameters=count_t5_parameters,
+                 build_model=_t5_model, build_stage=_t5_stage, build_datasets=_t5_datasets,
+                 make_collator=_t5_collator, flops=t5_iteration_flops, layer_specs=t5_checkpoint_specs,
+                 partition_activations=False, activations=t5_stage_activations, pipeline_choice=t5_pipeline_choice,
+                 decoder_seq_length=t5_decoder_seq_length,
                  default_tokenizer_type="BertWordPieceLowerCase",  # pretrain_t5.py's args_defaults
                  uses_eod=False)  # documents are delimited in the index; the model never reads an EOD id

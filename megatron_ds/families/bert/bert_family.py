@@ -1,23 +1,25 @@
-"""The BERT model family (pretrain_bert.py): its model builders, datasets and micro-batches for the
-shared training stack (``training/family.py``).
+"""The BERT model family (pretrain_bert.py): ``BERT``, the ``ModelFamily`` (``config/family.py``) its
+entry point gives the shared stack -- model builders, datasets and micro-batches here, its parameter
+count, checks and memory terms (``bert_params.py``), FLOPs (``bert_flops.py``), the layer specs its
+checkpoints follow (``bert_model.py``).
 
 Micro-batches are Megatron-DeepSpeed's pretrain_bert.py ``get_batch`` fields, split the way
 DeepSpeed's engines take them: ``inputs = (text, types, padding_mask)`` for the first stage and
-``labels = (labels, loss_mask, is_random)`` for the loss (``model/bert.py`` ``bert_loss_fn``).
+``labels = (labels, loss_mask, is_random)`` for the loss (``families/bert/bert_model.py`` ``bert_loss_fn``).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from megatron_ds.config.bert_params import BERT_SHAPE
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import DataError
-from megatron_ds.training.family import ModelFamily
-from megatron_ds.training.flops import bert_iteration_flops
+from megatron_ds.families.bert.bert_flops import bert_iteration_flops
+from megatron_ds.families.bert.bert_params import bert_stage_activations, check_bert, count_bert_parameters
 
 # Megatron-DeepSpeed's pretrain_bert.py: args_defaults={'tokenizer_type': 'BertWordPieceLowerCase'}
 DEFAULT_TOKENIZER = "BertWordPieceLowerCase"
-LOSS_NAMES = ("lm loss", "sop loss")  # model/bert.py LOSS_NAMES (pretrain_bert.py loss_func's names)
+LOSS_NAMES = ("lm loss", "sop loss")  # families/bert/bert_model.py LOSS_NAMES (pretrain_bert.py loss_func's names)
 SAMPLE_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
 
 
@@ -29,7 +31,7 @@ def _model_kwargs(run, tp_group, device):
 
 def build_bert_model(run, ps, eod_token: int, device, loss_report):
     """BERT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel)."""
-    from megatron_ds.model.bert import build_pipeline_bert, build_sequential_bert  # noqa: PLC0415
+    from megatron_ds.families.bert.bert_model import build_pipeline_bert, build_sequential_bert  # noqa: PLC0415
 
     layout, common = run.layout, _model_kwargs(run, ps.tp_group, device)
     if layout.use_pipeline:
@@ -38,9 +40,16 @@ def build_bert_model(run, ps, eod_token: int, device, loss_report):
     return build_sequential_bert(layout.model, loss_report=loss_report, **common)
 
 
+def bert_checkpoint_specs(model, padded_vocab_size: int, **kwargs) -> list:
+    """``ModelFamily.layer_specs`` of BERT: the pipeline layer specs its checkpoints' layer files follow."""
+    from megatron_ds.families.bert.bert_model import bert_layer_specs  # noqa: PLC0415
+
+    return bert_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
+
+
 def build_bert_stage(run, stage: int, tp_group, eod_token: int):
     """Pipeline stage ``stage`` on the meta device (--dry-run's build)."""
-    from megatron_ds.model.bert import build_sequential_bert, build_stage_bert  # noqa: PLC0415
+    from megatron_ds.families.bert.bert_model import build_sequential_bert, build_stage_bert  # noqa: PLC0415
 
     layout, common = run.layout, _model_kwargs(run, tp_group, "meta")
     if layout.use_pipeline:
@@ -137,7 +146,8 @@ def make_bert_collator(run, tokenizer):
     return BertCollator(tokenizer.vocab_size, describe_source(run.data))
 
 
-BERT = ModelFamily(name="bert", shape=BERT_SHAPE, build_model=build_bert_model, build_stage=build_bert_stage,
-                   build_datasets=build_bert_datasets, make_collator=make_bert_collator, loss_names=LOSS_NAMES,
-                   flops=bert_iteration_flops,
+BERT = ModelFamily(name="bert", label="BERT", check=check_bert, count_parameters=count_bert_parameters,
+                   build_model=build_bert_model, build_stage=build_bert_stage, build_datasets=build_bert_datasets,
+                   make_collator=make_bert_collator, flops=bert_iteration_flops, layer_specs=bert_checkpoint_specs,
+                   activations=bert_stage_activations, loss_names=LOSS_NAMES,
                    default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False)

@@ -1,7 +1,8 @@
-"""BERT's shape for the layout: its analytic parameter count per pipeline stage, and the flags it
-cannot run with (pretrain_bert.py gives ``BERT_SHAPE`` to ``resolve``).
+"""BERT's terms for the layout: its analytic parameter count per pipeline stage, the flags it cannot
+run with and what its layers keep for the memory estimate (``ModelFamily.count_parameters``,
+``check`` and ``activations`` of ``families/bert/bert_family.py``'s ``BERT``).
 
-The pipeline layers, in ``model/bert.py``'s order, with the parameters one tensor parallel rank holds:
+The pipeline layers, in ``families/bert/bert_model.py``'s order, with the parameters one tensor parallel rank holds:
 
     BertEmbedding   word V/tp x h, positions P x h, token types 2 x h (binary head only)
     ParallelTransformerLayer x N   (as the GPT's: ``layout.layer_parameters``)
@@ -16,7 +17,7 @@ transform keeps (``mlm_head_activation_bytes``; tests/config/test_family_memory.
 """
 from __future__ import annotations
 
-from megatron_ds.config.layout import FamilyShape, Layout, StageParams, gpt_only_refusals, layer_parameters
+from megatron_ds.config.layout import Layout, StageParams, gpt_only_refusals, layer_parameters
 from megatron_ds.config.memory import LayerActivations, gpt_stage_activations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
@@ -83,7 +84,7 @@ def check_bert(flags: Config, pp: int) -> None:
 
 
 def mlm_head_activation_bytes(layout: Layout) -> float:
-    """What ``model/bert.py BertHeads``' MLM transform keeps for backward, one micro-batch: the dense
+    """What ``families/bert/bert_model.py BertHeads``' MLM transform keeps for backward, one micro-batch: the dense
     h -> h's output (GeLU's input), GeLU's output (the LayerNorm's input) and the LayerNorm's output (the
     tied projection's input), 2 bytes per s b h each (fp32: 4), replicated over the tensor parallel ranks
     (the head gathers the sequence first). Its input, the final norm's output, is the GPT's output layer's
@@ -93,11 +94,9 @@ def mlm_head_activation_bytes(layout: Layout) -> float:
 
 
 def bert_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """``FamilyShape.activations`` of BERT: the GPT's, and on the last stage the MLM head's transform."""
+    """``ModelFamily.activations`` of BERT: the GPT's, and on the last stage the MLM head's transform."""
     runs, boundary = gpt_stage_activations(layout, stage)
     if stage.stage == layout.pp - 1:
         boundary += mlm_head_activation_bytes(layout)
     return runs, boundary
 
-
-BERT_SHAPE = FamilyShape("bert", count_bert_parameters, check_bert, activations=bert_stage_activations)

@@ -1,4 +1,4 @@
-"""Reading a checkpoint written by an engine with MoE layers (layout: ``megatron_ds.checkpoint.moe``).
+"""Reading a checkpoint written by an engine with MoE layers (layout: ``megatron_ds.checkpoint.expert_files``).
 
 ``MoEModuleSource`` gives the per-layer tensor parallel shards that consolidation, export and
 resharding read (``megatron_ds.checkpoint.sources``): the non-expert weights from every TP x PP
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
-from megatron_ds.checkpoint import moe
+from megatron_ds.checkpoint import expert_files
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.errors import ConfigError
 
@@ -32,7 +32,7 @@ class MoEModuleSource:
         # rank's copy of an expert is the expert.
         whole = not ckpt.model.enable_expert_tensor_parallelism
         for name in sorted(os.listdir(ckpt.path)):
-            parsed = moe.parse_expert_file(name)
+            parsed = expert_files.parse_expert_file(name)
             if parsed is None:
                 continue
             path = os.path.join(ckpt.path, name)
@@ -75,7 +75,7 @@ def expert_optimizer_files(ckpt: CheckpointFiles) -> dict[int, dict[int, str]]:
     """{mp rank: {expert parallel rank: path}} of ZeRO-0's MoE optimizer files (empty without them)."""
     out = collections.defaultdict(dict)
     for name in os.listdir(ckpt.path):
-        parsed = moe.parse_expert_optim_file(name)
+        parsed = expert_files.parse_expert_optim_file(name)
         if parsed is not None:
             out[parsed[1]][parsed[0]] = os.path.join(ckpt.path, name)
     return dict(out)
@@ -92,7 +92,8 @@ def expert_global_names(module: torch.nn.Module) -> dict[str, str]:
         group = getattr(sub.deepspeed_moe, "ep_group", None)
         ep_rank = dist.get_rank(group=group) if group is not None else 0
         for name, _ in sub.named_parameters(prefix=prefix):
-            e = moe.expert_id(name)
+            e = expert_files.expert_id(name)
             if e is not None:
-                out[name] = moe.with_expert_id(name, moe.global_expert(ep_rank, e, sub.num_local_experts))
+                global_id = expert_files.global_expert(ep_rank, e, sub.num_local_experts)
+                out[name] = expert_files.with_expert_id(name, global_id)
     return out

@@ -58,7 +58,7 @@ from torch import nn
 
 from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.config.t5_params import t5_stage_bounds
+from megatron_ds.families.t5.t5_params import t5_stage_bounds
 from megatron_ds.model.gpt import mask_padded_vocab_
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.layer_specs import GPTPipelineModel, GPTSequential
@@ -377,7 +377,8 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
 
 
 class T5PipelineModel(GPTPipelineModel):
-    """The T5 as a ``PipelineModule``, partitioned at the split rank (``config/t5_params.py`` ``t5_stage_bounds``)."""
+    """The T5 as a ``PipelineModule``, partitioned at the split rank (``families/t5/t5_params.py``
+    ``t5_stage_bounds``)."""
 
     def __init__(self, specs: list, *, parts: list[int], **kwargs):
         object.__setattr__(self, "t5_parts", parts)  # read by _partition_layers, inside super().__init__

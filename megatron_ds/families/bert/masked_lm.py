@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.model.bert import build_sequential_bert
+from megatron_ds.families.bert.bert_model import build_sequential_bert
 
 
 def load_bert(weights, device="cpu") -> torch.nn.Module:
@@ -26,7 +26,7 @@ def load_bert(weights, device="cpu") -> torch.nn.Module:
 @torch.no_grad()
 def masked_lm_accuracy(model, batches, vocab_size: int, device="cpu") -> dict:
     """``batches``: ``((text, types, padding_mask), (labels, loss_mask, is_random))`` micro-batches
-    (``training.bert.BertCollator``). Returns the counts and the three figures (None where nothing
+    (``families.bert.bert_family.BertCollator``). Returns the counts and the three figures (None where nothing
     was scored)."""
     correct = scored = 0
     nll = 0.0

@@ -1,4 +1,4 @@
-"""Our T5 (``model/t5.py``) to and from Hugging Face's ``T5ForConditionalGeneration``.
+"""Our T5 (``families/t5/t5_model.py``) to and from Hugging Face's ``T5ForConditionalGeneration``.
 
 Megatron's T5 and HF's T5 are different models; the mapping is exact only for the variant HF's
 code can compute, and anything else is refused in one line naming what HF cannot express:
@@ -38,6 +38,7 @@ import torch
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.t5.t5_family import T5 as FAMILY
 
 _ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2",
                 "relu": "relu", "geglu": "gated-gelu"}
@@ -306,11 +307,11 @@ def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, d
 
     from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
-    from megatron_ds.config.t5_params import decoder_layers  # noqa: PLC0415
     from megatron_ds.data.tokenizer import build_tokenizer_for  # noqa: PLC0415
+    from megatron_ds.families.t5.t5_params import decoder_layers  # noqa: PLC0415
     from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
 
-    c = load_consolidated(load_dir, iteration, log=log)
+    c = load_consolidated(load_dir, iteration, family=FAMILY, log=log)
     check_representable(c.model)
     vocab = vocab_size or c.vocab_size
     if vocab is None:
@@ -356,12 +357,12 @@ def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
     state = from_hf(get, d, padded_vocab_size=padded)
     tag_dir = step_dir(save_dir, 0)
     os.makedirs(tag_dir, exist_ok=True)
-    for idx, prefix in layer_prefixes(m, padded, "t5"):
+    for idx, prefix in layer_prefixes(m, padded, FAMILY):
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
-    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": "t5"},
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": FAMILY.name},
             "config": Config(model=m).to_dict(),
-            "vocab_size": vocab, "model_family": "t5", "weights_only": True,
+            "vocab_size": vocab, "model_family": FAMILY.name, "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)

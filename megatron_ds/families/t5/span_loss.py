@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.config.t5_params import decoder_layers
-from megatron_ds.model.t5 import build_sequential_t5
+from megatron_ds.families.t5.t5_model import build_sequential_t5
+from megatron_ds.families.t5.t5_params import decoder_layers
 
 
 def load_t5(weights, device="cpu") -> torch.nn.Module:
@@ -26,7 +26,7 @@ def load_t5(weights, device="cpu") -> torch.nn.Module:
 @torch.no_grad()
 def span_prediction_loss(model, batches, vocab_size: int, device="cpu") -> dict:
     """``batches``: ``((text_enc, text_dec, enc_flags, dec_flags), (labels, loss_mask))`` micro-batches
-    (``training.t5.T5Collator``). Returns the scored token count, the loss and the accuracy (None
+    (``families.t5.t5_family.T5Collator``). Returns the scored token count, the loss and the accuracy (None
     where nothing was scored)."""
     correct = scored = 0
     nll = 0.0

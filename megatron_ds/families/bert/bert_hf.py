@@ -1,4 +1,4 @@
-"""BERT (``model/bert.py``) to and from Hugging Face transformers, both ways with equal logits.
+"""BERT (``families/bert/bert_model.py``) to and from Hugging Face transformers, both ways with equal logits.
 
 Two targets, chosen by where the residual is taken:
 
@@ -31,6 +31,7 @@ from megatron_ds.checkpoint.hf import fuse_qkv, split_qkv
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.bert.bert_family import BERT as FAMILY
 
 BERT, MEGATRON_BERT = "BertForPreTraining", "MegatronBertForPreTraining"
 _ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # hidden_act -> --openai-gelu
@@ -249,7 +250,7 @@ def export_hf_bert(load_dir: str, out_dir: str, *, iteration: int | None = None,
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
     from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
 
-    c = load_consolidated(load_dir, iteration, log=log)
+    c = load_consolidated(load_dir, iteration, family=FAMILY, log=log)
     vocab = vocab_size or c.vocab_size
     if vocab is None:
         raise ConfigError(f"{load_dir} does not record its real vocabulary size; pass --vocab-size")
@@ -293,13 +294,13 @@ def import_hf_bert(hf_dir: str, save_dir: str, *, log: Callable = print) -> Mode
     state = bert_from_hf(arch, m, HFWeights(hf_dir).require, padded)
     tag_dir = step_dir(save_dir, 0)
     os.makedirs(tag_dir, exist_ok=True)
-    for idx, prefix in layer_prefixes(m, padded, "bert"):
+    for idx, prefix in layer_prefixes(m, padded, FAMILY):
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
     data = _tokenizer_data(hf_dir, DataConfig)
-    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": "bert"},
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": FAMILY.name},
             "config": Config(model=m, data=data).to_dict(),
-            "vocab_size": vocab, "model_family": "bert", "weights_only": True,
+            "vocab_size": vocab, "model_family": FAMILY.name, "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)

@@ -1,7 +1,8 @@
-"""T5's shape for the layout: its analytic parameter count per pipeline stage, and the flags it
-cannot run with (pretrain_t5.py gives ``T5_SHAPE`` to ``resolve``).
+"""T5's terms for the layout: its analytic parameter count per pipeline stage, the flags it cannot
+run with, what its layers keep for the memory estimate and its pipeline split (``ModelFamily`` fields
+of ``families/t5/t5_family.py``'s ``T5``).
 
-The pipeline layers, in ``model/t5.py``'s order, with the parameters one tensor parallel rank holds:
+The pipeline layers, in ``families/t5/t5_model.py``'s order, with the parameters one tensor parallel rank holds:
 
     T5Embedding         word V/tp x h, positions P x h (learned), LM-head bias V/tp (with biases)
     T5EncoderLayer x E  (as the GPT's layer: ``layout.layer_parameters``)
@@ -12,7 +13,8 @@ The pipeline layers, in ``model/t5.py``'s order, with the parameters one tensor 
     T5DecoderFinalNorm  one norm
     T5Embedding         the LM head: a copy on the last stage where it does not hold the first
 
-Stages split as ``t5_stage_bounds`` says (the split rank's; ``model/t5.py`` builds them so), whatever --pipeline-partition-method.
+Stages split as ``t5_stage_bounds`` says (the split rank's; ``families/t5/t5_model.py`` builds them so),
+whatever --pipeline-partition-method.
 
 The memory estimate (``config/memory.py``; ``t5_stage_activations`` here) counts encoder layers at
 --encoder-seq-length as the GPT's, decoder layers at --decoder-seq-length with their cross-attention
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.config.layout import FamilyShape, Layout, StageParams, gpt_only_refusals, layer_parameters
+from megatron_ds.config.layout import Layout, StageParams, gpt_only_refusals, layer_parameters
 from megatron_ds.config.memory import LayerActivations, activation_bytes_per_layer
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
@@ -107,7 +109,7 @@ def count_t5_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int, par
 
 
 def check_t5(flags: Config, pp: int) -> None:
-    """What pretrain_t5.py refuses, in one line each (the model's own checks: ``model/t5.py``)."""
+    """What pretrain_t5.py refuses, in one line each (the model's own checks: ``families/t5/t5_model.py``)."""
     par, data, m = flags.parallel, flags.data, flags.model
     refused = {
         **gpt_only_refusals(flags),
@@ -158,7 +160,7 @@ def _act_scale(layout: Layout) -> int:
 
 def relative_mask_bytes(layout: Layout, seq: int) -> float:
     """--position-embedding-type relative: the additive mask a self-attention hands SDPA (its stack's
-    bias where a key is allowed, ``model/t5.py biased_mask``), ``[b, a/t, s, s]`` in the activations'
+    bias where a key is allowed, ``families/t5/t5_model.py biased_mask``), ``[b, a/t, s, s]`` in the activations'
     dtype. On a GPU the memory-efficient kernel (flash takes no mask) keeps it for backward, which also
     computes its gradient; without relative positions the mask is boolean and broadcast over heads."""
     if layout.model.position_embedding_type != "relative":
@@ -168,7 +170,7 @@ def relative_mask_bytes(layout: Layout, seq: int) -> float:
 
 
 def decoder_layer_activation_bytes(layout: Layout, *, recompute: str | None) -> float:
-    """Activations a T5 decoder layer keeps for backward, one micro-batch on one GPU (``model/t5.py``
+    """Activations a T5 decoder layer keeps for backward, one micro-batch on one GPU (``families/t5/t5_model.py``
     ``T5DecoderLayer``), in the terms of ``memory.activation_bytes_per_layer`` (b micro batch, t TP
     ranks, s_d / s_e the decoder's / encoder's lengths):
 
@@ -198,7 +200,7 @@ def decoder_layer_activation_bytes(layout: Layout, *, recompute: str | None) -> 
 
 
 def t5_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """``FamilyShape.activations`` of T5: the stage's encoder layers (0..E-1) as one run at the encoder's
+    """``ModelFamily.activations`` of T5: the stage's encoder layers (0..E-1) as one run at the encoder's
     length, its decoder layers (E..) as another, and its buffers per micro-batch: the hidden state of
     each stack it holds at that stack's length (with relative positions, that stack's [1, a/t, s, s]
     bias, which rides along), and on a stage with decoder layers the encoder output, which every
@@ -235,7 +237,7 @@ def t5_pipeline_choice(m: ModelConfig, pp: int):
     return dataclasses.replace(m, pipeline_model_parallel_split_rank=split), flag
 
 
-# Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
-# divides each side of the split rank over that side's stages (check_t5)
-T5_SHAPE = FamilyShape("t5", count_t5_parameters, check_t5, partition_activations=False,
-                       activations=t5_stage_activations, pipeline_choice=t5_pipeline_choice)
+
+def t5_decoder_seq_length(flags: Config) -> int | None:
+    """``ModelFamily.decoder_seq_length`` of T5: --decoder-seq-length (the model's seq_length is the encoder's)."""
+    return flags.masked_lm.decoder_seq_length
