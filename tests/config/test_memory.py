@@ -16,7 +16,8 @@ from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
 from megatron_ds.training.pretrain import main as pretrain_main
-from tests.distributed import run_distributed
+from megatron_ds.training.device import select_device
+from tests.distributed import cuda_env, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -345,7 +346,7 @@ def test_estimate_bounds_cuda_peak():
     argv = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --micro-batch-size 4 "
             "--global-batch-size 8 --train-iters 3 --lr 1e-4 --mock-data --vocab-size 8000 --num-workers 0 "
             "--bf16 --deepspeed_config ds_configs/zero1_bf16.json --log-interval 1 --eval-iters 0").split()
-    results = run_distributed(_cuda_peak, 1, argv, timeout=600)
+    results = run_distributed(_cuda_peak, 1, argv, timeout=600, env=cuda_env())
     peak, estimate = results[0]
     # The activation term is what the layers keep with fused attention (measured on the CPU by
     # test_activation_term_is_what_a_layer_saves); the logits term counts the cross entropy's fp32
@@ -360,10 +361,14 @@ def _cuda_peak(rank, world_size, argv):
     from megatron_ds.training.pretrain import pretrain
 
     cfg, ignored = parse_args(argv)
-    torch.cuda.reset_peak_memory_stats()
+    # the rank's GPU made current (as pretrain does again) before its statistics are touched: a
+    # child without a current device fails in reset_peak_memory_stats ("invalid argument")
+    device = select_device(rank, world_size)
+    assert device.type == "cuda", "this child sees no GPU: run_distributed needs env=cuda_env()"
+    torch.cuda.reset_peak_memory_stats(device)
     with contextlib.redirect_stdout(io.StringIO()):
         pretrain(cfg, ignored)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated(device)
     _, layout = _layout(argv, 1)
     est = dict(estimate_memory(layout).terms)
     return peak, sum(v for k, v in est.items() if k != "runtime reserve")
