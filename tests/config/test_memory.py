@@ -143,7 +143,7 @@ def test_logits_term_is_what_the_loss_keeps():
 def test_logits_term_with_liger_where_it_runs(monkeypatch):
     """liger's fused linear + cross entropy (model/liger.py) makes no [tokens, vocab] tensor; it
     runs only at tensor parallel size 1, with --liger-kernel, when installed."""
-    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16"]
+    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16", "--liger-kernel"]
     _, layout = _layout(flags, 1)
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     unfused = logits_bytes(layout)
@@ -153,8 +153,8 @@ def test_logits_term_with_liger_where_it_runs(monkeypatch):
     assert fused < unfused / 5
     # the weight's gradient (bf16, [vocab, h]) is the largest part, the rest scales with the tokens
     assert fused > layout.padded_vocab_size * 2048 * 2
-    assert logits_bytes(_layout(flags + ["--no-liger-kernel"], 1)[1]) == unfused
-    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16"], 2)[1]
+    assert logits_bytes(_layout(flags[:-1] + ["--no-liger-kernel"], 1)[1]) == unfused
+    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16", "--liger-kernel"], 2)[1]
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     without = logits_bytes(tp2)
     monkeypatch.setattr(memory, "_liger_installed", lambda: True)
