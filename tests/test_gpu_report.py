@@ -114,5 +114,5 @@ def test_smoke_report_end_to_end(tmp_path):
         assert float(ms) > 0, rows[key]
     assert "CPU operator (inclusive: nested operators overlap) time per step" in text  # the profile ran
     assert "| matmul (gemm / cutlass / nvjet) |" in text and "Top 15:" in text
-    assert "skipped: on CPU: the gpu-marked tests need a CUDA device" in text
+    assert "skipped: --smoke or no CUDA device: the gpu-marked tests need a GPU" in text
     assert "--smoke runs the variants and the profile on GPT only" in text

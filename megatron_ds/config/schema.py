@@ -93,8 +93,9 @@ class ModelConfig:
     """Output layer + loss: --liger-kernel uses liger-kernel's fused linear + cross entropy where it
     applies (installed with `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1, training),
     --no-liger-kernel never. Neither: only where the logits and their gradient would take more than
-    15% of the GPU's memory (it saves that memory, but ran ~20% slower than logits + cross entropy
-    for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and --dry-run say which."""
+    15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
+    cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
+    --dry-run say which."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
