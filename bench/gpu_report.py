@@ -25,6 +25,7 @@ item from the items of its kind that already ran, so a smaller item after a skip
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gzip
@@ -33,10 +34,12 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ import gpu_mfu  # bench/ is sys.path[0] when this file runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_STEPS = 2  # profiled after warm-up: the last iterations but one
+RESULT = "gpu_report result: "  # how a worker's answer line starts (libraries print to stdout too)
 # Regional compilation's switch, by the spellings it may carry (detected in pretrain_gpt.py's parser).
 REGIONAL_COMPILE_FLAGS = ("--compile-layers", "--no-compile-layers")
 # Seconds an item of each kind is assumed to take until one has run (an H200: ~10 s of DeepSpeed
@@ -172,18 +176,30 @@ def measure(args, item: Item, timeout: float) -> None:
     # a port of our own: 29500 (the single-process default) may still be held by the previous run
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gpu_mfu._free_port()))
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired as exc:
-        item.wall_s = time.perf_counter() - start
-        item.status, item.note = "failed", f"timed out after {timeout:.0f} s\n" + _tail(exc.stdout, exc.stderr)
-        return
+    code, out, err = run_bounded(cmd, timeout, env=env)
     item.wall_s = time.perf_counter() - start
-    results = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not results:
-        item.status, item.note = "failed", f"exit {proc.returncode}\n" + _tail(proc.stdout, proc.stderr)
+    results = [line[len(RESULT):] for line in out.splitlines() if line.startswith(RESULT)]
+    if code != 0 or not results:
+        why = f"timed out after {timeout:.0f} s" if code is None else f"exit {code}"
+        item.status, item.note = "failed", why + "\n" + _tail(out, err)
         return
     item.status, item.result = "ok", json.loads(results[-1])
+
+
+def run_bounded(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str]:
+    """(exit status, None on timeout; stdout; stderr) of ``cmd`` run from the repository root. It
+    gets a process group of its own, so a timeout ends its children too (data loader and compile
+    workers, pytest-xdist's workers) and frees the GPU for the next item."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
 
 
 def _tail(*streams, lines: int = 25) -> str:
@@ -195,21 +211,17 @@ def run_gpu_tests(item: Item, timeout: float) -> None:
     """The `gpu`-marked tests, 8 at a time (pytest-xdist): the summary line and the failures."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-n", "8", "-p", "no:cacheprovider", "tests"]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        out, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out, code = _tail(exc.stdout, exc.stderr), None
+    code, out, err = run_bounded(cmd, timeout)
     item.wall_s = time.perf_counter() - start
-    lines = out.strip().splitlines()
+    lines = out.strip().splitlines()  # pytest's own report: stdout
     summary = next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed|error)", x)), None)
     failures = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]
     item.result = {"summary": summary or "(no summary line)", "failures": failures, "exit": code}
     item.status = "ok" if code == 0 else "failed"
     if code is None:
-        item.note = f"timed out after {timeout:.0f} s\n" + "\n".join(lines[-10:])
+        item.note = f"timed out after {timeout:.0f} s\n" + _tail(out, err, lines=10)
     elif summary is None:
-        item.note = "\n".join(lines[-25:])
+        item.note = _tail(out, err)
 
 
 # --------------------------------------------------------------------------- kernel families
@@ -304,12 +316,21 @@ def throughput_rows(args, ctx, items: list[Item]) -> list[str]:
     hf_rate = {}
     for item in items:
         if item.kind == "hf" and item.status == "ok":
-            argv = our_run_argv(args, Item("ours", item.model, ""))
-            hf_rate[item.model] = gpu_mfu.model_flops(argv, args.micro, vocab=gpu_mfu.VOCAB) / item.result["seconds"]
+            hf_rate[item.model] = _flops(args, item) / item.result["seconds"]
     for item in items:
         if item.kind in ("ours", "hf"):
-            lines.append(_row(args, ctx, item, hf_rate.get(item.model)))
+            try:
+                lines.append(_row(args, ctx, item, hf_rate.get(item.model)))
+            except Exception as exc:  # noqa: BLE001 - one row's arithmetic must not lose the report
+                lines.append(f"| {item.model} | {item.label} | {item.status}, row not computed "
+                             f"({type(exc).__name__}: {exc}) | | | | | | |")
     return lines
+
+
+def _flops(args, item: Item) -> float:
+    """Model FLOPs of one iteration of the item's shape (HF: the unpadded vocabulary, as it runs)."""
+    shape_only = our_run_argv(args, Item("ours", item.model, "", micro=item.micro))
+    return gpu_mfu.model_flops(shape_only, item.micro or args.micro, vocab=gpu_mfu.VOCAB if item.kind == "hf" else None)
 
 
 def _row(args, ctx, item: Item, hf_rate) -> str:
@@ -318,9 +339,7 @@ def _row(args, ctx, item: Item, hf_rate) -> str:
         why = {"failed": "failed (see Failures)", "not reached": "not reached (the run was cut off)"}.get(
             item.status, f"{item.status}: {item.note}")
         return head + f" {why} | | | | | | |"
-    argv = our_run_argv(args, Item("ours", item.model, "", micro=item.micro))
-    micro = item.micro or args.micro
-    flops = gpu_mfu.model_flops(argv, micro, vocab=gpu_mfu.VOCAB if item.kind == "hf" else None)
+    flops = _flops(args, item)
     sec, mem = item.result["seconds"], item.result["memory_gib"]
     rate = flops / sec
     mfu = 100 * rate / 1e12 / ctx["peak"]
@@ -352,7 +371,10 @@ def render(args, ctx, items: list[Item], finished: bool) -> str:
     lines += throughput_rows(args, ctx, items)
     for item in (i for i in items if i.kind == "profile"):
         lines += ["", f"## Kernel time: {item.model}, default configuration", ""]
-        lines += profile_tables(item.result) if item.status == "ok" else [_status_line(item)]
+        try:
+            lines += profile_tables(item.result) if item.status == "ok" else [_status_line(item)]
+        except Exception as exc:  # noqa: BLE001 - an unexpected trace must not lose the report
+            lines.append(f"profile not tabulated ({type(exc).__name__}: {exc})")
     tests = next(i for i in items if i.kind == "tests")
     lines += ["", "## gpu tests (python -m pytest -q -m gpu -n 8 tests)", ""]
     if tests.result:
@@ -415,7 +437,7 @@ def run_item(args, item: Item, remaining: float, est: float) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        print(RESULT + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
     if not (torch.cuda.is_available() or args.smoke):
         print("bench/gpu_report.py needs a CUDA GPU (or --smoke); none found", file=sys.stderr)
@@ -433,7 +455,10 @@ def main(argv=None) -> int:
             item.status = "skipped"
             item.note = f"would not fit the budget (~{est:.0f} s needed, {args.budget_s - elapsed:.0f} s left)"
         else:
-            run_item(args, item, args.budget_s - elapsed, est)
+            try:
+                run_item(args, item, args.budget_s - elapsed, est)
+            except Exception:  # noqa: BLE001 - the next items and the report go on
+                item.status, item.note = "failed", traceback.format_exc(limit=5)
         print(f"[{time.perf_counter() - ctx['start']:.0f} s] {item.model} {item.label}: {item.status} "
               f"({item.wall_s:.0f} s)", flush=True)
         write(args.out, render(args, ctx, items, finished=False))

@@ -82,6 +82,26 @@ def test_the_budget_skips_what_would_not_fit(report):
     assert report.estimate_s("profile", items, report.FIRST_GUESS) == pytest.approx(1.3 * 30.0)
 
 
+def test_a_timeout_ends_the_child_and_its_children(report):
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
+    code, out, _ = report.run_bounded([sys.executable, "-c", spawn], timeout=5)
+    assert code is None
+    grandchild = Path(f"/proc/{int(out.split()[0])}/status")
+    # gone, or a zombie waiting for whichever process adopted it
+    assert not grandchild.exists() or "State:\tZ" in grandchild.read_text()
+
+
+def test_a_failing_measurement_becomes_a_failed_row_with_its_last_lines(report, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = report.parse(["--smoke"])
+    item = report.Item("ours", "gpt-tiny", "broken", ("--no-such-flag",))
+    report.measure(args, item, timeout=300)
+    assert item.status == "failed" and item.note.startswith("exit ") and "--no-such-flag" in item.note
+    row = report.throughput_rows(args, {"peak": float("nan"), "gpu_bytes": None}, [item])[-1]
+    assert row == "| gpt-tiny | broken | failed (see Failures) | | | | | | |"
+
+
 def _run_report(tmp_path, *args, timeout):
     out = tmp_path / "report.md"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
