@@ -260,6 +260,9 @@ def _add_field(group, section: str | None, f: dataclasses.Field, hints: dict, do
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             kwargs["help"] = f"{doc} (default: {shown})"
     group.add_argument(*flags, **kwargs)
+    if md.get("off_flags"):  # the other half of an Optional[bool] switch (neither given: None)
+        group.add_argument(*md["off_flags"], dest=dest, action="store_false", default=argparse.SUPPRESS,
+                           help=f"the opposite of {flags[0]}")
 
 
 class _StoreTuple(argparse.Action):

@@ -67,7 +67,7 @@ def logits_bytes(layout: Layout) -> float:
     """The last stage's output layer and loss beyond the hidden states, one micro-batch.
 
     Where liger-kernel's fused linear + cross entropy runs (model/liger.py: installed, tensor
-    parallel size 1, --liger-kernel, weights not ZeRO-3 partitions; on the GPU) no [tokens, vocab]
+    parallel size 1, chosen by ``choose_fused_loss``, weights not ZeRO-3 partitions; on the GPU) no [tokens, vocab]
     tensor exists: it computes the gradients during forward a chunk of about tokens*h logits at a
     time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
     m = layout.model
@@ -77,9 +77,43 @@ def logits_bytes(layout: Layout) -> float:
     if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
         act_bytes = 4 if layout.precision == "fp32" else 2
         return tokens * m.hidden_size * (act_bytes + 4 + act_bytes) + vocab * m.hidden_size * act_bytes
+    return unfused_logits_bytes(layout)
+
+
+def unfused_logits_bytes(layout: Layout) -> float:
+    """``logits_bytes`` of the logits + vocab-parallel cross entropy path: the [tokens, vocab / TP]
+    logits and their gradient (and the fp32 chunks or copies the cross entropy adds)."""
+    tokens = (layout.decoder_seq_length or layout.model.seq_length) // layout.sp * layout.micro_batch_size
+    vocab = layout.padded_vocab_size / layout.tp
     if layout.precision == "fp32":
         return tokens * vocab * LOGIT_BYTES_FP32
     return tokens * vocab * LOGIT_BYTES_HALF + min(CHUNK_BYTES, tokens * vocab * 4 * 3)
+
+
+# liger-kernel's fused linear + cross entropy (model/liger.py) only where the logits would take more
+# than this share of a GPU: it never materialises them, but recomputes the projection a chunk at a
+# time and ran ~20% slower per iteration than logits + cross entropy at GPT 1.3B (vocabulary 50k,
+# hidden 2048, micro batch 4, seq 2048: logits 1.6 GB) on an H200; it pays where the logits crowd
+# out the activations (large micro batch x seq x vocabulary on a small GPU).
+FUSED_LOSS_SHARE = 0.15
+# The GPU a choice is made for when neither the device nor --gpu-memory-gb says (a --dry-run on a
+# login node): ABCI 3.0's H200.
+ASSUMED_GPU = "h200"
+
+
+def choose_fused_loss(layout: Layout, gpu_bytes: float | None) -> tuple[bool, str]:
+    """(use liger's fused linear + cross entropy, why) for this layout on a GPU of ``gpu_bytes``
+    (None: ``ASSUMED_GPU``): as --liger-kernel / --no-liger-kernel say, else by ``FUSED_LOSS_SHARE``."""
+    asked = layout.model.liger_kernel
+    if asked is not None:
+        return asked, "--liger-kernel" if asked else "--no-liger-kernel"
+    gpu = f"{gpu_bytes / GB:.0f} GB" if gpu_bytes else f"{GPU_MEMORY_GB[ASSUMED_GPU]} GB ({ASSUMED_GPU}, assumed)"
+    gpu_bytes = gpu_bytes or GPU_MEMORY_GB[ASSUMED_GPU] * GB
+    logits = unfused_logits_bytes(layout)
+    share = logits / gpu_bytes
+    fused = share > FUSED_LOSS_SHARE
+    return fused, (f"logits + cross entropy {logits / GB:.1f} GB = {100 * share:.1f}% of {gpu} "
+                   f"{'>' if fused else '<='} {100 * FUSED_LOSS_SHARE:.0f}%")
 
 
 def gpu_memory_bytes(value: str | float | None) -> float | None:

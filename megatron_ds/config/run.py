@@ -16,6 +16,7 @@ from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
+from megatron_ds.config.memory import choose_fused_loss, gpu_memory_bytes
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
 from megatron_ds.config.validation import check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
@@ -91,6 +92,8 @@ class Run:
     record: dict = field(hash=False, compare=False, repr=False)
     # BERT / T5 samples (--mask-prob, --short-seq-prob, --vocab-extra-ids, --decoder-seq-length)
     masked_lm: MaskedLMDataConfig = field(default_factory=MaskedLMDataConfig)
+    # why layout.model.liger_kernel is what it is (memory.choose_fused_loss), for the start-up line
+    fused_loss_reason: str = ""
 
     def describe(self) -> str:
         """The layout, then every section (what ``--dry-run`` prints)."""
@@ -113,12 +116,14 @@ def _settings(cls, section):
 
 def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
             ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None,
-            family: ModelFamily | None = None) -> Run:
+            family: ModelFamily | None = None, gpu_memory: float | None = None) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
     (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
     --use-checkpoint-args. ``family``: the model family (the entry point's: pretrain_bert.py gives
-    BERT's; None: the GPT). Pure: no process group, device or DeepSpeed import."""
+    BERT's; None: the GPT). ``gpu_memory``: bytes of the GPU the run trains on (default:
+    --gpu-memory-gb, else ``memory.ASSUMED_GPU``), which decides the output layer's loss kernel where
+    no flag does. Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
@@ -129,10 +134,12 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str
     notes = checkpoint_notes + notes
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
                                       device_type=device_type, family=family)
+    fused, fused_why = choose_fused_loss(layout, gpu_memory or gpu_memory_bytes(flags.gpu_memory_gb))
+    layout = dataclasses.replace(layout, model=dataclasses.replace(layout.model, liger_kernel=fused))
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
                optimizer=_settings(OptimizerSettings, flags.optimizer),
                distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
                notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),
-               masked_lm=flags.masked_lm)
+               masked_lm=flags.masked_lm, fused_loss_reason=fused_why)

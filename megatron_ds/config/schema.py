@@ -17,9 +17,11 @@ from typing import Any, Optional
 
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
-         nargs: str | None = None, invert: bool = False, default_factory=None) -> Any:
-    """A dataclass field carrying parser hints (see module docstring)."""
-    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert}
+         nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
+         default_factory=None) -> Any:
+    """A dataclass field carrying parser hints (see module docstring). ``off_flags``: an
+    ``Optional[bool]`` switch's spellings that store False (``flags`` store True; neither: None)."""
+    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=md)
     return field(default=default, metadata=md)
@@ -87,9 +89,13 @@ class ModelConfig:
     """Also compile the fusions above when running on the CPU. Off by default: the fused functions
     are compiled (torch.compile) on CUDA only, because inductor builds C++ for each of them in
     every process, which costs a CPU run minutes of start-up for no gain; tests use this."""
-    liger_kernel: bool = meta(True, flags=("--no-liger-kernel",), invert=True)
-    """Do not use liger-kernel's fused linear + cross entropy where it applies (installed with
-    `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1)."""
+    liger_kernel: Optional[bool] = meta(None, flags=("--liger-kernel",), off_flags=("--no-liger-kernel",))
+    """Output layer + loss: --liger-kernel uses liger-kernel's fused linear + cross entropy where it
+    applies (installed with `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1, training),
+    --no-liger-kernel never. Neither: only where the logits and their gradient would take more than
+    15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
+    cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
+    --dry-run say which."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02

@@ -52,6 +52,14 @@ def select_device(local_rank: int, local_world_size: int | None = None,
     return torch.device("cuda", local_rank)
 
 
+def memory_bytes(device: torch.device) -> float | None:
+    """The GPU's memory in bytes (None on the CPU): what the run's memory-dependent choices
+    (the output layer's loss kernel, ``memory.choose_fused_loss``) are made for."""
+    if device.type != "cuda":
+        return None
+    return float(torch.cuda.get_device_properties(device).total_memory)
+
+
 def _match_deepspeed_accelerator(kind: str) -> None:
     """DeepSpeed picks its accelerator once (DS_ACCELERATOR, else detection) when first imported;
     a process that imported it before the switch was set, or a test process running CPU and GPU

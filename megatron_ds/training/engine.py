@@ -166,7 +166,7 @@ def log_startup(run: Run, rt: Runtime) -> None:
     """The layout, the kernels in use, the flags without effect and the overrides, once."""
     layout = run.layout
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp).items()]
+    kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp, run.fused_loss_reason).items()]
     print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
     if run.ignored_flags:
         print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")

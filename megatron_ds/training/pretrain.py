@@ -34,16 +34,16 @@ from megatron_ds.training.loop import TrainState
 
 
 def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log,
-            family: ModelFamily) -> tuple[Run, object]:
+            family: ModelFamily, gpu_memory: float | None = None) -> tuple[Run, object]:
     """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
     model), the ``Run`` of ``family``'s model, and the checks only DeepSpeed can make (its version,
-    its JSON parser)."""
+    its JSON parser). ``gpu_memory``: the training GPU's bytes (``resolve``'s)."""
     saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
     # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
     flags_used = apply_checkpoint_args(flags, saved)[0]
     tokenizer = build_tokenizer_for(flags_used.data, log=log, vocab_extra_ids=flags_used.masked_lm.vocab_extra_ids)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
-                  ignored=ignored, saved_flags=saved, family=family)
+                  ignored=ignored, saved_flags=saved, family=family, gpu_memory=gpu_memory)
     check_deepspeed(interleaved=run.layout.own_schedule)  # once, before DeepSpeed is first used
     validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
     return run, tokenizer
@@ -60,9 +60,13 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
     # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
+    from megatron_ds.model.liger import describe_liger  # noqa: PLC0415
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
 
     report(run, family.eod_token(tokenizer), build=family.build_stage)
+    # what a CUDA run of this configuration would compute the loss with, even where this host has no GPU
+    lay = run.layout
+    print(f"output layer + loss on CUDA: {describe_liger(lay.model, lay.tp, run.fused_loss_reason, on_cuda=True)}")
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
@@ -90,7 +94,8 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily) -> TrainSta
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
-                             log=print_rank0 if env.rank == 0 else (lambda *a: None), family=family)
+                             log=print_rank0 if env.rank == 0 else (lambda *a: None), family=family,
+                             gpu_memory=devices.memory_bytes(device))
     return train(run, device, tokenizer, start_time, family)
 
 

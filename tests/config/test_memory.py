@@ -16,7 +16,8 @@ from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
 from megatron_ds.families import main as pretrain_main
-from tests.distributed import run_distributed
+from megatron_ds.training.device import select_device
+from tests.distributed import cuda_env, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,7 +143,7 @@ def test_logits_term_is_what_the_loss_keeps():
 def test_logits_term_with_liger_where_it_runs(monkeypatch):
     """liger's fused linear + cross entropy (model/liger.py) makes no [tokens, vocab] tensor; it
     runs only at tensor parallel size 1, with --liger-kernel, when installed."""
-    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16"]
+    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16", "--liger-kernel"]
     _, layout = _layout(flags, 1)
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     unfused = logits_bytes(layout)
@@ -152,8 +153,8 @@ def test_logits_term_with_liger_where_it_runs(monkeypatch):
     assert fused < unfused / 5
     # the weight's gradient (bf16, [vocab, h]) is the largest part, the rest scales with the tokens
     assert fused > layout.padded_vocab_size * 2048 * 2
-    assert logits_bytes(_layout(flags + ["--no-liger-kernel"], 1)[1]) == unfused
-    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16"], 2)[1]
+    assert logits_bytes(_layout(flags[:-1] + ["--no-liger-kernel"], 1)[1]) == unfused
+    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16", "--liger-kernel"], 2)[1]
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     without = logits_bytes(tp2)
     monkeypatch.setattr(memory, "_liger_installed", lambda: True)
@@ -346,7 +347,7 @@ def test_estimate_bounds_cuda_peak():
     argv = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --micro-batch-size 4 "
             "--global-batch-size 8 --train-iters 3 --lr 1e-4 --mock-data --vocab-size 8000 --num-workers 0 "
             "--bf16 --deepspeed_config ds_configs/zero1_bf16.json --log-interval 1 --eval-iters 0").split()
-    results = run_distributed(_cuda_peak, 1, argv, timeout=600)
+    results = run_distributed(_cuda_peak, 1, argv, timeout=600, env=cuda_env())
     peak, estimate = results[0]
     # The activation term is what the layers keep with fused attention (measured on the CPU by
     # test_activation_term_is_what_a_layer_saves); the logits term counts the cross entropy's fp32
@@ -361,10 +362,14 @@ def _cuda_peak(rank, world_size, argv):
     from megatron_ds.families import pretrain
 
     cfg, ignored = parse_args(argv)
-    torch.cuda.reset_peak_memory_stats()
+    # the rank's GPU made current (as pretrain does again) before its statistics are touched: a
+    # child without a current device fails in reset_peak_memory_stats ("invalid argument")
+    device = select_device(rank, world_size)
+    assert device.type == "cuda", "this child sees no GPU: run_distributed needs env=cuda_env()"
+    torch.cuda.reset_peak_memory_stats(device)
     with contextlib.redirect_stdout(io.StringIO()):
         pretrain(cfg, ignored)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated(device)
     _, layout = _layout(argv, 1)
     est = dict(estimate_memory(layout).terms)
     return peak, sum(v for k, v in est.items() if k != "runtime reserve")
