@@ -7,7 +7,7 @@ torch.compile at the same shape), where an iteration spends its kernel time, and
     python bench/gpu_report.py --budget-s 420 --out report.md
     python bench/gpu_report.py --smoke                # tiny shapes on the CPU: every section, end to end
 
-The pieces are bench/gpu_mfu.py's (the shapes, our command line, the HF baseline, the FLOPs count);
+The pieces are megatron_ds/cli/gpu_mfu.py's (the shapes, our command line, the HF baseline, the FLOPs count);
 each measurement runs in a fresh process with its own timeout, so a hung or failing variant becomes a
 "failed" row with its last lines and the report goes on. The report file is rewritten after every
 item: a killed session still leaves what was measured.
@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-import gpu_mfu  # bench/ is sys.path[0] when this file runs as a script
+from megatron_ds.cli import gpu_mfu
+
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_STEPS = 2  # profiled after warm-up: the last iterations but one

@@ -87,16 +87,11 @@ def test_llama_count_is_below_the_gpt2_formula():
 
 
 def test_gpu_mfu_bench_dry_run(capsys):
-    """bench/gpu_mfu.py imports and plans its four shapes without a GPU; its GPT 1.3B count is
+    """bench/gpu_mfu.py (megatron_ds/cli/gpu_mfu.py) imports and plans its four shapes without a GPU; its GPT 1.3B count is
     Megatron's closed form (B 4, s 2048, l 24, h 2048, V 50304 padded)."""
-    import importlib.util
-    from pathlib import Path
+    from megatron_ds.cli import gpu_mfu
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_mfu.py"
-    spec = importlib.util.spec_from_file_location("gpu_mfu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--dry-run"]) == 0
+    assert gpu_mfu.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines()[1:]] == ["gpt-345m", "gpt-1.3b", "gpt-2.7b", "llama-1.3b"]
     b, s, l, h, v = 4, 2048, 24, 2048, 50304
