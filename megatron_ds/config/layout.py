@@ -382,6 +382,10 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     precision = check_precision(t, device_type)
     zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
+    if zbh1 is not None and m.compile_layers:
+        # its weight passes decide in backward whether to defer, which a compiled graph fixes once
+        raise ConfigError("--compile-layers cannot be combined with --enable-zbh1-pipeline (a compiled layer's "
+                          "backward cannot defer its weight gradients); drop one of them")
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)

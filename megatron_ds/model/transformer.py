@@ -121,6 +121,8 @@ class ParallelAttention(nn.Module):
         self.causal = causal  # without a mask: causal (GPT) or every position (bidirectional, unpadded)
         self.kv_channels = d
         self.heads_per_group = divide(cfg.num_attention_heads, cfg.num_key_value_heads)
+        # asked once here, not in forward: a compiled layer would trace the probe call into its graph
+        self.native_gqa = self.heads_per_group > 1 and sdpa_supports_gqa()
         self.num_groups = divide(cfg.num_key_value_heads, tp)
         self.num_heads = self.num_groups * self.heads_per_group
         self.attention_dropout = cfg.attention_dropout
@@ -197,22 +199,28 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         extra = {}
         if self.heads_per_group > 1:
-            if sdpa_supports_gqa():
+            if self.native_gqa:
                 extra["enable_gqa"] = True
             else:
                 k = k.repeat_interleave(self.heads_per_group, dim=1)
                 v = v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.attention_dropout if self.training else 0.0
         if p > 0.0:
-            # Each rank holds different heads, so their dropout masks must differ: draw them from
-            # the tensor parallel RNG stream.
-            with get_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=self.causal and mask is None, **extra)
+            out = _sdpa_with_dropout(q, k, v, mask, p, self.causal and mask is None, extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                                  **extra)
         return out.permute(2, 0, 1, 3)
+
+
+@torch.compiler.disable
+def _sdpa_with_dropout(q, k, v, mask, p: float, is_causal: bool, extra: dict) -> torch.Tensor:
+    """Attention with dropout. Each rank holds different heads, so their dropout masks must differ:
+    they are drawn from the tensor parallel RNG stream. Its fork sets the generators' states, which
+    dynamo does not trace: in a layer compiled with --compile-layers this runs eagerly, between two
+    graphs (one graph break; otherwise dynamo would break at each generator call)."""
+    with get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **extra)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:

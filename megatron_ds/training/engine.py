@@ -15,6 +15,7 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
+from megatron_ds.model.compile_layers import compile_layers, describe_compiled_layers
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_gpt
@@ -79,7 +80,10 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
         model = model.to(params_dtype(run.layout))
-    return model.to(device)
+    model = model.to(device)
+    if run.layout.model.compile_layers:  # regional compilation, once, on the built and placed model
+        compile_layers(model)
+    return model
 
 
 def model_is_plain(layout: Layout) -> bool:
@@ -166,7 +170,9 @@ def log_startup(run: Run, rt: Runtime) -> None:
     """The layout, the kernels in use, the flags without effect and the overrides, once."""
     layout = run.layout
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp, run.fused_loss_reason).items()]
+    kernels = {**describe_kernels(layout.model, layout.tp, run.fused_loss_reason),
+               "transformer layers": describe_compiled_layers(layout.model)}
+    kernels = [f"{k}: {v}" for k, v in kernels.items()]
     print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
     if run.ignored_flags:
         print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")
