@@ -15,12 +15,14 @@ item: a killed session still leaves what was measured.
 Order of work (most value per second first; ``--budget-s`` skips what would not fit, estimating each
 item from the items of its kind that already ran, so a smaller item after a skipped one still runs):
 1. GPT and Llama in the default configuration, each with its HF baseline: the headline ratio;
-2. GPT with liger-kernel's fused loss forced on (``--liger-kernel``): whether its default (off at this
-   shape) holds; GPT with the compiled elementwise fusions off: what they buy;
+2. GPT and Llama with regional compilation (``--compile-layers``): the one speed feature no GPU has
+   measured yet, which stays off by default until this row shows a gain;
 3. the kernel-time profile of the GPT default: where the time goes (families, top kernels);
 4. the `gpu` tests (pytest -n 8, ~3 minutes): correctness on the device, before refinements;
-5. GPT with regional compilation, micro batch 8 and the plain engine (``--no-pipeline-parallel``),
-   then all the variants of Llama and its profile: refinements, run as far as the budget goes.
+5. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
+   forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
+   elementwise fusions off (what they buy); then the same variants of Llama and its profile:
+   refinements, run as far as the budget goes.
 """
 from __future__ import annotations
 
@@ -113,12 +115,11 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
     g, m = variants(gpt, micro, rc), variants(llama, micro, rc)
     head = [Item("ours", gpt, "default"), Item("hf", gpt, hf_label), Item("ours", llama, "default"),
             Item("hf", llama, hf_label)]
-    first = [g["liger"], g["fusions"], Item("profile", gpt, "kernel time, default"), Item("tests", "", "gpu tests")]
-    later = [g["rc"], g["micro"], g["plain"]]
-    llama_rows = [m["liger"], m["fusions"], m["rc"], m["micro"], m["plain"],
-                  Item("profile", llama, "kernel time, default")]
+    first = [g["rc"], m["rc"], Item("profile", gpt, "kernel time, default"), Item("tests", "", "gpu tests")]
+    later = [g["micro"], g["plain"], g["liger"], g["fusions"]]
+    llama_rows = [m["micro"], m["plain"], m["liger"], m["fusions"], Item("profile", llama, "kernel time, default")]
     if smoke:
-        for item in llama_rows:
+        for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
     return head + first + later + llama_rows
