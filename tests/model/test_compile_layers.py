@@ -19,7 +19,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.model import compile_layers as cl
 from megatron_ds.model import fusions
-from megatron_ds.model.pipeline import build_sequential_gpt, build_stage_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt, build_stage_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
@@ -197,7 +197,7 @@ def test_compile_layers_finds_the_layers_of_every_builder():
     stage, the interleaved schedule's chunks, BERT's and T5's layers (subclasses); the state dict
     keeps its names, and a second call changes nothing."""
     from megatron_ds.model.chunks import GPTModelChunks
-    from megatron_ds.model.pipeline import gpt_layer_specs
+    from megatron_ds.model.layer_specs import gpt_layer_specs
 
     cfg = model_config("gpt2", num_layers=4)
     stage = build_stage_gpt(cfg, num_stages=2, stage=1, padded_vocab_size=VOCAB, seed=7)
