@@ -28,7 +28,7 @@ What breaks a layer's graph (the graphs and breaks per layer are counted by
   break per MoE layer.
 Full recompute checkpoints the compiled layers from outside (non-reentrant ``torch.utils.checkpoint``
 reruns the compiled forward in backward). ZB-H1's deferred weight gradients decide in backward, which
-a compiled graph fixes at compile time: refused together (``config.validation``).
+a compiled graph fixes at compile time: refused together (``config.layout``).
 
 Dropout inside a compiled layer draws inductor's random numbers (on CUDA, from its Philox stream
 seeded by the current generator), not eager ATen's: the same distribution, not the same masks.
