@@ -16,17 +16,19 @@ rest of the layer anyway.
 What breaks a layer's graph (the graphs and breaks per layer are counted by
 ``tests/model/test_compile_layers.py``):
 - nothing, at tensor parallel size 1 without attention dropout: one graph, forward and backward;
-- tensor parallel collectives (``dist.all_reduce`` etc. inside the TP layers' autograd Functions):
-  dynamo traces c10d collectives into the graph where the process group allows it;
-- attention dropout > 0, and hidden dropout under sequence parallelism: their masks are drawn from
-  the tensor parallel RNG stream (``parallel.random``), whose fork sets the generators' states, which
-  dynamo does not trace: the attention core then runs eagerly between compiled graphs;
-- selective recompute: the checkpointed attention core runs eagerly between compiled graphs;
-- DeepSpeed's MoE layer (its gate reads ``.item()`` and sizes its buffers by it): it runs eagerly
-  between the compiled attention half and the residual add.
+- nothing either at tensor parallel size 2 on gloo: dynamo traces the c10d collectives inside the TP
+  layers' autograd Functions into the graph (one graph, no break);
+- attention dropout > 0: its masks are drawn from the tensor parallel RNG stream (``parallel.random``),
+  whose fork sets the generators' states, which dynamo does not trace: attention with dropout runs
+  eagerly (``transformer._sdpa_with_dropout``), one break seen through the four nested calls to it,
+  6 graphs and 4 breaks per layer; hidden dropout under sequence parallelism forks the same way;
+- selective recompute: dynamo traces the checkpointed attention core (one graph, no break);
+- DeepSpeed's MoE (its gate reads ``.item()`` and sizes its buffers by it): it runs eagerly between
+  the compiled attention half and the residual add (``ParallelTransformerLayer._moe``): 2 graphs, 1
+  break per MoE layer.
 Full recompute checkpoints the compiled layers from outside (non-reentrant ``torch.utils.checkpoint``
 reruns the compiled forward in backward). ZB-H1's deferred weight gradients decide in backward, which
-a compiled graph fixes at compile time: refused together (``config.validation``).
+a compiled graph fixes at compile time: refused together (``config.layout``).
 
 Dropout inside a compiled layer draws inductor's random numbers (on CUDA, from its Philox stream
 seeded by the current generator), not eager ATen's: the same distribution, not the same masks.

@@ -387,9 +387,7 @@ class ParallelTransformerLayer(nn.Module):
         normed = self.post_attention_layernorm(hidden)
         residual = normed if self.residual_after_norm else hidden
         if self.num_experts > 1:
-            out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
-            if self.loss_report:
-                self.loss_report.add(DROP_FRACTION, self.drops.last)
+            out, l_aux = self._moe(normed)
             hidden = self._residual(out, None, residual)
             l_aux = l_aux.float().reshape(1)
             moe_loss = l_aux if moe_loss is None else moe_loss + l_aux
@@ -400,6 +398,17 @@ class ParallelTransformerLayer(nn.Module):
             # tensor a stage sends
             moe_loss = torch.zeros(1, device=hidden.device, requires_grad=torch.is_grad_enabled())
         return pack_activation(hidden, document_ids, moe_loss if self.carry_moe_loss else None)
+
+    @torch.compiler.disable
+    def _moe(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSpeed's MoE: (output, auxiliary loss); reports the dropped routes. Its gate reads
+        ``.item()`` and sizes its buffers by the values, which would split a compiled layer into many
+        graphs recompiled per value: in a layer compiled with --compile-layers it runs eagerly, one
+        graph break (``model/compile_layers.py``)."""
+        out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
+        if self.loss_report:
+            self.loss_report.add(DROP_FRACTION, self.drops.last)
+        return out, l_aux
 
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.
