@@ -11,6 +11,7 @@ The families' own models (BERT, T5, in ``megatron_ds.families``) are built from 
     kernels         kernels.py      kernel choice: optional apex norms, SDPA; describe_kernels() for the log
                     fusions.py      compiled bias-GeLU / bias-SwiGLU / bias-dropout-add / RoPE
                     liger.py        liger-kernel's fused linear + cross entropy (optional extra)
+                    compile_layers.py  --compile-layers: each layer's forward under torch.compile
     inference       kv_cache.py     keys/values of earlier positions for incremental decoding
     loss            loss_report.py  named scalars a loss function reports next to the loss
     optimizer       param_groups.py which parameters decay (shared with the checkpoint readers)
