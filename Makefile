@@ -12,7 +12,7 @@ export DS_BUILD_OPS ?= 0
 # by several venvs (checkouts side by side) is rebuilt whenever another venv's torch uses it.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv install test test-gpu test-fast quickstart quickstart-bert quickstart-t5 bench clean
+.PHONY: venv install test test-gpu test-fast quickstart quickstart-bert quickstart-t5 bench clean gpu-report
 
 $(VENV)/.installed: setup.py pyproject.toml requirements.txt requirements-test.txt megatron_ds/data/helpers.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,3 +42,12 @@ quickstart-t5: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_ds/data/*.so
+
+# One markdown report of a GPU session (bench/gpu_report.py: ours vs the HF baseline, memory against
+# the estimate, a kernel-time profile, the gpu tests) into bench/out/gpu-report.md. No venv: on the
+# GPU machine `source .gpu/setup.sh && make gpu-report` runs it with the system python3; elsewhere
+# PYTHON=.venv/bin/python. GPU_REPORT_ARGS: e.g. "--smoke", "--budget-s 420 --out report.md".
+# This checkout's package comes first on the path, whatever else is installed.
+GPU_REPORT_ARGS ?=
+gpu-report:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_report.py $(GPU_REPORT_ARGS)

@@ -13,8 +13,8 @@ sentence-order loss as ``sop loss``.
 """
 import sys
 
-from megatron_ds.training.bert import BERT
+from megatron_ds.families import get_family
 from megatron_ds.training.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main(family=BERT))
+    sys.exit(main(family=get_family("bert")))

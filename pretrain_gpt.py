@@ -8,7 +8,8 @@
 """
 import sys
 
+from megatron_ds.families import get_family
 from megatron_ds.training.pretrain import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(family=get_family("gpt")))

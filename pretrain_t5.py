@@ -15,8 +15,8 @@ encoder's output travels with the decoder's activations to every decoder stage.
 """
 import sys
 
+from megatron_ds.families import get_family
 from megatron_ds.training.pretrain import main
-from megatron_ds.training.t5 import T5
 
 if __name__ == "__main__":
-    sys.exit(main(family=T5))
+    sys.exit(main(family=get_family("t5")))

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ds.config.layout import resolve_model_config  # noqa: E402
-from megatron_ds.config.schema import ModelConfig  # noqa: E402
-from megatron_ds.inference.generate import SamplingConfig, generate  # noqa: E402
-from megatron_ds.inference.model import ModelWeights, build_inference_model  # noqa: E402
-from megatron_ds.model.pipeline import build_sequential_gpt  # noqa: E402
+from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.schema import ModelConfig
+from megatron_ds.inference.generate import SamplingConfig, generate
+from megatron_ds.inference.model import ModelWeights, build_inference_model
+from megatron_ds.model.layer_specs import build_sequential_gpt
 
 SHAPE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128)
 PADDED_VOCAB = 4096

@@ -17,14 +17,11 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_ds.data import helpers  # noqa: E402
-from megatron_ds.data.gpt_dataset import build_index_mappings  # noqa: E402
+from megatron_ds.data import helpers
+from megatron_ds.data.gpt_dataset import build_index_mappings
 
 
 def synthetic_sizes(total_tokens: int, mean: float, sigma: float, seed: int) -> np.ndarray:

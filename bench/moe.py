@@ -24,14 +24,13 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, micro=4, global_batch=16, vocab=2048)
 MOE = "--num-experts 8 --topk 1 --moe-expert-parallel-size 2 --moe-loss-coeff 0.01"
 
 
 def prepare(workdir: str):
-    from quickstart import PRESETS, prepare_data
+    from megatron_ds.cli.quickstart_gpt import PRESETS, prepare_data
 
     preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=2.0, vocab=SHAPE["vocab"])
     os.makedirs(workdir, exist_ok=True)

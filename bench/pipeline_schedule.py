@@ -6,7 +6,7 @@ Each layer's forward sleeps ``--fwd-ms`` and its backward ``--bwd-ms`` (a timed 
 contention from other processes barely matters: the ranks wait, they do not compute); the backward
 is half input gradient (B) and half weight gradient (W), the latter deferrable to a zero-bubble
 weight pass (``megatron_ds.parallel.weight_grad``). The pipeline runs on ``--pp`` gloo processes on
-this host with the real executor (``megatron_ds.training.interleaved_pipeline.InterleavedPipeline``
+this host with the real executor (``megatron_ds.pipeline.executor.InterleavedPipeline``
 on DeepSpeed's plain engine, real point-to-point messages, engine backward and optimizer step):
 1F1B (``v = 1``), interleaved (``--v`` chunks per rank) and ZB-H1 (``zbh1_schedule``, exact
 semantics). One step's compute per rank is ``m * layers_per_rank * (fwd + bwd)``; the ideal step
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HIDDEN = 8
 
@@ -102,8 +101,8 @@ def _worker(rank, world, port, v, zbh1, args, queue):
     import deepspeed
 
     from megatron_ds.parallel.groups import ParallelState
-    from megatron_ds.parallel.schedules import zbh1_schedule
-    from megatron_ds.training.interleaved_pipeline import InterleavedPipeline
+    from megatron_ds.pipeline.plan import zbh1_schedule
+    from megatron_ds.pipeline.executor import InterleavedPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -154,7 +153,7 @@ def measure(v: int, zbh1: bool, args) -> list[float]:
 def _ideal_step(args, v: int, zbh1: bool) -> float:
     """Seconds one step takes with no overheads: the event simulation of the step lists (interleaved:
     the paper's ``m + (p - 1) / v`` micro-batch slots)."""
-    from megatron_ds.parallel.schedules import pipeline_schedule, simulate_step_time, zbh1_schedule
+    from megatron_ds.pipeline.plan import pipeline_schedule, simulate_step_time, zbh1_schedule
 
     per_rank = args.layers // args.pp
     f, b = per_rank * args.fwd_ms / 1000, per_rank * args.bwd_ms / 2000

@@ -27,13 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-from megatron_ds.data.bpe_reference import ReferenceBPE  # noqa: E402
-from megatron_ds.data.indexed_dataset import MMapIndexedDataset  # noqa: E402
-from megatron_ds.data.sample_corpus import stdlib_documents, write_corpus  # noqa: E402
-from megatron_ds.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_ds.data.bpe_reference import ReferenceBPE
+from megatron_ds.data.indexed_dataset import MMapIndexedDataset
+from megatron_ds.data.sample_corpus import stdlib_documents, write_corpus
+from megatron_ds.data.tokenizer import build_tokenizer
 
 SHARED_GPT2 = ROOT / ".." / "shared" / "data" / "gpt2"
 
@@ -41,7 +39,7 @@ SHARED_GPT2 = ROOT / ".." / "shared" / "data" / "gpt2"
 def tokenizer_files(tmp: Path, corpus: Path):
     if (SHARED_GPT2 / "gpt2-vocab.json").is_file() and (SHARED_GPT2 / "gpt2-merges.txt").is_file():
         return str(SHARED_GPT2 / "gpt2-vocab.json"), str(SHARED_GPT2 / "gpt2-merges.txt"), "GPT-2 (shared files)"
-    import train_tokenizer
+    from megatron_ds.cli import train_tokenizer
 
     train_tokenizer.main(["--input", str(corpus), "--vocab-size", "8192", "--output-dir", str(tmp / "tok"),
                           "--max-docs", "2000"])
@@ -73,7 +71,7 @@ class ReferenceTokenizer:
 def run_pipeline(corpus, vocab, merges, out_prefix, workers, text_bytes, repeat, make_tokenizer=None):
     """Best of `repeat` runs of tools/preprocess_data.py; make_tokenizer() (built outside the timing,
     fresh each run) replaces the tokenizer the flags name."""
-    import preprocess_data
+    from megatron_ds.cli import preprocess_data
 
     args = preprocess_data.get_args(["--input", str(corpus), "--output-prefix", str(out_prefix),
                                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,

@@ -11,20 +11,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import re
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPE = dict(layers=8, hidden=256, heads=8, seq=256, vocab=50304, micro=8)
 
 
 def run_megatron_ds(iters: int, warmup: int) -> float:
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     s = SHAPE
     argv = (f"--num-layers {s['layers']} --hidden-size {s['hidden']} --num-attention-heads {s['heads']} "

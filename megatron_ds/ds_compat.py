@@ -47,7 +47,7 @@ _INTERNAL_NAMES = {
     "DeepSpeedConfig": "deepspeed.runtime.config",  # validates a JSON as deepspeed.initialize would
     "ZeROOptimizer": "deepspeed.runtime.base_optimizer",  # base of the ZeRO and bf16 optimizers
     "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",  # keeps the accumulated grad in _hp_grad
-    # mixture of experts (model/moe.py, parallel/groups.py): DeepSpeed's own expert group set-up, called
+    # mixture of experts (model/moe_layer.py, parallel/groups.py): DeepSpeed's own expert group set-up, called
     # up front on every rank (see create_expert_groups), and its norm of expert gradients
     "_create_expert_and_data_parallel": "deepspeed.utils.groups",
     "_create_expert_data_and_model_parallel": "deepspeed.utils.groups",
@@ -62,12 +62,12 @@ _INTERNAL_NAMES = {
 # (module, class, attribute, who relies on it).
 _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
-     "overridden by megatron_ds.model.pipeline.GPTPipelineModel"),
+     "overridden by megatron_ds.model.layer_specs.GPTPipelineModel"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
-     "overridden by megatron_ds.model.t5.T5PipelineModel (the split rank's partition)"),
+     "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (the split rank's partition)"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups",
-     "overridden by megatron_ds.model.t5.T5PipelineModel (tied weights a stage does not read)"),
+     "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (tied weights a stage does not read)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint", "bf16 ZeRO-0 checkpoint loading"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "module_state_dict", "interleaved schedule's layer files"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "load_module_state_dict", "interleaved schedule's layer files"),

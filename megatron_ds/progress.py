@@ -12,7 +12,8 @@ Usage::
         for ...:
             bar.update(k)
 
-``enabled=False`` (e.g. on ranks other than 0) makes it a no-op.
+``enabled=False`` (e.g. on ranks other than 0) makes it a no-op. ``print_rank0`` prints a line
+once per job, from any floor.
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ import time
 from datetime import timedelta
 
 DEFAULT_LOG_INTERVAL_S = 30.0
+
+
+def print_rank0(*args, **kwargs) -> None:
+    """Print once per job: on rank 0, or in a process that joined no process group."""
+    import torch.distributed as dist  # noqa: PLC0415 - the preprocessing tools show progress without torch
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
 
 
 def _clock(seconds: float) -> str:

@@ -46,7 +46,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["run_distributed", "DistributedTestError", "DistributedTimeoutError"]
+__all__ = ["run_distributed", "cuda_env", "DistributedTestError", "DistributedTimeoutError"]
 
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
@@ -91,6 +91,19 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, env: dict 
             return _launch(fn, world_size, args, kwargs, timeout, dict(env or {}), store.port, Path(workdir))
     finally:
         del store  # closes the listening socket
+
+
+def cuda_env() -> dict:
+    """``env`` for children that train on this machine's GPUs (LOCAL_RANK i drives GPU i): the
+    defaults above force the CPU and hide every GPU, so a child measuring CUDA memory would find no
+    device. The CPU switch is turned off and the parent's CUDA_VISIBLE_DEVICES (all GPUs where it is
+    unset) is passed on."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        import torch
+
+        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
+    return {"DS_ACCELERATOR": "cuda", "CUDA_VISIBLE_DEVICES": visible}
 
 
 def _start_store(timeout: float):

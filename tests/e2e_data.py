@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_e2e_data(workdir: Path, corpus_mb: float = 1.0, vocab_size: int = 1024) -> dict:
-    from quickstart import PRESETS, prepare_data  # tools/ is on sys.path (pytest's pythonpath setting)
+    from megatron_ds.cli.quickstart_gpt import PRESETS, prepare_data
 
     preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=corpus_mb, vocab=vocab_size)
     with contextlib.redirect_stdout(io.StringIO()):

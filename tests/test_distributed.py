@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import DistributedTestError, DistributedTimeoutError, run_distributed
+from tests.distributed import DistributedTestError, DistributedTimeoutError, cuda_env, run_distributed
 
 
 def _sum_ranks(rank, world_size, scale, *, offset):
@@ -25,6 +25,22 @@ def test_results_in_rank_order_with_env():
         assert env == {"RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": "3", "MY_FLAG": "x"}
         assert threads == 1
+
+
+def _device_env(rank, world_size):
+    return {k: os.environ.get(k) for k in ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")}
+
+
+def test_children_run_on_the_cpu_unless_given_cuda_env(monkeypatch):
+    """The default child sees no GPU; ``cuda_env()`` hands it the parent's (a GPU test measuring
+    CUDA memory in a child needs it: without, its statistics calls find no device)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert run_distributed(_device_env, 1) == [{"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}]
+    assert run_distributed(_device_env, 1, env=cuda_env()) == [{"DS_ACCELERATOR": "cuda",
+                                                                "CUDA_VISIBLE_DEVICES": "1,3"}]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cuda_env() == {"DS_ACCELERATOR": "cuda", "CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def _deepspeed_sees_group(rank, world_size):

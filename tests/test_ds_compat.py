@@ -82,7 +82,7 @@ def test_a_lost_hook_fails_with_the_one_message(monkeypatch):
 def test_pipeline_override_is_registered():
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from megatron_ds.model.pipeline import GPTPipelineModel
+    from megatron_ds.model.layer_specs import GPTPipelineModel
 
     hook = ds_compat.PIPELINE_CHECKPOINT_HOOK
     assert hook in {h[2] for h in ds_compat._HOOKS}

@@ -1,7 +1,27 @@
-"""Checkpoints: the on-disk format (format, integrity, lock), saving and loading a live engine
-(checkpointing), and checkpoints beyond the run that wrote them: consolidation into full weights
-(consolidate, sources), resharding to another layout (reshard, optim_state, engine_state),
-DeepSpeed universal checkpoints (universal), Hugging Face export and import (export, import_hf).
+"""Checkpoints: the on-disk format, saving and loading a live engine, and checkpoints beyond the run
+that wrote them (full weights, another layout, DeepSpeed universal, Hugging Face).
+
+    format          format.py         names, trackers, the saved config and its signature
+                    integrity.py      a manifest per checkpoint, verified on load, fallback and pruning
+                    lock.py           one writer per --save directory
+    live engine     checkpointing.py  saving and loading a DeepSpeed engine plus this toolkit's files
+    reading         files.py          a checkpoint's files, whatever layout wrote it
+                    tp.py             how each parameter splits over tensor parallel ranks
+                    plain_optim.py    ZeRO-0 optimizer state by parameter name
+                    zero3.py          ZeRO-3 checkpoints, parameter by parameter
+                    moe.py            DeepSpeed's expert files and expert numbering across EP sizes
+                    moe_files.py      reading a checkpoint written by an engine with MoE layers
+                    optim_state.py    optimizer state by parameter name, whatever wrote it
+    full weights    consolidate.py    any checkpoint -> unsharded fp32 weights (``load_consolidated``)
+                    sources.py        where those weights come from, layer by layer
+    other layouts   reshard.py        resume at another TP / PP / DP / ZeRO stage / precision
+                    engine_state.py   writing resharded weights and optimizer state into a live engine
+                    universal.py      DeepSpeed universal checkpoints (--universal-checkpoint)
+                    megatron_names.py parameter names of ours and Megatron-DeepSpeed's universal files
+    Hugging Face    hf.py             GPT <-> transformers tensor and config mapping
+                    mixtral.py        the MoE model as ``MixtralForCausalLM``
+                    export.py         a checkpoint -> a transformers directory
+                    import_hf.py      a GPT-2 / Llama / Mixtral directory -> a checkpoint
 
 ``load_consolidated`` and friends are re-exported lazily (PEP 562): importing the format modules
 must not import DeepSpeed and the model.

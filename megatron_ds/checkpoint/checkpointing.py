@@ -26,6 +26,7 @@ from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, M
                                            checkpoint_tag, read_meta, step_dir, write_trackers)
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
 from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
+from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.ds_compat import TorchCheckpointEngine
 from megatron_ds.errors import ConfigError
 
@@ -43,7 +44,7 @@ def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool)
         fields += [k for k in optim_fields if k in current]
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current[k]!r}" for k in fields if saved.get(k) != current[k]
              and k != "model_family"]
-    family = (saved.get("model_family", "gpt"), current.get("model_family", "gpt"))  # absent: the GPT
+    family = (saved.get("model_family", UNRECORDED_FAMILY), current.get("model_family", UNRECORDED_FAMILY))
     if family[0] != family[1]:
         diffs.insert(0, f"model_family: checkpoint {family[0]} vs now {family[1]} (pretrain_{family[0]}.py wrote it)")
     if diffs:
@@ -89,7 +90,9 @@ def install_safe_loading(engine, log=print) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
-                    keep_last: int | None = None, log=print) -> None:
+                    keep_last: int | None = None, family: ModelFamily | None = None, log=print) -> None:
+    """Write ``engine``'s checkpoint of ``iteration`` with ``meta`` (the run's record) and its manifest,
+    then the trackers; ``family``: the run's model family (None: the GPT)."""
     tag = checkpoint_tag(iteration)
     os.makedirs(save_dir, exist_ok=True)
     # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
@@ -97,9 +100,10 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
     # what DeepSpeed's ds_to_universal needs (megatron_ds/checkpoint/universal.py); not with MoE layers:
     # the converter cannot read expert files, and DeepSpeed's MoE save refuses the key in client state
-    # (nor for BERT / T5: the patterns are the GPT's)
+    # (nor for a family whose parameters the patterns do not name: ModelFamily.universal_checkpoints)
     sig = meta.get("signature")
-    if sig is not None and EXPERT_PARALLEL_SIZE not in sig and sig.get("model_family", "gpt") == "gpt":
+    universal = family is None or family.universal_checkpoints
+    if sig is not None and EXPERT_PARALLEL_SIZE not in sig and universal:
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has written its files
@@ -113,16 +117,18 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     dist.barrier()
 
 
-def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) -> tuple[int, dict]:
+def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: ModelFamily | None = None,
+                    log=print) -> tuple[int, dict]:
     """Load the checkpoint that ``settings`` (the run's ``CheckpointConfig``) asks for: the newest
     complete one in --load, exactly --ckpt-step, or a DeepSpeed universal one. Returns (iteration,
     client_state); (0, {}) if there is none, iteration 0 with --finetune. A checkpoint of another
-    layout (or an imported one) is resharded when ``ps`` (this run's ``ParallelState``) is given."""
+    layout (or an imported one) is resharded when ``ps`` (this run's ``ParallelState``) is given.
+    ``family``: this run's model family (None: the GPT)."""
     load_dir = settings.load
     load_optim = settings.load_optim and not settings.finetune
     if settings.universal_checkpoint:
         client = load_universal(engine, load_dir, signature=signature, ps=ps, load_optim=load_optim,
-                                load_lr_state=settings.load_lr_state, log=log)
+                                load_lr_state=settings.load_lr_state, family=family, log=log)
         iteration = client["iteration"]
     else:
         iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
@@ -134,7 +140,7 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, log=print) ->
                                   f"--exit-on-missing-checkpoint is set")
             log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
             return 0, {}
-        iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps,
+        iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps, family=family,
                                        load_optim=load_optim, load_lr_state=settings.load_lr_state, log=log)
     return (0 if settings.finetune else iteration), client
 
@@ -151,8 +157,8 @@ def saved_flags(settings, log=print) -> dict | None:
     return read_meta(path).get("config") if os.path.isfile(os.path.join(path, META)) else None
 
 
-def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, load_optim: bool,
-               load_lr_state: bool, log) -> tuple[int, dict]:
+def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, family: ModelFamily | None,
+               load_optim: bool, load_lr_state: bool, log) -> tuple[int, dict]:
     """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded."""
     path = step_dir(load_dir, iteration)
     if not os.path.isfile(os.path.join(path, META)):
@@ -163,7 +169,7 @@ def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, lo
         shape = {k: v for k, v in signature.items() if k not in LAYOUT_FIELDS}
         check_compatible(saved["signature"], shape, path, load_optim=False)
         client = load_resharded(engine, load_dir, iteration, ps=ps, padded_vocab_size=signature["padded_vocab_size"],
-                                load_optim=load_optim, load_lr_state=load_lr_state, log=log)
+                                load_optim=load_optim, load_lr_state=load_lr_state, family=family, log=log)
         return client.get("iteration", iteration), client
     check_compatible(saved["signature"], signature, path, load_optim=load_optim)
     # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but

@@ -28,6 +28,7 @@ import torch
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
 from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
 
 
@@ -52,11 +53,11 @@ def merge_layer(shards: list[dict], prefix: str, model: ModelConfig) -> dict[str
 
 
 def iter_consolidated_layers(load_dir: str | CheckpointFiles, iteration: int | None = None, *,
-                             from_masters: bool = False,
+                             from_masters: bool = False, family: ModelFamily | None = None,
                              log: Callable = print) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(global layer index, {state-dict key: full fp32 tensor})`` layer by layer (the fp32
-    master weights of the optimizer files with ``from_masters``)."""
-    ckpt = load_dir if isinstance(load_dir, CheckpointFiles) else open_checkpoint(load_dir, iteration)
+    master weights of the optimizer files with ``from_masters``) of ``family``'s checkpoint (None: the GPT's)."""
+    ckpt = load_dir if isinstance(load_dir, CheckpointFiles) else open_checkpoint(load_dir, iteration, family)
     source = layer_source(ckpt, from_masters=from_masters)
     prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)
     for n, (idx, prefix) in enumerate(prefixes):
@@ -65,11 +66,11 @@ def iter_consolidated_layers(load_dir: str | CheckpointFiles, iteration: int | N
 
 
 def load_consolidated(load_dir: str, iteration: int | None = None, *, from_masters: bool = False,
-                      log: Callable = print) -> Consolidated:
+                      family: ModelFamily | None = None, log: Callable = print) -> Consolidated:
     """The whole model's full fp32 weights from the checkpoint in ``load_dir`` (tracker's iteration
-    unless ``iteration`` is given; the optimizer's fp32 masters with ``from_masters``). See the
-    module docstring."""
-    ckpt = open_checkpoint(load_dir, iteration)
+    unless ``iteration`` is given; the optimizer's fp32 masters with ``from_masters``), written by
+    ``family``'s model (None: the GPT's). See the module docstring."""
+    ckpt = open_checkpoint(load_dir, iteration, family)
     log(f"reading {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision})")
     state: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ A checkpoint ``DIR/global_stepN/`` (``megatron_ds.checkpoint.format``) holds:
 - ZeRO-3 only: ``zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt`` instead of the mp_rank files,
   the weights in the optimizer shards (``megatron_ds.checkpoint.zero3``);
 - with MoE layers: no layer files, the mp_rank files hold every stage's non-expert weights, and
-  DeepSpeed's expert files hold the experts (``megatron_ds.checkpoint.moe``, ``moe_files``).
+  DeepSpeed's expert files hold the experts (``megatron_ds.checkpoint.expert_files``, ``moe_sources``).
 
 Files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay on disk until a
 slice of them is used, which keeps conversion memory near one layer even when a file (an
@@ -32,13 +32,11 @@ from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint.format import META, TRACKER, read_meta, step_dir, tracked_iteration
+from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.config.layout import resolve_model_config
-from megatron_ds.config.t5_params import decoder_layers
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.bert import bert_layer_specs
-from megatron_ds.model.pipeline import gpt_layer_specs
-from megatron_ds.model.t5 import t5_layer_specs
+from megatron_ds.model.layer_specs import gpt_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -59,19 +57,15 @@ def optim_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
     return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
-def layer_specs(model: ModelConfig, padded_vocab_size: int, family: str = "gpt", **kwargs) -> list:
-    """The layer specs of a checkpoint's model family (its meta's ``model_family``)."""
-    if family == "bert":
-        return bert_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
-    if family == "t5":
-        return t5_layer_specs(model, decoder_num_layers=decoder_layers(model), padded_vocab_size=padded_vocab_size,
-                              **kwargs)
-    if family != "gpt":
-        raise ConfigError(f"checkpoints of {family} models cannot be read by this tool")
+def layer_specs(model: ModelConfig, padded_vocab_size: int, family: ModelFamily | None = None, **kwargs) -> list:
+    """The layer specs of a checkpoint's model family (``ModelFamily.layer_specs``; None: the GPT's)."""
+    if family is not None:
+        return family.layer_specs(model, padded_vocab_size, **kwargs)
     return gpt_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
 
 
-def layer_prefixes(model: ModelConfig, padded_vocab_size: int, family: str = "gpt") -> list[tuple[int, str]]:
+def layer_prefixes(model: ModelConfig, padded_vocab_size: int,
+                   family: ModelFamily | None = None) -> list[tuple[int, str]]:
     """(global layer index, state-dict prefix) of every layer that owns parameters, in order.
 
     Read from the model's own layer specs, so the names follow the model code: a tied module is
@@ -115,15 +109,11 @@ class CheckpointFiles:
     dp: int
     zero_stage: int
     precision: str
+    family: ModelFamily | None = None  # the model family that wrote it, as its reader was given (None: the GPT)
 
     @property
     def config(self) -> dict:
         return self.meta.get("config", {})
-
-    @property
-    def family(self) -> str:
-        """The model family that wrote it (pretrain_gpt.py's before families were recorded)."""
-        return self.meta.get("model_family", "gpt")
 
     def layer_file(self, layer: int, tp_rank: int) -> str:
         return os.path.join(self.path, layer_file_name(layer, tp_rank))
@@ -149,8 +139,8 @@ def resolve_iteration(load_dir: str, iteration: int | None) -> int:
     return found
 
 
-def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFiles:
-    """The checkpoint in ``load_dir`` at ``iteration`` (default: the tracker's)."""
+def _complete_step(load_dir: str, iteration: int | None) -> tuple[str, int]:
+    """(DIR/global_stepN, N) of the checkpoint in ``load_dir`` at ``iteration`` (default: the tracker's)."""
     if not os.path.isdir(load_dir):
         raise ConfigError(f"checkpoint directory {load_dir} does not exist")
     iteration = resolve_iteration(load_dir, iteration)
@@ -158,7 +148,25 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFi
     if not os.path.isfile(os.path.join(path, META)):
         raise ConfigError(f"{os.path.join(path, META)} is missing: no complete megatron_ds checkpoint for iteration "
                           f"{iteration} in {load_dir}")
+    return path, iteration
+
+
+def saved_family_name(load_dir: str, iteration: int | None = None) -> str:
+    """The name of the model family that wrote the checkpoint (its meta's ``model_family``; absent:
+    the GPT's), for the tools that look its family up (``families.get_family``) before opening it."""
+    path, _ = _complete_step(load_dir, iteration)
+    return read_meta(path).get("model_family", UNRECORDED_FAMILY)
+
+
+def open_checkpoint(load_dir: str, iteration: int | None = None, family: ModelFamily | None = None) -> CheckpointFiles:
+    """The checkpoint in ``load_dir`` at ``iteration`` (default: the tracker's), written by ``family``'s
+    model (None: the GPT's); a checkpoint of another family is refused, its layer files would not fit."""
+    path, iteration = _complete_step(load_dir, iteration)
     meta = read_meta(path)
+    saved, expected = meta.get("model_family", UNRECORDED_FAMILY), family.name if family else UNRECORDED_FAMILY
+    if saved != expected:
+        raise ConfigError(f"{path} holds a {saved} model (pretrain_{saved}.py wrote it), not the {expected} model "
+                          f"this reads")
     sig = meta["signature"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}))
@@ -169,4 +177,4 @@ def open_checkpoint(load_dir: str, iteration: int | None = None) -> CheckpointFi
         path=path, iteration=iteration, meta=meta, model=model, padded_vocab_size=sig["padded_vocab_size"],
         vocab_size=meta.get("vocab_size"), tp=sig["tensor_model_parallel_size"],
         pp=sig["pipeline_model_parallel_size"], dp=sig["data_parallel_size"], zero_stage=sig["zero_stage"],
-        precision=sig["precision"])
+        precision=sig["precision"], family=family)

@@ -19,7 +19,7 @@ import json
 import os
 import re
 
-from megatron_ds.config.moe import is_moe
+from megatron_ds.config.moe_params import is_moe
 from megatron_ds.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -146,6 +146,6 @@ def layout_signature(layout) -> dict:
     sig = signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
                     dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
                     precision=layout.precision, use_pipeline=layout.use_pipeline, ep=layout.ep)
-    if layout.family is not None and layout.family.name != "gpt":  # GPT checkpoints stay as they were
+    if layout.family is not None and not layout.family.legacy_unnamed:  # GPT checkpoints stay as they were
         sig["model_family"] = layout.family.name
     return sig

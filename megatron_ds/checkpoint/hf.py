@@ -23,7 +23,7 @@ import torch
 
 from megatron_ds.checkpoint import mixtral
 from megatron_ds.config.layout import resolve_model_config
-from megatron_ds.config.moe import is_moe
+from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 

@@ -37,8 +37,8 @@ import dataclasses
 
 import torch
 
-from megatron_ds.checkpoint.moe import expert_id
-from megatron_ds.config.moe import model_experts
+from megatron_ds.checkpoint.expert_files import expert_id
+from megatron_ds.config.moe_params import model_experts
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 

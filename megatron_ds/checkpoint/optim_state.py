@@ -8,7 +8,7 @@ and Adam moments, read from
 - ZeRO-3's flat partitions (``zero3``);
 - the ZeRO-0 torch / fp16 optimizer's positional state (``plain_optim``: by the
   ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints);
-  with MoE layers one such state per expert parallel rank (``moe``), experts named by global id
+  with MoE layers one such state per expert parallel rank (``expert_files``), experts named by global id
   (as the ZeRO shards' experts are renamed).
 
 Files are memory-mapped: tensors are read when a parameter's slice is used.
@@ -19,17 +19,17 @@ import collections
 
 import torch
 
-from megatron_ds.checkpoint import moe, plain_optim
+from megatron_ds.checkpoint import expert_files, plain_optim
 from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
-from megatron_ds.checkpoint.moe_files import MoEModuleSource, expert_optimizer_files
+from megatron_ds.checkpoint.moe_sources import MoEModuleSource, expert_optimizer_files
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
 
 
 class _ZeroExperts:
     """ZeRO 1-2 shards of an MoE model: a shard names its experts by the local ids of its expert
-    parallel rank, a function of its (data parallel, tensor parallel) rank (``moe.expert_parallel_rank``).
+    parallel rank, a function of its (data parallel, tensor parallel) rank (``expert_files.expert_parallel_rank``).
     ZeRO partitions an expert's flat group over the expert data parallel group; its ranks, ordered
     by data parallel rank, are the group's order, so the pieces concatenate as the dense ones do."""
 
@@ -37,15 +37,16 @@ class _ZeroExperts:
         self.ckpt = ckpt
         self.ep = ckpt.meta["signature"][EXPERT_PARALLEL_SIZE]
         shapes = MoEModuleSource(ckpt).shapes(0)
-        self.num_local = {prefix: n // self.ep for prefix, n in moe.experts_per_layer(shapes).items()}
+        self.num_local = {prefix: n // self.ep for prefix, n in expert_files.experts_per_layer(shapes).items()}
 
     def global_name(self, name: str, dp: int, mp: int) -> str:
-        e = moe.expert_id(name)
+        e = expert_files.expert_id(name)
         if e is None:
             return name
-        rank = moe.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
+        rank = expert_files.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
                                         expert_tp=self.ckpt.model.enable_expert_tensor_parallelism)
-        return moe.with_expert_id(name, moe.global_expert(rank, e, self.num_local[moe.experts_prefix(name)]))
+        local = self.num_local[expert_files.experts_prefix(name)]
+        return expert_files.with_expert_id(name, expert_files.global_expert(rank, e, local))
 
 
 class SavedOptimizer:
@@ -65,7 +66,7 @@ class SavedOptimizer:
             self.zero3 = Zero3State(ckpt, with_moments=with_moments)
             self.step = self.zero3.step
         elif files:
-            self.experts = _ZeroExperts(ckpt) if moe.has_expert_files(ckpt.path) else None
+            self.experts = _ZeroExperts(ckpt) if expert_files.has_expert_files(ckpt.path) else None
             for path in files:
                 self._index_zero_file(path)
         elif expert_optimizer_files(ckpt):
@@ -107,7 +108,7 @@ class SavedOptimizer:
 
     def _index_plain_moe(self, files: dict[int, dict[int, str]]) -> None:
         """ZeRO-0 with MoE layers: each expert parallel rank's whole optimizer in its own file
-        (``moe``), positions named by the ``optimizer_param_names`` of data parallel rank 0, the
+        (``expert_files``), positions named by the ``optimizer_param_names`` of data parallel rank 0, the
         same local names on every expert parallel rank; its experts renamed to global ids."""
         weights = MoEModuleSource(self.ckpt)
         ep = self.ckpt.meta["signature"][EXPERT_PARALLEL_SIZE]
@@ -119,10 +120,10 @@ class SavedOptimizer:
                     raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters; resume it "
                                       f"at its own layout, or pass --no-load-optim")
                 for r, path in sorted(files.get(mp, {}).items()):
-                    local = moe.to_local(shapes, r, ep)
+                    local = expert_files.to_local(shapes, r, ep)
                     opt = load_file(path)["optimizer"]
                     found, step = plain_optim.index_state(self.ckpt, mp, opt, names, local)
-                    self.plain.update({(name, mp): tensors for name, tensors in moe.to_global(found, r).items()
+                    self.plain.update({(name, mp): tensors for name, tensors in expert_files.to_global(found, r).items()
                                        if tensors})
                     self.step = step if step is not None else self.step
 
@@ -132,7 +133,7 @@ class SavedOptimizer:
     def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
         """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
         mps = self._mp_ranks(tp_rank)
-        if moe.expert_id(name) is not None and not self.ckpt.model.enable_expert_tensor_parallelism:
+        if expert_files.expert_id(name) is not None and not self.ckpt.model.enable_expert_tensor_parallelism:
             # a whole expert: its expert parallel rank's files may belong to another TP rank
             mps = [mp for t in range(self.ckpt.tp) for mp in self._mp_ranks(t)]
         for mp in mps:  # a tied weight lives on two stages: the copies are equal

@@ -14,7 +14,7 @@ Every rank of the new run fills its own parameters and optimizer state from the 
   ZeRO-0); ZeRO-3 weights through ``GatheredParameters`` (``engine_state``);
 - fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
-- mixture of experts: the saved experts are numbered globally (``megatron_ds.checkpoint.moe``);
+- mixture of experts: the saved experts are numbered globally (``megatron_ds.checkpoint.expert_files``);
   each rank takes the experts of its expert parallel rank, whatever EP size saved them;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
   that no longer exists otherwise); the new run then keeps its freshly seeded streams.
@@ -34,9 +34,10 @@ from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
-from megatron_ds.checkpoint.moe_files import expert_global_names
+from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
@@ -97,11 +98,11 @@ def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, di
 
 
 def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_size: int, load_optim: bool,
-                   load_lr_state: bool, log: Callable = print) -> dict:
+                   load_lr_state: bool, family: ModelFamily | None = None, log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from a checkpoint saved at another
-    layout; ``ps`` is this run's ``ParallelState``. Returns the client state (without RNG states
-    that no longer apply)."""
-    ckpt = open_checkpoint(load_dir, iteration)
+    layout; ``ps`` is this run's ``ParallelState``, ``family`` its model family (None: the GPT).
+    Returns the client state (without RNG states that no longer apply)."""
+    ckpt = open_checkpoint(load_dir, iteration, family)
     weights_only = ckpt.meta.get("weights_only", False)
     load_optim = load_optim and not weights_only
     saved_opt = SavedOptimizer(ckpt) if load_optim else None

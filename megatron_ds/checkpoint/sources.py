@@ -4,7 +4,7 @@
 - ``LayerFileSource``: DeepSpeed's per-layer files (``layer_XX-model_YY-model_states.pt``, the
   pipeline engine and the interleaved schedule);
 - ``ModuleSource``: the plain engine's module in the ``mp_rank`` files (``--no-pipeline-parallel``);
-- ``MoEModuleSource`` (``moe_files``): an engine with MoE layers, either engine: the mp_rank files
+- ``MoEModuleSource`` (``moe_sources``): an engine with MoE layers, either engine: the mp_rank files
   and DeepSpeed's expert files;
 - ``MasterSource``: the fp32 master weights in the optimizer files. Mixed-precision runs (bf16,
   fp16) and every ZeRO stage keep an fp32 copy of each weight there; the module files hold the
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.checkpoint import moe
+from megatron_ds.checkpoint import expert_files
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
-from megatron_ds.checkpoint.moe_files import MoEModuleSource
+from megatron_ds.checkpoint.moe_sources import MoEModuleSource
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
@@ -70,7 +70,7 @@ def layer_source(ckpt: CheckpointFiles, *, from_masters: bool = False):
 def module_weights(ckpt: CheckpointFiles):
     """The module's saved weights: per-layer files (pipeline engine), the mp_rank files' module, or
     with MoE layers (DeepSpeed then writes no layer files) the mp_rank files and the expert files."""
-    if moe.has_expert_files(ckpt.path):
+    if expert_files.has_expert_files(ckpt.path):
         return MoEModuleSource(ckpt)
     return LayerFileSource(ckpt) if ckpt.has_layer_files() else ModuleSource(ckpt)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.checkpoint.moe import EXPERTS_INFIX
+from megatron_ds.checkpoint.expert_files import EXPERTS_INFIX
 from megatron_ds.config.schema import ModelConfig
 
 # (module name, parameter name) -> partition dim; stride below
@@ -37,13 +37,13 @@ _SPLIT_DIM = {
     ("dense_h_to_4h", "weight"): 0,
     ("dense_h_to_4h", "bias"): 0,
     ("dense_4h_to_h", "weight"): 1,
-    ("lm_head", "bias"): 0,  # BERT's MLM bias (model/bert.py BertLMBias), one per vocabulary entry
-    # T5's cross-attention (model/t5.py ParallelCrossAttention): column parallel, heads split
+    ("lm_head", "bias"): 0,  # BERT's MLM bias (families/bert/bert_model.py BertLMBias), one per vocabulary entry
+    # T5's cross-attention (families/t5/t5_model.py ParallelCrossAttention): column parallel, heads split
     ("query", "weight"): 0,
     ("query", "bias"): 0,
     ("key_value", "weight"): 0,
     ("key_value", "bias"): 0,
-    # T5's relative position bias tables ([buckets, heads], model/t5.py T5Embedding): heads split
+    # T5's relative position bias tables ([buckets, heads], families/t5/t5_model.py T5Embedding): heads split
     ("encoder_relative_attention_bias", "weight"): 1,
     ("decoder_relative_attention_bias", "weight"): 1,
 }

@@ -39,9 +39,10 @@ from megatron_ds import ds_compat
 from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
+from megatron_ds.checkpoint.expert_files import has_expert_files
 from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
-from megatron_ds.checkpoint.moe import has_expert_files
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
@@ -90,15 +91,16 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     return info
 
 
-def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, log: Callable = print) -> str:
+def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, family: ModelFamily | None = None,
+            log: Callable = print) -> str:
     """Run DeepSpeed's ``ds_to_universal`` on a checkpoint of ours after checking that it can take
     it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
     The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
-    ckpt = open_checkpoint(load_dir, iteration)
-    if ckpt.family != "gpt":
+    ckpt = open_checkpoint(load_dir, iteration, family)
+    if family is not None and not family.universal_checkpoints:
         # the parameter patterns (checkpoint_info) are the GPT's, as upstream's: only Megatron-DeepSpeed's
         # gpt_model.py declares UniversalCheckpointInfo
-        raise ConfigError(f"{ckpt.path} is a {ckpt.family.upper()} checkpoint: universal checkpoints hold GPT models "
+        raise ConfigError(f"{ckpt.path} is a {family.label} checkpoint: universal checkpoints hold GPT models "
                           f"only; load it directly with --load at any TP / PP / DP (megatron_ds reshards it)")
     if has_expert_files(ckpt.path):
         # ds_to_universal (0.19) reads the module's parameters from ZeRO files and mp_rank files;
@@ -248,12 +250,12 @@ class UniversalCheckpoint:
 
 
 def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bool, load_lr_state: bool,
-                   log: Callable = print) -> dict:
+                   family: ModelFamily | None = None, log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
     ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies)."""
-    if signature.get("model_family", "gpt") != "gpt":
+    if family is not None and not family.universal_checkpoints:
         raise ConfigError(f"--universal-checkpoint: universal checkpoints hold GPT models only (pretrain_gpt.py), "
-                          f"this run is {signature['model_family'].upper()}; load its checkpoints with --load alone "
+                          f"this run is {family.label}; load its checkpoints with --load alone "
                           f"(megatron_ds reshards them across TP / PP / DP)")
     if EXPERT_PARALLEL_SIZE in signature:
         raise ConfigError("--universal-checkpoint: DeepSpeed's universal checkpoints do not hold mixture-of-experts "

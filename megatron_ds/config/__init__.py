@@ -1,7 +1,10 @@
 """Configuration: the flags (schema, arguments), their resolution into one ``Run`` (run, layout,
-schedule, validation, megatron_overrides, deepspeed_json), and the memory estimate (memory).
+run_length, curriculum, moe, validation, megatron_overrides, deepspeed_json), and the per-GPU memory
+estimate (memory) that refuses a layout before it reaches the queue.
 
     argv --parse_args--> Config (frozen flags) --resolve--> Run (layout + runtime sections)
+
+Everything here is a pure function of the flags and the world size: no process group, no device.
 """
 from megatron_ds.config.arguments import build_parser, parse_args
 from megatron_ds.config.layout import Layout, count_parameters, resolve_model_config

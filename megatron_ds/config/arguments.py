@@ -60,7 +60,7 @@ UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
 OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {}
 
 
-# --- issue 23: the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
+# --- the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
 # commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
 _FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid, which are refused"
@@ -208,7 +208,7 @@ _IGNORED_REASONS: dict[str, str] = {
     "--no-initialization": "skips initialising weights that --load then overwrites",
     "--mmap-warmup": "warms the page cache; the samples read are the same",
 }
-# --- end of issue 23's block
+# --- end of the rest of Megatron-DeepSpeed's megatron/arguments.py
 
 @lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
@@ -260,6 +260,9 @@ def _add_field(group, section: str | None, f: dataclasses.Field, hints: dict, do
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             kwargs["help"] = f"{doc} (default: {shown})"
     group.add_argument(*flags, **kwargs)
+    if md.get("off_flags"):  # the other half of an Optional[bool] switch (neither given: None)
+        group.add_argument(*md["off_flags"], dest=dest, action="store_false", default=argparse.SUPPRESS,
+                           help=f"the opposite of {flags[0]}")
 
 
 class _StoreTuple(argparse.Action):

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
-from megatron_ds.config.moe import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
+from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
-from megatron_ds.config.schedule import RunSchedule, resolve_iterations
+from megatron_ds.config.run_length import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.schedules import (check_schedule, describe_assignment, describe_zbh1, partition_stages,
-                                            virtual_pipeline_size)
+from megatron_ds.parallel.partition import partition_stages
 from megatron_ds.parallel.utils import pad_vocab_size
+from megatron_ds.pipeline.plan import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 
 
 def resolve_model_config(m: ModelConfig) -> ModelConfig:
@@ -68,7 +68,7 @@ class StageParams:
     stage: int
     layers: tuple[int, int]  # [first, last) transformer layer indices
     params_per_tp_rank: int
-    expert_params_per_tp_rank: int = 0  # of which MoE experts' (this rank's 1/EP of them; config/moe.py)
+    expert_params_per_tp_rank: int = 0  # of which MoE experts' (this rank's 1/EP of them; config/moe_params.py)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Layout:
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
-    family: "FamilyShape" = field(default=None, compare=False)  # the model family (build_layout sets it)
+    family: ModelFamily | None = field(default=None, compare=False)  # None: the GPT (config/family.py)
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
     decoder_seq_length: int | None = None  # T5: --decoder-seq-length (model.seq_length is the encoder's); else None
@@ -122,7 +122,7 @@ class Layout:
 
     def _family_prefix(self) -> str:
         """"BERT, " for another family's model (the GPT's line stays as it was)."""
-        return "" if self.family is None or self.family.name == "gpt" else f"{self.family.name.upper()}, "
+        return "" if self.family is None or self.family.legacy_unnamed else f"{self.family.label}, "
 
     def summary(self) -> str:
         m = self.model
@@ -176,7 +176,7 @@ class Layout:
 
 def layer_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
     """(parameters split over TP, parameters replicated on each TP rank) of one dense transformer layer,
-    for other model families' counts (``config/bert_params.py``)."""
+    for other model families' counts (``families/bert/bert_params.py``)."""
     return _layer_params(m, tp)
 
 
@@ -215,7 +215,7 @@ def _layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int,
 
 def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
-    ``model/pipeline.py`` lists them (the names are what a "type:" partition method matches): the
+    ``model/layer_specs.py`` lists them (the names are what a "type:" partition method matches): the
     embedding, the transformer layers, the final norm, the output layer -- tied, a second
     ``GPTEmbedding`` holding the word embedding only, or untied, its own weight."""
     h = m.hidden_size
@@ -236,7 +236,7 @@ def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, la
 def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
                      partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
     """Analytic parameter count: (unique total, per-stage count on one TP rank). With MoE layers a rank
-    holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe.py).
+    holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe_params.py).
 
     ``partition_method``: how DeepSpeed's pipeline engine splits the layers over the stages
     (--pipeline-partition-method); None: ``num_layers / pp`` transformer layers per stage (the
@@ -334,27 +334,6 @@ def _recompute(t) -> str | None:
     return t.recompute_granularity or ("full" if full else None)
 
 
-@dataclass(frozen=True)
-class FamilyShape:
-    """What the layout needs of a model family (pretrain_gpt.py, pretrain_bert.py, ...): its name, its
-    analytic parameter count (``count_parameters``'s signature and result) and the checks of the
-    flags it cannot run with (a ConfigError). Other families live in their own modules
-    (``config/bert_params.py``) and reach ``resolve`` through their entry point."""
-    name: str
-    count_parameters: Callable
-    check: Callable[[Config, int], None]  # (flags, pipeline size) -> None or ConfigError
-    # DeepSpeed's pipeline may split the first activation over TP ranks and send no other gradient:
-    # False where more than one tensor between stages needs its gradient (T5's encoder output)
-    partition_activations: bool = True
-    # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output
-    # buffers per micro-batch), for the memory estimate; None: the GPT's (``memory.gpt_stage_activations``)
-    activations: Callable | None = None
-    # (model, pipeline size) -> (the model at that size, the flags it adds) or None where its layers cannot split
-    # so, for --dry-run's suggestions; None: the GPT's (--num-layers divides over the stages, nothing added).
-    # A family that has one divides its layers over the stages itself (its ``check`` says where they cannot).
-    pipeline_choice: Callable | None = None
-
-
 def gpt_only_refusals(flags: Config) -> dict[str, bool]:
     """{refusal: whether the flag is set} for what only the GPT's code runs, which the other families'
     ``check`` refuse alike (each adds its own)."""
@@ -371,9 +350,9 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
     }
 
 
-def _check_gpt(flags: Config, pp: int) -> None:
-    """GPT runs every combination the validation above accepts but T5's own: relative position
-    biases and the relu and gated-GeLU MLPs (model/t5.py)."""
+def check_gpt(flags: Config, pp: int) -> None:
+    """The GPT's ``ModelFamily.check``: it runs every combination the validation above accepts but T5's
+    own: relative position biases and the relu and gated-GeLU MLPs (families/t5/t5_model.py)."""
     m = flags.model
     bad = [what for what, on in (("--position-embedding-type relative", m.position_embedding_type == "relative"),
                                  ("--relu", m.relu), ("--geglu", m.geglu)) if on]
@@ -381,18 +360,17 @@ def _check_gpt(flags: Config, pp: int) -> None:
         raise ConfigError(f"{' and '.join(bad)}: T5 only (pretrain_t5.py); the GPT does not have it")
 
 
-GPT_SHAPE = FamilyShape("gpt", count_parameters, _check_gpt)
-
 
 def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,
-                 device_type: str = "cuda", family: FamilyShape = GPT_SHAPE) -> tuple[Layout, list[str]]:
+                 device_type: str = "cuda", family: ModelFamily | None = None) -> tuple[Layout, list[str]]:
     """Check ``flags`` for ``world_size`` processes and compute everything that follows from them;
-    returns the layout and the notes of DeepSpeed JSON values the command line overrode."""
+    returns the layout and the notes of DeepSpeed JSON values the command line overrode. ``family``:
+    the model family (its checks and parameter count); None: the GPT's, this module's."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
-    family.check(flags, par.pipeline_model_parallel_size)
+    (family.check if family else check_gpt)(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
+    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family is None or family.pipeline_choice is None)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
@@ -404,6 +382,10 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     precision = check_precision(t, device_type)
     zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
+    if zbh1 is not None and m.compile_layers:
+        # its weight passes decide in backward whether to defer, which a compiled graph fixes once
+        raise ConfigError("--compile-layers cannot be combined with --enable-zbh1-pipeline (a compiled layer's "
+                          "backward cannot defer its weight gradients); drop one of them")
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
@@ -420,16 +402,17 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
-    if moe and family.name != "gpt":
+    if moe and family is not None and not family.moe_layers:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
-                          f"for GPT models only (pretrain_gpt.py); train the {family.name.upper()} model dense")
-    total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
+                          f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
+    total, stages = (family.count_parameters if family else count_parameters)(m, padded, tp, pp, partition, ep=ep)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
-                         notes=notes, moe=moe, partition_activations=family.partition_activations)
+                         notes=notes, moe=moe,
+                         partition_activations=family is None or family.partition_activations)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)
@@ -445,5 +428,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
                     active_params=active_parameters(m, padded) if moe else None,
-                    decoder_seq_length=flags.masked_lm.decoder_seq_length if family.name == "t5" else None)
+                    decoder_seq_length=(family.decoder_seq_length(flags) if family and family.decoder_seq_length
+                                        else None))
     return layout, notes

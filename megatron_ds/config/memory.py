@@ -8,10 +8,10 @@ entropy, DeepSpeed's communication buckets and a runtime reserve. ``check_memory
 total with the GPU's memory and, when it does not fit, raises a ``ConfigError`` naming the biggest
 term and the single changes (TP, PP, recompute, ZeRO, micro batch) that would fit.
 
-What a stage's layers keep comes from the model family's shape (``FamilyShape.activations``): the
+What a stage's layers keep comes from the model family (``ModelFamily.activations``): the
 GPT's ``gpt_stage_activations`` below, BERT's (the same layers, plus its MLM head) in
-``config/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
-the encoder output on decoder stages) in ``config/t5_params.py``.
+``families/bert/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
+the encoder output on decoder stages) in ``families/t5/t5_params.py``.
 
 Pure arithmetic on the ``Layout``: ``pretrain_gpt.py --dry-run`` runs it on a login node.
 Sizes are decimal GB (1e9 bytes), as GPU memory is sold ("V100 16 GB"), which keeps the comparison
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout, count_parameters
-from megatron_ds.config.moe import expert_data_parallel_size, model_experts
+from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -67,7 +67,7 @@ def logits_bytes(layout: Layout) -> float:
     """The last stage's output layer and loss beyond the hidden states, one micro-batch.
 
     Where liger-kernel's fused linear + cross entropy runs (model/liger.py: installed, tensor
-    parallel size 1, --liger-kernel, weights not ZeRO-3 partitions; on the GPU) no [tokens, vocab]
+    parallel size 1, chosen by ``choose_fused_loss``, weights not ZeRO-3 partitions; on the GPU) no [tokens, vocab]
     tensor exists: it computes the gradients during forward a chunk of about tokens*h logits at a
     time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
     m = layout.model
@@ -77,9 +77,43 @@ def logits_bytes(layout: Layout) -> float:
     if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
         act_bytes = 4 if layout.precision == "fp32" else 2
         return tokens * m.hidden_size * (act_bytes + 4 + act_bytes) + vocab * m.hidden_size * act_bytes
+    return unfused_logits_bytes(layout)
+
+
+def unfused_logits_bytes(layout: Layout) -> float:
+    """``logits_bytes`` of the logits + vocab-parallel cross entropy path: the [tokens, vocab / TP]
+    logits and their gradient (and the fp32 chunks or copies the cross entropy adds)."""
+    tokens = (layout.decoder_seq_length or layout.model.seq_length) // layout.sp * layout.micro_batch_size
+    vocab = layout.padded_vocab_size / layout.tp
     if layout.precision == "fp32":
         return tokens * vocab * LOGIT_BYTES_FP32
     return tokens * vocab * LOGIT_BYTES_HALF + min(CHUNK_BYTES, tokens * vocab * 4 * 3)
+
+
+# liger-kernel's fused linear + cross entropy (model/liger.py) only where the logits would take more
+# than this share of a GPU: it never materialises them, but recomputes the projection a chunk at a
+# time and ran ~20% slower per iteration than logits + cross entropy at GPT 1.3B (vocabulary 50k,
+# hidden 2048, micro batch 4, seq 2048: logits 1.6 GB) on an H200; it pays where the logits crowd
+# out the activations (large micro batch x seq x vocabulary on a small GPU).
+FUSED_LOSS_SHARE = 0.15
+# The GPU a choice is made for when neither the device nor --gpu-memory-gb says (a --dry-run on a
+# login node): ABCI 3.0's H200.
+ASSUMED_GPU = "h200"
+
+
+def choose_fused_loss(layout: Layout, gpu_bytes: float | None) -> tuple[bool, str]:
+    """(use liger's fused linear + cross entropy, why) for this layout on a GPU of ``gpu_bytes``
+    (None: ``ASSUMED_GPU``): as --liger-kernel / --no-liger-kernel say, else by ``FUSED_LOSS_SHARE``."""
+    asked = layout.model.liger_kernel
+    if asked is not None:
+        return asked, "--liger-kernel" if asked else "--no-liger-kernel"
+    gpu = f"{gpu_bytes / GB:.0f} GB" if gpu_bytes else f"{GPU_MEMORY_GB[ASSUMED_GPU]} GB ({ASSUMED_GPU}, assumed)"
+    gpu_bytes = gpu_bytes or GPU_MEMORY_GB[ASSUMED_GPU] * GB
+    logits = unfused_logits_bytes(layout)
+    share = logits / gpu_bytes
+    fused = share > FUSED_LOSS_SHARE
+    return fused, (f"logits + cross entropy {logits / GB:.1f} GB = {100 * share:.1f}% of {gpu} "
+                   f"{'>' if fused else '<='} {100 * FUSED_LOSS_SHARE:.0f}%")
 
 
 def gpu_memory_bytes(value: str | float | None) -> float | None:
@@ -155,48 +189,16 @@ def state_bytes(layout: Layout) -> StateBytes:
 
 
 def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts: int = 1) -> float:
-    """Activations one transformer layer keeps for backward, for one micro-batch on one GPU.
+    """Bytes of activations one transformer layer keeps for backward, for one micro-batch on one GPU.
 
-    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
-    count s*b*h*(34 + 5*a*s/h) bytes for a GPT layer in 16 bits (with tensor parallelism the 24 of
-    the 34 kept inside the tensor parallel region divide by t; sequence parallelism divides the
-    other 10 too). The 5*a*s/h are the [s, s] attention scores, softmax and dropout mask, which the
-    fused attention kernels this model runs on a GPU (flash / memory-efficient
-    scaled_dot_product_attention) never store: they keep q, k, v, the output and an fp32 logsumexp
-    per head and position, and redraw the dropout mask. The rest is counted by what this model's
-    layer saves, which reproduces the 34 for GPT shapes and follows the model's ffn size, SwiGLU
-    and grouped-query attention (tests/config/test_memory.py measures it with saved-tensor hooks):
-
-      replicated: both norms' inputs 2+2 (4+4 with --fp32-residual-connection: the residual stream
-        they read is fp32), the QKV and first MLP linear inputs 2+2, one dropout mask
-        after attention and one after the MLP when hidden dropout is on (2 bytes: the fused
-        bias-dropout-add multiplies by a mask in the activations' dtype; 1 byte, CUDA's bool mask,
-        with --no-bias-dropout-fusion)
-      split by t: q, k, v 2*(a + 2*g)*d/h (g key/value heads, d channels per head), the attention
-        output 2*a*d/h (also the output projection's input), the logsumexp 4*a/h, with RoPE the
-        rotated copies of q and k 2*(a + g)*d/h (v, a view of the fused QKV output, keeps that
-        whole output alive); GeLU MLP 2*f/h (its input) + 2*f/h (the second linear's input),
-        SwiGLU 4*f/h (gate and up) + 2*f/h (SiLU(gate)) + 2*f/h (the product)
-
-    Selective recompute re-runs the attention core from q, k, v: its logsumexp is not kept (the
-    output still is, as the projection's input). fp32 activations double everything.
-
-    DeepSpeed-Ulysses (SP ranks) keeps everything for s / SP positions: outside attention the rank
-    holds its positions, inside it all s positions of 1/SP of the heads. The all-to-all keeps none
-    of its inputs, so q, k, v are kept once, after it (no rotated copies, no fused QKV output held
-    by v), and the attention output twice: the core's, and after the all-to-all back the output
-    projection's input.
-
-    An MoE layer (``experts`` > 1; DeepSpeed's MOELayer, deepspeed/moe/sharded_moe.py, whose 0.19 dispatch
-    and combine gather and scatter by route index instead of one-hot einsums) runs its MLP on the experts'
-    E x C capacity slots (C = tokens x capacity factor x top-k / E, at least --moe-min-capacity), split over
-    the tensor parallel ranks (DeepSpeed drops the duplicate tokens of TP ranks before the experts): the
-    MLP's activations scale by E C / tokens, and the dispatched tokens (the experts' input, 2) are kept too.
-    On every rank the gate keeps its fp32 input (4) and softmax (4 E/h), the combine each token's k expert
-    outputs (2 k). PR-MoE's residual MLP keeps what a dense MLP keeps, and the mix of the two outputs both
-    (2 + 2). With --disable-moe-token-dropping an expert's capacity is the most loaded expert's tokens
-    (DeepSpeed's gating), known only at run time: the estimate assumes the balanced load of the capacity
-    factor. (tests/config/test_memory.py measures an MoE layer as the dense one.)
+    Megatron's ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022) without the ``5 a s / h``: the
+    fused attention kernels this model runs on a GPU never store the ``[s, s]`` scores. The rest is
+    counted term by term from what this model's layer saves (q, k, v with their own head counts, the
+    ffn size, SwiGLU, RoPE's copies, dropout masks, the attention logsumexp), then divided by TP where
+    the tensor is split; ``recompute`` is the layout's setting ("selective" drops the logsumexp; full
+    recompute is the caller's), ``experts`` > 1 an MoE layer at its capacity slots. The terms, with
+    sequence parallelism (Ulysses) and MoE, are in docs/memory.md; tests/config/test_memory.py
+    measures them with saved-tensor hooks.
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
@@ -232,7 +234,7 @@ class LayerActivations:
 
 
 def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """``FamilyShape.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
+    """``ModelFamily.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
     layers as runs that full recompute may chunk together (one run here), and the bytes per micro-batch of
     the stage's input/output hidden state buffers."""
     m = layout.model
@@ -258,7 +260,7 @@ def stage_activation_bytes(layout: Layout, stage) -> float:
     layers = [layer for run in runs for layer in run]
     if layout.recompute == "full":
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time (a chunk
-        # ends where the run of layers does: model/pipeline.py checkpoints transformer layers only).
+        # ends where the run of layers does: model/layer_specs.py checkpoints transformer layers only).
         chunk = max(1, min(layout.recompute_num_layers, len(layers)))
         kept = sum(layer.chunk_input for run in runs for layer in run[::chunk])
         # the largest chunk's layers (MoE layers keep more than dense ones)
@@ -322,7 +324,7 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     ZeRO-3 keeps 1/DP of the module's weights on each GPU. Under DeepSpeed-Ulysses ZeRO partitions
     over the sequence data parallel group (SP x DP ranks hold the same weights: runtime/engine.py
     hands ZeRO ``seq_data_parallel_group``). ``expert_params`` of the ``params`` are MoE experts', which ZeRO
-    splits over the expert data parallel group instead (config/moe.py)."""
+    splits over the expert data parallel group instead (config/moe_params.py)."""
     sb = sb or state_bytes(layout)
     dp = layout.dp * layout.sp
     if expert_params:
@@ -418,7 +420,7 @@ def _candidates(layout: Layout):
     m, world = layout.model, layout.world_size
     moe = layout.active_params is not None
     for text, candidate in _single_changes(layout, m, world):
-        # MoE (config/moe.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
+        # MoE (config/moe_params.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
         if moe and (candidate.zero_stage == 3 or candidate.dp % layout.ep):
             continue
         if moe and candidate.zero_stage != layout.zero_stage:

@@ -13,8 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.deepspeed_json import load_ds_template
-from megatron_ds.config.layout import GPT_SHAPE, FamilyShape, Layout, build_layout
+from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
+from megatron_ds.config.memory import choose_fused_loss, gpu_memory_bytes
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
 from megatron_ds.config.validation import check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
@@ -36,8 +38,8 @@ class TrainingSettings:
     exit_signal_handler: bool
     max_consecutive_nan_iters: int
     empty_unused_memory_level: int
-    kill_switch_file: str | None  # issue 23: save and exit when this file exists
-    data_parallel_random_init: bool  # issue 23: a seed per data parallel rank
+    kill_switch_file: str | None  # save and exit when this file exists
+    data_parallel_random_init: bool  # a seed per data parallel rank
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class OptimizerSettings:
     min_lr: float
     lr_decay_style: str
     weight_decay: float
-    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine (issue 23)
+    start_weight_decay: float | None  # with weight_decay_incr_style linear/cosine
     end_weight_decay: float | None
     weight_decay_incr_style: str
     clip_grad: float
@@ -61,7 +63,7 @@ class OptimizerSettings:
     use_checkpoint_lr_scheduler: bool
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
-    create_moe_param_group: bool = False  # issue 21: expert parameters in optimizer groups of their own
+    create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
 
 
 @dataclass(frozen=True)
@@ -90,13 +92,16 @@ class Run:
     record: dict = field(hash=False, compare=False, repr=False)
     # BERT / T5 samples (--mask-prob, --short-seq-prob, --vocab-extra-ids, --decoder-seq-length)
     masked_lm: MaskedLMDataConfig = field(default_factory=MaskedLMDataConfig)
+    # why layout.model.liger_kernel is what it is (memory.choose_fused_loss), for the start-up line
+    fused_loss_reason: str = ""
 
     def describe(self) -> str:
         """The layout, then every section (what ``--dry-run`` prints)."""
         lay = self.layout
         chunk = f", {lay.recompute_num_layers} layer(s) per chunk" if lay.recompute == "full" else ""
         lines = [lay.summary(), f"(Megatron) sequence parallel: {'on' if lay.sequence_parallel else 'off'}; "
-                                f"recompute: {lay.recompute or 'none'}{chunk}"]
+                                f"recompute: {lay.recompute or 'none'}{chunk}; transformer layers: "
+                                f"{'compiled (--compile-layers)' if lay.model.compile_layers else 'eager'}"]
         for name in ("training", "optimizer", "distributed", "data", "checkpoint", "logging"):
             section = getattr(self, name)
             values = [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)]
@@ -112,12 +117,14 @@ def _settings(cls, section):
 
 def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
             ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None,
-            family: FamilyShape = GPT_SHAPE) -> Run:
+            family: ModelFamily | None = None, gpu_memory: float | None = None) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
     (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
-    --use-checkpoint-args. ``family``: the model family's parameter count and checks (the entry
-    point's: pretrain_bert.py gives BERT's). Pure: no process group, device or DeepSpeed import."""
+    --use-checkpoint-args. ``family``: the model family (the entry point's: pretrain_bert.py gives
+    BERT's; None: the GPT). ``gpu_memory``: bytes of the GPU the run trains on (default:
+    --gpu-memory-gb, else ``memory.ASSUMED_GPU``), which decides the output layer's loss kernel where
+    no flag does. Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
@@ -128,10 +135,12 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str
     notes = checkpoint_notes + notes
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
                                       device_type=device_type, family=family)
+    fused, fused_why = choose_fused_loss(layout, gpu_memory or gpu_memory_bytes(flags.gpu_memory_gb))
+    layout = dataclasses.replace(layout, model=dataclasses.replace(layout.model, liger_kernel=fused))
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
                optimizer=_settings(OptimizerSettings, flags.optimizer),
                distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
                notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),
-               masked_lm=flags.masked_lm)
+               masked_lm=flags.masked_lm, fused_loss_reason=fused_why)

@@ -17,9 +17,11 @@ from typing import Any, Optional
 
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
-         nargs: str | None = None, invert: bool = False, default_factory=None) -> Any:
-    """A dataclass field carrying parser hints (see module docstring)."""
-    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert}
+         nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
+         default_factory=None) -> Any:
+    """A dataclass field carrying parser hints (see module docstring). ``off_flags``: an
+    ``Optional[bool]`` switch's spellings that store False (``flags`` store True; neither: None)."""
+    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=md)
     return field(default=default, metadata=md)
@@ -65,6 +67,10 @@ class ModelConfig:
     """Fraction of each head's channels that rotary embeddings apply to."""
     apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
     """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
+    compile_layers: bool = False
+    """Compile each transformer layer's forward with torch.compile (torchtitan's regional compilation;
+    on any device, CPU included: off by default until a GPU measurement shows it helps). Graph breaks
+    and limits: megatron_ds/model/compile_layers.py."""
     normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
     """Normalization layer."""
     layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))
@@ -87,16 +93,20 @@ class ModelConfig:
     """Also compile the fusions above when running on the CPU. Off by default: the fused functions
     are compiled (torch.compile) on CUDA only, because inductor builds C++ for each of them in
     every process, which costs a CPU run minutes of start-up for no gain; tests use this."""
-    liger_kernel: bool = meta(True, flags=("--no-liger-kernel",), invert=True)
-    """Do not use liger-kernel's fused linear + cross entropy where it applies (installed with
-    `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1)."""
+    liger_kernel: Optional[bool] = meta(None, flags=("--liger-kernel",), off_flags=("--no-liger-kernel",))
+    """Output layer + loss: --liger-kernel uses liger-kernel's fused linear + cross entropy where it
+    applies (installed with `pip install megatron_ds[gpu]`, CUDA, tensor parallel size 1, training),
+    --no-liger-kernel never. Neither: only where the logits and their gradient would take more than
+    15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
+    cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
+    --dry-run say which."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight initialization."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor parallel size (GPU efficiency)."""
-    # issue 23: Megatron-DeepSpeed's model variants (megatron/model/transformer.py)
+    # Megatron-DeepSpeed's model variants (megatron/model/transformer.py)
     openai_gelu: bool = False
     """MLP activation: GeLU's tanh approximation (GPT-2's original "gelu_new") instead of the exact GeLU."""
     squared_relu: bool = False
@@ -117,7 +127,7 @@ class ModelConfig:
     """With --bf16/--fp16: keep the residual stream (the embedding output, every layer's output, what
     crosses pipeline stages) in fp32; norms read it in fp32 and hand their output on in the weights'
     dtype, the branches (attention, MLP) still compute in half precision (Megatron's flag)."""
-    # -- issue 21: mixture of experts, DeepSpeed-MoE as Megatron-DeepSpeed runs it. Defaults and meanings are
+    # -- mixture of experts, DeepSpeed-MoE as Megatron-DeepSpeed runs it. Defaults and meanings are
     # deepspeedai/Megatron-DeepSpeed megatron/arguments.py (_add_network_size_args, _add_training_args,
     # _add_distributed_args); megatron/model/transformer.py builds deepspeed.moe.layer.MoE from them.
     num_experts: tuple = meta((1,), nargs="+")
@@ -233,7 +243,7 @@ class OptimizerConfig:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum."""
-    # issue 23: weight-decay increment (megatron/optimizer_param_scheduler.py)
+    # Megatron-DeepSpeed's weight-decay increment (megatron/optimizer_param_scheduler.py)
     start_weight_decay: Optional[float] = None
     """Weight decay at the first iteration, with --weight-decay-incr-style linear or cosine."""
     end_weight_decay: Optional[float] = None
@@ -245,14 +255,14 @@ class OptimizerConfig:
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
                                                           "--use-checkpoint-opt_param-scheduler"))
     """On load, take the schedule from the checkpoint even if the command line differs."""
-    # -- issue 23: the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
+    # -- the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
     cpu_optimizer: bool = False
     """ZeRO-Offload's optimizer, as Megatron-DeepSpeed builds it: DeepSpeedCPUAdam (AdamW on the CPU). The
     offload itself is the DeepSpeed JSON's "zero_optimization": {"offload_optimizer": {"device": "cpu"}}."""
     cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
     """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
     "zero_force_ds_cpu_optimizer": false)."""
-    # issue 21 (megatron/optimizer/__init__.py get_megatron_optimizer)
+    # MoE optimizer groups, as megatron/optimizer/__init__.py get_megatron_optimizer makes them
     create_moe_param_group: bool = False
     """Put expert parameters in optimizer groups of their own (deepspeed.moe.utils.
     split_params_into_different_moe_groups_for_optimizer), as DeepSpeed's ZeRO optimizer needs for MoE."""
@@ -321,11 +331,11 @@ class TrainingConfig:
     """Stop the run after this many NaN/inf losses in a row."""
     empty_unused_memory_level: int = 0
     """Release cached accelerator memory: 0 never, 1 after each step, 2 also after validation."""
-    # -- issue 23: curriculum learning (Megatron-DeepSpeed's flag) --
+    # -- curriculum learning (Megatron-DeepSpeed's flag) --
     curriculum_learning_legacy: bool = False
     """Sequence-length warm-up from the DeepSpeed JSON's legacy "curriculum_learning" block (whose
     "enabled" decides when present, as in Megatron-DeepSpeed)."""
-    # issue 23
+    # more of Megatron-DeepSpeed's flags (megatron/arguments.py: training, network size, initialization)
     recompute_activations: bool = False
     """Megatron's switch for selective recomputation (same as --recompute-granularity selective)."""
     kill_switch_file: Optional[str] = None
@@ -375,7 +385,7 @@ class DataConfig:
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
     """Stop attention across end-of-document tokens."""
-    # issue 23 (megatron/data/data_samplers.py)
+    # Megatron-DeepSpeed's sampler choice (megatron/data/data_samplers.py)
     dataloader_type: str = meta("single", choices=("single", "cyclic"))
     """Sampler: single (sequential over the shuffled samples, Megatron's default) or cyclic (a new
     permutation of each data parallel rank's share every epoch, going round for as long as training runs)."""
@@ -412,7 +422,7 @@ class CheckpointConfig:
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
     """After each complete save, delete complete checkpoints in --save older than the newest N."""
-    # issue 23
+    # Megatron-DeepSpeed's other checkpoint flags (megatron/arguments.py _add_checkpointing_args)
     load_tag: Optional[str] = None
     """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
     exit_on_missing_checkpoint: bool = False
@@ -436,7 +446,7 @@ class LoggingConfig:
     """Also write the global batch size to TensorBoard."""
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
-    # issue 23 (megatron/profiler.py)
+    # Megatron-DeepSpeed's profiler flags (megatron/profiler.py)
     profile: Optional[str] = meta(None, choices=("pt", "pt-full"))
     """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks)."""
     profile_steps: str = meta("2,3", flags=("--profile_steps",))

@@ -64,7 +64,7 @@ _RANGES: tuple = (
     ("model", "make_vocab_size_divisible_by", 1, True, None, False),
     ("model", "rope_theta", 0.0, False, None, False),
     ("model", "rotary_percent", 0.0, False, 1.0, True),
-    ("model", "expert_interval", 1, True, None, False),  # issue 21: mixture of experts
+    ("model", "expert_interval", 1, True, None, False),  # mixture of experts
     ("model", "topk", 1, True, None, False),
     ("model", "moe_train_capacity_factor", 0.0, False, None, False),
     ("model", "moe_eval_capacity_factor", 0.0, False, None, False),
@@ -80,7 +80,7 @@ _RANGES: tuple = (
     ("checkpoint", "keep_last", 1, True, None, False),
     ("checkpoint", "ckpt_step", 0, True, None, False),
     ("logging", "log_interval", 1, True, None, False),
-    # BERT / T5 data (issue 24)
+    # BERT / T5 data
     ("masked_lm", "mask_prob", 0.0, True, 1.0, True),
     ("masked_lm", "short_seq_prob", 0.0, True, 1.0, True),
     ("masked_lm", "vocab_extra_ids", 0, True, None, False),

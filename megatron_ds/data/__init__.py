@@ -1,4 +1,5 @@
-"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT/BERT/T5 samples, blending, samplers, batches.
+"""Data pipeline: tokenizers, Megatron's indexed dataset, GPT/BERT/T5 samples, blending, samplers,
+batches, and the index cache that one process builds while the others wait.
 
 Names are re-exported lazily (PEP 562): `tools/preprocess_data.py` and its worker processes use
 the tokenizer and the indexed dataset builder without paying for importing torch.
@@ -14,7 +15,7 @@ _EXPORTS = {
     ),
     "tokenizer": ("MockTokenizer", "TokenizerError", "build_tokenizer", "build_tokenizer_for"),
     "helpers": ("build_blending_indices", "build_mapping", "build_sample_idx"),
-    "bert_tokenizer": ("BertWordPieceTokenizer",),
+    "wordpiece": ("BertWordPieceTokenizer",),
     "masking": ("create_masked_lm_predictions",),
     "samples_mapping": ("get_samples_mapping",),
     "bert_dataset": ("BertDataset",),

@@ -464,7 +464,7 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
         raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
                              f"SentencePieceTokenizer tokenizers only (as in Megatron-DeepSpeed), not {tokenizer_type}")
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        from megatron_ds.data.bert_tokenizer import BertWordPieceTokenizer
+        from megatron_ds.data.wordpiece import BertWordPieceTokenizer
 
         tok = BertWordPieceTokenizer(_require_file(vocab_file, "--vocab-file", kind),
                                      lower_case=kind == "BertWordPieceLowerCase", vocab_extra_ids=vocab_extra_ids)

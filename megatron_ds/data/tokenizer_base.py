@@ -1,6 +1,6 @@
 """What every tokenizer shares: the interface, its error type, and text clean-up.
 
-Its own module so that tokenizer families in their own modules (bert_tokenizer.py) and the
+Its own module so that tokenizer families in their own modules (wordpiece.py) and the
 `build_tokenizer` factory in tokenizer.py both import it without importing each other.
 """
 from __future__ import annotations

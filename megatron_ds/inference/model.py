@@ -26,7 +26,7 @@ import torch
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import GPTEmbedding, split_moe_loss
-from megatron_ds.model.pipeline import GPTSequential, build_sequential_gpt
+from megatron_ds.model.layer_specs import GPTSequential, build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.mappings import gather_from_tensor_parallel_region

@@ -32,6 +32,7 @@ runs instead and one line says so.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.ds_compat import floats_as_compile_constants
 from megatron_ds.model.rotary import apply_rotary
+from megatron_ds.parallel.random import get_rng_tracker
 
 MIN_TORCH_FOR_COMPILE = (2, 2)
 """Megatron-LM's threshold too (megatron/core/jit.py: torch.compile from 2.2; nvFuser before)."""
@@ -50,77 +52,130 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-def compile_unavailable() -> str | None:
-    """Why ``torch.compile`` cannot be used in this process, or None when it can."""
+def compile_unavailable(failures: dict[str, str] | None = None) -> str | None:
+    """Why ``torch.compile`` cannot be used in this process, or None when it can. ``failures``: the
+    compilations that failed in one group of compiled functions (default: the fusions')."""
     if not hasattr(torch, "compile"):
         return "this torch has no torch.compile"
     if _torch_version() < MIN_TORCH_FOR_COMPILE:
         return f"torch {torch.__version__} < 2.2"
-    if _FAILED:
-        return "; ".join(f"{name}: {reason}" for name, reason in _FAILED.items())
+    failures = _FAILED if failures is None else failures
+    if failures:
+        return "; ".join(f"{name}: {reason}" for name, reason in failures.items())
     return None
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the caller right now (inside a compiled region, e.g. a layer compiled
+    with --compile-layers): a compiled function called there is traced into the outer graph instead."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
+    return bool(is_compiling and is_compiling())
 
 
 _COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "triton")
 _FAILED: dict[str, str] = {}  # function name -> why its compilation failed (then all eager from there on)
 
 
-class _Fusable:
-    """A small function with a lazily compiled twin. ``fusable(compiled, *args)`` runs the compiled
-    version when asked and available, otherwise the function itself (the same math). One failed
-    compilation turns all of them eager: a compiler broken for one is broken for the others.
+class CompiledWithFallback:
+    """A function with a lazily compiled twin: ``run(*args)`` calls the twin while the group's
+    compiler works, else the function itself (the same math). One failed compilation turns the whole
+    group eager (``failures()``; ``scope`` names it in the one line that says so): a compiler broken
+    for one is broken for the others. The fusions below are one group, the transformer layers of
+    --compile-layers another (``model/compile_layers.py``).
 
     Inductor compiles a graph's backward lazily, at the first backward, where a failure could no
     longer fall back: so the first compiled call of each kind of input (device, dtypes, which need
     gradients) first runs forward and backward once on detached copies, and only a twin that got
     through both is used."""
 
-    def __init__(self, fn):
+    scope = "the fusions"
+    what = "the fused"
+
+    def __init__(self, fn, name: str, compile_kwargs: dict | None = None, context=contextlib.nullcontext):
         self.fn = fn
-        self.name = fn.__name__.lstrip("_")
+        self.name = name
+        self.compile_kwargs = compile_kwargs or {}
+        self.context = context  # entered around every compiled call (e.g. floats_as_compile_constants)
         self._compiled = None
         self._proven: set[tuple] = set()
 
-    def __call__(self, compiled: bool, *args):
-        if compiled and compile_unavailable() is None:
-            if self._compiled is None:
-                self._compiled = torch.compile(self.fn, dynamic=True)
-            try:
-                with floats_as_compile_constants():  # dropout's p: one graph per value
-                    self._prove(args)
-                    return self._compiled(*args)
-            except Exception as exc:
-                # Only the compiler's own failures; anything else (a real error, an out-of-memory,
-                # activation recompute's early-stop signal) goes on up.
-                if not type(exc).__module__.startswith(_COMPILER_MODULES):
-                    raise
-                reason = compile_failure_reason(exc)
-                _FAILED[self.name] = reason
-                print(f"WARNING: torch.compile of the fused {self.name} failed ({reason}); "
-                      f"the fusions run eagerly from now on", file=sys.stderr, flush=True)
-        return self.fn(*args)
+    def failures(self) -> dict[str, str]:
+        return _FAILED
 
-    def _prove(self, args) -> None:
+    def run(self, *args, **kwargs):
+        if compiling() or compile_unavailable(self.failures()) is not None:
+            return self.fn(*args, **kwargs)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, **self.compile_kwargs)
+        try:
+            with self.context():
+                self._prove(args, kwargs)
+                return self._compiled(*args, **kwargs)
+        except Exception as exc:
+            # Only the compiler's own failures; anything else (a real error, an out-of-memory,
+            # activation recompute's early-stop signal) goes on up.
+            if not type(exc).__module__.startswith(_COMPILER_MODULES):
+                raise
+            reason = compile_failure_reason(exc)
+            self.failures()[self.name] = reason
+            print(f"WARNING: torch.compile of {self.what} {self.name} failed ({reason}); "
+                  f"{self.scope} run eagerly from now on", file=sys.stderr, flush=True)
+        return self.fn(*args, **kwargs)
+
+    def _prove(self, args, kwargs) -> None:
         """Forward and backward of the compiled twin on copies of ``args`` (once per kind)."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors = [t for a in args for t in _tensors_of(a)]
         backward = torch.is_grad_enabled() and any(a.requires_grad for a in tensors)
         key = (backward, *((a.device.type, a.dtype, a.requires_grad) for a in tensors))
         if key in self._proven:
             return
         if backward:  # without one the real call is the probe (its failure is caught)
-            copies = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                      for a in args]
+            copies = [_copy_of(a) for a in args]
+            leaves = [t for c in copies for t in _tensors_of(c) if t.requires_grad]
             # identity saved-tensor hooks: the innermost pair wins, so activation checkpointing's
             # hooks (which would count the probe's tensors as the layer's) never see the probe; and
-            # the generators rewound after it, so the probe's dropout draw is not the model's
+            # the generators (the tracker's streams too) rewound after it, so the probe's dropout
+            # draws are not the model's
             gpus = sorted({a.device for a in tensors if a.device.type == "cuda"}, key=str) if cuda_runtime() else []
-            with torch.random.fork_rng(devices=gpus), \
+            with torch.random.fork_rng(devices=gpus), get_rng_tracker().rewound(), \
                     torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                out = self._compiled(*copies)
-                outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
-                torch.autograd.grad(outs, [c for c in copies if isinstance(c, torch.Tensor) and c.requires_grad],
-                                    [torch.ones_like(o) for o in outs], allow_unused=True)
+                out = self._compiled(*copies, **kwargs)
+                outs = [o for o in _tensors_of(out) if o.requires_grad]
+                # autograd.grad, not backward: nothing is accumulated into any parameter's .grad
+                torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
         self._proven.add(key)
+
+
+def _tensors_of(value) -> list:
+    """The tensors in an argument or result: itself, or the members of a tuple or list."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _copy_of(value):
+    """A detached copy of a tensor (same requires_grad), or of a tuple or list of them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copy_of(v) for v in value)
+    return value
+
+
+class _Fusable(CompiledWithFallback):
+    """One of the fused functions below: ``fusable(compiled, *args)`` runs the compiled twin when
+    asked and available, otherwise the function itself. Inside a compiled region (a layer compiled
+    with --compile-layers) the function itself is traced into that region's graph: no nested
+    compilation, and inductor fuses it with the rest of the layer."""
+
+    def __init__(self, fn):
+        # dropout's p: one graph per value (floats_as_compile_constants)
+        super().__init__(fn, fn.__name__.lstrip("_"), dict(dynamic=True), context=floats_as_compile_constants)
+
+    def __call__(self, compiled: bool, *args):
+        return self.run(*args) if compiled else self.fn(*args)
 
 
 def compile_failure_reason(exc: BaseException) -> str:

@@ -1,7 +1,7 @@
 """The GPT-specific pieces around the transformer layers: embedding, final norm, output head, loss.
 
 Each piece is a module whose forward takes one object (a tensor or a tuple), so they chain as
-DeepSpeed pipeline layers (see ``pipeline.py``):
+DeepSpeed pipeline layers (see ``layer_specs.py``):
 
     (tokens, position_ids)  --GPTEmbedding-->  hidden [s, b, h]  (or (hidden, document_ids))
     --ParallelTransformerLayer x N-->  --FinalNorm-->  hidden  --output head-->  logits [b, s, V/tp]
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
+from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.moe import DROP_FRACTION
 from megatron_ds.model.transformer import hidden_dropout, split_activation
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy

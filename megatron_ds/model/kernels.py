@@ -56,9 +56,10 @@ def sdpa_supports_gqa() -> bool:
     return True
 
 
-def describe_kernels(model_cfg=None, tp: int = 1) -> dict:
+def describe_kernels(model_cfg=None, tp: int = 1, loss_reason: str = "") -> dict:
     """Which implementation each fused piece uses in this process (for the start-up log); given the
-    (resolved) model config and tensor parallel size, for that model."""
+    (resolved) model config and tensor parallel size, for that model (``loss_reason``: why its loss
+    kernel was chosen, the ``Run``'s ``fused_loss_reason``)."""
     apex = apex_norm_classes() is not None
     return {
         "layernorm": "apex FusedLayerNorm" if apex else "torch.nn.LayerNorm",
@@ -66,7 +67,7 @@ def describe_kernels(model_cfg=None, tp: int = 1) -> dict:
         "attention": "torch scaled_dot_product_attention (flash/efficient kernels on GPU, math on CPU)",
         "grouped_query_attention": "native (enable_gqa)" if sdpa_supports_gqa() else "repeat_interleave",
         "elementwise fusions": describe_fusions(model_cfg),
-        "output layer + loss": describe_liger(model_cfg, tp),
+        "output layer + loss": describe_liger(model_cfg, tp, loss_reason),
         "cross_entropy": "chunked over tokens for bf16/fp16 logits (no fp32 [tokens, vocab] copy), "
                          "vocab-parallel",
     }

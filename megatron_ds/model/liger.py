@@ -7,7 +7,8 @@ seq 2048: 0.8 GB of bf16 logits, plus their gradient and fp32 temporaries in the
 
 It is used when all of these hold, else the vocab-parallel path (``gpt_loss_fn``) runs:
 - liger-kernel imports and CUDA is available (detected once per process);
-- ``--no-liger-kernel`` is not given;
+- it is chosen: ``--liger-kernel``, or neither it nor ``--no-liger-kernel`` and the logits would
+  take more than a set share of the GPU's memory (``config.memory.choose_fused_loss``);
 - tensor parallel size 1: liger's kernel needs the whole vocabulary on one rank; at TP > 1 the
   chunked vocab-parallel cross entropy keeps the logits split instead;
 - the model is training (evaluation and generation need the logits themselves) and the weight is
@@ -80,14 +81,24 @@ def fused_linear_loss(output: HiddenForLoss, labels: torch.Tensor, loss_mask: to
     return total.float() / loss_mask.float().sum().clamp(min=1.0)
 
 
-def describe_liger(model_cfg=None, tp: int = 1) -> str:
-    """For the start-up line: what computes the output layer and the loss while training."""
-    fn, why = liger_fused_linear_cross_entropy()
-    if model_cfg is not None and not model_cfg.liger_kernel:
-        why = "--no-liger-kernel"
-    elif tp > 1:
-        why = "tensor parallel size > 1"
-    if fn is None or why is not None:
-        return f"logits + vocab-parallel cross entropy (liger-kernel unused: {why})"
-    return "liger-kernel fused linear + cross entropy while training (logits + vocab-parallel cross entropy " \
-           "otherwise)"
+def describe_liger(model_cfg=None, tp: int = 1, reason: str = "", on_cuda: bool = False) -> str:
+    """For the start-up line and --dry-run: what computes the output layer and the loss while training.
+    ``reason``: why the resolved ``model_cfg.liger_kernel`` is what it is (``config.memory.choose_fused_loss``);
+    ``on_cuda``: as a CUDA run would, whether or not this process has a GPU."""
+    fn, unavailable = liger_fused_linear_cross_entropy()
+    if on_cuda and unavailable == "no CUDA device":
+        unavailable = None if importlib.util.find_spec("liger_kernel") is not None else "liger-kernel not installed"
+    if model_cfg is None:  # no model yet (tools/check_env.py): whether it could run at all
+        return (f"logits + vocab-parallel cross entropy (liger-kernel unused: {unavailable})" if unavailable else
+                "liger-kernel fused linear + cross entropy available (--liger-kernel, or where the logits would "
+                "crowd the GPU's memory)")
+    why = reason or {True: "--liger-kernel", False: "--no-liger-kernel"}.get(model_cfg.liger_kernel, "not chosen")
+    if not model_cfg.liger_kernel:
+        return f"logits + vocab-parallel cross entropy ({why}; liger-kernel's fused linear + cross entropy: " \
+               "--liger-kernel)"
+    if tp > 1:
+        unavailable = "tensor parallel size > 1"
+    if unavailable is not None:
+        return f"logits + vocab-parallel cross entropy (liger-kernel unused: {unavailable}; chosen for: {why})"
+    return f"liger-kernel fused linear + cross entropy while training ({why}; logits + vocab-parallel cross " \
+           "entropy otherwise)"

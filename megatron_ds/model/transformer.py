@@ -15,7 +15,7 @@ and 0 at padding (Megatron's ``padding_mask`` of a BERT sample), and no position
 (``padding_attention_mask``). Integer tensors in DeepSpeed's activation tuple are sent between
 stages as they are and get no gradient, as the document ids do.
 
-In a mixture-of-experts model (``model/moe.py``) every layer also carries the sum of the MoE layers'
+In a mixture-of-experts model (``model/moe_layer.py``) every layer also carries the sum of the MoE layers'
 auxiliary losses so far, a ``[1]`` fp32 tensor, last in the tuple: ``(hidden[, document_ids],
 moe_loss)``, as Megatron-DeepSpeed's ParallelTransformerLayerPipe carries its "aggregated_moe_loss".
 It reaches the loss function through the final norm and the output layer, so it is part of the
@@ -41,7 +41,7 @@ from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.moe import DROP_FRACTION, DropCounter, build_moe
+from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
@@ -121,6 +121,8 @@ class ParallelAttention(nn.Module):
         self.causal = causal  # without a mask: causal (GPT) or every position (bidirectional, unpadded)
         self.kv_channels = d
         self.heads_per_group = divide(cfg.num_attention_heads, cfg.num_key_value_heads)
+        # asked once here, not in forward: a compiled layer would trace the probe call into its graph
+        self.native_gqa = self.heads_per_group > 1 and sdpa_supports_gqa()
         self.num_groups = divide(cfg.num_key_value_heads, tp)
         self.num_heads = self.num_groups * self.heads_per_group
         self.attention_dropout = cfg.attention_dropout
@@ -197,22 +199,28 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         extra = {}
         if self.heads_per_group > 1:
-            if sdpa_supports_gqa():
+            if self.native_gqa:
                 extra["enable_gqa"] = True
             else:
                 k = k.repeat_interleave(self.heads_per_group, dim=1)
                 v = v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.attention_dropout if self.training else 0.0
         if p > 0.0:
-            # Each rank holds different heads, so their dropout masks must differ: draw them from
-            # the tensor parallel RNG stream.
-            with get_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=self.causal and mask is None, **extra)
+            out = _sdpa_with_dropout(q, k, v, mask, p, self.causal and mask is None, extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                                  **extra)
         return out.permute(2, 0, 1, 3)
+
+
+@torch.compiler.disable
+def _sdpa_with_dropout(q, k, v, mask, p: float, is_causal: bool, extra: dict) -> torch.Tensor:
+    """Attention with dropout. Each rank holds different heads, so their dropout masks must differ:
+    they are drawn from the tensor parallel RNG stream. Its fork sets the generators' states, which
+    dynamo does not trace: in a layer compiled with --compile-layers this runs eagerly, between two
+    graphs (one graph break; otherwise dynamo would break at each generator call)."""
+    with get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **extra)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +236,7 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 class ParallelMLP(nn.Module):
     """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden.
 
-    ``expert``: an MoE expert (``model/moe.py``); DeepSpeed keeps only the first of the pair it returns,
+    ``expert``: an MoE expert (``model/moe_layer.py``); DeepSpeed keeps only the first of the pair it returns,
     so the output bias is always added here (Megatron-DeepSpeed's expert RowParallelLinear adds it too)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
@@ -300,9 +308,9 @@ class ParallelTransformerLayer(nn.Module):
     mask, see the module docstring).
 
     The class name is what the pipeline partitioner balances on
-    (``megatron_ds.model.pipeline.PARTITION_METHOD``); keep the two in sync.
+    (``megatron_ds.model.layer_specs.PARTITION_METHOD``); keep the two in sync.
 
-    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe.py``) holding this rank's share of the
+    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``) holding this rank's share of the
     experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
@@ -353,7 +361,7 @@ class ParallelTransformerLayer(nn.Module):
             ds_compat.gather_flat_on_gloo(parallel["tp_group"])
         expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
         # the experts' seeds follow this layer's seed (the generators are seeded just before each layer
-        # is built: model/pipeline.py), drawn by Python's generator, not torch's: a build on fake tensors
+        # is built: model/layer_specs.py), drawn by Python's generator, not torch's: a build on fake tensors
         # (tests/fake_cuda/test_gpu_paths_moe.py) or on the meta device has no tensor value to read back
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - num_experts)
         return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,
@@ -379,9 +387,7 @@ class ParallelTransformerLayer(nn.Module):
         normed = self.post_attention_layernorm(hidden)
         residual = normed if self.residual_after_norm else hidden
         if self.num_experts > 1:
-            out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
-            if self.loss_report:
-                self.loss_report.add(DROP_FRACTION, self.drops.last)
+            out, l_aux = self._moe(normed)
             hidden = self._residual(out, None, residual)
             l_aux = l_aux.float().reshape(1)
             moe_loss = l_aux if moe_loss is None else moe_loss + l_aux
@@ -392,6 +398,17 @@ class ParallelTransformerLayer(nn.Module):
             # tensor a stage sends
             moe_loss = torch.zeros(1, device=hidden.device, requires_grad=torch.is_grad_enabled())
         return pack_activation(hidden, document_ids, moe_loss if self.carry_moe_loss else None)
+
+    @torch.compiler.disable
+    def _moe(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSpeed's MoE: (output, auxiliary loss); reports the dropped routes. Its gate reads
+        ``.item()`` and sizes its buffers by the values, which would split a compiled layer into many
+        graphs recompiled per value: in a layer compiled with --compile-layers it runs eagerly, one
+        graph break (``model/compile_layers.py``)."""
+        out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
+        if self.loss_report:
+            self.loss_report.add(DROP_FRACTION, self.drops.last)
+        return out, l_aux
 
     def _residual(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """``residual + dropout(x + bias)``; ``bias`` is None unless the compiled bias-dropout-add runs.

@@ -68,6 +68,18 @@ class RNGStatesTracker:
         self._states = _copy_states(states)
 
     @contextlib.contextmanager
+    def rewound(self):
+        """Run a block, then put every stream back where it was before it (a compiler's probe run:
+        its dropout draws are not the model's). In place, so a ``fork`` open around the block still
+        saves its stream into the tracker when it ends."""
+        saved = self.get_states()
+        try:
+            yield
+        finally:
+            for name, state in saved.items():
+                self._states[name].update(state)
+
+    @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL_RNG):
         if name not in self._states:
             raise KeyError(f"RNG stream {name!r} was never added; call set_parallel_seeds() first")

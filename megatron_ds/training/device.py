@@ -46,10 +46,18 @@ def select_device(local_rank: int, local_world_size: int | None = None,
         raise ConfigError(no_gpu_message(local_rank, count, local_world_size, environ))
     torch.cuda.set_device(local_rank)
     # Initialise CUDA now, on this rank's GPU: the RNG set-up that follows saves and restores CUDA
-    # generator states only once CUDA is in use (megatron_ds.parallel.random, model.pipeline).
+    # generator states only once CUDA is in use (megatron_ds.parallel.random, model.layer_specs).
     torch.cuda.init()
     _match_deepspeed_accelerator("cuda")
     return torch.device("cuda", local_rank)
+
+
+def memory_bytes(device: torch.device) -> float | None:
+    """The GPU's memory in bytes (None on the CPU): what the run's memory-dependent choices
+    (the output layer's loss kernel, ``memory.choose_fused_loss``) are made for."""
+    if device.type != "cuda":
+        return None
+    return float(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _match_deepspeed_accelerator(kind: str) -> None:

@@ -15,17 +15,18 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
+from megatron_ds.model.compile_layers import compile_layers, describe_compiled_layers
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
+from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.model.loss_report import LossReport
-from megatron_ds.model.moe import is_moe_model
-from megatron_ds.model.pipeline import build_pipeline_gpt, build_sequential_gpt
+from megatron_ds.model.moe_layer import is_moe_model
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.parallel.utils import PRECISION_DTYPES
-from megatron_ds.training.interleaved_pipeline import build_interleaved_model, wrap_engine
-from megatron_ds.training.log import print_rank0
+from megatron_ds.pipeline.executor import build_interleaved_model, wrap_engine
+from megatron_ds.progress import print_rank0
 from megatron_ds.training.lr_schedule import make_lr_schedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
 
@@ -70,7 +71,7 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
                  loss_report: LossReport | None = None, build=build_model) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
     is given (and what the fake-CUDA tests run on ``cuda``). ``build``: the model family's builder
-    (``training.family.ModelFamily.build_model``; the GPT's by default)."""
+    (``config.family.ModelFamily.build_model``; the GPT's by default)."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
@@ -79,7 +80,10 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
         register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
         model = model.to(params_dtype(run.layout))
-    return model.to(device)
+    model = model.to(device)
+    if run.layout.model.compile_layers:  # regional compilation, once, on the built and placed model
+        compile_layers(model)
+    return model
 
 
 def model_is_plain(layout: Layout) -> bool:
@@ -125,7 +129,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
     ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
-    (``training.family.ModelFamily``; the GPT's by default)."""
+    (``config.family.ModelFamily``; the GPT's by default)."""
     layout = run.layout
     moe = is_moe_model(layout.model)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
@@ -166,7 +170,9 @@ def log_startup(run: Run, rt: Runtime) -> None:
     """The layout, the kernels in use, the flags without effect and the overrides, once."""
     layout = run.layout
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    kernels = [f"{k}: {v}" for k, v in describe_kernels(layout.model, layout.tp).items()]
+    kernels = {**describe_kernels(layout.model, layout.tp, run.fused_loss_reason),
+               "transformer layers": describe_compiled_layers(layout.model)}
+    kernels = [f"{k}: {v}" for k, v in kernels.items()]
     print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
     if run.ignored_flags:
         print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")

@@ -1,65 +1,29 @@
-"""Model FLOPs of one training iteration: the matmuls the model really runs (DESIGN.md section 7).
+"""Model FLOPs of one training iteration, for the iteration line's TFLOP/s per GPU and the benches' MFU.
 
-Per token and transformer layer, forward, counting a multiply-add as 2 FLOPs (d = kv_channels,
-a = query heads, g = key/value heads, f = ffn size, s = sequence length, h = hidden size):
+What is counted is the matmuls the model really runs, a multiply-add being 2 FLOPs: QKV (fewer K/V
+heads under grouped-query attention), attention scores and values over all s keys (as Megatron
+counts them), the output projection, the MLP at its ffn size (SwiGLU's third matrix included) and
+the output layer over the padded vocabulary. Backward counts as two forwards (x3); full recompute
+adds what it really re-runs (not the output layer; not a dense layer's last matmul when hidden
+dropout is 0, as torch's non-reentrant checkpoint stops once backward has what it needs). MoE
+layers count their gate and the top-k experts a token is routed to, not DeepSpeed's routing
+einsums. Norms, lookups and element-wise work are not counted.
 
-    QKV projection          2 h (a + 2 g) d         grouped-query attention has fewer K/V heads
-    attention scores        2 s a d                 every query against all s keys, as Megatron
-    attention over values   2 s a d                 counts it (the causal half is not subtracted)
-    output projection       2 a d h
-    MLP                     2 h f x (3 with SwiGLU's gate, else 2)
-
-plus the output layer, 2 h V per token (V the padded vocabulary: the matmul runs over it; tied or
-untied, it is one matmul). Backward costs two forwards (gradients for inputs and weights): x3.
-Full recompute runs the transformer layers' forward once more, with --hidden-dropout 0 except each
-layer's last matmul (the MLP's output projection): torch's non-reentrant checkpoint
-(megatron_ds.parallel.random) stops recomputing once every tensor backward needs is back. With
-hidden dropout on, the mask drawn after that matmul is one of them, so the whole forward re-runs.
-The output layer is not inside a recomputed chunk, so it stays x3. (Megatron's closed form, 96 instead of 72, scales everything by
-4; this counts what runs.) Selective recompute is not counted, as in Megatron.
-Embedding lookups, norms and element-wise work are not matmuls and are not counted.
-
-For GPT-2 shapes (a = g, a d = h, f = 4h, no SwiGLU) this is the closed form
-``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``.
-
-Mixture of experts (issue 21): an MoE layer with E experts counts the experts a token is routed to, top-k
-MLPs (the active experts only), plus the gate's 2 h E and, with --mlp-type residual, the dense MLP and the
-2-way coefficient 2 h 2. What DeepSpeed's MOELayer runs around them is not model work and is not counted:
-the dispatch and combine einsums (matmuls over the one-hot routing), and the capacity slots the experts
-run empty or that hold dropped tokens. (Megatron-DeepSpeed's throughput_calculator multiplies every layer's
-MLP by --topk, dense layers too; this counts each layer as it is.) Under full recompute an MoE layer runs
-its whole forward again: the experts' outputs are what the combine keeps for backward.
-
-BERT (pretrain_bert.py; ``model/bert.py``): the layers above at s = --seq-length (bidirectional, every
-query against all s keys), then per token the MLM head's transform, a dense h -> h (2 h^2), and the
-output layer over the padded vocabulary (2 h V); with the binary head, per sequence (position 0 only)
-the pooler's dense h -> h (2 h^2) and the binary head h -> 2 (2 h 2). Full recompute re-runs the
-transformer layers only (the heads are not in a recomputed chunk), as the GPT's.
-
-T5 (pretrain_t5.py; ``model/t5.py``), s_e = --encoder-seq-length, s_d = --decoder-seq-length:
-
-    encoder layer           the layer above at s = s_e, per encoder token
-    decoder layer           the layer above at s = s_d, per decoder token (causal self-attention
-                            counted over all s_d keys, as the GPT's), plus cross-attention:
-      query projection      2 h a d                 per decoder token
-      key/value projection  2 h 2 a d               per encoder token (of the encoder output)
-      scores and values     2 2 s_e a d             per decoder token: every query against s_e keys
-      output projection     2 a d h                 per decoder token
-    LM head                 2 h V                   per decoder token (the tied word embedding)
-
-The relative position bias (--position-embedding-type relative) is a table lookup, not a matmul.
-Full recompute re-runs every encoder and decoder layer as the GPT's (the cross-attention included).
+For GPT-2 shapes (query heads = K/V heads, heads x kv_channels = h, ffn = 4h, no SwiGLU) this is
+Megatron's closed form ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``: a layer is 24 h^2 + 4 s h FLOPs
+per token forward, the output layer 2 h V, all x3. The per-piece table, the BERT and T5 counts and
+the derivation are in docs/flops.md.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.config.moe import model_experts
-from megatron_ds.config.t5_params import decoder_layers
+from megatron_ds.config.moe_params import model_experts
 
 
 def layer_forward_flops_per_token(*, hidden: int, heads: int, kv_heads: int, kv_channels: int, ffn: int,
                                   swiglu: bool, seq: int) -> int:
+    """Forward FLOPs per token of one dense transformer layer whose queries each see ``seq`` keys."""
     qkv = 2 * hidden * (heads + 2 * kv_heads) * kv_channels
     attention = 2 * 2 * seq * heads * kv_channels  # scores and values
     projection = 2 * heads * kv_channels * hidden
@@ -98,45 +62,16 @@ def model_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_re
 
 def _unrecomputed(m) -> int:
     """FLOPs per token of a dense layer that full recompute does not re-run: the MLP's output projection,
-    unless hidden dropout draws a mask after it that backward needs (the module docstring)."""
+    unless hidden dropout draws a mask after it that backward needs (docs/flops.md)."""
     return 2 * m.ffn_hidden_size * m.hidden_size if m.hidden_dropout == 0 else 0
 
 
-def _dense_layer(m, seq: int) -> tuple[int, int]:
+def dense_layer_flops(m, seq: int) -> tuple[int, int]:
     """(forward, recomputed) FLOPs per token of one dense transformer layer at ``seq`` keys."""
     forward = layer_forward_flops_per_token(hidden=m.hidden_size, heads=m.num_attention_heads,
                                             kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
                                             ffn=m.ffn_hidden_size, swiglu=m.swiglu or m.geglu, seq=seq)
     return forward, forward - _unrecomputed(m)
-
-
-def bert_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool) -> float:
-    """BERT's FLOPs of one iteration over ``batch`` sequences of ``model.seq_length`` tokens (module docstring)."""
-    m, h = model, model.hidden_size
-    tokens = batch * m.seq_length
-    forward, recompute = _dense_layer(m, m.seq_length)
-    layers = m.num_layers * (3 * forward + (recompute if full_recompute else 0))
-    mlm_head = 2 * h * h + 2 * h * padded_vocab_size
-    pooler = 2 * h * h + 2 * h * 2 if m.bert_binary_head else 0  # once per sequence: position 0
-    return float(tokens * (layers + 3 * mlm_head) + batch * 3 * pooler)
-
-
-def t5_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool, *,
-                           decoder_seq_length: int) -> float:
-    """T5's FLOPs of one iteration over ``batch`` samples of ``model.seq_length`` encoder and
-    ``decoder_seq_length`` decoder tokens (module docstring)."""
-    m, h, s_e, s_d = model, model.hidden_size, model.seq_length, decoder_seq_length
-    q = m.num_attention_heads * m.kv_channels  # multi-head only (config/t5_params.py check_t5)
-    enc_forward, enc_recompute = _dense_layer(m, s_e)
-    dec_forward, dec_recompute = _dense_layer(m, s_d)
-    cross_per_decoder_token = 2 * h * q + 2 * 2 * s_e * q + 2 * q * h
-    cross_per_encoder_token = 2 * h * 2 * q
-    encoder = m.num_layers * s_e * (3 * enc_forward + (enc_recompute if full_recompute else 0))
-    per_decoder_layer = (s_d * (dec_forward + cross_per_decoder_token) + s_e * cross_per_encoder_token,
-                         s_d * (dec_recompute + cross_per_decoder_token) + s_e * cross_per_encoder_token)
-    decoder = decoder_layers(m) * (3 * per_decoder_layer[0] + (per_decoder_layer[1] if full_recompute else 0))
-    lm_head = s_d * 2 * h * padded_vocab_size
-    return float(batch * (encoder + decoder + 3 * lm_head))
 
 
 def gpt_iteration_flops(layout, seq_length: int) -> float:
@@ -145,17 +80,3 @@ def gpt_iteration_flops(layout, seq_length: int) -> float:
     model = dataclasses.replace(layout.model, seq_length=seq_length)
     return model_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
                                      layout.recompute == "full")
-
-
-def bert_iteration_flops(layout, seq_length: int) -> float:
-    """``gpt_iteration_flops`` for BERT (no warm-up: ``seq_length`` is the model's)."""
-    model = dataclasses.replace(layout.model, seq_length=seq_length)
-    return bert_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
-                                    layout.recompute == "full")
-
-
-def t5_iteration_flops(layout, seq_length: int) -> float:
-    """``gpt_iteration_flops`` for T5: ``seq_length`` the encoder's, the decoder's the layout's."""
-    model = dataclasses.replace(layout.model, seq_length=seq_length)
-    return t5_flops_per_iteration(model, layout.global_batch_size, layout.padded_vocab_size,
-                                  layout.recompute == "full", decoder_seq_length=layout.decoder_seq_length)

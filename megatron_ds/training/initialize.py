@@ -8,8 +8,8 @@ import torch
 
 from megatron_ds.errors import ConfigError
 from megatron_ds.launch import apply_dist_env, discover_dist_env
+from megatron_ds.progress import print_rank0
 from megatron_ds.training.collective_timeout import apply_timeout_to_new_groups
-from megatron_ds.training.log import print_rank0
 from megatron_ds.training.startup_checks import explain_init_error
 
 

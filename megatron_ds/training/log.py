@@ -9,11 +9,6 @@ import sys
 import torch
 
 
-def print_rank0(*args, **kwargs) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
 def print_last_rank(*args) -> None:
     """Losses live on the last pipeline stage; Megatron prints the iteration line from there."""
     if not torch.distributed.is_initialized() or \

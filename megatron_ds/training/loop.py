@@ -19,11 +19,12 @@ from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
+from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
-from megatron_ds.training.curriculum import SeqlenWarmup
 from megatron_ds.training.flops import gpt_iteration_flops
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
 from megatron_ds.training.profiler import StepProfiler
+from megatron_ds.training.seqlen_warmup import SeqlenWarmup
 from megatron_ds.training.signals import StopSignals, agreed_stop
 
 
@@ -142,7 +143,7 @@ class Loop:
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     # the named scalars the model's loss function reports (model/loss_report.py): printed after lm loss
     loss_report: LossReport = field(default_factory=LossReport)
-    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (training/family.py)
+    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (config/family.py ModelFamily.flops)
     count_flops: Callable = gpt_iteration_flops
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
@@ -198,7 +199,7 @@ class Loop:
         if path is None or agreed_stop(None, self.start_time, None, self.device, path) is None:
             return False
         state.stop_reason, state.exited_early = f"kill switch {path} found", True
-        mlog.print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
+        print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
         return True
 
     def _account(self, state: TrainState, loss: float, window: _Window) -> None:
@@ -277,7 +278,7 @@ class Loop:
         if exit_now:
             state.stop_reason = {"signal": "stop signal received", "time": "--exit-duration-in-mins",
                                  "kill switch": f"kill switch {t.kill_switch_file} found"}.get(stop, "--exit-interval")
-            mlog.print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
+            print_rank0(f"exiting at iteration {state.iteration} ({state.stop_reason})")
             state.exited_early = True
         return saved
 

@@ -12,7 +12,7 @@ that step's global batch, as Megatron passes ``increment = micro-batches x micro
 ``--lr-warmup-tokens`` / ``--lr-decay-tokens`` follow consumed tokens. As there, the tokens seen by a
 step are those consumed *before* it (Megatron-DeepSpeed updates ``args.consumed_train_tokens`` after
 ``train_step``, inside which the scheduler steps). The spans come resolved from the run's layout
-(``megatron_ds.config.schedule``).
+(``megatron_ds.config.run_length``).
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ from megatron_ds.config.layout import Layout
 from megatron_ds.config.memory import GB, estimate_stages, parameter_state
 from megatron_ds.config.run import Run
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.chunks import build_interleaved_gpt
-from megatron_ds.model.pipeline import build_sequential_gpt, build_stage_gpt
+from megatron_ds.pipeline.chunks import build_interleaved_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt, build_stage_gpt
 from megatron_ds.training.engine import model_kwargs, params_dtype
 
 TOLERANCE = 0.01
@@ -67,7 +67,7 @@ def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Modu
 def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=build_stage) -> list[BuiltStage]:
     """Build every pipeline stage on the meta device (see the module docstring); ``on_built``
     sees each stage as it is done. A shape the layers refuse is a ConfigError. ``build``: the model
-    family's stage builder (``training.family.ModelFamily.build_stage``; the GPT's by default)."""
+    family's stage builder (``config.family.ModelFamily.build_stage``; the GPT's by default)."""
     layout = run.layout
     group = ds_compat.fake_process_group(layout.tp, 0) if layout.tp > 1 else contextlib.nullcontext()
     from deepspeed.moe.utils import is_moe_param  # noqa: PLC0415 (DeepSpeed only once a model is built)

@@ -1,4 +1,5 @@
-"""pretrain_gpt.py's body: parse -> resolve (one ``Run``) -> join the job -> train (``trainer``).
+"""The entry points' body (pretrain_gpt.py, pretrain_bert.py, ...: each gives its registered model
+family, ``megatron_ds.families``): parse -> resolve (one ``Run``) -> join the job -> train (``trainer``).
 
 ``--dry-run`` stops after the resolution and prints the ``Run``, the model built on the meta device
 next to the memory estimate (``meta_build``); nothing distributed starts.
@@ -17,6 +18,7 @@ from megatron_ds.accelerator import on_cuda
 from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
@@ -24,31 +26,30 @@ from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
+from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
-from megatron_ds.training import log as mlog
-from megatron_ds.training.family import GPT, ModelFamily
 from megatron_ds.training.file_checks import check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
 
 def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log,
-            family: ModelFamily = GPT) -> tuple[Run, object]:
+            family: ModelFamily, gpu_memory: float | None = None) -> tuple[Run, object]:
     """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
     model), the ``Run`` of ``family``'s model, and the checks only DeepSpeed can make (its version,
-    its JSON parser)."""
+    its JSON parser). ``gpu_memory``: the training GPU's bytes (``resolve``'s)."""
     saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
     # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
     flags_used = apply_checkpoint_args(flags, saved)[0]
     tokenizer = build_tokenizer_for(flags_used.data, log=log, vocab_extra_ids=flags_used.masked_lm.vocab_extra_ids)
     run = resolve(flags, world_size=world_size, vocab_size=tokenizer.vocab_size, device_type=device_type,
-                  ignored=ignored, saved_flags=saved, family=family.shape)
+                  ignored=ignored, saved_flags=saved, family=family, gpu_memory=gpu_memory)
     check_deepspeed(interleaved=run.layout.own_schedule)  # once, before DeepSpeed is first used
     validate_with_deepspeed(run.layout.ds_config, run.deepspeed_source)
     return run, tokenizer
 
 
-def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int:
+def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     """Validate and print the resolved run without starting anything distributed."""
     world = flags.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
@@ -59,9 +60,13 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
     # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
+    from megatron_ds.model.liger import describe_liger  # noqa: PLC0415
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
 
     report(run, family.eod_token(tokenizer), build=family.build_stage)
+    # what a CUDA run of this configuration would compute the loss with, even where this host has no GPU
+    lay = run.layout
+    print(f"output layer + loss on CUDA: {describe_liger(lay.model, lay.tp, run.fused_loss_reason, on_cuda=True)}")
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
@@ -71,14 +76,15 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> int
 
 
 def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
-    """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError (issue 13)."""
+    """Print the per-GPU memory estimate; over --gpu-memory-gb it is a ConfigError, so a
+    layout that cannot fit fails at submission instead of after the queue."""
     estimate = memory.estimate_memory(layout)
     budget = memory.gpu_memory_bytes(gpu_memory_gb)
     print(estimate.describe(budget))
     memory.check_memory(layout, estimate, budget)
 
 
-def pretrain(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> TrainState:
+def pretrain(flags: Config, ignored: list[str], family: ModelFamily) -> TrainState:
     """Train ``family``'s model as the flags say, on the processes a launcher started; returns the final state."""
     # DeepSpeed and the model are imported here, not at module level: --help and flag errors stay fast.
     from megatron_ds.training.trainer import train  # noqa: PLC0415
@@ -88,7 +94,8 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily = GPT) -> Tr
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
-                             log=mlog.print_rank0 if env.rank == 0 else (lambda *a: None), family=family)
+                             log=print_rank0 if env.rank == 0 else (lambda *a: None), family=family,
+                             gpu_memory=devices.memory_bytes(device))
     return train(run, device, tokenizer, start_time, family)
 
 
@@ -109,10 +116,10 @@ def _one_line(exc: Exception) -> str:
     return text[len(prefix):] if text.startswith(prefix) else text
 
 
-def main(argv=None, family: ModelFamily = GPT) -> int:
+def main(argv=None, *, family: ModelFamily) -> int:
     """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
     flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
-    same rule as every CLI in tools/. ``family``: the entry point's model (pretrain_bert.py: BERT)."""
+    same rule as every CLI in tools/. ``family``: the entry point's model (``families.get_family``)."""
     prog = f"pretrain_{family.name}.py"  # what the error lines name
     flags, ignored = parse_args(argv, prog)
     flags = with_family_defaults(flags, family)

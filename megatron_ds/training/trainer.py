@@ -10,15 +10,16 @@ import torch
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ds.checkpoint.format import layout_signature
 from megatron_ds.checkpoint.integrity import protect_newer
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.random import rng_state, set_rng_state
+from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
 from megatron_ds.training.collective_timeout import CollectiveWatch, is_collective_failure
 from megatron_ds.training.data import build_loader, check_train_length, samples_per_split, stage_iterator
 from megatron_ds.training.engine import build_engine, log_startup
-from megatron_ds.training.family import GPT, ModelFamily
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
 from megatron_ds.training.profiler import step_profiler
@@ -27,7 +28,7 @@ from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrie
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
-def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily = GPT) -> TrainState:
+def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily) -> TrainState:
     """Join the process group, check --save, then build, resume and train ``family``'s model; the
     state at the end. A rank that never arrives at a collective ends the run in one line naming it."""
     init_distributed(run.distributed, device)
@@ -51,7 +52,7 @@ def _startup_checks(run: Run):
     startup_barrier(timeout)
     watch = CollectiveWatch(timeout)
     save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, timeout, log=mlog.print_rank0) if save else None
+    lock = prepare_save_dir(save, run.layout, timeout, log=print_rank0) if save else None
     return lock, watch
 
 
@@ -63,14 +64,14 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
                       loss_names=family.loss_names)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
-    state = _resume(run, rt.engine, ps, signature)
+    state = _resume(run, rt.engine, ps, signature, family)
     training = not run.training.skip_train and state.iteration < layout.train_iters
     train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, family, training=training)
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb,
-                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group, family.name),
+                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group, family),
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report, count_flops=family.flops,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
@@ -97,13 +98,14 @@ def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> Train
         raise TrainingStopped(watch.describe(exc, where)) from None
 
 
-def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
+def _resume(run: Run, engine, ps, signature: dict, family: ModelFamily) -> TrainState:
     """The state to start from: --load's checkpoint (any layout) or a fresh one; then --save must not
     hold a complete checkpoint newer than that start (it would be overwritten)."""
     ckpt, layout = run.checkpoint, run.layout
     state = TrainState()
     if ckpt.load:
-        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, log=mlog.print_rank0)
+        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, family=family,
+                                            log=print_rank0)
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -114,7 +116,7 @@ def _resume(run: Run, engine, ps, signature: dict) -> TrainState:
         if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
             set_rng_state(_own_rng_state(client["rng"], ps.dp_rank, run.training.data_parallel_random_init))
     if ckpt.save:
-        protect_newer(ckpt.save, state.iteration, log=mlog.print_rank0)
+        protect_newer(ckpt.save, state.iteration, log=print_rank0)
     return state
 
 
@@ -122,7 +124,7 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, family: ModelFam
     """(train, validation, test) micro-batch iterators of ``family``'s samples, each None where the
     split does not exist; train is None too when this run does not train."""
     layout, t, data = run.layout, run.training, run.data
-    datasets = family.build_datasets(run, tokenizer, samples_per_split(layout, t), mlog.print_rank0)
+    datasets = family.build_datasets(run, tokenizer, samples_per_split(layout, t), print_rank0)
     check_train_length(datasets[0], data, layout.train_iters * layout.global_batch_size)
     collator = family.make_collator(run, tokenizer)
 
@@ -166,13 +168,13 @@ def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
     return saved[dp_rank if per_rank and dp_rank < len(saved) else 0]
 
 
-def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family_name: str = "gpt"):
+def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: ModelFamily):
     """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
     ckpt = run.checkpoint
-    # vocab_size: the real vocabulary, so conversions can drop the padding rows (issue 10);
+    # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
-            "vocab_size": tokenizer.vocab_size, "model_family": family_name}
+            "vocab_size": tokenizer.vocab_size, "model_family": family.name}
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
@@ -181,7 +183,7 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family_name: 
         if ckpt.save_rng:
             client["rng"] = _rng_states(run, dp_group)
         save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
-                        log=mlog.print_rank0)
-        mlog.print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
+                        family=family, log=print_rank0)
+        print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
 
     return save

@@ -71,10 +71,8 @@ def resolved(argv: list[str], script: str = ""):
     """(the Run, the GPU memory budget in bytes) of a DRY_RUN's arguments (a ``*bert*`` script's:
     pretrain_bert.py's model and a BERT vocabulary; a ``*_t5_*`` script's: pretrain_t5.py's)."""
     from megatron_ds.config import memory, parse_args, resolve
-    from megatron_ds.config.bert_params import BERT_SHAPE
-    from megatron_ds.config.layout import GPT_SHAPE
-    from megatron_ds.config.t5_params import T5_SHAPE
     from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
+    from megatron_ds.families import get_family
 
     flags, ignored = parse_args(argv)
     name = os.path.basename(script)
@@ -83,7 +81,7 @@ def resolved(argv: list[str], script: str = ""):
     vocab = BERT_VOCAB_SIZE + 2 + flags.masked_lm.vocab_extra_ids if t5 else BERT_VOCAB_SIZE if bert else \
         GPT2_VOCAB_SIZE
     run = resolve(flags, world_size=flags.world_size, vocab_size=vocab, ignored=ignored,
-                  family=T5_SHAPE if t5 else BERT_SHAPE if bert else GPT_SHAPE)
+                  family=get_family("t5" if t5 else "bert" if bert else "gpt"))
     return run, memory.gpu_memory_bytes(flags.gpu_memory_gb)
 
 

@@ -17,7 +17,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_tp2_pp2_consolidates_to_the_single_process_weights(tmp_path, style):
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     dirs = {}
     for tp, pp in ((1, 1), (2, 2)):

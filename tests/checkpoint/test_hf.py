@@ -13,7 +13,6 @@
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -23,9 +22,7 @@ from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-import from_hf  # noqa: E402
-import to_hf  # noqa: E402
+from megatron_ds.cli import from_hf, to_hf  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 LAYOUTS = {"gpt2": ((2, 2, 1), []), "llama": ((2, 1, 2), ["--zero-stage", "1"])}
@@ -45,7 +42,7 @@ def exported(request, tmp_path_factory):
 
 def _ours(ckpt):
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     c = load_consolidated(ckpt, log=lambda *a: None)
     model = build_sequential_gpt(c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)
@@ -178,7 +175,7 @@ def test_default_tokenizer_is_recorded_and_exported_with_group_readable_files(tm
     A checkpoint that records no tokenizer (--mock-data alone) says so, and takes --tokenizer-type."""
     from tests.data.test_tokenizer import training_corpus
 
-    import train_tokenizer  # tools/ is on sys.path
+    from megatron_ds.cli import train_tokenizer
 
     corpus = training_corpus(tmp_path / "corpus.jsonl", n_docs=100)
     assert train_tokenizer.main(["--input", str(corpus), "--vocab-size", "400",

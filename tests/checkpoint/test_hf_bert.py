@@ -1,4 +1,4 @@
-"""BERT and Hugging Face transformers, both ways (checkpoint/hf_bert.py).
+"""BERT and Hugging Face transformers, both ways (families/bert/bert_hf.py).
 
 - import: transformers' own BertForPreTraining / MegatronBertForPreTraining, built from a config
   with every tensor drawn at random (norms and biases included, so a misplaced one shows), saved
@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from megatron_ds.checkpoint.consolidate import load_consolidated
-from megatron_ds.checkpoint.hf_bert import import_hf_bert, write_hf_bert
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.bert import build_sequential_bert
+from megatron_ds.families.bert.bert_family import BERT
+from megatron_ds.families.bert.bert_hf import import_hf_bert, write_hf_bert
+from megatron_ds.families.bert.bert_model import build_sequential_bert
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -78,7 +79,7 @@ def test_hf_model_imports_with_its_logits(tmp_path, arch, types):
     hf_model.save_pretrained(tmp_path / "hf")
     m = import_hf_bert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *a: None)
     assert m.bert_binary_head == (types == 2)
-    c = load_consolidated(str(tmp_path / "ckpt"), log=lambda *a: None)
+    c = load_consolidated(str(tmp_path / "ckpt"), family=BERT, log=lambda *a: None)
     ours = build_sequential_bert(c.model, padded_vocab_size=c.padded_vocab_size, seed=0, vocab_size=VOCAB)
     ours.load_state_dict(c.state_dict, strict=True)
     batch = _batch(types)
@@ -116,7 +117,7 @@ def test_tp2_pp2_checkpoint_exports_the_initial_model(tmp_path):
     from tests.distributed import run_distributed
     from tests.training.test_bert_parity import TINY_BERT, bert_losses
 
-    from megatron_ds.checkpoint.hf_bert import export_hf_bert
+    from megatron_ds.families.bert.bert_hf import export_hf_bert
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     argv = [a for a in TINY_BERT] + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -125,7 +126,7 @@ def test_tp2_pp2_checkpoint_exports_the_initial_model(tmp_path):
     argv[argv.index("--lr") + 1] = "1e-30"
     run_distributed(bert_losses, 4, argv, timeout=900)
     assert export_hf_bert(ckpt, out, log=lambda *a: None) == "MegatronBertForPreTraining"
-    m = load_consolidated(ckpt, log=lambda *a: None).model
+    m = load_consolidated(ckpt, family=BERT, log=lambda *a: None).model
     ours = build_sequential_bert(m, padded_vocab_size=512, seed=1234, vocab_size=512)
     hf_model = transformers.AutoModelForPreTraining.from_pretrained(out)
     batch = _batch(2)
@@ -140,13 +141,12 @@ def test_a_checkpoint_of_another_family_is_refused_by_name():
     from megatron_ds.checkpoint.checkpointing import check_compatible
     from megatron_ds.checkpoint.format import layout_signature
     from megatron_ds.config import parse_args, resolve
-    from megatron_ds.config.bert_params import BERT_SHAPE
     from megatron_ds.errors import ConfigError
 
     flags, _ = parse_args("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                           "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 100".split())
     gpt = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu").layout)
-    bert = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu", family=BERT_SHAPE).layout)
+    bert = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu", family=BERT).layout)
     assert "model_family" not in gpt and bert["model_family"] == "bert"
     check_compatible(gpt, gpt, "ckpt", load_optim=True)
     check_compatible(bert, bert, "ckpt", load_optim=True)

@@ -1,4 +1,4 @@
-"""Our T5 <-> Hugging Face's T5ForConditionalGeneration (checkpoint/hf_t5.py), both directions.
+"""Our T5 <-> Hugging Face's T5ForConditionalGeneration (families/t5/t5_hf.py), both directions.
 
 Export: our T5 in the variant HF's code can compute (relative position biases or none, RMS norms,
 no biases; GeLU, --openai-gelu, --swiglu, --squared-relu, --relu or --geglu MLP), written as safetensors +
@@ -19,10 +19,10 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ds.checkpoint import hf_t5
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.t5 import build_sequential_t5
+from megatron_ds.families.t5 import t5_hf
+from megatron_ds.families.t5.t5_model import build_sequential_t5
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,8 +74,8 @@ def _hf_logits(hf, enc, dec, ef, df):
 def test_export_gives_our_logits(tmp_path, act):
     m = _variant(**act)
     model = _ours(m)
-    tensors = hf_t5.to_hf(model.state_dict(), m, decoder_num_layers=3, vocab_size=VOCAB)
-    hf_t5.write_hf(str(tmp_path), tensors, hf_t5.hf_config(m, decoder_num_layers=3, vocab_size=VOCAB))
+    tensors = t5_hf.to_hf(model.state_dict(), m, decoder_num_layers=3, vocab_size=VOCAB)
+    t5_hf.write_hf(str(tmp_path), tensors, t5_hf.hf_config(m, decoder_num_layers=3, vocab_size=VOCAB))
     hf = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
     batch = _batch()
     with torch.no_grad():
@@ -101,8 +101,8 @@ def test_hf_model_imports_with_its_logits(proj, tie):
             block.layer[0].SelfAttention.relative_attention_bias.weight.normal_(0, 1.0)
     d = cfg.to_dict()
     state = {k: v.float() for k, v in hf.state_dict().items()}
-    ours_state = hf_t5.from_hf(lambda n: state[n], d, padded_vocab_size=PADDED)
-    m, decoder_layers = hf_t5.model_config_from_hf(d)
+    ours_state = t5_hf.from_hf(lambda n: state[n], d, padded_vocab_size=PADDED)
+    m, decoder_layers = t5_hf.model_config_from_hf(d)
     model = build_sequential_t5(dataclasses.replace(m, seq_length=12), decoder_num_layers=decoder_layers,
                                 padded_vocab_size=PADDED, seed=1, vocab_size=VOCAB).eval()
     model.load_state_dict(ours_state, strict=True)
@@ -116,20 +116,20 @@ def test_hf_model_imports_with_its_logits(proj, tie):
 
 def test_what_hf_cannot_express_is_refused():
     with pytest.raises(ConfigError, match="relative position buckets"):
-        hf_t5.check_representable(_variant(position_embedding_type="learned_absolute", max_position_embeddings=12))
+        t5_hf.check_representable(_variant(position_embedding_type="learned_absolute", max_position_embeddings=12))
     with pytest.raises(ConfigError, match="RMS"):
-        hf_t5.check_representable(_variant(normalization="layernorm"))
+        t5_hf.check_representable(_variant(normalization="layernorm"))
     with pytest.raises(ConfigError, match="--disable-bias-linear"):
-        hf_t5.check_representable(_variant(add_bias_linear=True))
+        t5_hf.check_representable(_variant(add_bias_linear=True))
     with pytest.raises(ConfigError, match="'gated-relu' MLP"):
-        hf_t5.model_config_from_hf(transformers.T5Config(feed_forward_proj="gated-relu").to_dict())
+        t5_hf.model_config_from_hf(transformers.T5Config(feed_forward_proj="gated-relu").to_dict())
 
 
 def test_relative_position_bucket_is_hfs():
     """Our transcription against transformers' own ``T5Attention._relative_position_bucket``."""
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    from megatron_ds.model.t5 import relative_position_bucket
+    from megatron_ds.families.t5.t5_model import relative_position_bucket
 
     position = torch.arange(300)[None, :] - torch.arange(300)[:, None]
     for bidirectional in (True, False):

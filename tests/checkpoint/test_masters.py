@@ -8,15 +8,12 @@ the module after each step), and after two steps at lr 1e-3 some masters must di
 rounding, or the comparison would not tell the two sources apart.
 """
 import os
-import sys
 
 import pytest
 import torch
 
+from megatron_ds.cli import to_hf
 from tests.checkpoint.common import train
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-import to_hf  # noqa: E402
 
 EMBED = "tied_modules.embed.word_embeddings.weight"
 

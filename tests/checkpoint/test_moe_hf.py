@@ -17,17 +17,13 @@ A checkpoint Mixtral cannot express (GPT-2-style MoE with top-1 gating and token
 refused by the CLI with one line naming the reasons; tools/checkpoint/to_universal.py refuses MoE
 checkpoints in one line too (DeepSpeed's converter does not read expert files).
 """
-import os
-import sys
-
 import pytest
 import torch
 
 from tests.checkpoint.common import train
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-import to_hf  # noqa: E402
+from megatron_ds.cli import to_hf  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -75,7 +71,7 @@ def test_export_refuses_what_mixtral_cannot_express(tmp_path, capsys):
                    "--topk 1", "token dropping"):
         assert reason in err
     # DeepSpeed's ds_to_universal cannot read expert files (Megatron-DeepSpeed's KeyError 'param_shapes')
-    import to_universal
+    from megatron_ds.cli import to_universal
 
     assert to_universal.main(["--load", ckpt]) == 1
     err = capsys.readouterr().err.strip()

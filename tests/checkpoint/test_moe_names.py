@@ -4,7 +4,7 @@
   (deepspeedai/DeepSpeed ``deepspeed/runtime/engine.py``);
 - expert files written from a global (EP 1) state with our names are what DeepSpeed's own
   ``load_moe_state_dict`` reads into an EP 2 model on each expert parallel rank, and that is what
-  ``moe.to_local`` says the rank holds; ``regroup`` between EP sizes agrees with it;
+  ``expert_files.to_local`` says the rank holds; ``regroup`` between EP sizes agrees with it;
 - tensor parallel rules: experts are whole on every TP rank unless
   --enable-expert-tensor-parallelism, then split like the dense MLP;
 - the Mixtral name map round-trips and refuses what Mixtral cannot express, one line each.
@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from megatron_ds.checkpoint import mixtral, moe
+from megatron_ds.checkpoint import expert_files, mixtral
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
@@ -35,20 +35,20 @@ def _expert(i: int) -> dict[str, torch.Tensor]:
 def _global_state(prefix: str = "3.mlp") -> dict[str, torch.Tensor]:
     out = {f"{prefix}.deepspeed_moe.gate.wg.weight": torch.randn(E, H)}
     for e in range(E):
-        out.update({f"{prefix}{moe.EXPERTS_INFIX}{e}.{k}": v for k, v in _expert(e).items()})
+        out.update({f"{prefix}{expert_files.EXPERTS_INFIX}{e}.{k}": v for k, v in _expert(e).items()})
     return out
 
 
 def test_file_names_are_deepspeeds():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    ours = moe.expert_file_name(1, 5, 3)
+    ours = expert_files.expert_file_name(1, 5, 3)
     assert ours == os.path.basename(DeepSpeedEngine._get_expert_ckpt_name("d", 1, 5, "t", checkpoint_mp_rank=3))
-    assert moe.parse_expert_file(ours) == (1, 5, 3)
+    assert expert_files.parse_expert_file(ours) == (1, 5, 3)
     engine = types.SimpleNamespace(checkpoint_mp_rank=2)
-    assert moe.expert_optim_file_name(1, 2) == os.path.basename(
+    assert expert_files.expert_optim_file_name(1, 2) == os.path.basename(
         DeepSpeedEngine._get_optimizer_ckpt_name(engine, "d", "t", 1))
-    assert moe.parse_expert_optim_file(moe.expert_optim_file_name(1, 2)) == (1, 2)
+    assert expert_files.parse_expert_optim_file(expert_files.expert_optim_file_name(1, 2)) == (1, 2)
 
 
 class _Expert(torch.nn.Module):
@@ -78,33 +78,35 @@ def test_deepspeed_loads_what_to_local_says(tmp_path, monkeypatch, ep_size):
     tag = "global_step1"
     os.makedirs(tmp_path / tag)
     for e in range(E):  # what _save_moe_checkpoint writes: one file per global expert, keys with the global id
-        torch.save({k: v for k, v in full.items() if moe.expert_id(k) == e},
-                   tmp_path / tag / moe.expert_file_name(0, e, 0))
+        torch.save({k: v for k, v in full.items() if expert_files.expert_id(k) == e},
+                   tmp_path / tag / expert_files.expert_file_name(0, e, 0))
     for rank in range(ep_size):
         monkeypatch.setattr(groups, "_get_expert_parallel_rank", lambda name, r=rank: r)
         loaded = {}
         DeepSpeedEngine.load_moe_state_dict(str(tmp_path), tag, loaded, old_moe_load=False, model=model,
                                             checkpoint_mp_rank=0)
-        ours = {k: v for k, v in moe.to_local(full, rank, ep_size).items() if moe.expert_id(k) is not None}
+        ours = {k: v for k, v in expert_files.to_local(full, rank, ep_size).items()
+                if expert_files.expert_id(k) is not None}
         assert sorted(loaded) == sorted(ours)
         assert all(torch.equal(loaded[k], ours[k]) for k in ours)
         # and the names are the model's own parameter names on that rank
-        own = {k for k in model.state_dict() if moe.expert_id(k) is not None}
+        own = {k for k in model.state_dict() if expert_files.expert_id(k) is not None}
         assert set(ours) == own
 
 
 def test_regroup_between_ep_sizes():
     full = _global_state()
-    per_rank = {n: [moe.to_local(full, r, n) for r in range(n)] for n in (1, 2, 4)}
+    per_rank = {n: [expert_files.to_local(full, r, n) for r in range(n)] for n in (1, 2, 4)}
     for src in (1, 2, 4):
         for dst in (1, 2, 4):
-            out = moe.regroup(per_rank[src], dst)
+            out = expert_files.regroup(per_rank[src], dst)
             assert [sorted(s) for s in out] == [sorted(s) for s in per_rank[dst]]
             assert all(torch.equal(a[k], b[k]) for a, b in zip(out, per_rank[dst]) for k in a)
-    assert moe.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items() if moe.expert_id(k) in (2, 3)
-                                                or moe.expert_id(k) is None}
+    assert expert_files.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items()
+                                                         if expert_files.expert_id(k) in (2, 3)
+                                                         or expert_files.expert_id(k) is None}
     with pytest.raises(ValueError, match="do not divide over expert parallel size 3"):
-        moe.to_local(full, 0, 3)
+        expert_files.to_local(full, 0, 3)
 
 
 def _model(**kw) -> ModelConfig:
@@ -119,8 +121,8 @@ def _model(**kw) -> ModelConfig:
 def test_expert_tensor_parallel_rule(expert_tp):
     m = _model(enable_expert_tensor_parallelism=expert_tp)
     full = _global_state()
-    up = f"3.mlp{moe.EXPERTS_INFIX}1.dense_h_to_4h.weight"
-    down = f"3.mlp{moe.EXPERTS_INFIX}1.dense_4h_to_h.weight"
+    up = f"3.mlp{expert_files.EXPERTS_INFIX}1.dense_h_to_4h.weight"
+    down = f"3.mlp{expert_files.EXPERTS_INFIX}1.dense_4h_to_h.weight"
     shards_up = [tp_rules.split(up, full[up], 2, r, m) for r in range(2)]
     shards_down = [tp_rules.split(down, full[down], 2, r, m) for r in range(2)]
     if expert_tp:  # as the dense SwiGLU MLP: [gate_r; up_r] rows, and the down projection's columns
@@ -193,7 +195,8 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
         state = types.SimpleNamespace(rank=rank, world_size=tp * dp * pp, pp_size=pp, sp_size=1, dp_size=dp,
                                       dp_rank=stage_rank // tp)
         want = ParallelState.expert_parallel_rank(state, ep, expert_tp)
-        assert moe.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp) == want
+        got = expert_files.expert_parallel_rank(stage_rank // tp, stage_rank % tp, tp=tp, ep=ep, expert_tp=expert_tp)
+        assert got == want
 
 
 def test_mixtral_config_imports_as_deepspeed_moe():

@@ -101,12 +101,9 @@ def test_zero1_tp2_resumes_into_zero3_dp2(chain):
 
 def test_zero3_checkpoint_exports_to_hf(chain, tmp_path):
     """tools/checkpoint/to_hf.py on a ZeRO-3 checkpoint: the weights come from the partitions."""
-    import sys
-
     from safetensors.torch import load_file
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-    import to_hf
+    from megatron_ds.cli import to_hf
 
     out = str(tmp_path / "hf")
     assert to_hf.main(["--load", chain["a"], "--iteration", "6", "--out", out]) == 0

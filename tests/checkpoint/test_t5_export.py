@@ -1,6 +1,6 @@
 """A pretrain_t5.py checkpoint written at TP 2 through the tools: consolidation, export to Hugging
 Face (tools/checkpoint/to_hf.py), import back (tools/checkpoint/from_hf.py), span-prediction
-evaluation's model loader (inference/span_loss.py).
+evaluation's model loader (families/t5/span_loss.py).
 
 The run trains one step at learning rate 0, so its weights are the initial ones, which the seed
 fixes at any TP size: the consolidated checkpoint must equal a single-process T5 built with the
@@ -33,15 +33,16 @@ ATOL = 1e-5  # as tests/checkpoint/test_hf_t5.py: fp32, the same products summed
 
 def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):
     from megatron_ds.checkpoint.consolidate import load_consolidated
-    from megatron_ds.config.t5_params import decoder_layers
-    from megatron_ds.inference.span_loss import load_t5
-    from megatron_ds.model.t5 import build_sequential_t5
-    from tools.checkpoint.from_hf import main as from_hf
-    from tools.checkpoint.to_hf import main as to_hf
+    from megatron_ds.families.t5.span_loss import load_t5
+    from megatron_ds.families.t5.t5_family import T5
+    from megatron_ds.families.t5.t5_model import build_sequential_t5
+    from megatron_ds.families.t5.t5_params import decoder_layers
+    from megatron_ds.cli.from_hf import main as from_hf
+    from megatron_ds.cli.to_hf import main as to_hf
 
     ckpt = str(tmp_path / "ckpt")
     run_distributed(t5_train_losses, 2, VARIANT + ["--save", ckpt], timeout=600)
-    weights = load_consolidated(ckpt, log=lambda *a: None)
+    weights = load_consolidated(ckpt, family=T5, log=lambda *a: None)
     assert weights.vocab_size == 61 and weights.padded_vocab_size == 64
     fresh = build_sequential_t5(weights.model, decoder_num_layers=decoder_layers(weights.model), padded_vocab_size=64,
                                 seed=1234, vocab_size=61).state_dict()
@@ -64,7 +65,7 @@ def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):
 
     back = str(tmp_path / "back")
     assert from_hf(["--hf-dir", out, "--save", back]) == 0
-    imported = load_consolidated(back, log=lambda *a: None)
+    imported = load_consolidated(back, family=T5, log=lambda *a: None)
     for name, value in weights.state_dict.items():  # the vocabulary's padding rows are not exported
         rows = 61 if name.endswith("word_embeddings.weight") else None
         assert torch.equal(imported.state_dict[name][:rows], value[:rows]), name
@@ -77,7 +78,7 @@ def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):
     losses = run_distributed(t5_train_losses, 2, layout + ["--load", back, "--pipeline-model-parallel-size", "2",
                                                            "--pipeline-model-parallel-split-rank", "1"],
                              timeout=600)[-1]
-    from megatron_ds.training.t5 import MockT5Dataset, T5Collator
+    from megatron_ds.families.t5.t5_family import MockT5Dataset, T5Collator
 
     data = MockT5Dataset(4, 16, 8, 61, 1234)  # the run's training samples: seed + 0 for the train split
     collate = T5Collator(61, "mock")

@@ -12,14 +12,11 @@ moments that resharding reads, so nothing here is looser.
 import argparse
 import json
 import os
-import sys
 
 import pytest
 
+from megatron_ds.cli import to_universal
 from tests.checkpoint.test_reshard import BF16, FP32, _check_resumed, _straight
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
-import to_universal  # noqa: E402
 
 
 def ds_to_universal(ckpt: str, iteration: int) -> str:
@@ -77,6 +74,7 @@ def test_bert_and_t5_are_refused_both_ways(tmp_path, capsys):
     BERT/T5 run asked for --universal-checkpoint says to use --load (which reshards those families)."""
     from megatron_ds.checkpoint.universal import load_universal
     from megatron_ds.errors import ConfigError
+    from megatron_ds.families import get_family
 
     step = tmp_path / "global_step1"
     step.mkdir()
@@ -91,4 +89,4 @@ def test_bert_and_t5_are_refused_both_ways(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "is a BERT checkpoint" in err and "--load" in err
     with pytest.raises(ConfigError, match="this run is T5; load its checkpoints with --load alone"):
         load_universal(None, str(tmp_path), signature={"model_family": "t5"}, ps=None, load_optim=True,
-                       load_lr_state=True)
+                       load_lr_state=True, family=get_family("t5"))

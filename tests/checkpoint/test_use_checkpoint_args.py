@@ -15,7 +15,7 @@ from megatron_ds.checkpoint.format import META, write_trackers
 from megatron_ds.checkpoint.integrity import write_manifest
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 SAVED = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --num-key-value-heads 2 --seq-length 32 "
          "--max-position-embeddings 32 --micro-batch-size 1 --lr 1e-3 --train-iters 10 --swiglu "

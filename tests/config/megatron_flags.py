@@ -43,7 +43,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ('network_size', ('--num-layers',), ('1',)),
     ('network_size', ('--encoder-num-layers',), ('1',)),
     ('network_size', ('--decoder-num-layers',), ('1',)),
-    ('network_size', ('--num-experts',), ('8',)),  # issue 21: a value other than the default
+    ('network_size', ('--num-experts',), ('8',)),  # MoE: a value other than the default
     ('network_size', ('--mlp-type',), ('residual',)),
     ('network_size', ('--topk',), ('2',)),
     ('network_size', ('--expert-interval',), ('1',)),

@@ -178,7 +178,7 @@ def _moe_dense(files, *, layers, hidden, heads, gbs, lr, min_lr, batch, mp, init
 
 
 def _moe_125m_moe64(files) -> list[str]:
-    """examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh as written (issue 21): EP_SIZE=64 experts,
+    """examples_deepspeed/MoE/ds_pretrain_gpt_125M_MoE64.sh as written: EP_SIZE=64 experts,
     EP_PARALLEL_SIZE = min(EP_SIZE, NUM_GPUS) = 64 on 64 GPUs, MLC 0.01, capacity factors 1.0, min capacity 4,
     MOE_DROP_TOKEN=true (no --disable-moe-token-dropping), ACTIVATION_CHECKPOINT=true, MP 1, PP 1 with
     --no-pipeline-parallel ("Currently MoE is not compatible with pipeline parallel"), ZeRO 0, fp16;

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.config import build_parser, parse_args
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 REPO = Path(__file__).resolve().parents[2]
 

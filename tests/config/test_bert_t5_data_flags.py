@@ -1,4 +1,4 @@
-"""The BERT/T5 data flags of Megatron-DeepSpeed's megatron/arguments.py _add_data_args (issue 24): accepted with
+"""The BERT/T5 data flags of Megatron-DeepSpeed's megatron/arguments.py _add_data_args: accepted with
 upstream's defaults (--mask-prob 0.15, --short-seq-prob 0.1, --vocab-extra-ids 0), --encoder-seq-length as
 validate_args treats it (it becomes --seq-length), range-checked in one line."""
 from __future__ import annotations

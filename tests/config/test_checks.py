@@ -1,7 +1,7 @@
 """Numeric flags are range-checked by name, through pretrain_gpt.py's main (--dry-run: no processes)."""
 import pytest
 
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --dry-run --world-size 1").split()

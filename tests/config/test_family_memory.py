@@ -1,9 +1,9 @@
-"""T5's and BERT's activation memory estimates (config/t5_params.py ``t5_stage_activations``,
-config/bert_params.py ``bert_stage_activations``, through config/memory.py) against what their real layers
+"""T5's and BERT's activation memory estimates (families/t5/t5_params.py ``t5_stage_activations``,
+families/bert/bert_params.py ``bert_stage_activations``, through config/memory.py) against what their real layers
 keep for backward, as tests/config/test_memory.py checks the GPT's layer. BERT's transformer layer is the
 GPT's (measured there); its MLM head is measured here.
 
-A T5 encoder layer and decoder layer (model/t5.py) in bf16 run a forward on the CPU under saved-tensor
+A T5 encoder layer and decoder layer (families/t5/t5_model.py) in bf16 run a forward on the CPU under saved-tensor
 hooks; every tensor autograd saves is counted once per storage, parameters left out. Attention dropout 0
 lets the CPU run its flash kernel with the masks, as a GPU runs the memory-efficient one (both keep q, k,
 v, the output, a logsumexp and the mask, never the scores); hidden dropout stays on (Megatron's 0.1), its
@@ -17,7 +17,8 @@ import torch
 
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import activation_bytes_per_layer, estimate_stages, logits_bytes
-from megatron_ds.config.t5_params import T5_SHAPE, decoder_layer_activation_bytes
+from megatron_ds.families.t5.t5_family import T5
+from megatron_ds.families.t5.t5_params import decoder_layer_activation_bytes
 from tests.config.test_memory import saved_bytes
 
 S_ENC, S_DEC, B, H, A = 256, 64, 2, 256, 8
@@ -29,11 +30,11 @@ def _layout(extra=(), world=1):
              f"--micro-batch-size {B} --train-iters 10 --lr 1e-4 --mock-data --vocab-size 1000 --bf16 "
              f"--attention-dropout 0").split() + list(extra)
     cfg, _ = parse_args(flags)
-    return resolve(cfg, world_size=world, vocab_size=1000, device_type="cuda", family=T5_SHAPE).layout
+    return resolve(cfg, world_size=world, vocab_size=1000, device_type="cuda", family=T5).layout
 
 
 def _flags():
-    """Encoder and decoder padding flags ([b, s] int64, model/t5.py), some padding in each."""
+    """Encoder and decoder padding flags ([b, s] int64, families/t5/t5_model.py), some padding in each."""
     enc, dec = torch.ones(B, S_ENC, dtype=torch.long), torch.ones(B, S_DEC, dtype=torch.long)
     enc[0, -40:] = 0
     dec[1, -10:] = 0
@@ -46,7 +47,7 @@ REL = 0.015
 
 
 def test_encoder_layer_keeps_what_the_estimate_counts():
-    from megatron_ds.model.t5 import T5EncoderLayer
+    from megatron_ds.families.t5.t5_model import T5EncoderLayer
     from megatron_ds.parallel.random import set_parallel_seeds
 
     layout = _layout()
@@ -65,7 +66,7 @@ def test_decoder_layer_keeps_what_the_estimate_counts(extra):
     """Causal self-attention and MLP at the decoder length, cross-attention's query side at the decoder
     length and its keys and values at the encoder length; the encoder output (the key/value projection's
     input) is left out of the layer: the stage holds it once for all its decoder layers."""
-    from megatron_ds.model.t5 import T5DecoderLayer
+    from megatron_ds.families.t5.t5_model import T5DecoderLayer
     from megatron_ds.parallel.random import set_parallel_seeds
 
     layout = _layout(extra)
@@ -115,17 +116,18 @@ def test_full_recompute_keeps_each_layers_input_at_its_length():
 
 
 def test_bert_mlm_head_keeps_what_the_estimate_counts():
-    """BERT's heads (model/bert.py BertHeads, binary head on) and the tied projection after the final norm:
-    the MLM transform's dense output, GeLU output and LayerNorm output (the projection's input); their input
+    """BERT's heads (families/bert/bert_model.py BertHeads, binary head on) and the tied projection after the
+    final norm: the MLM transform's dense output, GeLU output and LayerNorm output (the projection's input); their input
     (the final norm's output) is left out, as for the GPT's output layer. The pooler's [b, h] tensors and the LayerNorm's mean/rstd are what differs."""
-    from megatron_ds.config.bert_params import BERT_SHAPE, mlm_head_activation_bytes
-    from megatron_ds.model.bert import BertHeads
+    from megatron_ds.families.bert.bert_family import BERT
+    from megatron_ds.families.bert.bert_model import BertHeads
+    from megatron_ds.families.bert.bert_params import mlm_head_activation_bytes
     from megatron_ds.parallel.random import set_parallel_seeds
 
     cfg, _ = parse_args(f"--num-layers 2 --hidden-size {H} --num-attention-heads {A} --seq-length {S_ENC} "
                         f"--max-position-embeddings {S_ENC} --micro-batch-size {B} --train-iters 10 --lr 1e-4 "
                         f"--mock-data --vocab-size 1000 --bf16".split())
-    layout = resolve(cfg, world_size=1, vocab_size=1000, device_type="cuda", family=BERT_SHAPE).layout
+    layout = resolve(cfg, world_size=1, vocab_size=1000, device_type="cuda", family=BERT).layout
     set_parallel_seeds(1, 0)
     m = layout.model
     heads = BertHeads(H, init_method_std=m.init_method_std, layernorm_epsilon=m.layernorm_epsilon, binary_head=True,
@@ -141,7 +143,7 @@ def test_bert_mlm_head_keeps_what_the_estimate_counts():
     # on the last stage only, beside the GPT's count of the same layers
     pp2 = resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, pipeline_model_parallel_size=2)), world_size=2, vocab_size=1000, device_type="cuda",
-        family=BERT_SHAPE).layout
+        family=BERT).layout
     gpt_like = dataclasses.replace(pp2, family=None)
     acts = [dict(e.terms)["activations"] for e in estimate_stages(pp2)]
     gpt_acts = [dict(e.terms)["activations"] for e in estimate_stages(gpt_like)]
@@ -159,7 +161,7 @@ def test_t5_suggestions_name_a_split_rank_that_runs():
 
     def layout(extra):
         cfg, _ = parse_args(base + list(extra))
-        return resolve(cfg, world_size=8, vocab_size=32128, device_type="cuda", family=T5_SHAPE).layout
+        return resolve(cfg, world_size=8, vocab_size=32128, device_type="cuda", family=T5).layout
 
     start = layout([])
     budget = 2 * memory.estimate_memory(start).total  # every single change is listed

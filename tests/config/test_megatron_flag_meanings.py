@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed flags that are another spelling of something here (issue 23), resolved as its
+"""Megatron-DeepSpeed flags that are another spelling of something here, resolved as its
 megatron/arguments.py and megatron/checkpointing.py read them (deepspeedai/Megatron-DeepSpeed, commit 4efb479)."""
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Every flag of Megatron-DeepSpeed's megatron/arguments.py has an answer (issue 23).
+"""Every flag of Megatron-DeepSpeed's megatron/arguments.py has an answer.
 
 Each transcribed flag (tests/config/megatron_flags.py) passed alone must be: accepted with its meaning
 (it changes the parsed flags; its behaviour has a test of its own), accepted and reported as ignored
 with a reason, or refused in one line that says what to use instead. Only the out-of-scope groups
 (retro, vision, biencoder, distillation) may stay unrecognized. ``python -m tests.config.test_megatron_flags``
-prints the table by outcome (with PYTHONPATH pointing at another tree, that tree's table: before issue 23,
-accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out of scope; before issue 21's MoE flags
-(ignored, or accepted at their off value only), accepted 142, ignored 76, refused 36 + 60 out of scope).
+prints the table by outcome (with PYTHONPATH pointing at another tree, that tree's table: before the rest
+of Megatron-DeepSpeed's flags were answered, accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out
+of scope; before the MoE flags (ignored, or accepted at their off value only), accepted 142, ignored 76,
+refused 36 + 60 out of scope).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ IGNORED = {
     "--use-pin-memory", "--scattered-embeddings", "--memory-centric-tiled-linear", "--tile-factor",
     "--split-transformers", "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer", "--profile-backward",
-    # Tutel's optional kernels compute DeepSpeed-MoE's routing (issue 21); fp8 recipe knobs without fp8
+    # Tutel's optional kernels compute DeepSpeed-MoE's routing; fp8 recipe knobs without fp8
     "--use-tutel",
     "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
     # kernel choices
@@ -60,7 +61,7 @@ IGNORED = {
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
 REFUSED = {
     "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
-    # issue 24: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
+    # BERT/T5: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
     # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py),
     # --bert-no-binary-head too (pretrain_bert.py; tests/training/test_bert_parity.py), --decoder-num-layers
     # (pretrain_t5.py; tests/training/test_t5_parity.py)

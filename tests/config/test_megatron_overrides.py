@@ -16,8 +16,8 @@ def refused(argv, capsys) -> str:
 
 
 def test_num_experts_takes_one_value_or_a_list():
-    """Megatron-DeepSpeed's --num-experts: type=int, nargs='+', default [1] (megatron/arguments.py); issue 21
-    accepts MoE (layer placement and checks: tests/config/test_moe.py)."""
+    """Megatron-DeepSpeed's --num-experts: type=int, nargs='+', default [1] (megatron/arguments.py); MoE is
+    accepted (layer placement and checks: tests/config/test_moe.py)."""
     assert parse_args([])[0].model.num_experts == (1,)
     assert parse_args(["--num-experts", "8"])[0].model.num_experts == (8,)
     assert parse_args(["--num-experts", "64", "128"])[0].model.num_experts == (64, 128)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 from tests.config.megatron_scripts import scripts
 from tests.data.test_gpt_dataset import write_dataset
 from tests.data.test_japanese_sentencepiece import train_abci_recipe

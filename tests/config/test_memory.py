@@ -3,7 +3,7 @@
 The parameter-state part is compared with what a real DeepSpeed engine holds after one step on CPU
 (every live tensor storage in the process, counted once, before and after), the activation part
 with torch.cuda.max_memory_allocated on a GPU when there is one, and the whole with the layouts
-the job scripts and the issue name.
+of the job scripts and of a known failure (GPT 6.7B on one 80 GB GPU).
 """
 import gc
 import json
@@ -15,8 +15,9 @@ import torch
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
-from megatron_ds.training.pretrain import main as pretrain_main
-from tests.distributed import run_distributed
+from megatron_ds.families import main as pretrain_main
+from megatron_ds.training.device import select_device
+from tests.distributed import cuda_env, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def test_activation_term_is_what_a_layer_saves(case):
     # small size; they do not grow with the micro batch)
     assert measured == pytest.approx(estimated, rel=0.015), (measured / (s * b * h), estimated / (s * b * h))
     if case == "gpt":
-        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (see the docstring)
+        # the paper's 34 counts 1-byte dropout masks; these two are 2 bytes (docs/memory.md)
         assert estimated == pytest.approx(s * b * h * (34 + 2 + 4 * a / h), rel=1e-9)
         assert estimated < s * b * h * (34 + 5 * a * s / h) / 2  # the unfused count would double it
 
@@ -142,7 +143,7 @@ def test_logits_term_is_what_the_loss_keeps():
 def test_logits_term_with_liger_where_it_runs(monkeypatch):
     """liger's fused linear + cross entropy (model/liger.py) makes no [tokens, vocab] tensor; it
     runs only at tensor parallel size 1, with --liger-kernel, when installed."""
-    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16"]
+    flags = _gpt_flags(24, 2048, 16, 2048, 8, 8) + ["--bf16", "--liger-kernel"]
     _, layout = _layout(flags, 1)
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     unfused = logits_bytes(layout)
@@ -152,8 +153,8 @@ def test_logits_term_with_liger_where_it_runs(monkeypatch):
     assert fused < unfused / 5
     # the weight's gradient (bf16, [vocab, h]) is the largest part, the rest scales with the tokens
     assert fused > layout.padded_vocab_size * 2048 * 2
-    assert logits_bytes(_layout(flags + ["--no-liger-kernel"], 1)[1]) == unfused
-    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16"], 2)[1]
+    assert logits_bytes(_layout(flags[:-1] + ["--no-liger-kernel"], 1)[1]) == unfused
+    tp2 = _layout(_gpt_flags(24, 2048, 16, 2048, 8, 16, tp=2) + ["--bf16", "--liger-kernel"], 2)[1]
     monkeypatch.setattr(memory, "_liger_installed", lambda: False)
     without = logits_bytes(tp2)
     monkeypatch.setattr(memory, "_liger_installed", lambda: True)
@@ -185,7 +186,7 @@ def test_pipeline_first_stage_holds_the_most_micro_batches():
 
 
 def test_seven_billion_on_one_80gb_gpu_is_refused():
-    # The issue's report: GPT 6.7B on one 80 GB GPU passed --dry-run, then ran out of memory.
+    # The failure this check exists for: GPT 6.7B on one 80 GB GPU passed --dry-run, then ran out of memory.
     # Mixed-precision Adam alone is 16 bytes/parameter = ~107 GB.
     cfg, layout = _layout(_gpt_flags(32, 4096, 32, 2048, 1, 8) + ["--bf16"], 1)
     est = estimate_memory(layout)
@@ -212,7 +213,8 @@ def test_over_budget_names_layouts_that_fit():
 
 
 def test_design_reference_13b_on_v100_fits():
-    # DESIGN.md: a 13B GPT fits V100 16 GB with micro batch 1, TP 4, PP 8 and checkpointing.
+    # the layout of scripts/abci/abci2_v100_gpt_13b.sh: a 13B GPT fits V100 16 GB with micro batch 1,
+    # TP 4, PP 8 and activation checkpointing
     flags = _gpt_flags(40, 5120, 40, 2048, 1, 512, tp=4, pp=8) + ["--fp16", "--checkpoint-activations",
                                                                   "--deepspeed_config", "ds_configs/zero1_fp16.json"]
     cfg, layout = _layout(flags, 32)
@@ -345,7 +347,7 @@ def test_estimate_bounds_cuda_peak():
     argv = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --micro-batch-size 4 "
             "--global-batch-size 8 --train-iters 3 --lr 1e-4 --mock-data --vocab-size 8000 --num-workers 0 "
             "--bf16 --deepspeed_config ds_configs/zero1_bf16.json --log-interval 1 --eval-iters 0").split()
-    results = run_distributed(_cuda_peak, 1, argv, timeout=600)
+    results = run_distributed(_cuda_peak, 1, argv, timeout=600, env=cuda_env())
     peak, estimate = results[0]
     # The activation term is what the layers keep with fused attention (measured on the CPU by
     # test_activation_term_is_what_a_layer_saves); the logits term counts the cross entropy's fp32
@@ -357,13 +359,17 @@ def _cuda_peak(rank, world_size, argv):
     import contextlib
     import io
 
-    from megatron_ds.training.pretrain import pretrain
+    from megatron_ds.families import pretrain
 
     cfg, ignored = parse_args(argv)
-    torch.cuda.reset_peak_memory_stats()
+    # the rank's GPU made current (as pretrain does again) before its statistics are touched: a
+    # child without a current device fails in reset_peak_memory_stats ("invalid argument")
+    device = select_device(rank, world_size)
+    assert device.type == "cuda", "this child sees no GPU: run_distributed needs env=cuda_env()"
+    torch.cuda.reset_peak_memory_stats(device)
     with contextlib.redirect_stdout(io.StringIO()):
         pretrain(cfg, ignored)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated(device)
     _, layout = _layout(argv, 1)
     est = dict(estimate_memory(layout).terms)
     return peak, sum(v for k, v in est.items() if k != "runtime reserve")
@@ -380,7 +386,7 @@ MOE_LAYER_CASES = {
 
 @pytest.mark.parametrize("case", list(MOE_LAYER_CASES))
 def test_moe_activation_term_is_what_an_moe_layer_saves(case):
-    """Issue 21: an MoE layer (DeepSpeed's MoE around our expert MLP, one process) against the estimate, measured
+    """An MoE layer (DeepSpeed's MoE around our expert MLP, one process) against the estimate, measured
     as the dense layer above: the experts' MLP activations over their capacity slots, the dispatched tokens, the
     gate's fp32 input, each token's k expert outputs, PR-MoE's residual MLP."""
     from megatron_ds.model.transformer import ParallelTransformerLayer

@@ -1,4 +1,4 @@
-"""Mixture of experts in the plan (issue 21): layer placement, parameter counts, memory, and the one-line refusals.
+"""Mixture of experts in the plan: layer placement, parameter counts, memory, and the one-line refusals.
 
 Layer placement is checked against a transcription of Megatron-DeepSpeed's get_num_experts_per_layer
 (megatron/model/transformer.py); parameter counts against closed forms written here from DeepSpeed's MoE layer
@@ -14,9 +14,9 @@ import pytest
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.memory import parameter_state, state_bytes
-from megatron_ds.config.moe import expert_capacity, experts_per_layer
+from megatron_ds.config.moe_params import expert_capacity, experts_per_layer
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 SMALL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 8 --train-iters 10 "

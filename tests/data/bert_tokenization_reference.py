@@ -1,7 +1,7 @@
 """Test-only transcription of Megatron-DeepSpeed's megatron/tokenizer/bert_tokenization.py (Google's BERT
 tokenizer; deepspeedai/Megatron-DeepSpeed commit 4efb479): load_vocab, FullTokenizer, BasicTokenizer,
 WordpieceTokenizer and the character classes, in plain Python. The reference that
-megatron_ds.data.bert_tokenizer (HF tokenizers) must equal."""
+megatron_ds.data.wordpiece (HF tokenizers) must equal."""
 from __future__ import annotations
 
 import unicodedata

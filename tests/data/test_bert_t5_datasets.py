@@ -1,4 +1,4 @@
-"""BERT and T5 datasets equal Megatron-DeepSpeed's sampling (issue 24).
+"""BERT and T5 datasets equal Megatron-DeepSpeed's sampling.
 
 Every comparison is against tests/data/megatron_bert_t5_reference.py, a transcription of
 deepspeedai/Megatron-DeepSpeed's megatron/data/helpers.cpp (build_mapping), dataset_utils.py,

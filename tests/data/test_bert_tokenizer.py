@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
 from tests.data import bert_tokenization_reference as ref
-import train_tokenizer  # tools/ is on sys.path (pytest's pythonpath setting)
+from megatron_ds.cli import train_tokenizer
 
 # Characters chosen for the places where tokenizers differ: accents and their combining forms,
 # case mappings that change length (İ, ß), Greek with the final sigma, CJK ideographs (incl. the

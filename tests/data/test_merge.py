@@ -8,7 +8,7 @@ import numpy as np
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 
 ROOT = Path(__file__).resolve().parents[2]
-merge_datasets = importlib.import_module("merge_datasets")
+merge_datasets = importlib.import_module("megatron_ds.cli.merge_datasets")
 
 
 def make_dataset(prefix, seed, dtype=np.uint16):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool(name):
-    return importlib.import_module(name)  # tools/ is on sys.path (pytest's pythonpath setting)
+    return importlib.import_module(f"megatron_ds.cli.{name}")  # the body of tools/<name>.py
 
 
 preprocess_data = _tool("preprocess_data")

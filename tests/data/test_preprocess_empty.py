@@ -3,7 +3,7 @@
 import importlib
 import os
 
-preprocess_data = importlib.import_module("preprocess_data")  # tools/ is on sys.path (pytest setting)
+preprocess_data = importlib.import_module("megatron_ds.cli.preprocess_data")
 
 
 def _run(tmp_path, lines, *extra):

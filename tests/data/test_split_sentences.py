@@ -1,4 +1,4 @@
-"""`tools/preprocess_data.py --split-sentences` end to end for BERT/T5 (issue 24): a JSONL corpus, a WordPiece
+"""`tools/preprocess_data.py --split-sentences` end to end for BERT/T5: a JSONL corpus, a WordPiece
 vocabulary trained offline (tools/train_tokenizer.py --type wordpiece), sentence-level `.bin/.idx` with
 documents delimited, then BERT and T5 samples built from it.
 
@@ -18,8 +18,7 @@ from megatron_ds.data.bert_t5_datasets import build_train_valid_test_datasets
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset
 from megatron_ds.data.tokenizer import build_tokenizer
 from tests.data import bert_tokenization_reference as ref
-import preprocess_data  # tools/ is on sys.path (pytest's pythonpath setting)
-import train_tokenizer
+from megatron_ds.cli import preprocess_data, train_tokenizer
 
 DOCS = [
     ("Dr. Smith went to Washington. He arrived at 3.5 p.m. on Monday! Was the U.S. capital busy? Yes, it was.",

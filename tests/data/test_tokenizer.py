@@ -71,7 +71,7 @@ def fuzz_texts(n, seed):
 
 
 def _tool(name):
-    return importlib.import_module(name)  # tools/ is on sys.path (pytest's pythonpath setting)
+    return importlib.import_module(f"megatron_ds.cli.{name}")  # the body of tools/<name>.py
 
 
 def training_corpus(path, n_docs=400, seed=0):
@@ -259,7 +259,7 @@ def test_vocab_and_merges_that_are_not_what_they_claim(small_bpe, tmp_path):
 
 
 def test_swapped_vocab_files_in_dry_run_are_one_line(small_bpe, capsys):
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     vocab, merges = small_bpe
     rc = main(("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "

@@ -10,7 +10,7 @@ from megatron_ds.data.tokenizer import build_tokenizer
 from tests.data.test_tokenizer import VARIED, fuzz_texts, training_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-train_tokenizer = importlib.import_module("train_tokenizer")
+train_tokenizer = importlib.import_module("megatron_ds.cli.train_tokenizer")
 
 
 def test_bpe_files_have_gpt2_layout(tmp_path):

@@ -11,11 +11,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from megatron_ds import ds_compat, fake_cuda
 from megatron_ds.config import parse_args
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model import fusions
 from megatron_ds.model.rotary import rotary_cos_sin
 from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
-from megatron_ds.training.family import GPT
 from megatron_ds.training.pretrain import prepare, with_family_defaults
 from tests.training.common import TINY_GPT
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from megatron_ds import fake_cuda
+from megatron_ds.families.bert.bert_family import BERT
+from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.parallel.groups import ParallelState
-from megatron_ds.training.bert import BERT
 from megatron_ds.training.device import select_device
 from megatron_ds.training.engine import build_module
 from megatron_ds.training.optimizer import build_optimizer
-from megatron_ds.training.t5 import T5
 from tests.data.test_bert_t5_datasets import random_documents, write_dataset, write_vocab
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step
 from tests.fake_cuda.test_gpu_paths import FULL

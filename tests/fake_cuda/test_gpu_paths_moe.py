@@ -21,12 +21,12 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from megatron_ds import fake_cuda
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.training.device import select_device
 from megatron_ds.training.engine import build_module
-from megatron_ds.training.family import GPT
 from megatron_ds.training.optimizer import build_optimizer
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, stage_step
 

@@ -103,7 +103,14 @@ def test_chunked_cross_entropy_on_the_gpu():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     bf16_bytes = logits.numel() * 2
-    assert extra < bf16_bytes + 2 * 2 ** 28, (extra, bf16_bytes)  # grad + chunk and its temporaries
+    # Besides the bf16 gradient and one fp32 chunk with its temporaries, the loss allocates vectors
+    # of one value per token (the loss itself, row maxima, sums of exp, target logits, their
+    # gradients: 4096 x 4 B = 16 KiB each) and a few scalars, each block rounded up to a multiple
+    # of 512 B by the CUDA caching allocator; measured on an H200: 60,416 B above the two big terms.
+    # Allow 64 such vectors (1 MiB): still ~800x less than the fp32 copy of the logits (824 MB)
+    # this bound exists to exclude.
+    allocator_margin = 64 * tokens * 4
+    assert extra < bf16_bytes + 2 * 2 ** 28 + allocator_margin, (extra, bf16_bytes)  # grad + chunk + vectors
     ref_logits = logits.detach().double().requires_grad_(True)
     ref = F.cross_entropy(ref_logits, target, reduction="none")
     ref.sum().backward()

@@ -43,13 +43,13 @@ def _read(path):
 
 
 def _cli_under_launcher(rank, world_size, argv):
-    from generate_samples_gpt import main
+    from megatron_ds.cli.generate_samples_gpt import main
     return main(argv)
 
 
 def test_checkpoints_of_any_layout_generate_the_same_tokens(checkpoints, tmp_path):
-    from generate_samples_gpt import main
     from megatron_ds.checkpoint import load_consolidated
+    from megatron_ds.cli.generate_samples_gpt import main
     from megatron_ds.inference.model import ModelWeights
 
     outputs = {}
@@ -92,7 +92,7 @@ def test_a_checkpoint_saved_with_fusions_on_cpu_is_read_without(checkpoints, tmp
 
 
 def test_evaluate_cli_on_a_pipeline_checkpoint(checkpoints, tmp_path):
-    from evaluate import main
+    from megatron_ds.cli.evaluate_gpt import main
 
     text = tmp_path / "ids.txt"
     text.write_text(" ".join(str((i * 37) % 500) for i in range(300)))
@@ -141,9 +141,9 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
     import torch
     import transformers
 
-    from evaluate import main as evaluate
-    from generate_samples_gpt import main as generate_samples
     from megatron_ds.checkpoint.export import export_hf
+    from megatron_ds.cli.evaluate_gpt import main as evaluate
+    from megatron_ds.cli.generate_samples_gpt import main as generate_samples
 
     export = str(tmp_path / "hf")
     export_hf(checkpoints[1, 2], export, dtype="fp32", log=lambda *a: None)
@@ -173,7 +173,7 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
 
 
 def test_interactive_mode_and_help(checkpoints, monkeypatch, capsys):
-    from generate_samples_gpt import main
+    from megatron_ds.cli.generate_samples_gpt import main
 
     answers = iter(["5 17 33 9 100 7", ""])  # a prompt, then an empty line ends the session
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))

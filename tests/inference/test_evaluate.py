@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron_ds.inference.evaluate import lambada_accuracy, perplexity, sliding_windows
 from megatron_ds.inference.model import build_inference_model
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.distributed import run_distributed
 from tests.inference.common import CONFIGS, EOD, VOCAB, random_weights
 

@@ -62,7 +62,7 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
 
 
 def test_greedy_generation_equals_mixtral(llama_moe, tmp_path):
-    from generate_samples_gpt import main
+    from megatron_ds.cli.generate_samples_gpt import main
 
     ckpt, mixtral, _ = llama_moe
     out = str(tmp_path / "gen.jsonl")
@@ -82,12 +82,12 @@ def test_greedy_generation_equals_mixtral(llama_moe, tmp_path):
 
 
 def _cli_under_launcher(rank, world_size, argv):
-    from generate_samples_gpt import main
+    from megatron_ds.cli.generate_samples_gpt import main
     return main(argv)
 
 
 def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
-    from evaluate import main
+    from megatron_ds.cli.evaluate_gpt import main
 
     ckpt, mixtral, _ = llama_moe
     ids = [(i * 37 + i // 7) % 500 for i in range(300)]
@@ -110,8 +110,8 @@ def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
 
 
 def test_deepspeed_default_routing_generates_and_evaluates(tmp_path):
-    from evaluate import main as evaluate
-    from generate_samples_gpt import main as generate
+    from megatron_ds.cli.evaluate_gpt import main as evaluate
+    from megatron_ds.cli.generate_samples_gpt import main as generate
 
     ckpt = str(tmp_path / "gpt2-moe")
     train("gpt2", 1, 1, 1, 1, ["--save", ckpt, "--num-experts", "4", "--topk", "2", "--vocab-size", "500"])

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_quickstart_tiny_builds_every_artefact_and_reuses_them(tmp_path, capsys):
-    from quickstart import PRESETS, main
+    from megatron_ds.cli.quickstart import main
+    from megatron_ds.cli.quickstart_gpt import PRESETS, PROMPTS
 
     preset = PRESETS["tiny"]
     work = tmp_path / "qs"
@@ -36,7 +37,7 @@ def test_quickstart_tiny_builds_every_artefact_and_reuses_them(tmp_path, capsys)
     assert lam["samples"] > 0 and 0 <= lam["accuracy"] <= 1
 
     results = [json.loads(line) for line in open(work / "generated.jsonl")]
-    assert [r["prompt"] for r in results] == __import__("quickstart").PROMPTS
+    assert [r["prompt"] for r in results] == PROMPTS
     for r in results:  # --no-stop-at-eod: exactly the requested number of new tokens, and some text
         assert r["new_tokens"] == preset.new_tokens and r["generated"].strip()
         assert r["generated"] in first  # printed

@@ -1,4 +1,4 @@
-"""The ABCI workflow around the job scripts, in simulated Grid Engine / PBS jobs (issue 13):
+"""The ABCI workflow around the job scripts, in simulated Grid Engine / PBS jobs:
 DRY_RUN's printed launch (hostfile and mpirun line, field by field) with the real
 pretrain_gpt.py --dry-run verdict, node-local data staging, interactive.sh, setup_env.sh,
 preprocess_jsonl.sh with the real tools/preprocess_data.py, and shellcheck on every script.
@@ -275,7 +275,7 @@ def test_preprocess_jsonl_in_a_cpu_job(tmp_path, e2e_data):
     assert re.search(rf"staging 2 file\(s\), .* to {re.escape(str(job.local))}/preprocess\.\d+/input", result.stdout)
 
     # the same bytes as tools/preprocess_data.py run directly on the same files
-    import preprocess_data
+    from megatron_ds.cli import preprocess_data
     ref = tmp_path / "ref"
     assert preprocess_data.main(["--input", str(src), "--output-prefix", str(ref / "corpus"), "--json-keys", "text",
                                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", e2e_data["vocab"],
@@ -302,7 +302,7 @@ def test_shellcheck_clean():
 def test_check_env_reports_the_cuda_of_extension_builds(tmp_path, monkeypatch, capsys):
     import torch
 
-    import check_env
+    from megatron_ds.cli import check_env
     nvcc = tmp_path / "nvcc"
     nvcc.write_text('#!/bin/sh\necho "Cuda compilation tools, release 12.8, V12.8.93"\n')
     nvcc.chmod(0o755)

@@ -1,4 +1,4 @@
-"""--fp32-residual-connection (issue 23): the residual stream of a half-precision model in fp32.
+"""--fp32-residual-connection: the residual stream of a half-precision model in fp32.
 
 Megatron-DeepSpeed casts the embedding output to fp32 (megatron/model/language_model.py), adds each
 branch's half-precision output onto the fp32 residual (megatron/model/transformer.py: the
@@ -21,7 +21,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.model import fusions
 from megatron_ds.model.gpt import FinalNorm, GPTEmbedding
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
@@ -189,7 +189,7 @@ def test_compiled_bias_dropout_add_keeps_the_stream_fp32():
 def test_pp2_training_with_fp32_residual_stream():
     """Through the entry point at PP 2 in bf16: DeepSpeed's pipeline engine sends the fp32 stream
     as it is (its tensor meta carries the dtype), and the interleaved executor receives fp32 into
-    buffers of that dtype (training/interleaved_pipeline.py). Both run the same bf16 operations
+    buffers of that dtype (pipeline/executor.py). Both run the same bf16 operations
     (ZeRO-1, fp32 gradient accumulation: tests/training/test_interleaved.py), so the first loss,
     before any update, is the same bit for bit; later ones within that file's RTOL, as the global
     grad norm sums its terms in another order (measured: equal up to iteration 4, 2e-6 apart at 8,

@@ -17,7 +17,7 @@ from megatron_ds.config.arguments import IGNORED_FLAGS, parse_args
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model import fusions
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
 
@@ -71,7 +71,9 @@ def test_fusion_flags_are_megatron_lms_and_take_effect():
     on, ignored = parse_args(base)
     off, ignored_off = parse_args(base + list(FLAGS) + ["--fusions-on-cpu", "--no-liger-kernel"])
     fields = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "apply_rope_fusion")
-    assert all(getattr(on.model, f) for f in fields) and not on.model.fusions_on_cpu and on.model.liger_kernel
+    assert all(getattr(on.model, f) for f in fields) and not on.model.fusions_on_cpu
+    assert on.model.liger_kernel is None  # neither flag: resolve chooses (config/memory.py choose_fused_loss)
+    assert parse_args(base + ["--liger-kernel"])[0].model.liger_kernel is True
     assert not any(getattr(off.model, f) for f in fields) and off.model.fusions_on_cpu and not off.model.liger_kernel
     assert ignored == ignored_off == [] and not set(FLAGS) & set(IGNORED_FLAGS)
 

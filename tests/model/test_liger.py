@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron_ds.model import gpt as gpt_module
 from megatron_ds.model import liger
 from megatron_ds.model.kernels import describe_kernels
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.model.test_fusions import REAL_VOCAB, SEQ, VOCAB, batch, model_config
 
 
@@ -50,7 +50,7 @@ def test_selection_rules(monkeypatch):
     assert not liger.use_fused_linear_loss(True, True, x, zero3, None)
     monkeypatch.setattr(liger, "tp_world_size", lambda group: 2)
     assert not liger.use_fused_linear_loss(True, True, x, weight, object())
-    cfg = model_config("gpt2", True)
+    cfg = model_config("gpt2", True, liger_kernel=True)
     assert liger.describe_liger(cfg, 1).startswith("liger-kernel fused linear + cross entropy")
     assert "tensor parallel size > 1" in liger.describe_liger(cfg, 2)
     assert "--no-liger-kernel" in liger.describe_liger(dataclasses.replace(cfg, liger_kernel=False), 1)

@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed's model variants (issue 23): --openai-gelu, --squared-relu, --apply-layernorm-1p,
+"""Megatron-DeepSpeed's model variants: --openai-gelu, --squared-relu, --apply-layernorm-1p,
 --apply-residual-connection-post-layernorm. Their numerics are checked against the dense reference
 (tests/model/test_reference.py); here: each changes the model (the reference check is not vacuous),
 1p starts from zero weights, the Hugging Face export expresses what GPT2LMHeadModel can (its logits equal
@@ -11,7 +11,7 @@ import torch
 from megatron_ds.checkpoint import hf
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.model.test_reference import TOL, VOCAB, batch, gpt2_config
 
 VARIANTS = {"openai_gelu": True, "squared_relu": True, "apply_layernorm_1p": True,

@@ -1,4 +1,4 @@
-"""The MoE layer (megatron_ds/model/moe.py, model/transformer.py) in one process.
+"""The MoE layer (megatron_ds/model/moe_layer.py, model/transformer.py) in one process.
 
 - Token dropping and routing equal DeepSpeed's gating on the same inputs: an independent
   transcription of deepspeed/moe/sharded_moe.py (``_capacity``, ``top1gating`` with random token
@@ -27,8 +27,8 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.loss_report import LossReport
-from megatron_ds.model.moe import experts_per_layer
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.moe_layer import experts_per_layer
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 
 H, E = 16, 4

@@ -75,7 +75,7 @@ def _train_pipeline(rank, world_size, name):
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron_ds.model.pipeline import build_pipeline_gpt
+    from megatron_ds.model.layer_specs import build_pipeline_gpt
     from megatron_ds.parallel.random import set_parallel_seeds
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -117,7 +117,7 @@ def train_sequentially(model, optimizer, micro_batches, steps: int, gas: int) ->
 
 
 def _train_sequential(name):
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
     from megatron_ds.parallel.random import set_parallel_seeds
 
     cfg, spec_kwargs, interval = _case(name)
@@ -162,7 +162,7 @@ def test_pipeline_of_two_stages_trains_like_the_sequential_model(name):
 def _recompute_chunks(rank, world_size, interval):
     import deepspeed
 
-    from megatron_ds.model.pipeline import build_pipeline_gpt
+    from megatron_ds.model.layer_specs import build_pipeline_gpt
     from megatron_ds.parallel.groups import ParallelState
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -189,7 +189,7 @@ def test_full_recompute_covers_every_transformer_layer(interval):
 
 def test_partition_method_matches_config_default():
     from megatron_ds.config.schema import ParallelConfig
-    from megatron_ds.model.pipeline import PARTITION_METHOD
+    from megatron_ds.model.layer_specs import PARTITION_METHOD
 
     assert ParallelConfig().pipeline_partition_method == PARTITION_METHOD
 
@@ -197,7 +197,7 @@ def test_partition_method_matches_config_default():
 def test_specs_put_one_transformer_layer_per_spec():
     from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
-    from megatron_ds.model.pipeline import TRANSFORMER_LAYER_CLASS, gpt_layer_specs
+    from megatron_ds.model.layer_specs import TRANSFORMER_LAYER_CLASS, gpt_layer_specs
 
     cfg = dataclasses.replace(_case("gpt2-full-recompute")[0], num_layers=3)
     specs = gpt_layer_specs(cfg, padded_vocab_size=VOCAB)

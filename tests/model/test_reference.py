@@ -19,7 +19,7 @@ from megatron_ds.config.layout import count_parameters, resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.gpt import document_ids
-from megatron_ds.model.pipeline import build_sequential_gpt, gpt_layer_specs
+from megatron_ds.model.layer_specs import build_sequential_gpt, gpt_layer_specs
 from megatron_ds.parallel.random import set_parallel_seeds
 
 VOCAB = 96  # padded vocabulary
@@ -205,7 +205,7 @@ def _model_and_reference(cfg, reset_attention_mask=False, **batch_kw):
                                              untie_embeddings_and_output_weights=True), False),
     ("llama", llama_config(), False),
     ("llama-partial-rotary-mha-reset", llama_config(rotary_percent=0.5, num_key_value_heads=4), True),
-    # Megatron-DeepSpeed's variants (issue 23)
+    # Megatron-DeepSpeed's variants
     ("gpt2-openai-gelu", gpt2_config(openai_gelu=True), False),
     ("gpt2-squared-relu", gpt2_config(squared_relu=True), False),
     ("gpt2-layernorm-1p", gpt2_config(apply_layernorm_1p=True), False),

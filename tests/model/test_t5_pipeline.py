@@ -1,5 +1,5 @@
 """The T5 as a DeepSpeed PipelineModule split at --pipeline-model-parallel-split-rank, against the
-sequential model in one process (model/t5.py).
+sequential model in one process (families/t5/t5_model.py).
 
 Three gloo ranks run a 3-stage pipeline with split rank 1: stage 0 holds the encoder, stages 1 and 2
 the decoder, so the encoder output crosses stage 1 to reach stage 2 inside the activation tuple and
@@ -60,7 +60,7 @@ def _train_pipeline(rank, world_size):
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron_ds.model.t5 import build_pipeline_t5
+    from megatron_ds.families.t5.t5_model import build_pipeline_t5
     from megatron_ds.parallel.random import set_parallel_seeds
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -82,7 +82,7 @@ def _train_pipeline(rank, world_size):
 
 
 def _train_sequential():
-    from megatron_ds.model.t5 import build_sequential_t5
+    from megatron_ds.families.t5.t5_model import build_sequential_t5
     from megatron_ds.parallel.random import set_parallel_seeds
 
     set_parallel_seeds(1234, 0)

@@ -59,7 +59,7 @@ def _model_cfg():
 
 def _unpadded_reference(cfg):
     """The unpadded single-process GPT, its loss, logits and real-weight gradients on one batch."""
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=7)
     g = torch.Generator().manual_seed(1)
@@ -75,7 +75,7 @@ def _unpadded_reference(cfg):
 
 def _check_model(group):
     from megatron_ds.checkpoint import tp as tp_rules
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     cfg = _model_cfg()
     for name, extra in (("gpt2", {}), ("untied", dict(untie_embeddings_and_output_weights=True))):

@@ -179,3 +179,21 @@ def test_tracker_errors():
             pass
     with pytest.raises(ValueError):
         set_parallel_seeds(-1, 0)
+
+
+def test_rewound_puts_the_streams_back_and_an_open_fork_still_saves():
+    """A compiler's probe run draws inside ``rewound()``: afterwards every stream is where it was, and
+    a fork open around it still records its own draws when it ends."""
+    set_parallel_seeds(5, 0)
+    tracker = get_rng_tracker()
+    with tracker.fork():
+        with tracker.rewound():
+            with tracker.fork():
+                torch.rand(3)
+        first = torch.rand(3)
+    with tracker.fork():
+        second = torch.rand(3)
+    set_parallel_seeds(5, 0)
+    with tracker.fork():
+        want = torch.rand(6)
+    assert torch.equal(torch.cat([first, second]), want)

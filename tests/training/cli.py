@@ -17,7 +17,7 @@ def cli_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[i
     import contextlib
     import io
 
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     results = []
     for argv in argvs:

@@ -18,7 +18,7 @@ def train_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[int,
     import io
 
     from megatron_ds.config import parse_args
-    from megatron_ds.training.pretrain import pretrain
+    from megatron_ds.families import pretrain
 
     cfg, ignored = parse_args(argv)
     with contextlib.redirect_stdout(io.StringIO()):  # keep test output readable; losses are returned

@@ -5,7 +5,7 @@ import sys
 import time
 
 from megatron_ds.training import loop
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 
 _original, _calls = loop.train_step, [0]
 

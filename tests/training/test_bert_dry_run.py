@@ -1,4 +1,4 @@
-"""pretrain_bert.py --dry-run: BERT's analytic parameter count (config/bert_params.py) against the
+"""pretrain_bert.py --dry-run: BERT's analytic parameter count (families/bert/bert_params.py) against the
 model built on the meta device stage by stage (training/meta_build.py with BERT's builder), and
 its total against transformers' own MegatronBertForPreTraining of the same shape (an independent
 implementation of the same architecture: tied MLM decoder counted once, its bias, pooler and
@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.config.bert_params import BERT_SHAPE
-from megatron_ds.training.bert import BERT
+from megatron_ds.families import main
+from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.training.meta_build import build_stages
-from megatron_ds.training.pretrain import main
 
 VOCAB = 30522  # bert-large-uncased; even, so TP 2 pads nothing with --make-vocab-size-divisible-by 1
 BERT_LARGE = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
@@ -28,7 +27,7 @@ def _run(tp: int, pp: int, extra=()):
     flags, ignored = parse_args(BERT_LARGE + ["--tensor-model-parallel-size", str(tp),
                                               "--pipeline-model-parallel-size", str(pp), *extra])
     return resolve(flags, world_size=tp * pp, vocab_size=VOCAB, device_type="cpu", ignored=ignored,
-                   family=BERT_SHAPE)
+                   family=BERT)
 
 
 @pytest.mark.parametrize("tp,pp,extra", [(1, 1, ()), (2, 2, ()), (2, 4, ("--bert-no-binary-head",)),

@@ -30,8 +30,8 @@ def bert_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[int, 
     import io
 
     from megatron_ds.config import parse_args
-    from megatron_ds.training.bert import BERT
-    from megatron_ds.training.pretrain import pretrain
+    from megatron_ds.families import pretrain
+    from megatron_ds.families.bert.bert_family import BERT
 
     cfg, ignored = parse_args(argv)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bert_data(tmp_path_factory):
-    from quickstart_bert import BERT_PRESETS
-    from quickstart_masked import prepare_data
+    from megatron_ds.cli.quickstart_bert import BERT_PRESETS
+    from megatron_ds.cli.quickstart_masked import prepare_data
 
     work = tmp_path_factory.mktemp("bert_data")
     return prepare_data(str(work), BERT_PRESETS["tiny"], workers=1)
@@ -54,8 +54,8 @@ def test_bert_resume_equals_straight_run(bert_data, tmp_path):
 
 
 def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys):
-    from quickstart import main
-    from quickstart_bert import BERT_PRESETS
+    from megatron_ds.cli.quickstart import main
+    from megatron_ds.cli.quickstart_bert import BERT_PRESETS
 
     preset = BERT_PRESETS["tiny"]
     work = tmp_path / "qs"
@@ -92,12 +92,12 @@ def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
     reaches on the same samples, counted here from its logits."""
     import torch
 
-    from evaluate_mlm import _datasets
     from megatron_ds.checkpoint.consolidate import load_consolidated
-    from megatron_ds.checkpoint.hf_bert import write_hf_bert
+    from megatron_ds.cli.evaluate_mlm import _datasets
     from megatron_ds.data.tokenizer import build_tokenizer
-    from megatron_ds.inference.masked_lm import load_bert, masked_lm_accuracy
-    from megatron_ds.training.bert import BertCollator
+    from megatron_ds.families.bert.bert_family import BERT, BertCollator
+    from megatron_ds.families.bert.bert_hf import write_hf_bert
+    from megatron_ds.families.bert.masked_lm import load_bert, masked_lm_accuracy
 
     transformers = pytest.importorskip("transformers")
     prefix, heldout, vocab = bert_data
@@ -107,7 +107,7 @@ def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
            "--eval-interval 1000 --eval-iters 1 --num-workers 0 --tokenizer-type BertWordPieceLowerCase").split()
     run += ["--data-path", prefix, "--vocab-file", vocab, "--save", ckpt, "--data-cache-path", str(tmp_path / "c")]
     run_distributed(bert_losses, 1, run, timeout=900)
-    weights = load_consolidated(ckpt, log=lambda *a: None)
+    weights = load_consolidated(ckpt, family=BERT, log=lambda *a: None)
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab, log=lambda *a: None)
     args = argparse.Namespace(data_path=heldout, samples=64, seed=None)
     samples = [s for _, s in zip(range(64), _datasets(args, weights, tokenizer))]

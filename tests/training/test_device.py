@@ -61,7 +61,7 @@ def test_ds_accelerator_cpu_forces_the_cpu(one_gpu, monkeypatch):
 
 def test_cli_prints_the_error_and_exits_1(one_gpu, monkeypatch):
     """Through pretrain_gpt.py's main, as torchrun would start the second process of two."""
-    from megatron_ds.training.pretrain import main
+    from megatron_ds.families import main
 
     for key, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
@@ -114,7 +114,7 @@ def test_model_built_in_place_equals_built_then_cast(dtype):
     """Training builds the model directly in its compute precision on its device (no full fp32
     copy first): the weights are exactly those of the fp32 build cast afterwards."""
     from megatron_ds.config import parse_args, resolve
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
     from tests.training.common import LLAMA_FLAGS
 
     cfg, _ = parse_args(TINY_GPT + LLAMA_FLAGS + ["--train-iters", "1"])

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 from tests.data.test_gpt_dataset import write_dataset
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "

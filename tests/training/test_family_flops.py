@@ -1,7 +1,9 @@
-"""BERT's and T5's iteration-line FLOPs (training/flops.py) against the matmuls their real models run.
+"""BERT's and T5's iteration-line FLOPs (families/bert/bert_flops.py, families/t5/t5_flops.py) against the
+matmuls their real models run.
 
 As tests/training/test_flops.py for the GPT: the model is built from the flags the CLI parses
-(``model/bert.py`` / ``model/t5.py`` through their sequential builders, the plain engine's module),
+(``families/bert/bert_model.py`` / ``families/t5/t5_model.py`` through their sequential builders, the plain
+engine's module),
 a forward and backward of one batch runs under torch's FlopCounterMode with SDPA's math backend
 (attention as two batched matmuls over all keys, the formula's convention), and the formula must
 give the same integer count. Nothing of the formula is reused: the model's shapes decide the count.
@@ -15,15 +17,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.config.bert_params import BERT_SHAPE
-from megatron_ds.config.t5_params import T5_SHAPE, decoder_layers
-from megatron_ds.model.bert import build_sequential_bert
+from megatron_ds.families.bert.bert_family import BERT
+from megatron_ds.families.bert.bert_flops import bert_flops_per_iteration
+from megatron_ds.families.bert.bert_model import build_sequential_bert
+from megatron_ds.families.t5.t5_family import T5
+from megatron_ds.families.t5.t5_flops import t5_flops_per_iteration
+from megatron_ds.families.t5.t5_model import build_sequential_t5
+from megatron_ds.families.t5.t5_params import decoder_layers
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.t5 import build_sequential_t5
-from megatron_ds.training.bert import BERT
-from megatron_ds.training.flops import bert_flops_per_iteration, model_flops_per_iteration, t5_flops_per_iteration
+from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.loop import Loop
-from megatron_ds.training.t5 import T5
 
 VOCAB = 100
 COMMON = ("--hidden-size 32 --num-attention-heads 4 --micro-batch-size 2 --mock-data --vocab-size 100 "
@@ -77,7 +80,7 @@ def _bert_counted(layout, batch: int, full_recompute: bool) -> int:
 def test_bert_flops_equal_the_matmuls_the_model_runs(binary_head, full_recompute):
     """The encoder layers, the MLM head's dense transform and output layer over the padded vocabulary, and
     (with the binary head) the pooler and the binary head on position 0."""
-    layout = _layout(BERT_FLAGS + ([] if binary_head else ["--bert-no-binary-head"]), BERT_SHAPE)
+    layout = _layout(BERT_FLAGS + ([] if binary_head else ["--bert-no-binary-head"]), BERT)
     assert layout.model.bert_binary_head is binary_head
     counted = _bert_counted(layout, batch=2, full_recompute=full_recompute)
     formula = bert_flops_per_iteration(layout.model, 2, layout.padded_vocab_size, full_recompute)
@@ -104,7 +107,7 @@ def test_t5_flops_equal_the_matmuls_the_model_runs(case, full_recompute):
     """Encoder layers at the encoder length, decoder layers at the decoder length with cross-attention
     (queries at the decoder length, keys and values projected from the encoder output), the LM head at
     the decoder length."""
-    layout = _layout(T5_FLAGS + T5_CASES[case], T5_SHAPE)
+    layout = _layout(T5_FLAGS + T5_CASES[case], T5)
     assert (layout.model.seq_length, layout.decoder_seq_length, decoder_layers(layout.model)) == (16, 8, 3)
     counted = _t5_counted(layout, batch=2, full_recompute=full_recompute)
     formula = t5_flops_per_iteration(layout.model, 2, layout.padded_vocab_size, full_recompute,
@@ -115,10 +118,10 @@ def test_t5_flops_equal_the_matmuls_the_model_runs(case, full_recompute):
 def test_families_hand_the_loop_their_count():
     """pretrain_bert.py / pretrain_t5.py's families give the loop (training/loop.py ``count_flops``, which
     training/trainer.py sets to ``family.flops``) their own formula at the layout's global batch."""
-    bert = _layout(BERT_FLAGS + ["--checkpoint-activations"], BERT_SHAPE)
+    bert = _layout(BERT_FLAGS + ["--checkpoint-activations"], BERT)
     assert BERT.flops(bert, 16) == bert_flops_per_iteration(bert.model, 2, bert.padded_vocab_size, True)
     cfg, _ = parse_args(T5_FLAGS)
-    run = resolve(cfg, world_size=1, vocab_size=VOCAB, device_type="cpu", family=T5_SHAPE)
+    run = resolve(cfg, world_size=1, vocab_size=VOCAB, device_type="cpu", family=T5)
     loop = Loop(run, engine=None, loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=None, save=None,
                 count_flops=T5.flops)
     t5 = run.layout

@@ -3,7 +3,7 @@
 torch's FlopCounterMode counts every matmul (mm, addmm, bmm) that a forward and backward of the
 built model actually dispatch. Attention runs on SDPA's math backend here (the CPU flash kernel is
 not one the counter knows): two batched matmuls over all s keys, the formula's convention. Nothing of the formula is reused:
-the model is built from the same flags the CLI parses, and its shapes decide the count. MoE models (issue 21)
+the model is built from the same flags the CLI parses, and its shapes decide the count. MoE models
 are DeepSpeed's MoE layer, counted per module to tell its routing from the experts.
 """
 import pytest
@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.pipeline import build_sequential_gpt
+from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.training.flops import model_flops_per_iteration
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -63,7 +63,7 @@ def test_flops_equal_the_matmuls_the_model_runs(shape, full_recompute):
 
 
 def test_gpt2_shapes_reduce_to_the_closed_form():
-    """DESIGN.md section 7: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for GPT-2 shapes."""
+    """Megatron's closed form 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for GPT-2 shapes (docs/flops.md)."""
     layout = _layout([])
     b, s, l, h, v = 2, 16, 2, 32, layout.padded_vocab_size
     closed = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
@@ -72,7 +72,7 @@ def test_gpt2_shapes_reduce_to_the_closed_form():
 
 
 def test_llama_count_is_below_the_gpt2_formula():
-    """The issue's example: the GPT-2 formula applied to the ABCI Llama 7B script (h 4096, ffn 11008,
+    """docs/flops.md's example: the GPT-2 formula applied to the ABCI Llama 7B script (h 4096, ffn 11008,
     SwiGLU, 8 of 32 key/value heads, 32 layers, seq 4096, vocab 32000) is about 11% too high."""
     cfg, _ = parse_args(("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
                          "--max-position-embeddings 4096 --micro-batch-size 1 --mock-data --vocab-size 32000 "
@@ -83,20 +83,15 @@ def test_llama_count_is_below_the_gpt2_formula():
     b, s, l, h, v = 1, 4096, 32, 4096, layout.padded_vocab_size
     gpt2 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     ours = model_flops_per_iteration(layout.model, b, v, False)
-    assert 1.08 < gpt2 / ours < 1.14  # "about 11%": a range, since the issue rounds
+    assert 1.08 < gpt2 / ours < 1.14  # "about 11%": a range, since that figure is rounded
 
 
 def test_gpu_mfu_bench_dry_run(capsys):
-    """bench/gpu_mfu.py imports and plans its four shapes without a GPU; its GPT 1.3B count is
-    DESIGN.md's closed form (B 4, s 2048, l 24, h 2048, V 50304 padded)."""
-    import importlib.util
-    from pathlib import Path
+    """bench/gpu_mfu.py (megatron_ds/cli/gpu_mfu.py) imports and plans its four shapes without a GPU; its GPT 1.3B count is
+    Megatron's closed form (B 4, s 2048, l 24, h 2048, V 50304 padded)."""
+    from megatron_ds.cli import gpu_mfu
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_mfu.py"
-    spec = importlib.util.spec_from_file_location("gpu_mfu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--dry-run"]) == 0
+    assert gpu_mfu.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines()[1:]] == ["gpt-345m", "gpt-1.3b", "gpt-2.7b", "llama-1.3b"]
     b, s, l, h, v = 4, 2048, 24, 2048, 50304
@@ -106,7 +101,7 @@ def test_gpu_mfu_bench_dry_run(capsys):
 
 
 def test_moe_counts_the_active_experts_by_hand():
-    """Issue 21, by hand: GPT-2 shapes, 2 layers, 8 experts on layer 2 (--expert-interval 2), top-2. Per token forward: a dense layer 24h^2 + 4sh; an MoE layer swaps its MLP (16h^2) for the gate
+    """MoE by hand: GPT-2 shapes, 2 layers, 8 experts on layer 2 (--expert-interval 2), top-2. Per token forward: a dense layer 24h^2 + 4sh; an MoE layer swaps its MLP (16h^2) for the gate
     (2h x 8) and two experts (2 x 16h^2). Backward x2; the output layer 2hV."""
     layout = _layout(["--num-experts", "8", "--topk", "2"])
     b, s, h, v = 2, 16, 32, layout.padded_vocab_size
@@ -152,7 +147,7 @@ def _moe_counts(layout, batch, full_recompute, backward=True):
 
 @pytest.mark.parametrize("shape", list(MOE))
 def test_moe_flops_are_the_active_experts_matmuls(shape):
-    """Issue 21: FlopCounterMode on the real MoE model (DeepSpeed's MoE layer, one process, EP 1). The model's
+    """FlopCounterMode on the real MoE model (DeepSpeed's MoE layer, one process, EP 1). The model's
     matmuls are the gate's linear and the experts' (and the residual MLP's and coefficient's); what else
     DeepSpeed's MOELayer counts is its routing (batched products picking each token's gate values), not
     model work. The experts run on capacity slots: with these sizes exactly top-k per token. Under full

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_ds.training.pretrain import main
+from megatron_ds.families import main
 from tests.distributed import run_distributed
 from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
 

@@ -73,8 +73,9 @@ def test_final_save_when_interval_does_not_divide():
 
 
 def test_model_flops_formula():
-    # DESIGN.md section 7's closed form, evaluated by hand for GPT 345M: B=8, s=1024, l=24, h=1024,
-    # V=50304; the general count is checked against measured matmuls in tests/training/test_flops.py
+    # Megatron's closed form for GPT-2 shapes (docs/flops.md), evaluated by hand for GPT 345M: B=8,
+    # s=1024, l=24, h=1024, V=50304; the general count is checked against measured matmuls in
+    # tests/training/test_flops.py
     expected = 72 * 8 * 1024 * 24 * 1024 ** 2 * (1 + 1024 / (6 * 1024) + 50304 / (12 * 24 * 1024))
     cfg, _ = parse_args(("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
                          "--max-position-embeddings 1024 --micro-batch-size 8 --mock-data --train-iters 1 --lr 1e-4").split())
@@ -124,7 +125,7 @@ def test_iteration_line_matches_megatron_shape():
                                lr=1.5e-4, global_batch_size=32, loss=6.123456, loss_scale=1.0, grad_norm=1.234,
                                skipped=0, nans=0, samples_per_s=39.4, tokens_per_s_per_gpu=1000.0,
                                tflops_per_gpu=12.5, mem_gb=3.2)
-    # the exact prefix from DESIGN.md section 2 item 4
+    # the exact prefix of Megatron's iteration line (megatron/training.py training_log), which log parsers match
     assert line.startswith(" iteration      100/    1000 | consumed samples:         3200 | elapsed time per "
                            "iteration (ms): 812.3 | learning rate: 1.500E-04 | global batch size:    32 | "
                            "lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.config.schedule import Rampup
+from megatron_ds.config.run_length import Rampup
 from megatron_ds.errors import ConfigError
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule, LRSchedule
 

@@ -18,8 +18,8 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families import main
 from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
-from megatron_ds.training.pretrain import main
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 50257  # GPT-2's, the scripts' default tokenizer
@@ -192,13 +192,13 @@ MOE_BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lengt
      "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --swiglu --disable-bias-linear", 8),
 ])
 def test_moe_stage_counts_are_the_built_models(extra, world):
-    """Issue 21: the layout's per-rank counts (config/moe.py: 1/EP of the experts) and its expert share are what
+    """MoE: the layout's per-rank counts (config/moe_params.py: 1/EP of the experts) and its expert share are what
     the MoE model builds on each stage; expert parameters are those DeepSpeed marks (is_moe_param). Built on the
     CPU: these are small."""
     from deepspeed.moe.utils import is_moe_param
 
     from megatron_ds import ds_compat
-    from megatron_ds.model.pipeline import build_stage_gpt
+    from megatron_ds.model.layer_specs import build_stage_gpt
     from megatron_ds.training.engine import model_kwargs
 
     cfg, _ = parse_args(MOE_BASE + extra.split())
@@ -222,7 +222,7 @@ def test_moe_partitions_match_the_analytic_count(method):
     the built model is cut into."""
     from megatron_ds.config import count_parameters, resolve_model_config
     from megatron_ds.config.schema import ModelConfig
-    from megatron_ds.model.pipeline import build_sequential_gpt
+    from megatron_ds.model.layer_specs import build_sequential_gpt
 
     cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                                            num_experts=(8,)))

@@ -33,7 +33,7 @@ def _train(rank: int, world_size: int, argv: list[str]):
     import io
 
     from megatron_ds.config import parse_args
-    from megatron_ds.training.pretrain import pretrain
+    from megatron_ds.families import pretrain
 
     cfg, ignored = parse_args(argv)
     out = io.StringIO()

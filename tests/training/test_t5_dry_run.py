@@ -1,4 +1,4 @@
-"""pretrain_t5.py --dry-run: T5's analytic parameter count (config/t5_params.py) against the model
+"""pretrain_t5.py --dry-run: T5's analytic parameter count (families/t5/t5_params.py) against the model
 built on the meta device stage by stage (the split rank's partition), its total against transformers'
 own T5ForConditionalGeneration of the same shape (an independent implementation: the shared
 embedding counted once, no biases, RMS norms), Megatron-DeepSpeed's own T5 example flags accepted
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.config.t5_params import T5_SHAPE
+from megatron_ds.families import main
+from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.training.meta_build import build_stages
-from megatron_ds.training.pretrain import main
-from megatron_ds.training.t5 import T5
 
 VOCAB = 32128  # even: TP 2 pads nothing with --make-vocab-size-divisible-by 1
 T5_BASE = ("--num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12 --kv-channels 64 "
@@ -32,7 +31,7 @@ HF_T5_V11 = "--position-embedding-type relative --normalization rmsnorm --disabl
 def _run(tp: int, pp: int, extra=()):
     flags, ignored = parse_args(T5_BASE + ["--tensor-model-parallel-size", str(tp),
                                            "--pipeline-model-parallel-size", str(pp), *extra])
-    return resolve(flags, world_size=tp * pp, vocab_size=VOCAB, device_type="cpu", ignored=ignored, family=T5_SHAPE)
+    return resolve(flags, world_size=tp * pp, vocab_size=VOCAB, device_type="cpu", ignored=ignored, family=T5)
 
 
 @pytest.mark.parametrize("tp,pp,extra", [(1, 1, ()), (2, 2, ("--pipeline-model-parallel-split-rank", "1")),

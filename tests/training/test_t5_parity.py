@@ -27,8 +27,8 @@ def t5_train_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[i
     import io
 
     from megatron_ds.config import parse_args
-    from megatron_ds.training.pretrain import pretrain
-    from megatron_ds.training.t5 import T5
+    from megatron_ds.families import pretrain
+    from megatron_ds.families.t5.t5_family import T5
 
     cfg, ignored = parse_args(argv)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -56,7 +56,7 @@ def test_t5_layouts_match_single_process(reference, tp, pp, dp, extra):
 
 
 def test_t5_plain_engine_with_full_recompute_matches_pipeline_engine(reference):
-    """--no-pipeline-parallel runs the plain module (model/t5.py build_sequential_t5) in DeepSpeed's
+    """--no-pipeline-parallel runs the plain module (families/t5/t5_model.py build_sequential_t5) in DeepSpeed's
     plain engine; --checkpoint-activations recomputes its encoder and decoder layers (their tuple
     inputs included) in backward, which changes no number."""
     losses = _losses(1, 1, 1, ("--no-pipeline-parallel", "--checkpoint-activations"))
@@ -77,7 +77,7 @@ def relative_reference():
                                          (1, 2, SPLIT + ("--checkpoint-activations",))],
                          ids=["tp2-pp2-split1", "pp4-split2", "pp2-split1-recompute"])
 def test_t5_relative_position_bias_matches_single_process(relative_reference, tp, pp, extra):
-    """--position-embedding-type relative (model/t5.py): each stack's bias table lives in the tied
+    """--position-embedding-type relative (families/t5/t5_model.py): each stack's bias table lives in the tied
     embedding and its bias rides in the activation tuple to the stack's later stages, heads split
     over TP. TP 2 x PP 2 checks the head split; PP 4 with split rank 2 sends each stack's bias to a
     second stage, whose gradient must come back to the table (DeepSpeed's tuple gradients) and be

@@ -1,77 +1,14 @@
-"""Export a megatron_ds checkpoint (any TP/PP/DP/ZeRO/precision) to a Hugging Face transformers
-directory: GPT2LMHeadModel for GPT-2-style models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm;
-pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
---apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the
-variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused).
+#!/usr/bin/env python
+"""Export a megatron_ds checkpoint to a Hugging Face transformers directory.
 
-    python tools/checkpoint/to_hf.py --load CHECKPOINT_DIR --out HF_DIR [--iteration N] [--dtype bf16]
-        [--from-fp32-masters]
+    python tools/checkpoint/to_hf.py --help
 
-Then ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTokenizer`` load it.
+The command line lives in megatron_ds/cli/to_hf.py (this script only calls it), so the package
+must be installed: `pip install -e .` (`make install`).
 """
-from __future__ import annotations
-
-import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="checkpoint directory (the run's --save)")
-    p.add_argument("--out", required=True, help="output directory for the transformers model")
-    p.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracker's)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="weight dtype (default: the training precision)")
-    p.add_argument("--from-fp32-masters", action="store_true",
-                   help="export the optimizer's fp32 master weights instead of the module's weights (bf16/fp16 "
-                        "runs: more precise, e.g. with --dtype fp32; needs the optimizer files)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="real vocabulary size, for older checkpoints that do not record it")
-    p.add_argument("--tokenizer-type", default=None,
-                   help="the tokenizer the run trained with, for checkpoints that do not record it (e.g. trained "
-                        "on --mock-data); with its files below")
-    p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, if it moved since training")
-    p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, if it moved since training")
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece model / tokenizer.json, if it moved")
-    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file")
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from megatron_ds.checkpoint.export import export_hf  # noqa: PLC0415 - keep --help fast
-    from megatron_ds.checkpoint.files import open_checkpoint  # noqa: PLC0415
-    from megatron_ds.errors import ConfigError  # noqa: PLC0415
-
-    try:
-        family = open_checkpoint(args.load, args.iteration).family
-        if family == "t5":  # pretrain_t5.py's checkpoint (the variant HF's T5 computes: checkpoint/hf_t5.py)
-            from megatron_ds.checkpoint.hf_t5 import export_hf_t5  # noqa: PLC0415
-
-            export_hf_t5(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
-                         vocab_size=args.vocab_size, vocab_file=args.vocab_file)
-            return 0
-        if family == "bert":  # pretrain_bert.py's checkpoint
-            from megatron_ds.checkpoint.hf_bert import export_hf_bert  # noqa: PLC0415
-
-            export_hf_bert(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
-                           vocab_size=args.vocab_size, vocab_file=args.vocab_file)
-            return 0
-        export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
-                  data_overrides=dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model),
-                  from_masters=args.from_fp32_masters, max_shard_bytes=int(args.max_shard_size_gb * 2**30))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except ImportError as exc:
-        print(f"error: {exc}; the export needs transformers (pip install 'megatron_ds[hf]')", file=sys.stderr)
-        return 1
-    return 0
-
+from megatron_ds.cli.to_hf import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,160 @@
+"""The steps every quickstart shares (GPT: quickstart_gpt.py; BERT and T5: quickstart_masked.py):
+the offline corpus with its held-out modules, a tokenizer trained once, the launcher command, the
+training job and its resumed continuation, each printing the command it runs."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Callable
+
+# The repository the package is installed from (pip install -e): the quickstarts run its
+# pretrain_*.py with its ds_configs/ templates, and write their default workdir there.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def step(title: str) -> None:
+    print(f"\n=== {title}", flush=True)
+
+
+def run_tool(module_main, argv: list[str], name: str) -> None:
+    print(f"$ python {name} {shlex.join(argv)}", flush=True)
+    rc = module_main(argv)
+    if rc not in (0, None):
+        raise SystemExit(f"{name} failed with exit code {rc}")
+
+
+def make_corpus(workdir: str, preset) -> tuple[str, str, str]:
+    """Training corpus and held-out files: (train JSONL, held-out JSONL, LAMBADA-style JSONL).
+    Held-out modules never appear in the training corpus. ``preset``: any quickstart's preset (its
+    corpus_mb and heldout_modules)."""
+    from megatron_ds.data.sample_corpus import stdlib_documents, write_corpus
+
+    corpus, heldout = os.path.join(workdir, "corpus.jsonl"), os.path.join(workdir, "heldout.jsonl")
+    lambada = os.path.join(workdir, "lambada_heldout.jsonl")
+    if os.path.exists(corpus) and os.path.exists(lambada):
+        print(f"reusing {corpus}, {heldout}, {lambada}")
+        return corpus, heldout, lambada
+    docs = stdlib_documents()
+    order = list(range(len(docs)))
+    random.Random(0).shuffle(order)
+    held = [docs[i] for i in order[:preset.heldout_modules]]
+    docs_written, nbytes = write_corpus(corpus + ".tmp", preset.corpus_mb, base=[docs[i] for i in order[
+        preset.heldout_modules:]])
+    with open(heldout, "w", encoding="utf-8") as f:
+        for text in held:
+            f.write(json.dumps({"text": text}) + "\n")
+    with open(lambada, "w", encoding="utf-8") as f:
+        for text in lambada_style(held):
+            f.write(json.dumps({"text": text}) + "\n")
+    os.replace(corpus + ".tmp", corpus)
+    print(f"wrote {docs_written} documents, {nbytes / 1e6:.1f} MB of text to {corpus}; "
+          f"{len(held)} held-out modules to {heldout} and {lambada}")
+    return corpus, heldout, lambada
+
+
+def lambada_style(texts: list[str], max_samples: int = 300) -> list[str]:
+    """Paragraphs of at least 12 words whose last word is alphabetic (punctuation after it dropped):
+    the task is to predict that word from the rest, as in LAMBADA."""
+    out = []
+    for text in texts:
+        for para in text.split("\n\n"):
+            words = " ".join(para.split()).rstrip(".,;:!?)'\"").split(" ")
+            if len(words) >= 12 and words[-1].isalpha() and len(words[-1]) >= 3:
+                out.append(" ".join(words[-60:]))  # the context fits the model's positions
+    return out[:max_samples]
+
+
+def train_tokenizer_once(corpus: str, kind: str, vocab_size: int, tok_dir: str, *, made: str) -> None:
+    """tools/train_tokenizer.py on the corpus into ``tok_dir``, unless ``made`` (a file it writes) exists."""
+    if os.path.exists(made):
+        print(f"reusing {tok_dir}")
+        return
+    from megatron_ds.cli.train_tokenizer import main as train_tokenizer
+    run_tool(train_tokenizer, ["--input", corpus, "--type", kind, "--vocab-size", str(vocab_size),
+                               "--output-dir", tok_dir], "tools/train_tokenizer.py")
+
+
+def launcher_cmd(launcher: str, nproc: int) -> list[str]:
+    if launcher == "deepspeed":
+        return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+
+
+def parallel_layout() -> tuple[int, int, int]:
+    """(processes, tensor parallel, pipeline parallel): 2 CPU processes as 2 pipeline stages; on
+    GPUs, every local GPU with tensor parallel 2 (the rest data parallel), or 1 GPU alone."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        return 2, 1, 2
+    if gpus == 1:
+        return 1, 1, 1
+    return gpus - gpus % 2, 2, 1
+
+
+def run_job(cmd: list[str], log_path: str, echo: tuple[str, ...], patterns: tuple) -> list[list[tuple]]:
+    """One training job under the launcher, its output written to log_path; shows the lines that start
+    with `echo` (and errors); for each regex of `patterns`, the groups of the lines it matches."""
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    # One compute thread per process: two processes on two cores, no oversubscription.
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    found = [[] for _ in patterns]
+    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True, env=env, cwd=ROOT) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith(echo) or "Error" in line:
+                print(line, end="", flush=True)
+            for hits, pattern in zip(found, patterns):
+                m = pattern.match(line)
+                if m:
+                    hits.append(m.groups())
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed (exit code {proc.returncode}); full log in {log_path}")
+    return found
+
+
+def checkpoint_iteration(ckpt: str) -> int:
+    path = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    try:
+        return int(open(path).read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def train_then_resume(workdir: str, ckpt: str, first: int, total: int, layout: str, make_flags: Callable,
+                      run_training: Callable) -> dict:
+    """Steps 4-5, each skipped when the checkpoint already has its iterations: train ``first`` iterations
+    and save, then resume from that checkpoint up to ``total``. ``make_flags(iters)``: the training flags
+    up to iteration iters; ``run_training(flags, load, log_path)``: (losses, validation) of one job."""
+    summary = {"losses": [], "validation": [], "layout": layout, "checkpoints": ckpt}
+    step(f"4. train {first} iterations ({layout})")
+    if checkpoint_iteration(ckpt) >= first:
+        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
+    else:
+        if os.path.isdir(ckpt):
+            # A partial earlier run: training refuses to overwrite its newer checkpoints, so start over.
+            print(f"   (removing the previous run's {ckpt})", flush=True)
+            shutil.rmtree(ckpt)
+        losses, valid = run_training(make_flags(first), None, os.path.join(workdir, "train.log"))
+        summary["losses"] += losses
+        summary["validation"] += valid
+
+    step(f"5. resume from the checkpoint for the last {total - first} iterations")
+    if checkpoint_iteration(ckpt) >= total:
+        print(f"reusing the checkpoint in {ckpt} (iteration {checkpoint_iteration(ckpt)})")
+    else:
+        flags = make_flags(total)
+        flags[flags.index("--save-interval") + 1] = str(total)
+        losses, valid = run_training(flags, ckpt, os.path.join(workdir, "resume.log"))
+        summary["losses"] += losses
+        summary["validation"] += valid
+    return summary
+

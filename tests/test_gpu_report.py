@@ -1,0 +1,138 @@
+"""bench/gpu_report.py: the kernel families and trace reading on known names, the budget skipping what
+does not fit, and (slow) the whole --smoke report on the CPU with every section present."""
+from __future__ import annotations
+
+import gzip
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("# GPU report", "- device: ", "- versions: torch ", "deepspeed ", "liger-kernel ", "transformers ",
+            "- date: ", "; commit: ", "## Throughput and memory", "## Kernel time: gpt-tiny",
+            "## Kernel time: llama-tiny", "## gpu tests", "## Time spent")
+
+
+@pytest.fixture
+def report(monkeypatch):
+    """The module as `python bench/gpu_report.py` sees it: bench/ first on the path."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    return importlib.import_module("gpu_report")
+
+
+def test_kernel_families_of_names_a_gpu_profile_shows(report):
+    """Kernel names as an H100 profile of our GPT/Llama runs lists them (cuBLAS/nvjet, cuDNN and
+    flash attention, ATen's copy/fill/cat and elementwise templates, apex-free norms, fused Adam)."""
+    cases = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>":
+            "copies",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16> >": "copies",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 4>": "copies",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16> >":
+            "other elementwise",
+        "triton_poi_fused_add_gelu_0": "other elementwise",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>": "norms",
+        "void at::native::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4> >": "optimizer",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >": "other",
+    }
+    for name, family in cases.items():
+        assert report.family_of(name).startswith(family), (name, report.family_of(name))
+
+
+def _trace(path: Path, events: list[dict]) -> None:
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_kernel_times_from_a_trace(report, tmp_path):
+    _trace(tmp_path / "host.123.pt.trace.json.gz", [
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 900.0},
+        {"cat": "kernel", "name": "nvjet_a", "dur": 300.0}, {"cat": "kernel", "name": "nvjet_a", "dur": 100.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 50.0}, {"cat": "gpu_memset", "name": "Memset", "dur": 10.0},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 5.0}])
+    times = report.kernel_times(str(tmp_path))
+    assert times == {"gpu": True, "by_name": {"nvjet_a": [2, 400.0], "Memcpy HtoD": [1, 50.0], "Memset": [1, 10.0]}}
+    lines = report.profile_tables({"kernels": times, "steps": 2})
+    assert lines[0] == "kernel time per step: 0.2 ms over 2 steps"
+    assert "| matmul (gemm / cutlass / nvjet) | 0.20 | 87.0% |" in lines
+    assert "| copies / casts | 0.03 | 13.0% |" in lines
+    cpu_only = tmp_path / "cpu"
+    cpu_only.mkdir()
+    _trace(cpu_only / "host.1.pt.trace.json.gz", [{"cat": "cpu_op", "name": "aten::mm", "dur": 900.0},
+                                                  {"cat": "python_function", "name": "x", "dur": 1.0}])
+    assert report.kernel_times(str(cpu_only)) == {"gpu": False, "by_name": {"aten::mm": [1, 900.0]}}
+
+
+def test_the_budget_skips_what_would_not_fit(report):
+    items = [report.Item("ours", "gpt", "a", status="ok", wall_s=30.0),
+             report.Item("ours", "gpt", "b", status="failed", wall_s=50.0)]
+    assert report.estimate_s("ours", items, report.FIRST_GUESS) == 40.0  # what ran, failures included
+    assert report.estimate_s("hf", items, report.FIRST_GUESS) == report.FIRST_GUESS["hf"]
+    assert report.estimate_s("profile", items, report.FIRST_GUESS) == pytest.approx(1.3 * 30.0)
+
+
+def test_a_timeout_ends_the_child_and_its_children(report):
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
+    code, out, _ = report.run_bounded([sys.executable, "-c", spawn], timeout=5)
+    assert code is None
+    grandchild = Path(f"/proc/{int(out.split()[0])}/status")
+    # gone, or a zombie waiting for whichever process adopted it
+    assert not grandchild.exists() or "State:\tZ" in grandchild.read_text()
+
+
+def test_a_failing_measurement_becomes_a_failed_row_with_its_last_lines(report, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = report.parse(["--smoke"])
+    item = report.Item("ours", "gpt-tiny", "broken", ("--no-such-flag",))
+    report.measure(args, item, timeout=300)
+    assert item.status == "failed" and item.note.startswith("exit ") and "--no-such-flag" in item.note
+    row = report.throughput_rows(args, {"peak": float("nan"), "gpu_bytes": None}, [item])[-1]
+    assert row == "| gpt-tiny | broken | failed (see Failures) | | | | | | |"
+
+
+def _run_report(tmp_path, *args, timeout):
+    out = tmp_path / "report.md"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_report.py"), "--smoke", "--out", str(out),
+                           *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out.read_text(), proc.stdout
+
+
+def test_zero_budget_still_writes_every_section(tmp_path):
+    text, stdout = _run_report(tmp_path, "--budget-s", "0", timeout=300)
+    for section in SECTIONS[:-1]:
+        assert section in text, section
+    assert "| gpt-tiny | default | skipped: would not fit the budget (~40 s needed, " in text
+    assert text in stdout  # printed as written
+
+
+@pytest.mark.slow
+def test_smoke_report_end_to_end(tmp_path):
+    """Every measurement of --smoke really runs (a fresh process each, tiny shapes, CPU)."""
+    text, _ = _run_report(tmp_path, "--budget-s", "3000", timeout=1800)
+    for section in SECTIONS:
+        assert section in text, section
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()
+            if line.startswith("| gpt-tiny |") or line.startswith("| llama-tiny |")}
+    for key in [("gpt-tiny", "default"), ("gpt-tiny", "HF + eager"), ("llama-tiny", "default"),
+                ("gpt-tiny", "liger fused loss on (--liger-kernel)"), ("gpt-tiny", "elementwise fusions off"),
+                ("gpt-tiny", "micro batch 4"), ("gpt-tiny", "plain engine (--no-pipeline-parallel)")]:
+        ms = rows[key].split("|")[3].strip()
+        assert float(ms) > 0, rows[key]
+    assert "CPU operator (inclusive: nested operators overlap) time per step" in text  # the profile ran
+    assert "| matmul (gemm / cutlass / nvjet) |" in text and "Top 15:" in text
+    assert "skipped: --smoke or no CUDA device: the gpu-marked tests need a GPU" in text
+    assert "--smoke runs the variants and the profile on GPT only" in text
