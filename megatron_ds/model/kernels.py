@@ -56,18 +56,22 @@ def sdpa_supports_gqa() -> bool:
     return True
 
 
-def describe_kernels(model_cfg=None, tp: int = 1, loss_reason: str = "") -> dict:
+def describe_kernels(model_cfg=None, tp: int = 1, loss_reason: str = "", on_cuda: bool = False) -> dict:
     """Which implementation each fused piece uses in this process (for the start-up log); given the
     (resolved) model config and tensor parallel size, for that model (``loss_reason``: why its loss
-    kernel was chosen, the ``Run``'s ``fused_loss_reason``)."""
+    kernel was chosen, the ``Run``'s ``fused_loss_reason``). ``on_cuda``: as a CUDA run would, from
+    any host (--dry-run)."""
     apex = apex_norm_classes() is not None
+    # apex is detected where the run starts: from another host a CUDA run's norms are a possibility
+    maybe = "apex {} where apex's CUDA extension imports, else torch.nn.{}" if on_cuda and not apex else None
     return {
-        "layernorm": "apex FusedLayerNorm" if apex else "torch.nn.LayerNorm",
-        "rmsnorm": "apex FusedRMSNorm" if apex else "torch.nn.RMSNorm",
+        "layernorm": maybe.format("FusedLayerNorm", "LayerNorm") if maybe else
+        "apex FusedLayerNorm" if apex else "torch.nn.LayerNorm",
+        "rmsnorm": maybe.format("FusedRMSNorm", "RMSNorm") if maybe else "apex FusedRMSNorm" if apex else "torch.nn.RMSNorm",
         "attention": "torch scaled_dot_product_attention (flash/efficient kernels on GPU, math on CPU)",
         "grouped_query_attention": "native (enable_gqa)" if sdpa_supports_gqa() else "repeat_interleave",
         "elementwise fusions": describe_fusions(model_cfg),
-        "output layer + loss": describe_liger(model_cfg, tp, loss_reason),
+        "output layer + loss": describe_liger(model_cfg, tp, loss_reason, on_cuda=on_cuda),
         "cross_entropy": "chunked over tokens for bf16/fp16 logits (no fp32 [tokens, vocab] copy), "
                          "vocab-parallel",
     }

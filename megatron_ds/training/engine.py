@@ -124,6 +124,15 @@ def scale_fp16_loss(engine, model) -> None:
     ds_compat.replace_loss_fn(model, functools.update_wrapper(scaled_loss_fn, loss_fn))
 
 
+def describe_run_kernels(run: Run, optimizer: str, *, on_cuda: bool = False, skip: tuple[str, ...] = ()) -> str:
+    """The ``kernels:`` line: what runs each piece of this run's model (``on_cuda``: as a CUDA run
+    would, from any host: --dry-run), the pieces named in ``skip`` left out."""
+    layout = run.layout
+    kernels = {**describe_kernels(layout.model, layout.tp, run.fused_loss_reason, on_cuda=on_cuda),
+               "transformer layers": describe_compiled_layers(layout.model), "optimizer": optimizer}
+    return ", ".join(f"{k}: {v}" for k, v in kernels.items() if k not in skip)
+
+
 def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *, build=build_model,
                  loss_names: tuple[str, ...] = ()) -> Runtime:
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
@@ -170,10 +179,7 @@ def log_startup(run: Run, rt: Runtime) -> None:
     """The layout, the kernels in use, the flags without effect and the overrides, once."""
     layout = run.layout
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
-    kernels = {**describe_kernels(layout.model, layout.tp, run.fused_loss_reason),
-               "transformer layers": describe_compiled_layers(layout.model)}
-    kernels = [f"{k}: {v}" for k, v in kernels.items()]
-    print_rank0(f"> kernels: {', '.join(kernels + [f'optimizer: {rt.optimizer_desc}'])}")
+    print_rank0(f"> kernels: {describe_run_kernels(run, rt.optimizer_desc)}")
     if run.ignored_flags:
         print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):

@@ -30,10 +30,20 @@ def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     if device.type == "cuda":
         try:
             from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency
-            return FusedAdam(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam"
+            return FusedAdam(groups, adam_w_mode=True, **kwargs), APEX_ADAM
         except (ImportError, RuntimeError):  # RuntimeError: apex installed without its CUDA extensions
-            return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
+            return torch.optim.AdamW(groups, fused=True, **kwargs), TORCH_FUSED_ADAM
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
+
+
+APEX_ADAM, TORCH_FUSED_ADAM = "apex.optimizers.FusedAdam", "torch.optim.AdamW(fused=True)"
+
+
+def describe_cuda_optimizer(settings) -> str:
+    """What ``build_optimizer`` picks on a CUDA device, without building it (--dry-run, on any host)."""
+    if settings.optimizer == "sgd" or settings.cpu_optimizer:  # the same on every device
+        return build_optimizer(torch.nn.Linear(1, 1), settings, torch.device("cpu"))[1]
+    return f"{APEX_ADAM} where apex's CUDA extension imports, else {TORCH_FUSED_ADAM}"
 
 
 class GuardedOptimizer(torch.optim.Optimizer):

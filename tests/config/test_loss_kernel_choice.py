@@ -77,3 +77,22 @@ def test_dry_run_of_gpt_1_3b_says_which_loss_a_gpu_run_uses(memory, liger):
     else:
         assert "liger-kernel fused linear + cross entropy" in line or "liger-kernel not installed" in line
         assert "15.3% of 16 GB > 15%" in line
+
+
+@pytest.mark.parametrize("extra, layers, optimizer", [
+    ([], "transformer layers: eager", "optimizer: apex.optimizers.FusedAdam where apex's CUDA extension imports, "
+                                      "else torch.optim.AdamW(fused=True)"),
+    (["--compile-layers", "--optimizer", "sgd"], "transformer layers: each compiled with torch.compile",
+     "optimizer: torch.optim.SGD"),
+])
+def test_dry_run_names_every_kernel_a_gpu_run_uses(extra, layers, optimizer):
+    """Before the queue, on a host without a GPU: the attention, norm, fusion, layer and optimizer
+    choices of a CUDA run, as the start-up `kernels:` line would print them there."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pretrain_main(GPT_1_3B + ["--dry-run"] + extra) == 0
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("kernels on CUDA: "))
+    for piece in ("attention: torch scaled_dot_product_attention", "layernorm: ", "elementwise fusions: "
+                  "bias_gelu+bias_dropout_add with torch.compile on CUDA", layers, optimizer):
+        assert piece in line, piece
+    assert "output layer + loss" not in line  # its own line follows, with the reason
