@@ -37,9 +37,10 @@ def _cuda_lines(torch) -> list[str]:
 def report() -> tuple[list[str], bool]:
     import torch
 
+    from megatron_ds.accelerator import on_cuda
     from megatron_ds.model.kernels import describe_kernels
 
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda()
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})",
              f"torch: {torch.__version__}, built with CUDA {torch.version.cuda or 'none (CPU build)'}"]
     nvcc = _nvcc_version()

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from megatron_ds.accelerator import on_cuda
 
 VOCAB = 50257
 SHAPES = {  # layers, hidden, heads, ffn (None: 4h, GeLU), llama-style
@@ -53,7 +54,7 @@ PEAKS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "V100": 125.0}
 
 
 def device_peak() -> tuple[str, float]:
-    if not torch.cuda.is_available():
+    if not on_cuda():
         return "cpu", float("nan")
     name = torch.cuda.get_device_name()
     return name, next((peak for key, peak in PEAKS.items() if key in name), float("nan"))
@@ -122,7 +123,7 @@ def build_hf_model(shape, seq: int, device: torch.device):
 
 def run_hf(shape, seq: int, micro: int, iters: int, compile_model: bool, precision: str) -> tuple[float, float]:
     """(seconds per iteration after warm-up, peak memory GB) of the HF baseline."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if on_cuda() else "cpu")
     _reset_memory()
     model = build_hf_model(shape, seq, device)
     model.train()
@@ -160,7 +161,7 @@ def _sync(device):
 
 def _reset_memory():
     gc.collect()
-    if torch.cuda.is_available():
+    if on_cuda():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
@@ -230,7 +231,7 @@ def _worker(args, shape, precision) -> int:
 def main(argv=None) -> int:
     args = parse(argv)
     shapes = {**SHAPES, **SMOKE_SHAPES}
-    cuda = torch.cuda.is_available()
+    cuda = on_cuda()
     precision = "bf16"  # every shape of the goal is bf16 (CPU smoke runs too)
     if args.worker:
         return _worker(args, shapes[args.models[0]], precision)

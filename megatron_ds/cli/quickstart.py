@@ -43,8 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-iters", type=int, default=None, help="override the size's iteration count")
     args = p.parse_args(argv)
     if args.size is None:
-        import torch
-        args.size = "gpu" if torch.cuda.is_available() else "cpu"
+        from megatron_ds.accelerator import on_cuda  # noqa: PLC0415 - keep --help fast
+
+        args.size = "gpu" if on_cuda() else "cpu"
     if args.workdir is None:
         args.workdir = os.path.join(ROOT, "quickstart" if args.model == "gpt" else f"quickstart-{args.model}")
     if args.model == "bert":

@@ -90,7 +90,9 @@ def parallel_layout() -> tuple[int, int, int]:
     GPUs, every local GPU with tensor parallel 2 (the rest data parallel), or 1 GPU alone."""
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from megatron_ds.accelerator import on_cuda
+
+    gpus = torch.cuda.device_count() if on_cuda() else 0
     if gpus == 0:
         return 2, 1, 2
     if gpus == 1:

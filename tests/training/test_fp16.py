@@ -111,6 +111,7 @@ def _train(rank, world_size, runs):
     import megatron_ds.training.loop as loop
     import megatron_ds.training.pretrain as pretrain
     from megatron_ds.config import parse_args
+    from megatron_ds.families import get_family
 
     CPU_Accelerator.is_fp16_supported = lambda self: True
     prepare = pretrain.prepare
@@ -123,7 +124,8 @@ def _train(rank, world_size, runs):
         layer_specs.gpt_loss_fn, loop.train_step = spy.loss_fn(real_loss), spy.train_step(real_step)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            state = pretrain.pretrain(*parse_args(argv))
+            # the GPT's entry point; the layers eager: on a CPU posing as CUDA inductor would build C++ for them
+            state = pretrain.pretrain(*parse_args(argv + ["--no-compile-layers"]), get_family("gpt"))
         lines = [parse_iteration_line(x) for x in out.getvalue().splitlines() if x.startswith(" iteration ")]
         results.append(dict(spy.first, moved=spy.moved, losses=[x for _, x in state.history], lines=lines))
     return results
