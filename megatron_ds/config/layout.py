@@ -283,13 +283,6 @@ def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
     return v
 
 
-def compiles_layers(asked: bool | None, device_type: str, zbh1: str | None) -> bool:
-    """--compile-layers / --no-compile-layers, else regional compilation where it was measured to help
-    (bench/RESULTS.md: CUDA), not on the CPU (inductor builds C++ at start-up) nor under ZB-H1 (its
-    deferred weight passes decide in backward, which a compiled graph fixes once)."""
-    return asked if asked is not None else device_type == "cuda" and zbh1 is None
-
-
 def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
     """The ZB-H1 schedule asked for ("exact" | "default"), refusing what it cannot run with."""
     if par.enable_zbh1_exact_semantics and not par.enable_zbh1_pipeline:
@@ -393,7 +386,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once
         raise ConfigError("--compile-layers cannot be combined with --enable-zbh1-pipeline (a compiled layer's "
                           "backward cannot defer its weight gradients); drop one of them")
-    m = dataclasses.replace(m, compile_layers=compiles_layers(m.compile_layers, device_type, zbh1))
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
