@@ -214,7 +214,7 @@ def test_compile_layers_finds_the_layers_of_every_builder():
     """One place applies it (training.engine.build_module) to whatever the builder made: a pipeline
     stage, the interleaved schedule's chunks, BERT's and T5's layers (subclasses); the state dict
     keeps its names, and a second call changes nothing."""
-    from megatron_ds.model.chunks import GPTModelChunks
+    from megatron_ds.pipeline.chunks import GPTModelChunks
     from megatron_ds.model.layer_specs import gpt_layer_specs
 
     cfg = model_config("gpt2", num_layers=4)

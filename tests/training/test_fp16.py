@@ -124,8 +124,7 @@ def _train(rank, world_size, runs):
         layer_specs.gpt_loss_fn, loop.train_step = spy.loss_fn(real_loss), spy.train_step(real_step)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            # the GPT's entry point; the layers eager: on a CPU posing as CUDA inductor would build C++ for them
-            state = pretrain.pretrain(*parse_args(argv + ["--no-compile-layers"]), get_family("gpt"))
+            state = pretrain.pretrain(*parse_args(argv), get_family("gpt"))  # the GPT's entry point
         lines = [parse_iteration_line(x) for x in out.getvalue().splitlines() if x.startswith(" iteration ")]
         results.append(dict(spy.first, moved=spy.moved, losses=[x for _, x in state.history], lines=lines))
     return results
