@@ -15,18 +15,23 @@ from megatron_ds import ds_compat
 from megatron_ds.model.param_groups import param_groups
 
 
+SGD, TORCH_CPU_ADAM, DS_CPU_ADAM = "torch.optim.SGD", "torch.optim.AdamW (--cpu_torch_adam)", \
+    "deepspeed.ops.adam.DeepSpeedCPUAdam"
+APEX_ADAM, TORCH_FUSED_ADAM = "apex.optimizers.FusedAdam", "torch.optim.AdamW(fused=True)"
+
+
 def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     """Returns (optimizer, description). ``settings``: the run's ``OptimizerSettings``."""
     groups = param_groups(model, settings.weight_decay, moe_groups=settings.create_moe_param_group)
     if settings.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), "torch.optim.SGD"
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), SGD
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
     if settings.cpu_optimizer and settings.cpu_torch_adam:
-        return torch.optim.AdamW(groups, **kwargs), "torch.optim.AdamW (--cpu_torch_adam)"
+        return torch.optim.AdamW(groups, **kwargs), TORCH_CPU_ADAM
     if settings.cpu_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - builds its CPU op on first use
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs), "deepspeed.ops.adam.DeepSpeedCPUAdam"
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs), DS_CPU_ADAM
     if device.type == "cuda":
         try:
             from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency
@@ -36,13 +41,13 @@ def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
 
 
-APEX_ADAM, TORCH_FUSED_ADAM = "apex.optimizers.FusedAdam", "torch.optim.AdamW(fused=True)"
-
-
 def describe_cuda_optimizer(settings) -> str:
-    """What ``build_optimizer`` picks on a CUDA device, without building it (--dry-run, on any host)."""
-    if settings.optimizer == "sgd" or settings.cpu_optimizer:  # the same on every device
-        return build_optimizer(torch.nn.Linear(1, 1), settings, torch.device("cpu"))[1]
+    """What ``build_optimizer`` picks on a CUDA device, without building anything (--dry-run, any host:
+    building DeepSpeedCPUAdam would compile its op)."""
+    if settings.optimizer == "sgd":
+        return SGD
+    if settings.cpu_optimizer:
+        return TORCH_CPU_ADAM if settings.cpu_torch_adam else DS_CPU_ADAM
     return f"{APEX_ADAM} where apex's CUDA extension imports, else {TORCH_FUSED_ADAM}"
 
 
