@@ -41,6 +41,11 @@ def on_cuda() -> bool:
     return device_type() == "cuda"
 
 
+def simulated() -> bool:
+    """Whether ``simulate`` is in force (fake CUDA on a CPU build: its branches run, not its kernels)."""
+    return _simulated is not None
+
+
 def cuda_runtime() -> bool:
     """A real, initialised CUDA runtime: its generator states and statistics can be read. Never
     under a simulation, and never before this process touched its GPU (asking would create a

@@ -21,6 +21,7 @@ from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
+from megatron_ds import accelerator
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.partition import partition_stages
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -283,6 +284,16 @@ def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
     return v
 
 
+def compiles_layers(asked: bool | None, device_type: str, zbh1: str | None, *, simulated: bool = False) -> bool:
+    """--compile-layers / --no-compile-layers, else regional compilation where it was measured to help
+    (bench/RESULTS.md: CUDA), not on the CPU (inductor builds C++ at start-up), not on a simulated
+    CUDA (``fake_cuda``: a CPU build of torch, whose inductor has no CUDA backend) nor under ZB-H1
+    (its deferred weight passes decide in backward, which a compiled graph fixes once)."""
+    if asked is not None:
+        return asked
+    return device_type == "cuda" and not simulated and zbh1 is None
+
+
 def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
     """The ZB-H1 schedule asked for ("exact" | "default"), refusing what it cannot run with."""
     if par.enable_zbh1_exact_semantics and not par.enable_zbh1_pipeline:
@@ -386,6 +397,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once
         raise ConfigError("--compile-layers cannot be combined with --enable-zbh1-pipeline (a compiled layer's "
                           "backward cannot defer its weight gradients); drop one of them")
+    m = dataclasses.replace(m, compile_layers=compiles_layers(
+        m.compile_layers, device_type, zbh1, simulated=accelerator.simulated()))
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)

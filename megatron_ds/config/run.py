@@ -101,7 +101,7 @@ class Run:
         chunk = f", {lay.recompute_num_layers} layer(s) per chunk" if lay.recompute == "full" else ""
         lines = [lay.summary(), f"(Megatron) sequence parallel: {'on' if lay.sequence_parallel else 'off'}; "
                                 f"recompute: {lay.recompute or 'none'}{chunk}; transformer layers: "
-                                f"{'compiled (--compile-layers)' if lay.model.compile_layers else 'eager'}"]
+                                f"{'compiled' if lay.model.compile_layers else 'eager'}"]
         for name in ("training", "optimizer", "distributed", "data", "checkpoint", "logging"):
             section = getattr(self, name)
             values = [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)]

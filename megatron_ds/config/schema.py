@@ -67,10 +67,11 @@ class ModelConfig:
     """Fraction of each head's channels that rotary embeddings apply to."""
     apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
     """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
-    compile_layers: bool = False
-    """Compile each transformer layer's forward with torch.compile (torchtitan's regional compilation;
-    on any device, CPU included: off by default until a GPU measurement shows it helps). Graph breaks
-    and limits: megatron_ds/model/compile_layers.py."""
+    compile_layers: Optional[bool] = meta(None, flags=("--compile-layers",), off_flags=("--no-compile-layers",))
+    """Each transformer layer's forward under torch.compile (torchtitan's regional compilation). Neither
+    flag: on with CUDA (it took 9 percent off the GPT and Llama-style 1.3B steps on an H200) unless
+    --enable-zbh1-pipeline, eager on the CPU (inductor builds C++ at start-up). Graph breaks and
+    limits: megatron_ds/model/compile_layers.py."""
     normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
     """Normalization layer."""
     layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))

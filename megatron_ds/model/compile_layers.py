@@ -1,4 +1,6 @@
-"""Regional compilation (--compile-layers): each transformer layer's forward compiled with ``torch.compile``.
+"""Regional compilation: each transformer layer's forward compiled with ``torch.compile``; the default
+with CUDA (measured faster on an H200, bench/RESULTS.md), ``--no-compile-layers`` turns it off,
+``--compile-layers`` turns it on elsewhere (``config.layout.compiles_layers``).
 
 torchtitan compiles its models this way (``apply_compile``: ``torch.compile`` per TransformerBlock)
 rather than the whole model: every layer of one structure shares one compiled graph (dynamo guards
@@ -28,7 +30,7 @@ What breaks a layer's graph (the graphs and breaks per layer are counted by
   break per MoE layer.
 Full recompute checkpoints the compiled layers from outside (non-reentrant ``torch.utils.checkpoint``
 reruns the compiled forward in backward). ZB-H1's deferred weight gradients decide in backward, which
-a compiled graph fixes at compile time: refused together (``config.layout``).
+a compiled graph fixes at compile time: eager by default there, refused with --compile-layers (``config.layout``).
 
 Dropout inside a compiled layer draws inductor's random numbers (on CUDA, from its Philox stream
 seeded by the current generator), not eager ATen's: the same distribution, not the same masks.
@@ -81,4 +83,4 @@ def describe_compiled_layers(model_cfg=None) -> str:
     why = compile_unavailable(_FAILED)
     if why is not None:
         return f"eager (torch.compile unavailable: {why})"
-    return "each compiled with torch.compile (--compile-layers)"
+    return "each compiled with torch.compile (--no-compile-layers: eager)"

@@ -60,6 +60,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
     # The model code (and DeepSpeed) only here: --help and flag errors stay fast.
+    from megatron_ds.config.layout import compiles_layers  # noqa: PLC0415
     from megatron_ds.model.liger import describe_liger  # noqa: PLC0415
     from megatron_ds.training.engine import describe_run_kernels  # noqa: PLC0415
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
@@ -68,7 +69,9 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     report(run, family.eod_token(tokenizer), build=family.build_stage)
     # what a CUDA run of this configuration would run, known before the queue, even where this host has no GPU
     lay = run.layout
-    print("kernels on CUDA: " + describe_run_kernels(run, describe_cuda_optimizer(run.optimizer), on_cuda=True,
+    on_gpu = dataclasses.replace(run, layout=dataclasses.replace(lay, model=dataclasses.replace(
+        lay.model, compile_layers=compiles_layers(flags.model.compile_layers, "cuda", lay.zbh1))))
+    print("kernels on CUDA: " + describe_run_kernels(on_gpu, describe_cuda_optimizer(run.optimizer), on_cuda=True,
                                                     skip=("output layer + loss",)))
     print(f"output layer + loss on CUDA: {describe_liger(lay.model, lay.tp, run.fused_loss_reason, on_cuda=True)}")
     check_layout_memory(run.layout, flags.gpu_memory_gb)

@@ -80,10 +80,9 @@ def test_dry_run_of_gpt_1_3b_says_which_loss_a_gpu_run_uses(memory, liger):
 
 
 @pytest.mark.parametrize("extra, layers, optimizer", [
-    ([], "transformer layers: eager", "optimizer: apex.optimizers.FusedAdam where apex's CUDA extension imports, "
-                                      "else torch.optim.AdamW(fused=True)"),
-    (["--compile-layers", "--optimizer", "sgd"], "transformer layers: each compiled with torch.compile",
-     "optimizer: torch.optim.SGD"),
+    ([], "transformer layers: each compiled with torch.compile",
+     "optimizer: apex.optimizers.FusedAdam where apex's CUDA extension imports, else torch.optim.AdamW(fused=True)"),
+    (["--no-compile-layers", "--optimizer", "sgd"], "transformer layers: eager", "optimizer: torch.optim.SGD"),
 ])
 def test_dry_run_names_every_kernel_a_gpu_run_uses(extra, layers, optimizer):
     """Before the queue, on a host without a GPU: the attention, norm, fusion, layer and optimizer

@@ -42,7 +42,7 @@ def run_cli(argv: list[str], timeout: int = 300) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"pretrain_gpt.py exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     lines = [parse_iteration_line(line) for line in proc.stdout.splitlines() if line.startswith(" iteration ")]
-    return {"lines": lines, "losses": [x.get("lm loss") for x in lines], "stdout": proc.stdout}
+    return {"lines": lines, "losses": [x.get("lm loss") for x in lines], "stdout": proc.stdout, "stderr": proc.stderr}
 
 
 def parse_iteration_line(line: str) -> dict:

@@ -68,6 +68,17 @@ def test_fp16_dynamic_loss_scale_skips_and_counts_overflow_steps(e2e_data, tmp_p
     _learns(run, iters=40, margin=0.2)  # fewer real steps than bf16's: the skipped ones did not update
 
 
+def test_layers_are_compiled_by_default_and_train_as_eager_ones(e2e_data):
+    """Regional compilation is the CUDA default: the kernels line says so, and the losses follow the
+    eager layers' (no dropout here; inductor's bf16 fusions round differently, within run-to-run)."""
+    compiled = _train(e2e_data, "--bf16")
+    eager = _train(e2e_data, "--bf16", "--no-compile-layers")
+    assert "transformer layers: each compiled with torch.compile" in compiled["stdout"]
+    assert "transformer layers: eager" in eager["stdout"]
+    assert "torch.compile of transformer" not in compiled["stderr"]  # no fallback to eager
+    _close(compiled["losses"], eager["losses"], dict(rtol=2e-2, atol=0.0))
+
+
 @pytest.mark.parametrize("flags", [["--recompute-granularity", "selective"], ["--checkpoint-activations"]],
                          ids=["selective", "full"])
 def test_recompute_gives_the_same_losses(e2e_data, flags):

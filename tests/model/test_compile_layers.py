@@ -73,24 +73,37 @@ def graphs_and_breaks(model, steps: int = 2) -> tuple[int, int]:
     return counter.frame_count, sum(counters["graph_break"].values())
 
 
-def test_the_flag_is_off_by_default_and_says_so():
-    base = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16".split()
-    assert not parse_args(base)[0].model.compile_layers
-    flags, ignored = parse_args(base + ["--compile-layers"])
-    assert flags.model.compile_layers and ignored == []
-    assert cl.describe_compiled_layers(flags.model) == "each compiled with torch.compile (--compile-layers)"
-    assert cl.describe_compiled_layers(parse_args(base)[0].model).startswith("eager")
-
-
-def test_dry_run_says_whether_layers_are_compiled():
+def test_the_default_is_on_with_cuda_only_and_says_so():
+    """Neither flag: compiled where a run trains on CUDA (measured faster on an H200: bench/RESULTS.md),
+    eager on the CPU, on a simulated CUDA and under ZB-H1; either flag wins everywhere."""
     from megatron_ds.config.run import resolve
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
             "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data").split()
-    for argv, said in ((base, "transformer layers: eager"), (base + ["--compile-layers"],
-                                                             "transformer layers: compiled (--compile-layers)")):
-        run = resolve(parse_args(argv)[0], world_size=1, vocab_size=VOCAB, device_type="cpu", ds_template=None)
-        assert said in run.describe()
+    assert parse_args(base)[0].model.compile_layers is None
+    assert parse_args(base + ["--no-compile-layers"])[0].model.compile_layers is False
+
+    def resolved(argv, device_type):
+        return resolve(parse_args(argv)[0], world_size=1, vocab_size=VOCAB, device_type=device_type,
+                       ds_template=None)
+
+    cases = [(base, "cuda", True), (base, "cpu", False), (base + ["--no-compile-layers"], "cuda", False),
+             (base + ["--compile-layers"], "cpu", True)]
+    for argv, device_type, compiled in cases:
+        run = resolved(argv, device_type)
+        assert run.layout.model.compile_layers is compiled, (argv, device_type)
+        assert f"transformer layers: {'compiled' if compiled else 'eager'}" in run.describe()
+        said = cl.describe_compiled_layers(run.layout.model)
+        assert said == "each compiled with torch.compile (--no-compile-layers: eager)" if compiled else \
+            said.startswith("eager")
+    zbh1 = base + ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--global-batch-size", "4"]
+    assert resolve(parse_args(zbh1)[0], world_size=2, vocab_size=VOCAB, device_type="cuda",
+                   ds_template=None).layout.model.compile_layers is False
+    from megatron_ds import accelerator
+
+    with accelerator.simulate("cuda"):  # fake CUDA: a CPU build's inductor has no CUDA backend
+        assert resolved(base, "cuda").layout.model.compile_layers is False
+        assert resolved(base + ["--compile-layers"], "cuda").layout.model.compile_layers is True
 
 
 def test_zero_bubble_schedule_is_refused():
@@ -252,5 +265,5 @@ def test_pipeline_interleaved_full_recompute_with_compiled_layers():
     eager, compiled = (iterations(out) for out in outputs)
     assert [it for it, _ in compiled] == [1, 2]
     assert [float(x) for _, x in compiled] == pytest.approx([float(x) for _, x in eager], rel=1e-5)
-    assert "transformer layers: each compiled with torch.compile (--compile-layers)" in outputs[1]
+    assert "transformer layers: each compiled with torch.compile (--no-compile-layers: eager)" in outputs[1]
     assert "transformer layers: eager" in outputs[0]
