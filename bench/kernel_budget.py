@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from megatron_ds.config import parse_args  # noqa: E402
 from megatron_ds.config.layout import resolve_model_config  # noqa: E402
 from megatron_ds.model import fusions  # noqa: E402
-from megatron_ds.model.rotary import rotary_cos_sin  # noqa: E402
+from megatron_ds.model.rotary import clear_rotary_tables  # noqa: E402
 from megatron_ds.model.transformer import ParallelTransformerLayer  # noqa: E402
 from megatron_ds.parallel.random import set_parallel_seeds  # noqa: E402
 
@@ -276,7 +276,7 @@ def gpu_like():
     saved = [(f, f._compiled, f._proven) for f in fusions.FUSED_FUNCTIONS]
     for f in fusions.FUSED_FUNCTIONS:
         f._compiled, f._proven = None, set()
-    rotary_cos_sin.cache_clear()
+    clear_rotary_tables()
     try:
         with mock.patch.object(torch, "compile", lambda fn, **_: AsGraphs(fn, counter)), \
                 fake_cuda.activate(), FlashAttention(), counter:
@@ -285,7 +285,7 @@ def gpu_like():
         lib._destroy()
         for f, compiled, proven in saved:
             f._compiled, f._proven = compiled, proven
-        rotary_cos_sin.cache_clear()  # its tables were fake tensors
+        clear_rotary_tables()  # its tables were fake tensors
 
 
 def _placeholder(*args, **kwargs):

@@ -82,6 +82,17 @@ def test_the_budget_skips_what_would_not_fit(report):
     assert report.estimate_s("profile", items, report.FIRST_GUESS) == pytest.approx(1.3 * 30.0)
 
 
+def test_the_llama_profile_comes_before_the_refinements(report):
+    """On a GPU the Llama-style default is profiled right after the headline rows (its gap to HF is
+    the open question); the GPT's profile waits with the refinements. --smoke profiles the GPT."""
+    def order(smoke):
+        return [(i.kind, i.model) for i in report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF", smoke=smoke)]
+
+    gpu, smoke = order(False), order(True)
+    assert gpu.index(("profile", "llama-1.3b")) < gpu.index(("tests", "")) < gpu.index(("profile", "gpt-1.3b"))
+    assert smoke.index(("profile", "gpt-1.3b")) < smoke.index(("tests", "")) < smoke.index(("profile", "llama-1.3b"))
+
+
 def test_a_timeout_ends_the_child_and_its_children(report):
     spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
              "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")

@@ -146,6 +146,10 @@ class StateBytes:
     optimizer: float = 0.0
     optimizer_split: float = 0.0
     optimizer_path: str = ""
+    # of the transient gradients, those that exist during backward (from the first micro-batch's
+    # backward on); the rest (fp32 copies and partitions for the step) only from its end
+    grads_backward: float = 0.0
+    grads_backward_split: float = 0.0
 
 
 def state_bytes(layout: Layout) -> StateBytes:
@@ -162,7 +166,8 @@ def state_bytes(layout: Layout) -> StateBytes:
     zero = layout.zero_stage
     if layout.precision == "fp32" and zero == 0:
         # the gradients live from backward until the engine zeroes them after the step
-        return StateBytes(weights=4, grads_transient=4, optimizer=8, optimizer_path="torch AdamW, fp32")
+        return StateBytes(weights=4, grads_transient=4, optimizer=8, optimizer_path="torch AdamW, fp32",
+                          grads_backward=4)
     bf16_wrapper = layout.precision == "bf16" and (
         (zero == 1 and acc == 4) or (zero == 0 and layout.use_pipeline and acc == 2))
     if bf16_wrapper:
@@ -171,19 +176,20 @@ def state_bytes(layout: Layout) -> StateBytes:
         # split over DP; a gradient held in bf16 is cast to an fp32 partition for the step.
         return StateBytes(weights=2, grads=acc, grads_transient=2,
                           grads_transient_split=4 if acc != 4 else 0, optimizer_split=4 + 8,
-                          optimizer_path="DeepSpeed BF16_Optimizer")
+                          optimizer_path="DeepSpeed BF16_Optimizer", grads_backward=2)
     if zero == 0:
         # FP16_Optimizer: fp32 master weights and moments full size on every rank; the 16-bit
         # gradients and their fp32 copy for the step are freed after it.
         return StateBytes(weights=lp, grads_transient=lp + 4, optimizer=4 + 8,
-                          optimizer_path="DeepSpeed FP16_Optimizer")
+                          optimizer_path="DeepSpeed FP16_Optimizer", grads_backward=lp)
     if zero in (1, 2):
         # DeepSpeedZeroOptimizer: stage 1 keeps the full 16-bit gradients until the reduction at
         # the accumulation boundary, stage 2 only this rank's partition, plus the fp32 gradient of
         # the master partition during the step; all of them are freed after it.
         return StateBytes(weights=lp, grads_transient=lp if zero == 1 else 0,
                           grads_transient_split=4 + (lp if zero == 2 else 0), optimizer_split=4 + 8,
-                          optimizer_path=f"DeepSpeed ZeRO stage {zero}")
+                          optimizer_path=f"DeepSpeed ZeRO stage {zero}", grads_backward=lp if zero == 1 else 0,
+                          grads_backward_split=lp if zero == 2 else 0)
     return StateBytes(weights=0, weights_split=lp, grads_split=lp, grads_transient_split=4,
                       optimizer_split=4 + 8, optimizer_path="DeepSpeed ZeRO stage 3")
 
@@ -196,9 +202,11 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     counted term by term from what this model's layer saves (q, k, v with their own head counts, the
     ffn size, SwiGLU, RoPE's copies, dropout masks, the attention logsumexp), then divided by TP where
     the tensor is split; ``recompute`` is the layout's setting ("selective" drops the logsumexp; full
-    recompute is the caller's), ``experts`` > 1 an MoE layer at its capacity slots. The terms, with
-    sequence parallelism (Ulysses) and MoE, are in docs/memory.md; tests/config/test_memory.py
-    measures them with saved-tensor hooks.
+    recompute is the caller's), ``experts`` > 1 an MoE layer at its capacity slots. Counted as a GPU
+    runs the layer: the compiled RoPE and SwiGLU fusions keep less than their unfused paths, which the
+    CPU takes unless ``--fusions-on-cpu`` (their flags switch them off). The terms, with sequence
+    parallelism (Ulysses) and MoE, are in docs/memory.md; tests/config/test_memory.py measures them
+    with saved-tensor hooks, fused and unfused.
     """
     m = layout.model
     s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
@@ -210,9 +218,15 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     residual = 4 if m.fp32_residual_connection else 2  # the flag is refused with fp32 weights (validation.py)
     replicated = residual + residual + 2 + 2 + masks
     qkv = 2 * (a + 2 * g) * d / h
-    rope = 2 * (a + g) * d / h if m.position_embedding_type == "rope" and layout.sp == 1 else 0.0
+    # the fused split + RoPE (fusions.rope_qkv, compiled on the GPU) keeps no rotated copies: its
+    # backward needs only cos and sin
+    unfused_rope = m.position_embedding_type == "rope" and layout.sp == 1 and not m.apply_rope_fusion
+    rope = 2 * (a + g) * d / h if unfused_rope else 0.0
     core = 2 * a * d / h * (2 if layout.sp > 1 else 1) + (4 * a / h if recompute != "selective" else 0.0)
-    mlp = (4 + 2 + 2) * f / h if m.swiglu or m.geglu else (2 + 2) * f / h
+    if m.swiglu and m.bias_swiglu_fusion:
+        mlp = (4 + 2) * f / h  # the fused SwiGLU keeps its input and recomputes SiLU(gate) in backward
+    else:
+        mlp = (4 + 2 + 2) * f / h if m.swiglu or m.geglu else (2 + 2) * f / h
     if experts > 1:
         factor = m.moe_train_capacity_factor * m.topk
         tokens = s * b
@@ -290,10 +304,14 @@ class MemoryEstimate:
     terms: tuple[tuple[str, float], ...]  # (name, bytes per GPU)
     persistent: float  # weights + gradient buffers + optimizer states that live between steps
     optimizer_path: str
+    # bytes counted in two terms that never exist at once: the gradients made for the optimizer step
+    # (after backward) and the activations and logits (freed by backward); see ``_peak``
+    not_at_once: float = 0.0
+    peak_at: str = "backward"  # when the total is reached: "backward" (its start) or "optimizer step"
 
     @property
     def total(self) -> float:
-        return sum(v for _, v in self.terms)
+        return sum(v for _, v in self.terms) - self.not_at_once
 
     def biggest(self) -> tuple[str, float]:
         return max(self.terms, key=lambda kv: kv[1])
@@ -301,10 +319,13 @@ class MemoryEstimate:
     def describe(self, budget: float | None = None) -> str:
         parts = ", ".join(f"{name} {v / GB:.2f}" for name, v in self.terms)
         head = f"memory per GPU (stage {self.stage}, GB): {parts}; total {self.total / GB:.2f}"
+        when = "in backward" if self.peak_at == "backward" else "at the optimizer step"
+        overlap = f"; peak {when}: {self.not_at_once / GB:.2f} of the gradients and activations above " \
+                  f"never exist at once" if self.not_at_once else ""
         if budget is None:
-            return head + " (no --gpu-memory-gb given: not compared)"
+            return head + f" (no --gpu-memory-gb given: not compared){overlap}"
         verdict = "fits" if self.total <= budget else "DOES NOT FIT"
-        return head + f" of {budget / GB:.0f} GB: {verdict} ({self.optimizer_path})"
+        return head + f" of {budget / GB:.0f} GB: {verdict} ({self.optimizer_path}){overlap}"
 
 
 @dataclass(frozen=True)
@@ -350,19 +371,48 @@ def _state(sb: StateBytes, params: int, dp: int, weight_bytes: float | None) -> 
     return ParameterState(weights, grads, grad_buffers, params * (sb.optimizer + sb.optimizer_split / dp))
 
 
-def _stage_terms(layout: Layout, stage, sb: StateBytes) -> tuple[list[tuple[str, float]], float]:
+def _stage_estimate(layout: Layout, stage, sb: StateBytes) -> MemoryEstimate:
     p = stage.params_per_tp_rank
     state = parameter_state(layout, p, sb=sb, expert_params=stage.expert_params_per_tp_rank)
+    backward_grads = parameter_state(layout, p, sb=dataclasses.replace(
+        sb, grads=0.0, grads_split=0.0, grads_transient=sb.grads_backward,
+        grads_transient_split=sb.grads_backward_split), expert_params=stage.expert_params_per_tp_rank).gradients
     activations = stage_activation_bytes(layout, stage)
-    logits = 0.0
-    if stage.stage == layout.pp - 1:
-        logits = logits_bytes(layout)
+    last = stage.stage == layout.pp - 1
+    logits = logits_bytes(layout) if last else 0.0
+    working = backward_working_bytes(layout, stage, last)
     buckets = _bucket_bytes(layout, p)
     terms = [("weights", state.weights), ("gradients", state.gradients), ("optimizer states", state.optimizer),
-             ("activations", activations), ("logits", logits), ("communication buckets", buckets)]
-    reserve = RESERVE_FIXED_BYTES + RESERVE_FRACTION * sum(v for _, v in terms)
+             ("activations", activations), ("logits", logits), ("backward working set", working),
+             ("communication buckets", buckets)]
+    # Backward frees the activations and logits while it makes the gradients: the peak is the larger
+    # of its start (with the gradients earlier micro-batches left, where there are several) and the
+    # optimizer step (all gradients, no activations). Between the two both change in step, layer by
+    # layer, so neither end is exceeded.
+    transient = state.gradients - state.grad_buffers
+    during_backward = activations + logits + working + (backward_grads if layout.grad_accum_steps > 1 else 0.0)
+    not_at_once = transient + during_backward - max(transient, during_backward)
+    peak_at = "backward" if during_backward >= transient else "optimizer step"
+    reserve = RESERVE_FIXED_BYTES + RESERVE_FRACTION * (sum(v for _, v in terms) - not_at_once)
     terms.append(("runtime reserve", reserve))
-    return terms, state.weights + state.grad_buffers + state.optimizer
+    return MemoryEstimate(stage.stage, tuple(terms), state.weights + state.grad_buffers + state.optimizer,
+                          sb.optimizer_path, not_at_once, peak_at)
+
+
+def backward_working_bytes(layout: Layout, stage, last: bool) -> float:
+    """What backward holds beyond the kept activations at its largest: the first weight gradient it
+    makes (the output layer's, [vocab / TP, h], on the last stage; elsewhere a layer's MLP output
+    projection) and, while a layer runs its backward, the gradients of what that layer kept (about as
+    large). Measured on an H200 the first term is the whole gap between the peak and weights +
+    optimizer states + activations + logits (bench/RESULTS.md); the second bounds non-last stages."""
+    m = layout.model
+    grad_bytes = 4 if layout.precision == "fp32" else 2
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    first = (layout.padded_vocab_size if last else ffn) / layout.tp * m.hidden_size * grad_bytes
+    runs, _ = (layout.family.activations if layout.family is not None and layout.family.activations
+               else gpt_stage_activations)(layout, stage)
+    layer = max((one.kept for run in runs for one in run), default=0.0)
+    return first + layer
 
 
 def _bucket_bytes(layout: Layout, params: int) -> float:
@@ -382,11 +432,7 @@ def _bucket_bytes(layout: Layout, params: int) -> float:
 def estimate_stages(layout: Layout) -> list[MemoryEstimate]:
     """One estimate per pipeline stage (a GPU of that stage)."""
     sb = state_bytes(layout)
-    out = []
-    for stage in layout.stages:
-        terms, persistent = _stage_terms(layout, stage, sb)
-        out.append(MemoryEstimate(stage.stage, tuple(terms), persistent, sb.optimizer_path))
-    return out
+    return [_stage_estimate(layout, stage, sb) for stage in layout.stages]
 
 
 def estimate_memory(layout: Layout) -> MemoryEstimate:

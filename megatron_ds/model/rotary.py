@@ -10,8 +10,6 @@ travel between pipeline stages.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -24,14 +22,35 @@ def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
     return dim
 
 
-@functools.lru_cache(maxsize=16)
-def rotary_cos_sin(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TABLES = 16  # a sequence-length warm-up asks for many lengths: keep the latest ones
+
+
+def rotary_cos_sin(seq_len: int, dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, fp32, shaped ``[seq, 1, 1, dim]`` to broadcast over ``[seq, batch, heads, dim]``.
 
     Computed as plain functions of (length, dim, base) and cached, rather than kept as module
     buffers: DeepSpeed casts modules to fp16/bf16, and angles in half precision lose whole
-    positions at long sequence lengths.
+    positions at long sequence lengths. The cache is a plain dict, not ``functools.lru_cache``:
+    dynamo (a layer compiled by ``model/compile_layers.py``) takes an entry that exists as an input
+    of the layer's graph, where it traces through an lru_cache wrapper and recomputes the tables
+    inside every layer's forward (and recompute); ``compile_layers`` fills the entry first.
     """
+    key = (seq_len, dim, float(theta), str(torch.device(device)))
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        tables = _TABLES[key] = _cos_sin(seq_len, dim, theta, torch.device(device))
+    return tables
+
+
+def clear_rotary_tables() -> None:
+    """Forget the cached tables (tests that made them on fake devices)."""
+    _TABLES.clear()
+
+
+def _cos_sin(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]

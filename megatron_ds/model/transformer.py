@@ -130,6 +130,7 @@ class ParallelAttention(nn.Module):
         self.rope_dim = (rotary_dim(d, cfg.rotary_percent)
                          if cfg.position_embedding_type == "rope" else None)
         self.rope_theta = cfg.rope_theta
+        self.seq_length = cfg.seq_length  # the whole sequence (all SP ranks' positions): the tables' length
         self.rope_fusion, self.fusions_on_cpu = cfg.apply_rope_fusion, cfg.fusions_on_cpu
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -184,6 +185,12 @@ class ParallelAttention(nn.Module):
             # not fused, the dropout mask) are the s^2-sized ones; recompute only those.
             return checkpoint(self._core, q, k, v, mask)
         return self._core(q, k, v, mask)
+
+    def fill_rotary_tables(self) -> None:
+        """Make the training length's cos/sin tables before a compiled forward reads them (where they
+        exist, dynamo takes them as graph inputs instead of computing them inside the graph)."""
+        if self.rope_dim is not None:
+            rotary_cos_sin(self.seq_length, self.rope_dim, self.rope_theta, self.query_key_value.weight.device)
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache is None:

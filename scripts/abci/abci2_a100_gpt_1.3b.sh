@@ -13,7 +13,7 @@
 # activation checkpointing (micro batch 4 at sequence 2048 would not fit 40 GB without it).
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 12.50 GB, activations 1.44 GB;
-#   total 18.72 of 40 GB. One checkpoint (weights and optimizer states): ~18 GB
+#   total 16.81 of 40 GB. One checkpoint (weights and optimizer states): ~18 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_a100_gpt_1.3b.sh

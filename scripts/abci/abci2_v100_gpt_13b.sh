@@ -15,7 +15,7 @@
 # parallelism (DP = nodes * 4 / 32).
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 9.38 GB, activations 1.20 GB;
-#   total 14.57 of 16 GB. One checkpoint (weights and optimizer states): ~180 GB
+#   total 12.33 of 16 GB. One checkpoint (weights and optimizer states): ~180 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_v100_gpt_13b.sh

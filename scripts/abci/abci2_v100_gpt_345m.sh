@@ -12,7 +12,7 @@
 # GPT 345M (Megatron's GPT-2 medium) on one ABCI 2.0 V100 node: 4 x V100 16 GB, fp16, ZeRO-1.
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 2.84 GB, activations 1.82 GB;
-#   total 9.16 of 16 GB. One checkpoint (weights and optimizer states): ~5 GB
+#   total 8.23 of 16 GB. One checkpoint (weights and optimizer states): ~5 GB
 #
 # Submit from the repository root (ABCI 2.0 takes the group only on the command line):
 #   qsub -g GROUP scripts/abci/abci2_v100_gpt_345m.sh

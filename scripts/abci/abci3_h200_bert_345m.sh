@@ -16,7 +16,7 @@
 # --tokenizer-type BertWordPieceLowerCase --vocab-file VOCAB: PREFIX_text_sentence.bin/.idx).
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 3.19 GB, activations 7.33 GB;
-#   total 14.45 of 141 GB. One checkpoint (weights and optimizer states): ~5 GB
+#   total 14.12 of 141 GB. One checkpoint (weights and optimizer states): ~5 GB
 #
 # Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
 #   qsub -P GROUP scripts/abci/abci3_h200_bert_345m.sh

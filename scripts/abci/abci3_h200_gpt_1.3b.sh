@@ -15,7 +15,7 @@
 # than recomputing.
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 12.50 GB, activations 14.54 GB;
-#   total 32.47 of 141 GB. One checkpoint (weights and optimizer states): ~18 GB
+#   total 30.56 of 141 GB. One checkpoint (weights and optimizer states): ~18 GB
 #
 # Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
 #   qsub -P GROUP scripts/abci/abci3_h200_gpt_1.3b.sh

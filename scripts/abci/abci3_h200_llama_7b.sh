@@ -15,8 +15,8 @@
 # bf16, TP 2 (inside a node), ZeRO-1 over DP 8. Sequence 4096 fits without activation
 # checkpointing.
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
-#   stage 0: weights + gradients + optimizer states 28.90 GB, activations 12.12 GB;
-#   total 45.85 of 141 GB. One checkpoint (weights and optimizer states): ~85 GB
+#   stage 0: weights + gradients + optimizer states 28.90 GB, activations 10.01 GB;
+#   total 37.79 of 141 GB. One checkpoint (weights and optimizer states): ~85 GB
 #
 # Tokenizer: GPT-2 BPE by default (the data from dataset/*.sh). For a Llama SentencePiece model,
 # preprocess the data with it and set TOKENIZER_TYPE=SentencePieceTokenizer TOKENIZER_MODEL=...

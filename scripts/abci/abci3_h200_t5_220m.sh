@@ -17,7 +17,7 @@
 # --tokenizer-type BertWordPieceLowerCase --vocab-file VOCAB: PREFIX_text_sentence.bin/.idx).
 # Per GPU, DRY_RUN's estimate (python scripts/abci/abci_numbers.py writes these lines):
 #   stage 0: weights + gradients + optimizer states 2.11 GB, activations 3.93 GB;
-#   total 8.90 of 141 GB. One checkpoint (weights and optimizer states): ~3 GB
+#   total 8.72 of 141 GB. One checkpoint (weights and optimizer states): ~3 GB
 #
 # Submit from the repository root (ABCI 3.0: the group goes on the command line or as #PBS -P):
 #   qsub -P GROUP scripts/abci/abci3_h200_t5_220m.sh

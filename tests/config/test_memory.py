@@ -74,7 +74,13 @@ LAYER_CASES = {
     # SwiGLU with its own ffn size, grouped-query attention, RoPE, no biases, no hidden dropout.
     # LayerNorm, because torch's RMSNorm is a composite of fp32 ops on the CPU (fused on CUDA).
     "llama_like": ["--swiglu", "--ffn-hidden-size", "688", "--num-key-value-heads", "2",
-                   "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0"],
+                   "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0",
+                   "--no-rope-fusion", "--no-bias-swiglu-fusion"],
+    # as a GPU runs it: the compiled split + RoPE and SwiGLU (inductor's C++ on the CPU, ~30 s),
+    # which keep no rotated copies and no SiLU(gate)
+    "llama_like_fused": ["--swiglu", "--ffn-hidden-size", "688", "--num-key-value-heads", "2",
+                         "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0",
+                         "--fusions-on-cpu"],
     "fp32_residual": ["--fp32-residual-connection"],  # both norms read the fp32 stream
 }
 
@@ -337,6 +343,41 @@ def test_parameter_state_matches_real_engines(tmp_path):
             assert measured == pytest.approx(estimated, rel=0.05), (case, measured, estimated)
 
 
+# Peaks of torch.cuda.max_memory_allocated measured on an H200 by `make gpu-report` (2026-11-26,
+# bench/RESULTS.md: bf16, seq 2048, micro batch 4, one GPU, the pipeline engine at PP 1, GiB; the
+# same with and without compiled layers), for the command lines of megatron_ds/cli/gpu_mfu.py.
+H200_PEAKS_GIB = {"gpt-1.3b": 34.1, "llama-1.3b": 35.7}
+
+
+@pytest.mark.parametrize("model", list(H200_PEAKS_GIB))
+def test_estimate_is_within_ten_percent_of_the_measured_gpu_peak(model):
+    """Never below the measured peak, at most 10% above it (without the runtime reserve, which is no
+    tensor): the peak is backward's start, where the gradients made for the optimizer step do not
+    exist yet, and the fused RoPE and SwiGLU keep less than their unfused paths."""
+    from megatron_ds.cli.gpu_mfu import SHAPES, our_argv
+
+    _, layout = _layout(our_argv(SHAPES[model], 2048, 4, 12, False, "bf16"), 1)
+    est = estimate_memory(layout)
+    tensors = (est.total - dict(est.terms)["runtime reserve"]) / 2 ** 30
+    peak = H200_PEAKS_GIB[model]
+    assert peak <= tensors <= 1.1 * peak, (tensors, peak, est.describe())
+    assert est.peak_at == "backward" and est.not_at_once > 0
+
+
+def test_the_peak_is_the_optimizer_step_where_activations_are_small():
+    """A 1.3B GPT with 64-token sequences: its activations and logits are smaller than the gradients
+    the step makes (bf16 .grad + their fp32 partitions), so those set the peak, without activations."""
+    _, layout = _layout(_gpt_flags(24, 2048, 16, 64, 1, 1) + ["--bf16"], 1)
+    est = estimate_memory(layout)
+    terms = dict(est.terms)
+    assert est.peak_at == "optimizer step"
+    step_grads = terms["gradients"] - layout.total_params * 2  # the BF16 wrapper's accumulation buffer stays
+    assert step_grads == pytest.approx(layout.total_params * (2 + 4))
+    tensors = est.total - terms["runtime reserve"]
+    assert tensors == pytest.approx(terms["weights"] + terms["optimizer states"] + terms["gradients"])
+    assert "never exist at once" in est.describe()
+
+
 # --------------------------------------------------------------------------- measured on GPU
 
 @pytest.mark.gpu
@@ -371,15 +412,15 @@ def _cuda_peak(rank, world_size, argv):
         pretrain(cfg, ignored)
     peak = torch.cuda.max_memory_allocated(device)
     _, layout = _layout(argv, 1)
-    est = dict(estimate_memory(layout).terms)
-    return peak, sum(v for k, v in est.items() if k != "runtime reserve")
+    est = estimate_memory(layout)
+    return peak, est.total - dict(est.terms)["runtime reserve"]
 
 
 MOE_LAYER_CASES = {
     "gpt_top2": ["--num-experts", "8", "--topk", "2"],
     "residual_top1": ["--num-experts", "4", "--mlp-type", "residual"],
     "swiglu_top2": ["--num-experts", "8", "--topk", "2", "--swiglu", "--ffn-hidden-size", "688",
-                    "--disable-bias-linear", "--hidden-dropout", "0"],
+                    "--disable-bias-linear", "--hidden-dropout", "0", "--no-bias-swiglu-fusion"],  # the CPU's path
     "capacity_2": ["--num-experts", "16", "--moe-train-capacity-factor", "2"],  # twice the slots tokens need
 }
 

@@ -13,7 +13,7 @@ from megatron_ds import ds_compat, fake_cuda
 from megatron_ds.config import parse_args
 from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model import fusions
-from megatron_ds.model.rotary import rotary_cos_sin
+from megatron_ds.model.rotary import clear_rotary_tables
 from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
 from megatron_ds.training.pretrain import prepare, with_family_defaults
@@ -33,10 +33,10 @@ def gpu(monkeypatch):
         monkeypatch.setattr(fusable, "_compiled", None)
         monkeypatch.setattr(fusable, "_proven", set())
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule places itself by it
-    rotary_cos_sin.cache_clear()
+    clear_rotary_tables()
     with fake_cuda.cuda_present():
         yield
-    rotary_cos_sin.cache_clear()  # its tables for "cuda:0" were fake tensors
+    clear_rotary_tables()  # its tables for "cuda:0" were fake tensors
     torch._dynamo.reset()  # no graphs compiled for fake CUDA tensors stay cached
     gc.collect()  # fake tensors in cycles freed now, not at exit (see fake_cuda.activate)
     select_device(0)  # DS_ACCELERATOR=cpu again: DeepSpeed's accelerator back to the CPU

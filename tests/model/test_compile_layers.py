@@ -7,6 +7,7 @@ and every layer of a model shares one graph.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,27 @@ def test_one_graph_without_breaks_for_every_layer(name, over, build):
     model = build_sequential_gpt(model_config(name, **over), padded_vocab_size=VOCAB, seed=7, **build)
     assert graphs_and_breaks(model) == (1, 0)
     assert all(cl.is_compiled(m) for m in model.modules() if isinstance(m, ParallelTransformerLayer))
+
+
+def test_rotary_tables_enter_the_graph_as_inputs():
+    """The RoPE cos/sin tables are made once, outside the compiled layers: no layer's graph computes
+    them (before, dynamo traced through the tables' cache and every layer's forward and recompute
+    rebuilt them from an arange), and dynamo warns about no cache wrapper."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = build_sequential_gpt(model_config("llama"), padded_vocab_size=VOCAB, seed=7)
+    cl.compile_layers(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one_step(model)
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert len(graphs) == 1 and not [op for op in ops if "arange" in op or "cos" in op or "sin" in op], ops
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
 
 
 def test_moe_layers_break_once_around_deepspeeds_moe():
