@@ -26,6 +26,7 @@ from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, M
                                            checkpoint_tag, read_meta, step_dir, write_trackers)
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
 from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
+from megatron_ds.checkpoint.vocabulary import VocabSettings, saved_tokenizer
 from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.ds_compat import TorchCheckpointEngine
 from megatron_ds.errors import ConfigError
@@ -118,17 +119,19 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
 
 
 def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: ModelFamily | None = None,
-                    log=print) -> tuple[int, dict]:
+                    vocab: dict | None = None, log=print) -> tuple[int, dict]:
     """Load the checkpoint that ``settings`` (the run's ``CheckpointConfig``) asks for: the newest
     complete one in --load, exactly --ckpt-step, or a DeepSpeed universal one. Returns (iteration,
     client_state); (0, {}) if there is none, iteration 0 with --finetune. A checkpoint of another
     layout (or an imported one) is resharded when ``ps`` (this run's ``ParallelState``) is given.
-    ``family``: this run's model family (None: the GPT)."""
+    ``family``: this run's model family (None: the GPT); ``vocab``: this run's tokenizer
+    (``vocabulary.tokenizer_record``), compared with the checkpoint's before a tensor is read."""
+    vocab = VocabSettings(vocab, settings.allow_vocab_change)
     load_dir = settings.load
     load_optim = settings.load_optim and not settings.finetune
     if settings.universal_checkpoint:
         client = load_universal(engine, load_dir, signature=signature, ps=ps, load_optim=load_optim,
-                                load_lr_state=settings.load_lr_state, family=family, log=log)
+                                load_lr_state=settings.load_lr_state, family=family, vocab=vocab, log=log)
         iteration = client["iteration"]
     else:
         iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
@@ -141,7 +144,8 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: Model
             log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
             return 0, {}
         iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps, family=family,
-                                       load_optim=load_optim, load_lr_state=settings.load_lr_state, log=log)
+                                       load_optim=load_optim, load_lr_state=settings.load_lr_state, vocab=vocab,
+                                       log=log)
     return (0 if settings.finetune else iteration), client
 
 
@@ -158,18 +162,22 @@ def saved_flags(settings, log=print) -> dict | None:
 
 
 def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, family: ModelFamily | None,
-               load_optim: bool, load_lr_state: bool, log) -> tuple[int, dict]:
-    """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded."""
+               load_optim: bool, load_lr_state: bool, vocab: VocabSettings, log) -> tuple[int, dict]:
+    """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded
+    (also to resize the vocabulary rows under --allow-vocab-change)."""
     path = step_dir(load_dir, iteration)
     if not os.path.isfile(os.path.join(path, META)):
         raise ConfigError(f"{os.path.join(path, META)} is missing: {load_dir} has a tracker for iteration "
                           f"{iteration} but not the checkpoint it points to")
     saved = read_meta(path)
-    if ps is not None and needs_reshard(saved, signature, load_optim=load_optim):
+    change = vocab.check(saved_tokenizer(saved), path=path, padded=signature["padded_vocab_size"], meta=saved, log=log)
+    resize = change is not None and change.resizes
+    if ps is not None and (resize or needs_reshard(saved, signature, load_optim=load_optim)):
         shape = {k: v for k, v in signature.items() if k not in LAYOUT_FIELDS}
         check_compatible(saved["signature"], shape, path, load_optim=False)
         client = load_resharded(engine, load_dir, iteration, ps=ps, padded_vocab_size=signature["padded_vocab_size"],
-                                load_optim=load_optim, load_lr_state=load_lr_state, family=family, log=log)
+                                load_optim=load_optim, load_lr_state=load_lr_state, family=family,
+                                vocab_change=change, log=log)
         return client.get("iteration", iteration), client
     check_compatible(saved["signature"], signature, path, load_optim=load_optim)
     # DeepSpeed (0.19) saves the bf16 optimizer's state under ZeRO-0 in its bf16_zero_* files but

@@ -3,7 +3,8 @@
 Layout of ``--save DIR``::
 
     DIR/global_stepN/...                       DeepSpeed's files (module, optimizer, client state)
-    DIR/global_stepN/megatron_ds_config.json   META: the run's flags, layout signature, real vocabulary
+    DIR/global_stepN/megatron_ds_config.json   META: the run's flags, layout signature, real vocabulary,
+                                               tokenizer (``vocabulary``)
     DIR/global_stepN/megatron_ds_manifest.json MANIFEST: every file's size and CRC-32 (``integrity``)
     DIR/latest_checkpointed_iteration.txt      TRACKER, Megatron's: "N"
     DIR/latest                                 DeepSpeed's tracker: "global_stepN" (for its tools)

@@ -17,7 +17,9 @@ from megatron_ds.checkpoint import hf
 from megatron_ds.checkpoint.files import layer_file_name
 from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir
 from megatron_ds.checkpoint.integrity import write_manifest
+from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
 from megatron_ds.config.schema import Config, DataConfig, ModelConfig
+from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.errors import ConfigError
 from megatron_ds.progress import track
 
@@ -65,6 +67,22 @@ def _tokenizer_settings(hf_dir: str, arch: str) -> dict:
     return {}
 
 
+def _tokenizer_facts(data: DataConfig) -> dict | None:
+    """The directory's tokenizer as checkpoints record it (``vocabulary``), so that --load compares it
+    with the run's; None without one (then only the vocabulary rows are compared)."""
+    if data.tokenizer_type is None:
+        return None
+    try:
+        tok = build_tokenizer_for(data, log=None)
+    except ConfigError:  # unreadable here (a missing optional package): the rows are still compared
+        return None
+    try:
+        eod = tok.eod
+    except ConfigError:  # a tokenizer without an end-of-document token
+        eod = None
+    return tokenizer_record(tok, data.tokenizer_type, eod)
+
+
 def _layers(arch: str, m: ModelConfig, w: HFWeights):
     """(global layer index, our layer state dict) for every layer that owns parameters."""
     names = hf.embedding_names(arch)
@@ -97,7 +115,8 @@ def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConf
         torch.save({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tag_dir, layer_file_name(idx, 0)))
     cfg = Config(model=m, data=DataConfig(**_tokenizer_settings(hf_dir, arch)))
     meta = {"signature": signature(m, padded_vocab_size=vocab), "config": cfg.to_dict(), "vocab_size": vocab,
-            "weights_only": True, "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
+            "weights_only": True, "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1],
+            TOKENIZER: _tokenizer_facts(cfg.data)}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)  # complete, and verified when loaded, like a saved checkpoint
     atomic_write(os.path.join(save_dir, TRACKER), "0")  # Megatron's tracker only: there is no DeepSpeed state

@@ -4,7 +4,8 @@ vocabulary may all differ from the run that saved it; the model's shape may not.
 Every rank of the new run fills its own parameters and optimizer state from the saved files:
 
 - weights: each parameter's full tensor is rebuilt from the saved tensor parallel shards
-  (``tp.merge``), resized to this run's padded vocabulary, and this rank's shard taken
+  (``tp.merge``), resized to this run's padded vocabulary (and, under --allow-vocab-change, to
+  another tokenizer's: ``vocabulary``), and this rank's shard taken
   (``tp.split``). With optimizer state, the fp32 master weights are the source (bf16 runs).
 - optimizer state (fp32 masters, Adam ``exp_avg`` / ``exp_avg_sq``, step): read by parameter name
   (``optim_state.SavedOptimizer``: ZeRO / bf16 optimizer shards, ZeRO-3's flat partitions, or the
@@ -37,6 +38,7 @@ from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
 from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.sources import layer_source
+from megatron_ds.checkpoint.vocabulary import VocabChange, fit_vocab_rows
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
 
@@ -98,9 +100,11 @@ def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, di
 
 
 def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_size: int, load_optim: bool,
-                   load_lr_state: bool, family: ModelFamily | None = None, log: Callable = print) -> dict:
+                   load_lr_state: bool, family: ModelFamily | None = None, vocab_change: VocabChange | None = None,
+                   log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from a checkpoint saved at another
-    layout; ``ps`` is this run's ``ParallelState``, ``family`` its model family (None: the GPT).
+    layout; ``ps`` is this run's ``ParallelState``, ``family`` its model family (None: the GPT),
+    ``vocab_change`` a tokenizer change --allow-vocab-change accepted (``vocabulary.fit_vocab_rows``).
     Returns the client state (without RNG states that no longer apply)."""
     ckpt = open_checkpoint(load_dir, iteration, family)
     weights_only = ckpt.meta.get("weights_only", False)
@@ -122,8 +126,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             saved = saved_names.get(name, name)
             if saved not in full:
                 raise ConfigError(f"{ckpt.path} has no tensor for parameter {saved}")
-            shard = {k: tp_rules.split(name, tp_rules.resize_vocab(name, t, padded_vocab_size), ps.tp_size,
-                                       ps.tp_rank, ckpt.model) for k, t in full[saved].items()}
+            fitted = fit_vocab_rows(name, full[saved], padded_vocab_size, vocab_change)
+            shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, ckpt.model) for k, t in fitted.items()}
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)

@@ -42,7 +42,9 @@ from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.expert_files import has_expert_files
 from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
+from megatron_ds.checkpoint.vocabulary import VocabSettings, fit_vocab_rows, rows_only
 from megatron_ds.config.family import ModelFamily
+from megatron_ds.data.tokenizer import canonical_tokenizer_type
 from megatron_ds.errors import ConfigError
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
@@ -206,6 +208,25 @@ class UniversalCheckpoint:
         self.saved_tp = (self.info[SIGNATURE_KEY]["tensor_model_parallel_size"] if self.ours
                          else int(getattr(self.args, "tensor_model_parallel_size", 1)))
 
+    def tokenizer(self) -> dict:
+        """The tokenizer facts it holds (``vocabulary.saved_tokenizer``'s): the real vocabulary size
+        both kinds record, and Megatron-DeepSpeed's --tokenizer-type. Ours recorded its padded size
+        there when it knew no real one: then only the padded rows are compared."""
+        from deepspeed.checkpoint import constants as c  # noqa: PLC0415
+
+        real, padded = self.info.get(c.ORIGINAL_VOCAB_SIZE), self.info.get(c.PADDED_VOCAB_SIZE)
+        if self.ours:
+            sig = self.info[SIGNATURE_KEY]
+            if real and real != padded:
+                return {"type": None, "vocab_size": int(real), "eod": None, "digest": None}
+            return rows_only(sig["padded_vocab_size"], None, sig["tensor_model_parallel_size"])
+        args = self.args
+        if real:
+            return {"type": canonical_tokenizer_type(getattr(args, "tokenizer_type", None)),
+                    "vocab_size": int(real), "eod": None, "digest": None}
+        return rows_only(getattr(args, "padded_vocab_size"), getattr(args, "make_vocab_size_divisible_by", None),
+                         self.saved_tp)
+
     def check_model(self, signature: dict) -> None:
         """The saved model's shape must be this run's (one line naming every difference)."""
         if self.ours:
@@ -250,9 +271,11 @@ class UniversalCheckpoint:
 
 
 def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bool, load_lr_state: bool,
-                   family: ModelFamily | None = None, log: Callable = print) -> dict:
+                   family: ModelFamily | None = None, vocab: VocabSettings | None = None,
+                   log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
-    ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies)."""
+    ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies).
+    ``vocab``: this run's tokenizer, compared with the one the checkpoint was trained with."""
     if family is not None and not family.universal_checkpoints:
         raise ConfigError(f"--universal-checkpoint: universal checkpoints hold GPT models only (pretrain_gpt.py), "
                           f"this run is {family.label}; load its checkpoints with --load alone "
@@ -262,19 +285,21 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
                           "expert files; load the MoE checkpoint with --load alone (it reshards across EP / TP / PP)")
     uc = UniversalCheckpoint(find_universal(load_dir))
     uc.check_model(signature)
+    padded = signature["padded_vocab_size"]
+    change = (vocab or VocabSettings(None)).check(uc.tokenizer(), path=uc.path, padded=padded, log=log)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
                                                                  "swiglu")}, geglu=signature.get("geglu", False))
-    padded = signature["padded_vocab_size"]
     setter = StateSetter(engine)
     for name, param in engine.module.named_parameters():
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")
-        if tp_rules.is_vocab_param(name) and full["fp32"].shape[0] > padded and (real or 0) > padded:
+        too_big = full["fp32"].shape[0] > padded and (real or 0) > padded
+        if change is None and tp_rules.is_vocab_param(name) and too_big:  # (--allow-vocab-change cuts rows)
             raise ConfigError(f"{name}: the checkpoint's vocabulary ({real}) exceeds this run's padded "
                               f"vocabulary ({padded}); use the checkpoint's tokenizer")
-        shard = {k: tp_rules.split(name, tp_rules.resize_vocab(name, t, padded), ps.tp_size, ps.tp_rank, model)
-                 for k, t in full.items()}
+        shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, model)
+                 for k, t in fit_vocab_rows(name, full, padded, change).items()}
         shard["weight"] = shard["fp32"]
         if tuple(shard["weight"].shape) != tuple(param.shape):
             raise ConfigError(f"{name}: the universal checkpoint's tensor gives shape {tuple(shard['weight'].shape)} "

@@ -423,6 +423,10 @@ class CheckpointConfig:
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
     """After each complete save, delete complete checkpoints in --save older than the newest N."""
+    allow_vocab_change: bool = False
+    """Load a --load checkpoint trained with another tokenizer (ours; loading refuses one otherwise):
+    its embedding and output rows are resized to this tokenizer's vocabulary, new rows starting at the
+    mean of the saved ones."""
     # Megatron-DeepSpeed's other checkpoint flags (megatron/arguments.py _add_checkpointing_args)
     load_tag: Optional[str] = None
     """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""

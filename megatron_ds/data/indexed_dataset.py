@@ -13,7 +13,9 @@
 
 Terabytes of existing Megatron data are read through this file, so the reader is zero-copy
 (np.memmap views) and checks the header against the file sizes up front: a truncated or corrupt
-file fails with one line naming the file, not an mmap/numpy traceback deep inside training.
+file fails with one line naming the file, not an mmap/numpy traceback deep inside training. The
+`.bin` must be exactly as long as its `.idx` says (Megatron reads any longer one): an `.idx` of
+another corpus next to it would otherwise train on token runs cut at that corpus's boundaries.
 """
 from __future__ import annotations
 
@@ -130,6 +132,62 @@ class _Index:
         return int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
 
 
+_ENDS_SAMPLED = 32  # documents whose last token _ends_agree reads
+
+
+def _ends_agree(index: _Index, bin_path: str, have: int) -> bool:
+    """Whether documents the ``.bin`` holds whole, sampled across it, all end in one token: the EOD
+    of data preprocessed with --append-eod, wherever the index's document ends fall on that data.
+    The index of another corpus puts its ends on arbitrary tokens of this one."""
+    itemsize = index.dtype.itemsize
+    # O(log N) reads of the mapped index, not a pass over it: sequences are stored in order, so
+    # those starting within ``have`` bytes, and the documents made of them, are a prefix
+    starts = int(np.searchsorted(index.pointers, have, side="right"))
+    whole_docs = int(np.searchsorted(index.doc_idx[1:], starts, side="right"))
+    if whole_docs < 2:
+        return False
+    docs = np.unique(np.linspace(0, whole_docs - 1, min(_ENDS_SAMPLED, whole_docs)).astype(np.int64))
+    last = np.asarray(index.doc_idx[docs + 1]) - 1  # each sampled document's last sequence
+    last = last[(last >= 0) & (last < len(index.sizes))]
+    ends = np.asarray(index.pointers[last]) + (np.asarray(index.sizes[last], np.int64) - 1) * itemsize
+    ends = ends[(np.asarray(index.sizes[last]) > 0) & (ends >= 0) & (ends + itemsize <= have)]
+    if len(ends) < 2:
+        return False
+    data = _memmap(bin_path, np.uint8, 0, have)
+    return len({bytes(data[int(e):int(e) + itemsize]) for e in ends}) == 1
+
+
+def _other_itemsize(index: _Index, have: int) -> int | None:
+    """The item size other than the index's at which the ``.bin`` holds exactly the index's tokens."""
+    tokens = int(np.sum(index.sizes, dtype=np.int64))
+    sizes = sorted({np.dtype(d).itemsize for d in DTYPES.values()} - {index.dtype.itemsize})
+    return next((k for k in sizes if tokens and have == tokens * k), None)
+
+
+def check_data_size(index: _Index, bin_path: str) -> int:
+    """The ``.bin``'s size, which must be exactly what its index describes: the end of its last
+    sequence. Otherwise one line says which of a dtype mismatch (the ``.bin`` holds exactly the
+    index's tokens at another item size), extra bytes (an index of a smaller corpus) or truncation
+    (or an index of a larger corpus: ``_ends_agree`` tells them apart where it can) it is."""
+    if not os.path.exists(bin_path):
+        raise IndexedDatasetError(f"data file {bin_path} does not exist (its index {index.path} does)")
+    need, have = index.data_bytes_needed(), os.path.getsize(bin_path)
+    if have == need:
+        return have
+    head = (f"{bin_path} has {have} bytes, but its index {index.path} ({len(index.sizes)} sequences of "
+            f"{index.dtype.name}) {'needs' if have < need else 'covers'} {need}")
+    other = _other_itemsize(index, have)
+    if other is not None:
+        names = "/".join(sorted(np.dtype(d).name for d in DTYPES.values() if np.dtype(d).itemsize == other))
+        raise IndexedDatasetError(f"{head}: dtype mismatch: the .bin holds exactly the index's tokens as {other}-byte "
+                                  f"ids ({names}), not as {index.dtype.name}; the .idx's dtype does not match its .bin")
+    if have > need:
+        raise IndexedDatasetError(f"{head}: the data file has extra bytes: is this .idx from another .bin?")
+    if _ends_agree(index, bin_path, have):
+        raise IndexedDatasetError(f"{head}: the data file is truncated")
+    raise IndexedDatasetError(f"{head}: the data file is truncated, or this .idx is from another, larger .bin")
+
+
 class MMapIndexedDataset:
     """Zero-copy reader. `ds[i]` is sequence i as a read-only view into the mapped `.bin`."""
 
@@ -140,15 +198,7 @@ class MMapIndexedDataset:
     def _open(self):
         idx_path, bin_path = index_file_path(self._prefix), data_file_path(self._prefix)
         self._index = _Index(idx_path)
-        if not os.path.exists(bin_path):
-            raise IndexedDatasetError(f"data file {bin_path} does not exist (its index {idx_path} does)")
-        need, have = self._index.data_bytes_needed(), os.path.getsize(bin_path)
-        if have < need:
-            raise IndexedDatasetError(
-                f"{bin_path}: {have} bytes but its index needs {need} "
-                f"({len(self._index.sizes)} sequences of {self._index.dtype.name}); the data file is truncated"
-            )
-        self._bin = _memmap(bin_path, np.uint8, 0, have)
+        self._bin = _memmap(bin_path, np.uint8, 0, check_data_size(self._index, bin_path))
 
     # DataLoader workers pickle datasets: a memmap would pickle as a full in-memory copy of the
     # data, so ship the path and map the files again on the other side.
@@ -307,16 +357,13 @@ class MMapIndexedDatasetBuilder:
                 f"cannot merge {another_prefix} ({other.dtype.name}) into a {self._dtype.name} dataset"
             )
         bin_path = data_file_path(another_prefix)
-        need = other.data_bytes_needed()
-        if not os.path.exists(bin_path) or os.path.getsize(bin_path) < need:
-            raise IndexedDatasetError(f"{bin_path}: missing or shorter than the {need} bytes its index needs")
+        need = check_data_size(other, bin_path)
         offset = self._num_seqs
         self._sizes.append(np.array(other.sizes, dtype=np.int32))
         self._num_seqs += len(other.sizes)
         # The other file's doc_idx starts with its own 0, which is our current end: drop it.
         self._doc_ends.append(np.asarray(other.doc_idx[1:], dtype=np.int64) + offset)
         with open(bin_path, "rb") as f:
-            # Copy exactly what the index describes, in case the file has trailing bytes.
             remaining = need
             while remaining:
                 block = f.read(min(remaining, 64 << 20))

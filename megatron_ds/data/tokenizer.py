@@ -29,6 +29,11 @@ VALID_TYPES = (
 _ALIASES = {"HuggingFaceTokenizer": "HFTokenizer"}
 
 
+def canonical_tokenizer_type(tokenizer_type: str | None) -> str | None:
+    """One name per tokenizer type (both spellings of the HF type are the same tokenizer)."""
+    return _ALIASES.get(tokenizer_type, tokenizer_type)
+
+
 GPT2_VOCAB_SIZE = 50257  # what --mock-data uses without a tokenizer or --vocab-size
 
 
@@ -459,7 +464,7 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
                     vocab_size=None, vocab_extra_ids=0, log=print):
     """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
     `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
-    kind = _ALIASES.get(tokenizer_type, tokenizer_type)
+    kind = canonical_tokenizer_type(tokenizer_type)
     if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
         raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
                              f"SentencePieceTokenizer tokenizers only (as in Megatron-DeepSpeed), not {tokenizer_type}")

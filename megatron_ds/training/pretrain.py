@@ -28,7 +28,7 @@ from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, TrainingStopped
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
-from megatron_ds.training.file_checks import check_run_files
+from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
 
@@ -55,6 +55,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     on = "cuda" if on_cuda() or flags.training.fp16 else "cpu"
     run, tokenizer = prepare(flags, ignored, world_size=world, device_type=on, log=lambda *a: None, family=family)
     check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
+    check_load_vocabulary(run, tokenizer, family)
     print(run.describe())
     for note in run.notes:
         print(f"WARNING: {note}")

@@ -10,6 +10,7 @@ import torch
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ds.checkpoint.format import layout_signature
 from megatron_ds.checkpoint.integrity import protect_newer
+from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
@@ -64,7 +65,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
                       loss_names=family.loss_names)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
-    state = _resume(run, rt.engine, ps, signature, family)
+    state = _resume(run, rt.engine, ps, signature, family, _tokenizer_record(run, tokenizer, family))
     training = not run.training.skip_train and state.iteration < layout.train_iters
     train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, family, training=training)
     tb = _scalar_writers(run)
@@ -98,13 +99,18 @@ def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> Train
         raise TrainingStopped(watch.describe(exc, where)) from None
 
 
-def _resume(run: Run, engine, ps, signature: dict, family: ModelFamily) -> TrainState:
+def _tokenizer_record(run: Run, tokenizer, family: ModelFamily) -> dict:
+    """The tokenizer as checkpoints record it, and as --load compares it (``vocabulary``)."""
+    return tokenizer_record(tokenizer, run.data.tokenizer_type, family.eod_token(tokenizer))
+
+
+def _resume(run: Run, engine, ps, signature: dict, family: ModelFamily, vocab: dict) -> TrainState:
     """The state to start from: --load's checkpoint (any layout) or a fresh one; then --save must not
     hold a complete checkpoint newer than that start (it would be overwritten)."""
     ckpt, layout = run.checkpoint, run.layout
     state = TrainState()
     if ckpt.load:
-        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, family=family,
+        iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, family=family, vocab=vocab,
                                             log=print_rank0)
         if iteration:
             state.iteration = iteration
@@ -174,7 +180,8 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: Model
     # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
-            "vocab_size": tokenizer.vocab_size, "model_family": family.name}
+            "vocab_size": tokenizer.vocab_size, "model_family": family.name,
+            TOKENIZER: _tokenizer_record(run, tokenizer, family)}  # compared when loaded
 
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,

@@ -4,13 +4,14 @@ import gzip
 import importlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_ds.data.bpe_reference import ReferenceBPE
-from megatron_ds.data.indexed_dataset import MMapIndexedDataset
+from megatron_ds.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from tests.data.test_tokenizer import VARIED, fuzz_texts, training_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,3 +183,63 @@ def test_progress_and_flag_errors(bpe, tmp_path, capsys):
     assert info.value.code == 2 and "only mmap" in capsys.readouterr().err
     assert run(bpe, tmp_path / "missing*.jsonl", tmp_path / "p") == 1
     assert "matches no file" in capsys.readouterr().err
+
+
+def _refused(prefix) -> str:
+    with pytest.raises(IndexedDatasetError) as info:
+        MMapIndexedDataset(prefix)
+    return str(info.value)
+
+
+def test_an_idx_is_checked_against_its_bin_exactly(bpe, tmp_path, capsys):
+    """The .idx of one preprocessed corpus next to the .bin of another, either way round, a .bin cut short,
+    and an .idx whose dtype byte was changed: each refused in one line saying which it is."""
+    prefixes = []
+    for name, n, seed in (("small", 40, 1), ("large", 300, 2)):  # two corpora sharing no document
+        docs = [{"text": t} for t in fuzz_texts(n, seed) if "\ud800" not in t]
+        assert run(bpe, write_jsonl(tmp_path / f"{name}.jsonl", docs), tmp_path / name, "--append-eod") == 0
+        prefixes.append(str(tmp_path / f"{name}_text_document"))
+    small, large = prefixes
+    small_bin, large_bin = Path(f"{small}.bin").read_bytes(), Path(f"{large}.bin").read_bytes()
+    n_small, n_large = len(MMapIndexedDataset(small)), len(MMapIndexedDataset(large))
+
+    def pair(name, idx_of, data):
+        prefix = str(tmp_path / name)
+        shutil.copy(f"{idx_of}.idx", f"{prefix}.idx")
+        Path(f"{prefix}.bin").write_bytes(data)
+        return prefix
+
+    def head(prefix, n, dtype, verb, need, have):
+        return (f"{prefix}.bin has {have} bytes, but its index {prefix}.idx ({n} sequences of {dtype}) "
+                f"{verb} {need}: ")
+
+    fwd = pair("fwd", small, large_bin)  # Megatron trains on this one without a word
+    assert _refused(fwd) == head(fwd, n_small, "uint16", "covers", len(small_bin), len(large_bin)) + \
+        "the data file has extra bytes: is this .idx from another .bin?"
+    rev = pair("rev", large, small_bin)
+    assert _refused(rev) == head(rev, n_large, "uint16", "needs", len(large_bin), len(small_bin)) + \
+        "the data file is truncated, or this .idx is from another, larger .bin"
+    cut = pair("cut", large, large_bin[:len(large_bin) // 2 + 1])  # every whole document still ends in EOD
+    assert _refused(cut) == head(cut, n_large, "uint16", "needs", len(large_bin), len(large_bin) // 2 + 1) + \
+        "the data file is truncated"
+    wide = pair("wide", large, large_bin)
+    with open(f"{wide}.idx", "r+b") as f:  # the dtype code after the 9-byte magic and the version
+        f.seek(17)
+        assert f.read(1) == bytes([8])  # uint16
+        f.seek(17)
+        f.write(bytes([4]))  # int32: the pointers still count 2-byte tokens
+    last = int(MMapIndexedDataset(large).sizes[-1])
+    assert _refused(wide) == head(wide, n_large, "int32", "needs", len(large_bin) + 2 * last, len(large_bin)) + \
+        "dtype mismatch: the .bin holds exactly the index's tokens as 2-byte ids (int16/uint16), not as int32; " \
+        "the .idx's dtype does not match its .bin"
+
+    # as a user meets it: pretrain_gpt.py --dry-run (and start-up) refuses the data in that one line
+    from megatron_ds.families import main  # noqa: PLC0415 - the entry point's imports only here
+
+    vocab, merges = bpe
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+            "--train-iters 10 --lr 1e-3 --eval-iters 1 --dry-run --world-size 1 --tokenizer-type GPT2BPETokenizer "
+            f"--vocab-file {vocab} --merge-file {merges} --data-path {fwd}").split()
+    capsys.readouterr()
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip() == f"error: {_refused(fwd)}"
