@@ -421,7 +421,8 @@ class CheckpointConfig:
     """Load exactly this iteration's checkpoint from --load (an error if it is damaged) instead of the
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
-    """After each complete save, delete complete checkpoints in --save older than the newest N."""
+    """After each complete save, once its weights gave a finite loss (the next iteration, or the run's end),
+    delete complete checkpoints in --save older than the newest N."""
     # Megatron-DeepSpeed's other checkpoint flags (megatron/arguments.py _add_checkpointing_args)
     load_tag: Optional[str] = None
     """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
