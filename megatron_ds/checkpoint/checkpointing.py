@@ -14,22 +14,26 @@ DeepSpeed classes its optimizer states contain, instead of unpickling arbitrary 
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint import integrity
+from megatron_ds.checkpoint import health, integrity
 from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, META, TRACKER, atomic_write,
-                                           checkpoint_tag, read_meta, step_dir, write_trackers)
+                                           checkpoint_tag, read_meta, read_tracker, step_dir, write_trackers)
+from megatron_ds.checkpoint.health import HEALTH
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
+from megatron_ds.checkpoint.room import human_bytes
 from megatron_ds.checkpoint.universal import UC_INFO, checkpoint_info, load_universal
 from megatron_ds.checkpoint.vocabulary import VocabSettings, saved_tokenizer
 from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.ds_compat import TorchCheckpointEngine
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, TrainingStopped
 
 
 def check_compatible(saved: dict, current: dict, path: str, *, load_optim: bool) -> None:
@@ -63,7 +67,33 @@ def _is_zip(path: str) -> bool:
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, but loading with weights_only=True."""
+    """DeepSpeed's torch checkpoint engine, but loading with weights_only=True, and writing through a
+    Python file so that a full disk is reported as the OSError it is (ENOSPC, EDQUOT, EIO: torch's
+    own writer says only "unexpected pos 14976 vs 14868"). A write error is kept, not raised, so this
+    rank still reaches the collectives of DeepSpeed's save; ``save_checkpoint`` then stops every rank
+    with it (``take_write_error``)."""
+
+    write_error: OSError | None = None
+
+    def save(self, state_dict, path: str):
+        if self.write_error is not None:
+            return  # the disk is full (or gone): the files after the first failed one would fail too
+        try:
+            with open(path, "wb") as f:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
+        except OSError as exc:
+            self.write_error = exc if exc.filename else OSError(exc.errno, exc.strerror, path)
+
+    def makedirs(self, path, exist_ok=False):
+        if self.write_error is None:
+            try:
+                super().makedirs(path, exist_ok=exist_ok)
+            except OSError as exc:
+                self.write_error = exc
+
+    def take_write_error(self) -> OSError | None:
+        error, self.write_error = self.write_error, None
+        return error
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(ds_compat.checkpoint_safe_globals()):
@@ -91,11 +121,16 @@ def install_safe_loading(engine, log=print) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
-                    keep_last: int | None = None, family: ModelFamily | None = None, log=print) -> None:
+                    loss: float | None = None, room: int | None = None, family: ModelFamily | None = None,
+                    log=print) -> None:
     """Write ``engine``'s checkpoint of ``iteration`` with ``meta`` (the run's record) and its manifest,
-    then the trackers; ``family``: the run's model family (None: the GPT)."""
+    then the trackers; ``family``: the run's model family (None: the GPT). ``loss``: the iteration's
+    loss, recorded with it; a non-finite loss, weight or optimizer-state value is not saved
+    (``health.NonFiniteState``). A write error on any rank (a full disk) stops every rank with one
+    line (``_WriteFailure``; ``room``: the bytes one checkpoint needs, for that line). --keep-last's
+    pruning is the caller's (``integrity.prune``): it waits until these weights gave a finite loss."""
+    meta = {**meta, HEALTH: health.check_before_save(engine, iteration, loss)}
     tag = checkpoint_tag(iteration)
-    os.makedirs(save_dir, exist_ok=True)
     # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
     # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
@@ -106,16 +141,86 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     universal = family is None or family.universal_checkpoints
     if sig is not None and EXPERT_PARALLEL_SIZE not in sig and universal:
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
+    failure = _WriteFailure(save_dir, iteration, room)
+    # every step ends with every rank knowing whether all ranks' writes succeeded (no rank waits in
+    # a collective for one that raised); the trackers come last, after the manifest marks it complete
+    failure.step(_write_files, engine, save_dir, tag, client_state, meta)
+    failure.step(integrity.write_manifest, os.path.join(save_dir, tag), iteration)
+    failure.step(_track, save_dir, iteration, log)
+
+
+def _write_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict) -> None:
+    """Every rank's DeepSpeed files, then rank 0's record of the run (complete only once the manifest exists)."""
+    os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier()  # every rank has written its files
+    writer = ds_compat.checkpoint_engine(engine)
+    error = writer.take_write_error() if isinstance(writer, WeightsOnlyCheckpointEngine) else None
+    if error is not None:
+        raise error
     if dist.get_rank() == 0:
-        meta = {**meta, COMPLETENESS[0]: COMPLETENESS[1]}  # complete only once the manifest exists
+        meta = {**meta, COMPLETENESS[0]: COMPLETENESS[1]}
         atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
-    integrity.write_manifest(os.path.join(save_dir, tag), iteration)  # collective; marks it complete
+
+
+def _track(save_dir: str, iteration: int, log) -> None:
     if dist.get_rank() == 0:
         write_trackers(save_dir, iteration)
-        integrity.prune(save_dir, iteration, keep_last, log=log)
-    dist.barrier()
+        integrity.prune(save_dir, iteration, None, log=log)  # the interrupted saves moved aside
+
+
+class _WriteFailure:
+    """A save's write errors (ENOSPC, EDQUOT, EIO, ...: any OSError), agreed on by every rank: the
+    first failing rank's error becomes one line on every rank, naming the directory, the room one
+    checkpoint needs and the room left, and the previous checkpoint, which the failed save never
+    touched (the trackers still point at it). The partial save is removed first: nothing can load
+    it, and it holds the space the next attempt needs."""
+
+    def __init__(self, save_dir: str, iteration: int, room: int | None):
+        self.save_dir, self.iteration, self.room = save_dir, iteration, room
+
+    def step(self, write, *args) -> None:
+        """Collective: ``write(*args)`` on every rank; raises TrainingStopped on every rank if it failed on any."""
+        try:
+            write(*args)
+            mine = None
+        except OSError as exc:
+            mine = (dist.get_rank(), exc.errno, exc.strerror or type(exc).__name__, exc.filename)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, mine)
+        first = next((e for e in errors if e is not None), None)
+        if first is None:
+            return
+        box = [self._report(*first) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        raise TrainingStopped(box[0])
+
+    def _report(self, rank: int, code: int | None, reason: str, filename: str | None) -> str:
+        """rank 0: remove the partial save, then the line every rank raises."""
+        path = step_dir(self.save_dir, self.iteration)
+        who = f" on rank {rank}" if dist.get_world_size() > 1 else ""
+        removed = ""
+        if integrity.interrupted(path):
+            integrity.discard(path)
+            removed = f"; removed the partial {path}"
+        free = human_bytes(shutil.disk_usage(_existing(self.save_dir)).free)
+        need = f", one checkpoint needs about {human_bytes(self.room)}" if self.room else ""
+        remedy = "free space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the filesystem"
+        previous = read_tracker(self.save_dir)[0]  # the failed save never reached the trackers
+        if previous is not None and previous != self.iteration:
+            kept = step_dir(self.save_dir, previous)
+            state = "is intact" if integrity.quick_status(kept) is None else "was not touched by this save"
+            after = f"the previous checkpoint {kept} {state}: {remedy} (or choose another --save) and resume with " \
+                    f"--load {self.save_dir}"
+        else:
+            after = f"{self.save_dir} holds no earlier checkpoint: {remedy} or choose another --save"
+        return (f"saving checkpoint {self.iteration} to {self.save_dir} failed{who}: {reason} writing "
+                f"{filename or self.save_dir} ({free} free{need}){removed}; {after}")
+
+
+def _existing(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: ModelFamily | None = None,
@@ -133,6 +238,7 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: Model
         client = load_universal(engine, load_dir, signature=signature, ps=ps, load_optim=load_optim,
                                 load_lr_state=settings.load_lr_state, family=family, vocab=vocab, log=log)
         iteration = client["iteration"]
+        health.check_state(engine, load_dir)
     else:
         iteration = integrity.choose_checkpoint(load_dir, exact_step=settings.ckpt_step, log=log)
         if iteration is None:
@@ -143,9 +249,13 @@ def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: Model
                                   f"--exit-on-missing-checkpoint is set")
             log(f"WARNING: no {TRACKER} in --load {load_dir}; starting from scratch")
             return 0, {}
+        path = step_dir(load_dir, iteration)
+        recorded = health.check_record(path, read_meta(path) if os.path.isfile(os.path.join(path, META)) else None)
         iteration, client = _load_step(engine, load_dir, iteration, signature=signature, ps=ps, family=family,
                                        load_optim=load_optim, load_lr_state=settings.load_lr_state, vocab=vocab,
                                        log=log)
+        if not recorded:
+            health.check_state(engine, path)
     return (0 if settings.finetune else iteration), client
 
 

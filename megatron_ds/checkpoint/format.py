@@ -67,11 +67,16 @@ def list_steps(directory: str) -> list[int]:
 def atomic_write(path: str, text: str) -> None:
     """Write ``path`` whole or not at all (temp file, fsync, rename): a crash leaves the old file."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: leave no half-written temp file behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def write_trackers(directory: str, iteration: int) -> None:

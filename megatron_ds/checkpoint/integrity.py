@@ -300,7 +300,7 @@ def prune(save_dir: str, newest: int, keep_last: int | None, *, log=print) -> No
         if name.endswith(DELETING):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
         elif _INTERRUPTED_ASIDE.match(name):
-            _delete(os.path.join(save_dir, name))
+            discard(os.path.join(save_dir, name))
             log(f"deleted the interrupted save {os.path.join(save_dir, name)} (checkpoint {newest} is complete)")
     if not keep_last:
         return
@@ -308,10 +308,12 @@ def prune(save_dir: str, newest: int, keep_last: int | None, *, log=print) -> No
                 and quick_status(step_dir(save_dir, s)) is None]
     for step in complete[keep_last:]:
         path = step_dir(save_dir, step)
-        _delete(path)
+        discard(path)
         log(f"deleted checkpoint {path} (--keep-last {keep_last})")
 
 
-def _delete(path: str) -> None:
+def discard(path: str) -> None:
+    """Not collective: delete a checkpoint folder, renamed first so that a kill midway leaves a
+    ``*.deleting`` folder (finished by the next prune), never a half-deleted checkpoint."""
     os.rename(path, path + DELETING)
     shutil.rmtree(path + DELETING, ignore_errors=True)

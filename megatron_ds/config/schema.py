@@ -422,7 +422,8 @@ class CheckpointConfig:
     """Load exactly this iteration's checkpoint from --load (an error if it is damaged) instead of the
     newest complete one (Megatron-LM's --ckpt-step)."""
     keep_last: Optional[int] = None
-    """After each complete save, delete complete checkpoints in --save older than the newest N."""
+    """After each complete save, once its weights gave a finite loss (the next iteration, or the run's end),
+    delete complete checkpoints in --save older than the newest N."""
     allow_vocab_change: bool = False
     """Load a --load checkpoint trained with another tokenizer (ours; loading refuses one otherwise):
     its embedding and output rows are resized to this tokenizer's vocabulary, new rows starting at the

@@ -16,7 +16,7 @@ from megatron_ds.config.run import Run
 from megatron_ds.data.gpt_dataset import check_train_valid_test_data
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.data import samples_per_split
-from megatron_ds.training.startup_checks import check_save_dir, checkpoint_bytes
+from megatron_ds.training.startup_checks import check_save_dir
 
 
 def check_run_files(run: Run, warn=print) -> None:
@@ -24,7 +24,7 @@ def check_run_files(run: Run, warn=print) -> None:
     _check_data(run, warn)
     _check_load(run.checkpoint.load, warn)
     if run.checkpoint.save:
-        check_save_dir(run.checkpoint.save, checkpoint_bytes(run.layout), dry_run_warn=warn)
+        check_save_dir(run.checkpoint, run.layout, dry_run_warn=warn)
 
 
 def check_load_vocabulary(run: Run, tokenizer, family, log=print) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
+from megatron_ds.checkpoint.health import NonFiniteState
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
@@ -36,6 +37,9 @@ class TrainState:
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
+    last_loss: float | None = None  # the loss of the latest iteration (NaN/inf too), saved with a checkpoint
+    last_checkpoint: str | None = None  # the checkpoint this run loaded or saved last
+    finite_since_checkpoint: bool = False  # a finite loss came after last_checkpoint (its weights gave one)
     exited_early: bool = False  # stopped by --exit-interval / --exit-duration-in-mins / a signal
     stop_reason: str | None = None
     history: list = field(default_factory=list)  # (iteration, loss) of finite losses: tests read it
@@ -117,6 +121,20 @@ def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> f
     return float(acc) / (eval_iters * layout.grad_accum_steps * (dist.get_world_size(dp_group) // layout.sp))
 
 
+def diverged(state: TrainState, what: str) -> str:
+    """One line for a run that stops because its loss or state went NaN/inf: ``what`` happened, and
+    which checkpoint to go back to -- the last one this run loaded or saved, unless the loss was
+    NaN/inf at every iteration since (then its weights are what diverged: an older one)."""
+    remedy = "lower --lr, check the data, or use --bf16 instead of --fp16"
+    if state.last_checkpoint is None:
+        return f"{what}; stopping (this run loaded and saved no checkpoint): {remedy}"
+    if state.finite_since_checkpoint:
+        return (f"{what}; stopping without saving. The last good checkpoint is {state.last_checkpoint}: resume "
+                f"from it and {remedy}")
+    return (f"{what}; stopping without saving. The loss was NaN/inf at every iteration since {state.last_checkpoint} "
+            f"(its weights diverged): resume from an older checkpoint (--ckpt-step N) and {remedy}")
+
+
 @dataclass
 class _Window:
     """What the iteration line reports: the iterations since the last line."""
@@ -138,6 +156,9 @@ class Loop:
     device: torch.device
     tb: object  # mlog.TensorBoard / wandb_log.ScalarWriters: .scalars(step, values)
     save: Callable[[TrainState], None]
+    # --keep-last's deletions after the newest save: called after every iteration with a finite loss (the
+    # newest checkpoint's weights, or their successors, gave one) and at the end of the run
+    prune: Callable[[TrainState], None] | None = None
     start_time: float = 0.0
     stop_signals: StopSignals | None = None
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
@@ -179,6 +200,8 @@ class Loop:
             state.iteration += 1
             plan.end(state, batch)
             self._account(state, loss, window)
+            if self.prune is not None and math.isfinite(loss):
+                self.prune(state)
             if state.iteration % self.run.logging.log_interval == 0 or not plan.keep_going(state):
                 self._log(state, window, batch, plan.seqlen)
                 window = _Window(time.time(), self.engine.skipped_steps)
@@ -190,7 +213,9 @@ class Loop:
                 break
             window.start += time.time() - paused
         if ckpt.save and last_saved != state.iteration:
-            self.save(state)
+            self._save(state)
+        if self.prune is not None:  # no iteration follows the last save: its loss was finite, as it must be
+            self.prune(state)
         return state
 
     def _killed_before_start(self, state: TrainState) -> bool:
@@ -207,8 +232,10 @@ class Loop:
         if self.run.training.empty_unused_memory_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
         window.iterations += 1
+        state.last_loss = loss
         if math.isfinite(loss):
             state.consecutive_nans = 0
+            state.finite_since_checkpoint = True
             state.history.append((state.iteration, loss))
             window.losses.append(loss)
             return
@@ -216,9 +243,16 @@ class Loop:
         state.consecutive_nans += 1
         window.nans += 1
         if state.consecutive_nans >= self.run.training.max_consecutive_nan_iters:
-            raise TrainingStopped(f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
-                                  f"(last at iteration {state.iteration}); stopping. Lower --lr, check "
-                                  f"the data, or use --bf16 instead of --fp16")
+            raise TrainingStopped(diverged(state, f"loss was NaN/inf for {state.consecutive_nans} iterations in a row "
+                                                  f"(last at iteration {state.iteration})"))
+
+    def _save(self, state: TrainState) -> None:
+        """The save function, except that a diverged state (``NonFiniteState``: the checkpoint was not
+        written) stops the run in one line naming the checkpoint to go back to."""
+        try:
+            self.save(state)
+        except NonFiniteState as exc:
+            raise TrainingStopped(diverged(state, f"training diverged: {exc}")) from None
 
     def _log(self, state: TrainState, window: _Window, batch: int, seqlen: int) -> None:
         """Megatron's iteration line for the window, and the same scalars to TensorBoard / W&B."""
@@ -274,7 +308,7 @@ class Loop:
         exit_now = (t.exit_interval and state.iteration % t.exit_interval == 0) or stop is not None
         saved = bool(ckpt.save and (saving_due or exit_now))
         if saved:
-            self.save(state)
+            self._save(state)
         if exit_now:
             state.stop_reason = {"signal": "stop signal received", "time": "--exit-duration-in-mins",
                                  "kill switch": f"kill switch {t.kill_switch_file} found"}.get(stop, "--exit-interval")

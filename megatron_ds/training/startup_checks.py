@@ -1,6 +1,7 @@
-"""Checks that run at start-up, before any compute: the --save directory (writable, room for one
-checkpoint, not used by another job), the rendezvous port, and a start-up barrier that names the
-ranks that never arrived. Every failure is a ConfigError with one line saying what to change."""
+"""Checks that run at start-up, before any compute: the --save directory (writable, room for the next
+checkpoint -- a warning when not for all the run's saves -- and not used by another job), the
+rendezvous port, and a start-up barrier that names the ranks that never arrived. Every failure is a
+ConfigError with one line saying what to change."""
 from __future__ import annotations
 
 import errno
@@ -11,16 +12,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron_ds.checkpoint.format import layout_signature, read_tracker
 from megatron_ds.checkpoint.lock import LockHeld, SaveLock
+from megatron_ds.checkpoint.room import (checkpoint_room, complete_checkpoints, human_bytes, peak_new_checkpoints,
+                                         saves_planned)
 from megatron_ds.errors import ConfigError
-
-
-def checkpoint_bytes(layout) -> int:
-    """Estimated size of one checkpoint: the module in its precision plus fp32 master weights and
-    two Adam moments (12 bytes/parameter) when mixed precision keeps them, 8 (moments) in fp32."""
-    weight = {"fp16": 2, "bf16": 2}.get(layout.precision, 4)
-    optimizer = 12 if weight == 2 else 8
-    return layout.total_params * (weight + optimizer)
 
 
 def _probe_writable(directory: str) -> None:
@@ -40,11 +36,15 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def check_save_dir(save_dir: str, needed_bytes: int, *, dry_run_warn=None) -> None:
-    """--save must be writable and have room for one checkpoint (found now, not at the first save).
-    With ``dry_run_warn`` (--dry-run) a --save that does not exist yet is not created (its nearest
-    existing parent is probed instead), and too little room is a warning: the room may change
-    before the job starts, whose start-up checks it again."""
+def check_save_dir(settings, layout, *, dry_run_warn=None, log=print) -> None:
+    """--save (``settings``: the run's CheckpointConfig) must be writable and have room for the next
+    checkpoint (found now, not when the first save fails), measured from a checkpoint of this layout
+    in --save or --load where there is one, else estimated (``checkpoint.room``). Room for fewer
+    checkpoints than the run writes (and keeps: --keep-last) is a warning, which names the
+    --keep-last that fits where there is one. With ``dry_run_warn`` (--dry-run) a --save that does not
+    exist yet is not created (its nearest existing parent is probed instead), and too little room is
+    a warning: the room may change before the job starts, whose start-up checks it again."""
+    save_dir = settings.save
     where = save_dir if dry_run_warn is None else _nearest_existing(save_dir)
     try:
         if not os.path.isdir(where) and dry_run_warn is not None:
@@ -55,13 +55,38 @@ def check_save_dir(save_dir: str, needed_bytes: int, *, dry_run_warn=None) -> No
         raise ConfigError(f"--save {save_dir} is not writable ({reason}"
                           f"{': ' + exc.filename if exc.filename and exc.filename != save_dir else ''}); "
                           f"choose a directory this job can write to") from None
+    start = 0 if settings.finetune or not settings.load else (read_tracker(settings.load)[0] or 0)
+    saves = saves_planned(start, layout.train_iters, settings.save_interval)
+    if saves == 0:
+        return
     free = shutil.disk_usage(where).free
-    if free < needed_bytes:
-        problem = (f"--save {save_dir} has {free / 1e9:.1f} GB free, but one checkpoint needs about "
-                   f"{needed_bytes / 1e9:.1f} GB; free space, use --keep-last, or choose another --save")
+    size, how = checkpoint_room(layout, layout_signature(layout), (save_dir, settings.load))
+    if free < size:
+        # pruning (--keep-last) runs after a save completes: it cannot make room for the first one
+        problem = (f"--save {save_dir} has {human_bytes(free)} free, but one checkpoint needs about "
+                   f"{human_bytes(size)} ({how}); free space or choose another --save")
         if dry_run_warn is None:
             raise ConfigError(problem)
         dry_run_warn(f"WARNING: {problem}")
+        return
+    warning = _room_for_saves(save_dir, free, size, saves, settings.keep_last)
+    if warning:
+        (dry_run_warn or log)(warning)
+
+
+def _room_for_saves(save_dir: str, free: int, size: int, saves: int, keep_last: int | None) -> str | None:
+    """A warning when the run's saves (less what --keep-last prunes after each) outgrow ``free``."""
+    existing = complete_checkpoints(save_dir)
+    fits = free // size
+    need = peak_new_checkpoints(saves, existing, keep_last)
+    if need <= fits:
+        return None
+    kept = f" with --keep-last {keep_last}" if keep_last else ""
+    line = (f"WARNING: --save {save_dir} has room for {fits} more checkpoint{'s' if fits != 1 else ''} "
+            f"({human_bytes(free)} free, about {human_bytes(size)} each), but this run's {saves} saves{kept} "
+            f"need room for {need} at once: a later save will fail with the disk full")
+    best = fits - 1 + existing  # the largest --keep-last whose saves fit (``peak_new_checkpoints``)
+    return line + (f"; pass --keep-last {best}, or free space" if best >= 1 else "; free space or choose another --save")
 
 
 def _agree(error: str | None) -> None:
@@ -74,13 +99,15 @@ def _agree(error: str | None) -> None:
         raise ConfigError(error)
 
 
-def prepare_save_dir(save_dir: str, layout, timeout_minutes: float, log=print) -> SaveLock | None:
-    """Collective: rank 0 checks --save and takes its lock. Returns the lock on rank 0. Waiting for a
-    holder that may be gone (``lock``) ends well before the other ranks' collective would time out."""
+def prepare_save_dir(settings, layout, timeout_minutes: float, log=print) -> SaveLock | None:
+    """Collective: rank 0 checks --save (``settings``: the run's CheckpointConfig) and takes its lock.
+    Returns the lock on rank 0. Waiting for a holder that may be gone (``lock``) ends well before the
+    other ranks' collective would time out."""
+    save_dir = settings.save
     lock, error = None, None
     if dist.get_rank() == 0:
         try:
-            check_save_dir(save_dir, checkpoint_bytes(layout))
+            check_save_dir(settings, layout, log=log)
             lock = SaveLock(save_dir)
             lock.acquire(log=log, wait_limit_s=0.8 * timeout_minutes * 60)
         except (ConfigError, LockHeld) as exc:

@@ -8,8 +8,9 @@ import sys
 import torch
 
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
-from megatron_ds.checkpoint.format import layout_signature
-from megatron_ds.checkpoint.integrity import protect_newer
+from megatron_ds.checkpoint.format import layout_signature, step_dir
+from megatron_ds.checkpoint.integrity import protect_newer, prune as prune_checkpoints
+from megatron_ds.checkpoint.room import checkpoint_room
 from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.run import Run
@@ -53,7 +54,7 @@ def _startup_checks(run: Run):
     startup_barrier(timeout)
     watch = CollectiveWatch(timeout)
     save = run.checkpoint.save
-    lock = prepare_save_dir(save, run.layout, timeout, log=print_rank0) if save else None
+    lock = prepare_save_dir(run.checkpoint, run.layout, timeout, log=print_rank0) if save else None
     return lock, watch
 
 
@@ -71,8 +72,8 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     tb = _scalar_writers(run)
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb,
-                        save=_saver(run, rt.engine, tokenizer, signature, ps.dp_group, family),
+            save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family)
+            loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report, count_flops=family.flops,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
@@ -112,6 +113,9 @@ def _resume(run: Run, engine, ps, signature: dict, family: ModelFamily, vocab: d
     if ckpt.load:
         iteration, client = load_checkpoint(engine, ckpt, signature=signature, ps=ps, family=family, vocab=vocab,
                                             log=print_rank0)
+        if iteration or client:  # what a diverged run names as the checkpoint to go back to
+            state.last_checkpoint = ckpt.load if ckpt.universal_checkpoint else \
+                step_dir(ckpt.load, client.get("iteration", iteration))
         if iteration:
             state.iteration = iteration
             state.consumed_train_samples = client.get("consumed_train_samples", iteration * layout.global_batch_size)
@@ -175,22 +179,34 @@ def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
 
 
 def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: ModelFamily):
-    """The loop's save function: DeepSpeed's checkpoint with the run's counters, RNG states and record."""
+    """The loop's save and prune functions: DeepSpeed's checkpoint with the run's counters, RNG states
+    and record; --keep-last's deletions once the newest checkpoint's weights gave a finite loss."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
             "vocab_size": tokenizer.vocab_size, "model_family": family.name,
             TOKENIZER: _tokenizer_record(run, tokenizer, family)}  # compared when loaded
+    rank0 = torch.distributed.get_rank() == 0
+    unpruned = []  # the iteration saved last, until prune() has run for it
 
     def save(st: TrainState) -> None:
+        # the room one checkpoint needs, named if the disk is full (rank 0 writes that line)
+        room = checkpoint_room(run.layout, signature, (ckpt.save, ckpt.load))[0] if rank0 else None
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if ckpt.save_rng:
             client["rng"] = _rng_states(run, dp_group)
-        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, keep_last=ckpt.keep_last,
+        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, loss=st.last_loss, room=room,
                         family=family, log=print_rank0)
+        st.last_checkpoint, st.finite_since_checkpoint = step_dir(ckpt.save, st.iteration), False
+        unpruned[:] = [st.iteration]
         print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
 
-    return save
+    def prune(st: TrainState) -> None:
+        if unpruned and ckpt.keep_last and rank0:
+            prune_checkpoints(ckpt.save, unpruned[0], ckpt.keep_last, log=print_rank0)
+        unpruned.clear()
+
+    return save, prune

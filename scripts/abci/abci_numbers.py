@@ -87,7 +87,7 @@ def resolved(argv: list[str], script: str = ""):
 
 def header_lines(script: str) -> list[str]:
     from megatron_ds.config import memory
-    from megatron_ds.training.startup_checks import checkpoint_bytes
+    from megatron_ds.checkpoint.room import estimated_bytes
 
     run, budget = resolved(dry_run_argv(script, {}), script)
     est = memory.estimate_memory(run.layout)
@@ -97,7 +97,7 @@ def header_lines(script: str) -> list[str]:
     return [f"#   stage {est.stage}: weights + gradients + optimizer states {states / gb:.2f} GB, activations "
             f"{terms['activations'] / gb:.2f} GB;",
             f"#   total {est.total / gb:.2f} of {budget / gb:.0f} GB. One checkpoint (weights and optimizer states): "
-            f"~{checkpoint_bytes(run.layout) / 1e9:.0f} GB"]
+            f"~{estimated_bytes(run.layout) / 1e9:.0f} GB"]
 
 
 def doc_block(case: str) -> str:

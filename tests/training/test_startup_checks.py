@@ -235,15 +235,19 @@ def test_dp_change_on_load_names_no_load_optim():
     check_compatible(saved, now, "ckpt/global_step6", load_optim=False)  # weights only: DP may change
 
 
-def test_not_enough_room_for_one_checkpoint(tmp_path):
-    from megatron_ds.errors import ConfigError
-    from megatron_ds.training.startup_checks import check_save_dir, checkpoint_bytes
+def test_checkpoint_size_estimate_and_units():
+    from megatron_ds.checkpoint.room import estimated_bytes, human_bytes, peak_new_checkpoints, saves_planned
 
-    class Layout:  # what checkpoint_bytes reads: 13B parameters in bf16 with Adam
+    class Layout:  # what estimated_bytes reads: 13B parameters in bf16 with Adam
         total_params, precision = 13_000_000_000, "bf16"
 
-    assert checkpoint_bytes(Layout) == 13_000_000_000 * (2 + 12)  # bf16 weights + fp32 master and moments
-    with pytest.raises(ConfigError, match=r"has [0-9.]+ GB free, but one checkpoint needs about 1000000000\.0 GB"):
-        check_save_dir(str(tmp_path / "ckpt"), 10 ** 18)
-    check_save_dir(str(tmp_path / "ckpt"), 1)
-    assert os.listdir(tmp_path / "ckpt") == []  # the write probe leaves nothing behind
+    assert estimated_bytes(Layout) == 13_000_000_000 * (2 + 12)  # bf16 weights + fp32 master and moments
+    assert [human_bytes(n) for n in (512, 436_355, 1_450_000, 182e9)] == ["512 B", "436 KB", "1.45 MB", "182 GB"]
+    # saves at 2, 4 and the final one at 5 (training.loop); resumed at 4: the one at 5
+    assert saves_planned(0, 5, 2) == 3 and saves_planned(4, 5, 2) == 1 and saves_planned(4, 4, 2) == 0
+    # counted by hand: 1 checkpoint kept, 5 saves, --keep-last 2: before save 2 the directory holds 2
+    # (the old one and save 1), so 2 new ones at once; without --keep-last all 5
+    assert peak_new_checkpoints(5, 1, 2) == 2 and peak_new_checkpoints(5, 1, None) == 5
+    assert peak_new_checkpoints(5, 4, 2) == 1  # pruned down to 2 after the first save: never more than now
+
+
