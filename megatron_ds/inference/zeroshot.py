@@ -140,7 +140,10 @@ def wikitext_perplexity(model: InferenceModel, raw_text: str, tokenizer, *, seq_
     tokens = tokenizer.tokenize(detokenize(raw_text))
     if len(tokens) < 2 or num_original < 2:
         raise ValueError("the text is too short: Megatron's averages divide by the token counts minus one")
-    ids, mask = lm_windows(tokens, seq_len, tokenizer.eod, overlapping_eval)
+    # Megatron pads with end-of-document; padding sits after the text under causal attention and is
+    # never scored, so its id changes no number, and id 0 exists in every model (a NullTokenizer's
+    # end-of-document may lie past the checkpoint's vocabulary).
+    ids, mask = lm_windows(tokens, seq_len, 0, overlapping_eval)
     nll = _masked_nll(model, ids, mask, batch_size, show_progress)
     loss = nll / (len(tokens) - 1)
     ratio = (len(tokens) - 1) / (num_original - 1)
