@@ -17,12 +17,23 @@ LAMBADA (--lambada FILE.jsonl, one {"text": ...} per line): the whole last word 
 prediction at each of its tokens, given the text before it (Megatron's --strict-lambada; pass
 --lambada-last-token for its non-strict variant).
 
+Megatron's zero-shot tasks (tasks/main.py --task, as tasks/zeroshot_gpt computes them):
+  * --task WIKITEXT103 --valid-data wiki.test.tokens: the file detokenized by Megatron's rules (picked
+    by its name: ptb, wiki, lambada; --detokenizer overrides), windows of --seq-length tokens (default:
+    the model's) every --overlapping-eval tokens (Megatron's default 32), and Megatron's avg loss, ppl,
+    adjusted ppl (per original whitespace word) and token ratio;
+  * --task LAMBADA --valid-data lambada_test.jsonl: last-token accuracy, or last-word with
+    --strict-lambada.
+--micro-batch-size is accepted for --batch-size.
+
 Results are printed and written as JSON (--output, default: evaluation.json).
 
 Examples:
   python tools/evaluate.py --load checkpoints --ppl-data data/corpus_text_document --max-tokens 50000
   python tools/evaluate.py --load checkpoints --ppl-data wiki.test.txt --window 1024 --stride 512
   python tools/evaluate.py --hf-model hf_export --lambada lambada_test.jsonl --output lambada.json
+  python tools/evaluate.py --load checkpoints --task WIKITEXT103 --valid-data wiki.test.tokens \
+      --overlapping-eval 32 --seq-length 1024
 """
 from __future__ import annotations
 
@@ -36,6 +47,8 @@ import numpy as np
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
 from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity
 from megatron_ds.inference.runtime import add_model_args, close_session, open_session
+from megatron_ds.inference.zeroshot import (DETOKENIZERS, MEGATRON_OVERLAPPING_EVAL, detokenizer_for, read_text,
+                                            wikitext_perplexity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,14 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, default=None, help="tokens per window (default: the model's seq length)")
     g.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     g.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
-    g.add_argument("--batch-size", type=int, default=4, help="windows (or LAMBADA samples x2) per forward")
+    g.add_argument("--batch-size", "--micro-batch-size", type=int, default=4,
+                   help="windows (or LAMBADA samples x2) per forward")
     g = p.add_argument_group("lambada")
     g.add_argument("--lambada", help="JSONL file with a 'text' per line")
     g.add_argument("--lambada-last-token", action="store_true", help="score the last token, not the last word")
+    add_task_args(p)
     g = p.add_argument_group("output")
     g.add_argument("--output", default="evaluation.json", help="JSON file for the results")
     g.add_argument("--no-progress", action="store_true", help="no progress lines")
     return p
+
+
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """Megatron's tasks/main.py flags for tasks/zeroshot_gpt, with its defaults."""
+    g = p.add_argument_group("Megatron zero-shot tasks (tasks/main.py)")
+    g.add_argument("--task", choices=("WIKITEXT103", "LAMBADA"), default=None, help="Megatron's zero-shot task")
+    g.add_argument("--valid-data", nargs="*", default=None, help="the task's one data file")
+    g.add_argument("--overlapping-eval", type=int, default=MEGATRON_OVERLAPPING_EVAL,
+                   help="tokens between WIKITEXT103 window starts (Megatron's default 32; below 1 means 1)")
+    g.add_argument("--strict-lambada", action="store_true", help="LAMBADA: the whole last word must be right")
+    g.add_argument("--seq-length", type=int, default=None, help="WIKITEXT103 window (default: the model's)")
+    g.add_argument("--detokenizer", choices=("auto", "none", *DETOKENIZERS), default="auto",
+                   help="WIKITEXT103: auto picks it from the file name, as Megatron")
 
 
 def read_stream(path: str, tokenizer, json_key: str, max_tokens: int | None) -> np.ndarray:
@@ -105,7 +133,31 @@ def evaluate(session, args) -> dict:
         session.log(f"> lambada {args.lambada}: accuracy {r['accuracy']:.4f} ({r['correct']}/{r['samples']}), "
                     f"target perplexity {r['target_perplexity']:.3f}")
         results["lambada"] = {args.lambada: r}
+    if args.task:
+        results["task"] = evaluate_task(session, args)
     return results
+
+
+def evaluate_task(session, args) -> dict:
+    """Megatron's --task, printed in tasks/zeroshot_gpt's format."""
+    (path,) = args.valid_data
+    show = session.is_main and not args.no_progress
+    if args.task == "WIKITEXT103":
+        r = wikitext_perplexity(session.model, read_text(path), session.tokenizer,
+                                seq_len=args.seq_length or session.weights.model.seq_length,
+                                overlapping_eval=args.overlapping_eval,
+                                detokenize=detokenizer_for(path, args.detokenizer),
+                                batch_size=args.batch_size, show_progress=show)
+        line = (f"avg loss: {r['avg_loss']:.4E} | ppl: {r['ppl']:.4E} | adjusted ppl: {r['adjusted_ppl']:.4E} | "
+                f"token ratio: {r['token_ratio']} |")
+    else:
+        r = lambada_accuracy(session.model, lambada_samples(path, session.tokenizer, strict=args.strict_lambada),
+                             pad_id=0, batch_size=args.batch_size, show_progress=show)
+        r.update(task="LAMBADA", strict=args.strict_lambada)
+        line = (f"number correct: {r['correct']:.4E} | total examples: {r['samples']:.4E} | "
+                f"avg accuracy: {r['accuracy']:.4E}")
+    session.log(f" validation results on {args.task} | {line}")
+    return {**r, "valid_data": path}
 
 
 def missing_input(args) -> str | None:
@@ -115,6 +167,23 @@ def missing_input(args) -> str | None:
             return f"--ppl-data {path}: neither a file nor a .bin/.idx prefix"
     if args.lambada and not os.path.isfile(args.lambada):
         return f"--lambada {args.lambada} does not exist (a JSONL file with a 'text' per line)"
+    for path in args.valid_data or ():
+        if not os.path.isfile(path):
+            return f"--valid-data {path} does not exist"
+    return None
+
+
+def task_error(args) -> str | None:
+    """A --task command line Megatron would refuse (it asserts one --valid-data file)."""
+    if args.task and len(args.valid_data or ()) != 1:
+        return f"--task {args.task} needs exactly one --valid-data file"
+    if args.valid_data and not args.task:
+        return "--valid-data needs --task WIKITEXT103 or LAMBADA"
+    if args.task == "WIKITEXT103":
+        try:  # named before the model is loaded
+            detokenizer_for(args.valid_data[0], args.detokenizer)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -122,8 +191,10 @@ def main(argv=None) -> int:
     """Exit status: 2 for a command line refused as such, 1 when the work fails (pretrain_gpt.py's rule)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.ppl_data and not args.lambada:
-        parser.error("nothing to evaluate: pass --ppl-data and/or --lambada")
+    if not args.ppl_data and not args.lambada and not args.task:
+        parser.error("nothing to evaluate: pass --ppl-data and/or --lambada, or --task with --valid-data")
+    if task_error(args):
+        parser.error(task_error(args))
     missing = missing_input(args)
     if missing:
         print(f"error: {missing}", file=sys.stderr)

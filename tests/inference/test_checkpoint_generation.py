@@ -112,6 +112,64 @@ def test_evaluate_cli_on_a_pipeline_checkpoint(checkpoints, tmp_path):
     assert results[1, 1]["lambada"][str(lam)]["samples"] == 10
 
 
+def _eval_under_launcher(rank, world_size, argv):
+    from megatron_ds.cli.evaluate_gpt import main
+    return main(argv)
+
+
+class _Ids:
+    """Space-separated ids, as NullTokenizer reads them (the pad id never matters: it is masked)."""
+    eod = 0
+
+    def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+
+def test_megatron_task_flags_on_a_pipeline_checkpoint(checkpoints, tmp_path):
+    """tasks/main.py's command line: --task WIKITEXT103 with Megatron's defaults (windows of the
+    model's sequence length every 32 tokens, the detokenizer picked by the file name) and --task
+    LAMBADA; a wrong --valid-data is refused as Megatron's assertion would."""
+    from megatron_ds.checkpoint import load_consolidated
+    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.inference.model import ModelWeights, build_inference_model
+    from megatron_ds.inference.zeroshot import wikitext_detokenizer, wikitext_perplexity
+
+    wiki = tmp_path / "wiki.test.tokens"  # 25 lines of 12 ids: 300 tokens, 276 " "-separated words
+    wiki.write_text("".join(" ".join(str((i * 37) % 500) for i in range(j, j + 12)) + "\n" for j in range(0, 300, 12)))
+    out = tmp_path / "wiki.json"
+    assert main(["--load", checkpoints[1, 2], "--tokenizer-type", "NullTokenizer", "--task", "WIKITEXT103",
+                 "--valid-data", str(wiki), "--micro-batch-size", "3", "--output", str(out), "--no-progress"]) == 0
+    got = json.load(open(out))["task"]
+    assert (got["num_original_tokens"], got["num_tokenized_tokens"]) == (276, 300)
+    assert got["token_ratio"] == 299 / 275 and got["overlapping_eval"] == 32
+    c = load_consolidated(checkpoints[1, 2], log=lambda *a: None)
+    model = build_inference_model(ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict))
+    ref = wikitext_perplexity(model, wiki.read_text(), _Ids(), seq_len=c.model.seq_length, overlapping_eval=32,
+                              detokenize=wikitext_detokenizer, show_progress=False)
+    assert got["seq_length"] == c.model.seq_length and got["windows"] == ref["windows"]
+    assert got["adjusted_ppl"] == pytest.approx(ref["adjusted_ppl"], rel=1e-6)
+    # The same command under a launcher: TP = 2 from the PP = 2 checkpoint, vocab-parallel loss (~1e-6).
+    argv = ["--load", checkpoints[1, 2], "--tokenizer-type", "NullTokenizer", "--task", "WIKITEXT103",
+            "--valid-data", str(wiki), "--output", str(tmp_path / "tp2.json"), "--no-progress"]
+    assert run_distributed(_eval_under_launcher, 2, argv, timeout=300) == [0, 0]
+    assert json.load(open(tmp_path / "tp2.json"))["task"]["adjusted_ppl"] == pytest.approx(got["adjusted_ppl"],
+                                                                                          rel=1e-5)
+
+    lam = tmp_path / "lambada.jsonl"
+    lam.write_text("".join(json.dumps({"text": f"{i} {i + 1} {i + 2} {i + 3}"}) + "\n" for i in range(10)))
+    for strict in (False, True):
+        assert main(["--load", checkpoints[1, 2], "--tokenizer-type", "NullTokenizer", "--task", "LAMBADA",
+                     "--valid-data", str(lam), "--output", str(out), "--no-progress"]
+                    + ["--strict-lambada"] * strict) == 0
+        got = json.load(open(out))["task"]
+        assert (got["task"], got["samples"], got["strict"]) == ("LAMBADA", 10, strict)
+    # Refused before loading: no or two files (Megatron asserts one), a name that picks no detokenizer.
+    for bad in (["LAMBADA"], ["LAMBADA", str(lam), str(lam)], ["WIKITEXT103", str(tmp_path / "test.txt")]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--load", checkpoints[1, 2], "--task", bad[0], "--valid-data", *bad[1:]])
+        assert exc.value.code == 2
+
+
 def _hf_guide_nll(model, ids, window, stride):
     """Hugging Face's perplexity guide, transcribed: labels -100 but the last trg_len of each window,
     the model's own (shifted, mean) loss times the number of targets it scored."""
