@@ -10,6 +10,7 @@ missing (all named at once), a malformed value or one no run can use (``--temper
 parsed but the work cannot be done (these errors: a combination the run refuses, a missing or
 damaged file, data, a checkpoint, a failure while running); 0 otherwise.
 """
+import difflib
 
 
 class ConfigError(ValueError):
@@ -24,3 +25,15 @@ class DataError(RuntimeError):
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many NaN losses in a row, a rank that never arrived); the message
     says why."""
+
+
+def closest(name: str, known, normalize=lambda s: s) -> str | None:
+    """The entry of ``known`` closest to a misspelt ``name`` (difflib's ratio of at least 0.6), for an
+    error line's "did you mean ...?"; None when nothing is close. ``normalize`` is applied to both
+    sides before comparing (e.g. underscores as hyphens); the entry is returned as ``known`` spells it
+    (the first one of those normalizing alike)."""
+    spelled: dict[str, str] = {}
+    for entry in known:
+        spelled.setdefault(normalize(entry), entry)
+    close = difflib.get_close_matches(normalize(name), list(spelled), n=1, cutoff=0.6)
+    return spelled[close[0]] if close else None
