@@ -8,7 +8,8 @@ Exit status, the same for pretrain_gpt.py and every CLI in tools/ (tests/test_cl
 2 when the command line is refused as such -- argparse's status: an unknown flag, required flags
 missing (all named at once), a malformed value or one no run can use (``--temperature -1``); 1 when it
 parsed but the work cannot be done (these errors: a combination the run refuses, a missing or
-damaged file, data, a checkpoint, a failure while running); 0 otherwise.
+damaged file, data, a checkpoint, a failure while running); 130 when Ctrl-C (SIGINT) ended it, as a
+shell reports such a command; 0 otherwise.
 """
 import difflib
 
@@ -20,6 +21,12 @@ class ConfigError(ValueError):
 
 class DataError(RuntimeError):
     """Bad training data (a path, a split, a blend, token ids outside the vocabulary)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the training loop the way a walltime signal does -- after the iteration,
+    with the save --save asks for -- and the run now ends as Ctrl-C ends a command: exit status 130.
+    A KeyboardInterrupt, so that what catches one (``pretrain.main``) treats both alike."""
 
 
 class TrainingStopped(RuntimeError):
