@@ -124,8 +124,9 @@ def _one_line(exc: Exception) -> str:
 
 def main(argv=None, *, family: ModelFamily) -> int:
     """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
-    flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
-    same rule as every CLI in tools/. ``family``: the entry point's model (``families.get_family``)."""
+    flags, malformed values), 1 when it parsed but the run cannot start or fails, 130 after Ctrl-C (saved
+    first when it came during training: ``signals.StopSignals``), 0 otherwise; the same rule as every CLI
+    in tools/. ``family``: the entry point's model (``families.get_family``)."""
     prog = f"pretrain_{family.name}.py"  # what the error lines name
     flags, ignored = parse_args(argv, prog)
     flags = with_family_defaults(flags, family)
