@@ -532,6 +532,43 @@ def set_default_group_timeout(timeout) -> bool:
     return True
 
 
+# c10's log threshold (0 info, 1 warning, 2 error): what TORCH_CPP_LOG_LEVEL sets when torch loads. torch has
+# no call to change it later; the flag is a global of libc10, found through torch._C's library handle.
+_CPP_LOG_LEVEL = "FLAGS_caffe2_log_level"
+_CPP_ERRORS_ONLY = 2
+
+
+def _cpp_log_level():
+    import ctypes  # noqa: PLC0415
+
+    try:
+        return ctypes.c_int.in_dll(ctypes.CDLL(torch._C.__file__), _CPP_LOG_LEVEL)
+    except (OSError, ValueError, AttributeError):  # a torch without the flag: its warnings stay
+        return None
+
+
+def quiet_cpp_warnings() -> None:
+    """From now on torch's C++ code logs errors only, no warnings. For a process ending on purpose whose
+    c10d store is gone (its launcher was killed): each store call -- NCCL's heartbeat monitor polls it --
+    would print a warning with a 20-frame C++ stack."""
+    level = _cpp_log_level()
+    if level is not None:
+        level.value = max(level.value, _CPP_ERRORS_ONLY)
+
+
+@contextlib.contextmanager
+def cpp_warnings_quiet():
+    """``quiet_cpp_warnings`` for a block whose store calls may fail as expected; the level is restored."""
+    level = _cpp_log_level()
+    before = None if level is None else level.value
+    quiet_cpp_warnings()
+    try:
+        yield
+    finally:
+        if before is not None:
+            level.value = before
+
+
 def act_as_torch_optimizer(opt, profile_name: str) -> None:
     """The attributes torch.optim.Optimizer.__init__ would set (its step hooks and zero_grad's
     profiling name, torch 2.x) on a wrapper that shares another optimizer's state instead."""

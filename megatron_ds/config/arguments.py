@@ -6,8 +6,11 @@ Three kinds of foreign flags are handled on purpose rather than by accident:
     reported once as a warning (``IGNORED_FLAGS``);
   * features we do not have are rejected with a message saying what to do instead
     (``UNSUPPORTED_FLAGS``) -- silently training something else would be worse;
-  * anything else is an argparse error. Abbreviations are disabled so a typo never matches a
-    longer flag.
+  * anything else is an argparse error naming the closest known flag (``--num_layers``, ``--num-layer``:
+    did you mean --num-layers?). Abbreviations are disabled, as in Megatron-DeepSpeed
+    (``argparse.ArgumentParser(..., allow_abbrev=False)`` in megatron/arguments.py parse_args): a
+    launch script valid here stays valid there, and a shortened or misspelt flag (``--global-batch``)
+    is refused with the full name to use instead of being taken for a longer flag.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import typing
 from functools import lru_cache
 
 from megatron_ds.config.schema import SECTIONS, Config
+from megatron_ds.errors import closest
 
 # flag -> number of values it takes (0 = boolean switch)
 IGNORED_FLAGS: dict[str, int] = {
@@ -300,6 +304,31 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own refusal of unknown arguments, with the flag each one probably meant
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
+        return namespace
+
+    def _did_you_mean(self, unknown: list[str]) -> str:
+        """" (did you mean --num-layers?)" for the flags among ``unknown`` (their values are there too),
+        each matched with underscores read as hyphens; "" when none is close to a known flag."""
+        known = sorted(s for s in self._option_string_actions if s.startswith("--"))
+        hints = []
+        for arg in unknown:
+            if not arg.startswith("-") or self._negative_number_matcher.match(arg):
+                continue
+            flag = arg.split("=", 1)[0]
+            # compared without the leading dashes: shared by every flag, they would lift unrelated names
+            # over the similarity cutoff
+            match = closest(flag, known, normalize=lambda s: s.lstrip("-").lower().replace("_", "-"))
+            if match is not None:
+                hints.append((flag, match))
+        if len(hints) == 1:
+            return f" (did you mean {hints[0][1]}?)"
+        return f" (did you mean {', '.join(f'{m} for {a}' for a, m in hints)}?)" if hints else ""
 
 
 def _section_class(section: str) -> type:

@@ -17,12 +17,11 @@ with the closest key it reads.
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import logging
 import os
 
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, closest
 
 
 def load_ds_template(path: str | None) -> dict | None:
@@ -208,7 +207,7 @@ def _refuse_unread_keys(ds_config: dict, read: set[str], source: str) -> None:
     if not unread:
         return
     key = unread[0]
-    close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else "no key DeepSpeed reads is close to it"
+    close = closest(key, sorted(read))
+    hint = f"did you mean {close!r}?" if close else "no key DeepSpeed reads is close to it"
     others = f" (also unknown: {', '.join(map(repr, unread[1:]))})" if len(unread) > 1 else ""
     raise ConfigError(f"{source}: DeepSpeed ignores the key {key!r} ({hint}){others}; fix or remove it")

@@ -1,5 +1,6 @@
 """Launcher and rank discovery: torchrun, deepspeed, Open MPI, PMI; SGE and PBS host lists; the batch
-job (``scheduler``) and the launcher's life (``parent_watch``)."""
+job (``scheduler``), the launcher's life (``parent_watch``); torchrun ending on a signal in one line
+(``torchrun``, run as ``python -m megatron_ds.launch.torchrun``)."""
 from megatron_ds.launch.env import (
     DistEnv,
     apply_dist_env,

@@ -16,7 +16,7 @@ pipeline executors beyond DeepSpeed's own, live in ``megatron_ds.families`` and 
                     lr_schedule.py        Megatron's LR schedules (iteration- or sample/token-counted)
                     seqlen_warmup.py      the sequence-length warm-up cut applied to each micro-batch
                     data.py               datasets, resumable loaders, micro-batches
-                    signals.py            walltime signals agreed over ranks
+                    signals.py            stop signals (walltime, Ctrl-C) agreed over ranks
                     collective_timeout.py a hung collective named in one line
     reporting       log.py, wandb_log.py  Megatron's log lines, TensorBoard / W&B scalars
                     flops.py              model FLOPs per iteration (TFLOP/s and MFU in the log)

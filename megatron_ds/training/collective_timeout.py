@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_ds.ds_compat import cpp_warnings_quiet
+
 _PREFIX = "megatron_ds/collective_failed/"
 
 
@@ -59,15 +61,19 @@ class CollectiveWatch:
     def _missing(self, grace_s: float) -> list[int] | None:
         if self.store is None:
             return None
+        # The store's host may be gone too (its launcher killed, with the ranks of its node): the store
+        # calls then fail, as handled below, and torch would print each failure as a C++ warning with a
+        # 20-frame stack besides.
         try:
-            self.store.set(f"{_PREFIX}{self.rank}", "1")
-            deadline = time.time() + grace_s
-            while True:
-                noted = [r for r in range(self.world) if self.store.check([f"{_PREFIX}{r}"])]
-                if len(noted) == self.world or time.time() > deadline:
-                    return [r for r in range(self.world) if r not in noted]
-                time.sleep(0.5)
-        except RuntimeError:  # the store's host (rank 0) is gone too
+            with cpp_warnings_quiet():
+                self.store.set(f"{_PREFIX}{self.rank}", "1")
+                deadline = time.time() + grace_s
+                while True:
+                    noted = [r for r in range(self.world) if self.store.check([f"{_PREFIX}{r}"])]
+                    if len(noted) == self.world or time.time() > deadline:
+                        return [r for r in range(self.world) if r not in noted]
+                    time.sleep(0.5)
+        except RuntimeError:  # the store's host is gone
             return None
 
     def describe(self, exc: BaseException, where: str) -> str:

@@ -15,7 +15,7 @@ from megatron_ds.data.batch import gpt_batch_from_samples
 from megatron_ds.data.samplers import CyclicSampler, PretrainingSampler
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.training.device import pin_memory
-from megatron_ds.training.signals import end_loader_workers_at_exit, ignore_stop_signals
+from megatron_ds.training.signals import end_loader_workers_at_exit, ignore_stop_signals, interrupt_deferred
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -94,10 +94,18 @@ def build_loader(dataset, data: DataConfig, collator: BatchCollator, *, consumed
     generator = torch.Generator().manual_seed(consumed_samples)
     if data.num_workers > 0:
         end_loader_workers_at_exit()  # they ignore SIGTERM, which multiprocessing's exit would wait on
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers,
-                                       collate_fn=collator, pin_memory=pin_memory(),
-                                       persistent_workers=data.num_workers > 0, generator=generator,
-                                       worker_init_fn=ignore_stop_signals)  # the trainer saves, then stops them
+    return _Loader(dataset, batch_sampler=sampler, num_workers=data.num_workers, collate_fn=collator,
+                   pin_memory=pin_memory(), persistent_workers=data.num_workers > 0, generator=generator,
+                   worker_init_fn=ignore_stop_signals)  # the trainer saves, then stops them
+
+
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose worker processes start with a Ctrl-C held back until they are forked
+    (``signals.interrupt_deferred``): one arriving during the fork would otherwise be lost."""
+
+    def __iter__(self):
+        with interrupt_deferred():
+            return super().__iter__()
 
 
 def stage_iterator(dataset, make_loader, consumed: int, *, reads_data: bool, repeat: bool = False,

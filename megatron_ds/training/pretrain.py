@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,12 +26,13 @@ from megatron_ds.config.megatron_overrides import apply_checkpoint_args
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
 from megatron_ds.launch.parent_watch import watch_launcher
-from megatron_ds.errors import ConfigError, DataError, TrainingStopped
+from megatron_ds.errors import ConfigError, DataError, Interrupted, TrainingStopped
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files
 from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.loop import TrainState
+from megatron_ds.training.signals import exit_at_next_interrupt
 
 
 def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: str, log,
@@ -126,8 +128,9 @@ def _one_line(exc: Exception) -> str:
 
 def main(argv=None, *, family: ModelFamily) -> int:
     """Exit status: 2 when the command line is refused as such (argparse's status: unknown or missing
-    flags, malformed values), 1 when it parsed but the run cannot start or fails, 0 otherwise; the
-    same rule as every CLI in tools/. ``family``: the entry point's model (``families.get_family``)."""
+    flags, malformed values), 1 when it parsed but the run cannot start or fails, 130 after Ctrl-C (saved
+    first when it came during training: ``signals.StopSignals``), 0 otherwise; the same rule as every CLI
+    in tools/. ``family``: the entry point's model (``families.get_family``)."""
     prog = f"pretrain_{family.name}.py"  # what the error lines name
     flags, ignored = parse_args(argv, prog)
     flags = with_family_defaults(flags, family)
@@ -142,6 +145,11 @@ def main(argv=None, *, family: ModelFamily) -> int:
     except (ConfigError, DataError, TrainingStopped) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: 128 + SIGINT, as a shell reports it, and no traceback
+        exit_at_next_interrupt()  # the tear-down below must not turn a second one into a traceback
+        if not isinstance(exc, Interrupted):  # (an Interrupted stop said so and saved already)
+            print("interrupted (SIGINT): stopping now, without saving", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

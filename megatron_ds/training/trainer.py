@@ -85,6 +85,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
                 for data_iter, split in ((valid_iter, "validation"), (test_iter, "test")):
                     if data_iter is not None:
                         loop.validate(state, data_iter, f"iteration {state.iteration} on {split} set")
+        stop_signals.raise_if_interrupted()  # a Ctrl-C stop saved as above, then exits 130 (signals.py)
     finally:
         tb.close()
     return state

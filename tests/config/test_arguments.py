@@ -45,11 +45,26 @@ def test_both_local_rank_spellings(flag):
     assert cfg.parallel.local_rank == 3
 
 
-def test_unknown_flag_is_an_error(capsys):
+# Misspellings seen in launch scripts -> the Megatron-DeepSpeed flag meant (megatron/arguments.py).
+TYPOS = {"--num-layer": "--num-layers", "--hidden_size": "--hidden-size", "--num_layers": "--num-layers",
+         "--lr_decay_style": "--lr-decay-style", "--global-batch": "--global-batch-size"}
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_a_misspelt_flag_is_refused_naming_the_flag_meant(capsys, typo):
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--num-layer", "2"])  # a typo of --num-layers: no abbreviation matching
+        parse_args([typo, "2"])  # no abbreviation matching: --global-batch is not taken for --global-batch-size
     assert exc.value.code == 2
-    assert "unrecognized arguments: --num-layer 2" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"pretrain_gpt.py: error: unrecognized arguments: {typo} 2 (did you mean {TYPOS[typo]}?)")
+
+
+def test_several_misspelt_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--num_layers=2", "--no-such-thing", "--global-batch", "8"])
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "pretrain_gpt.py: error: unrecognized arguments: --num_layers=2 --no-such-thing --global-batch 8 "
+        "(did you mean --num-layers for --num_layers, --global-batch-size for --global-batch?)")
 
 
 def test_unsupported_flag_says_what_to_do(capsys):

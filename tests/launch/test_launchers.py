@@ -66,3 +66,17 @@ def test_mpirun(tmp_path, use_mpi):
     check_two_ranks(read_probes(tmp_path), "openmpi", port)
     # Without --use-mpi the ranks are still right, and rank 0 says where they came from.
     assert ("without --use-mpi" in result.stderr) == (not use_mpi)
+
+
+def test_a_misspelt_flag_under_torchrun_names_the_flag_meant(tmp_path):
+    """The real entry point with a typo under torchrun (and --dry-run): each rank refuses it in one line
+    naming the flag meant, exit status 2; torchrun then reports its children's failure its own way."""
+    from tests.launch.helpers import REPO
+
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           REPO / "pretrain_gpt.py", "--dry-run", "--num-layers", "2", "--hidden_size", "32"]
+    result = run_bounded(cmd, clean_env(), cwd=tmp_path)
+    assert result.returncode != 0
+    line = "pretrain_gpt.py: error: unrecognized arguments: --hidden_size 32 (did you mean --hidden-size?)"
+    assert result.stderr.splitlines().count(line) == 2, result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr  # torchrun's report of the rank that failed first

@@ -173,4 +173,36 @@ def test_workers_stop_when_torchrun_alone_is_killed(tmp_path):
     # the first to notice exits; its pipeline peer may find it gone in the next collective first
     err = job.err_path.read_text()
     assert re.search(r"error: the torchrun launcher \(pid \d+\) is gone: stopping this worker", err), err
+    assert CPP_STACK not in err, err[-3000:]
     assert not list(ckpt.glob("global_step*"))  # nothing saved, partial or whole
+
+
+CPP_STACK = "Exception raised from"  # the head of a C++ warning's stack (torch's c10d store calls)
+
+
+def test_killing_the_torchrun_that_hosts_the_store_leaves_one_line_per_rank(tmp_path):
+    """Two nodes (here two torchruns on one host, static rendezvous, a pipeline stage on each); kill -9 of
+    node 0's torchrun, which hosts the c10d store. Node 0's worker stops in one line; node 1's worker finds
+    its peer gone in a collective and says so in one line -- asking the store (gone too) which ranks are
+    missing used to add torch's warning with a 20-frame C++ stack."""
+    from tests.launch.helpers import free_port
+
+    port = free_port()
+    long_run = SMALL_GPT + ["--train-iters", "100000", "--lr-decay-iters", "100000", "--pipeline-model-parallel-size",
+                            "2"]
+    nodes = [Job([PYTHON, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc_per_node",
+                  "1", "--master-addr", "127.0.0.1", "--master-port", str(port), REPO / "pretrain_gpt.py", *long_run],
+                 tmp_path, f"node{node}") for node in (0, 1)]
+    try:
+        nodes[1].wait_for(r"^ iteration\s+3/", timeout=300)  # the last stage prints them
+        os.kill(nodes[0].proc.pid, signal.SIGKILL)
+        nodes[0].proc.wait()
+        rc, _, err1 = nodes[1].finish(timeout=120)
+    finally:
+        for job in nodes:
+            kill_whole_job(job)
+    err0 = nodes[0].err_path.read_text()
+    assert re.fullmatch(r"error: the torchrun launcher \(pid \d+\) is gone: stopping this worker \(pid \d+\) now, "
+                        r"without saving\n", err0), err0
+    assert rc != 0 and re.search(r"^error: a collective in the training loop at iteration \d+ failed", err1, re.M), err1
+    assert CPP_STACK not in err1, err1[-3000:]

@@ -1,6 +1,8 @@
 """SIGTERM / SIGUSR1 through real launchers: every rank finishes the iteration, saves a complete
 checkpoint with the tracker and exits 0; resuming from it gives the same losses as a run that was
 never interrupted. Under mpirun only rank 1 gets the signal: the ranks agree on it collectively.
+Ctrl-C (SIGINT to the job's process group) stops the same way and exits 130, with no traceback from any
+process: plain python with loader workers, torchrun with pipeline parallel, pressed twice.
 
 Losses are compared as printed (7 significant digits): the resumed run repeats the same float
 operations on the same state, so any lost state (weights, Adam moments, LR step, data position,
@@ -38,10 +40,10 @@ def _mpirun(port):
 class Job:
     """A launcher run with its output in files, so the test can watch it while it runs."""
 
-    def __init__(self, cmd, workdir: Path, name: str):
+    def __init__(self, cmd, workdir: Path, name: str, **env_vars):
         self.out_path, self.err_path = workdir / f"{name}.out", workdir / f"{name}.err"
         self.tag = uuid.uuid4().hex
-        env = clean_env(MEGATRON_DS_TEST_TAG=self.tag)
+        env = clean_env(MEGATRON_DS_TEST_TAG=self.tag, **env_vars)
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, cwd=workdir,
                                          start_new_session=True)
@@ -192,6 +194,120 @@ def test_sigterm_to_one_rank_under_mpirun_saves_and_resumes_exactly(tmp_path, st
     rc, losses = _interrupt_and_resume(tmp_path, launcher, to_rank_1, LOADER_WORKERS)
     assert rc == 0  # every rank exited 0, so mpirun does too
     assert losses == straight
+
+
+def _job_gone(job: Job, timeout: float = 15.0) -> list[int]:
+    """The job's processes still alive after ``timeout`` s (zombies aside): [] once all have ended."""
+    deadline = time.time() + timeout
+    while True:
+        alive = [pid for pid in job.all_pids() if "State:\tZ" not in _status(pid)]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"
+
+
+CTRL_C = ("received SIGINT: finishing this iteration, then saving and exiting (send it again, 3 s or more later, "
+          "to stop at once without saving)")
+ONE_PROCESS = SMALL_GPT + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS)] + LOADER_WORKERS
+
+
+def test_ctrl_c_finishes_the_iteration_saves_and_exits_130(tmp_path):
+    """Ctrl-C at a terminal: SIGINT to the foreground process group -- the trainer and its DataLoader
+    workers. The trainer stops as on a walltime signal (saves a complete checkpoint) and exits 130 in one
+    line; the workers print nothing and end with it."""
+    ckpt = tmp_path / "ckpt"
+    job = Job([PYTHON, REPO / "pretrain_gpt.py", *ONE_PROCESS, "--save", ckpt, "--save-interval", "1000"], tmp_path,
+              "ctrl_c")
+    job.wait_for(r"^ iteration\s+3/")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    rc, out, err = job.finish()
+    stopped = iterations(out)[-1][0]
+    assert rc == 128 + signal.SIGINT and stopped < ITERS, err[-3000:]
+    assert err.splitlines() == [CTRL_C], err[-3000:]  # no traceback, from any process
+    assert f"saved checkpoint at iteration {stopped} to {ckpt}" in out
+    assert out.splitlines()[-1] == f"exiting at iteration {stopped} (stop signal received)"
+    assert (ckpt / TRACKER).read_text() == str(stopped) and verify(str(ckpt / f"global_step{stopped}")) is None
+    assert _job_gone(job) == []
+
+
+def test_ctrl_c_under_torchrun_with_pipeline_parallel_is_clean(tmp_path):
+    """Ctrl-C to torchrun (megatron_ds.launch.torchrun: torchrun itself, ending in one line): it forwards
+    SIGINT to each worker's process group (worker and loader workers); both pipeline stages save the same
+    iteration, and nothing prints a traceback."""
+    ckpt = tmp_path / "ckpt"
+    launcher = [PYTHON, "-m", "megatron_ds.launch.torchrun", *TORCHRUN[3:]]
+    job = Job(launcher + [REPO / "pretrain_gpt.py", *ARGS, *LOADER_WORKERS, "--save", ckpt, "--save-interval", "1000"],
+              tmp_path, "ctrl_c_torchrun", PYTHONPATH=REPO)
+    job.wait_for(r"^ iteration\s+3/")
+    os.killpg(job.proc.pid, signal.SIGINT)  # torchrun's group: its workers run in sessions of their own
+    rc, out, err = job.finish()
+    stopped = iterations(out)[-1][0]
+    assert rc == 128 + signal.SIGINT and stopped < ITERS, err[-3000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+    assert err.splitlines().count(CTRL_C) == 2
+    assert err.splitlines()[-1] == "torchrun: stopped by SIGINT; its workers were sent it and have ended"
+    assert (ckpt / TRACKER).read_text() == str(stopped) and verify(str(ckpt / f"global_step{stopped}")) is None
+    assert _job_gone(job) == []
+
+
+def test_ctrl_c_twice_stops_at_once_without_saving(tmp_path):
+    """A second Ctrl-C while the first one's iteration is still running: exit 130 at once, no save, one
+    line more. Iterations here take a few seconds (many micro-batches); the job is stopped (SIGSTOP, as
+    Ctrl-Z does) between the two presses so that the second comes after the repeat window and before the
+    iteration ends, however fast the machine."""
+    from megatron_ds.training.signals import REPEAT_WINDOW_S
+
+    ckpt = tmp_path / "ckpt"
+    job = Job([PYTHON, REPO / "pretrain_gpt.py", *ONE_PROCESS, "--global-batch-size", "512", "--save", ckpt,
+               "--save-interval", "1000"], tmp_path, "twice")
+    job.wait_for(r"^ iteration\s+1/")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    deadline = time.time() + 60
+    while CTRL_C not in job.err_path.read_text() and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(job.proc.pid, signal.SIGSTOP)
+    time.sleep(REPEAT_WINDOW_S + 0.5)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    os.killpg(job.proc.pid, signal.SIGCONT)
+    rc, out, err = job.finish(timeout=60)
+    assert rc == 128 + signal.SIGINT, err[-3000:]
+    assert err.splitlines() == [CTRL_C, "received SIGINT again: exiting now, without saving"], err[-3000:]
+    assert [it for it, _ in iterations(out)] == [1] and not list(ckpt.glob("global_step*"))
+    assert _job_gone(job) == []
+
+
+def test_ctrl_c_while_loader_workers_are_forked_is_not_lost(tmp_path):
+    """A Ctrl-C that arrives while the trainer forks its DataLoader workers (a large process forks for
+    tens of milliseconds) used to be lost: Python ran the KeyboardInterrupt inside logging's after-fork
+    hook, which printed "Exception ignored" and trained on. Here the signal is sent from an after-fork
+    hook of the parent, so it lands in that window every time."""
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_AT_FORK_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=clean_env(), start_new_session=True)
+    assert proc.stdout.splitlines() == ["KeyboardInterrupt after the workers started"], proc.stdout + proc.stderr
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+CTRL_C_AT_FORK_PROBE = """
+import os, signal
+from megatron_ds.config.schema import DataConfig
+from megatron_ds.training.data import MockGPTDataset, build_loader
+
+loader = build_loader(MockGPTDataset(64, 8, 50, seed=0), DataConfig(num_workers=2), lambda samples: samples,
+                      consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1)
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
+try:
+    batches = iter(loader)
+    print("no KeyboardInterrupt", flush=True)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt after the workers started", flush=True)
+"""
 
 
 SECOND_SIGNAL = """
