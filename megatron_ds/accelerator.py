@@ -41,9 +41,10 @@ def on_cuda() -> bool:
     return device_type() == "cuda"
 
 
-def simulated() -> bool:
-    """Whether ``simulate`` is in force (fake CUDA on a CPU build: its branches run, not its kernels)."""
-    return _simulated is not None
+def cuda_compiles() -> bool:
+    """A real CUDA device for inductor to compile for: not under ``simulate`` (fake CUDA on a CPU
+    build), nor where a run resolved as "cuda" lacks a GPU (tests that take the CUDA branches on a CPU)."""
+    return _simulated is None and torch.cuda.is_available()
 
 
 def cuda_runtime() -> bool:

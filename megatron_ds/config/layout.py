@@ -284,14 +284,15 @@ def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
     return v
 
 
-def compiles_layers(asked: bool | None, device_type: str, zbh1: str | None, *, simulated: bool = False) -> bool:
+def compiles_layers(asked: bool | None, device_type: str, zbh1: str | None, *, gpu_present: bool = True) -> bool:
     """--compile-layers / --no-compile-layers, else regional compilation where it was measured to help
-    (bench/RESULTS.md: CUDA), not on the CPU (inductor builds C++ at start-up), not on a simulated
-    CUDA (``fake_cuda``: a CPU build of torch, whose inductor has no CUDA backend) nor under ZB-H1
-    (its deferred weight passes decide in backward, which a compiled graph fixes once)."""
+    (bench/RESULTS.md: CUDA), not on the CPU (inductor builds C++ at start-up), not where "cuda" has
+    no GPU behind it (``gpu_present`` False: fake CUDA, or a test taking the CUDA branches on a CPU,
+    where inductor would compile C++ instead) nor under ZB-H1 (its deferred weight passes decide in
+    backward, which a compiled graph fixes once)."""
     if asked is not None:
         return asked
-    return device_type == "cuda" and not simulated and zbh1 is None
+    return device_type == "cuda" and gpu_present and zbh1 is None
 
 
 def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
@@ -398,7 +399,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         raise ConfigError("--compile-layers cannot be combined with --enable-zbh1-pipeline (a compiled layer's "
                           "backward cannot defer its weight gradients); drop one of them")
     m = dataclasses.replace(m, compile_layers=compiles_layers(
-        m.compile_layers, device_type, zbh1, simulated=accelerator.simulated()))
+        m.compile_layers, device_type, zbh1, gpu_present=accelerator.cuda_compiles()))
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)

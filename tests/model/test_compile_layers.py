@@ -74,10 +74,14 @@ def graphs_and_breaks(model, steps: int = 2) -> tuple[int, int]:
     return counter.frame_count, sum(counters["graph_break"].values())
 
 
-def test_the_default_is_on_with_cuda_only_and_says_so():
+def test_the_default_is_on_with_cuda_only_and_says_so(monkeypatch):
     """Neither flag: compiled where a run trains on CUDA (measured faster on an H200: bench/RESULTS.md),
-    eager on the CPU, on a simulated CUDA and under ZB-H1; either flag wins everywhere."""
+    eager on the CPU, where "cuda" has no GPU behind it (fake CUDA, CPU tests of the CUDA branches)
+    and under ZB-H1; either flag wins everywhere."""
+    from megatron_ds import accelerator
     from megatron_ds.config.run import resolve
+
+    monkeypatch.setattr(accelerator, "cuda_compiles", lambda: True)  # as on a GPU
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
             "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data").split()
@@ -100,11 +104,12 @@ def test_the_default_is_on_with_cuda_only_and_says_so():
     zbh1 = base + ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--global-batch-size", "4"]
     assert resolve(parse_args(zbh1)[0], world_size=2, vocab_size=VOCAB, device_type="cuda",
                    ds_template=None).layout.model.compile_layers is False
-    from megatron_ds import accelerator
-
+    monkeypatch.undo()
     with accelerator.simulate("cuda"):  # fake CUDA: a CPU build's inductor has no CUDA backend
         assert resolved(base, "cuda").layout.model.compile_layers is False
         assert resolved(base + ["--compile-layers"], "cuda").layout.model.compile_layers is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run resolved as "cuda"
+    assert resolved(base, "cuda").layout.model.compile_layers is False
 
 
 def test_zero_bubble_schedule_is_refused():
