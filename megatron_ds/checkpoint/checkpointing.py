@@ -121,13 +121,14 @@ def install_safe_loading(engine, log=print) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
-                    loss: float | None = None, room: int | None = None, family: ModelFamily | None = None,
+                    loss: float | None = None, room=None, family: ModelFamily | None = None,
                     log=print) -> None:
     """Write ``engine``'s checkpoint of ``iteration`` with ``meta`` (the run's record) and its manifest,
     then the trackers; ``family``: the run's model family (None: the GPT). ``loss``: the iteration's
     loss, recorded with it; a non-finite loss, weight or optimizer-state value is not saved
     (``health.NonFiniteState``). A write error on any rank (a full disk) stops every rank with one
-    line (``_WriteFailure``; ``room``: the bytes one checkpoint needs, for that line). --keep-last's
+    line (``_WriteFailure``; ``room``: a function giving the bytes one checkpoint needs, for that line,
+    called only then). --keep-last's
     pruning is the caller's (``integrity.prune``): it waits until these weights gave a finite loss."""
     meta = {**meta, HEALTH: health.check_before_save(engine, iteration, loss)}
     tag = checkpoint_tag(iteration)
@@ -175,7 +176,7 @@ class _WriteFailure:
     touched (the trackers still point at it). The partial save is removed first: nothing can load
     it, and it holds the space the next attempt needs."""
 
-    def __init__(self, save_dir: str, iteration: int, room: int | None):
+    def __init__(self, save_dir: str, iteration: int, room):
         self.save_dir, self.iteration, self.room = save_dir, iteration, room
 
     def step(self, write, *args) -> None:
@@ -203,7 +204,8 @@ class _WriteFailure:
             integrity.discard(path)
             removed = f"; removed the partial {path}"
         free = human_bytes(shutil.disk_usage(_existing(self.save_dir)).free)
-        need = f", one checkpoint needs about {human_bytes(self.room)}" if self.room else ""
+        room = self.room() if self.room is not None else None
+        need = f", one checkpoint needs about {human_bytes(room)}" if room else ""
         remedy = "free space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the filesystem"
         previous = read_tracker(self.save_dir)[0]  # the failed save never reached the trackers
         if previous is not None and previous != self.iteration:

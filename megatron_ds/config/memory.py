@@ -263,13 +263,17 @@ def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivat
     return [run], sbh * act_bytes
 
 
+def _stage_layers(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
+    """The family's ``activations`` of this stage (the GPT's where the family has none)."""
+    family = layout.family
+    return (family.activations if family is not None and family.activations else gpt_stage_activations)(layout, stage)
+
+
 def stage_activation_bytes(layout: Layout, stage) -> float:
     """The activations a stage holds at its peak: the micro-batches in flight times what each keeps
     (with full recompute only each chunk's input, plus one chunk's working set re-run in backward),
     and the stage's input/output buffers. The family's ``activations`` says what its layers keep."""
-    family = layout.family
-    family_activations = family.activations if family is not None and family.activations else gpt_stage_activations
-    runs, boundary = family_activations(layout, stage)
+    runs, boundary = _stage_layers(layout, stage)
     in_flight = in_flight_micro_batches(layout, stage.stage)
     layers = [layer for run in runs for layer in run]
     if layout.recompute == "full":
@@ -409,8 +413,7 @@ def backward_working_bytes(layout: Layout, stage, last: bool) -> float:
     grad_bytes = 4 if layout.precision == "fp32" else 2
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     first = (layout.padded_vocab_size if last else ffn) / layout.tp * m.hidden_size * grad_bytes
-    runs, _ = (layout.family.activations if layout.family is not None and layout.family.activations
-               else gpt_stage_activations)(layout, stage)
+    runs, _ = _stage_layers(layout, stage)
     layer = max((one.kept for run in runs for one in run), default=0.0)
     return first + layer
 

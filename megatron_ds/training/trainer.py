@@ -191,9 +191,10 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: Model
     rank0 = torch.distributed.get_rank() == 0
     unpruned = []  # the iteration saved last, until prune() has run for it
 
+    def room() -> int:  # the room one checkpoint needs, named in the line of a failed save (rank 0)
+        return checkpoint_room(run.layout, signature, (ckpt.save, ckpt.load))[0]
+
     def save(st: TrainState) -> None:
-        # the room one checkpoint needs, named if the disk is full (rank 0 writes that line)
-        room = checkpoint_room(run.layout, signature, (ckpt.save, ckpt.load))[0] if rank0 else None
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
