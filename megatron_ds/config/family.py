@@ -70,6 +70,9 @@ class ModelFamily:
     # --tokenizer-type when the command line names none (Megatron-DeepSpeed's args_defaults of its script)
     default_tokenizer_type: str | None = None
     uses_eod: bool = True  # the model reads the tokenizer's end-of-document id (--reset-attention-mask)
+    # a query sees only the keys before it (the planner's time model counts half of the attention
+    # scores a fused kernel computes); False for a bidirectional encoder
+    causal_attention: bool = True
 
     def eod_token(self, tokenizer) -> int | None:
         """What the builders get as ``eod_token``: None for a family without documents in a sample

@@ -132,6 +132,11 @@ def main(argv=None, *, family: ModelFamily) -> int:
     first when it came during training: ``signals.StopSignals``), 0 otherwise; the same rule as every CLI
     in tools/. ``family``: the entry point's model (``families.get_family``)."""
     prog = f"pretrain_{family.name}.py"  # what the error lines name
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plan" in argv:  # --dry-run --plan: the planner over these flags (training/plan_cli.py)
+        from megatron_ds.training.plan_cli import main as plan_main  # noqa: PLC0415
+
+        return plan_main(argv, family=family, prog=prog)
     flags, ignored = parse_args(argv, prog)
     flags = with_family_defaults(flags, family)
     missing = missing_flags(flags, with_data=not flags.dry_run)

@@ -150,4 +150,5 @@ BERT = ModelFamily(name="bert", label="BERT", check=check_bert, count_parameters
                    build_model=build_bert_model, build_stage=build_bert_stage, build_datasets=build_bert_datasets,
                    make_collator=make_bert_collator, flops=bert_iteration_flops, layer_specs=bert_checkpoint_specs,
                    activations=bert_stage_activations, loss_names=LOSS_NAMES,
-                   default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False)
+                   default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False,
+                   causal_attention=False)
