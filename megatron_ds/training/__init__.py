@@ -6,6 +6,8 @@ pipeline executors beyond DeepSpeed's own, live in ``megatron_ds.families`` and 
                                           point's, from megatron_ds.families
                     meta_build.py         --dry-run: each pipeline stage built on the meta device
                     file_checks.py        --dry-run: data, --load and --save looked at before the queue
+    planning        planner.py            the layouts that fit, ranked by time_model.py's predicted step time;
+                    plan_cli.py           tools/plan.py and --dry-run --plan; plan_script.py: the ABCI job script
                     trainer.py            train(): start-up checks, build, resume, loop, final evaluation
     set-up          initialize.py         rank discovery, the process group
                     device.py             which device this rank trains on

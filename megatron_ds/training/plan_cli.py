@@ -48,7 +48,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--plan-recompute", type=_recomputes, help="recompute settings to try: none,selective,full")
     p.add_argument("--plan-zero", type=_ints, help="ZeRO stages to try (comma-separated)")
     p.add_argument("--unfused-attention", action="store_true",
-                   help="time attention as unfused kernels (scores in memory), as published runs before flash attention")
+                   help="time attention as unfused kernels (scores in memory), as runs before flash attention")
     return p
 
 
@@ -65,7 +65,8 @@ def _with_defaults(argv: list[str], opts) -> list[str]:
     given = {a.split("=", 1)[0] for a in argv}
     out = list(argv)
     if opts.model_size:
-        for flag, value in zip(("--num-layers", "--hidden-size", "--num-attention-heads"), MODEL_SIZES[opts.model_size]):
+        shape = zip(("--num-layers", "--hidden-size", "--num-attention-heads"), MODEL_SIZES[opts.model_size])
+        for flag, value in shape:
             if flag not in given:
                 out += [flag, str(value)]
     for flag, value in (("--micro-batch-size", "1"), ("--lr", "1e-4")):

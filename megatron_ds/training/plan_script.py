@@ -27,7 +27,8 @@ NOT_PASSED_WITH_VALUE = ("--num-layers", "--hidden-size", "--num-attention-heads
                          "--global-batch-size", "--world-size", "--gpu-memory-gb", "--data-path", "--vocab-file",
                          "--merge-file", "--tokenizer-type", "--tokenizer-model", "--save", "--load",
                          "--deepspeed_config", "--deepspeed-config", "--max-position-embeddings", "--train-iters",
-                         "--lr", "--min-lr", "--lr-decay-iters", "--split", "--resource", "--nodes", "--gpu-type", "--gpus",
+                         "--lr", "--min-lr", "--lr-decay-iters", "--split", "--resource", "--nodes", "--gpu-type",
+                         "--gpus",
                          "--gpus-per-node", "--network-gbs", "--model-size", "--top", "--write-script",
                          "--plan-micro-batch", "--plan-recompute", "--plan-zero")
 NOT_PASSED_SWITCHES = ("--dry-run", "--mock-data", "--deepspeed", "--fp16", "--bf16", "--plan", "--unfused-attention")
@@ -66,8 +67,8 @@ def job_script(cand: Candidate, request: Request, argv: list[str]) -> str:
     name = os.path.splitext(template)[0].split("_")[2]  # abci3_h200_<model>_<size>.sh
     text = re.sub(r"^#\$ -l rt_[A-Za-z.]+=\d+$", f"#$ -l {cluster.resource}={cluster.nodes}", text, flags=re.M)
     text = re.sub(r"^#PBS -q rt_\w+$", f"#PBS -q {cluster.resource}", text, flags=re.M)
-    text = re.sub(r"^#PBS -l select=\d+:mpiprocs=\d+$", f"#PBS -l select={cluster.nodes}:mpiprocs={cluster.gpus_per_node}",
-                  text, flags=re.M)
+    text = re.sub(r"^#PBS -l select=\d+:mpiprocs=\d+$",
+                  f"#PBS -l select={cluster.nodes}:mpiprocs={cluster.gpus_per_node}", text, flags=re.M)
     k = cand.knobs
     values = {"TP": k.tp, "PP": k.pp, "NUM_LAYERS": m.num_layers, "HIDDEN_SIZE": m.hidden_size,
               "NUM_HEADS": m.num_attention_heads, "SEQ_LENGTH": m.seq_length, "MICRO_BATCH": k.mb,
@@ -79,8 +80,8 @@ def job_script(cand: Candidate, request: Request, argv: list[str]) -> str:
     for var, value in values.items():
         text = _set_default(text, var, value)
     # the flags the Llama script's variables give
-    shape_vars = tuple(f for f, var in (("--ffn-hidden-size", "FFN_HIDDEN_SIZE"), ("--num-key-value-heads", "NUM_KV_HEADS"))
-                       if f"{var}=" in text)
+    shape_vars = tuple(f for f, var in (("--ffn-hidden-size", "FFN_HIDDEN_SIZE"),
+                                        ("--num-key-value-heads", "NUM_KV_HEADS")) if f"{var}=" in text)
     precision = "fp16" if lay.precision == "fp16" else "bf16"
     text = re.sub(r"^set_job_defaults \w+$", f"ZERO_STAGE=${{ZERO_STAGE:-{k.zero}}}\nset_job_defaults {precision}",
                   text, count=1, flags=re.M)

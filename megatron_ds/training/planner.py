@@ -315,7 +315,8 @@ def explain(a: Candidate, b: Candidate) -> str:
     fast, slow = (a, b) if a.time.step_s <= b.time.step_s else (b, a)
     diffs = sorted(((getattr(slow.time, attr) - getattr(fast.time, attr), name) for name, attr in TERMS),
                    reverse=True)
-    why = "; ".join(f"{name} {'+' if d > 0 else '-'}{abs(d):.3f} s" for d, name in diffs if abs(d) >= 0.005 * slow.time.step_s)
+    why = "; ".join(f"{name} {'+' if d > 0 else '-'}{abs(d):.3f} s" for d, name in diffs
+                    if abs(d) >= 0.005 * slow.time.step_s)
     return (f"{fast.knobs.describe()} is predicted {100 * (slow.time.step_s / fast.time.step_s - 1):.1f}% faster "
             f"than {slow.knobs.describe()} ({fast.time.step_s:.3f} s against {slow.time.step_s:.3f} s per step); "
             f"the slower one spends, per step: {why or 'about the same in every term'}")

@@ -389,6 +389,7 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     opt = optimizer_seconds(layout, gpu, params)
     if flops is None:
         flops = (layout.family.flops if layout.family else gpt_iteration_flops)(layout, m_cfg.seq_length)
-    return StepTime(step_s=pipe + dp + opt, compute_s=compute, recompute_s=m * (r.total - r.tp_comm), tp_comm_s=tp_comm, pp_comm_s=m * p2p,
+    return StepTime(step_s=pipe + dp + opt, compute_s=compute, recompute_s=m * (r.total - r.tp_comm),
+                    tp_comm_s=tp_comm, pp_comm_s=m * p2p,
                     bubble_s=pipe - m * sum(seconds) / len(seconds), dp_comm_s=dp, optimizer_s=opt, flops=flops,
                     world_size=layout.world_size, peak_tflops=gpu.peak_tflops)
