@@ -21,6 +21,7 @@ DeepSpeed-MoE cannot be combined with here (each message says why).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,12 @@ def experts_per_layer(num_experts, num_layers: int, expert_interval: int) -> tup
                           f"all of them or one per MoE layer")
     if len(values) == 1:
         values = values * moe_layers
+    return _layers(values, num_layers, expert_interval)
+
+
+# the memory estimate asks for every stage, and the planner for thousands of layouts of one model
+@functools.lru_cache(maxsize=256)
+def _layers(values: tuple, num_layers: int, expert_interval: int) -> tuple[int, ...]:
     return tuple(values[(n - 1) // expert_interval] if n % expert_interval == 0 else 1
                  for n in range(1, num_layers + 1))
 

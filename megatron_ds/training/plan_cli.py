@@ -47,6 +47,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--plan-micro-batch", type=_ints, help="micro batch sizes to try (comma-separated)")
     p.add_argument("--plan-recompute", type=_recomputes, help="recompute settings to try: none,selective,full")
     p.add_argument("--plan-zero", type=_ints, help="ZeRO stages to try (comma-separated)")
+    p.add_argument("--plan-without", type=_features, default=frozenset(),
+                   help=f"features not to enumerate: {','.join(planner.FEATURES)}")
     p.add_argument("--unfused-attention", action="store_true",
                    help="time attention as unfused kernels (scores in memory), as runs before flash attention")
     return p
@@ -54,6 +56,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
+
+
+def _features(text: str) -> frozenset:
+    names = frozenset(text.split(","))
+    unknown = names - set(planner.FEATURES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown feature(s) {', '.join(sorted(unknown))}; "
+                                         f"known: {', '.join(planner.FEATURES)}")
+    return names
 
 
 def _recomputes(text: str) -> tuple[str | None, ...]:
@@ -99,7 +110,7 @@ def request_of(argv: list[str], family, prog: str) -> tuple[planner.Request, Con
                               stage_templates=None if flags.deepspeed.deepspeed_config else stage_templates(flags),
                               **{k: v for k, v in (("micro_batches", opts.plan_micro_batch),
                                                    ("recompute", opts.plan_recompute), ("zero", opts.plan_zero))
-                                 if v}, flash=not opts.unfused_attention)
+                                 if v}, flash=not opts.unfused_attention, without=opts.plan_without)
     return request, flags, opts
 
 

@@ -14,6 +14,7 @@ fitting variant: what a user chooses first. docs/planner.md has the output and t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from megatron_ds.pipeline.plan import check_schedule
 from megatron_ds.training.time_model import Cluster, StepTime, step_time
 
 RECOMPUTE = (None, "selective", "full")
+FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -39,6 +41,8 @@ class Knobs:
     zero: int = 0
     mb: int = 1
     recompute: str | None = None
+    zbh1: bool = False  # the ZB-H1 zero-bubble schedule
+    ep: int = 1  # MoE expert parallel ranks
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
@@ -53,6 +57,10 @@ class Knobs:
             out.append("--no-pipeline-parallel")
         if self.recompute:
             out += ["--recompute-granularity", self.recompute]
+        if self.zbh1:
+            out.append("--enable-zbh1-pipeline")
+        if self.ep > 1:
+            out += ["--moe-expert-parallel-size", str(self.ep)]
         return out
 
     def apply(self, cfg: Config) -> Config:
@@ -60,7 +68,8 @@ class Knobs:
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.v if self.v > 1 else None,
             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.seq_par,
-            ds_sequence_parallel_size=self.sp, no_pipeline_parallel=self.zero >= 2 or self.sp > 1)
+            ds_sequence_parallel_size=self.sp, no_pipeline_parallel=self.zero >= 2 or self.sp > 1,
+            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False, moe_expert_parallel_size=self.ep)
         tr = dataclasses.replace(cfg.training, micro_batch_size=self.mb, recompute_granularity=self.recompute,
                                  checkpoint_activations=False, deepspeed_activation_checkpointing=False,
                                  recompute_activations=False, activations_checkpoint_method=None)
@@ -68,8 +77,9 @@ class Knobs:
         return dataclasses.replace(cfg, parallel=par, training=tr, deepspeed=ds)
 
     def describe(self) -> str:
-        extra = (f" x {self.v} chunks" if self.v > 1 else "") + (" +SP" if self.seq_par else "") + (
-            f" Ulysses {self.sp}" if self.sp > 1 else "")
+        extra = (f" x {self.v} chunks" if self.v > 1 else "") + (" ZB-H1" if self.zbh1 else "") + (
+            " +SP" if self.seq_par else "") + (f" Ulysses {self.sp}" if self.sp > 1 else "") + (
+            f" EP {self.ep}" if self.ep > 1 else "")
         return (f"TP {self.tp} x PP {self.pp}{extra}, micro batch {self.mb}, recompute {self.recompute or 'none'}, "
                 f"ZeRO {self.zero}")
 
@@ -78,9 +88,11 @@ class Knobs:
 KNOB_FLAGS_WITH_VALUE = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
                          "--zero-stage", "--virtual-pipeline-model-parallel-size",
                          "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity",
-                         "--ds-sequence-parallel-size", "--recompute-method", "--activations-checkpoint-method")
+                         "--ds-sequence-parallel-size", "--recompute-method", "--activations-checkpoint-method",
+                         "--moe-expert-parallel-size")
 KNOB_SWITCHES = ("--checkpoint-activations", "--deepspeed-activation-checkpointing", "--recompute-activations",
-                 "--sequence-parallel", "--no-pipeline-parallel")
+                 "--sequence-parallel", "--no-pipeline-parallel", "--enable-zbh1-pipeline",
+                 "--enable-zbh1-exact-semantics")
 
 
 def strip_knobs(argv: list[str], with_value=KNOB_FLAGS_WITH_VALUE, switches=KNOB_SWITCHES) -> list[str]:
@@ -122,6 +134,7 @@ class Request:
     recompute: tuple[str | None, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
     flash: bool = True  # attention by fused kernels (docs/planner.md)
+    without: frozenset = frozenset()  # of FEATURES: not to enumerate (a published run's software lacked them)
 
 
 @dataclass(frozen=True)
@@ -141,10 +154,13 @@ def _divisors_pow2(limit: int) -> list[int]:
 
 
 def structures(request: Request):
-    """(TP, PP, chunks, sequence parallel, Ulysses, ZeRO) that the world size and the model's shape allow."""
+    """(TP, PP, chunks or ZB-H1, sequence parallel, Ulysses, ZeRO, EP) the world size and the model allow
+    (a family that cannot interleave, run ZB-H1 or Ulysses is refused those by the resolution)."""
     m, world = request.flags.model, request.cluster.world_size
     heads = m.num_attention_heads
     kv = m.num_key_value_heads or heads
+    experts = max(m.num_experts or (1,))
+    off = request.without
     for tp in _divisors_pow2(min(request.cluster.gpus_per_node, heads)):
         if heads % tp or kv % tp or world % tp:
             continue
@@ -152,19 +168,22 @@ def structures(request: Request):
             if world % (tp * pp) or m.num_layers % pp:
                 continue
             per_rank = m.num_layers // pp
-            # (a family that cannot interleave or run Ulysses is refused those by the resolution)
-            chunks = [v for v in (1, 2, 4, 8) if pp > 1 and per_rank % v == 0] or [1]
-            for v in chunks:
-                for seq_par in ((False, True) if tp > 1 else (False,)):
-                    for zero in request.zero:
-                        if zero >= 2 and pp > 1:
-                            continue
-                        sps = [s for s in _divisors_pow2(world // (tp * pp)) if
-                               heads % (tp * s) == 0 and kv % (tp * s) == 0] if pp == 1 else [1]
-                        for sp in sps:
-                            if sp > 1 and (seq_par or m.seq_length % sp):
-                                continue
-                            yield Knobs(tp, pp, v, seq_par, sp, zero)
+            # (chunks, ZB-H1): the interleaved schedule's chunk counts, and ZB-H1 without chunks
+            schedules = [(1, False)]
+            if pp > 1:
+                schedules = [(v, False) for v in (1, 2, 4, 8) if per_rank % v == 0 and (
+                    v == 1 or "interleaved" not in off)] + ([(1, True)] if "zbh1" not in off else [])
+            seq_pars = (False, True) if tp > 1 and "sequence-parallel" not in off else (False,)
+            for (v, zbh1), seq_par, zero in itertools.product(schedules, seq_pars, request.zero):
+                if (zero >= 2 and pp > 1) or (zbh1 and seq_par):
+                    continue
+                dp_world = world // (tp * pp)
+                sps = [s for s in _divisors_pow2(dp_world) if heads % (tp * s) == 0 and kv % (tp * s) == 0
+                       and not (s > 1 and (seq_par or m.seq_length % s))] if pp == 1 and "ulysses" not in off else [1]
+                for sp in sps:
+                    for ep in _divisors_pow2(min(experts, dp_world // sp) if "expert-parallel" not in off else 1):
+                        if experts % ep == 0 and (dp_world // sp) % ep == 0:
+                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep)
 
 
 def resolve_knobs(request: Request, knobs: Knobs) -> Layout:
@@ -295,7 +314,7 @@ def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int)
     for i, c in enumerate(ranked[:top], 1):
         k, t, lay = c.knobs, c.time, c.layout
         sp = "Uly" + str(k.sp) if k.sp > 1 else ("yes" if k.seq_par else "-")
-        line = (f"{i:>2} {k.tp:>3} {k.pp:>3} {k.v:>2} {lay.dp:>5} {sp:>3} {k.zero:>4} {k.mb:>3} "
+        line = (f"{i:>2} {k.tp:>3} {k.pp:>3} {'zb' if k.zbh1 else k.v:>2} {lay.dp:>5} {sp:>3} {k.zero:>4} {k.mb:>3} "
                 f"{k.recompute or 'none':>9} {c.memory.total / GB:>7.1f} {t.tflops_per_gpu:>8.1f} {100 * t.mfu:>5.1f}% "
                 f"{t.step_s:>8.3f} {100 * t.bubble_s / t.step_s:>6.1f}% {100 * t.comm_share:>5.1f}%")
         if train_tokens:

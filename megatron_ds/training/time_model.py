@@ -110,11 +110,13 @@ DEFAULT_NETWORK_GBS = {"v100-16": 2 * 100 / 8, "v100-32": 4 * 100 / 8, "a100-40"
 LINK_EFF = 0.8
 LATENCY_S = 10e-6
 # Memory-bound element-wise passes per layer and micro-batch, forward, in elements of the hidden
-# size per token (two norms, two bias + dropout + residual adds, RoPE; each read and written) and of
-# the ffn size (bias + activation, SwiGLU's gate); backward twice. Loss: the logits written, read
-# for the max and the exponentials, the softmax's gradient written (bytes per logit element).
-ELEMENTWISE_H = 24
-ELEMENTWISE_F = 4
+# size per token: two norms (a read and a write each) and two fused bias + dropout + residual adds
+# (two reads, a write and the mask: 3.5 each), 11, plus one for RoPE's or a bias's extra pass; of the
+# ffn size: the fused bias + GeLU's read and write (SwiGLU: two reads and a write, ``+ 1``); backward
+# twice. Loss: the logits written, read for the max and the exponentials, the softmax's gradient
+# written (bytes per logit element).
+ELEMENTWISE_H = 12
+ELEMENTWISE_F = 2
 LOGIT_PASSES = 6
 ADAM_BYTES = 4 + 4 + 8 + 8 + 4 + 2  # fp32 master read + write, moments read + write, grad read, 16-bit copy
 HBM_EFF = 0.8  # share of HBM bandwidth element-wise kernels reach
@@ -191,12 +193,13 @@ def _gated(m) -> bool:
     return bool(m.swiglu or getattr(m, "geglu", False))
 
 
-def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = True,
-                  flash: bool = True) -> tuple[
+def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = True, flash: bool = True,
+                  gpus_per_node: int = 8, network_gbs: float = 0.0) -> tuple[
         MicroBatchTimes, MicroBatchTimes]:
     """(the forward of one transformer layer for one micro-batch, the part selective recompute
     re-runs: the attention core). TP shards every GEMM's N (column parallel) or K (row parallel);
-    DeepSpeed-Ulysses gives a rank s / SP positions outside attention and a / SP heads inside."""
+    DeepSpeed-Ulysses gives a rank s / SP positions outside attention and a / SP heads inside;
+    ``network_gbs`` is a GPU's share of its node's network (MoE all-to-alls across nodes)."""
     m, t, sp = layout.model, layout.tp, layout.sp
     h, a, s, b = m.hidden_size, m.num_attention_heads, m.seq_length, layout.micro_batch_size
     d = m.kv_channels or h // a
@@ -214,13 +217,19 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
     else:
         attention = unfused_attention_seconds(gpu, b * heads, s, d)
     replicated = h / t if layout.sequence_parallel else h
-    elements = tokens * (ELEMENTWISE_H * replicated + active * ELEMENTWISE_F * f / t)
+    elements = tokens * (ELEMENTWISE_H * replicated + active * (ELEMENTWISE_F + _gated(m)) * f / t)
     mem = 2 * elements / (gpu.hbm_gbs * 1e9 * HBM_EFF)
     activation = 2 * tokens * h  # bytes of one [s, b, h] 16-bit tensor
     # two all-reduces (attention and MLP outputs), or their reduce-scatter + all-gather pairs
     comm = 2 * ring_seconds(activation, t, gpu.nvlink_gbs)
     if sp > 1:  # Ulysses: four all-to-alls (q, k, v and the output), each moving (SP - 1) / SP of its tensor
         comm += 4 * activation * (sp - 1) / sp / (gpu.nvlink_gbs * 1e9 * LINK_EFF)
+    if experts > 1 and layout.ep > 1:
+        # MoE: the dispatch and combine all-to-alls of the tokens' k capacity slots, (EP - 1) / EP of them
+        # leaving the rank; the EP group is DP ranks TP apart, over NVLink while it fits in a node
+        slots = activation * active * m.moe_train_capacity_factor
+        link = gpu.nvlink_gbs if layout.tp * layout.ep <= gpus_per_node else network_gbs
+        comm += 2 * slots * (layout.ep - 1) / layout.ep / (link * 1e9 * LINK_EFF)
     return MicroBatchTimes(gemm, attention, mem, comm), MicroBatchTimes(attention=attention)
 
 
@@ -234,8 +243,8 @@ def unfused_attention_seconds(gpu: GPU, heads: float, s: int, d: int) -> float:
     return gemms + passes * heads * s * s / (gpu.hbm_gbs * 1e9 * HBM_EFF)
 
 
-def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True,
-                layer_cache: dict | None = None) -> tuple[MicroBatchTimes, MicroBatchTimes, MicroBatchTimes]:
+def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_cache: dict | None = None,
+                node: tuple[int, float] = (8, 0.0)) -> tuple[MicroBatchTimes, MicroBatchTimes, MicroBatchTimes]:
     """(forward, backward, recompute) of one micro-batch on one GPU of ``stage``; ``flash`` False:
     attention unfused (``unfused_attention_seconds``). ``layer_cache``: one layer's times by expert
     count, shared by the stages of one layout (the layers of a dense model all cost the same)."""
@@ -253,7 +262,8 @@ def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True,
     fwd = bwd = rec = MicroBatchTimes()
     for e, n in counts.items():
         if e not in cache:
-            f, selective = layer_forward(layout, gpu, e, causal=causal, flash=flash)
+            f, selective = layer_forward(layout, gpu, e, causal=causal, flash=flash, gpus_per_node=node[0],
+                                         network_gbs=node[1])
             # backward: two GEMMs per forward GEMM, flash attention's backward 2.5 forwards, twice the bytes
             b = MicroBatchTimes(2 * f.matmul, 2.5 * f.attention, 2 * f.memory, f.tp_comm)
             r = f if layout.recompute == "full" else selective if layout.recompute == "selective" else MicroBatchTimes()
@@ -283,6 +293,14 @@ def placement(layout: Layout, cluster: Cluster) -> Placement:
     gpn, tp, dp = cluster.gpus_per_node, layout.tp, layout.dp * layout.sp
     per_node = max(1, min(dp, gpn // tp))
     return Placement(per_node, math.ceil(dp / per_node), tp * dp * layout.pp > gpn)
+
+
+def zbh1_time(stage_seconds: list[float], tail_seconds: list[float], m: int) -> float:
+    """ZB-H1's step: the bottleneck's steady state, one micro-batch through, and p - 1 of the stages'
+    ``F + B - W`` (``tail_seconds``): ``m (F + B + W) + (p - 1)(F + B - W)`` for equal stages, what
+    ``pipeline.plan.simulate_step_time`` gives for ``zbh1_schedule``'s step lists when ``m >= p``."""
+    p = len(stage_seconds)
+    return (m - 1) * max(stage_seconds) + sum(stage_seconds) / p + (p - 1) * sum(tail_seconds) / p
 
 
 def pipeline_time(stage_seconds: list[float], m: int, v: int) -> float:
@@ -376,10 +394,17 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
         shape = (s.layers[1] - s.layers[0], s.stage == pp - 1) if len(cache.get("experts", ())) == 0 or \
             max(cache["experts"]) == 1 else s
         if shape not in by_shape:
-            by_shape[shape] = stage_times(layout, gpu, s, flash=flash, layer_cache=cache)
+            by_shape[shape] = stage_times(layout, gpu, s, flash=flash, layer_cache=cache, node=(
+                cluster.gpus_per_node, cluster.network_gbs / cluster.gpus_per_node))
         per_stage.append(by_shape[shape])
     seconds = [f.total + b.total + r.total + p2p for f, b, r in per_stage]
-    pipe = pipeline_time(seconds, m, v)
+    if layout.zbh1 is not None and m >= pp:  # (fewer micro-batches leave no steady state to fill: 1F1B's time)
+        # ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): weight passes (one GEMM per forward
+        # GEMM) fill the cool-down, leaving (p - 1)(F + B - W) of idle time instead of (p - 1)(F + B + W)
+        tail = [f.total + b.total + r.total - 2 * f.matmul + p2p for f, b, r in per_stage]
+        pipe = zbh1_time(seconds, tail, m)
+    else:
+        pipe = pipeline_time(seconds, m, v)
     worst = max(range(len(seconds)), key=seconds.__getitem__)
     f, b, r = per_stage[worst]
     compute = m * (f.matmul + f.attention + f.memory + b.matmul + b.attention + b.memory)
