@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 # tools/X.py (tools/checkpoint/X.py) calls megatron_ds.cli.<module>.main; the module's name where it differs
-MODULES = {"evaluate": "evaluate_gpt"}
+MODULES = {"evaluate": "evaluate_gpt", "plan": "parallelism_plan"}
 
 
 def _main(tool):
@@ -51,6 +51,8 @@ def _failures(d):
         "to_hf": (["--load", nowhere, "--out", str(d / "hf")], f"error: checkpoint directory {nowhere}"),
         "from_hf": (["--hf-dir", nowhere, "--save", str(d / "c")], "error: "),
         "to_universal": (["--load", nowhere], "error: "),
+        "plan": (["--resource", "rt_HG", "--model-size", "175B", "--seq-length", "2048", "--global-batch-size", "8",
+                  "--bf16", "--plan-zero", "0"], "error: no layout fits"),
     }
 
 

@@ -14,6 +14,8 @@ import os
 import sys
 
 from megatron_ds.config import Config, parse_args, resolve
+from megatron_ds.config.arguments import build_parser as build_config_parser
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.memory import GB
 from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
@@ -91,6 +93,10 @@ def _with_defaults(argv: list[str], opts) -> list[str]:
 def request_of(argv: list[str], family, prog: str) -> tuple[planner.Request, Config, argparse.Namespace]:
     opts, rest = build_parser(prog).parse_known_args(argv)
     flags, _ = parse_args(_with_defaults(rest, opts), prog)
+    # the model's shape is needed; the tokenizer's files are not (--vocab-size, or the family's default)
+    missing = [flag for flag in missing_flags(flags, with_data=False) if "(for " not in flag]
+    if missing:
+        build_config_parser(prog).error(f"missing required flags: {', '.join(missing)} (or --model-size)")
     resource = opts.resource
     if resource is None and flags.gpu_memory_gb in RESOURCES:
         resource = flags.gpu_memory_gb
@@ -182,6 +188,11 @@ def report(request: planner.Request, flags: Config, opts, argv: list[str]) -> tu
 def main(argv=None, *, family, prog: str = "plan.py") -> int:
     """Print the plan (and write the job script); 1 with a one-line error, 2 for a refused command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(build_parser(prog).format_help().replace("usage:", "usage (with the pretrain flags of the model):", 1))
+        print("docs/planner.md explains the output; the model, batch and precision are the pretrain flags "
+              f"({prog} --help without --plan lists them).")
+        return 0
     try:
         request, flags, opts = request_of(argv, family, prog)
         lines, result = report(request, flags, opts, argv)
