@@ -137,6 +137,8 @@ def make_cluster(*, gpu: str | None, gpus: int | None, resource: str | None, nod
         if resource not in RESOURCES:
             raise ConfigError(f"unknown resource type {resource!r}; known: {', '.join(sorted(RESOURCES))}")
         name, per_node, net = RESOURCES[resource]
+        if per_node == 1 and (nodes or 1) > 1:
+            raise ConfigError(f"{resource} is one GPU of a node; for more GPUs plan whole nodes (rt_HF)")
         return Cluster(GPUS[name], per_node, nodes or 1, net if network_gbs is None else network_gbs, resource)
     if not gpu or not gpus:
         raise ConfigError("name the GPUs: --resource rt_HF --nodes N, or --gpu-type h200 --gpus N")

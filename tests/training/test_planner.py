@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ds.config.memory import estimate_memory
 from megatron_ds.families import get_family, main as pretrain_main
 from megatron_ds.pipeline.plan import pipeline_schedule, simulate_step_time, zbh1_schedule
 from megatron_ds.training import plan_cli, planner
@@ -148,6 +149,28 @@ def test_printed_layouts_pass_dry_run(abci_13b, capsys):
         assert total == pytest.approx(cand.memory.total / 1e9, abs=0.006)
 
 
+def test_derived_variants_are_what_resolve_gives():
+    """The plan resolves one layout per structure and derives the micro batch / recompute variants;
+    each derived one (interleaved, ZB-H1, Ulysses, selective recompute among them) has the memory
+    estimate and step time the full resolution gives."""
+    argv = ("--resource rt_HF --nodes 4 --model-size 13B --seq-length 4096 --max-position-embeddings 4096 "
+            "--global-batch-size 256 --bf16 --plan-recompute none,selective").split()
+    with contextlib.chdir(ROOT):
+        request, _, _ = plan_cli.request_of(argv, GPT, "plan.py")
+        found = planner.candidates(request)
+    kinds = {}
+    for c in found:
+        k = c.knobs
+        kind = "zb" if k.zbh1 else "v" if k.v > 1 else "ulysses" if k.sp > 1 else "sp" if k.seq_par else "plain"
+        if k.mb > 1 and (kind, k.recompute) not in kinds:
+            kinds[(kind, k.recompute)] = c
+    assert len(kinds) == 10
+    for c in kinds.values():
+        resolved = planner.evaluate(request, c.knobs)
+        assert estimate_memory(c.layout).total == pytest.approx(resolved.memory.total, rel=1e-12)
+        assert c.time.step_s == pytest.approx(resolved.time.step_s, rel=1e-12)
+
+
 def _abci_numbers():
     spec = importlib.util.spec_from_file_location("abci_numbers", ROOT / "scripts" / "abci" / "abci_numbers.py")
     module = importlib.util.module_from_spec(spec)
@@ -174,6 +197,17 @@ def test_written_job_script_runs_the_plan(tmp_path):
             lay.world_size) == (best.knobs.tp, best.knobs.pp, best.knobs.mb, best.knobs.zero, best.knobs.recompute,
                                 best.knobs.seq_par, 16)
     assert budget == 141e9
+
+
+def test_grid_engine_script_for_abci2(abci_13b, tmp_path):
+    _, request, _, result = abci_13b
+    script = tmp_path / "gpt13b.sh"
+    write_job_script(str(script), result.ranked[0], request, abci_13b[0])
+    text = script.read_text()
+    assert "#$ -l rt_F=8" in text and "\nset_job_defaults fp16" in text
+    k = result.ranked[0].knobs
+    assert f"TP=${{TP:-{k.tp}}}" in text and f"PP=${{PP:-{k.pp}}}" in text
+    assert f"ZERO_STAGE=${{ZERO_STAGE:-{k.zero}}}" in text
 
 
 def test_unknown_flag_is_one_line(capsys):
