@@ -99,8 +99,8 @@ def test_pipeline_closed_forms_are_the_schedule_simulation():
 def test_moe_plan_splits_experts():
     """A mixture-of-experts GPT: layouts with expert parallelism are enumerated and resolve."""
     argv = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 "
-            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --create-moe-param-group --plan-recompute none "
-            "--plan-micro-batch 1,2").split()
+            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --create-moe-param-group "
+            "--plan-recompute none --plan-micro-batch 1,2").split()
     with contextlib.chdir(ROOT):
         request, _, _ = plan_cli.request_of(argv, GPT, "plan.py")
         found = planner.candidates(request)
