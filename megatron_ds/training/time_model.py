@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes, uses_bf16_optimizer
 from megatron_ds.config.layout import Layout
+from megatron_ds.config.moe_params import model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.training.flops import gpt_iteration_flops
 
@@ -250,8 +251,6 @@ def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_ca
     """(forward, backward, recompute) of one micro-batch on one GPU of ``stage``; ``flash`` False:
     attention unfused (``unfused_attention_seconds``). ``layer_cache``: one layer's times by expert
     count, shared by the stages of one layout (the layers of a dense model all cost the same)."""
-    from megatron_ds.config.moe_params import model_experts  # noqa: PLC0415
-
     causal = layout.family is None or layout.family.causal_attention
     cache = {} if layer_cache is None else layer_cache
     if "experts" not in cache:
@@ -390,11 +389,11 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     # a forward activation out and its gradient back per micro-batch and model chunk
     p2p = 0.0 if pp == 1 else 2 * v * (message / (link * 1e9 * LINK_EFF) + LATENCY_S)
     cache: dict = {}
-    by_shape: dict = {}  # stages of the same layer counts (the last apart) cost the same
+    by_shape: dict = {}  # a dense model's stages of as many layers (the last apart) cost the same
+    dense = max(model_experts(m_cfg)) == 1
     per_stage = []
     for s in layout.stages:
-        shape = (s.layers[1] - s.layers[0], s.stage == pp - 1) if len(cache.get("experts", ())) == 0 or \
-            max(cache["experts"]) == 1 else s
+        shape = (s.layers[1] - s.layers[0], s.stage == pp - 1) if dense else s.stage
         if shape not in by_shape:
             by_shape[shape] = stage_times(layout, gpu, s, flash=flash, layer_cache=cache, node=(
                 cluster.gpus_per_node, cluster.network_gbs / cluster.gpus_per_node))
