@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-length", type=int, default=None,
                    help="longest input in tokens (default: the model's positions, as lm-eval reads the export)")
     g.add_argument("--max-gen-toks", type=int, default=256, help="default new tokens for generation tasks")
+    g.add_argument("--prefix-token-id", type=int, default=None,
+                   help="the token before a document or an empty context (default: the tokenizer's bos if it has "
+                        "one, else end-of-document: lm-eval's hf rule)")
     g.add_argument("--seed", type=int, default=None,
                    help="one seed for lm-eval's python, numpy, torch and few-shot sampling (default: lm-eval's)")
     g.add_argument("--offline", action="store_true",
@@ -94,7 +97,8 @@ def run_harness(session, args, manager, tasks) -> dict | None:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     m = session.weights.model
     lm = MegatronLM(session.model, session.tokenizer, max_length=args.max_length or m.max_position_embeddings
-                    or m.seq_length, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
+                    or m.seq_length, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
+                    prefix_token_id=args.prefix_token_id)
     results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                               log_samples=args.log_samples, task_manager=manager, **_seeds(args.seed))
     if results is not None:

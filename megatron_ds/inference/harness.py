@@ -6,10 +6,11 @@ Face export of the same checkpoint (``lm_eval/models/huggingface.py``, ``HFLM``)
 the same:
 
 * ``loglikelihood``: the pair is tokenized by ``TemplateLM`` (trailing spaces of the context move to
-  the continuation; an empty context becomes the prefix token, end-of-document, which is also the
-  export's bos token); the input is ``(context + continuation)[-(max_length + 1):][:-1]`` and the
-  continuation's log-probabilities are summed from the last ``len(continuation)`` positions; greedy
-  when the argmax equals the continuation at each of them.
+  the continuation; an empty context becomes the prefix token: the tokenizer's bos token if it has
+  one, else end-of-document, as ``HFLM.prefix_token_id``); the input is
+  ``(context + continuation)[-(max_length + 1):][:-1]`` and the continuation's log-probabilities
+  are summed from the last ``len(continuation)`` positions; greedy when the argmax equals the
+  continuation at each of them.
 * ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens with the
   prefix token in front, each scored as above, summed per document.
 * ``generate_until``: greedy (or sampled, when the task asks) continuation of the context, left-
@@ -19,8 +20,8 @@ the same:
 ``max_length`` defaults to the model's position count (the export's ``n_positions`` /
 ``max_position_embeddings``, what ``HFLM`` reads).
 
-Tensor parallelism: every rank runs lm-eval in lockstep (each believes it is rank 0 of 1, so
-lm-eval neither shards requests nor gathers results). lm-eval's task loading, few-shot sampling
+Tensor parallelism: every rank runs lm-eval in lockstep (each reports rank 0 of 1, so lm-eval
+neither shards requests nor gathers results; lm-eval returns the results on LOCAL_RANK 0 only). lm-eval's task loading, few-shot sampling
 (seeded) and request order are functions of the task files alone, so every rank builds the same
 requests in the same order, and the forward passes' collectives pair up without a protocol to ship
 requests and results between ranks. Only rank 0 prints and writes (the caller's job).
@@ -44,7 +45,7 @@ class MegatronLM(TemplateLM):
     ``detokenize``, ``eod``)."""
 
     def __init__(self, model: InferenceModel, tokenizer, *, max_length: int, batch_size: int = 8,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, prefix_token_id: int | None = None):
         super().__init__()
         if max_length < 2:
             raise ValueError(f"max length must be at least 2, got {max_length}")
@@ -52,10 +53,19 @@ class MegatronLM(TemplateLM):
             raise ValueError(f"max length {max_length} exceeds the model's {model.max_positions} positions")
         self.model, self.tok = model, tokenizer
         self.max_length, self.batch_size, self.max_gen_toks = max_length, max(1, batch_size), max_gen_toks
+        # HFLM's rule: the tokenizer's bos token if it has one, else end-of-document (GPT-2's export
+        # has bos = eos = <|endoftext|>; a SentencePiece model's bos is its own <s>)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self._prefix = prefix_token_id if prefix_token_id is not None else \
+            bos if isinstance(bos, int) and bos >= 0 else tokenizer.eod
 
     @property
     def eot_token_id(self) -> int:
         return self.tok.eod
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         # Our tokenizers add no special tokens (nor does the export's GPT-2 tokenizer)

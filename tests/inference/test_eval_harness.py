@@ -15,7 +15,6 @@ Tolerance: both fp32 on the same weights, different kernels: 1e-5 relative on lo
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 
 import pytest
@@ -25,6 +24,7 @@ from tests.inference.common import CORPUS_WORDS, imported_gpt2, sentence
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm-eval's hf model imports it
 
 TASKS = "tiny_choice,tiny_ppl,tiny_gen"
 
@@ -94,7 +94,6 @@ def _ours(rank, world_size, ckpt, tasks, out):
 
 
 def _theirs(export, tasks):
-    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -122,8 +121,10 @@ def _compare(ours: dict, theirs: dict) -> None:
                     assert float(g) == pytest.approx(float(r), rel=1e-5), (task, s["doc"])
 
 
-def test_scores_equal_lm_evals_hf_model_on_the_export(setup, tmp_path):
+def test_scores_equal_lm_evals_hf_model_on_the_export(setup, tmp_path, monkeypatch):
     ckpt, export, tasks = setup
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # restored afterwards (--offline sets them too)
+        monkeypatch.setenv(name, "1")
     theirs = _theirs(export, tasks)
     _compare(_ours(0, 1, ckpt, tasks, str(tmp_path / "tp1.json")), theirs)
     [tp2, _] = run_distributed(_ours, 2, ckpt, tasks, str(tmp_path / "tp2.json"), timeout=300)
