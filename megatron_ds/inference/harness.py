@@ -123,23 +123,35 @@ class MegatronLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        eos = self.tok_decode([self.eot_token_id])
-        out = []
-        for context, gen_kwargs in (req.args for req in requests):
-            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_gen = kwargs.pop("max_gen_toks")
-            room = self.max_length - max_gen
-            if room <= 0:
-                raise ValueError(f"max_gen_toks {max_gen} leaves no room for a context in {self.max_length} tokens")
-            prompt = (self.tok_encode(context) or [self.prefix_token_id])[-room:]
-            tokens = generate(self.model, [prompt], self._sampling(kwargs, max_gen), eod=self.eot_token_id).tokens[0]
-            if tokens and tokens[-1] == self.eot_token_id:
-                tokens = tokens[:-1]
-            text = postprocess_generated_text(self.tok_decode(tokens), until, None)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
+        """Requests with the same generation kwargs run together, ``batch_size`` prompts at a time
+        (left-padded: padding changes no prompt's tokens, ``megatron_ds.inference.generate``)."""
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        out: list = [None] * len(requests)
+        for members in groups.values():
+            self._generate_group([requests[i].args for i in members], members, out)
         return out
+
+    def _generate_group(self, args: list[tuple[str, dict]], members: list[int], out: list) -> None:
+        kwargs = normalize_gen_kwargs(args[0][1], self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id]))
+        max_gen = kwargs.pop("max_gen_toks")
+        room = self.max_length - max_gen
+        if room <= 0:
+            raise ValueError(f"max_gen_toks {max_gen} leaves no room for a context in {self.max_length} tokens")
+        prompts = [(self.tok_encode(context) or [self.prefix_token_id])[-room:] for context, _ in args]
+        order = sorted(range(len(args)), key=lambda k: -len(prompts[k]))  # similar lengths share a batch
+        cfg = self._sampling(kwargs, max_gen)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            generated = generate(self.model, [prompts[k] for k in batch], cfg, eod=self.eot_token_id).tokens
+            for k, tokens in zip(batch, generated):
+                if tokens and tokens[-1] == self.eot_token_id:
+                    tokens = tokens[:-1]
+                text = postprocess_generated_text(self.tok_decode(tokens), until, None)
+                self.cache_hook.add_partial("generate_until", args[k], text)
+                out[members[k]] = text
 
     @staticmethod
     def _sampling(kwargs: dict, max_gen: int) -> SamplingConfig:
