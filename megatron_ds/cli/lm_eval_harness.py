@@ -20,6 +20,10 @@ Tasks: lm-eval's names (--tasks hellaswag,lambada_openai), or your own task YAML
     metric_list: [{metric: acc}]
 
 with --offline (no Hugging Face hub access; data_files paths relative to the working directory).
+Megatron's model flags (--num-layers, --hidden-size, ..., --tensor-model-parallel-size) are checked
+against the checkpoint, as in tools/evaluate.py; Megatron-DeepSpeed's tasks/eval_harness names
+--task_list, --results_path, --eval_fp32 and --micro-batch-size mean --tasks, --output, --dtype fp32
+and --batch-size.
 
 Examples:
   python tools/eval_harness.py --load checkpoints --tasks lambada_openai,hellaswag --output lm_eval.json
@@ -34,7 +38,8 @@ import logging
 import os
 import sys
 
-from megatron_ds.inference.runtime import add_model_args, close_session, open_session
+from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
+                                           model_flag_mismatch, open_session)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,13 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("lm-evaluation-harness")
-    g.add_argument("--tasks", required=True, help="comma-separated task (or group) names")
+    # --task_list, --results_path, --eval_fp32, --adaptive_seq_len: Megatron-DeepSpeed's
+    # tasks/eval_harness/evaluate.py names (tasks_args) for the same things
+    g.add_argument("--tasks", "--task_list", required=True, help="comma-separated task (or group) names")
     g.add_argument("--include-path", action="append", default=[],
                    help="a folder (or YAML file) of your own task configs (repeatable)")
     g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     g.add_argument("--limit", type=float, default=None,
                    help="only the first N documents per task (a fraction when below 1; for testing)")
-    g.add_argument("--batch-size", type=int, default=8, help="requests per forward")
+    g.add_argument("--batch-size", "--micro-batch-size", type=int, default=8, help="requests per forward")
     g.add_argument("--max-length", type=int, default=None,
                    help="longest input in tokens (default: the model's positions, as lm-eval reads the export)")
     g.add_argument("--max-gen-toks", type=int, default=256, help="default new tokens for generation tasks")
@@ -61,8 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never reach the Hugging Face hub (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1): local tasks")
     g.add_argument("--no-builtin-tasks", action="store_true",
                    help="index only --include-path (faster start when every task is your own)")
+    g.add_argument("--eval_fp32", dest="dtype", action="store_const", const="fp32", help="as --dtype fp32")
+    g.add_argument("--adaptive_seq_len", action="store_true",
+                   help="accepted; a batch is always as long as its longest request here")
+    add_megatron_model_args(p)
     g = p.add_argument_group("output")
-    g.add_argument("--output", default="lm_eval.json", help="JSON file for the results")
+    g.add_argument("--output", "--results_path", default="lm_eval.json", help="JSON file for the results")
     g.add_argument("--log-samples", action="store_true", help="also write every document's requests and scores")
     return p
 
@@ -129,6 +140,9 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
+        mismatch = model_flag_mismatch(args, session.weights.model, session.world_size)
+        if mismatch:
+            raise ValueError(mismatch)
         results = run_harness(session, args, manager, tasks)
         if session.is_main and results is not None:
             print(make_table(results), flush=True)

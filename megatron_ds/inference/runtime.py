@@ -54,10 +54,12 @@ def add_megatron_model_args(p: argparse.ArgumentParser) -> None:
     """The rest of a Megatron evaluation command line: model shape (checked against the checkpoint),
     the launch (--tensor-model-parallel-size: checked against the processes), precision, and flags
     with nothing to do at inference."""
-    g = p.add_argument_group("Megatron model flags (the checkpoint says these: checked against it)")
+    g = p.add_argument_group("Megatron model flags", "as Megatron's tasks/main.py takes them; the checkpoint "
+                             "already says the model,\nso each is checked against it. --no-load-optim, --no-load-rng, "
+                             "--log-interval and\n--checkpoint-activations are accepted and change nothing.")
     for dest, flag in SHAPE_FLAGS.items():
-        g.add_argument(flag, dest=dest, type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
+        g.add_argument(flag, dest=dest, type=int, default=None, metavar="N", help="checked against the checkpoint")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None, metavar="N",
                    help="must equal the number of processes launched (each is one tensor parallel rank)")
     g.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="as --dtype fp16")
     g.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="as --dtype bf16")

@@ -6,7 +6,8 @@ gives on the checkpoint's Hugging Face export, on local task files, offline:
   the rolling windows are exercised): word and byte perplexity, bits per byte,
 - a generation task (generate_until, greedy, stopped at a newline): exact match and the texts,
 
-in one process and at tensor parallel 2. The model: a GPT-2 built by transformers with random weights
+in one process and at tensor parallel 2 (there with Megatron-DeepSpeed's tasks/eval_harness flag
+names and Megatron's model flags, which agree with the checkpoint). The model: a GPT-2 built by transformers with random weights
 (init std 0.2, so greedy choices are no near-ties) and a byte-level BPE the test trains, imported
 with tools/checkpoint/from_hf.py (tests/inference/common.py) and exported again with to_hf.py (the
 export lm-eval's ``hf`` reads).
@@ -85,11 +86,13 @@ def setup(tmp_path_factory):
     return ckpt, str(root / "export"), root / "tasks"
 
 
-def _ours(rank, world_size, ckpt, tasks, out):
+def _ours(rank, world_size, ckpt, tasks, out, names=("--tasks", "--output", "--batch-size"), extra=()):
     from megatron_ds.cli import lm_eval_harness
 
-    assert lm_eval_harness.main(["--load", ckpt, "--tasks", TASKS, "--include-path", str(tasks), "--offline",
-                                 "--no-builtin-tasks", "--log-samples", "--batch-size", "3", "--output", out]) == 0
+    tasks_flag, output_flag, batch_flag = names
+    assert lm_eval_harness.main(["--load", ckpt, tasks_flag, TASKS, "--include-path", str(tasks), "--offline",
+                                 "--no-builtin-tasks", "--log-samples", batch_flag, "3", output_flag, out,
+                                 *extra]) == 0
     return json.load(open(out)) if rank == 0 else None
 
 
@@ -127,5 +130,9 @@ def test_scores_equal_lm_evals_hf_model_on_the_export(setup, tmp_path, monkeypat
         monkeypatch.setenv(name, "1")
     theirs = _theirs(export, tasks)
     _compare(_ours(0, 1, ckpt, tasks, str(tmp_path / "tp1.json")), theirs)
-    [tp2, _] = run_distributed(_ours, 2, ckpt, tasks, str(tmp_path / "tp2.json"), timeout=300)
+    # at TP 2, with Megatron-DeepSpeed's tasks/eval_harness names and Megatron's model flags
+    megatron = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+                "--num-attention-heads", "4", "--max-position-embeddings", "48", "--eval_fp32"]
+    [tp2, _] = run_distributed(_ours, 2, ckpt, tasks, str(tmp_path / "tp2.json"),
+                               ("--task_list", "--results_path", "--micro-batch-size"), megatron, timeout=300)
     _compare(tp2, theirs)
