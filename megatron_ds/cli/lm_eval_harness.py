@@ -146,6 +146,8 @@ def main(argv=None) -> int:
         results = run_harness(session, args, manager, tasks)
         if session.is_main and results is not None:
             print(make_table(results), flush=True)
+            if results.get("groups"):  # a group's aggregate scores, as lm-eval's own command prints them
+                print(make_table(results, "groups"), flush=True)
             _write(results, args.output)
             print(f"> wrote {args.output}")
     except (ValueError, OSError) as exc:
