@@ -2,6 +2,8 @@
 gives on the checkpoint's Hugging Face export, on local task files, offline:
 
 - a multiple-choice task (loglikelihood requests: acc and acc_norm, and every choice's log-likelihood),
+  3-shot (lm-eval's seeded sampler: the same prompts on every rank), so that some contexts are longer
+  than the model's 48 positions and are cut on the left,
 - a perplexity task (loglikelihood_rolling; one document longer than the model's 48 positions, so
   the rolling windows are exercised): word and byte perplexity, bits per byte,
 - a generation task (generate_until, greedy, stopped at a newline): exact match and the texts,
@@ -48,6 +50,8 @@ def write_tasks(folder) -> None:
     (folder / "tiny_choice.yaml").write_text(common + textwrap.dedent(f"""\
         task: tiny_choice
         dataset_kwargs: {{data_files: {{test: {folder / 'choice.jsonl'}}}}}
+        fewshot_split: test
+        num_fewshot: 3
         output_type: multiple_choice
         doc_to_text: "{{{{question}}}}"
         doc_to_choice: "{{{{choices}}}}"
