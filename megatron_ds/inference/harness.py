@@ -98,10 +98,11 @@ class MegatronLM(TemplateLM):
             ids[i, :len(inp)] = torch.tensor(inp, dtype=torch.long)
         ids = ids.to(self.model.device)
         positions = torch.arange(width, device=ids.device).expand_as(ids)
-        logprobs = F.log_softmax(self.model.logits(ids, positions), dim=-1)
+        logits = self.model.logits(ids, positions)
         out = []
         for i, (inp, cont) in enumerate(rows):
-            span = logprobs[i, len(inp) - len(cont):len(inp)]
+            # only the continuation's positions are normalised (a second [batch, seq, vocab] is not needed)
+            span = F.log_softmax(logits[i, len(inp) - len(cont):len(inp)], dim=-1)
             target = torch.tensor(cont, dtype=torch.long, device=span.device)
             greedy = bool((span.argmax(-1) == target).all())
             out.append((float(span.gather(1, target[:, None]).sum()), greedy))
