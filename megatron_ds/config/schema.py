@@ -184,6 +184,13 @@ class ParallelConfig:
     (bit for bit); without it only where needed, and the order changes."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
+    scatter_gather_tensors_in_pipeline: bool = meta(True, flags=("--no-scatter-gather-tensors-in-pipeline",),
+                                                    invert=True)
+    """Do not split what crosses a pipeline stage over the tensor parallel ranks. By default, at TP > 1
+    each TP rank sends 1/TP of the hidden state (and of its gradient) and the receiving stage all-gathers
+    it over its TP ranks, as Megatron-DeepSpeed's megatron/p2p_communication.py (the SC21 paper's
+    scatter/gather); DeepSpeed's 1F1B engine does the same ("pipe_partitioned"). Off under --sequence-parallel
+    (each TP rank already sends its own sequence shard) and for mixture-of-experts models."""
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
     sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""

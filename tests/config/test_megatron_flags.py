@@ -52,7 +52,7 @@ IGNORED = {
     "--exit-signal-handler", "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom", "--ds-inference",
     "--use-dataset-only", "--overlap-p2p-communication", "--trust-remote-code", "--adlr-autoresume-interval",
     "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
-    "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p", "--use-cpu-initialization",
+    "--use-ring-exchange-p2p", "--use-cpu-initialization",
     "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
     # DistributedAttention at sequence parallel size 1 is the local attention
     "--force-ds-sequence-parallel",
