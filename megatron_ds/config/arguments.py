@@ -31,7 +31,7 @@ IGNORED_FLAGS: dict[str, int] = {
     **{f: 0 for f in (
         "--no-masked-softmax-fusion", "--masked-softmax-fusion",
         "--no-gradient-accumulation-fusion",
-        "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce",
+        "--no-persist-layer-norm",
         "--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
         "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling",
         "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
