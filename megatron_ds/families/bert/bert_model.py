@@ -60,7 +60,8 @@ class BertEmbedding(GPTEmbedding):
         # The MLM head hands the projection the whole (gathered) sequence: never sequence-sharded.
         self._output_projection = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
-            sequence_parallel=False, skip_weight_param_allocation=True)
+            sequence_parallel=False, skip_weight_param_allocation=True,
+            async_grad_comm=kwargs.get("async_grad_comm", True))
 
     def forward(self, inputs):
         tokens, types, padding_mask = inputs
@@ -184,7 +185,8 @@ def bert_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group
     _check(m)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout, vocab_size=vocab_size,
-                     fp32_residual=m.fp32_residual_connection, **common)
+                     fp32_residual=m.fp32_residual_connection, async_grad_comm=m.async_tensor_model_parallel_allreduce,
+                     **common)
     specs = [TiedLayerSpec(TIED_EMBEDDING_KEY, BertEmbedding, m.hidden_size, padded_vocab_size,
                            max_position_embeddings=m.max_position_embeddings,
                            num_tokentypes=NUM_TOKENTYPES if m.bert_binary_head else 0,
