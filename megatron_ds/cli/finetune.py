@@ -12,7 +12,8 @@ race/finetune.py, finetune_utils.py) on DeepSpeed's engine, at any TP / PP / DP 
 Every pretraining flag is taken (the model's must be the pretrained checkpoint's); the task's are
 Megatron's: --task, --epochs (0: evaluate only, e.g. a fine-tuned --load), --pretrained-checkpoint
 (weights only, loaded when --load holds no checkpoint), --train-data and --valid-data (GLUE TSV
-files; RACE folders of article files). An epoch is the training set's whole global batches in the
+files; RACE folders of article files). --task WIKITEXT103 / LAMBADA run tools/evaluate.py's zero-shot
+evaluation, as Megatron's tasks/main.py runs tasks/zeroshot_gpt. An epoch is the training set's whole global batches in the
 order of a fresh permutation (Megatron's DistributedSampler, reseeded with --seed + epoch); the
 iterations are epochs x batches per epoch; at the end of each epoch the model is saved (--save) and
 evaluated on the --valid-data samples in whole global batches, printed as Megatron's
@@ -44,6 +45,7 @@ from megatron_ds.training.initialize import discover_world
 from megatron_ds.training.pretrain import dry_run, prepare, with_family_defaults
 
 PROG = "tasks/main.py"
+ZERO_SHOT_TASKS = ("WIKITEXT103", "LAMBADA")
 TASK_DESTS = ("task", "epochs", "pretrained_checkpoint", "train_data", "valid_data")
 
 
@@ -178,9 +180,24 @@ def _task_errors(args) -> str | None:
     return None
 
 
+def zero_shot_task(argv: list[str]) -> bool:
+    """Megatron's tasks/main.py also runs the zero-shot GPT tasks: here tools/evaluate.py's (``evaluate_gpt``)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--task=") else (
+            argv[i + 1] if arg == "--task" and i + 1 < len(argv) else None)
+        if value is not None:
+            return value in ZERO_SHOT_TASKS
+    return False
+
+
 def main(argv=None) -> int:
     """Exit status as every entry point's: 2 for a refused command line, 1 for a run that cannot start
     or fails (one line), 0 otherwise."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if zero_shot_task(argv):
+        from megatron_ds.cli.evaluate_gpt import main as evaluate  # noqa: PLC0415
+
+        return evaluate(argv)
     def provider(parser):
         parser.description = "Fine-tune a BERT checkpoint on MNLI, QQP or RACE (Megatron-LM's tasks/main.py)."
         return add_task_args(parser)

@@ -118,6 +118,9 @@ def test_flags_are_checked_before_anything_starts(data, capsys):
     with pytest.raises(SystemExit):
         main([*MODEL, "--task", "MNLI", "--valid-data", "dev.tsv", "--epochs", "1"])
     assert "--epochs 1 needs --train-data" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # Megatron's zero-shot tasks: tools/evaluate.py's command line
+        main(["--task", "LAMBADA", "--load", "ckpt"])
+    assert "--task LAMBADA needs exactly one --valid-data file" in capsys.readouterr().err
     # a GPT checkpoint: Megatron's tasks fine-tune BERT
     gpt = data / "gpt" / "global_step1"
     gpt.mkdir(parents=True)
