@@ -149,6 +149,7 @@ def finetune(flags, ignored: list[str], task_args) -> Result:
     watch_launcher(env.launcher)
     device = devices.select_device(env.local_rank, env.local_world_size)
     task, log = TASKS[task_args.task], (print_rank0 if env.rank == 0 else (lambda *a: None))
+    pretrained = _pretrained_loader(task_args, flags)  # a GPT checkpoint is refused before the data is read
     common = dict(world_size=env.world_size, device_type=device.type, gpu_memory=devices.memory_bytes(device))
     once = dataclasses.replace(flags, training=dataclasses.replace(flags.training, train_iters=1))
     run, tokenizer = prepare(once, ignored, log=lambda *a: None, family=task_family(task, ()), **common)
@@ -160,7 +161,7 @@ def finetune(flags, ignored: list[str], task_args) -> Result:
         f"{task_args.epochs} epochs), {sizes['valid']} of {len(valid_set)} validation samples (whole global batches)")
     datasets = (EpochDataset(train_set, task_args.epochs, sizes["per_epoch"] * batch, flags.training.seed)
                 if task_args.epochs else None, torch.utils.data.Subset(valid_set, range(sizes["valid"])), None)
-    family = task_family(task, datasets, _pretrained_loader(task_args, flags))
+    family = task_family(task, datasets, pretrained)
     run, tokenizer = prepare(sizes["flags"], ignored, log=log, family=family, **common)
     result = Result(state=None)
     result.state = train(run, device, tokenizer, start_time, family,

@@ -89,7 +89,7 @@ def test_evaluate_only_reloads_the_saved_model(data, mnli):
 
 
 def test_race_learns(data):
-    argv = [*MODEL, *TUNE, "--vocab-file", str(data / "vocab.txt"), "--task", "RACE", "--epochs", "3",
+    argv = [*MODEL, *TUNE, "--vocab-file", str(data / "vocab.txt"), "--task", "RACE", "--epochs", "2",
             "--train-data", str(data / "race" / "train" / "middle"),
             "--valid-data", str(data / "race" / "dev" / "middle"), "--pretrained-checkpoint", str(data / "bert")]
     (result,) = run_distributed(run_cli, 1, argv, timeout=300)

@@ -30,11 +30,10 @@ from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import StageParams
 from megatron_ds.errors import DataError
 from megatron_ds.families.bert.bert_family import BERT
-from megatron_ds.families.bert.bert_model import bert_layer_specs
+from megatron_ds.families.bert.bert_model import bert_layer_specs, linear_layer
 from megatron_ds.families.bert.bert_params import bert_pipeline_layers
 from megatron_ds.model.layer_specs import PARTITION_METHOD, GPTPipelineModel, GPTSequential, stage_of_specs
 from megatron_ds.model.transformer import hidden_dropout
-from megatron_ds.parallel.layers import init_method_normal
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_ds.parallel.partition import partition_stages
 
@@ -53,17 +52,6 @@ class Task:
 TASKS = {"MNLI": Task("MNLI", 3), "QQP": Task("QQP", 2), "RACE": Task("RACE", 1, num_choices=4)}
 
 
-def _linear(in_features: int, out_features: int, std: float, params_dtype, device) -> nn.Linear:
-    """Megatron's ``get_linear_layer``: normal(std) weight drawn in fp32 on the CPU, zero bias."""
-    weight = torch.empty(out_features, in_features, dtype=torch.float32)
-    init_method_normal(std)(weight)
-    layer = nn.Linear(in_features, out_features, device=device, dtype=params_dtype)
-    with torch.no_grad():
-        layer.weight.copy_(weight.to(device=device, dtype=params_dtype))
-        layer.bias.zero_()
-    return layer
-
-
 class TaskHead(nn.Module):
     """Pooler, dropout and the task's linear: ``[s, b, h]`` -> logits ``[b, outputs]`` (replicated over TP)."""
 
@@ -71,8 +59,8 @@ class TaskHead(nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.dropout = tp_group, sequence_parallel, dropout
-        self.pooler = _linear(hidden_size, hidden_size, init_method_std, params_dtype, device)
-        self.classification_head = _linear(hidden_size, outputs, init_method_std, params_dtype, device)
+        self.pooler = linear_layer(hidden_size, hidden_size, init_method_std, params_dtype, device)
+        self.classification_head = linear_layer(hidden_size, outputs, init_method_std, params_dtype, device)
 
     def forward(self, hidden: torch.Tensor):
         if self.sequence_parallel:  # position 0 lives on TP rank 0's shard: gather the sequence
