@@ -42,6 +42,7 @@ from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.initialize import discover_world
+from megatron_ds.training.log import print_last_rank
 from megatron_ds.training.pretrain import dry_run, prepare, with_family_defaults
 
 PROG = "tasks/main.py"
@@ -107,7 +108,8 @@ def epoch_reporter(per_epoch: int | None, total: int, result: Result):
         accuracy = reported.get(ACCURACY)
         epoch = state.iteration // per_epoch - 1 if per_epoch else -1
         result.accuracies.append((epoch, accuracy, state.iteration))
-        print_rank0(f" >> |epoch: {epoch}| overall: correct / total = {round(accuracy * total)} / {total} = "
+        # from the last rank, after its validation line (Megatron's print_rank_last)
+        print_last_rank(f" >> |epoch: {epoch}| overall: correct / total = {round(accuracy * total)} / {total} = "
                     f"{100 * accuracy:.4f} %")
     return report
 
