@@ -383,11 +383,24 @@ def describe_ignored(flags) -> str:
 def parse_args(argv=None, prog: str = "pretrain_gpt.py") -> tuple[Config, list[str]]:
     """Parse a command line into a Config. Returns (config, ignored compatibility flags). ``prog``:
     the entry point its error lines name (pretrain_bert.py, pretrain_t5.py)."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    flags, ignored, _ = parse_args_with(argv, prog)
+    return flags, ignored
+
+
+def parse_args_with(argv=None, prog: str = "pretrain_gpt.py",
+                    extra_args_provider=None) -> tuple[Config, list[str], argparse.Namespace]:
+    """``parse_args`` with the flags of another entry point too, as Megatron's ``initialize_megatron(
+    extra_args_provider=...)``: ``extra_args_provider(parser)`` adds them and returns their dests,
+    which come back apart as a Namespace (one parser: a typo of either kind gets the same one-line error)."""
+    parser = build_parser(prog)
+    extra_dests = extra_args_provider(parser) if extra_args_provider is not None else ()
+    ns = vars(parser.parse_args(argv))
+    extra = argparse.Namespace(**{dest: ns.pop(dest) for dest in extra_dests})
     ignored = ns.pop("_ignored", [])
     sections: dict[str, dict] = {name: {} for name in SECTIONS}
     top = {}
     for key, value in ns.items():
         section, _, name = key.rpartition(".")
         (sections[section] if section else top)[name] = value
-    return Config(**{name: _section_class(name)(**values) for name, values in sections.items()}, **top), ignored
+    flags = Config(**{name: _section_class(name)(**values) for name, values in sections.items()}, **top)
+    return flags, ignored, extra

@@ -79,7 +79,7 @@ class BertEmbedding(GPTEmbedding):
         return x, padding_mask.long()  # integer: DeepSpeed sends it between stages without a gradient
 
 
-def _linear(in_features: int, out_features: int, std: float, params_dtype, device) -> nn.Linear:
+def linear_layer(in_features: int, out_features: int, std: float, params_dtype, device) -> nn.Linear:
     """Megatron's ``get_linear_layer``: normal(std) weight drawn in fp32 on the CPU, zero bias."""
     weight = torch.empty(out_features, in_features, dtype=torch.float32)
     init_method_normal(std)(weight)
@@ -101,12 +101,12 @@ class BertHeads(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.activation = openai_gelu if openai else F.gelu  # BertLMHead: --openai-gelu, else erf GeLU
         # not "dense"/"layernorm": checkpoint/tp.py reads a ".dense.weight" as row parallel
-        self.lm_dense = _linear(hidden_size, hidden_size, init_method_std, params_dtype, device)
+        self.lm_dense = linear_layer(hidden_size, hidden_size, init_method_std, params_dtype, device)
         self.lm_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device, dtype=params_dtype)
         self.pooler = self.binary_head = None
         if binary_head:
-            self.pooler = _linear(hidden_size, hidden_size, init_method_std, params_dtype, device)
-            self.binary_head = _linear(hidden_size, 2, init_method_std, params_dtype, device)
+            self.pooler = linear_layer(hidden_size, hidden_size, init_method_std, params_dtype, device)
+            self.binary_head = linear_layer(hidden_size, 2, init_method_std, params_dtype, device)
 
     def forward(self, hidden: torch.Tensor):
         if self.sequence_parallel:  # replicated from here on: backward only splits the gradient
