@@ -64,7 +64,10 @@ setup(
         # liger-kernel's Triton fused linear + cross entropy (CUDA; megatron_ds/model/liger.py). Install
         # torch for your CUDA first: pip must not replace it.
         "gpu": ["liger-kernel>=0.5"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers"],
+        # tools/eval_harness.py: lm-evaluation-harness on a checkpoint (megatron_ds/inference/harness.py)
+        "eval": ["lm_eval>=0.4.13,<0.5"],
+        # the tests compare tools/eval_harness.py with lm-eval's own "hf" model, which needs accelerate
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "lm_eval>=0.4.13,<0.5", "accelerate"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_ds"
-SCRIPT_DIRS = ("tools", "bench")
+SCRIPT_DIRS = ("tools", "bench", "tasks")
 # Calls that load a file as a module (or put a folder on the import path) around ``import``.
 FILE_LOADERS = {"spec_from_file_location", "SourceFileLoader", "run_path", "addsitedir"}
 

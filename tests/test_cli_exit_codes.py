@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 # tools/X.py (tools/checkpoint/X.py) calls megatron_ds.cli.<module>.main; the module's name where it differs
-MODULES = {"evaluate": "evaluate_gpt", "plan": "parallelism_plan"}
+MODULES = {"evaluate": "evaluate_gpt", "eval_harness": "lm_eval_harness", "plan": "parallelism_plan"}
 
 
 def _main(tool):
@@ -48,6 +48,8 @@ def _failures(d):
         "generate_samples_gpt": (["--load", nowhere, "--prompt", "x"], f"error: checkpoint directory {nowhere}"),
         "evaluate": (["--load", nowhere, "--lambada", nowhere + ".jsonl"],
                      f"error: --lambada {nowhere}.jsonl does not exist (a JSONL file with a 'text' per line)"),
+        "eval_harness": (["--load", nowhere, "--tasks", "no_such_task", "--include-path", str(d),
+                          "--no-builtin-tasks"], "error: unknown task(s) no_such_task"),
         "to_hf": (["--load", nowhere, "--out", str(d / "hf")], f"error: checkpoint directory {nowhere}"),
         "from_hf": (["--hf-dir", nowhere, "--save", str(d / "c")], "error: "),
         "to_universal": (["--load", nowhere], "error: "),

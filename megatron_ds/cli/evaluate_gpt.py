@@ -24,7 +24,11 @@ Megatron's zero-shot tasks (tasks/main.py --task, as tasks/zeroshot_gpt computes
     adjusted ppl (per original whitespace word) and token ratio;
   * --task LAMBADA --valid-data lambada_test.jsonl: last-token accuracy, or last-word with
     --strict-lambada.
---micro-batch-size is accepted for --batch-size.
+--micro-batch-size is accepted for --batch-size. Megatron's model flags (--num-layers, --hidden-size,
+--num-attention-heads, --num-key-value-heads, --ffn-hidden-size, --max-position-embeddings,
+--tensor-model-parallel-size) are checked against the checkpoint and the launch (an error names
+each mismatch); --fp16 / --bf16 mean --dtype; --no-load-optim, --no-load-rng, --log-interval and
+--checkpoint-activations are accepted and change nothing.
 
 Results are printed and written as JSON (--output, default: evaluation.json).
 
@@ -46,7 +50,8 @@ import numpy as np
 
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
 from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity
-from megatron_ds.inference.runtime import add_model_args, close_session, open_session
+from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
+                                           model_flag_mismatch, open_session)
 from megatron_ds.inference.zeroshot import (DETOKENIZERS, MEGATRON_OVERLAPPING_EVAL, detokenizer_for, read_text,
                                             wikitext_perplexity)
 
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lambada", help="JSONL file with a 'text' per line")
     g.add_argument("--lambada-last-token", action="store_true", help="score the last token, not the last word")
     add_task_args(p)
+    add_megatron_model_args(p)
     g = p.add_argument_group("output")
     g.add_argument("--output", default="evaluation.json", help="JSON file for the results")
     g.add_argument("--no-progress", action="store_true", help="no progress lines")
@@ -205,6 +211,9 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
+        mismatch = model_flag_mismatch(args, session.weights.model, session.world_size)
+        if mismatch:
+            raise ValueError(mismatch)
         results = evaluate(session, args)
         if session.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -31,14 +31,14 @@ IGNORED_FLAGS: dict[str, int] = {
     **{f: 0 for f in (
         "--no-masked-softmax-fusion", "--masked-softmax-fusion",
         "--no-gradient-accumulation-fusion",
-        "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce",
+        "--no-persist-layer-norm",
         "--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
         "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling",
         "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
         "--use-contiguous-buffers-in-local-ddp", "--no-contiguous-buffers-in-local-ddp",
         "--partition-activations", "--contigious-checkpointing", "--contiguous-checkpointing",
         "--checkpoint-in-cpu", "--synchronize-each-layer", "--profile-backward", "--mmap-warmup",
-        "--use-cpu-initialization", "--log-num-zeros-in-grad", "--no-scatter-gather-tensors-in-pipeline",
+        "--use-cpu-initialization", "--log-num-zeros-in-grad",
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
         "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
         "--no-initialization", "--fp16-lm-cross-entropy", "--log-params-norm",
@@ -193,7 +193,8 @@ OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
 _CHECKPOINTING = "a DeepSpeed activation-checkpointing option; recomputation here is torch's checkpoint"
 _LOGGING = "a Megatron logging or timer detail not reproduced here"
 _OWN_DDP = "configures Megatron's own data parallel wrapper, which its DeepSpeed path replaces by DeepSpeed's engine"
-_OWN_P2P = "configures Megatron's own pipeline messages; DeepSpeed's pipeline engine sends the activations here"
+_OWN_P2P = ("torch.distributed.ring_exchange, which only a patched PyTorch has; the pipeline messages here are "
+            "isend/irecv pairs (DeepSpeed's engine, pipeline/p2p.py)")
 _IGNORED_REASONS: dict[str, str] = {
     **{f: _CHECKPOINTING for f in ("--partition-activations", "--contigious-checkpointing",
                                    "--contiguous-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer",
@@ -204,7 +205,7 @@ _IGNORED_REASONS: dict[str, str] = {
                              "--tensorboard-queue-size")},
     **{f: _OWN_DDP for f in ("--DDP-impl", "--use-contiguous-buffers-in-local-ddp",
                              "--no-contiguous-buffers-in-local-ddp", "--accumulate-allreduce-grads-in-fp32")},
-    **{f: _OWN_P2P for f in ("--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p")},
+    "--use-ring-exchange-p2p": _OWN_P2P,
     "--tensorboard-log-interval": "scalars are written every --log-interval",
     "--exit-signal-handler": "SIGTERM/SIGUSR1 handling is on by default here",
     "--distribute-checkpointed-activations": "Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed "
@@ -382,11 +383,24 @@ def describe_ignored(flags) -> str:
 def parse_args(argv=None, prog: str = "pretrain_gpt.py") -> tuple[Config, list[str]]:
     """Parse a command line into a Config. Returns (config, ignored compatibility flags). ``prog``:
     the entry point its error lines name (pretrain_bert.py, pretrain_t5.py)."""
-    ns = vars(build_parser(prog).parse_args(argv))
+    flags, ignored, _ = parse_args_with(argv, prog)
+    return flags, ignored
+
+
+def parse_args_with(argv=None, prog: str = "pretrain_gpt.py",
+                    extra_args_provider=None) -> tuple[Config, list[str], argparse.Namespace]:
+    """``parse_args`` with the flags of another entry point too, as Megatron's ``initialize_megatron(
+    extra_args_provider=...)``: ``extra_args_provider(parser)`` adds them and returns their dests,
+    which come back apart as a Namespace (one parser: a typo of either kind gets the same one-line error)."""
+    parser = build_parser(prog)
+    extra_dests = extra_args_provider(parser) if extra_args_provider is not None else ()
+    ns = vars(parser.parse_args(argv))
+    extra = argparse.Namespace(**{dest: ns.pop(dest) for dest in extra_dests})
     ignored = ns.pop("_ignored", [])
     sections: dict[str, dict] = {name: {} for name in SECTIONS}
     top = {}
     for key, value in ns.items():
         section, _, name = key.rpartition(".")
         (sections[section] if section else top)[name] = value
-    return Config(**{name: _section_class(name)(**values) for name, values in sections.items()}, **top), ignored
+    flags = Config(**{name: _section_class(name)(**values) for name, values in sections.items()}, **top)
+    return flags, ignored, extra

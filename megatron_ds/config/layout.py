@@ -108,6 +108,9 @@ class Layout:
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
     decoder_seq_length: int | None = None  # T5: --decoder-seq-length (model.seq_length is the encoder's); else None
+    # our executor's stage messages: each TP rank sends 1/TP of the hidden state, the receiver all-gathers
+    # (--no-scatter-gather-tensors-in-pipeline: False; DeepSpeed's engine: "pipe_partitioned" in ds_config)
+    scatter_gather_p2p: bool = False
 
     @property
     def own_schedule(self) -> bool:
@@ -172,7 +175,19 @@ class Layout:
             lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
             if self.zbh1 is not None:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
+            if self.tp > 1:
+                lines.append(self._describe_stage_messages())
         return "\n".join(lines)
+
+    def _describe_stage_messages(self) -> str:
+        split = (self.scatter_gather_p2p if self.own_schedule
+                 else self.ds_config.get("pipeline", {}).get("pipe_partitioned", False))
+        if split:
+            return ("stage messages: each TP rank sends 1/TP of the hidden state and its gradient, "
+                    "the receiving stage all-gathers them (--no-scatter-gather-tensors-in-pipeline: whole)")
+        why = ("its own sequence shard, --sequence-parallel" if self.sequence_parallel
+               else "--no-scatter-gather-tensors-in-pipeline, or a model whose stages send several tensors")
+        return f"stage messages: every TP rank sends its whole hidden state ({why})"
 
 
 def layer_parameters(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -426,7 +441,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe,
-                         partition_activations=family is None or family.partition_activations)
+                         partition_activations=(family is None or family.partition_activations)
+                         and par.scatter_gather_tensors_in_pipeline)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)
@@ -443,5 +459,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
                     active_params=active_parameters(m, padded) if moe else None,
                     decoder_seq_length=(family.decoder_seq_length(flags) if family and family.decoder_seq_length
-                                        else None))
+                                        else None),
+                    scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1
+                                        and not par.sequence_parallel and not moe))
     return layout, notes

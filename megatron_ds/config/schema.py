@@ -72,6 +72,11 @@ class ModelConfig:
     flag: on with CUDA (it took 9 percent off the GPT and Llama-style 1.3B steps on an H200) unless
     --enable-zbh1-pipeline, eager on the CPU (inductor builds C++ at start-up). Graph breaks and
     limits: megatron_ds/model/compile_layers.py."""
+    async_tensor_model_parallel_allreduce: bool = meta(True, flags=("--no-async-tensor-model-parallel-allreduce",),
+                                                       invert=True)
+    """At TP > 1, do not overlap the column-parallel layers' input-gradient all-reduce (reduce-scatter under
+    --sequence-parallel, after re-gathering the input) with their weight-gradient GEMM: run it after the
+    GEMMs (Megatron's flag; megatron_ds/parallel/async_comm.py)."""
     normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
     """Normalization layer."""
     layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))
@@ -184,6 +189,13 @@ class ParallelConfig:
     (bit for bit); without it only where needed, and the order changes."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for LayerNorm/dropout regions (turned off at TP 1, as Megatron)."""
+    scatter_gather_tensors_in_pipeline: bool = meta(True, flags=("--no-scatter-gather-tensors-in-pipeline",),
+                                                    invert=True)
+    """Do not split what crosses a pipeline stage over the tensor parallel ranks. By default, at TP > 1
+    each TP rank sends 1/TP of the hidden state (and of its gradient) and the receiving stage all-gathers
+    it over its TP ranks, as Megatron-DeepSpeed's megatron/p2p_communication.py (the SC21 paper's
+    scatter/gather); DeepSpeed's 1F1B engine does the same ("pipe_partitioned"). Off under --sequence-parallel
+    (each TP rank already sends its own sequence shard) and for mixture-of-experts models."""
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
     sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""

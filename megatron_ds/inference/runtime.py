@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_ds.accelerator import on_cuda
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.schema import ModelConfig
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
 from megatron_ds.launch.env import apply_dist_env, discover_dist_env
@@ -38,6 +39,47 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
+
+
+# Megatron's network-size flags (megatron/arguments.py, _add_network_size_args) that its
+# tasks/main.py command lines repeat for a checkpoint (examples/evaluate_zeroshot_gpt.sh passes
+# --num-layers --hidden-size --num-attention-heads --seq-length --max-position-embeddings with
+# --load). Here the checkpoint records the model, so they are checks: a mismatch is an error.
+SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+               "num_attention_heads": "--num-attention-heads", "num_key_value_heads": "--num-key-value-heads",
+               "ffn_hidden_size": "--ffn-hidden-size", "max_position_embeddings": "--max-position-embeddings"}
+
+
+def add_megatron_model_args(p: argparse.ArgumentParser) -> None:
+    """The rest of a Megatron evaluation command line: model shape (checked against the checkpoint),
+    the launch (--tensor-model-parallel-size: checked against the processes), precision, and flags
+    with nothing to do at inference."""
+    g = p.add_argument_group("Megatron model flags", "as Megatron's tasks/main.py takes them; the checkpoint "
+                             "already says the model,\nso each is checked against it. --no-load-optim, --no-load-rng, "
+                             "--log-interval and\n--checkpoint-activations are accepted and change nothing.")
+    for dest, flag in SHAPE_FLAGS.items():
+        g.add_argument(flag, dest=dest, type=int, default=None, metavar="N", help="checked against the checkpoint")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None, metavar="N",
+                   help="must equal the number of processes launched (each is one tensor parallel rank)")
+    g.add_argument("--fp16", dest="dtype", action="store_const", const="fp16", help="as --dtype fp16")
+    g.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="as --dtype bf16")
+    # Megatron's tasks/main.py passes these too; an evaluation loads no optimizer or RNG state, runs no
+    # backward (so no activation checkpointing), and logs per task, not per interval.
+    for flag in ("--no-load-optim", "--no-load-rng", "--checkpoint-activations"):
+        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--log-interval", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def model_flag_mismatch(args, model: ModelConfig, world_size: int) -> str | None:
+    """One line naming every Megatron model flag that disagrees with the checkpoint (None if none)."""
+    wrong = [f"{flag} {getattr(args, dest)} (the checkpoint has {getattr(model, dest)})"
+             for dest, flag in SHAPE_FLAGS.items()
+             if getattr(args, dest, None) is not None and getattr(args, dest) != getattr(model, dest)]
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    if tp is not None and tp != world_size:
+        wrong.append(f"--tensor-model-parallel-size {tp} ({world_size} process{'es' * (world_size != 1)} "
+                     f"launched, one per tensor parallel rank)")
+    return "the command line does not match the checkpoint: " + "; ".join(wrong) if wrong else None
 
 
 @dataclass

@@ -84,7 +84,8 @@ class GPTEmbedding(nn.Module):
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
                  vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False,
-                 sp_group=None):
+                 sp_group=None, async_grad_comm: bool = True):
+        """``async_grad_comm``: the output layer's (``ColumnParallelLinear``)."""
         super().__init__()
         self.vocab_size, self.fused_loss, self.fp32_residual = vocab_size, fused_loss, fp32_residual
         self.sp_group = sp_group
@@ -106,7 +107,7 @@ class GPTEmbedding(nn.Module):
         # Parameter-less projection by the (tied) word embedding weight: the output layer.
         self._output_projection = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
-            sequence_parallel=sequence_parallel, skip_weight_param_allocation=True)
+            sequence_parallel=sequence_parallel, skip_weight_param_allocation=True, async_grad_comm=async_grad_comm)
 
     def forward(self, inputs):
         tokens, position_ids = inputs
@@ -154,13 +155,13 @@ class GPTOutputHead(nn.Module):
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
-                 vocab_size: int | None = None, fused_loss: bool = False):
+                 vocab_size: int | None = None, fused_loss: bool = False, async_grad_comm: bool = True):
         super().__init__()
         self.tp_group, self.vocab_size, self.fused_loss = tp_group, vocab_size, fused_loss
         self.output_layer = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype, device=device)
+            params_dtype=params_dtype, device=device, async_grad_comm=async_grad_comm)
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _, moe_loss = split_activation(inputs)

@@ -96,7 +96,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout,
-                     fp32_residual=m.fp32_residual_connection, sp_group=sp_group, **common)
+                     fp32_residual=m.fp32_residual_connection, sp_group=sp_group,
+                     async_grad_comm=m.async_tensor_model_parallel_allreduce, **common)
     fused_loss = m.liger_kernel  # liger's fused linear + cross entropy where it applies (model/liger.py)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     eod = eod_token if reset_attention_mask else None
@@ -134,7 +135,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                                    **embedding))
     else:
         specs.append(LayerSpec(GPTOutputHead, m.hidden_size, padded_vocab_size, init_method_std=m.init_method_std,
-                               vocab_size=vocab_size, fused_loss=fused_loss, **common))
+                               vocab_size=vocab_size, fused_loss=fused_loss,
+                               async_grad_comm=m.async_tensor_model_parallel_allreduce, **common))
     return specs
 
 

@@ -137,7 +137,8 @@ class ParallelAttention(nn.Module):
                       params_dtype=params_dtype, device=device)
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
-            init_method=init_method_normal(cfg.init_method_std), **common)
+            init_method=init_method_normal(cfg.init_method_std),
+            async_grad_comm=cfg.async_tensor_model_parallel_allreduce, **common)
         self.bias_dropout_fusion = cfg.bias_dropout_fusion
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
@@ -268,7 +269,8 @@ class ParallelMLP(nn.Module):
         # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.
         self.dense_h_to_4h = ColumnParallelLinear(
             cfg.hidden_size, 2 * ffn if self.gated else ffn, gather_output=False,
-            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.gated else 1, **common)
+            init_method=init_method_normal(cfg.init_method_std), stride=2 if self.gated else 1,
+            async_grad_comm=cfg.async_tensor_model_parallel_allreduce, **common)
         self.dense_4h_to_h = RowParallelLinear(
             ffn, cfg.hidden_size, input_is_parallel=True,
             init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers), **common)

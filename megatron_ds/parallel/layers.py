@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_ds.parallel.async_comm import overlap_applies, overlapped_column_linear
 from megatron_ds.parallel.mappings import (
     all_gather_along_first_dim,
     copy_to_tensor_parallel_region,
@@ -127,8 +128,12 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = True, init_method: InitMethod = torch.nn.init.xavier_normal_,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
-                 skip_weight_param_allocation: bool = False):
+                 skip_weight_param_allocation: bool = False, async_grad_comm: bool = True):
+        """``async_grad_comm``: at TP > 1 the input gradient's all-reduce (reduce-scatter under
+        sequence parallelism) runs during the weight-gradient GEMM (``parallel.async_comm``);
+        False: after it (--no-async-tensor-model-parallel-allreduce)."""
         super().__init__()
+        self.async_grad_comm = async_grad_comm
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split over the tensor-parallel ranks)")
@@ -166,7 +171,11 @@ class ColumnParallelLinear(torch.nn.Module):
                              f"expected {(self.output_size_per_partition, self.input_size)}")
 
         bias = None if skip_bias_add else self.bias
-        if self.sequence_parallel and tp_world_size(self.tp_group) > 1:
+        parallel = tp_world_size(self.tp_group) > 1
+        if parallel and self.async_grad_comm and overlap_applies(input_, weight):
+            output = overlapped_column_linear(input_, weight, bias, self.tp_group,
+                                              sequence_parallel=self.sequence_parallel)
+        elif self.sequence_parallel and parallel:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)
         else:
             output = linear(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias)

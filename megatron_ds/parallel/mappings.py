@@ -88,6 +88,46 @@ def reduce_scatter_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(x, group).narrow(0, tp_rank(group) * size, size).contiguous()
 
 
+# ------------------------------------------------------------------ started now, finished later
+# Each returns a function that waits for the collective and returns its result; in between, the
+# caller computes (``parallel.async_comm``: a GEMM that does not need the result). Same numbers as
+# the synchronous collectives above.
+
+
+def start_all_reduce(x: torch.Tensor, group):
+    """All-reduce ``x`` in place (a buffer the caller owns), asynchronously."""
+    work = dist.all_reduce(x, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return x
+    return finish
+
+
+def start_all_gather_along_first_dim(x: torch.Tensor, group):
+    """``all_gather_along_first_dim``, asynchronously."""
+    world, x = tp_world_size(group), x.contiguous()
+    if _native_single_tensor_collectives(group, x):
+        out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = _all_gather_single(out, x, group=group, async_op=True)
+        return lambda: (work.wait(), out)[1]
+    parts = [torch.empty_like(x) for _ in range(world)]
+    work = dist.all_gather(parts, x, group=group, async_op=True)
+    return lambda: (work.wait(), torch.cat(parts, dim=0))[1]
+
+
+def start_reduce_scatter_along_first_dim(x: torch.Tensor, group):
+    """``reduce_scatter_along_first_dim`` of a buffer the caller owns, asynchronously."""
+    world, x = tp_world_size(group), x.contiguous()
+    size = divide(x.size(0), world)
+    if _native_single_tensor_collectives(group, x):
+        out = torch.empty((size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = _reduce_scatter_single(out, x, group=group, async_op=True)
+        return lambda: (work.wait(), out)[1]
+    work = dist.all_reduce(x, group=group, async_op=True)  # as the synchronous fallback above
+    return lambda: (work.wait(), x.narrow(0, tp_rank(group) * size, size).contiguous())[1]
+
+
 # ------------------------------------------------------------------ autograd functions
 
 

@@ -9,7 +9,7 @@ by swapping the backward of its ``LinearWithGradAccumulationAndAsyncCommunicatio
 ``BackwardOnlyPass`` and running ``WeightGradStore.pop()`` at each ``WeightPass``
 (``megatron/core/pipeline_parallel/deepspeed_zbh1_engine.py``).
 
-Both paths run the same code for the weight gradient (``_weight_grad``), and a deferred gradient is
+Both paths run the same code for the weight gradient (``weight_gradient``), and a deferred gradient is
 accumulated through the parameter's own ``AccumulateGrad`` node (``Tensor.backward`` on the leaf),
 exactly as autograd accumulates the immediate one: same numbers, same accumulation, and the hooks
 DeepSpeed registers on parameters (ZeRO's reduction hooks) see it as they see any gradient. Only
@@ -90,7 +90,7 @@ def weight_grad_now_or_later(weight: torch.Tensor, compute):
     return None
 
 
-def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def weight_gradient(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return grad_out.reshape(-1, grad_out.size(-1)).t().matmul(x.reshape(-1, x.size(-1)))
 
 
@@ -110,7 +110,7 @@ class LinearFunction(torch.autograd.Function):
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(x, grad_out))
+            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b

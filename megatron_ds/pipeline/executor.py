@@ -57,8 +57,10 @@ from megatron_ds.progress import print_rank0
 class InterleavedPipeline:
     """This rank's executor; ``activation_specs``: (shape, dtype) of what crosses a stage boundary."""
 
-    def __init__(self, engine, ps, *, micro_batches: int, activation_specs: list, loss_fn, schedule=None):
-        """``schedule``: this rank's steps (default: the (interleaved) 1F1B of ``pipeline_schedule``)."""
+    def __init__(self, engine, ps, *, micro_batches: int, activation_specs: list, loss_fn, schedule=None,
+                 scatter_gather: bool = False):
+        """``schedule``: this rank's steps (default: the (interleaved) 1F1B of ``pipeline_schedule``);
+        ``scatter_gather``: each TP rank sends 1/TP of what crosses a stage (``PipelineP2P``)."""
         self.engine = engine
         self.model = engine.module  # GPTModelChunks
         self.ps = ps
@@ -71,7 +73,8 @@ class InterleavedPipeline:
         allow_deferral(any(step.kind == WEIGHT for step in self.schedule))
         self._deferred = deque()  # their micro-batches, oldest first (checked against the schedule)
         self.eval_schedule = forward_only_schedule(micro_batches, self.v, self.pp)
-        self.p2p = PipelineP2P(ps, num_virtual_stages=self.num_stages, micro_batches=micro_batches)
+        self.p2p = PipelineP2P(ps, num_virtual_stages=self.num_stages, micro_batches=micro_batches,
+                               scatter_gather=scatter_gather)
         self._load_dir = None
         ds_compat.use_layer_file_checkpoints(engine, self._load_layer_files)
 
@@ -265,4 +268,5 @@ def wrap_engine(engine, run, ps) -> InterleavedPipeline:
     if layout.zbh1 is not None:
         schedule = zbh1_schedule(layout.pp, ps.pp_rank, layout.grad_accum_steps, exact=layout.zbh1 == "exact")
     return InterleavedPipeline(engine, ps, micro_batches=layout.grad_accum_steps, activation_specs=specs,
-                               loss_fn=engine.module.loss_fn, schedule=schedule)
+                               loss_fn=engine.module.loss_fn, schedule=schedule,
+                               scatter_gather=layout.scatter_gather_p2p)

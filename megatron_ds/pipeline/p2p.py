@@ -12,6 +12,15 @@ message whose order is the same on both ends (both ranks run the schedule's forw
 backward order). Sends are asynchronous; a receive blocks until its message is there. The
 schedule's event simulation (tests/parallel/test_schedules.py) shows that under exactly these
 semantics every rank finishes.
+
+Scatter/gather (the SC21 paper's, Megatron-DeepSpeed's ``megatron/p2p_communication.py``, on by
+default; ``--no-scatter-gather-tensors-in-pipeline`` turns it off): without sequence parallelism
+every TP rank of a stage holds the same hidden state and the same gradient of it, so each sends
+only its 1/TP slice of the flattened tensor to its peer (the same TP rank of the neighbouring
+stage), and the receiving stage's TP ranks all-gather the slices. The link between stages (the
+inter-node network when stages span nodes) carries 1/TP of the bytes; the all-gather runs over
+the TP group's fast link. The TP ranks of a stage run the same schedule, so their all-gathers
+meet in the same order as the layers' own TP collectives.
 """
 from __future__ import annotations
 
@@ -50,8 +59,12 @@ def _pipeline_group_copy(ps):
 class PipelineP2P:
     """Tagged sends/receives to the neighbouring pipeline ranks (see the module docstring)."""
 
-    def __init__(self, ps, *, num_virtual_stages: int, micro_batches: int):
+    def __init__(self, ps, *, num_virtual_stages: int, micro_batches: int, scatter_gather: bool = False):
+        """``scatter_gather``: send 1/TP of each floating-point tensor (see the module docstring);
+        only where the TP ranks hold the same tensors (not under sequence parallelism)."""
         topo, coord = ps.topology, dict(data=ps.dp_rank, model=ps.tp_rank)
+        self.tp_group = ps.tp_group if scatter_gather and ps.tp_size > 1 else None
+        self.tp_size, self.tp_rank = ps.tp_size, ps.tp_rank
         self.next_rank = topo.get_rank(pipe=(ps.pp_rank + 1) % ps.pp_size, **coord)
         self.prev_rank = topo.get_rank(pipe=(ps.pp_rank - 1) % ps.pp_size, **coord)
         self.groups = {ACTIVATION: _pipeline_group_copy(ps), GRADIENT: _pipeline_group_copy(ps)}
@@ -70,6 +83,8 @@ class PipelineP2P:
         self._pending = [(req, t) for req, t in self._pending if not req.is_completed()]
         for i, tensor in enumerate(tensors):
             tensor = tensor.contiguous()
+            if self._scattered(tensor.dtype, tensor.numel()):
+                tensor = tensor.view(-1).chunk(self.tp_size)[self.tp_rank]
             req = dist.isend(tensor, dst=dst, group=self.groups[kind], tag=self._tag(kind, stage, microbatch, i))
             self._pending.append((req, tensor))
 
@@ -78,10 +93,21 @@ class PipelineP2P:
         src = self.prev_rank if kind == ACTIVATION else self.next_rank
         out = []
         for i, (shape, dtype) in enumerate(specs):
-            buf = torch.empty(shape, dtype=dtype, device=device)
+            numel = torch.Size(shape).numel()
+            scattered = self._scattered(dtype, numel)
+            buf = torch.empty(numel // self.tp_size if scattered else shape, dtype=dtype, device=device)
             dist.irecv(buf, src=src, group=self.groups[kind], tag=self._tag(kind, stage, microbatch, i)).wait()
+            if scattered:
+                slices = [torch.empty_like(buf) for _ in range(self.tp_size)]
+                dist.all_gather(slices, buf, group=self.tp_group)
+                buf = torch.cat(slices).view(shape)
             out.append(buf)
         return out
+
+    def _scattered(self, dtype: torch.dtype, numel: int) -> bool:
+        """Whether a tensor travels as 1/TP slices: floating point (the hidden state, its gradient; not
+        the int64 document ids) whose size TP divides (else whole, as Megatron's override)."""
+        return self.tp_group is not None and dtype.is_floating_point and numel % self.tp_size == 0
 
     def wait_sends(self) -> None:
         for req, _ in self._pending:

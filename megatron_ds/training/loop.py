@@ -166,6 +166,8 @@ class Loop:
     loss_report: LossReport = field(default_factory=LossReport)
     # (layout, sequence length) -> model FLOPs of one iteration: the family's count (config/family.py ModelFamily.flops)
     count_flops: Callable = gpt_iteration_flops
+    # (state, label, reported means) after each validation line: fine-tuning's per-epoch accuracy (cli/finetune.py)
+    after_validation: Callable | None = None
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
@@ -329,6 +331,8 @@ class Loop:
             torch.cuda.empty_cache()
         state.consumed_valid_samples += t.eval_iters * layout.global_batch_size
         mlog.print_last_rank(mlog.validation_lines(label, loss, reported))
+        if self.after_validation is not None:
+            self.after_validation(state, label, reported)
         values = {"lm loss validation": loss, **{f"{name} validation": v for name, v in reported.items()}}
         if self.run.logging.log_validation_ppl_to_tensorboard:
             values["lm loss validation ppl"] = math.exp(min(20.0, loss))

@@ -30,13 +30,15 @@ from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrie
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
-def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily) -> TrainState:
+def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily, *,
+          after_validation=None) -> TrainState:
     """Join the process group, check --save, then build, resume and train ``family``'s model; the
-    state at the end. A rank that never arrives at a collective ends the run in one line naming it."""
+    state at the end. A rank that never arrives at a collective ends the run in one line naming it.
+    ``after_validation``: called after each validation line (``loop.Loop``)."""
     init_distributed(run.distributed, device)
     save_lock, watch = _startup_checks(run)
     try:
-        return _train(run, device, tokenizer, start_time, watch, family)
+        return _train(run, device, tokenizer, start_time, watch, family, after_validation)
     except TrainingStopped:
         raise
     except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
@@ -58,7 +60,8 @@ def _startup_checks(run: Run):
     return lock, watch
 
 
-def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelFamily) -> TrainState:
+def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelFamily,
+           after_validation=None) -> TrainState:
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
@@ -76,6 +79,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report, count_flops=family.flops,
+                        after_validation=after_validation,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)

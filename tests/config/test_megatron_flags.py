@@ -42,7 +42,7 @@ IGNORED = {
     # kernel choices
     "--no-masked-softmax-fusion", "--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton",
     "--use-flash-attn-builder", "--disable-mem-efficient-ln", "--ds_fused_adam", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion", "--no-async-tensor-model-parallel-allreduce", "--no-query-key-layer-scaling",
+    "--no-gradient-accumulation-fusion", "--no-query-key-layer-scaling",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--fp16-lm-cross-entropy", "--onnx-safe",
     # Megatron's own (non-DeepSpeed) paths, tools and logging knobs
     "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level", "--no-barrier-with-level-1-timing",
@@ -52,7 +52,7 @@ IGNORED = {
     "--exit-signal-handler", "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom", "--ds-inference",
     "--use-dataset-only", "--overlap-p2p-communication", "--trust-remote-code", "--adlr-autoresume-interval",
     "--DDP-impl", "--no-contiguous-buffers-in-local-ddp",
-    "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p", "--use-cpu-initialization",
+    "--use-ring-exchange-p2p", "--use-cpu-initialization",
     "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
     # DistributedAttention at sequence parallel size 1 is the local attention
     "--force-ds-sequence-parallel",

@@ -60,3 +60,46 @@ def reference_greedy(weights: ModelWeights, prompt: list[int], n: int) -> tuple[
             margin = min(margin, float(top2[0] - top2[1]))
             tokens.append(int(logits.argmax()))
     return tokens[len(prompt):], margin
+
+
+CORPUS_WORDS = ("the cat sat on a mat while the dog ran to the park and a bird sang in the tree near the old house "
+                "by the river where children play every day after school").split()
+
+
+def sentence(i: int, n: int) -> str:
+    """``n`` words of a small fixed vocabulary, different for each ``i``."""
+    return " ".join(CORPUS_WORDS[(i * 7 + k * 3) % len(CORPUS_WORDS)] for k in range(n))
+
+
+def imported_gpt2(root) -> str:
+    """A checkpoint directory under ``root`` (a pathlib.Path) holding a tiny GPT-2 (2 layers, hidden 32, 4
+    heads, 48 positions) with random weights (init std 0.2, layer norms perturbed so they count),
+    built by transformers with a byte-level BPE trained here (320 tokens, files in ``root/src``) and
+    imported with tools/checkpoint/from_hf.py: a real checkpoint with a recorded tokenizer, no training."""
+    import json
+    import shutil
+
+    import transformers
+
+    from megatron_ds.cli import from_hf, train_tokenizer
+
+    with open(root / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": sentence(i, 12)}) + "\n" for i in range(40))
+    assert train_tokenizer.main(["--input", str(root / "corpus.jsonl"), "--type", "bpe", "--vocab-size", "320",
+                                 "--min-frequency", "1", "--output-dir", str(root / "tok")]) == 0
+    vocab = json.load(open(root / "tok" / "vocab.json"))
+    eod = vocab["<|endoftext|>"]
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=48, n_embd=32, n_layer=2, n_head=4,
+                                     activation_function="gelu", initializer_range=0.2, bos_token_id=eod,
+                                     eos_token_id=eod)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root / "src")
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(root / "tok" / name, root / "src" / name)
+    assert from_hf.main(["--hf-dir", str(root / "src"), "--save", str(root / "ckpt")]) == 0
+    return str(root / "ckpt")

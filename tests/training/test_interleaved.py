@@ -48,12 +48,38 @@ def test_pp2_v2_matches_single_process(reference):
     assert losses[-1][1] < losses[0][1]  # it trains: equal losses would otherwise prove little
 
 
+def losses_and_sent_sizes(rank, world_size, argv):
+    """``train_losses`` and the element count of every tensor this rank's pipeline messages sent
+    (``isend`` is only called by the executor's p2p; the TP all-gathers are collectives)."""
+    sizes = []
+    isend = torch.distributed.isend
+
+    def counting(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return isend(tensor, *args, **kwargs)
+
+    torch.distributed.isend = counting
+    try:
+        return train_losses(rank, world_size, argv), sizes
+    finally:
+        torch.distributed.isend = isend
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp_sequence_parallel"])
-def test_tp2_pp2_v2_matches_single_process(reference, extra):
-    # Megatron-LM's spelling of the chunk count; sequence parallelism sends [s/tp, b, h] shards
-    losses = _losses(4, TINY_GPT + STEPS + _layout(2, 2) + ["--virtual-pipeline-model-parallel-size", "2"] + extra)
-    assert [x for _, x in losses] == pytest.approx([x for _, x in reference], rel=RTOL)
+@pytest.mark.parametrize("extra, parts", [([], 2), (["--sequence-parallel"], 2),
+                                          (["--no-scatter-gather-tensors-in-pipeline"], 1)],
+                         ids=["tp", "tp_sequence_parallel", "tp_whole_messages"])
+def test_tp2_pp2_v2_matches_single_process(reference, extra, parts):
+    """Each TP rank sends 1/TP of the [s, b, h] hidden state and of its gradient (scatter/gather; under
+    sequence parallelism its own [s/tp, b, h] shard), all of it with the flag; losses equal either way."""
+    # Megatron-LM's spelling of the chunk count
+    argv = TINY_GPT + STEPS + _layout(2, 2) + ["--virtual-pipeline-model-parallel-size", "2"] + extra
+    results = run_distributed(losses_and_sent_sizes, 4, argv, timeout=600)
+    assert all(losses == results[-1][0] for losses, _ in results)
+    assert [x for _, x in results[-1][0]] == pytest.approx([x for _, x in reference], rel=RTOL)
+    s, b, h = (int(TINY_GPT[TINY_GPT.index(f) + 1]) for f in ("--seq-length", "--micro-batch-size", "--hidden-size"))
+    for _, sizes in results:  # every rank sends activations and gradients
+        assert sizes and set(sizes) == {s * b * h // parts}
 
 
 @pytest.mark.slow

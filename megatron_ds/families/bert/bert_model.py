@@ -60,7 +60,8 @@ class BertEmbedding(GPTEmbedding):
         # The MLM head hands the projection the whole (gathered) sequence: never sequence-sharded.
         self._output_projection = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
-            sequence_parallel=False, skip_weight_param_allocation=True)
+            sequence_parallel=False, skip_weight_param_allocation=True,
+            async_grad_comm=kwargs.get("async_grad_comm", True))
 
     def forward(self, inputs):
         tokens, types, padding_mask = inputs
@@ -78,7 +79,7 @@ class BertEmbedding(GPTEmbedding):
         return x, padding_mask.long()  # integer: DeepSpeed sends it between stages without a gradient
 
 
-def _linear(in_features: int, out_features: int, std: float, params_dtype, device) -> nn.Linear:
+def linear_layer(in_features: int, out_features: int, std: float, params_dtype, device) -> nn.Linear:
     """Megatron's ``get_linear_layer``: normal(std) weight drawn in fp32 on the CPU, zero bias."""
     weight = torch.empty(out_features, in_features, dtype=torch.float32)
     init_method_normal(std)(weight)
@@ -100,12 +101,12 @@ class BertHeads(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.activation = openai_gelu if openai else F.gelu  # BertLMHead: --openai-gelu, else erf GeLU
         # not "dense"/"layernorm": checkpoint/tp.py reads a ".dense.weight" as row parallel
-        self.lm_dense = _linear(hidden_size, hidden_size, init_method_std, params_dtype, device)
+        self.lm_dense = linear_layer(hidden_size, hidden_size, init_method_std, params_dtype, device)
         self.lm_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device, dtype=params_dtype)
         self.pooler = self.binary_head = None
         if binary_head:
-            self.pooler = _linear(hidden_size, hidden_size, init_method_std, params_dtype, device)
-            self.binary_head = _linear(hidden_size, 2, init_method_std, params_dtype, device)
+            self.pooler = linear_layer(hidden_size, hidden_size, init_method_std, params_dtype, device)
+            self.binary_head = linear_layer(hidden_size, 2, init_method_std, params_dtype, device)
 
     def forward(self, hidden: torch.Tensor):
         if self.sequence_parallel:  # replicated from here on: backward only splits the gradient
@@ -184,7 +185,8 @@ def bert_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group
     _check(m)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout, vocab_size=vocab_size,
-                     fp32_residual=m.fp32_residual_connection, **common)
+                     fp32_residual=m.fp32_residual_connection, async_grad_comm=m.async_tensor_model_parallel_allreduce,
+                     **common)
     specs = [TiedLayerSpec(TIED_EMBEDDING_KEY, BertEmbedding, m.hidden_size, padded_vocab_size,
                            max_position_embeddings=m.max_position_embeddings,
                            num_tokentypes=NUM_TOKENTYPES if m.bert_binary_head else 0,

@@ -128,7 +128,8 @@ class T5Embedding(nn.Module):
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, lm_head_bias: bool, tp_group=None,
                  params_dtype: torch.dtype = torch.float32, device=None, vocab_size: int | None = None,
-                 fp32_residual: bool = False, relative: tuple[int, int, int] | None = None):
+                 fp32_residual: bool = False, relative: tuple[int, int, int] | None = None,
+                 async_grad_comm: bool = True):
         super().__init__()
         self.tp_group, self.vocab_size, self.dropout, self.fp32_residual = tp_group, vocab_size, dropout, fp32_residual
         init = init_method_normal(init_method_std)
@@ -147,7 +148,8 @@ class T5Embedding(nn.Module):
                                                          dtype=params_dtype, device=device))
             set_tensor_parallel_attributes(self.lm_head.bias, partition_dim=0, stride=1)
         self._projection = ColumnParallelLinear(hidden_size, padded_vocab_size, tp_group=tp_group, bias=False,
-                                                gather_output=False, skip_weight_param_allocation=True)
+                                                gather_output=False, skip_weight_param_allocation=True,
+                                                async_grad_comm=async_grad_comm)
         # --position-embedding-type relative: (buckets, max distance, heads), drawn after the rest (the
         # other tables are those of the same seed without it). One [buckets, heads]
         # table per stack (HF keeps it in block 0 and hands its bias to every layer); here it is in
@@ -246,9 +248,9 @@ class ParallelCrossAttention(nn.Module):
         projection = cfg.num_attention_heads * cfg.kv_channels
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
         init = init_method_normal(cfg.init_method_std)
-        self.query = ColumnParallelLinear(cfg.hidden_size, projection, gather_output=False, init_method=init, **common)
-        self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * projection, gather_output=False, init_method=init,
-                                              **common)
+        column = dict(gather_output=False, init_method=init, async_grad_comm=cfg.async_tensor_model_parallel_allreduce)
+        self.query = ColumnParallelLinear(cfg.hidden_size, projection, **column, **common)
+        self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * projection, **column, **common)
         self.dense = RowParallelLinear(projection, cfg.hidden_size, input_is_parallel=True,
                                        init_method=scaled_init_method_normal(cfg.init_method_std, cfg.num_layers),
                                        **common)
@@ -354,7 +356,8 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     embedding = dict(max_position_embeddings=positions, init_method_std=m.init_method_std, dropout=m.hidden_dropout,
                      lm_head_bias=m.add_bias_linear, tp_group=tp_group, vocab_size=vocab_size,
-                     fp32_residual=m.fp32_residual_connection, **common)
+                     fp32_residual=m.fp32_residual_connection, async_grad_comm=m.async_tensor_model_parallel_allreduce,
+                     **common)
     relative = m.position_embedding_type == "relative"
     if relative:
         embedding["relative"] = (m.relative_attention_num_buckets, m.relative_attention_max_distance,
