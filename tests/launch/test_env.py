@@ -53,7 +53,8 @@ def test_single_process_accepts_local_rank_zero_only():
 
 
 def test_reads_os_environ_by_default(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -13,6 +13,7 @@ rtol 1e-2; the per-epoch accuracies must be the same number of samples throughou
 import contextlib
 import io
 import json
+import os
 
 import pytest
 
@@ -108,7 +109,17 @@ def test_tp2_and_pp2_match_one_process(data, mnli, tp, pp):
     assert results[0][1] == results[-1][1]  # every rank reports the same accuracies
 
 
-def test_flags_are_checked_before_anything_starts(data, capsys):
+@pytest.fixture
+def own_environ():
+    """The GPT-checkpoint case below joins a one-process job in this process, which exports RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE ... (launch.env.apply_dist_env): keep them out of later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_flags_are_checked_before_anything_starts(data, capsys, own_environ):
     from megatron_ds.cli.finetune import main
 
     with pytest.raises(SystemExit) as exit_info:
