@@ -83,11 +83,16 @@ def describe_fp8(m: ModelConfig, *, moe: bool) -> str:
         return "FP8: off"
     fmt = "E4M3 everywhere" if recipe.format == "e4m3" else "E4M3 forward, E5M2 gradients"
     layers = "QKV, attention output, MLP in/out" + (", MoE experts" if moe else "")
+    knobs = "".join([
+        f"; --fp8-amax-compute-algo {m.fp8_amax_compute_algo}: with an amax history of 1 it is the current amax"
+        if m.fp8_amax_compute_algo else "",
+        f"; --fp8-interval {m.fp8_interval}: ignored, as Megatron-DeepSpeed ignores it (deprecated)"
+        if m.fp8_interval is not None else ""])
     return (f"FP8: {recipe.format} ({fmt}), torchao {recipe.granularity} current scaling (Megatron's Transformer "
             f"Engine default is delayed scaling), margin {recipe.margin}, weight gradient in "
             f"{'FP8' if recipe.wgrad else 'bf16/fp32'}; in FP8: {layers} of every transformer layer; in bf16/fp32: "
             f"embeddings, norms, output layer; memory: unchanged (bf16/fp32 master weights, activations saved "
-            f"in their own dtype; the FP8 copies live only during each GEMM)")
+            f"in their own dtype; the FP8 copies live only during each GEMM){knobs}")
 
 
 def fp8_device_error(capability: tuple[int, int] | None) -> str | None:
