@@ -1,0 +1,70 @@
+"""parallel/fp8.py's GEMMs against an independent quantize-dequantize reference.
+
+Current scaling, as torchao computes it: scale = finfo(dtype).max / amax (per tensor, or per row of the
+GEMM's reduction for rowwise), 2^-margin below that with a margin; the operand is rounded to float8 at
+``x * scale`` (saturating) and the product of the rounded operands is divided by both scales. The CPU
+emulation multiplies the dequantized operands in fp32, so it must equal the reference up to fp32
+summation order (1e-6 relative); the output, input gradient and weight gradient are each checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_linear
+from megatron_ds.parallel.weight_grad import WeightGradStore
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _q(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None, margin: int) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` under its current scale, back in fp32."""
+    t = t.float()
+    amax = t.abs().amax(dim=rowwise_dim, keepdim=True) if rowwise_dim is not None else t.abs().max()
+    scale = torch.finfo(dtype).max / amax.double().clamp(min=1e-12) / 2.0 ** margin
+    scale = scale.float()
+    return (t * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).float() / scale
+
+
+def _reference(x, w, g, recipe: Fp8Recipe):
+    """(y, grad_x, grad_w) with every GEMM operand quantized as the recipe says."""
+    fwd, bwd = E4M3, (E5M2 if recipe.format == "hybrid" else E4M3)
+    row = recipe.granularity == "rowwise"
+    m = recipe.margin
+    y = _q(x, fwd, -1 if row else None, m) @ _q(w, fwd, -1 if row else None, m).t()
+    grad_x = _q(g, bwd, -1 if row else None, m) @ _q(w, fwd, 0 if row else None, m)
+    grad_w = (_q(g, bwd, 0 if row else None, m).t() @ _q(x, fwd, 0 if row else None, m) if recipe.wgrad
+              else g.t() @ x)
+    return y, grad_x, grad_w
+
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe("hybrid"), Fp8Recipe("e4m3"), Fp8Recipe("e4m3", "rowwise"),
+                                    Fp8Recipe("hybrid", margin=3), Fp8Recipe("hybrid", wgrad=False)])
+def test_gemms_equal_the_quantized_reference(recipe):
+    gen = torch.Generator().manual_seed(0)
+    # rows of very different magnitude: rowwise and tensorwise scales then round differently
+    x = (torch.randn(24, 64, generator=gen) * torch.logspace(-2, 1, 24)[:, None]).requires_grad_()
+    w = torch.randn(32, 64, generator=gen).requires_grad_()
+    g = torch.randn(24, 32, generator=gen)
+    y = fp8_linear(x, w, None, recipe)
+    y.backward(g)
+    want_y, want_gx, want_gw = _reference(x.detach(), w.detach(), g, recipe)
+    for got, want in ((y, want_y), (x.grad, want_gx), (w.grad, want_gw)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # and FP8 did round: the exact product is further away than the summation order could explain
+    assert (y - x.detach() @ w.detach().t()).abs().max() > 1e-3
+
+
+def test_weight_gradient_deferred_by_a_zero_bubble_store():
+    """The W pass of ZB-H1 takes FP8's weight gradient as it takes the bf16 one: none in backward,
+    the same numbers when the store runs it."""
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(8, 16, generator=gen, requires_grad=True), torch.randn(8, 16, generator=gen)
+    w = torch.nn.Parameter(torch.randn(16, 16, generator=gen))
+    fp8_linear(x, w, None, Fp8Recipe()).backward(g)
+    immediate, x.grad, w.grad = w.grad.clone(), None, None
+    store = WeightGradStore()
+    with store.deferring():
+        fp8_linear(x, w, None, Fp8Recipe()).backward(g)
+    assert w.grad is None and x.grad is not None
+    store.pop()
+    assert torch.equal(w.grad, immediate)
