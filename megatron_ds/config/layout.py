@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
-from megatron_ds.config.fp8 import fp8_recipe
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
 from megatron_ds.config.run_length import RunSchedule, resolve_iterations

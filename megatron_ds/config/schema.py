@@ -164,7 +164,7 @@ class ModelConfig:
     """Split each expert's MLP across the tensor parallel ranks like the dense MLP (default: every tensor
     parallel rank holds whole experts and DeepSpeed's expert groups span tensor parallel ranks)."""
     # -- FP8 (Megatron-DeepSpeed's _add_transformer_engine_args, Megatron-LM's --fp8-format/--fp8-recipe);
-    # resolved and checked by config/fp8.py, whose docstring maps each flag to torchao's recipe
+    # resolved and checked by config/fp8_flags.py, whose docstring maps each flag to torchao's recipe
     fp8_e4m3: bool = False
     """FP8 GEMMs in the transformer layers' linear layers, every operand E4M3."""
     fp8_hybrid: bool = False

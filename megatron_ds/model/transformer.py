@@ -38,7 +38,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds import ds_compat
-from megatron_ds.config.fp8 import fp8_recipe
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa

@@ -28,7 +28,7 @@ GRANULARITIES = ("tensorwise", "rowwise")
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How the linear layers' GEMMs run in FP8 (``config/fp8.py`` builds it from the flags)."""
+    """How the linear layers' GEMMs run in FP8 (``config/fp8_flags.py`` builds it from the flags)."""
 
     format: str = "hybrid"
     """"e4m3" | "hybrid" (E4M3 forward, E5M2 gradients)."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_ds.accelerator import CPU_SWITCH, device_type
-from megatron_ds.config.fp8 import fp8_device_error
+from megatron_ds.config.fp8_flags import fp8_device_error
 from megatron_ds.errors import ConfigError
 
 

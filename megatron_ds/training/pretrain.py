@@ -20,7 +20,7 @@ from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
 from megatron_ds.config.family import ModelFamily
-from megatron_ds.config.fp8 import describe_fp8, fp8_recipe
+from megatron_ds.config.fp8_flags import describe_fp8, fp8_recipe
 from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args
-from megatron_ds.config.fp8 import fp8_recipe
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
 from megatron_ds.parallel.fp8 import Fp8Recipe
