@@ -1,7 +1,9 @@
 """FP8 matmuls for the tensor-parallel linear layers, on torchao's float8 training tensors.
 
-``fp8_linear(x, weight, bias, recipe)`` is the one function the layers call for an FP8 GEMM: it
-casts each operand to float8 with a scale computed from the operand itself (torchao's *current*
+``fp8_linear(x, weight, bias, recipe)`` is the one function the layers call for an FP8 linear; its
+three GEMMs are ``fp8_forward``, ``fp8_input_grad`` and ``fp8_weight_grad``, which the overlapped
+column-parallel backward (``parallel.async_comm``) calls in place of its bf16 ones. Each GEMM
+casts its operands to float8 with a scale computed from the operand itself (torchao's *current*
 scaling: ``tensor_to_scale``, per tensor or per row) and multiplies the ``Float8TrainingTensor``s,
 which torchao turns into ``torch._scaled_mm`` on CUDA and into an fp32 emulation of the same
 quantized product elsewhere (the CPU: same numbers up to the accumulation order). The parameters
@@ -75,6 +77,36 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, role: str, axis: int, recipe: Fp8
                                              axis if rowwise else None)
 
 
+def fp8_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe) -> torch.Tensor:
+    """The output GEMM, ``x W^T (+ b)``, on FP8 operands (no autograd: for a Function's forward)."""
+    mm = _mm_config(emulate=x.device.type != "cuda")
+    fwd, _ = recipe.dtypes()
+    x2 = x.reshape(-1, x.size(-1))
+    out = torch.mm(_cast(x2, fwd, "input", -1, recipe, mm), _cast(weight.t(), fwd, "weight", 0, recipe, mm))
+    out = out.reshape(*x.shape[:-1], out.size(-1))
+    return out + bias if bias is not None else out
+
+
+def fp8_input_grad(grad_out: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """The input-gradient GEMM, ``grad_out W``: the gradient in the recipe's gradient dtype."""
+    mm = _mm_config(emulate=grad_out.device.type != "cuda")
+    fwd, bwd = recipe.dtypes()
+    g2 = grad_out.reshape(-1, grad_out.size(-1))
+    grad_x = torch.mm(_cast(g2, bwd, "grad_output", -1, recipe, mm), _cast(weight, fwd, "weight", 0, recipe, mm))
+    return grad_x.reshape(*grad_out.shape[:-1], grad_x.size(-1))
+
+
+def fp8_weight_grad(x: torch.Tensor, grad_out: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """The weight-gradient GEMM, ``grad_out^T x`` (in the input's precision with ``wgrad=False``)."""
+    x2, g2 = x.reshape(-1, x.size(-1)), grad_out.reshape(-1, grad_out.size(-1))
+    if not recipe.wgrad:
+        return g2.t().matmul(x2.to(g2.dtype))
+    mm = _mm_config(emulate=x.device.type != "cuda")
+    fwd, bwd = recipe.dtypes()
+    grad = torch.mm(_cast(g2.t(), bwd, "grad_output", -1, recipe, mm), _cast(x2, fwd, "input", 0, recipe, mm))
+    return grad.to(x.dtype)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with the three GEMMs (output, input gradient, weight gradient) in FP8."""
 
@@ -82,38 +114,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe):
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.has_bias = recipe, bias is not None
-        ctx.mm_config = mm = _mm_config(emulate=x.device.type != "cuda")
-        fwd, _ = recipe.dtypes()
-        x2 = x.reshape(-1, x.size(-1))
-        out = torch.mm(_cast(x2, fwd, "input", -1, recipe, mm), _cast(weight.t(), fwd, "weight", 0, recipe, mm))
-        out = out.reshape(*x.shape[:-1], out.size(-1))
-        return out + bias if bias is not None else out
+        return fp8_forward(x, weight, bias, recipe)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        recipe, mm = ctx.recipe, ctx.mm_config
-        fwd, bwd = recipe.dtypes()
-        g2 = grad_out.reshape(-1, grad_out.size(-1))
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(_cast(g2, bwd, "grad_output", -1, recipe, mm), _cast(weight, fwd, "weight", 0, recipe, mm))
-            grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.size(-1))
+        recipe = ctx.recipe
+        grad_x = fp8_input_grad(grad_out, weight, recipe) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(x, g2, recipe, mm))
+            grad_w = weight_grad_now_or_later(weight, lambda: fp8_weight_grad(x, grad_out, recipe))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(dim=0)
+            grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b, None
-
-
-def _weight_grad(x: torch.Tensor, g2: torch.Tensor, recipe: Fp8Recipe, mm_config) -> torch.Tensor:
-    x2 = x.reshape(-1, x.size(-1))
-    if not recipe.wgrad:
-        return g2.t().matmul(x2.to(g2.dtype))
-    fwd, bwd = recipe.dtypes()
-    grad = torch.mm(_cast(g2.t(), bwd, "grad_output", -1, recipe, mm_config),
-                    _cast(x2, fwd, "input", 0, recipe, mm_config))
-    return grad.to(x.dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe) -> torch.Tensor:

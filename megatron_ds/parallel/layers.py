@@ -185,12 +185,12 @@ class ColumnParallelLinear(torch.nn.Module):
 
         bias = None if skip_bias_add else self.bias
         parallel = tp_world_size(self.tp_group) > 1
-        if parallel and self.async_grad_comm and self.fp8 is None and overlap_applies(input_, weight):
+        if parallel and self.async_grad_comm and overlap_applies(input_, weight):
             output = overlapped_column_linear(input_, weight, bias, self.tp_group,
-                                              sequence_parallel=self.sequence_parallel)
+                                              sequence_parallel=self.sequence_parallel, fp8=self.fp8)
         elif self.sequence_parallel and parallel and self.fp8 is not None:
-            # the gathered sequence is kept for backward here (the FP8 GEMMs are torchao's, not
-            # _SequenceParallelLinear's, which re-gathers it)
+            # (synchronous, e.g. --no-async-tensor-model-parallel-allreduce) the gathered sequence is
+            # kept for backward here, where _SequenceParallelLinear, whose GEMMs are bf16, re-gathers it
             output = layer_matmul(gather_from_sequence_parallel_region(input_, self.tp_group), weight, bias, self.fp8)
         elif self.sequence_parallel and parallel:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)

@@ -68,3 +68,34 @@ def test_weight_gradient_deferred_by_a_zero_bubble_store():
     assert w.grad is None and x.grad is not None
     store.pop()
     assert torch.equal(w.grad, immediate)
+
+
+def _overlap_worker(rank, world_size, sequence_parallel):
+    import torch.distributed as dist
+
+    from megatron_ds.parallel.layers import ColumnParallelLinear, init_method_normal
+
+    group = dist.new_group(list(range(world_size)))
+    grads = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        layer = ColumnParallelLinear(16, 32, tp_group=group, gather_output=False, init_method=init_method_normal(0.5),
+                                     sequence_parallel=sequence_parallel, async_grad_comm=overlap, fp8=Fp8Recipe())
+        seed = rank if sequence_parallel else 0  # a shard of the sequence per rank, else the replicated input
+        x = torch.randn(4 if sequence_parallel else 8, 2, 16, generator=torch.Generator().manual_seed(seed))
+        x.requires_grad_()
+        out, _ = layer(x)
+        out.square().sum().backward()
+        grads[overlap] = (out.detach(), x.grad, layer.weight.grad, layer.bias.grad)
+    return grads
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["all_reduce", "sequence_parallel"])
+def test_overlapped_tp_backward_runs_the_same_fp8_gemms(sequence_parallel):
+    """At TP 2 the overlapped column-parallel backward (parallel/async_comm.py) and the synchronous one
+    (--no-async-tensor-model-parallel-allreduce) give the same FP8 numbers bit for bit."""
+    from tests.distributed import run_distributed
+
+    for grads in run_distributed(_overlap_worker, 2, sequence_parallel, timeout=120):
+        for a, b in zip(grads[True], grads[False]):
+            assert torch.equal(a, b)
