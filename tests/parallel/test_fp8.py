@@ -99,3 +99,25 @@ def test_overlapped_tp_backward_runs_the_same_fp8_gemms(sequence_parallel):
     for grads in run_distributed(_overlap_worker, 2, sequence_parallel, timeout=120):
         for a, b in zip(grads[True], grads[False]):
             assert torch.equal(a, b)
+
+
+def test_torch_compile_traces_the_fp8_linear_whole():
+    """On CUDA the layers are compiled by default (--compile-layers): dynamo must take the FP8 linear
+    into its graph, torchao's float8 tensors included, with no graph break and the eager numbers.
+    aot_eager stops before code generation (no C++ compiler needed) after the tracing that matters."""
+    from torch._dynamo.utils import counters
+
+    def f(x, w):
+        return torch.nn.functional.gelu(fp8_linear(x, w, None, Fp8Recipe()))
+
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(32, 64, generator=gen, requires_grad=True), torch.randn(48, 64, generator=gen, requires_grad=True)
+    f(x, w).sum().backward()
+    eager = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(x, w).sum().backward()
+    assert not counters["graph_break"]
+    assert torch.equal(x.grad, eager[0]) and torch.equal(w.grad, eager[1])
+    torch._dynamo.reset()
