@@ -18,6 +18,7 @@ schedule defers it as it defers the bf16 one.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,18 +42,39 @@ class Fp8Recipe:
     wgrad: bool = True
     """False: the weight-gradient GEMM in the input's precision."""
 
+    def __post_init__(self):
+        _torchao()
+
     def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """(forward operands' dtype, gradients' dtype)."""
         fwd = torch.float8_e4m3fn
         return fwd, (torch.float8_e5m2 if self.format == "hybrid" else fwd)
 
 
+_torchao_pieces: tuple | None = None
+
+
 def _torchao():
-    """torchao's float8 pieces, imported on first use (the package loads torch.compile hooks)."""
-    from torchao.float8 import float8_training_tensor as ftt  # noqa: PLC0415
-    from torchao.float8.config import ScalingGranularity  # noqa: PLC0415
-    from torchao.float8.float8_utils import tensor_to_scale  # noqa: PLC0415
-    return ftt, ScalingGranularity, tensor_to_scale
+    """torchao's float8 pieces, imported once, when the first recipe is made (the package loads
+    torch.compile hooks): eagerly, so that a compiled layer's trace reads them and imports nothing.
+    The import logs a warning per optional C++ kernel library torchao cannot load (MXFP8, CUTLASS;
+    CUDA builds of them), none of which is used here (the GEMMs are torch._scaled_mm), and torch warns
+    that torchao's enums need no registration any more: held back, they say nothing about this run."""
+    global _torchao_pieces
+    if _torchao_pieces is None:
+        logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+        levels = [log.level for log in logs]
+        for log in logs:
+            log.setLevel(logging.ERROR)
+        try:
+            from torchao.float8 import float8_training_tensor as ftt  # noqa: PLC0415
+            from torchao.float8.config import ScalingGranularity  # noqa: PLC0415
+            from torchao.float8.float8_utils import tensor_to_scale  # noqa: PLC0415
+        finally:
+            for log, level in zip(logs, levels):
+                log.setLevel(level)
+        _torchao_pieces = ftt, ScalingGranularity, tensor_to_scale
+    return _torchao_pieces
 
 
 def _mm_config(emulate: bool):
