@@ -17,6 +17,7 @@ and ``blockwise`` need Transformer Engine and are refused naming the recipe to u
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 from megatron_ds.config.schema import ModelConfig
@@ -74,6 +75,12 @@ def fp8_recipe(m: ModelConfig) -> Fp8Recipe | None:
         raise ConfigError(f"--fp8-{fmt}: FP8 GEMMs come from torchao, which is not installed; pip install 'torchao>=0.18'")
     granularity = _check_recipe(m, fmt)
     return Fp8Recipe(format=fmt, granularity=granularity, margin=m.fp8_margin or 0, wgrad=m.fp8_wgrad)
+
+
+def without_fp8(m: ModelConfig) -> ModelConfig:
+    """``m`` with FP8 off: a checkpoint's flags say how it was trained; its evaluation and generation
+    run the weights in their own dtype, as a Hugging Face export of it does."""
+    return dataclasses.replace(m, fp8_e4m3=False, fp8_hybrid=False, fp8_format=None)
 
 
 def describe_fp8(m: ModelConfig, *, moe: bool) -> str:

@@ -18,7 +18,6 @@ Face, whose logits equal ours on the same weights (both fp32, tolerance as tests
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -74,7 +73,7 @@ def test_fp8_checkpoint_exports_to_hugging_face(runs, tmp_path):
     transformers = pytest.importorskip("transformers")
     from megatron_ds.checkpoint import load_consolidated
     from megatron_ds.cli import to_hf
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.inference.model import build_inference_model
 
     _, ckpt = runs
     out = str(tmp_path / "hf")
@@ -82,11 +81,10 @@ def test_fp8_checkpoint_exports_to_hugging_face(runs, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     c = load_consolidated(ckpt, log=lambda *a: None)
     assert c.model.fp8_hybrid  # the run's flags travel with the checkpoint; the weights are plain
-    plain = dataclasses.replace(c.model, fp8_hybrid=False)
-    ours = build_sequential_gpt(plain, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)
-    ours.load_state_dict({k: v.float() for k, v in c.state_dict.items()})
-    ours.eval()
+    # ours as our evaluation and generation tools build it: the weights without FP8 (inference/model.py)
+    ours = build_inference_model(c)
+    assert not any(getattr(m, "fp8", None) for m in ours.module.modules())
     tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = ours((tokens, torch.arange(20).expand_as(tokens)))
-        torch.testing.assert_close(theirs(input_ids=tokens).logits, want[..., :512], rtol=1e-5, atol=1e-5)
+        want = ours.logits(tokens, torch.arange(20).expand_as(tokens))
+        torch.testing.assert_close(theirs(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
