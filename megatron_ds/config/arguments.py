@@ -23,6 +23,7 @@ import textwrap
 import typing
 from functools import lru_cache
 
+from megatron_ds.config.fp8_flags import TRANSFORMER_ENGINE_REFUSAL
 from megatron_ds.config.schema import SECTIONS, Config
 from megatron_ds.errors import closest
 
@@ -67,7 +68,6 @@ OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {}
 # --- the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
 # commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
-_FP8_KNOB = "an fp8 recipe knob, read only with --fp8-e4m3/--fp8-hybrid, which are refused"
 _KERNEL = "a CUDA kernel choice with no counterpart here"
 # flag -> (number of values, why it changes nothing here); reported with the reason (``describe_ignored``)
 IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
@@ -85,9 +85,6 @@ IGNORED_WITH_REASON: dict[str, tuple[int, str]] = {
     # itself proceeds without them, as it does here
     "--use-tutel": (0, "Tutel's optional top-1 dispatch kernels compute the same routing as DeepSpeed's "
                        "default dispatch, which runs here (tutel is not a dependency)"),
-    "--no-fp8-wgrad": (0, _FP8_KNOB),
-    **{f: (1, _FP8_KNOB) for f in ("--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
-                                   "--fp8-amax-compute-algo")},
     "--use-flash-attn-builder": (0, _KERNEL + "; attention runs torch SDPA"),
     "--disable-mem-efficient-ln": (0, _KERNEL + ": apex's memory-efficient LayerNorm"),
     "--ds_fused_adam": (0, _KERNEL + "; Adam is apex FusedAdam or torch's fused AdamW, logged at start-up"),
@@ -120,8 +117,6 @@ _FPDT = ("DeepSpeed-Ulysses' FPDT (chunked, offloaded attention) is not supporte
 _INDEX_FILES = "index files are built once and cached under --data-cache-path; drop the flag"
 # flag -> (number of values, what to do instead)
 REFUSED_FLAGS: dict[str, tuple[int, str]] = {
-    **{f: (0, "fp8 training (Transformer Engine) is not supported; use --bf16") for f in (
-        "--fp8-e4m3", "--fp8-hybrid")},
     "--output-bert-embeddings": (0, _BERT_T5),
     **{f: (1, _BERT_T5) for f in ("--bert-embedder-type", "--retriever-seq-length", "--sample-rate")},
     # megatron/model/transformer.py SwitchMLP: Megatron-LM's own top-1 MoE, every expert on every rank run one
@@ -184,7 +179,9 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
-    "--transformer-impl": ("?", "local", "Transformer Engine layers are not supported"),
+    # megatron/arguments.py: --transformer-impl transformer_engine swaps in Transformer Engine's layers
+    # (delayed-scaling FP8); our layers are our own, their FP8 GEMMs torchao's (config/fp8_flags.py)
+    "--transformer-impl": ("?", "local", TRANSFORMER_ENGINE_REFUSAL),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),

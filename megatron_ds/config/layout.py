@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
 from megatron_ds.config.run_length import RunSchedule, resolve_iterations
@@ -421,6 +422,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_weight_decay(o)
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
+    fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_data(flags.data)
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)

@@ -163,6 +163,27 @@ class ModelConfig:
     enable_expert_tensor_parallelism: bool = False
     """Split each expert's MLP across the tensor parallel ranks like the dense MLP (default: every tensor
     parallel rank holds whole experts and DeepSpeed's expert groups span tensor parallel ranks)."""
+    # -- FP8 (Megatron-DeepSpeed's _add_transformer_engine_args, Megatron-LM's --fp8-format/--fp8-recipe);
+    # resolved and checked by config/fp8_flags.py, whose docstring maps each flag to torchao's recipe
+    fp8_e4m3: bool = False
+    """FP8 GEMMs in the transformer layers' linear layers, every operand E4M3."""
+    fp8_hybrid: bool = False
+    """FP8 GEMMs in the transformer layers' linear layers, E4M3 forward and E5M2 gradients."""
+    fp8_format: Optional[str] = meta(None, choices=("e4m3", "hybrid"))
+    """Megatron-LM's spelling of --fp8-e4m3 / --fp8-hybrid."""
+    fp8_recipe: Optional[str] = meta(None, choices=("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"))
+    """FP8 scaling (default tensorwise: torchao's current scaling; rowwise: one scale per row; delayed,
+    mxfp8, blockwise need Transformer Engine and are refused)."""
+    fp8_margin: Optional[int] = None
+    """FP8 scale headroom: scale by 2^-margin below the largest that fits (default 0)."""
+    fp8_interval: Optional[int] = None
+    """Deprecated in Megatron-DeepSpeed, which ignores it; ignored here too."""
+    fp8_amax_history_len: Optional[int] = None
+    """Delayed scaling's amax history; only 1 (current scaling's equivalent) without Transformer Engine."""
+    fp8_amax_compute_algo: Optional[str] = meta(None, choices=("most_recent", "max"))
+    """Delayed scaling's amax from the history; with a history of 1 both are the current amax."""
+    fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad",), invert=True)
+    """--no-fp8-wgrad: the weight-gradient GEMM in bf16/fp32 even in an FP8 run."""
 
     def __post_init__(self):
         # --num-experts is a tuple of ints however it arrives: the parser's tuple, a checkpoint's saved

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.config.fp8_flags import without_fp8
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.gpt import GPTEmbedding, split_moe_loss
 from megatron_ds.model.layer_specs import GPTSequential, build_sequential_gpt
@@ -128,7 +129,7 @@ class InferenceModel:
 def build_inference_model(weights: ModelWeights, *, tp_group=None, device=None,
                           dtype: torch.dtype = torch.float32) -> InferenceModel:
     """Build the model at this process's tensor parallel size and load ``weights`` into it."""
-    cfg = dataclasses.replace(weights.model, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = dataclasses.replace(without_fp8(weights.model), hidden_dropout=0.0, attention_dropout=0.0)
     tp = tp_world_size(tp_group)
     if weights.padded_vocab_size % tp:
         raise ValueError(f"the checkpoint's padded vocabulary ({weights.padded_vocab_size}) does not split over "

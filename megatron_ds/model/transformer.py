@@ -38,6 +38,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
@@ -134,7 +135,7 @@ class ParallelAttention(nn.Module):
         self.rope_fusion, self.fusions_on_cpu = cfg.apply_rope_fusion, cfg.fusions_on_cpu
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device)
+                      params_dtype=params_dtype, device=device, fp8=fp8_recipe(cfg))
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
             init_method=init_method_normal(cfg.init_method_std),
@@ -263,7 +264,7 @@ class ParallelMLP(nn.Module):
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device)
+                      params_dtype=params_dtype, device=device, fp8=fp8_recipe(cfg))
         # SwiGLU fuses [gate; up] into one projection. Every rank needs its slice of the gate AND
         # the matching slice of up, so the rows are split with stride 2: rank r holds
         # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.

@@ -28,9 +28,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_forward, fp8_input_grad, fp8_weight_grad
 from megatron_ds.parallel.mappings import start_all_gather_along_first_dim, start_all_reduce, \
     start_reduce_scatter_along_first_dim
 from megatron_ds.parallel.weight_grad import weight_grad_now_or_later, weight_gradient
+
+
+def _forward(x, weight, bias, fp8: Fp8Recipe | None):
+    return F.linear(x, weight, bias) if fp8 is None else fp8_forward(x, weight, bias, fp8)
+
+
+def _input_grad(grad_out, weight, fp8: Fp8Recipe | None):
+    return grad_out.matmul(weight) if fp8 is None else fp8_input_grad(grad_out, weight, fp8)
+
+
+def _weight_grad(x, grad_out, fp8: Fp8Recipe | None):
+    return weight_gradient(x, grad_out) if fp8 is None else fp8_weight_grad(x, grad_out, fp8)
 
 
 class _OverlappedColumnLinear(torch.autograd.Function):
@@ -38,23 +51,23 @@ class _OverlappedColumnLinear(torch.autograd.Function):
     all-reduces the input gradient over ``group`` during the weight-gradient GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, fp8):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.group, ctx.has_bias, ctx.fp8 = group, bias is not None, fp8
+        return _forward(x, weight, bias, fp8)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         pending = None
         if ctx.needs_input_grad[0]:
-            pending = start_all_reduce(grad_out.matmul(weight), ctx.group)
+            pending = start_all_reduce(_input_grad(grad_out, weight, ctx.fp8), ctx.group)
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out))
+            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(x, grad_out, ctx.fp8))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
-        return (pending() if pending else None), grad_w, grad_b, None
+        return (pending() if pending else None), grad_w, grad_b, None, None
 
 
 class _OverlappedSequenceParallelLinear(torch.autograd.Function):
@@ -63,11 +76,11 @@ class _OverlappedSequenceParallelLinear(torch.autograd.Function):
     weight-gradient GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, fp8):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.fp8 = group, bias is not None, fp8
         gathered = start_all_gather_along_first_dim(x, group)()
-        return F.linear(gathered, weight, bias)
+        return _forward(gathered, weight, bias, fp8)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -76,22 +89,24 @@ class _OverlappedSequenceParallelLinear(torch.autograd.Function):
         scatter = None
         if ctx.needs_input_grad[0]:
             # every rank holds a partial gradient of the whole sequence: sum them, keep my shard
-            scatter = start_reduce_scatter_along_first_dim(grad_out.matmul(weight), ctx.group)
+            scatter = start_reduce_scatter_along_first_dim(_input_grad(grad_out, weight, ctx.fp8), ctx.group)
         grad_w = grad_b = None
         if gather is not None:
             total = gather()
-            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(total, grad_out))
+            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(total, grad_out, ctx.fp8))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
-        return (scatter() if scatter else None), grad_w, grad_b, None
+        return (scatter() if scatter else None), grad_w, grad_b, None, None
 
 
-def overlapped_column_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, *, sequence_parallel: bool):
-    """ColumnParallelLinear's product at TP > 1 with the overlapped backward. Under torch autocast
-    (DeepSpeed's "torch_autocast" block) a Function's backward would see mixed dtypes: the caller
-    takes the synchronous path there, as ``weight_grad.linear`` does."""
+def overlapped_column_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, *, sequence_parallel: bool,
+                             fp8: Fp8Recipe | None = None):
+    """ColumnParallelLinear's product at TP > 1 with the overlapped backward, its GEMMs in FP8 with a
+    recipe (``parallel.fp8``). Under torch autocast (DeepSpeed's "torch_autocast" block) a Function's
+    backward would see mixed dtypes: the caller takes the synchronous path there, as
+    ``weight_grad.linear`` does."""
     cls = _OverlappedSequenceParallelLinear if sequence_parallel else _OverlappedColumnLinear
-    return cls.apply(x, weight, bias, group)
+    return cls.apply(x, weight, bias, group, fp8)
 
 
 def overlap_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -9,7 +9,8 @@ identically) and each rank keeps its slice. A model therefore starts from the sa
 tensor-parallel size and on any device.
 
 The linear layers compute through ``parallel.weight_grad.linear``, whose weight gradient a
-zero-bubble schedule may defer to its weight pass (the same code computes it either way).
+zero-bubble schedule may defer to its weight pass (the same code computes it either way), or, built
+with an ``fp8`` recipe, through ``parallel.fp8.fp8_linear`` (FP8 GEMMs; ``layer_matmul`` picks).
 
 Parameter attributes, read by DeepSpeed and by our checkpoint tools:
 - `tensor_model_parallel=True`, `partition_dim`, `partition_stride` on parameters split across the
@@ -38,9 +39,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ds.parallel.async_comm import overlap_applies, overlapped_column_linear
+from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_linear
 from megatron_ds.parallel.mappings import (
     all_gather_along_first_dim,
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_along_first_dim,
@@ -86,6 +89,13 @@ def _master_weight_shard(full_shape, partition_dim, stride, init_method, group, 
     return shard.to(dtype=params_dtype, device=device).contiguous()
 
 
+def layer_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 fp8: Fp8Recipe | None) -> torch.Tensor:
+    """The GEMM of a tensor-parallel linear layer on its local operands: FP8 when the layer has a
+    recipe, else the (deferrable) ``linear``."""
+    return linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, fp8)
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """y = all_gather_seq(x) @ W^T + b. Keeps only the local sequence shard of x for backward and
     all-gathers it again there, rather than holding the gathered input for the whole step: saving
@@ -128,12 +138,15 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = True, init_method: InitMethod = torch.nn.init.xavier_normal_,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
-                 skip_weight_param_allocation: bool = False, async_grad_comm: bool = True):
+                 skip_weight_param_allocation: bool = False, async_grad_comm: bool = True,
+                 fp8: Fp8Recipe | None = None):
         """``async_grad_comm``: at TP > 1 the input gradient's all-reduce (reduce-scatter under
         sequence parallelism) runs during the weight-gradient GEMM (``parallel.async_comm``);
-        False: after it (--no-async-tensor-model-parallel-allreduce)."""
+        False: after it (--no-async-tensor-model-parallel-allreduce). ``fp8``: the GEMMs in FP8
+        (``parallel.fp8``)."""
         super().__init__()
         self.async_grad_comm = async_grad_comm
+        self.fp8 = fp8
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split over the tensor-parallel ranks)")
@@ -174,11 +187,15 @@ class ColumnParallelLinear(torch.nn.Module):
         parallel = tp_world_size(self.tp_group) > 1
         if parallel and self.async_grad_comm and overlap_applies(input_, weight):
             output = overlapped_column_linear(input_, weight, bias, self.tp_group,
-                                              sequence_parallel=self.sequence_parallel)
+                                              sequence_parallel=self.sequence_parallel, fp8=self.fp8)
+        elif self.sequence_parallel and parallel and self.fp8 is not None:
+            # (synchronous, e.g. --no-async-tensor-model-parallel-allreduce) the gathered sequence is
+            # kept for backward here, where _SequenceParallelLinear, whose GEMMs are bf16, re-gathers it
+            output = layer_matmul(gather_from_sequence_parallel_region(input_, self.tp_group), weight, bias, self.fp8)
         elif self.sequence_parallel and parallel:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)
         else:
-            output = linear(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias)
+            output = layer_matmul(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias, self.fp8)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.tp_group)
         return output, (self.bias if skip_bias_add else None)
@@ -196,8 +213,10 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  input_is_parallel: bool = False, init_method: InitMethod = torch.nn.init.xavier_normal_,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1):
+                 params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
+        self.fp8 = fp8  # FP8 GEMMs (parallel/fp8.py) when set
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes from a ColumnParallelLinear)")
@@ -222,7 +241,7 @@ class RowParallelLinear(torch.nn.Module):
         """``skip_bias_add``: as ColumnParallelLinear.forward."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_parallel_region(input_, self.tp_group)
-        partial = linear(input_, self.weight)
+        partial = layer_matmul(input_, self.weight, None, self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from megatron_ds.accelerator import CPU_SWITCH, device_type
+from megatron_ds.config.fp8_flags import fp8_device_error
 from megatron_ds.errors import ConfigError
 
 
@@ -50,6 +51,14 @@ def select_device(local_rank: int, local_world_size: int | None = None,
     torch.cuda.init()
     _match_deepspeed_accelerator("cuda")
     return torch.device("cuda", local_rank)
+
+
+def check_fp8_device(fp8_on: bool, device: torch.device, capability=torch.cuda.get_device_capability) -> None:
+    """An FP8 run on a GPU without FP8 tensor cores stops at start-up with one line (torch._scaled_mm
+    would fail at the first GEMM); on the CPU the GEMMs are torchao's emulation."""
+    error = fp8_device_error(capability(device)) if fp8_on and device.type == "cuda" else None
+    if error:
+        raise ConfigError(error)
 
 
 def memory_bytes(device: torch.device) -> float | None:

@@ -7,7 +7,7 @@ with a reason, or refused in one line that says what to use instead. Only the ou
 prints the table by outcome (with PYTHONPATH pointing at another tree, that tree's table: before the rest
 of Megatron-DeepSpeed's flags were answered, accepted 112, ignored 43, refused 6, unrecognized 93 + 60 out
 of scope; before the MoE flags (ignored, or accepted at their off value only), accepted 142, ignored 76,
-refused 36 + 60 out of scope).
+refused 36 + 60 out of scope; before FP8 training, accepted 163, ignored 62, refused 29 + 60 out of scope).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _BERT_T5 = "BERT and T5"
 _INDEX = "--data-cache-path"
 
 # Accepted at the value that turns the feature off (the one a dense script passes); others refused.
-AT_OFF_VALUE = {"--transformer-impl": ("transformer_engine", "Engine"),
+AT_OFF_VALUE = {"--transformer-impl": ("transformer_engine", "--transformer-impl local with --fp8-hybrid"),
                 "--remote-device": ("cpu", "offload_param"),
                 "--recompute-method": ("block", "invalid choice")}
 
@@ -36,9 +36,8 @@ IGNORED = {
     "--use-pin-memory", "--scattered-embeddings", "--memory-centric-tiled-linear", "--tile-factor",
     "--split-transformers", "--partition-activations", "--contigious-checkpointing", "--checkpoint-in-cpu",
     "--synchronize-each-layer", "--profile-backward",
-    # Tutel's optional kernels compute DeepSpeed-MoE's routing; fp8 recipe knobs without fp8
+    # Tutel's optional kernels compute DeepSpeed-MoE's routing
     "--use-tutel",
-    "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
     # kernel choices
     "--no-masked-softmax-fusion", "--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton",
     "--use-flash-attn-builder", "--disable-mem-efficient-ln", "--ds_fused_adam", "--no-persist-layer-norm",
@@ -60,7 +59,6 @@ IGNORED = {
 
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
 REFUSED = {
-    "--fp8-e4m3": "--bf16", "--fp8-hybrid": "--bf16",
     # BERT/T5: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
     # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py),
     # --bert-no-binary-head too (pretrain_bert.py; tests/training/test_bert_parity.py), --decoder-num-layers

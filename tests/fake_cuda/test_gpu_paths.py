@@ -36,6 +36,7 @@ CASES = {
     "gpt-bf16-tp2-sequence-parallel": (["--bf16", "--sequence-parallel", *FULL], 2, 1, 1),
     "llama-bf16-tp2-pp2-first-stage": (["--bf16", *LLAMA_FLAGS, *SELECTIVE], 2, 2, 1),
     "gpt-fp16-pp2-last-stage": (["--fp16"], 1, 2, 1),
+    "gpt-bf16-tp2-sp-fp8": (["--bf16", "--sequence-parallel", "--fp8-hybrid"], 2, 1, 1),
 }
 
 

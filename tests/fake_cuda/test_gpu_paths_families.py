@@ -53,6 +53,8 @@ CASES = {
     "bert-fp16-no-pipeline-no-binary-head": ("bert", ["--fp16", "--no-pipeline-parallel", "--bert-no-binary-head"],
                                              1, 1, 0),
     "t5-bf16-no-pipeline": ("t5", ["--bf16", "--no-pipeline-parallel"], 1, 1, 0),
+    # FP8 GEMMs in every linear layer of the encoder and decoder layers, cross-attention included (counted below)
+    "t5-bf16-no-pipeline-fp8": ("t5", ["--bf16", "--no-pipeline-parallel", "--fp8-hybrid"], 1, 1, 0),
 }
 
 
@@ -80,12 +82,14 @@ def _received(name, run, batch, device, dtype):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_backward_step_on_cuda(case, gpu):
+def test_forward_backward_step_on_cuda(case, gpu, monkeypatch):
     name, flags, tp, pp, rank = CASES[case]
     family, base = FAMILIES[name]
     run, tokenizer = build_run([*DROPOUT, *flags], tp, pp, base=base, family=family)
     half = torch.float16 if "--fp16" in flags else torch.bfloat16
     batch = _micro_batch(family, run, tokenizer)
+    scaled_mm, real_scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm.append(1) or real_scaled_mm(*a, **k))
     report = LossReport(family.loss_names)
     with fake_world(tp * pp, rank), fake_cuda.activate():
         ps = ParallelState(tp, pp)
@@ -101,6 +105,11 @@ def test_forward_backward_step_on_cuda(case, gpu):
     assert desc == "torch.optim.AdamW(fused=True)"
     check_trained(model, optimizer, device, half)
     assert loss is not None  # every case runs a last stage: the family's loss on the device
+    # FP8: 3 GEMMs per linear layer, 4 in an encoder layer (QKV, attention output, MLP in and out) and 7 in a
+    # decoder layer (its cross-attention's query, key/value and output too); none without FP8
+    m = run.layout.model
+    fp8_gemms = 3 * (4 * m.num_layers + 7 * (m.decoder_num_layers or m.num_layers))
+    assert len(scaled_mm) == (fp8_gemms if "--fp8-hybrid" in flags else 0)
     for t in received or ():
         if t.is_floating_point():  # the gradient this stage sends back
             assert t.grad is not None and t.grad.device == device and t.grad.dtype == half

@@ -45,6 +45,8 @@ CASES = {
     "top1-bf16-tp2": (["--bf16", "--topk", "1"], 2, 1, 1, 1),
     # the first stage sends its layers' summed auxiliary loss on with the hidden state
     "top1-fp16-pp2-first-stage": (["--fp16", "--topk", "1"], 1, 2, 1, 0),
+    # FP8 GEMMs in the experts (our MLP) as in attention: torch._scaled_mm, counted below
+    "top2-bf16-ep2-fp8": (["--bf16", "--topk", "2", "--moe-expert-parallel-size", "2", "--fp8-hybrid"], 1, 1, 2, 1),
 }
 
 
@@ -70,7 +72,7 @@ def _build(run, tokenizer, tp: int = 1, pp: int = 1):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_moe_forward_backward_step_on_cuda(case, gpu):
+def test_moe_forward_backward_step_on_cuda(case, gpu, monkeypatch):
     """Also the failing case of two fixes: the experts' seeds were read back from a torch tensor
     (model/transformer.py), and DeepSpeed's copies of the expert belonged to copies of the fake
     mode (megatron_ds/fake_cuda.py)."""
@@ -78,6 +80,8 @@ def test_moe_forward_backward_step_on_cuda(case, gpu):
     run, tokenizer = build_run([*MOE, *flags], tp, pp, dp=dp)
     half = torch.float16 if "--fp16" in flags else torch.bfloat16
     batch = _micro_batch(run, tokenizer)
+    scaled_mm, real_scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm.append(1) or real_scaled_mm(*a, **k))
     with fake_world(tp * pp * dp, rank), fake_cuda.activate():
         model, ps, device = _build(run, tokenizer, tp, pp)
         loss = stage_step(model, ps, batch, device)
@@ -89,6 +93,9 @@ def test_moe_forward_backward_step_on_cuda(case, gpu):
     names = [n for n, _ in model.named_parameters()]
     assert any(".deepspeed_moe.gate.wg." in n for n in names)
     local = 2 // run.layout.ep
+    # FP8: 3 GEMMs (output, input and weight gradients) per linear layer: attention's 2 and each local expert's 2
+    layers = run.layout.model.num_layers // pp
+    assert len(scaled_mm) == (3 * 2 * (1 + local) * layers if "--fp8-hybrid" in flags else 0)
     assert sum(f".deepspeed_experts.{local - 1}." in n for n in names) > 0
     assert not any(f".deepspeed_experts.{local}." in n for n in names)  # this rank's 2 / EP experts
     drops = [m.drops.last for m in model.modules() if hasattr(m, "drops")]

@@ -57,6 +57,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.families.t5.t5_params import t5_stage_bounds
 from megatron_ds.model.gpt import mask_padded_vocab_
@@ -246,7 +247,8 @@ class ParallelCrossAttention(nn.Module):
         self.kv_channels, self.num_heads = cfg.kv_channels, divide(cfg.num_attention_heads, tp)
         self.attention_dropout = cfg.attention_dropout
         projection = cfg.num_attention_heads * cfg.kv_channels
-        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device,
+                      fp8=fp8_recipe(cfg))
         init = init_method_normal(cfg.init_method_std)
         column = dict(gather_output=False, init_method=init, async_grad_comm=cfg.async_tensor_model_parallel_allreduce)
         self.query = ColumnParallelLinear(cfg.hidden_size, projection, **column, **common)
