@@ -51,7 +51,7 @@ import numpy as np
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
 from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity
 from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
-                                           model_flag_mismatch, open_session)
+                                           open_session)
 from megatron_ds.inference.zeroshot import (DETOKENIZERS, MEGATRON_OVERLAPPING_EVAL, detokenizer_for, read_text,
                                             wikitext_perplexity)
 
@@ -211,9 +211,6 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        mismatch = model_flag_mismatch(args, session.weights.model, session.world_size)
-        if mismatch:
-            raise ValueError(mismatch)
         results = evaluate(session, args)
         if session.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

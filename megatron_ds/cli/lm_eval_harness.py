@@ -39,7 +39,7 @@ import os
 import sys
 
 from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
-                                           model_flag_mismatch, open_session)
+                                           open_session)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +140,6 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        mismatch = model_flag_mismatch(args, session.weights.model, session.world_size)
-        if mismatch:
-            raise ValueError(mismatch)
         results = run_harness(session, args, manager, tasks)
         if session.is_main and results is not None:
             print(make_table(results), flush=True)

@@ -170,12 +170,18 @@ def tokenizer_from(args, trained: dict, log, model_vocab: int | None = None):
 
 
 def open_session(args) -> Session:
+    """Join the job, load the checkpoint (or export) and build the model. Megatron model flags the
+    command line passes (``add_megatron_model_args``) are checked against the checkpoint first: a
+    ValueError naming every one that disagrees."""
     rank, world, local_rank, tp_group = init_distributed(args.use_mpi)
     log = print if rank == 0 else (lambda *a, **k: None)
     device = pick_device(args.device, local_rank)
     dtype = pick_dtype(args.dtype, device)
     weights, trained = load_weights(args, log)
     weights = dataclasses.replace(weights, model=resolve_model_config(weights.model))
+    mismatch = model_flag_mismatch(args, weights.model, world)
+    if mismatch:
+        raise ValueError(mismatch)
     tokenizer = tokenizer_from(args, trained, log, weights.vocab_size)
     weights = dataclasses.replace(weights, vocab_size=weights.vocab_size or tokenizer.vocab_size)
     model = build_inference_model(weights, tp_group=tp_group, device=device, dtype=dtype)
