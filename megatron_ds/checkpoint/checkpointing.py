@@ -66,6 +66,20 @@ def _is_zip(path: str) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
+def _lost_write_error(path: str) -> OSError:
+    """The OSError behind torch's "unexpected pos N vs M": its zip writer noticed that the file took
+    fewer bytes than it wrote (a short write as the disk filled, seen on tmpfs) without the file
+    raising. Appending to the (partial, to be discarded) file again surfaces the error itself."""
+    try:
+        with open(path, "ab") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return OSError(exc.errno, exc.strerror, path)
+    return OSError(errno.EIO, "the file took fewer bytes than were written to it", path)
+
+
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, but loading with weights_only=True, and writing through a
     Python file so that a full disk is reported as the OSError it is (ENOSPC, EDQUOT, EIO: torch's
@@ -83,6 +97,10 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
                 torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
         except OSError as exc:
             self.write_error = exc if exc.filename else OSError(exc.errno, exc.strerror, path)
+        except RuntimeError as exc:
+            if "unexpected pos" not in str(exc):
+                raise
+            self.write_error = _lost_write_error(path)
 
     def makedirs(self, path, exist_ok=False):
         if self.write_error is None:

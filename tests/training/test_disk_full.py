@@ -9,7 +9,10 @@ check passed a disk 64 KB smaller than one checkpoint (its estimate left the fil
 printing "0.0 GB free, needs 0.0 GB" and suggesting --keep-last, which prunes only after a save.
 """
 import errno
+import os
 import re
+
+import pytest
 
 from megatron_ds.checkpoint.format import TRACKER
 from megatron_ds.checkpoint.room import human_bytes
@@ -88,3 +91,21 @@ def test_write_error_on_one_rank_stops_every_rank(tmp_path):
                         rf"{save}/global_step1 is intact: check the filesystem \(or choose another --save\) and "
                         rf"resume with --load {save}", err0.strip().splitlines()[-1]), err0
     assert [it for it, _ in iterations(out1)] == [1, 2]  # the last rank prints the iteration lines
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_write_torch_only_calls_unexpected_pos_is_reported_as_the_disk_error(tmp_path, monkeypatch):
+    """torch's zip writer reports a short write on a filling disk (tmpfs) as a RuntimeError "unexpected pos
+    N vs M" without the file raising; the engine then asks the file itself (an append: /dev/full refuses it
+    with ENOSPC, a healthy disk takes it, which leaves EIO) instead of letting the traceback through."""
+    from megatron_ds.checkpoint import checkpointing
+
+    def lost_bytes(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 152000 vs 151892")
+
+    monkeypatch.setattr(checkpointing.torch, "save", lost_bytes)
+    for path, code in (("/dev/full", errno.ENOSPC), (str(tmp_path / "model.pt"), errno.EIO)):
+        engine = checkpointing.WeightsOnlyCheckpointEngine()
+        engine.save({}, path)
+        error = engine.take_write_error()
+        assert (error.errno, error.filename) == (code, path)
