@@ -72,11 +72,13 @@ class ModelConfig:
     flag: on with CUDA (it took 9 percent off the GPT and Llama-style 1.3B steps on an H200) unless
     --enable-zbh1-pipeline, eager on the CPU (inductor builds C++ at start-up). Graph breaks and
     limits: megatron_ds/model/compile_layers.py."""
-    async_tensor_model_parallel_allreduce: bool = meta(True, flags=("--no-async-tensor-model-parallel-allreduce",),
-                                                       invert=True)
-    """At TP > 1, do not overlap the column-parallel layers' input-gradient all-reduce (reduce-scatter under
-    --sequence-parallel, after re-gathering the input) with their weight-gradient GEMM: run it after the
-    GEMMs (Megatron's flag; megatron_ds/parallel/async_comm.py)."""
+    async_tensor_model_parallel_allreduce: Optional[bool] = meta(
+        None, flags=("--async-tensor-model-parallel-allreduce",), off_flags=("--no-async-tensor-model-parallel-allreduce",))
+    """At TP > 1, overlap the column-parallel layers' input-gradient all-reduce (reduce-scatter under
+    --sequence-parallel, after re-gathering the input) with their weight-gradient GEMM
+    (megatron_ds/parallel/async_comm.py; Megatron's default). Off unless asked (neither flag, or
+    Megatron's --no-async-tensor-model-parallel-allreduce): no GPU measurement has shown it helps
+    yet, and layers compiled by torch.compile keep synchronous collectives either way."""
     normalization: str = meta("layernorm", choices=("layernorm", "rmsnorm", "LayerNorm", "RMSNorm"))
     """Normalization layer."""
     layernorm_epsilon: float = meta(1e-5, flags=("--layernorm-epsilon", "--norm-epsilon"))

@@ -84,7 +84,7 @@ class GPTEmbedding(nn.Module):
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
                  vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False,
-                 sp_group=None, async_grad_comm: bool = True):
+                 sp_group=None, async_grad_comm: bool = False):
         """``async_grad_comm``: the output layer's (``ColumnParallelLinear``)."""
         super().__init__()
         self.vocab_size, self.fused_loss, self.fp32_residual = vocab_size, fused_loss, fp32_residual
@@ -155,7 +155,7 @@ class GPTOutputHead(nn.Module):
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
-                 vocab_size: int | None = None, fused_loss: bool = False, async_grad_comm: bool = True):
+                 vocab_size: int | None = None, fused_loss: bool = False, async_grad_comm: bool = False):
         super().__init__()
         self.tp_group, self.vocab_size, self.fused_loss = tp_group, vocab_size, fused_loss
         self.output_layer = ColumnParallelLinear(

@@ -17,8 +17,10 @@ so that the collective's kernel is queued before the GEMM's and the two really r
 the collective runs on gloo's thread while this one multiplies. The numbers are those of the
 synchronous path: the same GEMMs on the same operands, the same collectives.
 
-Off with ``--no-async-tensor-model-parallel-allreduce`` (the layers then compute through
-``copy_to_tensor_parallel_region`` and ``weight_grad.linear``, a collective after the GEMMs). A
+On with ``--async-tensor-model-parallel-allreduce`` (Megatron's default; off here until a GPU
+measurement shows a gain). Off (the default, or ``--no-async-tensor-model-parallel-allreduce``), the
+layers compute through ``copy_to_tensor_parallel_region`` and ``weight_grad.linear``, a collective
+after the GEMMs. A
 zero-bubble schedule deferring weight gradients (``weight_grad``) finds nothing to overlap: the
 collective is then waited for at once.
 """

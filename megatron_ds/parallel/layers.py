@@ -138,14 +138,14 @@ class ColumnParallelLinear(torch.nn.Module):
                  gather_output: bool = True, init_method: InitMethod = torch.nn.init.xavier_normal_,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
-                 skip_weight_param_allocation: bool = False, async_grad_comm: bool = True,
+                 skip_weight_param_allocation: bool = False, async_grad_comm: bool = False,
                  fp8: Fp8Recipe | None = None):
         """``async_grad_comm``: at TP > 1 the input gradient's all-reduce (reduce-scatter under
         sequence parallelism) runs during the weight-gradient GEMM (``parallel.async_comm``);
-        False: after it (--no-async-tensor-model-parallel-allreduce). ``fp8``: the GEMMs in FP8
+        False (the default): after it. ``fp8``: the GEMMs in FP8
         (``parallel.fp8``)."""
         super().__init__()
-        self.async_grad_comm = async_grad_comm
+        self.async_grad_comm = bool(async_grad_comm)  # None (neither flag): off
         self.fp8 = fp8
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "

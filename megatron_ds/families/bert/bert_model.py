@@ -61,7 +61,7 @@ class BertEmbedding(GPTEmbedding):
         self._output_projection = ColumnParallelLinear(
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             sequence_parallel=False, skip_weight_param_allocation=True,
-            async_grad_comm=kwargs.get("async_grad_comm", True))
+            async_grad_comm=kwargs.get("async_grad_comm", False))
 
     def forward(self, inputs):
         tokens, types, padding_mask = inputs

@@ -130,7 +130,7 @@ class T5Embedding(nn.Module):
                  init_method_std: float, dropout: float, lm_head_bias: bool, tp_group=None,
                  params_dtype: torch.dtype = torch.float32, device=None, vocab_size: int | None = None,
                  fp32_residual: bool = False, relative: tuple[int, int, int] | None = None,
-                 async_grad_comm: bool = True):
+                 async_grad_comm: bool = False):
         super().__init__()
         self.tp_group, self.vocab_size, self.dropout, self.fp32_residual = tp_group, vocab_size, dropout, fp32_residual
         init = init_method_normal(init_method_std)
