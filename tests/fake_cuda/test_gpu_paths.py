@@ -34,7 +34,11 @@ CASES = {
     "llama-bf16-selective": (["--bf16", *LLAMA_FLAGS, *SELECTIVE], 1, 1, 0),
     "llama-fp16-no-pipeline": (["--fp16", *LLAMA_FLAGS, "--no-pipeline-parallel"], 1, 1, 0),
     "gpt-bf16-tp2-sequence-parallel": (["--bf16", "--sequence-parallel", *FULL], 2, 1, 1),
-    "llama-bf16-tp2-pp2-first-stage": (["--bf16", *LLAMA_FLAGS, *SELECTIVE], 2, 2, 1),
+    # the overlapped column-parallel backward (parallel/async_comm.py): all-reduce, and under sequence
+    # parallelism the re-gather and reduce-scatter, issued asynchronously
+    "llama-bf16-tp2-pp2-first-stage-async-tp": (["--bf16", *LLAMA_FLAGS, *SELECTIVE,
+                                                 "--async-tensor-model-parallel-allreduce"], 2, 2, 1),
+    "gpt-bf16-tp2-sp-async-tp": (["--bf16", "--sequence-parallel", "--async-tensor-model-parallel-allreduce"], 2, 1, 1),
     "gpt-fp16-pp2-last-stage": (["--fp16"], 1, 2, 1),
     "gpt-bf16-tp2-sp-fp8": (["--bf16", "--sequence-parallel", "--fp8-hybrid"], 2, 1, 1),
 }
