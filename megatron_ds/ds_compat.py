@@ -15,6 +15,7 @@ Import cost: ``deepspeed`` is imported only when a function here is called or a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 
@@ -390,6 +391,29 @@ def replace_loss_fn(module, loss_fn) -> None:
     ``PipelineEngine._exec_forward_pass`` reads at every micro-batch (0.16-0.19); megatron_ds's own
     modules (``GPTSequential``, ``GPTModelChunks``) keep theirs under the same name."""
     module.loss_fn = loss_fn
+
+
+def link_main_grads(opt, params) -> int:
+    """Give each of ``params`` that DeepSpeed's bf16 optimizer (fp32 accumulation) steps a ``main_grad``:
+    its fp32 gradient in the optimizer (``fp32_groups_gradients[i][j]``, a view of the flat buffer the
+    data parallel reduction, the clipping norm and the step read, zeroed in place after each step),
+    and ``main_grad_written``, which marks it as holding a gradient (``fp32_groups_has_gradients``, 0.19,
+    which the norm skips otherwise, as ``_update_hp_grad`` sets it). ``_hp_grad`` is set too, where
+    ``accumulated_grad`` and the pipeline engine look. Returns how many were linked."""
+    wanted = {id(p) for p in params}
+    linked = 0
+    for i, group in enumerate(opt.bf16_groups):
+        for j, param in enumerate(group):
+            if id(param) in wanted:
+                hp = opt.fp32_groups_gradients[i][j].view(param.shape)
+                param.main_grad = param._hp_grad = hp
+                param.main_grad_written = functools.partial(_mark_hp_grad, opt, i, j)
+                linked += 1
+    return linked
+
+
+def _mark_hp_grad(opt, i: int, j: int) -> None:
+    opt.fp32_groups_has_gradients[i][j] = True
 
 
 def accumulated_grad(engine, param):

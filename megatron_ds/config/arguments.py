@@ -31,7 +31,6 @@ from megatron_ds.errors import closest
 IGNORED_FLAGS: dict[str, int] = {
     **{f: 0 for f in (
         "--no-masked-softmax-fusion", "--masked-softmax-fusion",
-        "--no-gradient-accumulation-fusion",
         "--no-persist-layer-norm",
         "--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
         "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling",

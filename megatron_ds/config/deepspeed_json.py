@@ -73,6 +73,14 @@ def uses_bf16_optimizer(ds: dict, precision: str, zero_stage: int, use_pipeline:
     return (zero_stage == 1 and acc == 4 and not offload) or (zero_stage == 0 and use_pipeline and acc == 2)
 
 
+def keeps_fp32_grads(ds: dict, precision: str, zero_stage: int, use_pipeline: bool) -> bool:
+    """Whether DeepSpeed keeps an fp32 gradient per parameter that bf16 micro-batch gradients are added
+    into: BF16_Optimizer with fp32 accumulation (``fp32_groups_gradients``). ZeRO 2/3 reduce bf16
+    buckets during backward, the fp16 optimizers keep fp16 ``.grad``s until the step, and bf16
+    accumulation keeps bf16 buffers: none has an fp32 buffer to accumulate into."""
+    return uses_bf16_optimizer(ds, precision, zero_stage, use_pipeline) and grad_accum_bytes(ds, precision) == 4
+
+
 def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
                     zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None,
                     moe: bool = False, partition_activations: bool = True) -> dict:

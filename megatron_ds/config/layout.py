@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
-from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, uses_bf16_optimizer
+from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
@@ -112,6 +112,8 @@ class Layout:
     # our executor's stage messages: each TP rank sends 1/TP of the hidden state, the receiver all-gathers
     # (--no-scatter-gather-tensors-in-pipeline: False; DeepSpeed's engine: "pipe_partitioned" in ds_config)
     scatter_gather_p2p: bool = False
+    # --gradient-accumulation-fusion: weight-gradient GEMMs add into DeepSpeed's fp32 gradients where it keeps them
+    grad_accum_fusion: bool = False
 
     @property
     def own_schedule(self) -> bool:
@@ -178,7 +180,16 @@ class Layout:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
             if self.tp > 1:
                 lines.append(self._describe_stage_messages())
+        if self.grad_accum_fusion:
+            lines.append(self._describe_grad_accum_fusion())
         return "\n".join(lines)
+
+    def _describe_grad_accum_fusion(self) -> str:
+        if keeps_fp32_grads(self.ds_config, self.precision, self.zero_stage, self.use_pipeline):
+            return ("gradient accumulation fusion: the tensor-parallel layers' weight-gradient GEMMs add fp32 "
+                    "results into DeepSpeed's fp32 gradients (no bf16 .grad)")
+        return ("gradient accumulation fusion: not applied, DeepSpeed keeps no fp32 gradient to add into here "
+                "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json)")
 
     def _describe_stage_messages(self) -> str:
         split = (self.scatter_gather_p2p if self.own_schedule
@@ -463,5 +474,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     decoder_seq_length=(family.decoder_seq_length(flags) if family and family.decoder_seq_length
                                         else None),
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1
-                                        and not par.sequence_parallel and not moe))
+                                        and not par.sequence_parallel and not moe),
+                    grad_accum_fusion=bool(t.gradient_accumulation_fusion))
     return layout, notes

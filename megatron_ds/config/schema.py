@@ -319,6 +319,14 @@ class TrainingConfig:
     """Samples to train for (alternative to --train-iters)."""
     train_tokens: Optional[int] = None
     """Stop once this many tokens are consumed (with --train-samples/--train-iters as a cap)."""
+    gradient_accumulation_fusion: Optional[bool] = meta(
+        None, flags=("--gradient-accumulation-fusion",), off_flags=("--no-gradient-accumulation-fusion",))
+    """The tensor-parallel linear layers' weight-gradient GEMMs add their fp32 result straight into
+    DeepSpeed's fp32 gradient of the weight instead of writing a 16-bit .grad that DeepSpeed adds in
+    after (Megatron's default, into its main_grad; megatron_ds/parallel/weight_grad.py). Applies where
+    DeepSpeed keeps fp32 gradients: --bf16 with ZeRO 1 and "grad_accum_dtype": "fp32"
+    (ds_configs/zero1_bf16.json). Off unless asked (neither flag, or Megatron's
+    --no-gradient-accumulation-fusion): no GPU measurement has shown it helps yet."""
     exit_interval: Optional[int] = None
     """Save (if --save) and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: Optional[float] = None

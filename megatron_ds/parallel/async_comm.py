@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_forward, fp8_input_grad, fp8_weight_grad
 from megatron_ds.parallel.mappings import start_all_gather_along_first_dim, start_all_reduce, \
     start_reduce_scatter_along_first_dim
-from megatron_ds.parallel.weight_grad import weight_grad_now_or_later, weight_gradient
+from megatron_ds.parallel.weight_grad import weight_grad_now_or_later, weight_gradient, weight_gradient_fp32
 
 
 def _forward(x, weight, bias, fp8: Fp8Recipe | None):
@@ -44,8 +44,12 @@ def _input_grad(grad_out, weight, fp8: Fp8Recipe | None):
     return grad_out.matmul(weight) if fp8 is None else fp8_input_grad(grad_out, weight, fp8)
 
 
-def _weight_grad(x, grad_out, fp8: Fp8Recipe | None):
-    return weight_gradient(x, grad_out) if fp8 is None else fp8_weight_grad(x, grad_out, fp8)
+def _weight_grad(x, grad_out, fp8: Fp8Recipe | None, weight):
+    """The weight's gradient now or at a zero-bubble weight pass, or added into its ``main_grad``."""
+    if fp8 is not None:
+        return weight_grad_now_or_later(weight, lambda: fp8_weight_grad(x, grad_out, fp8))
+    return weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out),
+                                    lambda: weight_gradient_fp32(x, grad_out))
 
 
 class _OverlappedColumnLinear(torch.autograd.Function):
@@ -66,7 +70,7 @@ class _OverlappedColumnLinear(torch.autograd.Function):
             pending = start_all_reduce(_input_grad(grad_out, weight, ctx.fp8), ctx.group)
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(x, grad_out, ctx.fp8))
+            grad_w = _weight_grad(x, grad_out, ctx.fp8, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return (pending() if pending else None), grad_w, grad_b, None, None
@@ -95,7 +99,7 @@ class _OverlappedSequenceParallelLinear(torch.autograd.Function):
         grad_w = grad_b = None
         if gather is not None:
             total = gather()
-            grad_w = weight_grad_now_or_later(weight, lambda: _weight_grad(total, grad_out, ctx.fp8))
+            grad_w = _weight_grad(total, grad_out, ctx.fp8, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return (scatter() if scatter else None), grad_w, grad_b, None, None

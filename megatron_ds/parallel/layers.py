@@ -51,7 +51,7 @@ from megatron_ds.parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from megatron_ds.parallel.utils import divide, tp_rank, tp_world_size, vocab_range
-from megatron_ds.parallel.weight_grad import linear
+from megatron_ds.parallel.weight_grad import linear, weight_grad_now_or_later, weight_gradient, weight_gradient_fp32
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -115,12 +115,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # Every rank holds a partial grad of the full sequence: sum them and keep my shard.
             grad_x = reduce_scatter_along_first_dim(grad_out.matmul(weight), ctx.group)
-        grad_2d = grad_out.reshape(-1, grad_out.size(-1))
         if ctx.needs_input_grad[1]:
             total = all_gather_along_first_dim(x, ctx.group)
-            grad_w = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
+            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(total, grad_out),
+                                              lambda: weight_gradient_fp32(total, grad_out), deferrable=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_2d.sum(dim=0)
+            grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b, None
 
 

@@ -78,20 +78,65 @@ def allow_deferral(on: bool) -> None:
     _deferrable = on
 
 
-def weight_grad_now_or_later(weight: torch.Tensor, compute):
+def weight_grad_now_or_later(weight: torch.Tensor, compute, fp32=None, *, deferrable: bool = True):
     """For an autograd Function's backward: ``compute()`` (the weight's gradient) now, or None when a
     store is deferring, which then accumulates ``compute()`` into ``weight`` at its weight pass.
     Only a parameter itself (a leaf) can take its gradient later: a cast or view of it has a graph
-    that this backward frees."""
-    if _active is None or weight.grad_fn is not None:
-        return compute()
-    # Tensor.backward on a leaf: the gradient goes through weight's AccumulateGrad node and hooks
-    _active.put(lambda: weight.backward(compute()))
+    that this backward frees.
+
+    A weight with a ``main_grad`` (gradient accumulation fusion, ``fuses_into_main_grad``) gets no
+    ``.grad``: ``fp32()`` (default ``compute()``), its gradient computed in fp32, is added into that
+    buffer now or at the weight pass, and None is returned."""
+    fused = fuses_into_main_grad(weight)
+    if fused:
+        def run():
+            accumulate_main_grad(weight, (fp32 or compute)())
+    else:
+        def run():  # Tensor.backward on a leaf: the gradient goes through weight's AccumulateGrad node and hooks
+            weight.backward(compute())
+    if _active is None or not deferrable or weight.grad_fn is not None:
+        if not fused:
+            return compute()
+        run()
+        return None
+    _active.put(run)
     return None
 
 
 def weight_gradient(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return grad_out.reshape(-1, grad_out.size(-1)).t().matmul(x.reshape(-1, x.size(-1)))
+
+
+# --- gradient accumulation fusion ------------------------------------------------------------------
+# Megatron's --gradient-accumulation-fusion (its default) has the weight-gradient GEMM of a
+# tensor-parallel linear layer add its fp32 result straight into the parameter's fp32 ``main_grad``
+# (apex's fused_weight_gradient_mlp_cuda, beta = 1), so no 16-bit ``.grad`` is written, read back
+# and added. Here ``main_grad`` is DeepSpeed's own fp32 gradient of the parameter, linked by
+# ``training.engine`` where its optimizer keeps one (``ds_compat.link_main_grads``), with
+# ``main_grad_written``, a callable that tells the optimizer the buffer holds a gradient.
+
+
+def fuses_into_main_grad(weight: torch.Tensor) -> bool:
+    return getattr(weight, "main_grad", None) is not None
+
+
+def weight_gradient_fp32(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``grad_out^T x`` in fp32 from 16-bit operands: the products of two bf16/fp16 numbers are exact
+    in fp32 and summed in fp32, with no rounding of the result to 16 bits. On CUDA one cuBLAS GEMM
+    with an fp32 output (``torch.mm(..., out_dtype=)``); the CPU has no such kernel, so the operands
+    are widened first, which computes the same sums."""
+    g = grad_out.reshape(-1, grad_out.size(-1)).t()
+    x2 = x.reshape(-1, x.size(-1)).to(g.dtype)
+    if g.dtype == torch.float32:
+        return g.matmul(x2)
+    if g.device.type == "cuda":
+        return torch.mm(g, x2, out_dtype=torch.float32)
+    return g.float().matmul(x2.float())
+
+
+def accumulate_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    weight.main_grad.add_(grad.view(weight.main_grad.shape))
+    weight.main_grad_written()
 
 
 class LinearFunction(torch.autograd.Function):
@@ -110,18 +155,24 @@ class LinearFunction(torch.autograd.Function):
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out))
+            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out),
+                                              lambda: weight_gradient_fp32(x, grad_out))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a deferrable weight gradient; plain ``F.linear`` where nothing needs a
-    gradient (inference, evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block),
-    which casts F.linear's operands but would leave a Function's backward in mixed dtypes: there
-    autograd keeps the weight gradient (not deferred)."""
-    if not _deferrable or not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+    """``F.linear`` with a deferrable weight gradient, or one added into ``weight.main_grad``
+    (gradient accumulation fusion); plain ``F.linear`` where nothing needs a gradient (inference,
+    evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block), which casts F.linear's
+    operands but would leave a Function's backward in mixed dtypes: there autograd keeps the weight
+    gradient (not deferred, not fused). A layer compiled by torch.compile does not fuse either (its
+    backward graph would mutate the buffer): its ``.grad`` reaches the same buffer through DeepSpeed."""
+    fused = fuses_into_main_grad(weight) and not torch.compiler.is_compiling()
+    if not (_deferrable or fused):
+        return F.linear(x, weight, bias)
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)

@@ -22,7 +22,7 @@ from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_g
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe_layer import is_moe_model
 from megatron_ds.parallel.groups import ParallelState
-from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
+from megatron_ds.parallel.layers import ColumnParallelLinear, RowParallelLinear, register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.pipeline.executor import build_interleaved_model, wrap_engine
@@ -100,6 +100,7 @@ class Runtime:
     ps: ParallelState
     device: torch.device
     loss_report: LossReport  # what the model's loss function reports besides its loss (the loop prints it)
+    fused_weights: int = 0  # weights whose gradient GEMM adds into DeepSpeed's fp32 gradient (--gradient-accumulation-fusion)
 
 
 def scale_fp16_loss(engine, model) -> None:
@@ -133,6 +134,20 @@ def describe_run_kernels(run: Run, optimizer: str, *, on_cuda: bool = False, ski
     return ", ".join(f"{k}: {v}" for k, v in kernels.items() if k not in skip)
 
 
+def fuse_grad_accumulation(layout: Layout, engine, model: torch.nn.Module) -> int:
+    """--gradient-accumulation-fusion: the tensor-parallel linear layers' own weights take DeepSpeed's
+    fp32 gradient as their ``main_grad`` (``parallel.weight_grad``), where its optimizer keeps one
+    (``config.deepspeed_json.keeps_fp32_grads``; the layout's summary says so); returns how many.
+    Weights tied across pipeline stages (``ds_pipe_replicated``) keep their ``.grad``: the pipeline
+    engine all-reduces those itself."""
+    opt = engine.optimizer
+    if not layout.grad_accum_fusion or not ds_compat.is_bf16_optimizer(opt) or opt.grad_acc_dtype != torch.float32:
+        return 0
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and isinstance(m.weight, torch.nn.Parameter) and not getattr(m.weight, "ds_pipe_replicated", False)]
+    return ds_compat.link_main_grads(opt, weights)
+
+
 def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *, build=build_model,
                  loss_names: tuple[str, ...] = ()) -> Runtime:
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
@@ -161,6 +176,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     scale_fp16_loss(engine, model)
     ds_compat.count_fp16_grads_once(engine.optimizer)
     install_safe_loading(engine, log=print_rank0)
+    fused = fuse_grad_accumulation(layout, engine, model)
     if layout.own_schedule:
         engine = wrap_engine(engine, run, ps)
     # Dropout streams: identical across TP ranks outside TP regions, distinct per pipeline stage
@@ -172,7 +188,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     dp_offset = 10 * ps.dp_rank if run.training.data_parallel_random_init else 0
     set_parallel_seeds(run.training.seed + 100 * ps.pp_rank + dp_offset, ps.tp_rank)
     return Runtime(engine=engine, loss_fn=model.loss_fn, optimizer_desc=desc, ps=ps, device=device,
-                   loss_report=loss_report)
+                   loss_report=loss_report, fused_weights=fused)
 
 
 def log_startup(run: Run, rt: Runtime) -> None:
@@ -180,6 +196,9 @@ def log_startup(run: Run, rt: Runtime) -> None:
     layout = run.layout
     print_rank0(f"> megatron_ds on {rt.device.type}: {layout.summary()}")
     print_rank0(f"> kernels: {describe_run_kernels(run, rt.optimizer_desc)}")
+    if rt.fused_weights:
+        print_rank0(f"> gradient accumulation fusion: {rt.fused_weights} weights add their gradients into "
+                    "DeepSpeed's fp32 gradients")
     if run.ignored_flags:
         print_rank0(f"WARNING: ignoring flags with no effect here: {describe_ignored(run.ignored_flags)}")
     if os.environ.get("MEGATRON_DS_DEBUG_RANKS"):

@@ -41,7 +41,7 @@ IGNORED = {
     # kernel choices
     "--no-masked-softmax-fusion", "--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton",
     "--use-flash-attn-builder", "--disable-mem-efficient-ln", "--ds_fused_adam", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion", "--no-query-key-layer-scaling",
+    "--no-query-key-layer-scaling",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--fp16-lm-cross-entropy", "--onnx-safe",
     # Megatron's own (non-DeepSpeed) paths, tools and logging knobs
     "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level", "--no-barrier-with-level-1-timing",
