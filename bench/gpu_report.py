@@ -22,7 +22,13 @@ item from the items of its kind that already ran, so a smaller item after a skip
 5. FP8 (``--fp8-hybrid``, off by default until measured) beside bf16 at a Llama shape where FP8 pays
    (hidden 4096: at hidden 2048 the casts cost about what the faster GEMMs save); --smoke runs the FP8
    variant of the tiny GPT, emulated on the CPU;
-6. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
+6. GPT at tensor parallel size 2 (two processes on two GPUs, launched by torchrun; on a machine with
+   fewer GPUs the rows say so): the TP collectives after the GEMMs (the default), overlapped with the
+   weight-gradient GEMM (``--async-tensor-model-parallel-allreduce``, off by default until measured)
+   and overlapped under ``--sequence-parallel``; the layers run eagerly in all three on CUDA (a compiled
+   layer keeps its collectives synchronous), so the rows differ by the overlap alone. --smoke runs the
+   sequence-parallel one on the tiny GPT with 2 gloo processes on the CPU;
+7. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
    refinements, run as far as the budget goes.
@@ -65,6 +71,8 @@ SMOKE_GUESS = {"ours": 40.0, "hf": 30.0, "profile": 45.0, "tests": 0.0}
 # ~1.9B parameters, which train on one 80 GB GPU at micro batch 4, seq 2048
 FP8_SHAPES = {"llama-h4096": (8, 4096, 32, 11008, True)}
 FP8_LABEL = "FP8 (--fp8-hybrid)"
+TP = 2  # the tensor-parallel rows: one process per GPU
+ASYNC_TP = "--async-tensor-model-parallel-allreduce"
 
 
 @dataclasses.dataclass
@@ -74,6 +82,7 @@ class Item:
     label: str
     flags: tuple = ()  # ours: extra pretrain_gpt.py flags
     micro: int | None = None  # None: the run's micro batch
+    gpus: int = 1  # ours: processes (one GPU each) of a tensor-parallel run
     status: str = "not reached"  # not reached | ok | failed | skipped | not available
     note: str = ""
     result: dict = dataclasses.field(default_factory=dict)
@@ -125,6 +134,29 @@ def fp8_items(smoke: bool) -> list[Item]:
     return [Item("ours", model, "default (bf16)"), Item("ours", model, FP8_LABEL, ("--fp8-hybrid",))]
 
 
+def tp_items(model: str, smoke: bool, rc: str | None) -> list[Item]:
+    """GPT at TP 2: collectives after the GEMMs, overlapped, overlapped with sequence parallelism. On CUDA
+    with regional compilation turned off (``rc``): dynamo keeps a compiled layer's collectives synchronous
+    (parallel/async_comm.py), so a compiled run would measure no overlap. Not available with fewer than
+    2 GPUs, except --smoke on the CPU (gloo), which runs the last row (two rows would add ~40 s to the
+    smoke test on a 2-core machine)."""
+    eager = (rc,) if rc and rc.startswith("--no-") else ()
+    tp = ("--tensor-model-parallel-size", str(TP), *eager)
+    items = [Item("ours", model, f"TP {TP}, synchronous TP collectives (default)", tp, gpus=TP),
+             Item("ours", model, f"TP {TP}, overlapped backward ({ASYNC_TP})", (*tp, ASYNC_TP), gpus=TP),
+             Item("ours", model, f"TP {TP} + sequence parallel, overlapped (--sequence-parallel {ASYNC_TP})",
+                  (*tp, "--sequence-parallel", ASYNC_TP), gpus=TP)]
+    cuda = torch.cuda.is_available()
+    have = torch.cuda.device_count() if cuda else 0
+    if have < TP and not (smoke and not cuda):
+        for item in items:
+            item.status, item.note = "not available", f"needs {TP} GPUs; this machine has {have}"
+    elif smoke:  # one row runs the whole path (launch, read-back, row); the one with the most flags
+        for item in items[:2]:
+            item.status, item.note = "skipped", f"--smoke runs one TP {TP} row, the sequence-parallel one"
+    return items
+
+
 def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> list[Item]:
     """The work in the order of the module docstring; --smoke runs the variants on GPT only."""
     gpt, llama = models
@@ -142,7 +174,7 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-    return head + first + fp8_items(smoke) + later + llama_rows
+    return head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + later + llama_rows
 
 
 # --------------------------------------------------------------------------- measurements (children)
@@ -152,15 +184,16 @@ def our_run_argv(args, item: Item) -> list[str]:
     return gpu_mfu.our_argv(shape, args.seq, item.micro or args.micro, args.iters, False, "bf16") + list(item.flags)
 
 
-def worker(spec: dict) -> dict:
-    """One measurement in this (fresh) process; what the parent reads back."""
+def worker(spec: dict) -> dict | None:
+    """One measurement in this (fresh) process; what the parent reads back (None: a rank that has none)."""
     if spec["kind"] == "hf":
         shape = {**gpu_mfu.SHAPES, **gpu_mfu.SMOKE_SHAPES}[spec["model"]]
         seconds, mem = gpu_mfu.run_hf(shape, spec["seq"], spec["micro"], spec["iters"], spec["compile"], "bf16")
         return {"seconds": seconds, "memory_gib": mem}
     if spec["kind"] == "ours":
         seconds, mem = gpu_mfu.run_ours(spec["argv"])
-        return {"seconds": seconds, "memory_gib": mem}
+        # a TP run's ranks but the last print no iteration lines (NaNs): the last one answers
+        return {"seconds": seconds, "memory_gib": mem} if seconds == seconds else None
     last = spec["iters"] - 1  # the final iteration may be followed by shutdown work: profile the two before
     first = last - PROFILE_STEPS + 1
     with tempfile.TemporaryDirectory(prefix="gpu_report_trace_") as trace_dir:
@@ -197,6 +230,8 @@ def measure(args, item: Item, timeout: float) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     # a port of our own: 29500 (the single-process default) may still be held by the previous run
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gpu_mfu._free_port()))
+    if item.gpus > 1:
+        cmd, env = tp_launch(cmd, item.gpus, env)
     start = time.perf_counter()
     code, out, err = run_bounded(cmd, timeout, env=env)
     item.wall_s = time.perf_counter() - start
@@ -206,6 +241,17 @@ def measure(args, item: Item, timeout: float) -> None:
         item.status, item.note = "failed", why + "\n" + _tail(out, err)
         return
     item.status, item.result = "ok", json.loads(results[-1])
+
+
+def tp_launch(cmd: list[str], gpus: int, env: dict) -> tuple[list[str], dict]:
+    """``cmd`` as ``gpus`` processes on this node, the way a job is launched (docs/launching.md): torchrun
+    (the package's wrapper), LOCAL_RANK i on GPU i, its rendezvous on a free port (--standalone). A
+    timeout's SIGKILL reaches torchrun; its workers, in sessions of their own, end when it is gone
+    (launch/parent_watch.py)."""
+    launcher = [sys.executable, "-m", "megatron_ds.launch.torchrun", "--standalone", f"--nproc-per-node={gpus}"]
+    # Megatron's setting for the overlap (parallel/async_comm.py): the collective's kernel is queued ahead
+    # of the GEMM's; set for every TP row, so that the rows differ by the flags alone
+    return launcher + cmd[1:], dict(env, CUDA_DEVICE_MAX_CONNECTIONS="1")
 
 
 def run_bounded(cmd: list[str], timeout: float, env=None) -> tuple[int | None, str, str]:
@@ -320,13 +366,15 @@ def _commit() -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
-def estimate_gib(argv: list[str], gpu_bytes) -> tuple[float, float]:
-    """--dry-run's per-GPU memory estimate of this command line: (tensors, with the runtime reserve), GiB."""
+def estimate_gib(argv: list[str], gpu_bytes, world_size: int = 1) -> tuple[float, float]:
+    """--dry-run's per-GPU memory estimate of this command line on ``world_size`` GPUs: (tensors, with the
+    runtime reserve), GiB."""
     from megatron_ds.config import parse_args, resolve
     from megatron_ds.config.memory import estimate_memory
 
     cfg, _ = parse_args(argv)
-    layout = resolve(cfg, world_size=1, vocab_size=gpu_mfu.VOCAB, device_type="cuda", gpu_memory=gpu_bytes).layout
+    layout = resolve(cfg, world_size=world_size, vocab_size=gpu_mfu.VOCAB, device_type="cuda",
+                     gpu_memory=gpu_bytes).layout
     estimate = estimate_memory(layout)
     reserve = dict(estimate.terms)["runtime reserve"]
     return (estimate.total - reserve) / 2 ** 30, estimate.total / 2 ** 30
@@ -361,15 +409,17 @@ def _row(args, ctx, item: Item, hf_rate) -> str:
         why = {"failed": "failed (see Failures)", "not reached": "not reached (the run was cut off)"}.get(
             item.status, f"{item.status}: {item.note}")
         return head + f" {why} | | | | | | |"
-    flops = _flops(args, item)
+    flops = _flops(args, item)  # a TP run's too: the model's FLOPs, shared by its GPUs
     sec, mem = item.result["seconds"], item.result["memory_gib"]
-    rate = flops / sec
+    rate = flops / sec / item.gpus  # per GPU
     mfu = 100 * rate / 1e12 / ctx["peak"]
-    ratio = f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" else ("1.00x" if item.kind == "hf" else "-")
+    # vs HF: one GPU against one GPU (a TP row's per-GPU rate against HF's whole one would mislead)
+    ratio = (f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" and item.gpus == 1
+             else "1.00x" if item.kind == "hf" else "-")
     est = "-"
     err = "-"
     if item.kind == "ours":
-        tensors, total = estimate_gib(our_run_argv(args, item), ctx["gpu_bytes"])
+        tensors, total = estimate_gib(our_run_argv(args, item), ctx["gpu_bytes"], item.gpus)
         est, err = f"{tensors:.1f} ({total:.1f})", f"{100 * (tensors - mem) / mem:+.0f}%" if mem == mem else "-"
     return head + (f" {sec * 1000:.1f} | {rate / 1e12:.1f} | {mfu:.1f}% | {ratio} | {mem:.1f} | {est} | {err} |")
 
@@ -382,14 +432,15 @@ def render(args, ctx, items: list[Item], finished: bool) -> str:
              "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f", python {sys.version.split()[0]}",
              f"- date: {ctx['date']}; commit: {ctx['commit']}",
              f"- shapes: seq {args.seq}, micro batch {args.micro}, bf16, {args.iters} iterations (the last half "
-             f"timed), mock data, one GPU; ours: pretrain_gpt.py (pipeline engine, PP 1, unless said); HF: "
+             f"timed), mock data, one GPU (TP {TP} rows: {TP}); ours: pretrain_gpt.py (pipeline engine, PP 1, "
+             "unless said); HF: "
              f"{'eager' if args.smoke else 'torch.compile'}; budget {args.budget_s:.0f} s"
              + ("" if finished else f" (in progress: {time.perf_counter() - ctx['start']:.0f} s so far)"), "",
              "## Throughput and memory", "",
              "MFU against the dense bf16 peak; vs HF: ours' TFLOP/s over the HF baseline's (same model, micro "
              f"batch {args.micro}); peak: torch.cuda.max_memory_allocated (a CPU run: the process's RSS); "
              "estimate: pretrain_gpt.py --dry-run's per-GPU estimate of the same command line without its "
-             "runtime reserve (with it), error relative to the peak.", ""]
+             "runtime reserve (with it), error relative to the peak." + tp_note(items), ""]
     lines += throughput_rows(args, ctx, items)
     for item in (i for i in items if i.kind == "profile"):
         lines += ["", f"## Kernel time: {item.model}, default configuration", ""]
@@ -411,6 +462,19 @@ def render(args, ctx, items: list[Item], finished: bool) -> str:
     lines += ["", "## Time spent", "", "| item | status | seconds |", "|---|---|---:|"]
     lines += [f"| {i.model} {i.label} | {i.status} | {i.wall_s:.0f} |" for i in items if i.status in ("ok", "failed")]
     return "\n".join(lines) + "\n"
+
+
+def tp_note(items: list[Item]) -> str:
+    """What the TP rows' columns mean, after the throughput section's explanation."""
+    tp = [i for i in items if i.gpus > 1]
+    if not tp:
+        return ""
+    eager = any(REGIONAL_COMPILE_FLAGS[0] in i.flags for i in tp)
+    return (f" TP {TP} rows: one process per GPU (torchrun, CUDA_DEVICE_MAX_CONNECTIONS=1), "
+            + (f"layers eager ({REGIONAL_COMPILE_FLAGS[0]}: a compiled layer's collectives stay synchronous), "
+               if eager else "")
+            + f"TFLOP/s and MFU per GPU (the same model FLOPs as the other rows over {TP} GPUs' time), "
+            "peak and estimate of the last rank.")
 
 
 def _status_line(item: Item) -> str:
@@ -459,7 +523,9 @@ def run_item(args, item: Item, remaining: float, est: float) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
-        print(RESULT + json.dumps(worker(json.loads(args.worker))), flush=True)
+        result = worker(json.loads(args.worker))
+        if result is not None:
+            print(RESULT + json.dumps(result), flush=True)
         return 0
     if not (torch.cuda.is_available() or args.smoke):
         print("bench/gpu_report.py needs a CUDA GPU (or --smoke); none found", file=sys.stderr)

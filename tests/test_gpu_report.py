@@ -94,6 +94,54 @@ def test_fp8_runs_beside_bf16_at_a_shape_where_it_pays(report):
     assert [(i.model, i.flags) for i in smoke if i.label == report.FP8_LABEL] == [("gpt-tiny", ("--fp8-hybrid",))]
 
 
+TP_ROWS = ("TP 2, synchronous TP collectives (default)",
+           "TP 2, overlapped backward (--async-tensor-model-parallel-allreduce)",
+           "TP 2 + sequence parallel, overlapped (--sequence-parallel --async-tensor-model-parallel-allreduce)")
+
+
+def _gpus(monkeypatch, n):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: n > 0)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: n)
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_tp_rows_say_they_need_two_gpus(report, monkeypatch, n):
+    _gpus(monkeypatch, n)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    tp = [i for i in items if i.label in TP_ROWS]
+    assert [i.label for i in tp] == list(TP_ROWS) and {i.model for i in tp} == {"gpt-1.3b"}
+    # after the FP8 rows, before the refinements
+    assert labels.index(report.FP8_LABEL) < labels.index(TP_ROWS[0]) and labels.index(TP_ROWS[2]) < labels.index(
+        "micro batch 8")
+    assert {(i.status, i.note) for i in tp} == {("not available", f"needs 2 GPUs; this machine has {n}")}
+    row = report.throughput_rows(report.parse(["--out", "x"]), {"peak": 989.0, "gpu_bytes": None}, tp)[2]
+    assert row == f"| gpt-1.3b | {TP_ROWS[0]} | not available: needs 2 GPUs; this machine has {n} | | | | | | |"
+
+
+def test_tp_rows_on_two_gpus_run_eager_layers_and_count_per_gpu(report, monkeypatch):
+    """The three rows differ by the overlap flags alone; a row's TFLOP/s is per GPU: at the same step
+    time, half the one-GPU default's (the same model FLOPs over two GPUs' time)."""
+    _gpus(monkeypatch, 2)
+    tp = [i for i in report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF") if i.label in TP_ROWS]
+    assert [i.status for i in tp] == ["not reached"] * 3 and {i.gpus for i in tp} == {2}
+    base = ("--tensor-model-parallel-size", "2", report.regional_compile_flag())
+    assert base[2] == "--no-compile-layers"
+    assert [i.flags for i in tp] == [base, (*base, report.ASYNC_TP), (*base, "--sequence-parallel", report.ASYNC_TP)]
+    args = report.parse(["--out", "x"])
+    one = report.Item("ours", "gpt-1.3b", "default", status="ok", result={"seconds": 0.2, "memory_gib": 30.0})
+    tp[1].status, tp[1].result = "ok", {"seconds": 0.2, "memory_gib": 20.0}
+    lines = report.throughput_rows(args, {"peak": 989.0, "gpu_bytes": 80e9}, [one, tp[1]])[2:]
+    rows = [r.split("|")[3:7] for r in lines]
+    (ms1, tf1, mfu1, _), (ms2, tf2, mfu2, vs_hf) = [[c.strip() for c in r] for r in rows]
+    assert ms1 == ms2 == "200.0" and vs_hf == "-"
+    assert float(tf2) == pytest.approx(float(tf1) / 2, abs=0.06)
+    b, s, l, h, v = 4, 2048, 24, 2048, 50304  # Megatron's closed form of GPT 1.3B (vocabulary padded for TP 1)
+    closed = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
+    assert float(tf2) == pytest.approx(closed / 0.2 / 2 / 1e12, abs=0.06)
+    assert float(mfu2.rstrip("%")) == pytest.approx(float(mfu1.rstrip("%")) / 2, abs=0.06)
+
+
 def test_the_llama_profile_comes_before_the_refinements(report):
     """On a GPU the Llama-style default is profiled right after the headline rows (its gap to HF is
     the open question); the GPT's profile waits with the refinements. --smoke profiles the GPT."""
@@ -153,10 +201,13 @@ def test_smoke_report_end_to_end(tmp_path):
     for key in [("gpt-tiny", "default"), ("gpt-tiny", "HF + eager"), ("llama-tiny", "default"),
                 ("gpt-tiny", "liger fused loss on (--liger-kernel)"), ("gpt-tiny", "elementwise fusions off"),
                 ("gpt-tiny", "micro batch 4"), ("gpt-tiny", "plain engine (--no-pipeline-parallel)"),
-                ("gpt-tiny", "FP8 (--fp8-hybrid)")]:
+                ("gpt-tiny", "FP8 (--fp8-hybrid)"), ("gpt-tiny", TP_ROWS[2])]:
         ms = rows[key].split("|")[3].strip()
         assert float(ms) > 0, rows[key]
     assert "CPU operator (inclusive: nested operators overlap) time per step" in text  # the profile ran
     assert "| matmul (gemm / cutlass / nvjet) |" in text and "Top 15:" in text
     assert "skipped: --smoke or no CUDA device: the gpu-marked tests need a GPU" in text
     assert "--smoke runs the variants and the profile on GPT only" in text
+    # the TP 2 row: two gloo processes under torchrun, the last rank's answer read back
+    assert "skipped: --smoke runs one TP 2 row, the sequence-parallel one" in rows[("gpt-tiny", TP_ROWS[0])]
+    assert " TP 2 rows: one process per GPU (torchrun" in text

@@ -88,7 +88,9 @@ def model_flops(argv: list[str], micro: int, vocab: int | None = None) -> float:
 
 
 def run_ours(argv: list[str]) -> tuple[float, float]:
-    """(seconds per iteration over the second half of the run, peak memory GB) from the log."""
+    """(seconds per iteration over the second half of the run, peak memory GB) from the log; NaNs on a
+    rank of a multi-process run other than the last, which prints the iteration lines (as Megatron's
+    ``print_rank_last``)."""
     from megatron_ds.families import main
 
     _reset_memory()
@@ -99,6 +101,8 @@ def run_ours(argv: list[str]) -> tuple[float, float]:
         raise SystemExit(f"pretrain_gpt.py failed (exit {rc})\n{out.getvalue()[-3000:]}")
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out.getvalue())]
     mem = [float(x) for x in re.findall(r"peak memory \(GB\): ([0-9.]+)", out.getvalue())]
+    if not ms and int(os.environ.get("RANK", "0")) != int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        return float("nan"), float("nan")
     steady = ms[len(ms) // 2:]  # the first iterations include allocator and kernel warm-up
     return sum(steady) / len(steady) / 1000.0, max(mem)
 
