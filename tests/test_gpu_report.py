@@ -119,6 +119,23 @@ def test_tp_rows_say_they_need_two_gpus(report, monkeypatch, n):
     assert row == f"| gpt-1.3b | {TP_ROWS[0]} | not available: needs 2 GPUs; this machine has {n} | | | | | | |"
 
 
+def test_fusion_rows_measure_gradient_accumulation_fusion_both_ways(report, monkeypatch):
+    """ZeRO 1 with fp32 accumulation (where DeepSpeed keeps the fp32 gradients) without and with the flag,
+    eager layers on CUDA, after the TP rows; --smoke skips them."""
+    _gpus(monkeypatch, 1)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    rows = [i for i in items if i.label.startswith("ZeRO 1, fp32 gradients")]
+    assert len(rows) == 2 and {i.model for i in rows} == {"gpt-1.3b"}
+    assert labels.index(TP_ROWS[2]) < labels.index(rows[0].label) < labels.index("micro batch 8")
+    plain, fused = (i.flags for i in rows)
+    assert fused == (*plain, "--gradient-accumulation-fusion") and plain[1].endswith("ds_configs/zero1_bf16.json")
+    assert os.path.exists(plain[1]) and "--no-compile-layers" in plain
+    smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True)
+             if i.label.startswith("ZeRO 1, fp32 gradients")]
+    assert [i.status for i in smoke] == ["skipped", "skipped"]
+
+
 def test_tp_rows_on_two_gpus_run_eager_layers_and_count_per_gpu(report, monkeypatch):
     """The three rows differ by the overlap flags alone; a row's TFLOP/s is per GPU: at the same step
     time, half the one-GPU default's (the same model FLOPs over two GPUs' time)."""
