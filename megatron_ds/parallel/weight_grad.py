@@ -167,8 +167,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (gradient accumulation fusion); plain ``F.linear`` where nothing needs a gradient (inference,
     evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block), which casts F.linear's
     operands but would leave a Function's backward in mixed dtypes: there autograd keeps the weight
-    gradient (not deferred, not fused). A layer compiled by torch.compile does not fuse either (its
-    backward graph would mutate the buffer): its ``.grad`` reaches the same buffer through DeepSpeed."""
+    gradient (not deferred, not fused). A layer compiled by torch.compile does not fuse either: dynamo
+    breaks the layer's graph at a Function whose backward mutates a buffer and calls back (measured:
+    right sums, one graph break); its ``.grad`` reaches the same buffer through DeepSpeed."""
     fused = fuses_into_main_grad(weight) and not torch.compiler.is_compiling()
     if not (_deferrable or fused):
         return F.linear(x, weight, bias)

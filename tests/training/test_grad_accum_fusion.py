@@ -228,4 +228,6 @@ def test_layout_summary_says_where_deepspeed_keeps_fp32_gradients(template, appl
 
     line = [x for x in summary(*FUSE).splitlines() if x.startswith("gradient accumulation fusion")]
     assert line and ("not applied" not in line[0]) == applied, line
+    compiled = summary(*FUSE, "--compile-layers")
+    assert ("compiled transformer layers keep their bf16 .grad" in compiled) == applied
     assert "gradient accumulation fusion" not in summary("--no-gradient-accumulation-fusion")
