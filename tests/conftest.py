@@ -9,7 +9,7 @@ FAKE_CUDA_UNAVAILABLE = fake_cuda.preload()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.e2e_data import make_e2e_data  # noqa: E402
+from tests.e2e_data import make_e2e_data, make_masked_tiny_data  # noqa: E402
 
 # Fix this process's view of the GPUs before any test changes CUDA_VISIBLE_DEVICES (the CUDA
 # runtime reads it once, on first use): tests marked `gpu` keep seeing the real devices.
@@ -40,3 +40,10 @@ def _cpu_unless_marked_gpu(request, monkeypatch):
 def e2e_data(tmp_path_factory):
     """Preprocessed real text (see tests/e2e_data.py), shared by the end-to-end tests."""
     return make_e2e_data(tmp_path_factory.mktemp("e2e_data"))
+
+
+@pytest.fixture(scope="session")
+def masked_tiny_data(tmp_path_factory):
+    """The BERT/T5 quickstarts' corpus, WordPiece vocabulary and sentence data at the tiny size
+    (see tests/e2e_data.py), shared by the BERT tests and both masked quickstart tests."""
+    return make_masked_tiny_data(tmp_path_factory.mktemp("masked_tiny_data"))

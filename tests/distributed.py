@@ -12,9 +12,10 @@
 
 Each child is a fresh process that inherits nothing from the test process (no CUDA context, thread
 pools or process groups): a "forkserver" child, forked from a clean server process that has done
-nothing but `import torch`. That gives what a "spawn" child gets while skipping the ~2 s (far
-more on a busy 2-core box) of importing torch in every child; set START_METHOD = "spawn" to
-compare. A child gets the standard launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
+nothing but import torch (and, without CUDA, DeepSpeed and the training stack: see
+`_forkserver_preload`). That gives what a "spawn" child gets while skipping the ~2 s of importing
+torch, and ~3 s more of DeepSpeed and megatron_ds (far more on a busy 2-core box), in every child;
+set START_METHOD = "spawn" to compare. A child gets the standard launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and an initialized gloo default process group, so code
 that calls `deepspeed.init_distributed()` finds the group already there. Children run on the CPU
 even where GPUs exist (DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES=""; `env` may override them).
@@ -125,7 +126,7 @@ def _launch(fn, world_size, args, kwargs, timeout, env, port, workdir: Path):
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         # Takes effect when the server starts (the first run of the session); later calls are no-ops.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(_forkserver_preload())
     procs = []
     try:
         for rank in range(world_size):
@@ -158,6 +159,21 @@ def _launch(fn, world_size, args, kwargs, timeout, env, port, workdir: Path):
         return [_load(workdir / f"result{r}.pkl") for r in range(world_size)]
     finally:
         _kill_all(procs)
+
+
+def _forkserver_preload() -> list[str]:
+    """What the server imports once for all children. Torch always. On a machine without CUDA, also
+    DeepSpeed and the training stack the children run (about 3 s of CPU per child on a 2-core box,
+    most of a short run's start-up). Not where CUDA exists: DeepSpeed picks its accelerator once, at
+    import, from DS_ACCELERATOR, and a child there may be handed ``env=cuda_env()`` -- it must import
+    DeepSpeed itself, after its `env` is applied. A module that fails to import here is skipped by
+    multiprocessing; the child then imports it as before."""
+    import torch
+
+    modules = ["torch", "torch.distributed"]
+    if os.environ.get("DS_ACCELERATOR") == "cpu" and not torch.cuda.is_available():
+        modules += ["deepspeed", "megatron_ds.families", "megatron_ds.training.trainer"]
+    return modules
 
 
 def _wait(procs, timeout):

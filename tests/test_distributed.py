@@ -1,6 +1,7 @@
 """The spawn helper itself: results in rank order, a failing rank, a hang, the launcher environment."""
 import multiprocessing as mp
 import os
+import sys
 import time
 
 import pytest
@@ -54,6 +55,21 @@ def _deepspeed_sees_group(rank, world_size):
 
 def test_deepspeed_init_distributed_reuses_group():
     assert run_distributed(_deepspeed_sees_group, 2) == [2.0, 2.0]
+
+
+_PRELOADED = ("deepspeed", "megatron_ds.families", "megatron_ds.training.trainer")
+
+
+def _imported(rank, world_size):
+    return {m: m in sys.modules for m in _PRELOADED}
+
+
+def test_children_start_with_deepspeed_imported_where_no_cuda_exists():
+    """Without CUDA the forkserver imports DeepSpeed and the training stack once for all children
+    (seconds of start-up per child); a preload that stopped importing would only show as a slower
+    suite. With CUDA a child imports DeepSpeed itself, after its `env` picks the accelerator."""
+    expected = not torch.cuda.is_available()
+    assert run_distributed(_imported, 1) == [dict.fromkeys(_PRELOADED, expected)]
 
 
 def _fail_on_rank_one(rank, world_size):

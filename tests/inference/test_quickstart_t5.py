@@ -9,15 +9,18 @@ import math
 
 import pytest
 
+from tests.e2e_data import seed_masked_workdir
+
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_quickstart_t5_tiny(tmp_path, capsys):
+def test_quickstart_t5_tiny(tmp_path, capsys, masked_tiny_data):
     from megatron_ds.cli.quickstart import main
     from megatron_ds.cli.quickstart_t5 import T5_PRESETS
 
     preset = T5_PRESETS["tiny"]
     work = tmp_path / "qs"
+    seed_masked_workdir(masked_tiny_data, preset, work)  # BERT's tiny data: steps 1-3 built once per session
     assert main(["--model", "t5", "--workdir", str(work), "--size", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "--pipeline-model-parallel-split-rank 1" in out

@@ -22,6 +22,7 @@ import pytest
 
 from megatron_ds.data.tokenizer import build_tokenizer
 from tests.distributed import run_distributed
+from tests.e2e_data import seed_masked_workdir
 from tests.training.test_bert_parity import bert_losses
 
 pytestmark = pytest.mark.timeout(1200)
@@ -29,12 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bert_data(tmp_path_factory):
-    from megatron_ds.cli.quickstart_bert import BERT_PRESETS
-    from megatron_ds.cli.quickstart_masked import prepare_data
-
-    work = tmp_path_factory.mktemp("bert_data")
-    return prepare_data(str(work), BERT_PRESETS["tiny"], workers=1)
+def bert_data(masked_tiny_data):
+    """(training prefix, held-out prefix, vocab.txt) of the tiny quickstart (tests/conftest.py)."""
+    return masked_tiny_data["prefix"], masked_tiny_data["heldout"], masked_tiny_data["vocab"]
 
 
 def test_bert_resume_equals_straight_run(bert_data, tmp_path):
@@ -53,12 +51,13 @@ def test_bert_resume_equals_straight_run(bert_data, tmp_path):
     assert first + second == straight
 
 
-def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys):
+def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys, masked_tiny_data):
     from megatron_ds.cli.quickstart import main
     from megatron_ds.cli.quickstart_bert import BERT_PRESETS
 
     preset = BERT_PRESETS["tiny"]
     work = tmp_path / "qs"
+    seed_masked_workdir(masked_tiny_data, preset, work)  # steps 1-3 built once per session
     assert main(["--model", "bert", "--workdir", str(work), "--size", "tiny", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(preset.iters)
