@@ -30,8 +30,8 @@ item from the items of its kind that already ran, so a smaller item after a skip
    sequence-parallel one on the tiny GPT with 2 gloo processes on the CPU;
 7. gradient accumulation fusion (``--gradient-accumulation-fusion``, off by default until measured) on
    the GPT: ZeRO 1 with fp32 gradient accumulation (``ds_configs/zero1_bf16.json``, where DeepSpeed keeps
-   the fp32 gradients the fusion adds into) without and with it, layers eager on CUDA (a compiled layer
-   keeps its bf16 ``.grad``); --smoke skips them (tests/training/test_grad_accum_fusion.py runs the flags);
+   the fp32 gradients the fusion adds into) without and with it; --smoke skips them
+   (tests/training/test_grad_accum_fusion.py runs the flags);
 8. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
@@ -164,14 +164,12 @@ def tp_items(model: str, smoke: bool, rc: str | None) -> list[Item]:
 FUSION_FLAG = "--gradient-accumulation-fusion"
 
 
-def fusion_items(model: str, smoke: bool, rc: str | None) -> list[Item]:
+def fusion_items(model: str, smoke: bool) -> list[Item]:
     """The GPT with DeepSpeed's fp32 gradients (ZeRO 1, fp32 accumulation), the weight gradients added in
-    from bf16 ``.grad``s (DeepSpeed's way) and fused into the weight-gradient GEMMs; layers eager on CUDA,
-    where a compiled layer does not fuse (parallel/weight_grad.py)."""
-    eager = (rc,) if rc and rc.startswith("--no-") else ()
-    zero1 = ("--deepspeed_config", str(REPO / "ds_configs" / "zero1_bf16.json"), *eager)
-    items = [Item("ours", model, "ZeRO 1, fp32 gradients, layers eager", zero1),
-             Item("ours", model, f"ZeRO 1, fp32 gradients, layers eager, {FUSION_FLAG}", (*zero1, FUSION_FLAG))]
+    from bf16 ``.grad``s (DeepSpeed's way) and fused into the weight-gradient GEMMs."""
+    zero1 = ("--deepspeed_config", str(REPO / "ds_configs" / "zero1_bf16.json"))
+    items = [Item("ours", model, "ZeRO 1, fp32 gradients", zero1),
+             Item("ours", model, f"ZeRO 1, fp32 gradients, {FUSION_FLAG}", (*zero1, FUSION_FLAG))]
     if smoke:
         for item in items:
             item.status, item.note = "skipped", "--smoke leaves the fusion to tests/training/test_grad_accum_fusion.py"
@@ -195,7 +193,7 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-    return head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + fusion_items(gpt, smoke, rc) + later + llama_rows
+    return head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + fusion_items(gpt, smoke) + later + llama_rows
 
 
 # --------------------------------------------------------------------------- measurements (children)

@@ -396,24 +396,35 @@ def replace_loss_fn(module, loss_fn) -> None:
 def link_main_grads(opt, params) -> int:
     """Give each of ``params`` that DeepSpeed's bf16 optimizer (fp32 accumulation) steps a ``main_grad``:
     its fp32 gradient in the optimizer (``fp32_groups_gradients[i][j]``, a view of the flat buffer the
-    data parallel reduction, the clipping norm and the step read, zeroed in place after each step),
-    and ``main_grad_written``, which marks it as holding a gradient (``fp32_groups_has_gradients``, 0.19,
-    which the norm skips otherwise, as ``_update_hp_grad`` sets it). ``_hp_grad`` is set too, where
+    data parallel reduction, the clipping norm and the step read, zeroed in place after each step).
+    The norm counts only gradients marked as written (``fp32_groups_has_gradients``, which
+    ``_update_hp_grad`` sets, 0.19); a linked weight is marked once and again after every
+    ``clear_hp_grads``, as a backward writes it every step (a step that did not would count its zeros:
+    the same norm). Marking here rather than in backward keeps backward free of Python side effects, so
+    a layer compiled by torch.compile keeps the fused GEMM in its graph. ``_hp_grad`` is set too, where
     ``accumulated_grad`` and the pipeline engine look. Returns how many were linked."""
     wanted = {id(p) for p in params}
-    linked = 0
+    linked = []
     for i, group in enumerate(opt.bf16_groups):
         for j, param in enumerate(group):
             if id(param) in wanted:
-                hp = opt.fp32_groups_gradients[i][j].view(param.shape)
-                param.main_grad = param._hp_grad = hp
-                param.main_grad_written = functools.partial(_mark_hp_grad, opt, i, j)
-                linked += 1
-    return linked
+                param.main_grad = param._hp_grad = opt.fp32_groups_gradients[i][j].view(param.shape)
+                linked.append((i, j))
+    if linked:
+        clear = opt.clear_hp_grads
+
+        def clear_and_mark():
+            clear()
+            _mark_hp_grads(opt, linked)
+
+        opt.clear_hp_grads = clear_and_mark
+        _mark_hp_grads(opt, linked)
+    return len(linked)
 
 
-def _mark_hp_grad(opt, i: int, j: int) -> None:
-    opt.fp32_groups_has_gradients[i][j] = True
+def _mark_hp_grads(opt, linked) -> None:
+    for i, j in linked:
+        opt.fp32_groups_has_gradients[i][j] = True
 
 
 def accumulated_grad(engine, param):

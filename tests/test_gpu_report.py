@@ -121,7 +121,7 @@ def test_tp_rows_say_they_need_two_gpus(report, monkeypatch, n):
 
 def test_fusion_rows_measure_gradient_accumulation_fusion_both_ways(report, monkeypatch):
     """ZeRO 1 with fp32 accumulation (where DeepSpeed keeps the fp32 gradients) without and with the flag,
-    eager layers on CUDA, after the TP rows; --smoke skips them."""
+    after the TP rows; --smoke skips them."""
     _gpus(monkeypatch, 1)
     items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
     labels = [i.label for i in items]
@@ -130,7 +130,7 @@ def test_fusion_rows_measure_gradient_accumulation_fusion_both_ways(report, monk
     assert labels.index(TP_ROWS[2]) < labels.index(rows[0].label) < labels.index("micro batch 8")
     plain, fused = (i.flags for i in rows)
     assert fused == (*plain, "--gradient-accumulation-fusion") and plain[1].endswith("ds_configs/zero1_bf16.json")
-    assert os.path.exists(plain[1]) and "--no-compile-layers" in plain
+    assert os.path.exists(plain[1]) and len(plain) == 2
     smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True)
              if i.label.startswith("ZeRO 1, fp32 gradients")]
     assert [i.status for i in smoke] == ["skipped", "skipped"]

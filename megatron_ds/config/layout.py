@@ -186,11 +186,8 @@ class Layout:
 
     def _describe_grad_accum_fusion(self) -> str:
         if keeps_fp32_grads(self.ds_config, self.precision, self.zero_stage, self.use_pipeline):
-            # a compiled layer's custom autograd function would break its graph (parallel/weight_grad.py)
-            compiled = (": the compiled transformer layers keep their bf16 .grad (--no-compile-layers fuses them too)"
-                        if self.model.compile_layers else " (no bf16 .grad)")
             return ("gradient accumulation fusion: the tensor-parallel layers' weight-gradient GEMMs add fp32 "
-                    f"results into DeepSpeed's fp32 gradients{compiled}")
+                    "results into DeepSpeed's fp32 gradients (no bf16 .grad)")
         return ("gradient accumulation fusion: not applied, DeepSpeed keeps no fp32 gradient to add into here "
                 "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json)")
 

@@ -112,8 +112,8 @@ def weight_gradient(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 # tensor-parallel linear layer add its fp32 result straight into the parameter's fp32 ``main_grad``
 # (apex's fused_weight_gradient_mlp_cuda, beta = 1), so no 16-bit ``.grad`` is written, read back
 # and added. Here ``main_grad`` is DeepSpeed's own fp32 gradient of the parameter, linked by
-# ``training.engine`` where its optimizer keeps one (``ds_compat.link_main_grads``), with
-# ``main_grad_written``, a callable that tells the optimizer the buffer holds a gradient.
+# ``training.engine`` where its optimizer keeps one (``ds_compat.link_main_grads``). The backward only
+# adds into it (no Python side effects): torch.compile keeps it in a compiled layer's graph.
 
 
 def fuses_into_main_grad(weight: torch.Tensor) -> bool:
@@ -136,7 +136,6 @@ def weight_gradient_fp32(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tenso
 
 def accumulate_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
     weight.main_grad.add_(grad.view(weight.main_grad.shape))
-    weight.main_grad_written()
 
 
 class LinearFunction(torch.autograd.Function):
@@ -167,11 +166,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (gradient accumulation fusion); plain ``F.linear`` where nothing needs a gradient (inference,
     evaluation) and under torch autocast (DeepSpeed's "torch_autocast" block), which casts F.linear's
     operands but would leave a Function's backward in mixed dtypes: there autograd keeps the weight
-    gradient (not deferred, not fused). A layer compiled by torch.compile does not fuse either: dynamo
-    breaks the layer's graph at a Function whose backward mutates a buffer and calls back (measured:
-    right sums, one graph break); its ``.grad`` reaches the same buffer through DeepSpeed."""
-    fused = fuses_into_main_grad(weight) and not torch.compiler.is_compiling()
-    if not (_deferrable or fused):
+    gradient (not deferred, not fused): DeepSpeed adds it into the same buffer."""
+    if not (_deferrable or fuses_into_main_grad(weight)):
         return F.linear(x, weight, bias)
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)

@@ -33,11 +33,8 @@ TOKENS, IN, OUT = 16, 24, 8
 
 
 def _fuse(weight):
-    """Link an fp32 ``main_grad`` as training/engine.py does; returns the list its writes are counted in."""
-    written = []
+    """Link an fp32 ``main_grad`` as training/engine.py does (ds_compat.link_main_grads)."""
     weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
-    weight.main_grad_written = lambda: written.append(1)
-    return written
 
 
 def _micro_batches(n=2, rows=TOKENS, cols=IN, seed=0, out_rows=None):
@@ -77,11 +74,11 @@ def _backward(layer, batches):
 
 def test_plain_gemm_adds_fp32_into_main_grad_and_writes_no_grad():
     fused, plain = _column(), _column()
-    written = _fuse(fused.weight)
+    _fuse(fused.weight)
     batches = _micro_batches()
     exact = _exact(_backward(fused, batches))
     _backward(plain, batches)
-    assert fused.weight.grad is None and len(written) == 2
+    assert fused.weight.grad is None
     assert fused.bias.grad is not None  # biases keep autograd's .grad
     fused_error, bf16_error = _errors(fused.weight.main_grad, exact), _errors(plain.weight.grad, exact)
     assert fused_error < 1e-6 < 1e-4 < bf16_error  # fp32 sums vs bf16 rounding (2^-9)
@@ -91,7 +88,7 @@ def test_zero_bubble_weight_pass_adds_into_main_grad_when_it_runs():
     from megatron_ds.parallel.weight_grad import WeightGradStore, allow_deferral
 
     layer, store = _column(), WeightGradStore()
-    written = _fuse(layer.weight)
+    _fuse(layer.weight)
     batches = _micro_batches(1)
     allow_deferral(True)
     try:
@@ -99,9 +96,9 @@ def test_zero_bubble_weight_pass_adds_into_main_grad_when_it_runs():
             seen = _backward(layer, batches)
     finally:
         allow_deferral(False)
-    assert not written and not layer.weight.main_grad.any()  # the B pass left W for later
+    assert not layer.weight.main_grad.any()  # the B pass left W for later
     store.pop()
-    assert layer.weight.grad is None and len(written) == 1
+    assert layer.weight.grad is None
     assert _errors(layer.weight.main_grad, _exact(seen)) < 1e-6
 
 
@@ -116,6 +113,33 @@ def test_fp8_weight_gradient_is_added_as_computed():
     _backward(plain, batches)
     assert fused.weight.grad is None
     assert torch.equal(fused.weight.main_grad, plain.weight.grad.float())
+
+
+def test_a_compiled_layer_keeps_the_fused_gemm_in_its_graph():
+    """Regional compilation (the CUDA default) compiles layers whose weights fuse: one graph, no break
+    (the backward adds into main_grad and does nothing else), and the sums eager computes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_ds.parallel.layers import RowParallelLinear
+
+    def mlp():
+        torch.manual_seed(0)
+        up, down = _column(), RowParallelLinear(OUT, IN, tp_group=None, input_is_parallel=True,
+                                               params_dtype=torch.bfloat16)
+        for layer in (up, down):
+            _fuse(layer.weight)
+        return up, down, lambda x: down(torch.nn.functional.gelu(up(x)[0]))[0]
+
+    eager, compiled = mlp(), mlp()
+    counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd's graphs, no code generation
+    run = torch.compile(compiled[2], backend=counter)
+    for x, _ in _micro_batches():
+        for fn in (eager[2], run):
+            fn(x.clone().requires_grad_()).float().square().sum().backward()
+    assert counter.frame_count == 1
+    for a, b in zip(eager[:2], compiled[:2]):
+        assert a.weight.grad is None and b.weight.grad is None
+        assert torch.equal(a.weight.main_grad, b.weight.main_grad) and a.weight.main_grad.any()
 
 
 def tp2_worker(rank, world_size):
@@ -228,6 +252,4 @@ def test_layout_summary_says_where_deepspeed_keeps_fp32_gradients(template, appl
 
     line = [x for x in summary(*FUSE).splitlines() if x.startswith("gradient accumulation fusion")]
     assert line and ("not applied" not in line[0]) == applied, line
-    compiled = summary(*FUSE, "--compile-layers")
-    assert ("compiled transformer layers keep their bf16 .grad" in compiled) == applied
     assert "gradient accumulation fusion" not in summary("--no-gradient-accumulation-fusion")
