@@ -135,7 +135,9 @@ def weight_gradient_fp32(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tenso
 
 
 def accumulate_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
-    weight.main_grad.add_(grad.view(weight.main_grad.shape))
+    # no_grad: a zero-bubble weight pass runs this outside backward, where grad mode is on
+    with torch.no_grad():
+        weight.main_grad.add_(grad.view(weight.main_grad.shape))
 
 
 class LinearFunction(torch.autograd.Function):
