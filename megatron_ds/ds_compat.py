@@ -15,7 +15,6 @@ Import cost: ``deepspeed`` is imported only when a function here is called or a 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import inspect
 
