@@ -47,6 +47,7 @@ import gzip
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -212,7 +213,7 @@ def worker(spec: dict) -> dict | None:
     if spec["kind"] == "ours":
         seconds, mem = gpu_mfu.run_ours(spec["argv"])
         # a TP run's ranks but the last print no iteration lines (NaNs): the last one answers
-        return {"seconds": seconds, "memory_gib": mem} if seconds == seconds else None
+        return None if math.isnan(seconds) else {"seconds": seconds, "memory_gib": mem}
     last = spec["iters"] - 1  # the final iteration may be followed by shutdown work: profile the two before
     first = last - PROFILE_STEPS + 1
     with tempfile.TemporaryDirectory(prefix="gpu_report_trace_") as trace_dir:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tensor-parallel communication overlap, measured on the CPU: the backward of one transformer MLP
 (ColumnParallelLinear h -> 4h, GeLU, RowParallelLinear 4h -> h) at TP 2, with the input gradient's
-all-reduce run during the weight-gradient GEMM (the default, ``megatron_ds.parallel.async_comm``)
-(``--async-tensor-model-parallel-allreduce``) and after it (the default until a GPU measurement
+all-reduce run during the weight-gradient GEMM (``megatron_ds.parallel.async_comm``,
+``--async-tensor-model-parallel-allreduce``) and after it (the default until a GPU measurement
 shows the overlap helps).
 
 Two gloo processes on this host; the link is made slow as between GPUs over a busy network: every

@@ -400,14 +400,13 @@ def link_main_grads(opt, params) -> int:
     ``_update_hp_grad`` sets, 0.19); a linked weight is marked once and again after every
     ``clear_hp_grads``, as a backward writes it every step (a step that did not would count its zeros:
     the same norm). Marking here rather than in backward keeps backward free of Python side effects, so
-    a layer compiled by torch.compile keeps the fused GEMM in its graph. ``_hp_grad`` is set too, where
-    ``accumulated_grad`` and the pipeline engine look. Returns how many were linked."""
+    a layer compiled by torch.compile keeps the fused GEMM in its graph. Returns how many were linked."""
     wanted = {id(p) for p in params}
     linked = []
     for i, group in enumerate(opt.bf16_groups):
         for j, param in enumerate(group):
             if id(param) in wanted:
-                param.main_grad = param._hp_grad = opt.fp32_groups_gradients[i][j].view(param.shape)
+                param.main_grad = opt.fp32_groups_gradients[i][j].view(param.shape)
                 linked.append((i, j))
     if linked:
         clear = opt.clear_hp_grads

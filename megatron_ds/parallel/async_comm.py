@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_forward, fp8_input_grad, fp8_weight_grad
 from megatron_ds.parallel.mappings import start_all_gather_along_first_dim, start_all_reduce, \
     start_reduce_scatter_along_first_dim
-from megatron_ds.parallel.weight_grad import weight_grad_now_or_later, weight_gradient, weight_gradient_fp32
+from megatron_ds.parallel.weight_grad import linear_weight_grad, weight_grad_now_or_later
 
 
 def _forward(x, weight, bias, fp8: Fp8Recipe | None):
@@ -48,8 +48,7 @@ def _weight_grad(x, grad_out, fp8: Fp8Recipe | None, weight):
     """The weight's gradient now or at a zero-bubble weight pass, or added into its ``main_grad``."""
     if fp8 is not None:
         return weight_grad_now_or_later(weight, lambda: fp8_weight_grad(x, grad_out, fp8))
-    return weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out),
-                                    lambda: weight_gradient_fp32(x, grad_out))
+    return linear_weight_grad(weight, x, grad_out)
 
 
 class _OverlappedColumnLinear(torch.autograd.Function):

@@ -51,7 +51,7 @@ from megatron_ds.parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from megatron_ds.parallel.utils import divide, tp_rank, tp_world_size, vocab_range
-from megatron_ds.parallel.weight_grad import linear, weight_grad_now_or_later, weight_gradient, weight_gradient_fp32
+from megatron_ds.parallel.weight_grad import linear, linear_weight_grad
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -117,8 +117,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
             grad_x = reduce_scatter_along_first_dim(grad_out.matmul(weight), ctx.group)
         if ctx.needs_input_grad[1]:
             total = all_gather_along_first_dim(x, ctx.group)
-            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(total, grad_out),
-                                              lambda: weight_gradient_fp32(total, grad_out), deferrable=False)
+            grad_w = linear_weight_grad(weight, total, grad_out, deferrable=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b, None

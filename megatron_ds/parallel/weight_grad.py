@@ -87,20 +87,26 @@ def weight_grad_now_or_later(weight: torch.Tensor, compute, fp32=None, *, deferr
     A weight with a ``main_grad`` (gradient accumulation fusion, ``fuses_into_main_grad``) gets no
     ``.grad``: ``fp32()`` (default ``compute()``), its gradient computed in fp32, is added into that
     buffer now or at the weight pass, and None is returned."""
-    fused = fuses_into_main_grad(weight)
-    if fused:
-        def run():
+    later = deferrable and _active is not None and weight.grad_fn is None
+    if fuses_into_main_grad(weight):
+        def work():
             accumulate_main_grad(weight, (fp32 or compute)())
-    else:
-        def run():  # Tensor.backward on a leaf: the gradient goes through weight's AccumulateGrad node and hooks
+    elif later:
+        def work():  # Tensor.backward on a leaf: the gradient goes through weight's AccumulateGrad node and hooks
             weight.backward(compute())
-    if _active is None or not deferrable or weight.grad_fn is not None:
-        if not fused:
-            return compute()
-        run()
-        return None
-    _active.put(run)
+    else:
+        return compute()
+    if later:
+        _active.put(work)
+    else:
+        work()
     return None
+
+
+def linear_weight_grad(weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor, *, deferrable: bool = True):
+    """``weight_grad_now_or_later`` for ``y = x W^T``: ``grad_out^T x``, in fp32 where it is fused."""
+    return weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out),
+                                    lambda: weight_gradient_fp32(x, grad_out), deferrable=deferrable)
 
 
 def weight_gradient(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -156,8 +162,7 @@ class LinearFunction(torch.autograd.Function):
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_now_or_later(weight, lambda: weight_gradient(x, grad_out),
-                                              lambda: weight_gradient_fp32(x, grad_out))
+            grad_w = linear_weight_grad(weight, x, grad_out)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.size(-1)).sum(dim=0)
         return grad_x, grad_w, grad_b

@@ -22,10 +22,10 @@ DELAY = 0.3  # seconds: far longer than the tiny GEMMs, far shorter than the tes
 
 def _timeline(layer, x):
     """(events, grads) of one backward: events are (name, time) in the order they happened."""
-    from megatron_ds.parallel import async_comm
+    from megatron_ds.parallel import weight_grad
 
     events = []
-    real_all_reduce, real_weight_gradient = dist.all_reduce, async_comm.weight_gradient
+    real_all_reduce, real_weight_gradient = dist.all_reduce, weight_grad.weight_gradient
 
     class SlowWork:
         def __init__(self, work):
@@ -49,12 +49,12 @@ def _timeline(layer, x):
         events.append(("weight GEMM", time.monotonic()))
         return real_weight_gradient(*args)
 
-    dist.all_reduce, async_comm.weight_gradient = all_reduce, weight_gradient
+    dist.all_reduce, weight_grad.weight_gradient = all_reduce, weight_gradient
     try:
         out, _ = layer(x)
         out.square().sum().backward()
     finally:
-        dist.all_reduce, async_comm.weight_gradient = real_all_reduce, real_weight_gradient
+        dist.all_reduce, weight_grad.weight_gradient = real_all_reduce, real_weight_gradient
     return events, (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
 
 
@@ -82,8 +82,10 @@ def test_weight_gemm_runs_while_the_input_gradient_travels(sequence_parallel):
         assert names == ["collective issued", "weight GEMM", "collective done"], names
         issued, gemm, done = (t for _, t in events)
         assert gemm - issued < DELAY / 3 and done - issued >= DELAY  # the GEMM did not wait for the bytes
-        # the synchronous path: autograd's own GEMMs, then a blocking all-reduce (copy_to_tensor_parallel_region's
-        # backward; under sequence parallelism the reduce-scatter's gloo fallback)
-        assert [name for name, _ in sync_events] == ["collective issued", "collective done"]
+        # the synchronous path: a blocking all-reduce (copy_to_tensor_parallel_region's backward, after
+        # autograd's own GEMMs; under sequence parallelism the reduce-scatter's gloo fallback, before the
+        # weight GEMM, which waits for it)
+        assert [name for name, _ in sync_events] == ["collective issued", "collective done"] + (
+            ["weight GEMM"] if sequence_parallel else [])
         for a, b in zip(grads, sync_grads):
             assert torch.equal(a, b)
