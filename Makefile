@@ -44,9 +44,10 @@ clean:
 	rm -rf $(VENV) build *.egg-info megatron_ds/data/*.so
 
 # One markdown report of a GPU session (bench/gpu_report.py: ours vs the HF baseline, memory against
-# the estimate, a kernel-time profile, the gpu tests) into bench/out/gpu-report.md. No venv: on the
-# GPU machine `source .gpu/setup.sh && make gpu-report` runs it with the system python3; elsewhere
-# PYTHON=.venv/bin/python. GPU_REPORT_ARGS: e.g. "--smoke", "--budget-s 420 --out report.md".
+# the estimate, a kernel-time profile, the gpu tests) into bench/out/gpu-report.md. No venv: it runs with
+# $(PYTHON), which must have the runtime and test requirements (PYTHON=.venv/bin/python after `make test`;
+# on a lent GPU machine without DeepSpeed, the environment its preparation step carries there, see
+# docs/testing.md). GPU_REPORT_ARGS: e.g. "--smoke", "--budget-s 420 --out report.md".
 # This checkout's package comes first on the path, whatever else is installed.
 GPU_REPORT_ARGS ?=
 gpu-report:

@@ -62,7 +62,7 @@ _INTERNAL_NAMES = {
 # (module, class, attribute, who relies on it).
 _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
-     "overridden by megatron_ds.model.layer_specs.GPTPipelineModel"),
+     "overridden by megatron_ds.model.pipeline_model.PipelineModel"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
      "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (the split rank's partition)"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),
@@ -84,7 +84,6 @@ _READ_BY_DEEPSPEED = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", "overflow"),
 )
 
-PIPELINE_CHECKPOINT_HOOK = "_is_checkpointable"
 # Parameter attributes DeepSpeed's norm helpers read to count a gradient once (0.16-0.19).
 _NORM_ATTRIBUTES = ("ds_pipe_replicated", "tensor_model_parallel", "model_parallel")
 
@@ -388,7 +387,7 @@ def zero_grad_where_missing(param) -> None:
 def replace_loss_fn(module, loss_fn) -> None:
     """Replace the loss a module computes on the last stage: ``PipelineModule.loss_fn``, which
     ``PipelineEngine._exec_forward_pass`` reads at every micro-batch (0.16-0.19); megatron_ds's own
-    modules (``GPTSequential``, ``GPTModelChunks``) keep theirs under the same name."""
+    modules (``SequentialModel``, ``GPTModelChunks``) keep theirs under the same name."""
     module.loss_fn = loss_fn
 
 

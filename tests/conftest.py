@@ -6,6 +6,9 @@ from megatron_ds import fake_cuda  # isort: skip
 
 FAKE_CUDA_UNAVAILABLE = fake_cuda.preload()
 
+import importlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -34,6 +37,13 @@ def _cpu_unless_marked_gpu(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("DS_ACCELERATOR", "cpu")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """``bench("gpu_mfu")``: a bench/ module as `python bench/X.py` sees it, bench/ first on the path."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    return importlib.import_module
 
 
 @pytest.fixture(scope="session")

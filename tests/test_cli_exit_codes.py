@@ -5,15 +5,14 @@ import importlib
 
 import pytest
 
-# tools/X.py (tools/checkpoint/X.py) calls megatron_ds.cli.<module>.main; the module's name where it differs
-MODULES = {"evaluate": "evaluate_gpt", "eval_harness": "lm_eval_harness", "plan": "parallelism_plan"}
+# tools/X.py (tools/checkpoint/X.py) calls megatron_ds.cli.X.main (tests/test_architecture.py keeps it so)
 
 
 def _main(tool):
     if tool == "pretrain_gpt":
         from megatron_ds.families import main
         return main
-    return importlib.import_module(f"megatron_ds.cli.{MODULES.get(tool, tool)}").main
+    return importlib.import_module(f"megatron_ds.cli.{tool}").main
 
 
 def _status(capsys, tool, argv) -> tuple[int, str]:

@@ -25,10 +25,6 @@ import torch
 
 from megatron_ds.parallel.weight_grad import weight_grad_now_or_later
 
-FORMATS = ("e4m3", "hybrid")
-GRANULARITIES = ("tensorwise", "rowwise")
-
-
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How the linear layers' GEMMs run in FP8 (``config/fp8_flags.py`` builds it from the flags)."""

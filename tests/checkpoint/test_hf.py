@@ -23,6 +23,7 @@ from tests.training.common import TINY_GPT, train_losses
 
 transformers = pytest.importorskip("transformers")
 from megatron_ds.cli import from_hf, to_hf  # noqa: E402
+from megatron_ds.families.gpt.gpt_family import GPT
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 LAYOUTS = {"gpt2": ((2, 2, 1), []), "llama": ((2, 1, 2), ["--zero-stage", "1"])}
@@ -42,9 +43,9 @@ def exported(request, tmp_path_factory):
 
 def _ours(ckpt):
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 
-    c = load_consolidated(ckpt, log=lambda *a: None)
+    c = load_consolidated(ckpt, log=lambda *a: None, family=GPT)
     model = build_sequential_gpt(c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)
     model.load_state_dict(c.state_dict)
     return model.eval()
@@ -122,7 +123,7 @@ def test_imported_llama_trains_with_the_loss_transformers_computes(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir(GPT2_FILES), reason="GPT-2 tokenizer files (../shared/data/gpt2) absent")
 def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
-    from megatron_ds.checkpoint.export import save_tokenizer
+    from megatron_ds.families.gpt.gpt_hf_export import save_tokenizer
     from megatron_ds.config import DataConfig
     from megatron_ds.data.tokenizer import build_tokenizer
 
@@ -137,7 +138,7 @@ def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
 
 
 def test_what_the_target_cannot_express_is_refused_by_flag():
-    from megatron_ds.checkpoint.hf import choose_architecture
+    from megatron_ds.families.gpt.gpt_hf import choose_architecture
     from megatron_ds.config import ModelConfig, resolve_model_config
     from megatron_ds.errors import ConfigError
 

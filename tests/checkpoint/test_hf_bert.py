@@ -26,6 +26,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.families.bert.bert_hf import import_hf_bert, write_hf_bert
 from megatron_ds.families.bert.bert_model import build_sequential_bert
+from megatron_ds.families.gpt.gpt_family import GPT
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -77,7 +78,7 @@ def test_hf_model_imports_with_its_logits(tmp_path, arch, types):
     _randomize(hf_model, 0)
     hf_model.tie_weights()
     hf_model.save_pretrained(tmp_path / "hf")
-    m = import_hf_bert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *a: None)
+    m = import_hf_bert(str(tmp_path / "hf"), str(tmp_path / "ckpt"), family=BERT, log=lambda *a: None)
     assert m.bert_binary_head == (types == 2)
     c = load_consolidated(str(tmp_path / "ckpt"), family=BERT, log=lambda *a: None)
     ours = build_sequential_bert(c.model, padded_vocab_size=c.padded_vocab_size, seed=0, vocab_size=VOCAB)
@@ -125,7 +126,7 @@ def test_tp2_pp2_checkpoint_exports_the_initial_model(tmp_path):
     argv[argv.index("--train-iters") + 1] = "1"
     argv[argv.index("--lr") + 1] = "1e-30"
     run_distributed(bert_losses, 4, argv, timeout=900)
-    assert export_hf_bert(ckpt, out, log=lambda *a: None) == "MegatronBertForPreTraining"
+    assert export_hf_bert(ckpt, out, family=BERT, log=lambda *a: None) == "MegatronBertForPreTraining"
     m = load_consolidated(ckpt, family=BERT, log=lambda *a: None).model
     ours = build_sequential_bert(m, padded_vocab_size=512, seed=1234, vocab_size=512)
     hf_model = transformers.AutoModelForPreTraining.from_pretrained(out)
@@ -145,7 +146,7 @@ def test_a_checkpoint_of_another_family_is_refused_by_name():
 
     flags, _ = parse_args("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                           "--micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 100".split())
-    gpt = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu").layout)
+    gpt = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu", family=GPT).layout)
     bert = layout_signature(resolve(flags, world_size=1, vocab_size=100, device_type="cpu", family=BERT).layout)
     assert "model_family" not in gpt and bert["model_family"] == "bert"
     check_compatible(gpt, gpt, "ckpt", load_optim=True)

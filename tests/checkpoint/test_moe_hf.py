@@ -24,6 +24,7 @@ from tests.checkpoint.common import train
 
 transformers = pytest.importorskip("transformers")
 from megatron_ds.cli import to_hf  # noqa: E402
+from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(1500)
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -50,8 +51,8 @@ def test_mixtral_export_has_equal_logits(exported):
     hf, info = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     assert hf.config.num_local_experts == 4 and hf.config.num_experts_per_tok == 2
-    c = load_consolidated(ckpt, log=lambda *a: None)
-    ours = build_inference_model(ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict))
+    c = load_consolidated(ckpt, log=lambda *a: None, family=GPT)
+    ours = build_inference_model(ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict), family=GPT)
     tokens = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).expand_as(tokens)
     with torch.no_grad():

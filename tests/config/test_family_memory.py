@@ -17,6 +17,7 @@ import torch
 
 from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import activation_bytes_per_layer, estimate_stages, logits_bytes
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.families.t5.t5_params import decoder_layer_activation_bytes
 from tests.config.test_memory import saved_bytes
@@ -144,7 +145,7 @@ def test_bert_mlm_head_keeps_what_the_estimate_counts():
     pp2 = resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, pipeline_model_parallel_size=2)), world_size=2, vocab_size=1000, device_type="cuda",
         family=BERT).layout
-    gpt_like = dataclasses.replace(pp2, family=None)
+    gpt_like = dataclasses.replace(pp2, family=GPT)
     acts = [dict(e.terms)["activations"] for e in estimate_stages(pp2)]
     gpt_acts = [dict(e.terms)["activations"] for e in estimate_stages(gpt_like)]
     in_flight_last = 2  # DeepSpeed's 1F1B keeps at least 2 buffers (config/memory.py in_flight_micro_batches)

@@ -49,7 +49,7 @@ CASES = {
     "bert-bf16-tp2-sequence-parallel": ("bert", ["--bf16", "--sequence-parallel"], 2, 1, 1),
     # DeepSpeed's activation checkpointing of the encoder and decoder layers, their tuple inputs included
     "t5-fp16-full-recompute": ("t5", ["--fp16", *FULL], 1, 1, 0),
-    # the plain engine's module (GPTSequential); BERT without the binary head: the MLM logits alone
+    # the plain engine's module (SequentialModel); BERT without the binary head: the MLM logits alone
     "bert-fp16-no-pipeline-no-binary-head": ("bert", ["--fp16", "--no-pipeline-parallel", "--bert-no-binary-head"],
                                              1, 1, 0),
     "t5-bf16-no-pipeline": ("t5", ["--bf16", "--no-pipeline-parallel"], 1, 1, 0),

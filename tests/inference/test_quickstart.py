@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_quickstart_tiny_builds_every_artefact_and_reuses_them(tmp_path, capsys):
     from megatron_ds.cli.quickstart import main
-    from megatron_ds.cli.quickstart_gpt import PRESETS, PROMPTS
+    from megatron_ds.families.gpt.gpt_quickstart import PRESETS, PROMPTS
 
     preset = PRESETS["tiny"]
     work = tmp_path / "qs"

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_quickstart_t5_tiny(tmp_path, capsys, masked_tiny_data):
     from megatron_ds.cli.quickstart import main
-    from megatron_ds.cli.quickstart_t5 import T5_PRESETS
+    from megatron_ds.families.t5.t5_quickstart import T5_PRESETS
 
     preset = T5_PRESETS["tiny"]
     work = tmp_path / "qs"

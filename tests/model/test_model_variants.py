@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ds.checkpoint import hf
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.layer_specs import build_sequential_gpt
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.families.gpt.gpt_family import GPT
 from tests.model.test_reference import TOL, VOCAB, batch, gpt2_config
 
 VARIANTS = {"openai_gelu": True, "squared_relu": True, "apply_layernorm_1p": True,
@@ -88,10 +89,10 @@ def test_one_activation_at_a_time(flags):
     cfg, _ = parse_args("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
                         "--lr 1e-3 --train-iters 2".split() + flags)
     with pytest.raises(ConfigError, match="each choose the MLP's activation; pass one"):
-        resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+        resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
 
 
 def test_summary_names_the_activation():
     cfg, _ = parse_args("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
                         "--lr 1e-3 --train-iters 2 --squared-relu".split())
-    assert "squared-relu" in resolve(cfg, world_size=1, vocab_size=64, device_type="cpu").layout.summary()
+    assert "squared-relu" in resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT).layout.summary()

@@ -75,7 +75,7 @@ def _train_pipeline(rank, world_size, name):
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron_ds.model.layer_specs import build_pipeline_gpt
+    from megatron_ds.families.gpt.gpt_model import build_pipeline_gpt
     from megatron_ds.parallel.random import set_parallel_seeds
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -117,7 +117,7 @@ def train_sequentially(model, optimizer, micro_batches, steps: int, gas: int) ->
 
 
 def _train_sequential(name):
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
     from megatron_ds.parallel.random import set_parallel_seeds
 
     cfg, spec_kwargs, interval = _case(name)
@@ -162,7 +162,7 @@ def test_pipeline_of_two_stages_trains_like_the_sequential_model(name):
 def _recompute_chunks(rank, world_size, interval):
     import deepspeed
 
-    from megatron_ds.model.layer_specs import build_pipeline_gpt
+    from megatron_ds.families.gpt.gpt_model import build_pipeline_gpt
     from megatron_ds.parallel.groups import ParallelState
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -189,7 +189,7 @@ def test_full_recompute_covers_every_transformer_layer(interval):
 
 def test_partition_method_matches_config_default():
     from megatron_ds.config.schema import ParallelConfig
-    from megatron_ds.model.layer_specs import PARTITION_METHOD
+    from megatron_ds.model.pipeline_model import PARTITION_METHOD
 
     assert ParallelConfig().pipeline_partition_method == PARTITION_METHOD
 
@@ -197,12 +197,14 @@ def test_partition_method_matches_config_default():
 def test_specs_put_one_transformer_layer_per_spec():
     from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
-    from megatron_ds.model.layer_specs import TRANSFORMER_LAYER_CLASS, gpt_layer_specs
+    from megatron_ds.families.gpt.gpt_model import gpt_layer_specs
+
+    from megatron_ds.model.pipeline_model import TRANSFORMER_LAYER_CLASS
 
     cfg = dataclasses.replace(_case("gpt2-full-recompute")[0], num_layers=3)
     specs = gpt_layer_specs(cfg, padded_vocab_size=VOCAB)
     names = [s.typename.__name__ for s in specs]
-    assert names == ["GPTEmbedding"] + [TRANSFORMER_LAYER_CLASS] * 3 + ["FinalNorm", "GPTEmbedding"]
+    assert names == ["LanguageModelEmbedding"] + [TRANSFORMER_LAYER_CLASS] * 3 + ["FinalNorm", "LanguageModelEmbedding"]
     assert isinstance(specs[0], TiedLayerSpec) and isinstance(specs[-1], TiedLayerSpec)
     assert specs[0].key == specs[-1].key and specs[-1].forward_fn is not None
     untied = gpt_layer_specs(dataclasses.replace(cfg, untie_embeddings_and_output_weights=True),

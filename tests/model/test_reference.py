@@ -15,11 +15,12 @@ import math
 import pytest
 import torch
 
-from megatron_ds.config.layout import count_parameters, resolve_model_config
+from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.kernels import describe_kernels
-from megatron_ds.model.gpt import document_ids
-from megatron_ds.model.layer_specs import build_sequential_gpt, gpt_layer_specs
+from megatron_ds.model.language_model import document_ids
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, gpt_layer_specs
 from megatron_ds.parallel.random import set_parallel_seeds
 
 VOCAB = 96  # padded vocabulary
@@ -329,7 +330,7 @@ def test_stage_parameter_counts_match_analytic_count(cfg, pp, method):
     and the closed-form count of megatron_ds.config.layout, for DeepSpeed's partition methods
     (None: num_layers / pp transformer layers per stage, what the default type: method gives)."""
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=1)
-    _, stages = count_parameters(cfg, VOCAB, 1, pp, method)
+    _, stages = count_gpt_parameters(cfg, VOCAB, 1, pp, method)
     assert model.stage_parameter_counts(pp, *([method] if method else [])) == [s.params_per_tp_rank for s in stages]
     if pp == 1:
         assert model.stage_parameter_counts(1) == [sum(p.numel() for p in model.parameters())]

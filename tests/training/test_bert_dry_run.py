@@ -34,7 +34,7 @@ def _run(tp: int, pp: int, extra=()):
                                          (1, 3, ("--pipeline-partition-method", "parameters"))])
 def test_built_stages_match_the_estimate(tp, pp, extra):
     run = _run(tp, pp, extra)
-    built = build_stages(run, None, build=BERT.build_stage)
+    built = build_stages(run, None)
     assert [b.params for b in built] == [s.params_per_tp_rank for s in run.layout.stages]
 
 

@@ -53,7 +53,7 @@ def test_bert_resume_equals_straight_run(bert_data, tmp_path):
 
 def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys, masked_tiny_data):
     from megatron_ds.cli.quickstart import main
-    from megatron_ds.cli.quickstart_bert import BERT_PRESETS
+    from megatron_ds.families.bert.bert_quickstart import BERT_PRESETS
 
     preset = BERT_PRESETS["tiny"]
     work = tmp_path / "qs"

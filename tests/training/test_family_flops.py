@@ -25,7 +25,7 @@ from megatron_ds.families.t5.t5_flops import t5_flops_per_iteration
 from megatron_ds.families.t5.t5_model import build_sequential_t5
 from megatron_ds.families.t5.t5_params import decoder_layers
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.training.flops import model_flops_per_iteration
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
 from megatron_ds.training.loop import Loop
 
 VOCAB = 100
@@ -42,7 +42,7 @@ T5_CASES = {
     "geglu_relative": ("--geglu --position-embedding-type relative --relative-attention-num-buckets 8 "
                        "--relative-attention-max-distance 12 --normalization rmsnorm --disable-bias-linear").split(),
     # hidden dropout on (Megatron's default 0.1): full recompute re-runs each layer's MLP output projection
-    # too, as the mask drawn after it is something backward needs (training/flops.py)
+    # too, as the mask drawn after it is something backward needs (planner/flops.py)
     "dropout": ["--hidden-dropout", "0.1"],
 }
 
@@ -116,14 +116,13 @@ def test_t5_flops_equal_the_matmuls_the_model_runs(case, full_recompute):
 
 
 def test_families_hand_the_loop_their_count():
-    """pretrain_bert.py / pretrain_t5.py's families give the loop (training/loop.py ``count_flops``, which
-    training/trainer.py sets to ``family.flops``) their own formula at the layout's global batch."""
+    """pretrain_bert.py / pretrain_t5.py's families give the loop (training/loop.py ``Loop.flops``: the
+    layout's ``family.flops``) their own formula at the layout's global batch."""
     bert = _layout(BERT_FLAGS + ["--checkpoint-activations"], BERT)
     assert BERT.flops(bert, 16) == bert_flops_per_iteration(bert.model, 2, bert.padded_vocab_size, True)
     cfg, _ = parse_args(T5_FLAGS)
     run = resolve(cfg, world_size=1, vocab_size=VOCAB, device_type="cpu", family=T5)
-    loop = Loop(run, engine=None, loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=None, save=None,
-                count_flops=T5.flops)
+    loop = Loop(run, engine=None, loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=None, save=None)
     t5 = run.layout
     assert loop.flops == t5_flops_per_iteration(t5.model, 2, t5.padded_vocab_size, False, decoder_seq_length=8)
     # what the line printed before: the GPT formula at the encoder length, without decoder or cross-attention

@@ -1,4 +1,4 @@
-"""tasks/main.py (``cli.finetune``) end to end on tiny task sets written here (tests/training/task_data.py)
+"""tasks/main.py (``cli.tasks``) end to end on tiny task sets written here (tests/training/task_data.py)
 from a BERT checkpoint pretrain_bert.py saved: MNLI-format and RACE-format data are learned to well
 above chance, accuracy is reported per epoch and a checkpoint saved per epoch; TP 2 and PP 2 give
 the single process's losses and accuracies; flags are checked before anything starts.
@@ -29,7 +29,7 @@ STRICT = 120  # iterations compared at RTOL (see the module docstring)
 
 def run_cli(rank, world_size, argv, body="finetune"):
     """tasks/main.py's body (or pretrain_bert.py's) in this process: (losses, per-epoch accuracies)."""
-    from megatron_ds.cli.finetune import add_task_args, finetune
+    from megatron_ds.cli.tasks import add_task_args, finetune
     from megatron_ds.config.arguments import parse_args_with
     from megatron_ds.families import main
     from megatron_ds.families.bert.bert_family import BERT
@@ -120,7 +120,7 @@ def own_environ():
 
 
 def test_flags_are_checked_before_anything_starts(data, capsys, own_environ):
-    from megatron_ds.cli.finetune import main
+    from megatron_ds.cli.tasks import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--task", "MNLI", "--epoch", "3"])
@@ -147,7 +147,7 @@ def test_flags_are_checked_before_anything_starts(data, capsys, own_environ):
 def test_dry_run_counts_the_task_model(data, capsys):
     """--dry-run at TP 2 x PP 2: each stage of the RACE model built on the meta device holds what the
     analytic count (BERT's layers to the final norm, then pooler and task linear) says."""
-    from megatron_ds.cli.finetune import main
+    from megatron_ds.cli.tasks import main
 
     argv = [*MODEL, "--vocab-file", str(data / "vocab.txt"), "--task", "RACE", "--epochs", "1", "--train-data", "x",
             "--valid-data", "y", "--lr", "1e-4", "--dry-run", "--world-size", "4",

@@ -13,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.model.layer_specs import build_sequential_gpt
-from megatron_ds.training.flops import model_flops_per_iteration
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
+from megatron_ds.families.gpt.gpt_family import GPT
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 8 "
@@ -32,7 +33,7 @@ SHAPES = {
 
 def _layout(extra):
     cfg, _ = parse_args(BASE + list(extra))
-    return resolve(cfg, world_size=1, vocab_size=100, device_type="cpu").layout
+    return resolve(cfg, world_size=1, vocab_size=100, device_type="cpu", family=GPT).layout
 
 
 def _counted_flops(layout, batch, full_recompute, per_module=False):
@@ -79,17 +80,17 @@ def test_llama_count_is_below_the_gpt2_formula():
                          "--swiglu --ffn-hidden-size 11008 --num-key-value-heads 8 --use-rotary-position-embeddings "
                          "--train-iters 1 --lr 1e-4 "
                          "--untie-embeddings-and-output-weights --disable-bias-linear").split())
-    layout = resolve(cfg, world_size=1, vocab_size=32000, device_type="cpu").layout
+    layout = resolve(cfg, world_size=1, vocab_size=32000, device_type="cpu", family=GPT).layout
     b, s, l, h, v = 1, 4096, 32, 4096, layout.padded_vocab_size
     gpt2 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
     ours = model_flops_per_iteration(layout.model, b, v, False)
     assert 1.08 < gpt2 / ours < 1.14  # "about 11%": a range, since that figure is rounded
 
 
-def test_gpu_mfu_bench_dry_run(capsys):
-    """bench/gpu_mfu.py (megatron_ds/cli/gpu_mfu.py) imports and plans its four shapes without a GPU; its GPT 1.3B count is
+def test_gpu_mfu_bench_dry_run(capsys, bench):
+    """bench/gpu_mfu.py imports and plans its four shapes without a GPU; its GPT 1.3B count is
     Megatron's closed form (B 4, s 2048, l 24, h 2048, V 50304 padded)."""
-    from megatron_ds.cli import gpu_mfu
+    gpu_mfu = bench("gpu_mfu")
 
     assert gpu_mfu.main(["--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The parallelism planner (training/planner.py, training/time_model.py, tools/plan.py).
+"""The parallelism planner (planner/search.py, planner/time_model.py, tools/plan.py).
 
 Its time model against measured throughput: this project's own on an H200 (bench/RESULTS.md) and
 Megatron-LM's published runs (transcribed below with their source); its plans against --dry-run
@@ -17,10 +17,11 @@ import pytest
 
 from megatron_ds.config.memory import estimate_memory
 from megatron_ds.families import get_family, main as pretrain_main
-from megatron_ds.pipeline.plan import pipeline_schedule, simulate_step_time, zbh1_schedule
-from megatron_ds.training import plan_cli, planner
-from megatron_ds.training.plan_script import write_job_script
-from megatron_ds.training.time_model import make_cluster, pipeline_time, zbh1_time
+from megatron_ds.parallel.schedules import pipeline_schedule, simulate_step_time, zbh1_schedule
+from megatron_ds.planner import plan_cli
+from megatron_ds.planner import search as planner
+from megatron_ds.planner.job_script import write_job_script
+from megatron_ds.planner.time_model import make_cluster, pipeline_time, zbh1_time
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = get_family("gpt")

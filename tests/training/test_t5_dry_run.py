@@ -17,6 +17,7 @@ from megatron_ds.config import parse_args, resolve
 from megatron_ds.families import main
 from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.training.meta_build import build_stages
+from megatron_ds.families.gpt.gpt_family import GPT
 
 VOCAB = 32128  # even: TP 2 pads nothing with --make-vocab-size-divisible-by 1
 T5_BASE = ("--num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12 --kv-channels 64 "
@@ -42,7 +43,7 @@ def _run(tp: int, pp: int, extra=()):
                                          (1, 4, ("--pipeline-model-parallel-split-rank", "3", "--num-layers", "6"))])
 def test_built_stages_match_the_estimate(tp, pp, extra):
     run = _run(tp, pp, extra)
-    built = build_stages(run, None, build=T5.build_stage)
+    built = build_stages(run, None)
     assert [b.params for b in built] == [s.params_per_tp_rank for s in run.layout.stages]
 
 
@@ -118,4 +119,4 @@ def test_t5_only_flags_are_refused_for_the_gpt(flag):
 
     flags, ignored = parse_args(T5_BASE + list(flag))
     with pytest.raises(ConfigError, match="T5 only"):
-        resolve(flags, world_size=1, vocab_size=VOCAB, device_type="cpu", ignored=ignored)
+        resolve(flags, world_size=1, vocab_size=VOCAB, device_type="cpu", ignored=ignored, family=GPT)

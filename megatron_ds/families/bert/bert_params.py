@@ -18,7 +18,7 @@ transform keeps (``mlm_head_activation_bytes``; tests/config/test_family_memory.
 from __future__ import annotations
 
 from megatron_ds.config.layout import Layout, StageParams, gpt_only_refusals, layer_parameters
-from megatron_ds.config.memory import LayerActivations, gpt_stage_activations
+from megatron_ds.config.memory import LayerActivations, stack_activations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.partition import partition_stages
@@ -95,7 +95,7 @@ def mlm_head_activation_bytes(layout: Layout) -> float:
 
 def bert_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
     """``ModelFamily.activations`` of BERT: the GPT's, and on the last stage the MLM head's transform."""
-    runs, boundary = gpt_stage_activations(layout, stage)
+    runs, boundary = stack_activations(layout, stage)
     if stage.stage == layout.pp - 1:
         boundary += mlm_head_activation_bytes(layout)
     return runs, boundary

@@ -13,7 +13,7 @@ import re
 import shlex
 
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.planner import Candidate, Request, strip_knobs
+from megatron_ds.planner.search import Candidate, Request, strip_knobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ABCI_DIR = os.path.join(ROOT, "scripts", "abci")

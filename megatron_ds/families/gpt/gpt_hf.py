@@ -1,11 +1,11 @@
-"""Tensor and config mapping between this toolkit's GPT and Hugging Face transformers models.
+"""Tensor and config mapping between the GPT family's models and Hugging Face transformers models.
 
 Two targets, chosen by the model's shape:
 
 - ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied embeddings,
   multi-head attention with ``kv_channels * heads == hidden``. GPT-2's ``Conv1D`` layers store
   their weights transposed (``[in, out]``), and its ``c_attn`` is ``[Q(all heads); K; V]``.
-- ``MixtralForCausalLM``: a Llama-style model with DeepSpeed-MoE layers (``megatron_ds.checkpoint.mixtral``).
+- ``MixtralForCausalLM``: a Llama-style model with DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
   SwiGLU, optional grouped-query attention, tied or untied output layer; biases map to Llama's
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.checkpoint import mixtral
+from megatron_ds.families.gpt import mixtral_hf as mixtral
+from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
@@ -76,22 +77,6 @@ def choose_architecture(m: ModelConfig) -> str:
         return LLAMA
     raise ConfigError(f"--position-embedding-type {m.position_embedding_type}: neither GPT2LMHeadModel "
                       f"(learned positions) nor LlamaForCausalLM (rotary) can express a model without positions")
-
-
-def split_qkv(w: torch.Tensor, m: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our fused per-group QKV (weight or bias) -> (q, k, v) with heads in HF order."""
-    groups, hpg, d = m.num_key_value_heads, m.num_attention_heads // m.num_key_value_heads, m.kv_channels
-    rest = w.shape[1:]
-    w = w.reshape(groups, hpg + 2, d, *rest)
-    return (w[:, :hpg].reshape(groups * hpg * d, *rest), w[:, hpg].reshape(groups * d, *rest),
-            w[:, hpg + 1].reshape(groups * d, *rest))
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
-    groups, hpg, d = m.num_key_value_heads, m.num_attention_heads // m.num_key_value_heads, m.kv_channels
-    rest = q.shape[1:]
-    parts = (q.reshape(groups, hpg, d, *rest), k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest))
-    return torch.cat(parts, dim=1).reshape(groups * (hpg + 2) * d, *rest)
 
 
 def _transformer_layer_names(arch: str, i: int) -> dict[str, str]:

@@ -184,7 +184,7 @@ def _task_errors(args) -> str | None:
 
 
 def zero_shot_task(argv: list[str]) -> bool:
-    """Megatron's tasks/main.py also runs the zero-shot GPT tasks: here tools/evaluate.py's (``evaluate_gpt``)."""
+    """Megatron's tasks/main.py also runs the zero-shot GPT tasks: here tools/evaluate.py's (``cli/evaluate.py``)."""
     for i, arg in enumerate(argv):
         value = arg.split("=", 1)[1] if arg.startswith("--task=") else (
             argv[i + 1] if arg == "--task" and i + 1 < len(argv) else None)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     or fails (one line), 0 otherwise."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if zero_shot_task(argv):
-        from megatron_ds.cli.evaluate_gpt import main as evaluate  # noqa: PLC0415
+        from megatron_ds.cli.evaluate import main as evaluate  # noqa: PLC0415
 
         return evaluate(argv)
     def provider(parser):

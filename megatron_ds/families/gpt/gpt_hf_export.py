@@ -1,4 +1,4 @@
-"""Export a checkpoint (any layout) to a Hugging Face transformers directory.
+"""Export a GPT checkpoint (any layout) to a Hugging Face transformers directory.
 
 Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards of at most
 ``max_shard_bytes`` with ``model.safetensors.index.json``) and the tokenizer files. Layers are
@@ -12,63 +12,16 @@ import os
 import shutil
 from typing import Callable
 
-import torch
-
-from megatron_ds.checkpoint import hf
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.checkpoint.consolidate import iter_consolidated_layers
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
+from megatron_ds.checkpoint.hf_files import ShardWriter
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import DataConfig
 from megatron_ds.data.tokenizer import build_tokenizer_for, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.progress import track
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-class ShardWriter:
-    """Collects tensors and writes safetensors shards in HF's naming."""
-
-    def __init__(self, out_dir: str, max_bytes: int):
-        self.out_dir, self.max_bytes = out_dir, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.files, self.weight_map = 0, [], {}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.size + nbytes > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.size += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
-        path = os.path.join(self.out_dir, f".shard-{len(self.files)}.safetensors")
-        save_file(self.pending, path, metadata={"format": "pt"})
-        # safetensors creates its files 0600; ABCI groups share directories: follow the umask instead
-        os.chmod(path, 0o666 & ~_umask())
-        self.files.append((path, list(self.pending)))
-        self.pending, self.size = {}, 0
-
-    def close(self) -> int:
-        """Write what is left and give the shards their final names; returns the total bytes."""
-        if self.pending or not self.files:
-            self._flush()
-        total = sum(os.path.getsize(p) for p, _ in self.files)
-        n = len(self.files)
-        for i, (path, names) in enumerate(self.files):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(path, os.path.join(self.out_dir, final))
-            self.weight_map.update({name: final for name in names})
-        if n > 1:
-            with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f, indent=2)
-        return total
 
 
 def _data_config(ckpt: CheckpointFiles, overrides: dict) -> DataConfig:
@@ -135,13 +88,13 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
     log(f"wrote {kind} tokenizer files (eod id {eod})")
 
 
-def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
-              vocab_size: int | None = None, data_overrides: dict | None = None, from_masters: bool = False,
-              max_shard_bytes: int = 5 * 2**30, log: Callable = print) -> str:
-    """Write the checkpoint as a transformers model directory; returns the architecture name.
-    ``from_masters``: the optimizer's fp32 master weights instead of the module's (bf16/fp16 runs:
-    the bits their rounding dropped; ``megatron_ds.checkpoint.sources.MasterSource``)."""
-    ckpt = open_checkpoint(load_dir, iteration)
+def export_hf(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
+              dtype: str | None = None, vocab_size: int | None = None, data_overrides: dict | None = None,
+              from_masters: bool = False, max_shard_bytes: int = 5 * 2**30, log: Callable = print) -> str:
+    """Write the checkpoint of ``family`` (the GPT's) as a transformers model directory; returns the
+    architecture name. ``from_masters``: the optimizer's fp32 master weights instead of the module's
+    (bf16/fp16 runs: the bits their rounding dropped; ``megatron_ds.checkpoint.sources.MasterSource``)."""
+    ckpt = open_checkpoint(load_dir, iteration, family)
     arch = hf.choose_architecture(ckpt.model)
     data = _data_config(ckpt, data_overrides or {})
     tokenizer = _tokenizer(data, log)
@@ -160,7 +113,7 @@ def export_hf(load_dir: str, out_dir: str, *, iteration: int | None = None, dtyp
     writer = ShardWriter(out_dir, max_shard_bytes)
     n_layers = ckpt.model.num_layers
     layers = iter_consolidated_layers(ckpt, from_masters=from_masters, log=lambda *a: None)
-    total = len(layer_prefixes(ckpt.model, ckpt.padded_vocab_size))
+    total = len(layer_prefixes(ckpt.model, ckpt.padded_vocab_size, family))
     for idx, tensors in track(layers, total, "export", unit="layers"):
         for name, tensor in _to_hf_layer(arch, ckpt, idx, n_layers, tensors, vocab).items():
             writer.add(name, tensor.to(torch_dtype))

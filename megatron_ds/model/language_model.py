@@ -1,10 +1,12 @@
-"""The GPT-specific pieces around the transformer layers: embedding, final norm, output head, loss.
+"""The language model's pieces around the transformer layers: embedding, final norm, output layer,
+loss (Megatron's ``language_model.py``: every model family builds from them; the GPT chains them
+as below, BERT's embedding adds token types, T5 masks its logits the same way).
 
 Each piece is a module whose forward takes one object (a tensor or a tuple), so they chain as
-DeepSpeed pipeline layers (see ``layer_specs.py``):
+DeepSpeed pipeline layers (``model/pipeline_model.py``; the GPT's specs: ``families/gpt/gpt_model.py``):
 
-    (tokens, position_ids)  --GPTEmbedding-->  hidden [s, b, h]  (or (hidden, document_ids))
-    --ParallelTransformerLayer x N-->  --FinalNorm-->  hidden  --output head-->  logits [b, s, V/tp]
+    (tokens, position_ids)  --LanguageModelEmbedding-->  hidden [s, b, h]  (or (hidden, document_ids))
+    --ParallelTransformerLayer x N-->  --FinalNorm-->  hidden  --output layer-->  logits [b, s, V/tp]
 
 Logits stay split over the vocabulary (each tensor parallel rank holds V/tp columns); the loss is
 the vocab-parallel cross entropy, so the full [b, s, V] tensor never exists.
@@ -18,6 +20,8 @@ With liger-kernel installed, on CUDA at TP 1 while training, the output layers h
 the projection (``model/liger.py``; ``fused_loss=False`` or ``--no-liger-kernel`` turns it off).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -64,7 +68,7 @@ def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int | None, tp_group) -
     return logits
 
 
-class GPTEmbedding(nn.Module):
+class LanguageModelEmbedding(nn.Module):
     """Word embeddings (split over the vocabulary) + learned positions (replicated), dropout,
     transposed to ``[s, b, h]`` and, under sequence parallelism, split along the sequence.
 
@@ -144,13 +148,13 @@ def split_moe_loss(output):
     return output if type(output) is tuple else (output, None)  # HiddenForLoss (liger) is a NamedTuple
 
 
-def tied_output_logits(embedding: GPTEmbedding, inputs) -> torch.Tensor:
+def tied_output_logits(embedding: LanguageModelEmbedding, inputs) -> torch.Tensor:
     """``TiedLayerSpec`` forward_fn of the output layer: project with the shared word embedding."""
     hidden, _, moe_loss = split_activation(inputs)
     return with_moe_loss(embedding.logits(hidden), moe_loss)
 
 
-class GPTOutputHead(nn.Module):
+class OutputLayer(nn.Module):
     """Untied output layer (``--untie-embeddings-and-output-weights``): ``[s, b, h]`` -> ``[b, s, V/tp]``."""
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, init_method_std: float, tp_group=None,
@@ -190,7 +194,7 @@ class FinalNorm(nn.Module):
         return with_moe_loss(self.final_layernorm(hidden), moe_loss)
 
 
-def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
+def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
                 sp_group=None, report=None, moe_loss_coeff: float = 0.0) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
@@ -221,7 +225,7 @@ def gpt_loss_fn(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_s
 
 
 def reported_names(moe: bool) -> tuple[str, ...]:
-    """The names ``gpt_loss_fn`` (and an MoE model's layers) report: a ``LossReport``'s declaration."""
+    """The names ``language_model_loss`` (and an MoE model's layers) report: a ``LossReport``'s declaration."""
     return ("lm loss", "moe loss", DROP_FRACTION) if moe else ()
 
 
@@ -244,3 +248,11 @@ def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size) -> torch.T
     else:
         losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group, vocab_size=vocab_size)
     return masked_token_loss(losses, loss_mask)
+
+
+def language_model_loss_fn(tp_group, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0):
+    """``language_model_loss`` bound to a model's groups and report: the ``loss_fn`` a pipeline or
+    sequential model of a decoder (the GPT, T5) is given."""
+    return functools.update_wrapper(functools.partial(language_model_loss, tp_group=tp_group, sp_group=sp_group,
+                                                      report=loss_report, moe_loss_coeff=moe_loss_coeff),
+                                    language_model_loss)

@@ -22,8 +22,8 @@ from megatron_ds.config import Config, resolve
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, estimate_memory
 from megatron_ds.errors import ConfigError
-from megatron_ds.pipeline.plan import check_schedule
-from megatron_ds.training.time_model import Cluster, StepTime, step_time
+from megatron_ds.parallel.schedules import check_schedule
+from megatron_ds.planner.time_model import Cluster, StepTime, step_time
 
 RECOMPUTE = (None, "selective", "full")
 FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel")

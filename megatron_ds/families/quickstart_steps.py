@@ -1,6 +1,12 @@
-"""The steps every quickstart shares (GPT: quickstart_gpt.py; BERT and T5: quickstart_masked.py):
-the offline corpus with its held-out modules, a tokenizer trained once, the launcher command, the
-training job and its resumed continuation, each printing the command it runs."""
+"""What every model family's quickstart (``tools/quickstart.py --model NAME``, ``ModelFamily.quickstart``)
+is made of: the ``Quickstart`` a family registers (its presets and its steps: ``gpt/gpt_quickstart.py``;
+BERT's and T5's share ``masked_quickstart.py``), and the steps they share -- the offline corpus with its
+held-out modules, a tokenizer trained once, the launcher command, the training job and its resumed
+continuation -- each printing the command it runs.
+
+The tools a quickstart runs (tools/preprocess_data.py, the evaluation, the export ...) are command lines
+above this floor: ``cli/quickstart.py`` hands each family's steps a ``ToolRunner`` that runs a tools/
+script's body in this process, by the script's path."""
 from __future__ import annotations
 
 import json
@@ -10,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 # The repository the package is installed from (pip install -e): the quickstarts run its
@@ -17,15 +24,22 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# (tools/ script path, its arguments) -> None: runs the script's body, printing the command; a failure
+# ends the quickstart (SystemExit). cli/quickstart.py's ``run_tool``.
+ToolRunner = Callable[[str, list], None]
+
+
+@dataclass(frozen=True)
+class Quickstart:
+    """A model family's quickstart (``ModelFamily.quickstart``)."""
+    presets: dict  # --size -> the family's preset ("cpu", "gpu", "tiny")
+    run: Callable  # (parsed tools/quickstart.py arguments, ToolRunner) -> exit status
+    workdir: str  # the default --workdir, under the repository root
+    steps: str  # one line per step, for tools/quickstart.py --help
+
+
 def step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
-
-
-def run_tool(module_main, argv: list[str], name: str) -> None:
-    print(f"$ python {name} {shlex.join(argv)}", flush=True)
-    rc = module_main(argv)
-    if rc not in (0, None):
-        raise SystemExit(f"{name} failed with exit code {rc}")
 
 
 def make_corpus(workdir: str, preset) -> tuple[str, str, str]:
@@ -69,14 +83,14 @@ def lambada_style(texts: list[str], max_samples: int = 300) -> list[str]:
     return out[:max_samples]
 
 
-def train_tokenizer_once(corpus: str, kind: str, vocab_size: int, tok_dir: str, *, made: str) -> None:
+def train_tokenizer_once(run_tool: ToolRunner, corpus: str, kind: str, vocab_size: int, tok_dir: str, *,
+                         made: str) -> None:
     """tools/train_tokenizer.py on the corpus into ``tok_dir``, unless ``made`` (a file it writes) exists."""
     if os.path.exists(made):
         print(f"reusing {tok_dir}")
         return
-    from megatron_ds.cli.train_tokenizer import main as train_tokenizer
-    run_tool(train_tokenizer, ["--input", corpus, "--type", kind, "--vocab-size", str(vocab_size),
-                               "--output-dir", tok_dir], "tools/train_tokenizer.py")
+    run_tool("tools/train_tokenizer.py", ["--input", corpus, "--type", kind, "--vocab-size", str(vocab_size),
+                                          "--output-dir", tok_dir])
 
 
 def launcher_cmd(launcher: str, nproc: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Import a local Hugging Face GPT-2, Llama or Mixtral directory as a megatron_ds checkpoint.
+"""Import a local Hugging Face GPT-2, Llama or Mixtral directory as a checkpoint of the GPT family.
 
 The result is a weights-only checkpoint (``DIR/global_step0``, tracker 0) in the per-layer format
 of a TP 1 x PP 1 run, fp32. ``pretrain_gpt.py --load DIR`` (or ``--finetune``) at any layout
@@ -13,46 +13,17 @@ from typing import Callable
 
 import torch
 
-from megatron_ds.checkpoint import hf
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.checkpoint.files import layer_file_name
 from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir
+from megatron_ds.checkpoint.hf_files import HFWeights
 from megatron_ds.checkpoint.integrity import write_manifest
 from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import Config, DataConfig, ModelConfig
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.errors import ConfigError
 from megatron_ds.progress import track
-
-
-class HFWeights:
-    """Lazy access to a directory's safetensors tensors by name (sharded or not)."""
-
-    def __init__(self, hf_dir: str):
-        from safetensors import safe_open  # noqa: PLC0415
-
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise ConfigError(f"{hf_dir} has no model.safetensors(.index.json); save the model with "
-                              f"safe_serialization=True (pytorch_model.bin is not read: it is a pickle)")
-        self.handles = [safe_open(os.path.join(hf_dir, f), framework="pt") for f in files]
-        self.where = {name: h for h in self.handles for name in h.keys()}
-
-    def get(self, name: str) -> torch.Tensor | None:
-        for candidate in (name, name.removeprefix("transformer.")):  # GPT-2 hub files lack the prefix
-            if candidate in self.where:
-                return self.where[candidate].get_tensor(candidate).to(torch.float32)
-        return None
-
-    def require(self, name: str) -> torch.Tensor:
-        t = self.get(name)
-        if t is None:
-            raise ConfigError(f"the model has no tensor {name!r}")
-        return t
 
 
 def _tokenizer_settings(hf_dir: str, arch: str) -> dict:
@@ -98,8 +69,9 @@ def _layers(arch: str, m: ModelConfig, w: HFWeights):
         yield m.num_layers + 2, {"output_layer.weight": w.require(names["output_layer.weight"])}
 
 
-def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConfig:
-    """Write ``hf_dir``'s model as a checkpoint in ``save_dir``; returns our model config."""
+def import_hf(hf_dir: str, save_dir: str, *, family: ModelFamily, log: Callable = print) -> ModelConfig:
+    """Write ``hf_dir``'s model as a checkpoint of ``family`` (the GPT's) in ``save_dir``; returns our
+    model config."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"{hf_dir} has no config.json (a local transformers model directory is expected)")
@@ -114,9 +86,10 @@ def import_hf(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConf
     for idx, tensors in track(_layers(arch, m, weights), n, "import", unit="layers"):
         torch.save({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tag_dir, layer_file_name(idx, 0)))
     cfg = Config(model=m, data=DataConfig(**_tokenizer_settings(hf_dir, arch)))
-    meta = {"signature": signature(m, padded_vocab_size=vocab), "config": cfg.to_dict(), "vocab_size": vocab,
-            "weights_only": True, "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1],
-            TOKENIZER: _tokenizer_facts(cfg.data)}
+    named = {} if family.recorded_name is None else {"model_family": family.recorded_name}
+    meta = {"signature": {**signature(m, padded_vocab_size=vocab), **named}, "config": cfg.to_dict(),
+            "vocab_size": vocab, "weights_only": True, "imported_from": os.path.abspath(hf_dir),
+            COMPLETENESS[0]: COMPLETENESS[1], TOKENIZER: _tokenizer_facts(cfg.data), **named}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)  # complete, and verified when loaded, like a saved checkpoint
     atomic_write(os.path.join(save_dir, TRACKER), "0")  # Megatron's tracker only: there is no DeepSpeed state

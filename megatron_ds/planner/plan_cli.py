@@ -20,8 +20,8 @@ from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.memory import GB
 from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
 from megatron_ds.errors import ConfigError
-from megatron_ds.training import planner
-from megatron_ds.training.time_model import GPUS, RESOURCES, make_cluster
+from megatron_ds.planner import search as planner
+from megatron_ds.planner.time_model import GPUS, RESOURCES, make_cluster
 
 # --model-size: GPT-3's shapes (Brown et al. 2020, Table 2.1: layers, hidden size, heads) and
 # Megatron-LM's 530B and 1T (its README's throughput table).
@@ -163,7 +163,7 @@ def report(request: planner.Request, flags: Config, opts, argv: list[str]) -> tu
     c, m = request.cluster, flags.model
     result = planner.plan(request)
     where = f"{c.nodes} x {c.resource}" if c.resource else f"{c.nodes} node(s)"
-    lines = [f"plan: {request.family.label or 'GPT'} model of {m.num_layers} layers, hidden {m.hidden_size}, "
+    lines = [f"plan: {request.family.label} model of {m.num_layers} layers, hidden {m.hidden_size}, "
              f"{m.num_attention_heads} heads, seq {m.seq_length}, global batch {flags.training.global_batch_size}, "
              f"on {c.world_size} x {c.gpu.name} ({where}, {c.gpus_per_node} per node, {c.network_gbs:.0f} GB/s "
              f"network per node)",
@@ -198,7 +198,7 @@ def main(argv=None, *, family, prog: str = "plan.py") -> int:
         lines, result = report(request, flags, opts, argv)
         print("\n".join(lines))
         if opts.write_script:
-            from megatron_ds.training.plan_script import write_job_script  # noqa: PLC0415
+            from megatron_ds.planner.job_script import write_job_script  # noqa: PLC0415
 
             print(write_job_script(opts.write_script, result.ranked[0], request, argv))
     except ConfigError as exc:

@@ -49,7 +49,7 @@ import sys
 import numpy as np
 
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
-from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples, perplexity
+from megatron_ds.inference.scoring import lambada_accuracy, lambada_samples, perplexity
 from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
                                            open_session)
 from megatron_ds.inference.zeroshot import (DETOKENIZERS, MEGATRON_OVERLAPPING_EVAL, detokenizer_for, read_text,
@@ -205,8 +205,10 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: {missing}", file=sys.stderr)
         return 1
+    from megatron_ds.families import weights_family  # noqa: PLC0415 - the training stack, after --help
+
     try:
-        session = open_session(args)
+        session = open_session(args, weights_family(args.load, args.iteration, args.hf_model))
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,11 @@
 """The GPT quickstart (tools/quickstart.py's steps for --model gpt, the default): the corpus, a
 byte-level BPE, GPT data, a small GPT trained and resumed under the launcher, held-out perplexity
-and LAMBADA-style accuracy, and generated text."""
+and LAMBADA-style accuracy, and generated text (``QUICKSTART``, the GPT family's).
+
+Sizes (--size): ``cpu`` the default without a GPU, the setting that reached the lowest validation loss
+in the time budget on 2 CPU cores (bench/RESULTS.md); ``gpu`` the default with a GPU, a larger model
+on all local GPUs (tensor parallel 2 when there are >= 2); ``tiny`` a minute-long smoke run (the
+end-to-end test uses it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +15,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from megatron_ds.cli.quickstart_steps import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
-                                              step, train_then_resume, train_tokenizer_once)
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus, parallel_layout,
+                                             run_job, step, train_then_resume, train_tokenizer_once)
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)")
@@ -52,7 +57,7 @@ PRESETS = {
 }
 
 
-def prepare_data(workdir: str, preset: Preset, workers: int) -> tuple[str, str, str, str, str]:
+def prepare_data(run_tool: ToolRunner, workdir: str, preset: Preset, workers: int) -> tuple[str, str, str, str, str]:
     """Steps 1-3. Returns (data prefix, vocab file, merge file, held-out JSONL, LAMBADA-style JSONL)."""
     tok_dir = os.path.join(workdir, "tokenizer")
     prefix = os.path.join(workdir, "data", "corpus")
@@ -63,15 +68,14 @@ def prepare_data(workdir: str, preset: Preset, workers: int) -> tuple[str, str, 
     corpus, heldout, lambada = make_corpus(workdir, preset)
 
     step("2. tokenizer")
-    train_tokenizer_once(corpus, "bpe", preset.vocab, tok_dir, made=merges)
+    train_tokenizer_once(run_tool, corpus, "bpe", preset.vocab, tok_dir, made=merges)
 
     step("3. preprocess")
     if not os.path.exists(data_prefix + ".idx"):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        from megatron_ds.cli.preprocess_data import main as preprocess
-        run_tool(preprocess, ["--input", corpus, "--output-prefix", prefix, "--json-keys", "text",
-                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-                              "--append-eod", "--workers", str(workers)], "tools/preprocess_data.py")
+        run_tool("tools/preprocess_data.py", ["--input", corpus, "--output-prefix", prefix, "--json-keys", "text",
+                                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                                              "--merge-file", merges, "--append-eod", "--workers", str(workers)])
     else:
         print(f"reusing {data_prefix}.bin/.idx")
     return data_prefix, vocab, merges, heldout, lambada
@@ -136,17 +140,14 @@ def train_stages(args, preset: Preset, data: tuple) -> dict:
     return summary
 
 
-def evaluate_and_generate(args, preset: Preset, heldout: str, lambada: str) -> dict:
+def evaluate_and_generate(args, run_tool: ToolRunner, preset: Preset, heldout: str, lambada: str) -> dict:
     """Steps 6-7 on the final checkpoint, in this process (TP = PP = 1: the checkpoint's pipeline
     stages are consolidated into one model, which is what tools/evaluate.py does at any layout)."""
-    from megatron_ds.cli.evaluate_gpt import main as evaluate
-    from megatron_ds.cli.generate_samples_gpt import main as generate_samples
-
     ckpt = os.path.join(args.workdir, "checkpoints")
     eval_json = os.path.join(args.workdir, "evaluation.json")
     step("6. evaluate: held-out perplexity and LAMBADA-style last-word accuracy")
-    run_tool(evaluate, ["--load", ckpt, "--ppl-data", heldout, "--max-tokens", str(preset.eval_tokens),
-                        "--lambada", lambada, "--output", eval_json], "tools/evaluate.py")
+    run_tool("tools/evaluate.py", ["--load", ckpt, "--ppl-data", heldout, "--max-tokens", str(preset.eval_tokens),
+                                   "--lambada", lambada, "--output", eval_json])
 
     step("7. generate")
     prompts = os.path.join(args.workdir, "prompts.jsonl")
@@ -154,10 +155,10 @@ def evaluate_and_generate(args, preset: Preset, heldout: str, lambada: str) -> d
         for p in PROMPTS:
             f.write(json.dumps({"prompt": p}) + "\n")
     generated = os.path.join(args.workdir, "generated.jsonl")
-    run_tool(generate_samples, ["--load", ckpt, "--input", prompts, "--output", generated,
-                                "--max-new-tokens", str(preset.new_tokens), "--top-k", "20", "--temperature", "0.7",
-                                "--repetition-penalty", "1.2", "--no-stop-at-eod", "--seed", "1"],
-             "tools/generate_samples_gpt.py")
+    run_tool("tools/generate_samples_gpt.py", ["--load", ckpt, "--input", prompts, "--output", generated,
+                                               "--max-new-tokens", str(preset.new_tokens), "--top-k", "20",
+                                               "--temperature", "0.7", "--repetition-penalty", "1.2",
+                                               "--no-stop-at-eod", "--seed", "1"])
     for line in open(generated):
         r = json.loads(line)
         print(f"--- {r['prompt']!r}\n{r['prompt']}{r['generated']}\n")
@@ -185,7 +186,7 @@ def report(args, preset: Preset, t0: float, trained: dict, outputs: dict, data: 
         print(f"  {name:<15}{path}")
 
 
-def run(args) -> int:
+def run(args, run_tool: ToolRunner) -> int:
     """The GPT quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
     preset = PRESETS[args.size]
     if args.train_iters:
@@ -193,8 +194,19 @@ def run(args) -> int:
                                      resume_iters=min(preset.resume_iters, args.train_iters // 2))
     os.makedirs(args.workdir, exist_ok=True)
     t0 = time.time()
-    data = prepare_data(args.workdir, preset, args.workers)
+    data = prepare_data(run_tool, args.workdir, preset, args.workers)
     trained = train_stages(args, preset, data)
-    outputs = evaluate_and_generate(args, preset, data[3], data[4])
+    outputs = evaluate_and_generate(args, run_tool, preset, data[3], data[4])
     report(args, preset, t0, trained, outputs, data)
     return 0
+
+
+QUICKSTART = Quickstart(presets=PRESETS, run=run, workdir="quickstart", steps="""\
+  1. a real-text JSONL corpus made offline (Python standard library docstrings), with some
+     modules held out for evaluation
+  2. a byte-level BPE tokenizer trained on it (GPT-2 file format)       tools/train_tokenizer.py
+  3. Megatron .bin/.idx data                                            tools/preprocess_data.py
+  4. a small GPT trained on 2 processes (pipeline parallel 2)           pretrain_gpt.py
+  5. the run resumed from its checkpoint for the last iterations
+  6. perplexity on the held-out modules and LAMBADA-style last-word accuracy   tools/evaluate.py
+  7. text generated from a few prompts                                  tools/generate_samples_gpt.py""")

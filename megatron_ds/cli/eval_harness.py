@@ -133,9 +133,11 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"error: {exc}; install lm-evaluation-harness: pip install 'megatron_ds[eval]'", file=sys.stderr)
         return 1
+    from megatron_ds.families import weights_family  # noqa: PLC0415 - the training stack, after --help
+
     try:
         manager, tasks = find_tasks(args)
-        session = open_session(args)
+        session = open_session(args, weights_family(args.load, args.iteration, args.hf_model))
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """The time one training iteration of a ``Layout`` takes on a cluster, from first principles.
 
-The planner (``training/planner.py``, ``tools/plan.py``) ranks layouts by it. Every term is written
+The planner (``planner/search.py``, ``tools/plan.py``) ranks layouts by it. Every term is written
 here and in docs/planner.md; nothing is fitted per layout. Per micro-batch and pipeline stage:
 
 - matmuls: each GEMM's FLOPs at the GPU's peak times an efficiency that grows with the GEMM's size
@@ -17,7 +17,7 @@ here and in docs/planner.md; nothing is fitted per layout. Per micro-batch and p
 Per step: the pipeline runs ``m`` micro-batches through ``p`` stages; 1F1B and the interleaved
 schedule take ``(m - 1) max_s t_s + (1 + (p - 1) / v) mean_s t_s`` (``pipeline_time``: the
 bottleneck stage's steady state plus the fill and drain, which for equal stages is the
-``(m + (p - 1) / v)`` of ``pipeline.plan.bubble_fraction``, and what ``pipeline.plan.simulate_step_time``
+``(m + (p - 1) / v)`` of ``parallel.schedules.bubble_fraction``, and what ``parallel.schedules.simulate_step_time``
 gives for 1F1B's step lists), each micro-batch's point-to-point messages exposed. Then the data
 parallel gradient reduction (a ring over NVLink inside a node and the node's network between
 nodes, shared by the node's GPUs), exposed after the pipeline as DeepSpeed's pipeline engine runs it
@@ -37,7 +37,6 @@ from megatron_ds.config.deepspeed_json import grad_accum_bytes, uses_bf16_optimi
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.moe_params import model_experts
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.flops import gpt_iteration_flops
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,7 @@ def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_ca
     """(forward, backward, recompute) of one micro-batch on one GPU of ``stage``; ``flash`` False:
     attention unfused (``unfused_attention_seconds``). ``layer_cache``: one layer's times by expert
     count, shared by the stages of one layout (the layers of a dense model all cost the same)."""
-    causal = layout.family is None or layout.family.causal_attention
+    causal = layout.family.causal_attention
     cache = {} if layer_cache is None else layer_cache
     if "experts" not in cache:
         cache["experts"] = list(model_experts(layout.model))
@@ -299,7 +298,7 @@ def placement(layout: Layout, cluster: Cluster) -> Placement:
 def zbh1_time(stage_seconds: list[float], tail_seconds: list[float], m: int) -> float:
     """ZB-H1's step: the bottleneck's steady state, one micro-batch through, and p - 1 of the stages'
     ``F + B - W`` (``tail_seconds``): ``m (F + B + W) + (p - 1)(F + B - W)`` for equal stages, what
-    ``pipeline.plan.simulate_step_time`` gives for ``zbh1_schedule``'s step lists when ``m >= p``."""
+    ``parallel.schedules.simulate_step_time`` gives for ``zbh1_schedule``'s step lists when ``m >= p``."""
     p = len(stage_seconds)
     return (m - 1) * max(stage_seconds) + sum(stage_seconds) / p + (p - 1) * sum(tail_seconds) / p
 
@@ -414,7 +413,7 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     dp = data_parallel_seconds(layout, cluster, params, b.total + r.total)
     opt = optimizer_seconds(layout, gpu, params)
     if flops is None:
-        flops = (layout.family.flops if layout.family else gpt_iteration_flops)(layout, m_cfg.seq_length)
+        flops = layout.family.flops(layout, m_cfg.seq_length)
     return StepTime(step_s=pipe + dp + opt, compute_s=compute, recompute_s=m * (r.total - r.tp_comm),
                     tp_comm_s=tp_comm, pp_comm_s=m * p2p,
                     bubble_s=pipe - m * sum(seconds) / len(seconds), dp_comm_s=dp, optimizer_s=opt, flops=flops,

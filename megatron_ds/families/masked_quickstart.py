@@ -1,21 +1,22 @@
-"""The steps the masked-data quickstarts share (BERT: quickstart_bert.py, T5: quickstart_t5.py): a
-WordPiece vocabulary, --split-sentences data, the training job and its resumed continuation, the
-family's evaluation tool and the export to transformers. A `Family` holds what differs between
-them: the training script, its model flags, its log's losses, its evaluation.
+"""The steps the masked-data quickstarts share (BERT: bert/bert_quickstart.py, T5: t5/t5_quickstart.py):
+a WordPiece vocabulary, --split-sentences data, the training job and its resumed continuation, the
+family's evaluation tool and the export to transformers. ``MaskedSteps`` holds what differs between
+them: the training script, its model flags, its log's losses, its evaluation; ``quickstart`` makes
+the family's ``Quickstart`` of them.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 import time
 from dataclasses import dataclass
-from importlib import import_module
 from typing import Callable
 
-from megatron_ds.cli.quickstart_steps import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
-                                              step, train_then_resume, train_tokenizer_once)
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus, parallel_layout,
+                                             run_job, step, train_then_resume, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -40,42 +41,41 @@ class MaskedPreset:
 
 
 @dataclass(frozen=True)
-class Family:
+class MaskedSteps:
     name: str  # as the summary names it: "BERT"
     script: str  # the training script in the repository root
     presets: dict[str, MaskedPreset]
     model_flags: Callable[[MaskedPreset, int], list[str]]  # (preset, PP): the architecture's flags
     loss_re: re.Pattern  # a training log line: its iteration, then its losses
-    evaluation: str  # the evaluation tool: tools/<evaluation>.py, its body megatron_ds.cli.<evaluation>
+    evaluation: str  # the evaluation tool's path: tools/evaluate_mlm.py
     evaluation_title: str  # step 6's title
     summarize: Callable[[list, dict], list[str]]  # (training losses, evaluation JSON): the summary's lines
 
 
-def prepare_data(workdir: str, preset: MaskedPreset, workers: int) -> tuple[str, str, str]:
+def prepare_data(run_tool: ToolRunner, workdir: str, preset: MaskedPreset, workers: int) -> tuple[str, str, str]:
     """Steps 1-3: (training prefix, held-out prefix, vocab.txt)."""
     tok_dir, data_dir = os.path.join(workdir, "tokenizer"), os.path.join(workdir, "data")
     vocab = os.path.join(tok_dir, "vocab.txt")
     step("1. corpus")
     corpus, heldout, _ = make_corpus(workdir, preset)
     step("2. WordPiece vocabulary")
-    train_tokenizer_once(corpus, "wordpiece", preset.vocab, tok_dir, made=vocab)
+    train_tokenizer_once(run_tool, corpus, "wordpiece", preset.vocab, tok_dir, made=vocab)
     step("3. preprocess, one sequence per sentence")
     prefixes = []
     for source, name in ((corpus, "corpus"), (heldout, "heldout")):
         prefix = os.path.join(data_dir, name)
         if not os.path.exists(prefix + "_text_sentence.idx"):
             os.makedirs(data_dir, exist_ok=True)
-            from megatron_ds.cli.preprocess_data import main as preprocess
-            run_tool(preprocess, ["--input", source, "--output-prefix", prefix, "--json-keys", "text",
-                                  "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
-                                  "--vocab-file", vocab, "--workers", str(workers)], "tools/preprocess_data.py")
+            run_tool("tools/preprocess_data.py", ["--input", source, "--output-prefix", prefix, "--json-keys", "text",
+                                                  "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
+                                                  "--vocab-file", vocab, "--workers", str(workers)])
         else:
             print(f"reusing {prefix}_text_sentence.bin/.idx")
         prefixes.append(prefix + "_text_sentence")
     return prefixes[0], prefixes[1], vocab
 
 
-def train_flags(family: Family, preset: MaskedPreset, data_prefix: str, vocab: str, ckpt: str, train_iters: int,
+def train_flags(family: MaskedSteps, preset: MaskedPreset, data_prefix: str, vocab: str, ckpt: str, train_iters: int,
                 tp: int, pp: int) -> list[str]:
     dp_micro = preset.micro * (parallel_layout()[0] // (tp * pp))
     global_batch = max(preset.global_batch // dp_micro, 1) * dp_micro
@@ -94,7 +94,7 @@ def train_flags(family: Family, preset: MaskedPreset, data_prefix: str, vocab: s
     ]
 
 
-def train(args, family: Family, flags: list[str], nproc: int, load: str | None, log_path: str) -> tuple[list, list]:
+def train(args, family: MaskedSteps, flags: list[str], nproc: int, load: str | None, log_path: str) -> tuple[list, list]:
     """One training job; ((iteration, loss, ...) ..., validation lm losses) from its log."""
     cmd = launcher_cmd(args.launcher, nproc) + [os.path.join(ROOT, family.script)] + flags
     if load:
@@ -103,7 +103,7 @@ def train(args, family: Family, flags: list[str], nproc: int, load: str | None, 
     return [(int(it), *map(float, rest)) for it, *rest in losses], [float(loss) for loss, in valid]
 
 
-def train_stages(args, family: Family, preset: MaskedPreset, data_prefix: str, vocab: str) -> dict:
+def train_stages(args, family: MaskedSteps, preset: MaskedPreset, data_prefix: str, vocab: str) -> dict:
     """Steps 4-5, each skipped when the checkpoint already has its iterations."""
     ckpt = os.path.join(args.workdir, "checkpoints")
     nproc, tp, pp = parallel_layout()
@@ -114,23 +114,21 @@ def train_stages(args, family: Family, preset: MaskedPreset, data_prefix: str, v
         lambda flags, load, log_path: train(args, family, flags, nproc, load, log_path))
 
 
-def evaluate_and_export(args, family: Family, preset: MaskedPreset, heldout_prefix: str) -> dict:
+def evaluate_and_export(args, run_tool: ToolRunner, family: MaskedSteps, preset: MaskedPreset,
+                        heldout_prefix: str) -> dict:
     """Steps 6-7 on the final checkpoint, in this process."""
-    from megatron_ds.cli.to_hf import main as to_hf
-
     ckpt = os.path.join(args.workdir, "checkpoints")
     out = os.path.join(args.workdir, "evaluation.json")
     step(f"6. evaluate: {family.evaluation_title}")
-    evaluation = import_module(f"megatron_ds.cli.{family.evaluation}").main
-    run_tool(evaluation, ["--load", ckpt, "--data-path", heldout_prefix, "--samples", str(preset.eval_samples),
-                          "--output", out], f"tools/{family.evaluation}.py")
+    run_tool(family.evaluation, ["--load", ckpt, "--data-path", heldout_prefix, "--samples", str(preset.eval_samples),
+                                 "--output", out])
     step("7. export to Hugging Face transformers")
     hf_dir = os.path.join(args.workdir, "hf")
-    run_tool(to_hf, ["--load", ckpt, "--out", hf_dir], "tools/checkpoint/to_hf.py")
+    run_tool("tools/checkpoint/to_hf.py", ["--load", ckpt, "--out", hf_dir])
     return {"evaluation": out, "hf": hf_dir}
 
 
-def run(args, family: Family) -> int:
+def run(args, run_tool: ToolRunner, family: MaskedSteps) -> int:
     """One family's quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
     preset = family.presets[args.size]
     if args.train_iters:
@@ -138,9 +136,9 @@ def run(args, family: Family) -> int:
                                      resume_iters=min(preset.resume_iters, args.train_iters // 2))
     os.makedirs(args.workdir, exist_ok=True)
     t0 = time.time()
-    data_prefix, heldout_prefix, vocab = prepare_data(args.workdir, preset, args.workers)
+    data_prefix, heldout_prefix, vocab = prepare_data(run_tool, args.workdir, preset, args.workers)
     trained = train_stages(args, family, preset, data_prefix, vocab)
-    outputs = evaluate_and_export(args, family, preset, heldout_prefix)
+    outputs = evaluate_and_export(args, run_tool, family, preset, heldout_prefix)
     ev = json.load(open(outputs["evaluation"]))
     print(f"\n{family.name} quickstart done in {time.time() - t0:.0f} s ({trained['layout']})")
     for line in family.summarize(trained["losses"], ev):
@@ -151,3 +149,12 @@ def run(args, family: Family) -> int:
                        ("transformers", outputs["hf"])):
         print(f"  {name:<15}{path}")
     return 0
+
+
+def quickstart(steps: MaskedSteps, workdir: str, listing: str) -> Quickstart:
+    """The family's ``Quickstart`` of these steps (``listing``: its steps, for tools/quickstart.py --help)."""
+    return Quickstart(presets=steps.presets, run=functools.partial(_run_steps, steps), workdir=workdir, steps=listing)
+
+
+def _run_steps(steps: MaskedSteps, args, run_tool: ToolRunner) -> int:
+    return run(args, run_tool, steps)
