@@ -18,10 +18,10 @@ import torch
 
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.inference.generate import SamplingConfig, generate
 from megatron_ds.inference.model import ModelWeights, build_inference_model
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
-from megatron_ds.families.gpt.gpt_family import GPT
 
 SHAPE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128)
 PADDED_VOCAB = 4096

@@ -44,7 +44,8 @@ from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_ar
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n",
+                                                     1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     g = p.add_argument_group("lm-evaluation-harness")
     # --task_list, --results_path, --eval_fp32, --adaptive_seq_len: Megatron-DeepSpeed's

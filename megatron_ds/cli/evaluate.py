@@ -49,9 +49,9 @@ import sys
 import numpy as np
 
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset, dataset_exists
-from megatron_ds.inference.scoring import lambada_accuracy, lambada_samples, perplexity
 from megatron_ds.inference.runtime import (add_megatron_model_args, add_model_args, close_session,
                                            open_session)
+from megatron_ds.inference.scoring import lambada_accuracy, lambada_samples, perplexity
 from megatron_ds.inference.zeroshot import (DETOKENIZERS, MEGATRON_OVERLAPPING_EVAL, detokenizer_for, read_text,
                                             wikitext_perplexity)
 

@@ -167,7 +167,8 @@ def finetune(flags, ignored: list[str], task_args) -> Result:
     run, tokenizer = prepare(sizes["flags"], ignored, log=log, family=family, **common)
     result = Result(state=None)
     result.state = train(run, device, tokenizer, start_time, family,
-                         after_validation=epoch_reporter(task_args.epochs and sizes["per_epoch"], sizes["valid"], result))
+                         after_validation=epoch_reporter(task_args.epochs and sizes["per_epoch"], sizes["valid"],
+                                                         result))
     return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_ds import accelerator
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
@@ -22,11 +23,10 @@ from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
-from megatron_ds import accelerator
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
-from megatron_ds.parallel.utils import pad_vocab_size
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
+from megatron_ds.parallel.utils import pad_vocab_size
 
 
 def resolve_model_config(m: ModelConfig) -> ModelConfig:

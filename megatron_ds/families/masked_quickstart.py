@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus, parallel_layout,
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus,
+                                                   parallel_layout,
                                              run_job, step, train_then_resume, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
@@ -94,7 +95,8 @@ def train_flags(family: MaskedSteps, preset: MaskedPreset, data_prefix: str, voc
     ]
 
 
-def train(args, family: MaskedSteps, flags: list[str], nproc: int, load: str | None, log_path: str) -> tuple[list, list]:
+def train(args, family: MaskedSteps, flags: list[str], nproc: int, load: str | None, log_path: str) -> tuple[list,
+                                                                                                             list]:
     """One training job; ((iteration, loss, ...) ..., validation lm losses) from its log."""
     cmd = launcher_cmd(args.launcher, nproc) + [os.path.join(ROOT, family.script)] + flags
     if load:

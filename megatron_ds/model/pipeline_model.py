@@ -35,8 +35,8 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.model.transformer import ParallelTransformerLayer
-from megatron_ds.parallel.random import checkpoint
 from megatron_ds.parallel.partition import partition_stages
+from megatron_ds.parallel.random import checkpoint
 
 TRANSFORMER_LAYER_CLASS = ParallelTransformerLayer.__name__
 PARTITION_METHOD = f"type:{TRANSFORMER_LAYER_CLASS}"

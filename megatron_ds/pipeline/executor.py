@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
+                                       pipeline_schedule, zbh1_schedule)
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.parallel.weight_grad import WeightGradStore, allow_deferral
 from megatron_ds.pipeline.p2p import ACTIVATION, GRADIENT, PipelineP2P
-from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
-                                       pipeline_schedule, zbh1_schedule)
 from megatron_ds.progress import print_rank0
 
 

@@ -15,9 +15,9 @@ import sys
 
 from megatron_ds.config import Config, parse_args, resolve
 from megatron_ds.config.arguments import build_parser as build_config_parser
-from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import load_ds_template
 from megatron_ds.config.memory import GB
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
 from megatron_ds.errors import ConfigError
 from megatron_ds.planner import search as planner

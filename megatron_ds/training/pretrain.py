@@ -19,16 +19,16 @@ from megatron_ds.accelerator import on_cuda
 from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
+from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import describe_fp8, fp8_format
-from megatron_ds.config.validation import missing_flags
-from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
 from megatron_ds.config.moe_params import is_moe
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
-from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, Interrupted, TrainingStopped
+from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files

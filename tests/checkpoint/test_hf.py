@@ -123,9 +123,9 @@ def test_imported_llama_trains_with_the_loss_transformers_computes(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir(GPT2_FILES), reason="GPT-2 tokenizer files (../shared/data/gpt2) absent")
 def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
-    from megatron_ds.families.gpt.gpt_hf_export import save_tokenizer
     from megatron_ds.config import DataConfig
     from megatron_ds.data.tokenizer import build_tokenizer
+    from megatron_ds.families.gpt.gpt_hf_export import save_tokenizer
 
     data = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.join(GPT2_FILES, "gpt2-vocab.json"),
                       merge_file=os.path.join(GPT2_FILES, "gpt2-merges.txt"))
@@ -138,9 +138,9 @@ def test_exported_gpt2_tokenizer_encodes_like_ours(tmp_path):
 
 
 def test_what_the_target_cannot_express_is_refused_by_flag():
-    from megatron_ds.families.gpt.gpt_hf import choose_architecture
     from megatron_ds.config import ModelConfig, resolve_model_config
     from megatron_ds.errors import ConfigError
+    from megatron_ds.families.gpt.gpt_hf import choose_architecture
 
     def arch(**kw):
         return choose_architecture(resolve_model_config(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from megatron_ds.checkpoint import expert_files
-from megatron_ds.families.gpt import mixtral_hf as mixtral
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import mixtral_hf as mixtral
 from megatron_ds.families.gpt.gpt_family import GPT
 
 H, F, E = 8, 6, 4  # hidden, expert ffn (SwiGLU: dense_h_to_4h has 2F rows), experts

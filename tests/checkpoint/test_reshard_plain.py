@@ -143,8 +143,8 @@ def derived(fp32_pp2, tmp_path_factory):
 
 def _saved(path):
     from megatron_ds.checkpoint.files import open_checkpoint
-    from megatron_ds.checkpoint.plain_optim import saved_shapes
     from megatron_ds.checkpoint.optim_state import SavedOptimizer
+    from megatron_ds.checkpoint.plain_optim import saved_shapes
 
     ckpt = open_checkpoint(path, 3, GPT)
     saved = SavedOptimizer(ckpt)

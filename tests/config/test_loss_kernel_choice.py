@@ -9,9 +9,9 @@ import io
 import pytest
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.families import main as pretrain_main
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.model.kernels import describe_kernels
 
 # GPT 1.3B as measured on an H200 (liger's fused loss cost ~20% per iteration there)
 GPT_1_3B = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "

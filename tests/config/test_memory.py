@@ -16,8 +16,8 @@ from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
 from megatron_ds.families import main as pretrain_main
-from megatron_ds.training.device import select_device
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.training.device import select_device
 from tests.distributed import cuda_env, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,8 @@ TINY = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 3
 
 def _layout(argv, world):
     cfg, _ = parse_args(argv)
-    return cfg, resolve(cfg, world_size=world, vocab_size=cfg.data.vocab_size or 50257, device_type="cuda", family=GPT).layout
+    return cfg, resolve(cfg, world_size=world, vocab_size=cfg.data.vocab_size or 50257, device_type="cuda",
+                        family=GPT).layout
 
 
 def _gpt_flags(layers, hidden, heads, seq, micro, gbs, tp=1, pp=1):
@@ -276,9 +277,9 @@ def _measure_engines(rank, world_size, argvs):
     from megatron_ds.model.language_model import language_model_loss
     from megatron_ds.parallel.groups import ParallelState
     from megatron_ds.training.data import BatchCollator, build_datasets, build_loader, describe_source
-    from megatron_ds.training.loop import train_step
     from megatron_ds.training.engine import build_engine
     from megatron_ds.training.initialize import discover_world, init_distributed
+    from megatron_ds.training.loop import train_step
 
     results = []
     for argv in argvs:

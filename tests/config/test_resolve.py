@@ -2,11 +2,11 @@
 import pytest
 
 from megatron_ds.config import parse_args, resolve, resolve_model_config
-from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 from megatron_ds.config.megatron_overrides import megatron_overrides
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.utils import pad_vocab_size
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
+from megatron_ds.parallel.utils import pad_vocab_size
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3").split()

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from megatron_ds import fake_cuda
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model import fusions
 from megatron_ds.model import language_model as gpt_module
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
-from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training.engine import build_module
 from megatron_ds.training.optimizer import build_optimizer
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step

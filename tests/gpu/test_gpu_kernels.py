@@ -7,12 +7,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_ds.config import DataConfig, parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model.kernels import apex_norm_classes
 from megatron_ds.model.language_model import document_ids
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.gpu
 

@@ -200,9 +200,9 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
     import torch
     import transformers
 
-    from megatron_ds.families.gpt.gpt_hf_export import export_hf
     from megatron_ds.cli.evaluate import main as evaluate
     from megatron_ds.cli.generate_samples_gpt import main as generate_samples
+    from megatron_ds.families.gpt.gpt_hf_export import export_hf
 
     export = str(tmp_path / "hf")
     export_hf(checkpoints[1, 2], export, dtype="fp32", log=lambda *a: None, family=GPT)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.inference.scoring import lambada_accuracy, perplexity, sliding_windows
-from megatron_ds.inference.model import build_inference_model
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.inference.model import build_inference_model
+from megatron_ds.inference.scoring import lambada_accuracy, perplexity, sliding_windows
 from tests.distributed import run_distributed
 from tests.inference.common import CONFIGS, EOD, VOCAB, random_weights
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.inference.generate import (SamplingConfig, apply_repetition_penalty, attention_mask,
                                             filter_top_k_top_p, generate)
 from megatron_ds.inference.model import build_inference_model
-from megatron_ds.families.gpt.gpt_family import GPT
 from tests.distributed import run_distributed
 from tests.inference.common import CONFIGS, EOD, VOCAB, prompts, random_weights, reference_greedy
 

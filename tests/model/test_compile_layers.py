@@ -18,12 +18,12 @@ from megatron_ds.config.arguments import parse_args
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, build_stage_gpt
 from megatron_ds.model import compile_layers as cl
 from megatron_ds.model import fusions
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, build_stage_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
-from megatron_ds.families.gpt.gpt_family import GPT
 from tests.distributed import run_distributed
 
 VOCAB, SEQ = 64, 16

@@ -18,13 +18,13 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.model import fusions
 from megatron_ds.model.language_model import FinalNorm, LanguageModelEmbedding
 from megatron_ds.model.norms import build_norm
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
-from megatron_ds.families.gpt.gpt_family import GPT
 from tests.distributed import run_distributed
 from tests.model.test_reference import VOCAB, batch, dense_weights, gpt2_config, llama_config
 from tests.training.common import TINY_GPT, train_losses
@@ -48,7 +48,8 @@ def _outputs_by_kind(model, tokens, position_ids) -> dict:
         return record
 
     for name, module in model.named_modules():
-        kind = type(module).__name__ if isinstance(module, (LanguageModelEmbedding, ParallelTransformerLayer, FinalNorm)) \
+        kind = type(module).__name__ if isinstance(module, (LanguageModelEmbedding, ParallelTransformerLayer,
+                                                            FinalNorm)) \
             else "layer norm" if name.endswith("layernorm") and "final" not in name else None
         if kind is not None:
             module.register_forward_hook(hook(kind))
@@ -217,5 +218,6 @@ def test_fp32_runs_refuse_the_flag_as_megatron_does():
     with pytest.raises(ConfigError, match="--fp32-residual-connection .* pass --bf16 or --fp16") as err:
         resolve(cfg, world_size=1, vocab_size=128, device_type="cpu", family=GPT)
     assert "\n" not in str(err.value)
-    assert resolve(parse_args(base + ["--bf16"])[0], world_size=1, vocab_size=128, device_type="cpu", family=GPT).layout.model \
+    assert resolve(parse_args(base + ["--bf16"])[0], world_size=1, vocab_size=128, device_type="cpu",
+                   family=GPT).layout.model \
         .fp32_residual_connection

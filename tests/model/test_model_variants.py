@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from tests.model.test_reference import TOL, VOCAB, batch, gpt2_config
 
 VARIANTS = {"openai_gelu": True, "squared_relu": True, "apply_layernorm_1p": True,

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megatron_ds.config.layout import resolve_model_config
-from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, gpt_layer_specs
+from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.language_model import document_ids
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, gpt_layer_specs
 from megatron_ds.parallel.random import set_parallel_seeds
 
 VOCAB = 96  # padded vocabulary

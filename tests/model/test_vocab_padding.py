@@ -13,9 +13,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.utils import pad_vocab_size, tp_rank, tp_world_size
-from megatron_ds.families.gpt.gpt_family import GPT
 from tests.distributed import run_distributed
 
 VOCAB = 37  # pads to 40 at TP 1 (divisible by 8), 48 at TP 2, 64 at TP 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_ds.errors import ConfigError
-from megatron_ds.training import device as dev
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.training import device as dev
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT
 

@@ -20,12 +20,12 @@ from megatron_ds.config import parse_args, resolve
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.families.bert.bert_flops import bert_flops_per_iteration
 from megatron_ds.families.bert.bert_model import build_sequential_bert
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
 from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.families.t5.t5_flops import t5_flops_per_iteration
 from megatron_ds.families.t5.t5_model import build_sequential_t5
 from megatron_ds.families.t5.t5_params import decoder_layers
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
 from megatron_ds.training.loop import Loop
 
 VOCAB = 100

@@ -12,10 +12,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
-from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.model.kernels import sdpa_supports_gqa
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 8 "

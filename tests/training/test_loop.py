@@ -7,10 +7,10 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError, TrainingStopped
-from megatron_ds.training import log as mlog
-from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
-from megatron_ds.training.loop import Loop, TrainState
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
+from megatron_ds.training import log as mlog
+from megatron_ds.training.loop import Loop, TrainState
 from tests.distributed import run_distributed
 
 ARGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "

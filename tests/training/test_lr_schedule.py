@@ -11,8 +11,8 @@ import torch
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.run_length import Rampup
 from megatron_ds.errors import ConfigError
-from megatron_ds.training.lr_schedule import ConsumedLRSchedule, LRSchedule
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.training.lr_schedule import ConsumedLRSchedule, LRSchedule
 
 
 class MegatronRampup:

@@ -19,8 +19,8 @@ import torch
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
-from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
 from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 50257  # GPT-2's, the scripts' default tokenizer
@@ -222,9 +222,9 @@ def test_moe_partitions_match_the_analytic_count(method):
     balances by what each layer holds, so MoE layers weigh more; the layout's per-stage counts are the stages
     the built model is cut into."""
     from megatron_ds.config import resolve_model_config
-    from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
     from megatron_ds.config.schema import ModelConfig
     from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 
     cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                                            num_experts=(8,)))

@@ -11,10 +11,10 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training import log as mlog
 from megatron_ds.training.loop import Loop, TrainState
 from megatron_ds.training.profiler import step_profiler
-from megatron_ds.families.gpt.gpt_family import GPT
 from tests.training.test_loop import ARGS, StubEngine
 
 

@@ -15,9 +15,9 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.families import main
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.families.t5.t5_family import T5
 from megatron_ds.training.meta_build import build_stages
-from megatron_ds.families.gpt.gpt_family import GPT
 
 VOCAB = 32128  # even: TP 2 pads nothing with --make-vocab-size-divisible-by 1
 T5_BASE = ("--num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12 --kv-channels 64 "

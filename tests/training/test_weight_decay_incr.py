@@ -11,9 +11,9 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model.param_groups import param_groups
 from megatron_ds.training.lr_schedule import make_lr_schedule
-from megatron_ds.families.gpt.gpt_family import GPT
 
 ARGS = ("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
         "--lr 1e-3 --weight-decay 0.1").split()

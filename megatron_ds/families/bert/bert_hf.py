@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.config.family import ModelFamily
 
 BERT, MEGATRON_BERT = "BertForPreTraining", "MegatronBertForPreTraining"
 _ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # hidden_act -> --openai-gelu
@@ -243,8 +243,9 @@ def write_hf_bert(out_dir: str, m: ModelConfig, state: dict[str, torch.Tensor], 
     return arch
 
 
-def export_hf_bert(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None, dtype: str | None = None,
-                   vocab_size: int | None = None, vocab_file: str | None = None, log: Callable = print) -> str:
+def export_hf_bert(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
+                   dtype: str | None = None, vocab_size: int | None = None, vocab_file: str | None = None,
+                   log: Callable = print) -> str:
     """A pretrain_bert.py checkpoint (any TP / PP / DP) as a transformers model directory."""
     from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415

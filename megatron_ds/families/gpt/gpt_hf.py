@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.families.gpt import mixtral_hf as mixtral
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import mixtral_hf as mixtral
 
 GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}

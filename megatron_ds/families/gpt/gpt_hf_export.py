@@ -12,7 +12,6 @@ import os
 import shutil
 from typing import Callable
 
-from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.checkpoint.consolidate import iter_consolidated_layers
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_checkpoint
 from megatron_ds.checkpoint.hf_files import ShardWriter
@@ -20,6 +19,7 @@ from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import DataConfig
 from megatron_ds.data.tokenizer import build_tokenizer_for, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.progress import track
 

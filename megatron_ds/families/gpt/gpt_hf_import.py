@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.checkpoint.files import layer_file_name
 from megatron_ds.checkpoint.format import COMPLETENESS, META, TRACKER, atomic_write, signature, step_dir
 from megatron_ds.checkpoint.hf_files import HFWeights
@@ -23,6 +22,7 @@ from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import Config, DataConfig, ModelConfig
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.progress import track
 
 

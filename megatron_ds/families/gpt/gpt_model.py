@@ -103,7 +103,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                                    tied_weight_attr=TIED_WEIGHT_ATTR, vocab_size=vocab_size, fused_loss=fused_loss,
                                    **embedding))
     else:
-        specs.append(LayerSpec(LanguageModelEmbedding, m.hidden_size, padded_vocab_size, max_position_embeddings=positions,
+        specs.append(LayerSpec(LanguageModelEmbedding, m.hidden_size, padded_vocab_size,
+                               max_position_embeddings=positions,
                                eod_token=eod, **embedding))
     for i in range(m.num_layers):
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,

@@ -15,7 +15,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus, parallel_layout,
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus,
+                                                   parallel_layout,
                                              run_job, step, train_then_resume, train_tokenizer_once)
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")

@@ -156,5 +156,6 @@ def model_config(llama: ModelConfig, d: dict) -> ModelConfig:
 
 def config_kwargs(m: ModelConfig) -> dict:
     """MixtralConfig's MoE fields for ``m`` (its Llama fields come from ``hf.hf_config``)."""
-    return dict(num_local_experts=model_experts(m)[0], num_experts_per_tok=m.topk, router_aux_loss_coef=m.moe_loss_coeff,
+    return dict(num_local_experts=model_experts(m)[0], num_experts_per_tok=m.topk,
+                router_aux_loss_coef=m.moe_loss_coeff,
                 router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)

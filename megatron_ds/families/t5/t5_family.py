@@ -25,9 +25,9 @@ import torch
 from megatron_ds.config.family import ExportOptions, HFMapping, ModelFamily
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.families.t5.t5_flops import t5_iteration_flops
-from megatron_ds.families.t5.t5_quickstart import EVALUATION, QUICKSTART
 from megatron_ds.families.t5.t5_params import (check_t5, count_t5_parameters, decoder_layers, t5_decoder_seq_length,
                                                t5_pipeline_choice, t5_stage_activations)
+from megatron_ds.families.t5.t5_quickstart import EVALUATION, QUICKSTART
 
 KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask", "enc_dec_mask")
 # --mock-data ids: padding 0 (what upstream's masks treat as padding: ``>= 1`` is a token), then the

@@ -36,9 +36,9 @@ import math
 
 import torch
 
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.config.family import ModelFamily
 
 _ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2",
                 "relu": "relu", "geglu": "gated-gelu"}
@@ -299,8 +299,9 @@ def save_t5_tokenizer(data, tokenizer, out_dir: str, log) -> None:
     log(f"wrote {kind} tokenizer files ({data.vocab_file} + {len(added)} added tokens)")
 
 
-def export_hf_t5(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None, dtype: str | None = None,
-                 vocab_size: int | None = None, vocab_file: str | None = None, log=print) -> None:
+def export_hf_t5(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
+                 dtype: str | None = None, vocab_size: int | None = None, vocab_file: str | None = None,
+                 log=print) -> None:
     """A pretrain_t5.py checkpoint (any TP / PP / DP) as a ``T5ForConditionalGeneration`` directory
     (model.safetensors, config.json, tokenizer files)."""
     import dataclasses  # noqa: PLC0415
