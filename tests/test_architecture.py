@@ -538,3 +538,21 @@ def test_the_missing_family_check_finds_what_it_forbids(tmp_path, text, found):
     problems = missing_family_uses(root)
     assert bool(problems) == found, problems
     assert not any("allowed.py" in p for p in problems)
+
+
+# --- tests/ mirrors the package -------------------------------------------------------------------------
+
+CROSS_CUTTING_TEST_DIRS = {"gpu"}  # tests/gpu: what only a GPU shows, across the package (marked `gpu`)
+
+
+def test_the_tests_mirror_the_package():
+    """tests/a/b/ is about megatron_ds/a/b/ (a package) or megatron_ds/a/b.py (a module), and every
+    package of megatron_ds has its tests/ folder: a test is found where its code is."""
+    tests, package = REPO / "tests", REPO / PACKAGE
+    test_dirs = {p.relative_to(tests) for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__"
+                 and p.relative_to(tests).parts[0] not in CROSS_CUTTING_TEST_DIRS}
+    stray = sorted(str(d) for d in test_dirs
+                   if not (package / d).is_dir() and not (package / d).with_suffix(".py").is_file())
+    packages = {p.parent.relative_to(package) for p in package.rglob("__init__.py") if p.parent != package}
+    untested = sorted(str(d) for d in packages if d not in test_dirs)
+    assert not stray and not untested, f"tests/ folders of no package: {stray}; packages without tests/: {untested}"

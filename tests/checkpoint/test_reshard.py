@@ -14,7 +14,7 @@ exact arithmetic (e.g. the key bias, which softmax ignores) from turning floatin
 ~1e-10 into lr-sized, layout-dependent updates.
 
 Tolerances. fp32: the layouts sum the same numbers in other orders (~1e-7 relative per op);
-tests/training/test_parity.py measures losses within 2e-5 relative after 5 steps; weights move
+tests/families/gpt/test_parity.py measures losses within 2e-5 relative after 5 steps; weights move
 by lr x (relative gradient error) per step, far below atol 1e-6. bf16: activations and weights
 round to 8 bits of mantissa at every layer, and different TP/PP sizes round partial sums
 differently: losses agree to ~1e-3 relative (rtol 5e-3 leaves a margin), and a master weight that

@@ -3,7 +3,7 @@
 - A Llama-style top-2 MoE (experts on every layer, no token dropping, no second-expert sampling;
   trained at EP 2 x DP 2, initialized with std 0.3 so that greedy choices are far apart): greedy
   generation from the checkpoint equals greedy decoding by transformers' MixtralForCausalLM on its
-  export (its logits equal ours: tests/checkpoint/test_moe_hf.py; the smallest margin between the
+  export (its logits equal ours: tests/families/gpt/test_moe_hf.py; the smallest margin between the
   best and second-best token is asserted, so equality is not luck), as does generation at TP 2
   under a launcher (whole experts on both ranks), and tools/evaluate.py's
   perplexity equals Hugging Face's perplexity guide run on that Mixtral (fp32 both; the kernels
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.checkpoint.common import train
-from tests.checkpoint.test_moe_hf import MIXTRAL_MOE
+from tests.families.gpt.test_moe_hf import MIXTRAL_MOE
 from tests.distributed import run_distributed
 from tests.inference.test_checkpoint_generation import _hf_guide_nll  # HF's perplexity guide, transcribed
 from megatron_ds.families.gpt.gpt_family import GPT

@@ -26,7 +26,7 @@ from megatron_ds.model.norms import build_norm
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
-from tests.model.test_reference import VOCAB, batch, dense_weights, gpt2_config, llama_config
+from tests.families.gpt.test_reference import VOCAB, batch, dense_weights, gpt2_config, llama_config
 from tests.training.common import TINY_GPT, train_losses
 
 BF16 = torch.bfloat16
@@ -110,7 +110,7 @@ def dense_mixed_gpt(w, cfg, tokens, position_ids):
     weights and branches, fp32 residual adds, each norm in fp32 from the fp32 stream with its output
     rounded to bf16 (where Megatron's mixed kernel writes gamma's dtype). Per-group q/k/v matrices cut
     from the fused projection; attention by torch's scaled_dot_product_attention, so its bf16
-    internals round as the model's (tests/model/test_reference.py checks attention from the formula)."""
+    internals round as the model's (tests/families/gpt/test_reference.py checks attention from the formula)."""
     b, s = tokens.shape
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.kv_channels
     norm = lambda x, wb: _dense_norm(x, wb[0], wb[1], cfg.normalization, cfg.layernorm_epsilon)  # noqa: E731
@@ -192,7 +192,7 @@ def test_pp2_training_with_fp32_residual_stream():
     """Through the entry point at PP 2 in bf16: DeepSpeed's pipeline engine sends the fp32 stream
     as it is (its tensor meta carries the dtype), and the interleaved executor receives fp32 into
     buffers of that dtype (pipeline/executor.py). Both run the same bf16 operations
-    (ZeRO-1, fp32 gradient accumulation: tests/training/test_interleaved.py), so the first loss,
+    (ZeRO-1, fp32 gradient accumulation: tests/pipeline/test_interleaved.py), so the first loss,
     before any update, is the same bit for bit; later ones within that file's RTOL, as the global
     grad norm sums its terms in another order (measured: equal up to iteration 4, 2e-6 apart at 8,
     as without the flag). And the model trains."""

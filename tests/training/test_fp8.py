@@ -14,7 +14,7 @@ losses must also differ from the bf16 ones: the FP8 GEMMs ran.
 
 The FP8 recipe (current scaling) has no state, so a run resumed from its step-10 checkpoint must give
 the uninterrupted run's last 10 losses bitwise; the checkpoint (bf16 weights, as any) exports to Hugging
-Face, whose logits equal ours on the same weights (both fp32, tolerance as tests/checkpoint/test_hf.py).
+Face, whose logits equal ours on the same weights (both fp32, tolerance as tests/families/gpt/test_hf.py).
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_final_save_when_interval_does_not_divide():
 def test_model_flops_formula():
     # Megatron's closed form for GPT-2 shapes (docs/flops.md), evaluated by hand for GPT 345M: B=8,
     # s=1024, l=24, h=1024, V=50304; the general count is checked against measured matmuls in
-    # tests/training/test_flops.py
+    # tests/families/gpt/test_flops.py
     expected = 72 * 8 * 1024 * 24 * 1024 ** 2 * (1 + 1024 / (6 * 1024) + 50304 / (12 * 24 * 1024))
     cfg, _ = parse_args(("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
                          "--max-position-embeddings 1024 --micro-batch-size 8 --mock-data --train-iters 1 --lr 1e-4").split())

@@ -10,7 +10,7 @@ Ours: the consolidated checkpoint in the inference model (``megatron_ds.inferenc
 MoE layers in eval mode). Both fp32 on the same weights: DeepSpeed's gate and Mixtral's router
 compute the same fp32 softmax over the same logits and renormalize the same top 2, so the routing
 is identical and the outputs differ only by summation order in attention and the expert mixing
-(~1e-7 relative on logits of size ~1): atol 1e-5, as tests/checkpoint/test_hf.py. A routing
+(~1e-7 relative on logits of size ~1): atol 1e-5, as tests/families/gpt/test_hf.py. A routing
 difference would move a token's output by a whole expert's contribution (~1e-1).
 
 A checkpoint Mixtral cannot express (GPT-2-style MoE with top-1 gating and token dropping) is

@@ -7,7 +7,7 @@ loss. What must agree across layouts: per-layer seeding independent of the stage
 carried between pipeline stages, the tied word embedding (first and last stage), the replicated MLM
 head and pooler, the vocab-parallel bias and cross entropy, data order and gradient accumulation.
 
-Tolerance rtol 2e-5, as tests/training/test_parity.py for the GPT: fp32 sums in different orders
+Tolerance rtol 2e-5, as tests/families/gpt/test_parity.py for the GPT: fp32 sums in different orders
 (TP splits matmul reductions and the softmax normalizer, PP/DP the accumulation order) perturb each
 loss by ~1e-7 relative, five Adam steps amplify that by a few tens; a real bug (a missing
 all-reduce, a wrong shard, a mask lost between stages) moves the loss by 1e-3 or more.
@@ -52,7 +52,7 @@ def reference():
 def test_bert_layouts_match_single_process(reference, tp, pp, dp):
     # steps 2-5 see weights after 1-4 Adam updates at lr 1e-3, so they compare training, not only a
     # forward pass (the synthetic masked tokens are random: the loss itself barely moves in 5 steps;
-    # tests/training/test_bert_quickstart.py shows it falling on real text)
+    # tests/families/bert/test_bert_quickstart.py shows it falling on real text)
     assert _losses(tp, pp, dp) == pytest.approx(reference, rel=RTOL)
 
 

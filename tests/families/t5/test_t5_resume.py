@@ -8,7 +8,7 @@ both stages), Adam moments, LR step, consumed samples or RNG streams.
 import os
 
 from tests.distributed import run_distributed
-from tests.training.test_t5_parity import TINY_T5, t5_train_losses
+from tests.families.t5.test_t5_parity import TINY_T5, t5_train_losses
 
 RUN = [a for a in TINY_T5] + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-split-rank", "1"]
 RUN[RUN.index("--train-iters") + 1] = "10"

@@ -116,7 +116,7 @@ def test_tp2_pp2_checkpoint_exports_the_initial_model(tmp_path):
     shards merged over TP -- vocab-parallel word embedding and MLM bias, QKV, MLP -- and the stages
     joined) must give that model's logits in transformers."""
     from tests.distributed import run_distributed
-    from tests.training.test_bert_parity import TINY_BERT, bert_losses
+    from tests.families.bert.test_bert_parity import TINY_BERT, bert_losses
 
     from megatron_ds.families.bert.bert_hf import export_hf_bert
 

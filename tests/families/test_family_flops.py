@@ -1,7 +1,7 @@
 """BERT's and T5's iteration-line FLOPs (families/bert/bert_flops.py, families/t5/t5_flops.py) against the
 matmuls their real models run.
 
-As tests/training/test_flops.py for the GPT: the model is built from the flags the CLI parses
+As tests/families/gpt/test_flops.py for the GPT: the model is built from the flags the CLI parses
 (``families/bert/bert_model.py`` / ``families/t5/t5_model.py`` through their sequential builders, the plain
 engine's module),
 a forward and backward of one batch runs under torch's FlopCounterMode with SDPA's math backend

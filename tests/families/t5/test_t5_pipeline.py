@@ -19,12 +19,12 @@ import torch
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from tests.distributed import run_distributed
-from tests.model.test_pipeline import train_sequentially
+from tests.families.gpt.test_pipeline import train_sequentially
 
 VOCAB, ENC, DEC = 64, 10, 6
 MICRO, GAS, STEPS = 2, 2, 3
 LR = 1e-2
-# as tests/model/test_pipeline.py: fp32, the same kernels on the same numbers; only the order of
+# as tests/families/gpt/test_pipeline.py: fp32, the same kernels on the same numbers; only the order of
 # gradient sums differs (tied copies all-reduced across stages; the encoder output's gradient summed
 # per stage then across stages), a few ulps that AdamW carries through three steps.
 TOL = dict(rtol=1e-5, atol=1e-5)

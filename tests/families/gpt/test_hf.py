@@ -27,7 +27,7 @@ from megatron_ds.families.gpt.gpt_family import GPT
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 LAYOUTS = {"gpt2": ((2, 2, 1), []), "llama": ((2, 1, 2), ["--zero-stage", "1"])}
-GPT2_FILES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gpt2")
+GPT2_FILES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "gpt2")
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

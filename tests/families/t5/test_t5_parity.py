@@ -2,7 +2,7 @@
 (TP, PP, DP) = (2, 1, 1), (1, 2, 1) with --pipeline-model-parallel-split-rank 1, (1, 1, 2) and
 (2, 2, 1) with the split gives the single process's losses, in fp32.
 
-As tests/training/test_parity.py: dropout off (its streams legitimately depend on the layout), and
+As tests/families/gpt/test_parity.py: dropout off (its streams legitimately depend on the layout), and
 rtol 2e-5 -- the layouts sum the same numbers in other orders (TP splits matmul reductions and the
 softmax normalizer; PP all-reduces the tied embedding's three copies and sums the encoder output's
 gradient per decoder stage; DP all-reduces), ~1e-7 relative per loss, which five Adam steps at lr

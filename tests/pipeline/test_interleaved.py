@@ -1,7 +1,7 @@
 """The interleaved 1F1B schedule end to end: parity with one process, exact resume, checkpoints
 that a non-interleaved pipeline loads, and --dry-run.
 
-Parity tolerance: rtol 2e-5, as tests/training/test_parity.py argues for fp32 layouts (different
+Parity tolerance: rtol 2e-5, as tests/families/gpt/test_parity.py argues for fp32 layouts (different
 summation orders perturb a loss by ~1e-7 relative, a few Adam steps amplify that by at most a few
 tens; a real bug moves the loss by 1e-3 or more). In practice the runs agree to the last bits:
 each layer computes the same operations on the same numbers and every parameter accumulates its

@@ -1,10 +1,10 @@
-"""tasks/main.py (``cli.tasks``) end to end on tiny task sets written here (tests/training/task_data.py)
+"""tasks/main.py (``cli.tasks``) end to end on tiny task sets written here (tests/families/bert/task_data.py)
 from a BERT checkpoint pretrain_bert.py saved: MNLI-format and RACE-format data are learned to well
 above chance, accuracy is reported per epoch and a checkpoint saved per epoch; TP 2 and PP 2 give
 the single process's losses and accuracies; flags are checked before anything starts.
 
 Tolerance: rtol 2e-5 on the losses of the first 5 epochs (120 Adam steps), as
-tests/training/test_bert_parity.py: fp32 sums in another order (TP's split reductions, PP's stages)
+tests/families/bert/test_bert_parity.py: fp32 sums in another order (TP's split reductions, PP's stages)
 move a loss by ~1e-7 relative; a wrong shard, a lost padding mask or a head that differs per rank moves
 it by 1e-3 or more. Around iteration 150 the model snaps from 2/3 to all of the labels at lr 5e-3,
 a phase that amplifies those 1e-7 to ~1e-2 (measured: 0.9% at most), so later losses are held to
@@ -18,7 +18,7 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.training.task_data import write_mnli, write_race, write_vocab
+from tests.families.bert.task_data import write_mnli, write_race, write_vocab
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--num-workers 0 --seed 1234 --micro-batch-size 8 --global-batch-size 8").split()

@@ -23,10 +23,10 @@ import pytest
 from megatron_ds.data.tokenizer import build_tokenizer
 from tests.distributed import run_distributed
 from tests.e2e_data import seed_masked_workdir
-from tests.training.test_bert_parity import bert_losses
+from tests.families.bert.test_bert_parity import bert_losses
 
 pytestmark = pytest.mark.timeout(1200)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.training.test_t5_parity import t5_train_losses
+from tests.families.t5.test_t5_parity import t5_train_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ VARIANT = ("--num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attenti
            "--position-embedding-type relative --relative-attention-num-buckets 8 --relative-attention-max-distance 12 "
            "--normalization rmsnorm --disable-bias-linear --geglu "
            "--layernorm-epsilon 1e-6 --tensor-model-parallel-size 2").split()
-ATOL = 1e-5  # as tests/checkpoint/test_hf_t5.py: fp32, the same products summed in other orders
+ATOL = 1e-5  # as tests/families/t5/test_hf_t5.py: fp32, the same products summed in other orders
 
 
 def test_tp2_checkpoint_consolidates_exports_and_imports(tmp_path):

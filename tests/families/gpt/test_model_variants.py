@@ -1,6 +1,6 @@
 """Megatron-DeepSpeed's model variants: --openai-gelu, --squared-relu, --apply-layernorm-1p,
 --apply-residual-connection-post-layernorm. Their numerics are checked against the dense reference
-(tests/model/test_reference.py); here: each changes the model (the reference check is not vacuous),
+(tests/families/gpt/test_reference.py); here: each changes the model (the reference check is not vacuous),
 1p starts from zero weights, the Hugging Face export expresses what GPT2LMHeadModel can (its logits equal
 ours: transformers' own GPT-2 is an independent implementation) and refuses the rest in one line."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
-from tests.model.test_reference import TOL, VOCAB, batch, gpt2_config
+from tests.families.gpt.test_reference import TOL, VOCAB, batch, gpt2_config
 
 VARIANTS = {"openai_gelu": True, "squared_relu": True, "apply_layernorm_1p": True,
             "apply_residual_connection_post_layernorm": True}
