@@ -434,11 +434,17 @@ def test_no_floor_below_the_families_switches_on_a_family_name():
     ('x = family.decoder_seq_length is None\n', False),
 ])
 def test_the_family_check_finds_what_it_forbids(tmp_path, text, found):
+    _check_below_families(family_switches, tmp_path, text, found, allowed='if family.name == "bert":\n    pass\n')
+
+
+def _check_below_families(check, tmp_path: Path, text: str, found: bool, *, allowed: str) -> None:
+    """``check`` of a scratch package with ``text`` in a module below its families/ (found or not, as
+    ``found`` says) and ``allowed`` inside families/ (never found)."""
     root = tmp_path / "pkg"
     (root / "families").mkdir(parents=True)
     (root / "low.py").write_text(text)
-    (root / "families" / "allowed.py").write_text('if family.name == "bert":\n    pass\n')
-    problems = family_switches(root)
+    (root / "families" / "allowed.py").write_text(allowed)
+    problems = check(root)
     assert bool(problems) == found, problems
     assert not any("allowed.py" in p for p in problems)
 
@@ -531,13 +537,8 @@ def test_no_floor_below_the_families_lets_a_missing_family_stand_for_one():
     ("def f(a, *, family: ModelFamily):\n    pass\n", False),
 ])
 def test_the_missing_family_check_finds_what_it_forbids(tmp_path, text, found):
-    root = tmp_path / "pkg"
-    (root / "families").mkdir(parents=True)
-    (root / "low.py").write_text(text)
-    (root / "families" / "allowed.py").write_text("def main(argv=None, family=None):\n    pass\n")
-    problems = missing_family_uses(root)
-    assert bool(problems) == found, problems
-    assert not any("allowed.py" in p for p in problems)
+    _check_below_families(missing_family_uses, tmp_path, text, found,
+                          allowed="def main(argv=None, family=None):\n    pass\n")
 
 
 # --- tests/ mirrors the package -------------------------------------------------------------------------

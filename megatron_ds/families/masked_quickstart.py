@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus,
-                                                   parallel_layout,
-                                             run_job, step, train_then_resume, train_tokenizer_once)
+                                                   parallel_layout, run_job, step, train_then_resume,
+                                                   train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,7 +36,15 @@ class Quickstart:
     presets: dict  # --size -> the family's preset ("cpu", "gpu", "tiny")
     run: Callable  # (parsed tools/quickstart.py arguments, ToolRunner) -> exit status
     workdir: str  # the default --workdir, under the repository root
-    steps: str  # one line per step, for tools/quickstart.py --help
+    steps: str  # one line per step, for tools/quickstart.py --help (``numbered_steps`` of its module's docstring)
+
+
+def numbered_steps(doc: str) -> str:
+    """The numbered list of steps in a quickstart module's docstring ("  1. ..." to the next blank line)."""
+    match = re.search(r"^ +1\. .*?(?=\n\s*\n|\Z)", doc, re.S | re.M)
+    if match is None:
+        raise ValueError("a quickstart's docstring lists its steps: '  1. ...'")
+    return match.group(0)
 
 
 def step(title: str) -> None:

@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_ds.checkpoint.files import saved_family_name
 from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.families.t5.t5_family import T5
-from megatron_ds.training import pretrain as entry
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (GPT, BERT, T5)}
 # a checkpoint without "model_family" is the legacy_unnamed family's: one family, of that name
@@ -38,6 +36,8 @@ def get_family(name: str) -> ModelFamily:
 
 def checkpoint_family(load_dir: str, iteration: int | None = None) -> ModelFamily:
     """The family whose model the checkpoint in ``load_dir`` holds (at ``iteration``, default the tracker's)."""
+    from megatron_ds.checkpoint.files import saved_family_name  # noqa: PLC0415 - DeepSpeed: not for --help
+
     return get_family(saved_family_name(load_dir, iteration))
 
 
@@ -70,9 +70,13 @@ def weights_family(load_dir: str | None, iteration: int | None, hf_dir: str | No
 
 def main(argv=None, family: ModelFamily = GPT) -> int:
     """``training.pretrain.main`` for ``family`` (pretrain_gpt.py's unless given)."""
+    from megatron_ds.training import pretrain as entry  # noqa: PLC0415 - the training stack: not for --help
+
     return entry.main(argv, family=family)
 
 
 def pretrain(flags, ignored: list[str], family: ModelFamily = GPT):
     """``training.pretrain.pretrain`` for ``family`` (pretrain_gpt.py's unless given); the final ``TrainState``."""
+    from megatron_ds.training import pretrain as entry  # noqa: PLC0415
+
     return entry.pretrain(flags, ignored, family)

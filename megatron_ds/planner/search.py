@@ -209,7 +209,7 @@ def flags_of(request: Request, knobs: Knobs) -> list[str]:
 
 def variant(request: Request, base: Layout, knobs: Knobs) -> Layout:
     """``base`` (resolved at another micro batch / recompute) with ``knobs``' micro batch and recompute:
-    what ``resolve`` gives for them, without resolving again (tests/training/test_planner.py checks it
+    what ``resolve`` gives for them, without resolving again (tests/planner/test_planner.py checks it
     against ``--dry-run``)."""
     dp = base.dp
     if base.global_batch_size % (knobs.mb * dp):

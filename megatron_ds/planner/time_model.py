@@ -60,7 +60,7 @@ class GPU:
 # dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per direction). H200 SXM: H100's compute and NVLink,
 # 141 GB HBM3e at 4.8 TB/s.
 # The curve's e_max and n_half per architecture are the model's two constants for matmuls: A100's
-# from Megatron-LM's published per-GPU throughput (its README table, tests/training/test_planner.py),
+# from Megatron-LM's published per-GPU throughput (its README table, tests/planner/test_planner.py),
 # H100/H200's from this project's H200 measurement (bench/RESULTS.md), V100's from its generation's
 # cuBLAS fp16 GEMMs reaching ~80% of peak only at large sizes (the same shape as A100's).
 # attention_eff: flash attention's forward + backward at about 50% of peak on A100 and ~40% on

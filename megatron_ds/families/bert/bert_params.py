@@ -13,7 +13,7 @@ The pipeline layers, in ``families/bert/bert_model.py``'s order, with the parame
 
 The memory estimate (``config/memory.py``) counts BERT's transformer layers as the GPT's (the same
 layer; its [b, 1, 1, s] padding mask is negligible) and adds, on the last stage, what the MLM head's
-transform keeps (``mlm_head_activation_bytes``; tests/config/test_family_memory.py measures it).
+transform keeps (``mlm_head_activation_bytes``; tests/families/test_family_memory.py measures it).
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from megatron_ds.families.masked_quickstart import MaskedPreset, MaskedSteps, quickstart
+from megatron_ds.families.quickstart_steps import numbered_steps
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|.*? sop loss: ([0-9.E+-]+) \|")
 
@@ -49,11 +50,4 @@ def summarize(losses: list, ev: dict) -> list[str]:
 EVALUATION = "tools/evaluate_mlm.py"  # ModelFamily.evaluation: what scores its checkpoints
 STEPS = MaskedSteps("BERT", "pretrain_bert.py", BERT_PRESETS, model_flags, LOSS_RE, EVALUATION,
                     "masked-LM and sentence-order accuracy on the held-out modules", summarize)
-QUICKSTART = quickstart(STEPS, "quickstart-bert", """\
-  1. the quickstart's real-text corpus (Python standard library docstrings), held-out modules apart
-  2. a WordPiece vocabulary trained on it                               tools/train_tokenizer.py
-  3. sentence-split Megatron data (_text_sentence.bin/.idx)             tools/preprocess_data.py --split-sentences
-  4. a small BERT trained on 2 processes (pipeline parallel 2)          pretrain_bert.py
-  5. the run resumed from its checkpoint for the last iterations
-  6. masked-LM and sentence-order accuracy on the held-out modules      tools/evaluate_mlm.py
-  7. the model exported to transformers' MegatronBertForPreTraining     tools/checkpoint/to_hf.py""")
+QUICKSTART = quickstart(STEPS, "quickstart-bert", numbered_steps(__doc__))

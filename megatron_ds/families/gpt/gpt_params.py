@@ -1,7 +1,7 @@
 """The GPT's parameter counts and checks (``ModelFamily.count_parameters``, ``active_parameters``,
 ``check``): the analytic count --dry-run, the memory estimate and the planner read, per pipeline stage
 as DeepSpeed partitions the layers of ``gpt_model.py`` (checked against the built model in
-``tests/model/test_pipeline.py`` and by --dry-run's meta-device build).
+``tests/families/gpt/test_pipeline.py`` and by --dry-run's meta-device build).
 """
 from __future__ import annotations
 

@@ -1,6 +1,14 @@
-"""The GPT quickstart (tools/quickstart.py's steps for --model gpt, the default): the corpus, a
-byte-level BPE, GPT data, a small GPT trained and resumed under the launcher, held-out perplexity
-and LAMBADA-style accuracy, and generated text (``QUICKSTART``, the GPT family's).
+"""The GPT quickstart (tools/quickstart.py's steps for --model gpt, the default; ``QUICKSTART``, the GPT
+family's):
+
+  1. a real-text JSONL corpus made offline (Python standard library docstrings), with some
+     modules held out for evaluation
+  2. a byte-level BPE tokenizer trained on it (GPT-2 file format)       tools/train_tokenizer.py
+  3. Megatron .bin/.idx data                                            tools/preprocess_data.py
+  4. a small GPT trained on 2 processes (pipeline parallel 2)           pretrain_gpt.py
+  5. the run resumed from its checkpoint for the last iterations
+  6. perplexity on the held-out modules and LAMBADA-style last-word accuracy   tools/evaluate.py
+  7. text generated from a few prompts                                  tools/generate_samples_gpt.py
 
 Sizes (--size): ``cpu`` the default without a GPU, the setting that reached the lowest validation loss
 in the time budget on 2 CPU cores (bench/RESULTS.md); ``gpu`` the default with a GPU, a larger model
@@ -16,8 +24,8 @@ import time
 from dataclasses import dataclass
 
 from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus,
-                                                   parallel_layout,
-                                             run_job, step, train_then_resume, train_tokenizer_once)
+                                                   numbered_steps, parallel_layout, run_job, step, train_then_resume,
+                                                   train_tokenizer_once)
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)")
@@ -202,12 +210,4 @@ def run(args, run_tool: ToolRunner) -> int:
     return 0
 
 
-QUICKSTART = Quickstart(presets=PRESETS, run=run, workdir="quickstart", steps="""\
-  1. a real-text JSONL corpus made offline (Python standard library docstrings), with some
-     modules held out for evaluation
-  2. a byte-level BPE tokenizer trained on it (GPT-2 file format)       tools/train_tokenizer.py
-  3. Megatron .bin/.idx data                                            tools/preprocess_data.py
-  4. a small GPT trained on 2 processes (pipeline parallel 2)           pretrain_gpt.py
-  5. the run resumed from its checkpoint for the last iterations
-  6. perplexity on the held-out modules and LAMBADA-style last-word accuracy   tools/evaluate.py
-  7. text generated from a few prompts                                  tools/generate_samples_gpt.py""")
+QUICKSTART = Quickstart(presets=PRESETS, run=run, workdir="quickstart", steps=numbered_steps(__doc__))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 
 from megatron_ds.families.masked_quickstart import MaskedPreset, MaskedSteps, quickstart
+from megatron_ds.families.quickstart_steps import numbered_steps
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 HF_VARIANT = ["--position-embedding-type", "none", "--normalization", "rmsnorm", "--disable-bias-linear"]
@@ -58,12 +59,4 @@ def summarize(losses: list, ev: dict) -> list[str]:
 EVALUATION = "tools/evaluate_t5.py"  # ModelFamily.evaluation: what scores its checkpoints
 STEPS = MaskedSteps("T5", "pretrain_t5.py", T5_PRESETS, model_flags, LOSS_RE, EVALUATION,
                     "span-prediction loss on the held-out modules", summarize)
-QUICKSTART = quickstart(STEPS, "quickstart-t5", """\
-  1. the quickstart's real-text corpus (Python standard library docstrings), held-out modules apart
-  2. a WordPiece vocabulary trained on it                               tools/train_tokenizer.py
-  3. sentence-split Megatron data (_text_sentence.bin/.idx)             tools/preprocess_data.py --split-sentences
-  4. a small T5 trained on 2 processes (pipeline parallel 2, the encoder on stage 0 and the
-     decoder on stage 1: --pipeline-model-parallel-split-rank 1)       pretrain_t5.py
-  5. the run resumed from its checkpoint for the last iterations
-  6. span-prediction loss and token accuracy on the held-out modules    tools/evaluate_t5.py
-  7. the model exported to transformers' T5ForConditionalGeneration     tools/checkpoint/to_hf.py""")
+QUICKSTART = quickstart(STEPS, "quickstart-t5", numbered_steps(__doc__))
