@@ -14,7 +14,7 @@ from megatron_ds.config.family import ExportOptions, HFMapping, ModelFamily
 from megatron_ds.config.memory import stack_activations
 from megatron_ds.families.gpt.gpt_flops import gpt_iteration_flops
 from megatron_ds.families.gpt.gpt_params import check_gpt, count_gpt_parameters, gpt_active_parameters
-from megatron_ds.families.gpt.gpt_quickstart import QUICKSTART
+from megatron_ds.families.gpt.gpt_quickstart import EVALUATION, QUICKSTART
 
 
 def _model_kwargs(run, tp_group, eod_token: int, device) -> dict:
@@ -117,4 +117,4 @@ GPT = ModelFamily(name="gpt", label="GPT", check=check_gpt, count_parameters=cou
                   universal_checkpoints=True, legacy_unnamed=True,
                   hf=HFMapping(model_types=("gpt2", "llama", "mixtral"), import_dir=_import_hf, export=_export_hf,
                                architectures="GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM"),
-                  evaluation="tools/evaluate.py", generates=True, quickstart=QUICKSTART)
+                  evaluation=EVALUATION, generates=True, quickstart=QUICKSTART)

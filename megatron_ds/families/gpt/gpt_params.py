@@ -32,7 +32,7 @@ def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, la
 
 
 def count_gpt_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                     partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+                         partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
     """Analytic parameter count: (unique total, per-stage count on one TP rank). With MoE layers a rank
     holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe_params.py).
 
@@ -74,7 +74,7 @@ def gpt_active_parameters(m: ModelConfig, padded_vocab: int) -> int:
 
 
 def check_gpt(flags: Config, pp: int) -> None:
-    """The GPT's ``ModelFamily.check``: it runs every combination the validation above accepts but T5's
+    """The GPT's ``ModelFamily.check``: it runs every combination config/validation.py accepts but T5's
     own: relative position biases and the relu and gated-GeLU MLPs (families/t5/t5_model.py)."""
     m = flags.model
     bad = [what for what, on in (("--position-embedding-type relative", m.position_embedding_type == "relative"),

@@ -29,6 +29,7 @@ from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner,
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)")
+EVALUATION = "tools/evaluate.py"  # ModelFamily.evaluation: what scores its checkpoints
 PROMPTS = ["Return a new", "This module provides", "The default value of", "Raise ValueError if the"]
 
 
@@ -155,8 +156,8 @@ def evaluate_and_generate(args, run_tool: ToolRunner, preset: Preset, heldout: s
     ckpt = os.path.join(args.workdir, "checkpoints")
     eval_json = os.path.join(args.workdir, "evaluation.json")
     step("6. evaluate: held-out perplexity and LAMBADA-style last-word accuracy")
-    run_tool("tools/evaluate.py", ["--load", ckpt, "--ppl-data", heldout, "--max-tokens", str(preset.eval_tokens),
-                                   "--lambada", lambada, "--output", eval_json])
+    run_tool(EVALUATION, ["--load", ckpt, "--ppl-data", heldout, "--max-tokens", str(preset.eval_tokens),
+                          "--lambada", lambada, "--output", eval_json])
 
     step("7. generate")
     prompts = os.path.join(args.workdir, "prompts.jsonl")
