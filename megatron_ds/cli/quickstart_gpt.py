@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from megatron_ds.cli.quickstart_steps import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
                                               step, train_then_resume, train_tokenizer_once)
+from megatron_ds.cli.quickstart_steps import cpu_named_to_deepspeed, timed_stages
 
 LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)")
@@ -192,9 +193,11 @@ def run(args) -> int:
         preset = dataclasses.replace(preset, iters=args.train_iters,
                                      resume_iters=min(preset.resume_iters, args.train_iters // 2))
     os.makedirs(args.workdir, exist_ok=True)
+    cpu_named_to_deepspeed()
     t0 = time.time()
-    data = prepare_data(args.workdir, preset, args.workers)
-    trained = train_stages(args, preset, data)
-    outputs = evaluate_and_generate(args, preset, data[3], data[4])
+    with timed_stages():
+        data = prepare_data(args.workdir, preset, args.workers)
+        trained = train_stages(args, preset, data)
+        outputs = evaluate_and_generate(args, preset, data[3], data[4])
     report(args, preset, t0, trained, outputs, data)
     return 0

@@ -16,6 +16,7 @@ from typing import Callable
 
 from megatron_ds.cli.quickstart_steps import (ROOT, launcher_cmd, make_corpus, parallel_layout, run_job, run_tool,
                                               step, train_then_resume, train_tokenizer_once)
+from megatron_ds.cli.quickstart_steps import cpu_named_to_deepspeed, timed_stages
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -137,10 +138,12 @@ def run(args, family: Family) -> int:
         preset = dataclasses.replace(preset, iters=args.train_iters,
                                      resume_iters=min(preset.resume_iters, args.train_iters // 2))
     os.makedirs(args.workdir, exist_ok=True)
+    cpu_named_to_deepspeed()
     t0 = time.time()
-    data_prefix, heldout_prefix, vocab = prepare_data(args.workdir, preset, args.workers)
-    trained = train_stages(args, family, preset, data_prefix, vocab)
-    outputs = evaluate_and_export(args, family, preset, heldout_prefix)
+    with timed_stages():
+        data_prefix, heldout_prefix, vocab = prepare_data(args.workdir, preset, args.workers)
+        trained = train_stages(args, family, preset, data_prefix, vocab)
+        outputs = evaluate_and_export(args, family, preset, heldout_prefix)
     ev = json.load(open(outputs["evaluation"]))
     print(f"\n{family.name} quickstart done in {time.time() - t0:.0f} s ({trained['layout']})")
     for line in family.summarize(trained["losses"], ev):
