@@ -13,8 +13,8 @@ Every step prints the command it runs, so the same steps can be reused on a clus
 reuses what the first built (corpus, tokenizer, data, checkpoint) and redoes only steps 6-7.
 
 Sizes (--size, or the QUICKSTART_SIZE environment variable):
-  cpu   default without a GPU: the setting that reached the lowest validation loss in about five
-        minutes of training on 2 CPU cores (see bench/RESULTS.md)
+  cpu   default without a GPU: the setting that reached the lowest validation loss while a fresh
+        clone's `make quickstart` stays under 300 s on 2 CPU cores, installing included (bench/RESULTS.md)
   gpu   default with a GPU: a larger model on all local GPUs (tensor parallel 2 when there are >= 2)
   tiny  a minute-long smoke run (the end-to-end test uses it)
 
