@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Generation throughput: new tokens per second with and without the KV cache.
 
-By default a randomly initialized GPT of the quickstart's CPU shape (the numbers do not depend on
-the weights: decoding runs all max-new-tokens with --no-stop-at-eod semantics); --load takes a
-checkpoint instead. Prompts of 32 tokens, greedy, one process; the device is the GPU when there is
-one (bf16), else the CPU (fp32).
+By default a randomly initialized GPT of 4 layers x 256, seq 128, the shape of bench/RESULTS.md's
+figures (they do not depend on the weights: decoding runs all max-new-tokens with --no-stop-at-eod
+semantics); --load takes a checkpoint instead. Prompts of 32 tokens, greedy, one process; the
+device is the GPU when there is one (bf16), else the CPU (fp32).
 
     python bench/generate.py [--load CKPT] [--new-tokens 96] [--batch-sizes 1 8]
 """

@@ -601,6 +601,48 @@ def cpp_warnings_quiet():
             level.value = before
 
 
+# DeepSpeed's CPU shared-memory collective op: TorchBackend.__init__ (deepspeed.comm.torch.build_shm_op,
+# 0.16-0.19) JIT-compiles it on the CPU accelerator whenever ``deepspeed.ops.__compatible_ops__`` says it can.
+_SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from building its shared-memory CPU collective when it joins the job. The op serves
+    only ``deepspeed.comm.inference_all_reduce`` (DeepSpeed's AutoTP inference), which megatron_ds never
+    calls: every collective of a CPU run goes through torch.distributed on gloo with or without it. Its
+    first build costs ~40 s of compiling on two cores (then cached per torch build, in
+    TORCH_EXTENSIONS_DIR), which is most of what a fresh machine's first CPU run waits for. Marking it
+    incompatible is what DeepSpeed itself does on a platform without it (``ShareMemCommBuilder.is_compatible``)."""
+    import deepspeed.ops  # noqa: PLC0415
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed lazily on first access in 0.19
+    if isinstance(compatible, dict):
+        compatible[_SHM_COMM_OP] = False
+
+
+# Loggers of what importing torchao says (torchao 0.18, torch 2.13): torchao logs one warning per optional
+# C++ kernel library it cannot load ("Failed to load .../_C_mxfp8...so", CUTLASS), CUDA builds of kernels
+# megatron_ds never calls, and torch's pytree warns that torchao's enums need no register_constant() any more.
+_TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def torchao_import_quiet():
+    """A block that may import torchao (our FP8 GEMMs; transformers' model classes import it whenever it
+    is installed) with those import-time warnings held back, errors still shown; the levels are restored."""
+    import logging  # noqa: PLC0415
+
+    logs = [logging.getLogger(name) for name in _TORCHAO_IMPORT_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(max(log.level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
 def act_as_torch_optimizer(opt, profile_name: str) -> None:
     """The attributes torch.optim.Optimizer.__init__ would set (its step hooks and zero_grad's
     profiling name, torch 2.x) on a wrapper that shares another optimizer's state instead."""

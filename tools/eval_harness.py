@@ -7,7 +7,7 @@
 lm_eval.py would be imported in place of the lm_eval package.)
 
 The command line lives in megatron_ds/cli/eval_harness.py (this script only calls it), so the
-package must be installed: `pip install -e '.[eval]'` (`make install`).
+package must be installed with its "eval" extra: `pip install -e '.[eval]'` (`make test` installs it too).
 """
 import sys
 

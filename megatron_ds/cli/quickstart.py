@@ -6,10 +6,11 @@ what the first built (corpus, tokenizer, data, checkpoint) and redoes only the s
 
     python tools/quickstart.py [--model NAME] [--workdir DIR] [--size cpu|gpu|tiny] [--launcher torchrun|deepspeed]
 
-Sizes (--size, or the QUICKSTART_SIZE environment variable): cpu (the default without a GPU: a few
-minutes on 2 CPU cores), gpu (the default with one: a larger model on all local GPUs), tiny (a
-minute-long smoke run, the end-to-end tests'). Each model family registers its steps
-(``ModelFamily.quickstart``, ``families/quickstart_steps.py``); --help lists them.
+Sizes (--size, or the QUICKSTART_SIZE environment variable): cpu (the default without a GPU: the
+setting that reached the lowest validation loss while a fresh clone's `make quickstart` stays under
+300 s on 2 CPU cores, installing included; bench/RESULTS.md), gpu (the default with one: a larger model
+on all local GPUs), tiny (a minute-long smoke run, the end-to-end tests'). Each model family registers
+its steps (``ModelFamily.quickstart``, ``families/quickstart_steps.py``); --help lists them.
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, launcher_cmd, make_corpus,
-                                                   parallel_layout, run_job, step, train_then_resume,
-                                                   train_tokenizer_once)
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, cpu_named_to_deepspeed,
+                                                   launcher_cmd, make_corpus, parallel_layout, run_job, step,
+                                                   timed_stages, train_then_resume, train_tokenizer_once)
 
 VALID_RE = re.compile(r" validation loss at .*?\| lm loss value: ([0-9.E+-]+) \|")
 ECHO = (" iteration", " validation", "> megatron_ds", "saved", "loaded", "error")  # log lines shown live
@@ -137,10 +137,12 @@ def run(args, run_tool: ToolRunner, family: MaskedSteps) -> int:
         preset = dataclasses.replace(preset, iters=args.train_iters,
                                      resume_iters=min(preset.resume_iters, args.train_iters // 2))
     os.makedirs(args.workdir, exist_ok=True)
+    cpu_named_to_deepspeed()
     t0 = time.time()
-    data_prefix, heldout_prefix, vocab = prepare_data(run_tool, args.workdir, preset, args.workers)
-    trained = train_stages(args, family, preset, data_prefix, vocab)
-    outputs = evaluate_and_export(args, run_tool, family, preset, heldout_prefix)
+    with timed_stages():
+        data_prefix, heldout_prefix, vocab = prepare_data(run_tool, args.workdir, preset, args.workers)
+        trained = train_stages(args, family, preset, data_prefix, vocab)
+        outputs = evaluate_and_export(args, run_tool, family, preset, heldout_prefix)
     ev = json.load(open(outputs["evaluation"]))
     print(f"\n{family.name} quickstart done in {time.time() - t0:.0f} s ({trained['layout']})")
     for line in family.summarize(trained["losses"], ev):

@@ -2,13 +2,14 @@
 is made of: the ``Quickstart`` a family registers (its presets and its steps: ``gpt/gpt_quickstart.py``;
 BERT's and T5's share ``masked_quickstart.py``), and the steps they share -- the offline corpus with its
 held-out modules, a tokenizer trained once, the launcher command, the training job and its resumed
-continuation -- each printing the command it runs.
+continuation -- each printing the command it runs, and how long each step took (``timed_stages``).
 
 The tools a quickstart runs (tools/preprocess_data.py, the evaluation, the export ...) are command lines
 above this floor: ``cli/quickstart.py`` hands each family's steps a ``ToolRunner`` that runs a tools/
 script's body in this process, by the script's path."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,8 +18,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 # The repository the package is installed from (pip install -e): the quickstarts run its
 # pretrain_*.py with its ds_configs/ templates, and write their default workdir there.
@@ -47,7 +49,63 @@ def numbered_steps(doc: str) -> str:
     return match.group(0)
 
 
+class StageClock:
+    """The wall time of each ``=== N. title`` step of one quickstart run: ``start`` ends the running
+    step, printing how long it took, and begins the next; ``stop`` ends the last one. ``clock``:
+    seconds from a monotonic clock (a test passes its own)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.began = clock()
+        self.stages: list[tuple[str, float]] = []  # (short title, seconds), in order
+        self._running: tuple[str, float] | None = None
+
+    def start(self, title: str) -> None:
+        self.stop()
+        self._running = (short_title(title), self._clock())
+
+    def stop(self) -> None:
+        if self._running is None:
+            return
+        title, began = self._running
+        self._running = None
+        seconds = self._clock() - began
+        self.stages.append((title, seconds))
+        print(f"[{title}: {seconds:.1f} s]", flush=True)
+
+    def table(self) -> str:
+        """Every step's time and the total since the clock began (the time between steps included)."""
+        width = max(len(title) for title, _ in self.stages + [("total", 0.0)])
+        rows = [f"  {title:<{width}} {seconds:7.1f} s" for title, seconds in self.stages]
+        return "\n".join(["time per step:", *rows, f"  {'total':<{width}} {self._clock() - self.began:7.1f} s"])
+
+
+def short_title(title: str) -> str:
+    """A step's number and first word ("4. train 280 iterations (...)" -> "4. train"): its row in the table."""
+    m = re.match(r"\d+\.\s+\w+", title)
+    return m.group(0) if m else title
+
+
+_clock: StageClock | None = None  # the run's clock while a quickstart runs its steps, for step()
+
+
+@contextlib.contextmanager
+def timed_stages(clock: Callable[[], float] = time.monotonic) -> Iterator[StageClock]:
+    """Time the steps that ``step`` begins inside the block; at its end, print the table of their
+    times (only when the block finishes: a failed step's message stays the last thing printed)."""
+    global _clock
+    previous, _clock = _clock, StageClock(clock)
+    try:
+        yield _clock
+        _clock.stop()
+        print("\n" + _clock.table(), flush=True)
+    finally:
+        _clock = previous
+
+
 def step(title: str) -> None:
+    if _clock is not None:
+        _clock.start(title)
     print(f"\n=== {title}", flush=True)
 
 
@@ -121,6 +179,18 @@ def parallel_layout() -> tuple[int, int, int]:
     if gpus == 1:
         return 1, 1, 1
     return gpus - gpus % 2, 2, 1
+
+
+def cpu_named_to_deepspeed() -> None:
+    """Without a GPU, set DeepSpeed's own switch DS_ACCELERATOR=cpu for this process and the jobs it
+    launches, before anything imports DeepSpeed. It would choose the CPU anyway, as megatron_ds does
+    (megatron_ds.accelerator), but left to detect it, it logs "Setting accelerator to CPU. If you have
+    GPU or other accelerator, we were unable to detect it." in the middle of the quickstart's output:
+    a warning a new user reads as a failure, on a machine that has no GPU to find."""
+    from megatron_ds.accelerator import CPU_SWITCH, on_cuda
+
+    if not on_cuda():
+        os.environ.setdefault(CPU_SWITCH, "cpu")
 
 
 def run_job(cmd: list[str], log_path: str, echo: tuple[str, ...], patterns: tuple) -> list[list[tuple]]:

@@ -21,6 +21,7 @@ Names without a layer prefix refer to ``build_sequential_bert``'s state dict: ``
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Callable
@@ -31,6 +32,7 @@ from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.ds_compat import torchao_import_quiet
 from megatron_ds.errors import ConfigError
 
 BERT, MEGATRON_BERT = "BertForPreTraining", "MegatronBertForPreTraining"
@@ -229,18 +231,36 @@ def write_hf_bert(out_dir: str, m: ModelConfig, state: dict[str, torch.Tensor], 
 
     arch = bert_architecture(m)
     config = hf_bert_config(arch, m, vocab, pad_token_id=pad_token_id, dtype=dtype)
-    model = getattr(transformers, arch)(config)
+    # transformers' first model class imports its quantizers, and they import torchao wherever it is
+    # installed (for FP8 runs): its warnings about CUDA kernel libraries say nothing about this export
+    with torchao_import_quiet():
+        model = getattr(transformers, arch)(config)
     tensors = bert_to_hf(arch, m, state, vocab)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if k not in tensors]
     if missing or unexpected:
         raise ConfigError(f"{arch} and the converted BERT disagree: missing {missing}, unexpected {unexpected}")
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
+    with _without_progress_bars(transformers):
+        model.save_pretrained(out_dir)
     if data is not None:
         save_bert_tokenizer(data, out_dir, log, vocab)
     log(f"wrote {arch} ({vocab} of {state[EMBED + 'word_embeddings.weight'].shape[0]} vocabulary rows) to {out_dir}")
     return arch
+
+
+@contextlib.contextmanager
+def _without_progress_bars(transformers):
+    """transformers 5 draws a "Writing model shards" bar while it saves, in a log a line of
+    carriage-return frames around the one file written; the export's own "wrote ..." line follows."""
+    hf_logging = transformers.utils.logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def export_hf_bert(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,

@@ -59,7 +59,9 @@ def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys, mas
     work = tmp_path / "qs"
     seed_masked_workdir(masked_tiny_data, preset, work)  # steps 1-3 built once per session
     assert main(["--model", "bert", "--workdir", str(work), "--size", "tiny", "--workers", "1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "Writing model shards" not in captured.err  # transformers' progress bar, around the one file saved
     assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(preset.iters)
     assert "loaded checkpoint" in (work / "resume.log").read_text()
 
@@ -84,6 +86,18 @@ def test_quickstart_bert_tiny_trains_evaluates_and_exports(tmp_path, capsys, mas
     ids = tokenizer(text, return_tensors="pt")
     assert ids["input_ids"][0].tolist() == [ours.cls] + ours.tokenize(text) + [ours.sep]
     assert model(**ids).prediction_logits.shape[-1] == len(tokenizer) == ours.vocab_size
+
+    # Step 7 again, as its own process, where nothing has imported transformers' model classes (and so
+    # torchao) yet: what a new user's export prints is our lines only, none of torchao's "Failed to load
+    # .../_C_mxfp8...so" nor torch's register_constant() deprecation, nor a progress bar.
+    export = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "to_hf.py"), "--load",
+                             str(work / "checkpoints"), "--out", str(tmp_path / "hf_again")],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert export.returncode == 0, export.stderr[-2000:]
+    printed = export.stdout + export.stderr
+    assert "wrote MegatronBertForPreTraining" in printed
+    for noise in ("Failed to load", "_C_mxfp8", "register_constant", "Writing model shards", "WARNING"):
+        assert noise not in printed, printed
 
 
 def test_evaluate_mlm_counts_as_an_independent_model_does(bert_data, tmp_path):
