@@ -387,7 +387,7 @@ def zero_grad_where_missing(param) -> None:
 def replace_loss_fn(module, loss_fn) -> None:
     """Replace the loss a module computes on the last stage: ``PipelineModule.loss_fn``, which
     ``PipelineEngine._exec_forward_pass`` reads at every micro-batch (0.16-0.19); megatron_ds's own
-    modules (``SequentialModel``, ``GPTModelChunks``) keep theirs under the same name."""
+    modules (``SequentialModel``, ``ModelChunks``) keep theirs under the same name."""
     module.loss_fn = loss_fn
 
 
