@@ -610,9 +610,9 @@ def skip_shm_comm_op() -> None:
     """Keep DeepSpeed from building its shared-memory CPU collective when it joins the job. The op serves
     only ``deepspeed.comm.inference_all_reduce`` (DeepSpeed's AutoTP inference), which megatron_ds never
     calls: every collective of a CPU run goes through torch.distributed on gloo with or without it. Its
-    first build costs ~40 s of compiling on two cores (then cached per torch build, in
-    TORCH_EXTENSIONS_DIR), which is most of what a fresh machine's first CPU run waits for. Marking it
-    incompatible is what DeepSpeed itself does on a platform without it (``ShareMemCommBuilder.is_compatible``)."""
+    first build kept a fresh machine's first CPU run ~40 s from its first iteration (compiling on two
+    cores; then cached per torch build, in TORCH_EXTENSIONS_DIR). Marking it incompatible is what
+    DeepSpeed itself does on a platform without it (``ShareMemCommBuilder.is_compatible``)."""
     import deepspeed.ops  # noqa: PLC0415
 
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed lazily on first access in 0.19
