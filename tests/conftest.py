@@ -6,10 +6,22 @@ from megatron_ds import fake_cuda  # isort: skip
 
 FAKE_CUDA_UNAVAILABLE = fake_cuda.preload()
 
+import os  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.e2e_data import make_e2e_data, make_masked_tiny_data  # noqa: E402
+
+# The venv's bin/ first on PATH for everything the session starts, as in an activated venv (the job
+# scripts put it first themselves). torch builds DeepSpeed's ops (the shared-memory comm op every
+# deepspeed.init_distributed loads) with whichever `ninja` comes first on PATH, and the venv's (pip's)
+# and the system's write build logs the other cannot read: each switch between them rebuilt the op
+# in TORCH_EXTENSIONS_DIR (~20-45 s on two cores), after every job-script test and again after it.
+_VENV_BIN = os.path.dirname(sys.executable)
+if sys.prefix != sys.base_prefix and os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 
 # Fix this process's view of the GPUs before any test changes CUDA_VISIBLE_DEVICES (the CUDA
 # runtime reads it once, on first use): tests marked `gpu` keep seeing the real devices.

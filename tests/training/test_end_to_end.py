@@ -74,8 +74,12 @@ def _check_tensorboard(tb_dir, losses, vals):
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_train_and_resume_with_launcher(tmp_path, e2e_data, launcher):
     bindir = Path(sys.executable).parent
+    # the venv's `deepspeed` command, run by this interpreter: where the venv is reached through a
+    # symlink, its shebang names the venv's other path, whose processes would rebuild the DeepSpeed
+    # op (shared-memory comm) of TORCH_EXTENSIONS_DIR for their include paths, and the next test's
+    # processes rebuild it back (~45 s each on two cores)
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-           if launcher == "torchrun" else [str(bindir / "deepspeed"), "--num_gpus", "2",
+           if launcher == "torchrun" else [sys.executable, str(bindir / "deepspeed"), "--num_gpus", "2",
                                            "--master_port", str(29700 + os.getpid() % 200)])
     ckpt, tb_dir = str(tmp_path / "ckpt"), tmp_path / "tb"
     out = _train(cmd, e2e_data, ckpt, 30, ["--tensorboard-dir", str(tb_dir), "--log-validation-ppl-to-tensorboard"])
