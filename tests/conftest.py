@@ -59,3 +59,23 @@ def masked_tiny_data(tmp_path_factory):
     """The BERT/T5 quickstarts' corpus, WordPiece vocabulary and sentence data at the tiny size
     (see tests/e2e_data.py), shared by the BERT tests and both masked quickstart tests."""
     return make_masked_tiny_data(tmp_path_factory.mktemp("masked_tiny_data"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stdlib_documents_once():
+    """The quickstarts' corpus step parses every standard-library module for its docstrings
+    (megatron_ds.data.sample_corpus.stdlib_documents, ~6 s of CPU); in this process it runs for the
+    e2e data, the masked data and the GPT quickstart test. The documents are a function of the
+    installed standard library alone, so the session parses it once and gives each call a copy."""
+    from megatron_ds.data import sample_corpus
+
+    original, parsed = sample_corpus.stdlib_documents, []
+
+    def once() -> list[str]:
+        if not parsed:
+            parsed.append(original())
+        return list(parsed[0])
+
+    sample_corpus.stdlib_documents = once
+    yield
+    sample_corpus.stdlib_documents = original
