@@ -46,7 +46,7 @@ class HFMapping:
     model_types: tuple[str, ...]
     # (hf_dir, save_dir, log) -> None: a checkpoint of this family from a transformers directory
     import_dir: Callable
-    # (load_dir, out_dir, ExportOptions) -> None: the checkpoint as a transformers directory
+    # (load_dir, out_dir, ExportOptions, log=print) -> None: the checkpoint as a transformers directory
     export: Callable
     architectures: str  # what it exports to, for messages ("GPT2LMHeadModel, LlamaForCausalLM ...")
 

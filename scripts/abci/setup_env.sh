@@ -114,7 +114,7 @@ install_packages() {
   if stamp_ok packages "$key"; then echo "[setup] ok: DeepSpeed, requirements and megatron_ds"; else
     run_step "${pip[@]}" install -q -r "$MEGATRON_DS_ROOT/requirements.txt" \
       --constraint <("$py" -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null || true)
-    run_step "${pip[@]}" install -q --no-build-isolation -e "$MEGATRON_DS_ROOT[tensorboard]"
+    run_step "${pip[@]}" install -q --no-build-isolation -e "${MEGATRON_DS_ROOT}[tensorboard]"
     stamp_set packages "$key"
   fi
   if [ "$BUILD_APEX" = 1 ]; then
