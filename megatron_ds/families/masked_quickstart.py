@@ -6,7 +6,6 @@ the family's ``Quickstart`` of them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -15,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, cpu_named_to_deepspeed,
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, begin,
                                                    launcher_cmd, make_corpus, parallel_layout, run_job, step,
                                                    timed_stages, train_then_resume, train_tokenizer_once)
 
@@ -132,12 +131,7 @@ def evaluate_and_export(args, run_tool: ToolRunner, family: MaskedSteps, preset:
 
 def run(args, run_tool: ToolRunner, family: MaskedSteps) -> int:
     """One family's quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
-    preset = family.presets[args.size]
-    if args.train_iters:
-        preset = dataclasses.replace(preset, iters=args.train_iters,
-                                     resume_iters=min(preset.resume_iters, args.train_iters // 2))
-    os.makedirs(args.workdir, exist_ok=True)
-    cpu_named_to_deepspeed()
+    preset = begin(args, family.presets)
     t0 = time.time()
     with timed_stages():
         data_prefix, heldout_prefix, vocab = prepare_data(run_tool, args.workdir, preset, args.workers)

@@ -10,6 +10,7 @@ script's body in this process, by the script's path."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -191,6 +192,19 @@ def cpu_named_to_deepspeed() -> None:
 
     if not on_cuda():
         os.environ.setdefault(CPU_SWITCH, "cpu")
+
+
+def begin(args, presets: dict):
+    """What every quickstart does first: the preset of ``args.size`` (``--train-iters`` replacing its
+    iterations, the resume point kept in the first half), the workdir made, and DeepSpeed told about a
+    CPU (``cpu_named_to_deepspeed``)."""
+    preset = presets[args.size]
+    if args.train_iters:
+        preset = dataclasses.replace(preset, iters=args.train_iters,
+                                     resume_iters=min(preset.resume_iters, args.train_iters // 2))
+    os.makedirs(args.workdir, exist_ok=True)
+    cpu_named_to_deepspeed()
+    return preset
 
 
 def run_job(cmd: list[str], log_path: str, echo: tuple[str, ...], patterns: tuple) -> list[list[tuple]]:

@@ -1,6 +1,5 @@
-"""Pure helpers: sizes, vocabulary padding and ranges, tensor splitting (no processes needed)."""
+"""Pure helpers: sizes, vocabulary padding and ranges (no processes needed)."""
 import pytest
-import torch
 
 from megatron_ds.parallel.utils import (
     divide,

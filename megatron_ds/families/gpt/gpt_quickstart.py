@@ -16,14 +16,13 @@ on all local GPUs (tensor parallel 2 when there are >= 2); ``tiny`` a minute-lon
 end-to-end test uses it)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 import time
 from dataclasses import dataclass
 
-from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, cpu_named_to_deepspeed,
+from megatron_ds.families.quickstart_steps import (ROOT, Quickstart, ToolRunner, begin,
                                                    launcher_cmd, make_corpus, numbered_steps, parallel_layout, run_job,
                                                    step, timed_stages, train_then_resume, train_tokenizer_once)
 
@@ -200,12 +199,7 @@ def report(args, preset: Preset, t0: float, trained: dict, outputs: dict, data: 
 
 def run(args, run_tool: ToolRunner) -> int:
     """The GPT quickstart with tools/quickstart.py's parsed arguments (--size, --workdir, ...)."""
-    preset = PRESETS[args.size]
-    if args.train_iters:
-        preset = dataclasses.replace(preset, iters=args.train_iters,
-                                     resume_iters=min(preset.resume_iters, args.train_iters // 2))
-    os.makedirs(args.workdir, exist_ok=True)
-    cpu_named_to_deepspeed()
+    preset = begin(args, PRESETS)
     t0 = time.time()
     with timed_stages():
         data = prepare_data(run_tool, args.workdir, preset, args.workers)

@@ -13,7 +13,6 @@ tuples also go through our checkpoint inside DeepSpeed's pipeline.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_ds.config.layout import resolve_model_config
