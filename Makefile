@@ -8,45 +8,62 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 # DeepSpeed must not try to compile its CUDA ops at install time.
 export DS_BUILD_OPS ?= 0
-# DeepSpeed JIT-compiles a small CPU op on first use into torch's extension cache; one cache shared
-# by several venvs (checkouts side by side) is rebuilt whenever another venv's torch uses it.
+# Ops compiled on first use (DeepSpeed's CPU Adam for ZeRO offload, the tests' fake-CUDA shim) go to torch's
+# extension cache; one cache shared by several venvs (checkouts side by side) is rebuilt whenever another
+# venv's torch uses it. (A CPU training run compiles nothing: megatron_ds.ds_compat.skip_shm_comm_op.)
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv install test test-gpu test-fast quickstart quickstart-bert quickstart-t5 bench clean gpu-report
 
-$(VENV)/.installed: setup.py pyproject.toml requirements.txt requirements-test.txt megatron_ds/data/helpers.cpp
+# Three install stamps, so each target installs only what it runs and `make test` after `make quickstart`
+# adds only the test set: the runtime (torch, requirements.txt, this package), setup.py's "hf" extra
+# (transformers, for the BERT and T5 quickstarts' export), and requirements-test.txt.
+RUNTIME := $(VENV)/.installed-runtime
+HF      := $(VENV)/.installed-hf
+TESTSET := $(VENV)/.installed-test
+
+$(RUNTIME): setup.py pyproject.toml requirements.txt megatron_ds/data/helpers.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-build-isolation -e .
 	touch $@
 
-install: $(VENV)/.installed
+$(HF): $(RUNTIME)
+	$(PIP) install -q --no-build-isolation -e ".[hf]"
+	touch $@
 
-test: install
+$(TESTSET): $(RUNTIME) requirements-test.txt
+	$(PIP) install -q -r requirements-test.txt
+	touch $@
+
+install: $(RUNTIME)
+
+test: $(TESTSET)
 	$(PY) -m pytest -q --timeout=900 tests
 
 # The tests marked `gpu` (tests/gpu and a few more): the real CLI, kernels and data path on CUDA
 # (sized for under 10 minutes on one GPU). `make test` runs them too where CUDA exists; without, they skip.
-test-gpu: install
+test-gpu: $(TESTSET)
 	$(PY) -m pytest -q --timeout=900 -m gpu tests
 
-quickstart: install
+quickstart: $(RUNTIME)
 	$(PY) tools/quickstart.py
 
-quickstart-bert: install
+quickstart-bert: $(HF)
 	$(PY) tools/quickstart.py --model bert
 
-quickstart-t5: install
+quickstart-t5: $(HF)
 	$(PY) tools/quickstart.py --model t5
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_ds/data/*.so
 
 # One markdown report of a GPU session (bench/gpu_report.py: ours vs the HF baseline, memory against
-# the estimate, a kernel-time profile, the gpu tests) into bench/out/gpu-report.md. No venv: on the
-# GPU machine `source .gpu/setup.sh && make gpu-report` runs it with the system python3; elsewhere
-# PYTHON=.venv/bin/python. GPU_REPORT_ARGS: e.g. "--smoke", "--budget-s 420 --out report.md".
+# the estimate, a kernel-time profile, the gpu tests) into bench/out/gpu-report.md. No venv: it runs with
+# $(PYTHON), which must have the runtime and test requirements (PYTHON=.venv/bin/python after `make test`;
+# on a lent GPU machine without DeepSpeed, the environment its preparation step carries there, see
+# docs/testing.md). GPU_REPORT_ARGS: e.g. "--smoke", "--budget-s 420 --out report.md".
 # This checkout's package comes first on the path, whatever else is installed.
 GPU_REPORT_ARGS ?=
 gpu-report:

@@ -59,8 +59,10 @@ setup(
         # by an FP8 run; 0.18 is the release tested with torch 2.13 (its CPU emulation in the tests)
         "torchao>=0.18",
     ],
+    # Optional sets, each named in docs/quickstart.md ("Installing"). `make quickstart` installs none of
+    # them; `make quickstart-bert` / `quickstart-t5` add "hf" (their export step), `make test` the "test" set.
     extras_require={
-        "tensorboard": ["tensorboard"],
+        "tensorboard": ["tensorboard"],  # --tensorboard-dir (scripts/abci/setup_env.sh installs it)
         "wandb": ["wandb"],  # --wandb-project / --wandb-name (works offline: WANDB_MODE=offline)
         # tools/checkpoint/to_hf.py and from_hf.py (Hugging Face export / import)
         "hf": ["transformers"],
@@ -69,8 +71,10 @@ setup(
         "gpu": ["liger-kernel>=0.5"],
         # tools/eval_harness.py: lm-evaluation-harness on a checkpoint (megatron_ds/inference/harness.py)
         "eval": ["lm_eval>=0.4.13,<0.5"],
-        # the tests compare tools/eval_harness.py with lm-eval's own "hf" model, which needs accelerate
-        "test": ["pytest>=7", "pytest-timeout", "transformers", "lm_eval>=0.4.13,<0.5", "accelerate"],
+        # requirements-test.txt: what `make test` adds (the tests compare tools/eval_harness.py with
+        # lm-eval's own "hf" model, which needs accelerate)
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "lm_eval>=0.4.13,<0.5", "accelerate", "wandb",
+                 "tensorboard"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Generation throughput: new tokens per second with and without the KV cache.
 
-By default a randomly initialized GPT of the quickstart's CPU shape (the numbers do not depend on
-the weights: decoding runs all max-new-tokens with --no-stop-at-eod semantics); --load takes a
-checkpoint instead. Prompts of 32 tokens, greedy, one process; the device is the GPU when there is
-one (bf16), else the CPU (fp32).
+By default a randomly initialized GPT of 4 layers x 256, seq 128, the shape of bench/RESULTS.md's
+figures (they do not depend on the weights: decoding runs all max-new-tokens with --no-stop-at-eod
+semantics); --load takes a checkpoint instead. Prompts of 32 tokens, greedy, one process; the
+device is the GPU when there is one (bf16), else the CPU (fp32).
 
     python bench/generate.py [--load CKPT] [--new-tokens 96] [--batch-sizes 1 8]
 """
@@ -18,9 +18,10 @@ import torch
 
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.inference.generate import SamplingConfig, generate
 from megatron_ds.inference.model import ModelWeights, build_inference_model
-from megatron_ds.model.layer_specs import build_sequential_gpt
 
 SHAPE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128)
 PADDED_VOCAB = 4096
@@ -31,7 +32,7 @@ def weights_from(args) -> ModelWeights:
     if args.load:
         from megatron_ds.checkpoint import load_consolidated  # noqa: PLC0415
 
-        c = load_consolidated(args.load, log=lambda *a: None)
+        c = load_consolidated(args.load, log=lambda *a: None, family=GPT)
         return ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict)
     cfg = resolve_model_config(ModelConfig(**SHAPE, hidden_dropout=0.0, attention_dropout=0.0))
     module = build_sequential_gpt(cfg, padded_vocab_size=PADDED_VOCAB, seed=1)
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     weights = weights_from(args)
     new = min(args.new_tokens, weights.model.max_position_embeddings - PROMPT)
-    model = build_inference_model(weights, device=device, dtype=dtype)
+    model = build_inference_model(weights, device=device, dtype=dtype, family=GPT)
     m = weights.model
     print(f"GPT {m.num_layers} layers, hidden {m.hidden_size}, vocab {weights.padded_vocab_size}; {device} "
           f"{str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; prompt {PROMPT}, {new} new tokens")

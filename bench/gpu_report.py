@@ -3,11 +3,11 @@
 Llama-style 1.3B (ours in the default configuration and its variants, next to Hugging Face +
 torch.compile at the same shape), where an iteration spends its kernel time, and the `gpu` tests.
 
-    make gpu-report                                   # on the GPU machine: source .gpu/setup.sh first
+    make gpu-report                                   # PYTHON with the requirements installed (Makefile)
     python bench/gpu_report.py --budget-s 420 --out report.md
     python bench/gpu_report.py --smoke                # tiny shapes on the CPU: every section, end to end
 
-The pieces are megatron_ds/cli/gpu_mfu.py's (the shapes, our command line, the HF baseline, the FLOPs count);
+The pieces are bench/gpu_mfu.py's (the shapes, our command line, the HF baseline, the FLOPs count);
 each measurement runs in a fresh process with its own timeout, so a hung or failing variant becomes a
 "failed" row with its last lines and the report goes on. The report file is rewritten after every
 item: a killed session still leaves what was measured.
@@ -60,8 +60,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ds.cli import gpu_mfu
-
+import gpu_mfu  # bench/gpu_mfu.py: bench/ is first on the path of `python bench/gpu_report.py`
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_STEPS = 2  # profiled after warm-up: the last iterations but one
@@ -391,10 +390,11 @@ def estimate_gib(argv: list[str], gpu_bytes, world_size: int = 1) -> tuple[float
     runtime reserve), GiB."""
     from megatron_ds.config import parse_args, resolve
     from megatron_ds.config.memory import estimate_memory
+    from megatron_ds.families import get_family
 
     cfg, _ = parse_args(argv)
-    layout = resolve(cfg, world_size=world_size, vocab_size=gpu_mfu.VOCAB, device_type="cuda",
-                     gpu_memory=gpu_bytes).layout
+    layout = resolve(cfg, world_size=world_size, vocab_size=gpu_mfu.VOCAB, family=get_family("gpt"),
+                     device_type="cuda", gpu_memory=gpu_bytes).layout
     estimate = estimate_memory(layout)
     reserve = dict(estimate.terms)["runtime reserve"]
     return (estimate.total - reserve) / 2 ** 30, estimate.total / 2 ** 30

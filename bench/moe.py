@@ -30,12 +30,13 @@ MOE = "--num-experts 8 --topk 1 --moe-expert-parallel-size 2 --moe-loss-coeff 0.
 
 
 def prepare(workdir: str):
-    from megatron_ds.cli.quickstart_gpt import PRESETS, prepare_data
+    from megatron_ds.cli.quickstart import run_tool
+    from megatron_ds.families.gpt.gpt_quickstart import PRESETS, prepare_data
 
     preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=2.0, vocab=SHAPE["vocab"])
     os.makedirs(workdir, exist_ok=True)
     with contextlib.redirect_stdout(io.StringIO()):
-        prefix, vocab, merges, _, _ = prepare_data(workdir, preset, workers=2)
+        prefix, vocab, merges, _, _ = prepare_data(run_tool, workdir, preset, workers=2)
     return prefix, vocab, merges
 
 

@@ -68,7 +68,7 @@ class SleepLayer(torch.nn.Module):
 
 
 class SleepChunks(torch.nn.Module):
-    """The interface InterleavedPipeline needs from GPTModelChunks, with sleeping layers."""
+    """The interface InterleavedPipeline needs from ModelChunks, with sleeping layers."""
 
     def __init__(self, v: int, layers_per_chunk: int, fwd_s: float, bwd_s: float):
         super().__init__()
@@ -101,7 +101,7 @@ def _worker(rank, world, port, v, zbh1, args, queue):
     import deepspeed
 
     from megatron_ds.parallel.groups import ParallelState
-    from megatron_ds.pipeline.plan import zbh1_schedule
+    from megatron_ds.parallel.schedules import zbh1_schedule
     from megatron_ds.pipeline.executor import InterleavedPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -153,7 +153,7 @@ def measure(v: int, zbh1: bool, args) -> list[float]:
 def _ideal_step(args, v: int, zbh1: bool) -> float:
     """Seconds one step takes with no overheads: the event simulation of the step lists (interleaved:
     the paper's ``m + (p - 1) / v`` micro-batch slots)."""
-    from megatron_ds.pipeline.plan import pipeline_schedule, simulate_step_time, zbh1_schedule
+    from megatron_ds.parallel.schedules import pipeline_schedule, simulate_step_time, zbh1_schedule
 
     per_rank = args.layers // args.pp
     f, b = per_rank * args.fwd_ms / 1000, per_rank * args.bwd_ms / 2000

@@ -62,7 +62,7 @@ _INTERNAL_NAMES = {
 # (module, class, attribute, who relies on it).
 _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
-     "overridden by megatron_ds.model.layer_specs.GPTPipelineModel"),
+     "overridden by megatron_ds.model.pipeline_model.PipelineModel"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
      "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (the split rank's partition)"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),
@@ -84,7 +84,6 @@ _READ_BY_DEEPSPEED = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", "overflow"),
 )
 
-PIPELINE_CHECKPOINT_HOOK = "_is_checkpointable"
 # Parameter attributes DeepSpeed's norm helpers read to count a gradient once (0.16-0.19).
 _NORM_ATTRIBUTES = ("ds_pipe_replicated", "tensor_model_parallel", "model_parallel")
 
@@ -388,7 +387,7 @@ def zero_grad_where_missing(param) -> None:
 def replace_loss_fn(module, loss_fn) -> None:
     """Replace the loss a module computes on the last stage: ``PipelineModule.loss_fn``, which
     ``PipelineEngine._exec_forward_pass`` reads at every micro-batch (0.16-0.19); megatron_ds's own
-    modules (``GPTSequential``, ``GPTModelChunks``) keep theirs under the same name."""
+    modules (``SequentialModel``, ``ModelChunks``) keep theirs under the same name."""
     module.loss_fn = loss_fn
 
 
@@ -600,6 +599,48 @@ def cpp_warnings_quiet():
     finally:
         if before is not None:
             level.value = before
+
+
+# DeepSpeed's CPU shared-memory collective op: TorchBackend.__init__ (deepspeed.comm.torch.build_shm_op,
+# 0.16-0.19) JIT-compiles it on the CPU accelerator whenever ``deepspeed.ops.__compatible_ops__`` says it can.
+_SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from building its shared-memory CPU collective when it joins the job. The op serves
+    only ``deepspeed.comm.inference_all_reduce`` (DeepSpeed's AutoTP inference), which megatron_ds never
+    calls: every collective of a CPU run goes through torch.distributed on gloo with or without it. Its
+    first build kept a fresh machine's first CPU run ~40 s from its first iteration (compiling on two
+    cores; then cached per torch build, in TORCH_EXTENSIONS_DIR). Marking it incompatible is what
+    DeepSpeed itself does on a platform without it (``ShareMemCommBuilder.is_compatible``)."""
+    import deepspeed.ops  # noqa: PLC0415
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed lazily on first access in 0.19
+    if isinstance(compatible, dict):
+        compatible[_SHM_COMM_OP] = False
+
+
+# Loggers of what importing torchao says (torchao 0.18, torch 2.13): torchao logs one warning per optional
+# C++ kernel library it cannot load ("Failed to load .../_C_mxfp8...so", CUTLASS), CUDA builds of kernels
+# megatron_ds never calls, and torch's pytree warns that torchao's enums need no register_constant() any more.
+_TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def torchao_import_quiet():
+    """A block that may import torchao (our FP8 GEMMs; transformers' model classes import it whenever it
+    is installed) with those import-time warnings held back, errors still shown; the levels are restored."""
+    import logging  # noqa: PLC0415
+
+    logs = [logging.getLogger(name) for name in _TORCHAO_IMPORT_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(max(log.level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def act_as_torch_optimizer(opt, profile_name: str) -> None:

@@ -4,7 +4,7 @@ The bottom floor: it imports nothing from the project, so every floor can raise 
 ``pretrain_gpt.py`` prints these messages as they are and exits 1; anything else is a bug and keeps
 its traceback.
 
-Exit status, the same for pretrain_gpt.py and every CLI in tools/ (tests/test_cli_exit_codes.py):
+Exit status, the same for pretrain_gpt.py and every CLI in tools/ (tests/cli/test_exit_codes.py):
 2 when the command line is refused as such -- argparse's status: an unknown flag, required flags
 missing (all named at once), a malformed value or one no run can use (``--temperature -1``); 1 when it
 parsed but the work cannot be done (these errors: a combination the run refuses, a missing or

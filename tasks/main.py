@@ -5,12 +5,12 @@
         --pretrained-checkpoint bert_ckpt --epochs 3 --vocab-file bert-vocab.txt ...
     python tasks/main.py --help
 
-The command line lives in megatron_ds/cli/finetune.py (this script only calls it), so the package
+The command line lives in megatron_ds/cli/tasks.py (this script only calls it), so the package
 must be installed: `pip install -e .` (`make install`).
 """
 import sys
 
-from megatron_ds.cli.finetune import main
+from megatron_ds.cli.tasks import main
 
 if __name__ == "__main__":
     sys.exit(main())

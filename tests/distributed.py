@@ -167,11 +167,15 @@ def _forkserver_preload() -> list[str]:
     most of a short run's start-up). Not where CUDA exists: DeepSpeed picks its accelerator once, at
     import, from DS_ACCELERATOR, and a child there may be handed ``env=cuda_env()`` -- it must import
     DeepSpeed itself, after its `env` is applied. A module that fails to import here is skipped by
-    multiprocessing; the child then imports it as before."""
+    multiprocessing; the child then imports it as before.
+
+    DS_ACCELERATOR may be unset here: the server starts at the session's first run, which may be a
+    module- or session-scoped fixture, set up before the per-test fixture that sets it (conftest.py).
+    Without CUDA DeepSpeed detects the CPU then, and the children set DS_ACCELERATOR=cpu themselves."""
     import torch
 
     modules = ["torch", "torch.distributed"]
-    if os.environ.get("DS_ACCELERATOR") == "cpu" and not torch.cuda.is_available():
+    if os.environ.get("DS_ACCELERATOR", "cpu") == "cpu" and not torch.cuda.is_available():
         modules += ["deepspeed", "megatron_ds.families", "megatron_ds.training.trainer"]
     return modules
 

@@ -13,11 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_e2e_data(workdir: Path, corpus_mb: float = 1.0, vocab_size: int = 1024) -> dict:
-    from megatron_ds.cli.quickstart_gpt import PRESETS, prepare_data
+    from megatron_ds.cli.quickstart import run_tool
+    from megatron_ds.families.gpt.gpt_quickstart import PRESETS, prepare_data
 
     preset = dataclasses.replace(PRESETS["cpu"], corpus_mb=corpus_mb, vocab=vocab_size)
     with contextlib.redirect_stdout(io.StringIO()):
-        prefix, vocab, merges, _, _ = prepare_data(str(workdir), preset, workers=2)
+        prefix, vocab, merges, _, _ = prepare_data(run_tool, str(workdir), preset, workers=2)
     return {"prefix": prefix, "vocab": vocab, "merges": merges}
 
 
@@ -30,12 +31,13 @@ def make_masked_tiny_data(workdir: Path) -> dict:
     """Steps 1-3 of the masked quickstarts at the BERT "tiny" size, run once per session (about 20 s
     of CPU) by the same code the quickstarts call: {"workdir", "prefix", "heldout", "vocab",
     "preset"}."""
-    from megatron_ds.cli.quickstart_bert import BERT_PRESETS
-    from megatron_ds.cli.quickstart_masked import prepare_data
+    from megatron_ds.cli.quickstart import run_tool
+    from megatron_ds.families.bert.bert_quickstart import BERT_PRESETS
+    from megatron_ds.families.masked_quickstart import prepare_data
 
     preset = BERT_PRESETS["tiny"]
     with contextlib.redirect_stdout(io.StringIO()):
-        prefix, heldout, vocab = prepare_data(str(workdir), preset, workers=1)
+        prefix, heldout, vocab = prepare_data(run_tool, str(workdir), preset, workers=1)
     built = sorted(p.relative_to(workdir) for p in workdir.rglob("*") if p.is_file())  # not later caches
     return {"workdir": workdir, "files": built, "prefix": prefix, "heldout": heldout, "vocab": vocab,
             "preset": preset}

@@ -4,8 +4,14 @@ no private name crosses a module boundary. The floor list is read from the docum
 two modules share a file name either, so that a name says where a module is.
 
 The scripts (tools/, bench/, pretrain_*.py) stand on top: each imports the installed package and
-nothing else of the repository, never touches sys.path, and the package imports none of them, so
-no import circle can run through them; none runs through tests/ either."""
+nothing else of the repository (a bench/ script may import another bench/ module: bench/ is first on
+its path when it runs), never touches sys.path, and the package imports none of them, so no import
+circle can run through them; none runs through tests/ either. Each tools/ script calls the
+``megatron_ds.cli`` module of its own name (tasks/main.py: ``cli.tasks``).
+
+Below ``megatron_ds/families/`` nothing switches on a model family's name, and no missing family
+stands for one of them (``family is None``, a ``family=None`` parameter, ``family or GPT``): the
+floors get the family object and read its fields."""
 from __future__ import annotations
 
 import ast
@@ -183,11 +189,14 @@ def _called(call: ast.Call) -> str | None:
 
 def script_problems(path: Path, repo: Path, local: set[str]) -> list[str]:
     """What makes a script more than a caller of the installed package: sys.path used, a file loaded
-    as a module, a relative import, an import of another script, of tools/, bench/ or tests/."""
+    as a module, a relative import, an import of another script, of tools/, bench/ or tests/ (but a
+    bench/ script's import of a bench/ module by its bare name: bench/ is on its path when it runs)."""
     tree = ast.parse(path.read_text(), str(path))
     name = path.relative_to(repo)
+    siblings = {p.stem for p in (repo / "bench").glob("*.py")} if name.parts[0] == "bench" else set()
     problems = [f"{name}:{module_line}: imports {module}, which is not the installed package"
-                for module, module_line in absolute_imports(tree) if module.split(".")[0] in local]
+                for module, module_line in absolute_imports(tree)
+                if module.split(".")[0] in local and module not in siblings]
     for node in ast.walk(tree):
         where = f"{name}:{getattr(node, 'lineno', 0)}"
         sys_path = ((isinstance(node, ast.Attribute) and node.attr == "path"
@@ -223,6 +232,38 @@ def test_imports_follow_the_floors():
     floors = read_floors(REPO / "docs" / "architecture.md")
     problems = check(REPO / PACKAGE, floors)
     assert not problems, "\n".join(problems)
+
+
+def test_every_package_sits_on_one_floor():
+    """No module of a package on a floor of its own (a dotted name in the floors block): a package that
+    straddles two floors is two packages."""
+    dotted = [name for name in read_floors(REPO / "docs" / "architecture.md") if "." in name]
+    assert not dotted, f"modules on a floor apart from their package: {dotted}"
+
+
+def cli_module_of(script: Path, repo: Path) -> str:
+    """The ``megatron_ds.cli`` module a script must call: tools/X.py (tools/checkpoint/X.py) -> ``X``,
+    tasks/main.py -> ``tasks``."""
+    return "tasks" if script.relative_to(repo).parts[0] == "tasks" else script.stem
+
+
+def test_each_tool_calls_the_cli_module_of_its_name():
+    """tools/X.py runs ``megatron_ds.cli.X.main`` (a name says where the body is), and every cli module
+    but the shared helpers has its script."""
+    scripts = sorted([*(REPO / "tools").rglob("*.py"), *(REPO / "tasks").glob("*.py")])
+    wrong = []
+    for script in scripts:
+        imported = {module for module, _ in absolute_imports(ast.parse(script.read_text()))}
+        expected = f"{PACKAGE}.cli.{cli_module_of(script, REPO)}"
+        if expected not in imported:
+            wrong.append(f"{script.relative_to(REPO)} does not call {expected} (imports {sorted(imported)})")
+    called = {cli_module_of(s, REPO) for s in scripts}
+    # modules the tools' bodies share (their flags, their steps), not command lines of their own
+    helpers = {"evaluate_masked"}
+    orphans = sorted(p.stem for p in (REPO / PACKAGE / "cli").glob("*.py")
+                     if p.stem != "__init__" and p.stem not in called | helpers)
+    assert not wrong and not orphans, "\n".join(wrong + [f"megatron_ds/cli/{o}.py has no tools/ script"
+                                                         for o in orphans])
 
 
 def test_no_two_modules_share_a_file_name():
@@ -320,7 +361,9 @@ def test_the_repository_graph_sees_circles_through_tests_and_scripts(tmp_path):
 # --- no switch on a model family's name below megatron_ds/families/ ---------------------------------------
 
 FAMILY_NAMES = {"gpt", "bert", "t5", "moe"}
-FAMILY_WORDS = ("family", "kind")  # identifiers (and string keys like "model_family") that name a family
+# identifiers (and string keys like "model_family") that name a family: a command line's --model and a
+# Hugging Face config's model_type name one too
+FAMILY_WORDS = ("family", "kind", "model")
 
 
 def _literals(node: ast.AST) -> set[str]:
@@ -391,10 +434,126 @@ def test_no_floor_below_the_families_switches_on_a_family_name():
     ('x = family.decoder_seq_length is None\n', False),
 ])
 def test_the_family_check_finds_what_it_forbids(tmp_path, text, found):
+    _check_below_families(family_switches, tmp_path, text, found, allowed='if family.name == "bert":\n    pass\n')
+
+
+def _check_below_families(check, tmp_path: Path, text: str, found: bool, *, allowed: str) -> None:
+    """``check`` of a scratch package with ``text`` in a module below its families/ (found or not, as
+    ``found`` says) and ``allowed`` inside families/ (never found)."""
     root = tmp_path / "pkg"
     (root / "families").mkdir(parents=True)
     (root / "low.py").write_text(text)
-    (root / "families" / "allowed.py").write_text('if family.name == "bert":\n    pass\n')
-    problems = family_switches(root)
+    (root / "families" / "allowed.py").write_text(allowed)
+    problems = check(root)
     assert bool(problems) == found, problems
     assert not any("allowed.py" in p for p in problems)
+
+
+# --- no missing family standing for one below megatron_ds/families/ ---------------------------------------
+
+def _family_ref(node: ast.AST) -> bool:
+    """A name or attribute that is a model family itself: ``family``, ``layout.family``, ``self.family``
+    (not a field of one: ``family.pipeline_choice`` may well be None)."""
+    word = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return word is not None and word.lower().endswith("family")
+
+
+def _none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _optional_annotation(node: ast.AST | None) -> bool:
+    """``X | None`` or ``Optional[X]``."""
+    if node is None:
+        return False
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+        return "None" in node.value or "Optional" in node.value
+    return any(_none(n) or (isinstance(n, ast.Name) and n.id == "Optional") for n in ast.walk(node))
+
+
+def _optional_family_parameters(node: ast.AST) -> bool:
+    """A function whose ``family`` parameter may be None (annotated so, or defaulting to it)."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        return False
+    a = node.args
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    pairs = list(zip(positional, defaults)) + list(zip(a.kwonlyargs, a.kw_defaults))
+    return any(arg.arg.lower().endswith("family") and ((default is not None and _none(default))
+                                                        or _optional_annotation(arg.annotation))
+               for arg, default in pairs)
+
+
+def _missing_family(node: ast.AST) -> bool:
+    """``family is None`` / ``is not None`` / ``== None``, ``family or X``, ``x if family else y``,
+    ``if (not) family:``, a parameter ``family=None`` or ``family: ModelFamily | None``, a dataclass
+    field ``family: ModelFamily | None``."""
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        return any(_none(a) for a in sides) and any(_family_ref(a) for a in sides)
+    if isinstance(node, ast.BoolOp):
+        return isinstance(node.op, ast.Or) and _family_ref(node.values[0])
+    if isinstance(node, (ast.IfExp, ast.If, ast.While)):
+        test = node.test.operand if isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not) \
+            else node.test
+        return _family_ref(test)
+    if isinstance(node, ast.AnnAssign):
+        return _family_ref(node.target) and _optional_annotation(node.annotation)
+    return _optional_family_parameters(node)
+
+
+def missing_family_uses(root: Path, exempt: str = "families") -> list[str]:
+    """Every place in the package at ``root``, outside its ``exempt`` sub-package, where a missing model
+    family (None) could stand for one of them."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == exempt:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if _missing_family(node):
+                problems.append(f"{path.relative_to(root.parent)}:{node.lineno}: a missing model family stands "
+                                f"for one (pass the family object)")
+    return problems
+
+
+def test_no_floor_below_the_families_lets_a_missing_family_stand_for_one():
+    """"``family is None`` means the GPT" is how a default family creeps back: below
+    ``megatron_ds/families/`` a family is always given, as the object, and read by its fields."""
+    problems = missing_family_uses(REPO / PACKAGE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("text,found", [
+    ("x = 1 if family is None else 2\n", True),
+    ("if layout.family is not None:\n    pass\n", True),
+    ("x = family or GPT\n", True),
+    ("x = (family.check if family else check_gpt)\n", True),
+    ("if not self.family:\n    pass\n", True),
+    ("def f(a, family=None):\n    pass\n", True),
+    ("def f(a, *, family: ModelFamily | None = GPT):\n    pass\n", True),
+    ("class C:\n    family: 'ModelFamily | None' = None\n", True),
+    ("x = family.pipeline_choice or even\n", False),  # a field of the family may be missing
+    ("x = family.decoder_seq_length is None\n", False),
+    ("def f(a, *, family: ModelFamily):\n    pass\n", False),
+])
+def test_the_missing_family_check_finds_what_it_forbids(tmp_path, text, found):
+    _check_below_families(missing_family_uses, tmp_path, text, found,
+                          allowed="def main(argv=None, family=None):\n    pass\n")
+
+
+# --- tests/ mirrors the package -------------------------------------------------------------------------
+
+CROSS_CUTTING_TEST_DIRS = {"gpu"}  # tests/gpu: what only a GPU shows, across the package (marked `gpu`)
+
+
+def test_the_tests_mirror_the_package():
+    """tests/a/b/ is about megatron_ds/a/b/ (a package) or megatron_ds/a/b.py (a module), and every
+    package of megatron_ds has its tests/ folder: a test is found where its code is."""
+    tests, package = REPO / "tests", REPO / PACKAGE
+    test_dirs = {p.relative_to(tests) for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__"
+                 and p.relative_to(tests).parts[0] not in CROSS_CUTTING_TEST_DIRS}
+    stray = sorted(str(d) for d in test_dirs
+                   if not (package / d).is_dir() and not (package / d).with_suffix(".py").is_file())
+    packages = {p.parent.relative_to(package) for p in package.rglob("__init__.py") if p.parent != package}
+    untested = sorted(str(d) for d in packages if d not in test_dirs)
+    assert not stray and not untested, f"tests/ folders of no package: {stray}; packages without tests/: {untested}"

@@ -82,11 +82,11 @@ def test_a_lost_hook_fails_with_the_one_message(monkeypatch):
 def test_pipeline_override_is_registered():
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from megatron_ds.model.layer_specs import GPTPipelineModel
+    from megatron_ds.model.pipeline_model import PipelineModel
 
-    hook = ds_compat.PIPELINE_CHECKPOINT_HOOK
+    hook = "_is_checkpointable"  # DeepSpeed's PipelineModule hook PipelineModel overrides
     assert hook in {h[2] for h in ds_compat._HOOKS}
-    assert getattr(GPTPipelineModel, hook) is not getattr(PipelineModule, hook)
+    assert getattr(PipelineModel, hook) is not getattr(PipelineModule, hook)
 
 
 def test_an_unlisted_override_is_refused():
@@ -115,3 +115,21 @@ def test_no_other_module_imports_deepspeed_runtime():
                         if re.match(r"\s*(from|import)\s+deepspeed\.runtime\b", line):
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{i}")
     assert offenders == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="DeepSpeed builds its shared-memory op on Linux only")
+def test_cpu_runs_do_not_build_deepspeeds_shared_memory_op(monkeypatch):
+    """DeepSpeed's TorchBackend asks build_shm_op() for its CPU collective when it joins a job; after
+    skip_shm_comm_op it gets None, with nothing compiled (the op serves only inference_all_reduce)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")  # (deepspeed.comm's own ``torch`` is torch)
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("DeepSpeed's accelerator here is not the CPU")
+    compatible = deepspeed.ops.__compatible_ops__
+    monkeypatch.setitem(compatible, ds_compat._SHM_COMM_OP, True)  # what DeepSpeed probes on Linux
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    monkeypatch.setattr(type(builder), "load", lambda self, verbose=False: pytest.fail("the op was built"))
+    ds_compat.skip_shm_comm_op()
+    assert ds_torch_comm.build_shm_op() is None

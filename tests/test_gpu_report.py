@@ -3,7 +3,6 @@ does not fit, and (slow) the whole --smoke report on the CPU with every section 
 from __future__ import annotations
 
 import gzip
-import importlib
 import json
 import os
 import subprocess
@@ -19,10 +18,9 @@ SECTIONS = ("# GPU report", "- device: ", "- versions: torch ", "deepspeed ", "l
 
 
 @pytest.fixture
-def report(monkeypatch):
+def report(bench):
     """The module as `python bench/gpu_report.py` sees it: bench/ first on the path."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    return importlib.import_module("gpu_report")
+    return bench("gpu_report")
 
 
 def test_kernel_families_of_names_a_gpu_profile_shows(report):

@@ -3,12 +3,12 @@
 
     python tools/evaluate.py --help
 
-The command line lives in megatron_ds/cli/evaluate_gpt.py (this script only calls it), so the package
+The command line lives in megatron_ds/cli/evaluate.py (this script only calls it), so the package
 must be installed: `pip install -e .` (`make install`).
 """
 import sys
 
-from megatron_ds.cli.evaluate_gpt import main
+from megatron_ds.cli.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,12 +3,12 @@
 
     python tools/plan.py --resource rt_F --nodes 8 --model-size 13B --seq-length 2048 --global-batch-size 1024 --fp16
 
-The command line lives in megatron_ds/cli/parallelism_plan.py (this script only calls it), so the
+The command line lives in megatron_ds/cli/plan.py (this script only calls it), so the
 package must be installed: `pip install -e .` (`make install`). docs/planner.md explains the output.
 """
 import sys
 
-from megatron_ds.cli.parallelism_plan import main
+from megatron_ds.cli.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

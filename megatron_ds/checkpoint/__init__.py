@@ -9,8 +9,8 @@ that wrote them (full weights, another layout, DeepSpeed universal, Hugging Face
                     tp.py             how each parameter splits over tensor parallel ranks
                     plain_optim.py    ZeRO-0 optimizer state by parameter name
                     zero3.py          ZeRO-3 checkpoints, parameter by parameter
-                    moe.py            DeepSpeed's expert files and expert numbering across EP sizes
-                    moe_files.py      reading a checkpoint written by an engine with MoE layers
+                    expert_files.py   DeepSpeed's expert files and expert numbering across EP sizes
+                    moe_sources.py    reading a checkpoint written by an engine with MoE layers
                     optim_state.py    optimizer state by parameter name, whatever wrote it
     full weights    consolidate.py    any checkpoint -> unsharded fp32 weights (``load_consolidated``)
                     sources.py        where those weights come from, layer by layer
@@ -18,10 +18,8 @@ that wrote them (full weights, another layout, DeepSpeed universal, Hugging Face
                     engine_state.py   writing resharded weights and optimizer state into a live engine
                     universal.py      DeepSpeed universal checkpoints (--universal-checkpoint)
                     megatron_names.py parameter names of ours and Megatron-DeepSpeed's universal files
-    Hugging Face    hf.py             GPT <-> transformers tensor and config mapping
-                    mixtral.py        the MoE model as ``MixtralForCausalLM``
-                    export.py         a checkpoint -> a transformers directory
-                    import_hf.py      a GPT-2 / Llama / Mixtral directory -> a checkpoint
+    Hugging Face    hf_files.py       safetensors read and written in shards, the fused QKV split and fused;
+                                      each family maps its own names (families/<name>/*_hf*.py)
 
 ``load_consolidated`` and friends are re-exported lazily (PEP 562): importing the format modules
 must not import DeepSpeed and the model.

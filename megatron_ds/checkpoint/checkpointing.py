@@ -139,10 +139,9 @@ def install_safe_loading(engine, log=print) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict, meta: dict,
-                    loss: float | None = None, room=None, family: ModelFamily | None = None,
-                    log=print) -> None:
+                    family: ModelFamily, loss: float | None = None, room=None, log=print) -> None:
     """Write ``engine``'s checkpoint of ``iteration`` with ``meta`` (the run's record) and its manifest,
-    then the trackers; ``family``: the run's model family (None: the GPT). ``loss``: the iteration's
+    then the trackers; ``family``: the run's model family. ``loss``: the iteration's
     loss, recorded with it; a non-finite loss, weight or optimizer-state value is not saved
     (``health.NonFiniteState``). A write error on any rank (a full disk) stops every rank with one
     line (``_WriteFailure``; ``room``: a function giving the bytes one checkpoint needs, for that line,
@@ -157,7 +156,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     # the converter cannot read expert files, and DeepSpeed's MoE save refuses the key in client state
     # (nor for a family whose parameters the patterns do not name: ModelFamily.universal_checkpoints)
     sig = meta.get("signature")
-    universal = family is None or family.universal_checkpoints
+    universal = family.universal_checkpoints
     if sig is not None and EXPERT_PARALLEL_SIZE not in sig and universal:
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
     failure = _WriteFailure(save_dir, iteration, room)
@@ -243,13 +242,13 @@ def _existing(path: str) -> str:
     return path
 
 
-def load_checkpoint(engine, settings, *, signature: dict, ps=None, family: ModelFamily | None = None,
+def load_checkpoint(engine, settings, *, signature: dict, family: ModelFamily, ps=None,
                     vocab: dict | None = None, log=print) -> tuple[int, dict]:
     """Load the checkpoint that ``settings`` (the run's ``CheckpointConfig``) asks for: the newest
     complete one in --load, exactly --ckpt-step, or a DeepSpeed universal one. Returns (iteration,
     client_state); (0, {}) if there is none, iteration 0 with --finetune. A checkpoint of another
     layout (or an imported one) is resharded when ``ps`` (this run's ``ParallelState``) is given.
-    ``family``: this run's model family (None: the GPT); ``vocab``: this run's tokenizer
+    ``family``: this run's model family; ``vocab``: this run's tokenizer
     (``vocabulary.tokenizer_record``), compared with the checkpoint's before a tensor is read."""
     vocab = VocabSettings(vocab, settings.allow_vocab_change)
     load_dir = settings.load
@@ -291,7 +290,7 @@ def saved_flags(settings, log=print) -> dict | None:
     return read_meta(path).get("config") if os.path.isfile(os.path.join(path, META)) else None
 
 
-def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, family: ModelFamily | None,
+def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, family: ModelFamily,
                load_optim: bool, load_lr_state: bool, vocab: VocabSettings, log) -> tuple[int, dict]:
     """One ``global_stepN`` of ours: by DeepSpeed's own loader when the layout allows, else resharded
     (also to resize the vocabulary rows under --allow-vocab-change)."""

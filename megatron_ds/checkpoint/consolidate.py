@@ -42,34 +42,33 @@ class Consolidated:
     state_dict: dict[str, torch.Tensor]
 
 
-def merge_layer(shards: list[dict], prefix: str, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """One layer's full fp32 tensors, keyed with ``prefix``, from its tensor parallel shards."""
+def merge_layer(shards: list[dict], prefix: str, model: ModelConfig, family: ModelFamily) -> dict[str, torch.Tensor]:
+    """One layer's full fp32 tensors, keyed with ``prefix``, from its tensor parallel shards (split as
+    ``family``'s layers split them)."""
     out = {}
     for name in shards[0]:
         full_name = prefix + name
         tensors = [s[name] for s in shards]
-        out[full_name] = tp_rules.merge(full_name, tensors, model).to(torch.float32).clone()
+        out[full_name] = tp_rules.merge(full_name, tensors, model, family).to(torch.float32).clone()
     return out
 
 
-def iter_consolidated_layers(load_dir: str | CheckpointFiles, iteration: int | None = None, *,
-                             from_masters: bool = False, family: ModelFamily | None = None,
+def iter_consolidated_layers(ckpt: CheckpointFiles, *, from_masters: bool = False,
                              log: Callable = print) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(global layer index, {state-dict key: full fp32 tensor})`` layer by layer (the fp32
-    master weights of the optimizer files with ``from_masters``) of ``family``'s checkpoint (None: the GPT's)."""
-    ckpt = load_dir if isinstance(load_dir, CheckpointFiles) else open_checkpoint(load_dir, iteration, family)
+    master weights of the optimizer files with ``from_masters``) of an opened checkpoint (``open_checkpoint``)."""
     source = layer_source(ckpt, from_masters=from_masters)
     prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)
     for n, (idx, prefix) in enumerate(prefixes):
-        yield idx, merge_layer(source.shards(idx, prefix), prefix, ckpt.model)
+        yield idx, merge_layer(source.shards(idx, prefix), prefix, ckpt.model, ckpt.family)
         log(f"consolidated layer {n + 1}/{len(prefixes)} of {ckpt.path}")
 
 
 def load_consolidated(load_dir: str, iteration: int | None = None, *, from_masters: bool = False,
-                      family: ModelFamily | None = None, log: Callable = print) -> Consolidated:
+                      family: ModelFamily, log: Callable = print) -> Consolidated:
     """The whole model's full fp32 weights from the checkpoint in ``load_dir`` (tracker's iteration
     unless ``iteration`` is given; the optimizer's fp32 masters with ``from_masters``), written by
-    ``family``'s model (None: the GPT's). See the module docstring."""
+    ``family``'s model. See the module docstring."""
     ckpt = open_checkpoint(load_dir, iteration, family)
     log(f"reading {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision})")

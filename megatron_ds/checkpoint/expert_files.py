@@ -37,16 +37,6 @@ _EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states
 _EXPERT_OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def expert_file_name(moe_layer: int, expert: int, mp_rank: int) -> str:
-    """DeepSpeed's ``_get_expert_ckpt_name`` (the per-layer form, ``layer_id >= 0``)."""
-    return f"layer_{moe_layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def expert_optim_file_name(ep_rank: int, mp_rank: int) -> str:
-    """DeepSpeed's ``_get_optimizer_ckpt_name``: ZeRO-0's optimizer state of expert parallel rank ``ep_rank``."""
-    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
-
-
 def parse_expert_file(name: str) -> tuple[int, int, int] | None:
     """(MoE layer of the stage, global expert, mp rank) of an expert file's base name, else None."""
     m = _EXPERT_FILE.match(name)
@@ -154,12 +144,3 @@ def to_local(state: dict, ep_rank: int, ep_size: int) -> dict:
         if rank == ep_rank:
             out[with_expert_id(name, local)] = value
     return out
-
-
-def regroup(per_rank: list[dict], ep_size: int) -> list[dict]:
-    """The states of ``len(per_rank)`` expert parallel ranks (local ids; the non-expert entries equal
-    on every rank) as the states of ``ep_size`` ranks."""
-    full: dict = {}
-    for rank, state in enumerate(per_rank):
-        full.update(to_global(state, rank))
-    return [to_local(full, r, ep_size) for r in range(ep_size)]

@@ -36,7 +36,6 @@ from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.layer_specs import gpt_layer_specs
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -57,22 +56,14 @@ def optim_states_file(path: str, dp_rank: int, mp_rank: int) -> str:
     return os.path.join(path, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
-def layer_specs(model: ModelConfig, padded_vocab_size: int, family: ModelFamily | None = None, **kwargs) -> list:
-    """The layer specs of a checkpoint's model family (``ModelFamily.layer_specs``; None: the GPT's)."""
-    if family is not None:
-        return family.layer_specs(model, padded_vocab_size, **kwargs)
-    return gpt_layer_specs(model, padded_vocab_size=padded_vocab_size, **kwargs)
-
-
-def layer_prefixes(model: ModelConfig, padded_vocab_size: int,
-                   family: ModelFamily | None = None) -> list[tuple[int, str]]:
+def layer_prefixes(model: ModelConfig, padded_vocab_size: int, family: ModelFamily) -> list[tuple[int, str]]:
     """(global layer index, state-dict prefix) of every layer that owns parameters, in order.
 
     Read from the model's own layer specs, so the names follow the model code: a tied module is
     ``tied_modules.<key>.`` (stored once, in the file of its first layer), others ``<index>.``.
     """
     out, seen = [], set()
-    for idx, spec in enumerate(layer_specs(model, padded_vocab_size, family)):
+    for idx, spec in enumerate(family.layer_specs(model, padded_vocab_size)):
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue  # the tied output layer: the same weights, not saved again
@@ -109,7 +100,7 @@ class CheckpointFiles:
     dp: int
     zero_stage: int
     precision: str
-    family: ModelFamily | None = None  # the model family that wrote it, as its reader was given (None: the GPT)
+    family: ModelFamily  # the model family that wrote it, as its reader was given
 
     @property
     def config(self) -> dict:
@@ -153,17 +144,17 @@ def _complete_step(load_dir: str, iteration: int | None) -> tuple[str, int]:
 
 def saved_family_name(load_dir: str, iteration: int | None = None) -> str:
     """The name of the model family that wrote the checkpoint (its meta's ``model_family``; absent:
-    the GPT's), for the tools that look its family up (``families.get_family``) before opening it."""
+    ``UNRECORDED_FAMILY``), for the tools that look its family up (``families.get_family``) before opening it."""
     path, _ = _complete_step(load_dir, iteration)
     return read_meta(path).get("model_family", UNRECORDED_FAMILY)
 
 
-def open_checkpoint(load_dir: str, iteration: int | None = None, family: ModelFamily | None = None) -> CheckpointFiles:
-    """The checkpoint in ``load_dir`` at ``iteration`` (default: the tracker's), written by ``family``'s
-    model (None: the GPT's); a checkpoint of another family is refused, its layer files would not fit."""
+def open_checkpoint(load_dir: str, iteration: int | None, family: ModelFamily) -> CheckpointFiles:
+    """The checkpoint in ``load_dir`` at ``iteration`` (None: the tracker's), written by ``family``'s
+    model; a checkpoint of another family is refused, its layer files would not fit."""
     path, iteration = _complete_step(load_dir, iteration)
     meta = read_meta(path)
-    saved, expected = meta.get("model_family", UNRECORDED_FAMILY), family.name if family else UNRECORDED_FAMILY
+    saved, expected = meta.get("model_family", UNRECORDED_FAMILY), family.name
     if saved != expected:
         raise ConfigError(f"{path} holds a {saved} model (pretrain_{saved}.py wrote it), not the {expected} model "
                           f"this reads")

@@ -12,7 +12,7 @@ transformer.py), mapped to one canonical key per parameter:
 - ``GPTModel`` (``--no-pipeline-parallel``): ``language_model.embedding.word_embeddings.weight``,
   ``language_model.encoder.layers.<i>.*``, ``language_model.encoder.final_layernorm.*``,
   ``language_model.output_layer.weight``;
-- ours (``megatron_ds.model.layer_specs``): ``tied_modules.embed.*`` or ``0.word_embeddings.weight``,
+- ours (``families/gpt/gpt_model.py``): ``tied_modules.embed.*`` or ``0.word_embeddings.weight``,
   ``<i>.*`` from 1, ``<L+1>.final_layernorm.*``, ``<L+2>.output_layer.weight``.
 
 Block indices are taken relative to the first block found, so the offsets need not be known.

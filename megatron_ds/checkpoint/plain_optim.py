@@ -15,7 +15,7 @@ Without ZeRO (and without DeepSpeed's bf16 optimizer) the mp_rank files hold a t
 Positions become names through ``optimizer_param_names``, which this toolkit records with every
 checkpoint. Checkpoints from before that are read by rebuilding the order: the optimizer's groups
 are ``megatron_ds.model.param_groups`` of the stage's module, whose parameters come
-in ``named_parameters`` order -- a ``PipelineModule`` (and ``GPTSequential``) registers
+in ``named_parameters`` order -- a ``PipelineModule`` (and ``SequentialModel``) registers
 ``tied_modules`` first (each built from the stage's first spec of its key), then its layers by
 index, each layer's parameters in its state-dict order (the order of its layer file). Which layers a pipeline stage held is found from the number of
 parameters its optimizer had (stages are consecutive layer ranges); every shape is then checked
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
-from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, layer_prefixes, layer_specs, load_file
+from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, layer_prefixes, load_file
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.param_groups import param_groups
 # What DeepSpeed's ZeRO-0 fp16 optimizers save of their loss scaler (their state_dict())
@@ -56,7 +56,7 @@ class _Layout:
 
     def __init__(self, ckpt: CheckpointFiles, tp_rank: int):
         self.ckpt, self.tp_rank = ckpt, tp_rank
-        self.specs = layer_specs(ckpt.model, ckpt.padded_vocab_size, ckpt.family, device="meta")
+        self.specs = ckpt.family.layer_specs(ckpt.model, ckpt.padded_vocab_size, device="meta")
         self.n_layers = len(self.specs)
         self.tied = {i: s.key for i, s in enumerate(self.specs) if isinstance(s, TiedLayerSpec)}
         self.prefixes = dict(layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family))  # idx -> prefix
@@ -76,7 +76,7 @@ class _Layout:
 
     def tied_copy(self, idx: int) -> list[tuple[str, torch.Size]]:
         """The parameters of the tied module a stage builds from spec ``idx`` when it lacks the key's
-        first spec (the output layer on a last stage: ``pipeline.gpt_layer_specs`` builds it without
+        first spec (the output layer on a last stage: ``families/gpt/gpt_model.py`` builds it without
         the position table): names from building that spec on the meta device, shapes from the saved
         copy of the key's first spec (the tied weights are the same tensors)."""
         key = self.tied[idx]

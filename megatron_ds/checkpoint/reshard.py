@@ -86,7 +86,7 @@ def _layer_of(name: str, prefixes: dict[str, int]) -> int:
 def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, dict[str, torch.Tensor]]:
     """name -> {"weight", and with optimizer state "fp32", "exp_avg", "exp_avg_sq"} full tensors of a layer."""
     shards = source.shards(idx, prefix)
-    weights = merge_layer(shards, prefix, ckpt.model)
+    weights = merge_layer(shards, prefix, ckpt.model, ckpt.family)
     out = {name: {"weight": w} for name, w in weights.items()}
     if saved_opt is not None:
         for name in weights:
@@ -95,15 +95,15 @@ def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, di
             if any(p is None for p in per_rank):
                 raise ConfigError(f"{ckpt.path} has no optimizer state for {name}; pass --no-load-optim")
             for key in per_rank[0]:
-                out[name][key] = tp_rules.merge(name, [p[key].float() for p in per_rank], ckpt.model)
+                out[name][key] = tp_rules.merge(name, [p[key].float() for p in per_rank], ckpt.model, ckpt.family)
     return out
 
 
 def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_size: int, load_optim: bool,
-                   load_lr_state: bool, family: ModelFamily | None = None, vocab_change: VocabChange | None = None,
+                   load_lr_state: bool, family: ModelFamily, vocab_change: VocabChange | None = None,
                    log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from a checkpoint saved at another
-    layout; ``ps`` is this run's ``ParallelState``, ``family`` its model family (None: the GPT),
+    layout; ``ps`` is this run's ``ParallelState``, ``family`` its model family,
     ``vocab_change`` a tokenizer change --allow-vocab-change accepted (``vocabulary.fit_vocab_rows``).
     Returns the client state (without RNG states that no longer apply)."""
     ckpt = open_checkpoint(load_dir, iteration, family)
@@ -126,8 +126,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             saved = saved_names.get(name, name)
             if saved not in full:
                 raise ConfigError(f"{ckpt.path} has no tensor for parameter {saved}")
-            fitted = fit_vocab_rows(name, full[saved], padded_vocab_size, vocab_change)
-            shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, ckpt.model) for k, t in fitted.items()}
+            fitted = fit_vocab_rows(name, full[saved], padded_vocab_size, vocab_change, family)
+            shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, ckpt.model, family) for k, t in fitted.items()}
             setter.set(params[name], shard)
     if saved_opt is not None:
         setter.set_step(saved_opt.step)

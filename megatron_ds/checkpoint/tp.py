@@ -12,7 +12,10 @@ weight along dim 1 (its bias is replicated), a ``VocabParallelEmbedding`` along 
   ``[gate_r; up_r]``), so the full matrix is ``[gate_0 .. gate_{t-1}; up_0 .. up_{t-1}]``.
 
 Names are matched by their last two components, which the layers fix (``query_key_value.weight``
-...); a parameter matching no rule must be replicated, which ``merge`` checks.
+...); a parameter matching no rule must be replicated, which ``merge`` checks. The rules below are
+those of the layers every family shares (``model/``); a family's own layers add theirs
+(``ModelFamily.tp_split``, ``vocab_parameters``: BERT's MLM bias, T5's cross-attention and relative
+position biases).
 
 Mixture of experts (Megatron-DeepSpeed ``megatron/model/transformer.py``, ``ParallelMLP(moe=True,
 enable_expert_tensor_parallelism=...)``): an expert's MLP is split like the dense MLP only with
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ds.checkpoint.expert_files import EXPERTS_INFIX
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
 
 # (module name, parameter name) -> partition dim; stride below
@@ -37,17 +41,8 @@ _SPLIT_DIM = {
     ("dense_h_to_4h", "weight"): 0,
     ("dense_h_to_4h", "bias"): 0,
     ("dense_4h_to_h", "weight"): 1,
-    ("lm_head", "bias"): 0,  # BERT's MLM bias (families/bert/bert_model.py BertLMBias), one per vocabulary entry
-    # T5's cross-attention (families/t5/t5_model.py ParallelCrossAttention): column parallel, heads split
-    ("query", "weight"): 0,
-    ("query", "bias"): 0,
-    ("key_value", "weight"): 0,
-    ("key_value", "bias"): 0,
-    # T5's relative position bias tables ([buckets, heads], families/t5/t5_model.py T5Embedding): heads split
-    ("encoder_relative_attention_bias", "weight"): 1,
-    ("decoder_relative_attention_bias", "weight"): 1,
 }
-VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"), ("lm_head", "bias"))
+VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"))
 
 
 def _key(name: str) -> tuple[str, str]:
@@ -55,24 +50,26 @@ def _key(name: str) -> tuple[str, str]:
     return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
 
 
-def partition(name: str, model: ModelConfig) -> tuple[int, int] | None:
-    """(dim, stride) of a tensor parallel parameter, None for a replicated one."""
+def partition(name: str, model: ModelConfig, family: ModelFamily) -> tuple[int, int] | None:
+    """(dim, stride) of a tensor parallel parameter of ``family``'s model, None for a replicated one."""
     key = _key(name)
-    if key not in _SPLIT_DIM:
+    dim = _SPLIT_DIM.get(key, family.tp_split.get(key))
+    if dim is None:
         return None
     if EXPERTS_INFIX in name and not model.enable_expert_tensor_parallelism:
         return None
     stride = 2 if key[0] == "dense_h_to_4h" and (model.swiglu or model.geglu) else 1
-    return _SPLIT_DIM[key], stride
+    return dim, stride
 
 
-def is_vocab_param(name: str) -> bool:
-    return _key(name) in VOCAB_PARAMS
+def is_vocab_param(name: str, family: ModelFamily) -> bool:
+    """Whether the parameter has a row per vocabulary entry (padded rows included)."""
+    return _key(name) in VOCAB_PARAMS or _key(name) in family.vocab_parameters
 
 
-def merge(name: str, shards: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+def merge(name: str, shards: list[torch.Tensor], model: ModelConfig, family: ModelFamily) -> torch.Tensor:
     """The full tensor from the tensor parallel ranks' shards (in rank order)."""
-    rule = partition(name, model)
+    rule = partition(name, model, family)
     if rule is None or len(shards) == 1:
         return shards[0]
     dim, stride = rule
@@ -82,9 +79,10 @@ def merge(name: str, shards: list[torch.Tensor], model: ModelConfig) -> torch.Te
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def split(name: str, full: torch.Tensor, tp: int, rank: int, model: ModelConfig) -> torch.Tensor:
+def split(name: str, full: torch.Tensor, tp: int, rank: int, model: ModelConfig,
+          family: ModelFamily) -> torch.Tensor:
     """Tensor parallel rank ``rank``'s shard of ``full`` at TP size ``tp`` (a view where possible)."""
-    rule = partition(name, model)
+    rule = partition(name, model, family)
     if rule is None or tp == 1:
         return full
     dim, stride = rule
@@ -95,11 +93,11 @@ def split(name: str, full: torch.Tensor, tp: int, rank: int, model: ModelConfig)
     return torch.cat(blocks[rank::tp], dim=dim) if stride > 1 else blocks[rank]
 
 
-def resize_vocab(name: str, full: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+def resize_vocab(name: str, full: torch.Tensor, padded_vocab_size: int, family: ModelFamily) -> torch.Tensor:
     """A vocabulary parameter with ``padded_vocab_size`` rows: padding rows cut off or added as
     zeros. Padding rows are never read by the model (no token id reaches them, their logits are
     masked), so their values carry nothing."""
-    if not is_vocab_param(name) or full.shape[0] == padded_vocab_size:
+    if not is_vocab_param(name, family) or full.shape[0] == padded_vocab_size:
         return full
     if full.shape[0] > padded_vocab_size:
         return full[:padded_vocab_size]

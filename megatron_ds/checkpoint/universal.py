@@ -93,13 +93,13 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     return info
 
 
-def convert(load_dir: str, iteration: int | None = None, *, workers: int = 2, family: ModelFamily | None = None,
+def convert(load_dir: str, iteration: int | None = None, *, family: ModelFamily, workers: int = 2,
             log: Callable = print) -> str:
     """Run DeepSpeed's ``ds_to_universal`` on a checkpoint of ours after checking that it can take
     it; returns the universal folder (``DIR/global_stepN_universal``, named in ``DIR/latest_universal``).
     The converter runs through its command line (``python -m``), the interface DeepSpeed documents."""
     ckpt = open_checkpoint(load_dir, iteration, family)
-    if family is not None and not family.universal_checkpoints:
+    if not family.universal_checkpoints:
         # the parameter patterns (checkpoint_info) are the GPT's, as upstream's: only Megatron-DeepSpeed's
         # gpt_model.py declares UniversalCheckpointInfo
         raise ConfigError(f"{ckpt.path} is a {family.label} checkpoint: universal checkpoints hold GPT models "
@@ -271,12 +271,12 @@ class UniversalCheckpoint:
 
 
 def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bool, load_lr_state: bool,
-                   family: ModelFamily | None = None, vocab: VocabSettings | None = None,
+                   family: ModelFamily, vocab: VocabSettings | None = None,
                    log: Callable = print) -> dict:
     """Fill ``engine``'s parameters (and optimizer state) from the universal checkpoint of
     ``load_dir``; returns the client state (iteration, consumed samples, RNG where it applies).
     ``vocab``: this run's tokenizer, compared with the one the checkpoint was trained with."""
-    if family is not None and not family.universal_checkpoints:
+    if not family.universal_checkpoints:
         raise ConfigError(f"--universal-checkpoint: universal checkpoints hold GPT models only (pretrain_gpt.py), "
                           f"this run is {family.label}; load its checkpoints with --load alone "
                           f"(megatron_ds reshards them across TP / PP / DP)")
@@ -295,11 +295,11 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")
         too_big = full["fp32"].shape[0] > padded and (real or 0) > padded
-        if change is None and tp_rules.is_vocab_param(name) and too_big:  # (--allow-vocab-change cuts rows)
+        if change is None and tp_rules.is_vocab_param(name, family) and too_big:  # (--allow-vocab-change cuts rows)
             raise ConfigError(f"{name}: the checkpoint's vocabulary ({real}) exceeds this run's padded "
                               f"vocabulary ({padded}); use the checkpoint's tokenizer")
-        shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, model)
-                 for k, t in fit_vocab_rows(name, full, padded, change).items()}
+        shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, model, family)
+                 for k, t in fit_vocab_rows(name, full, padded, change, family).items()}
         shard["weight"] = shard["fp32"]
         if tuple(shard["weight"].shape) != tuple(param.shape):
             raise ConfigError(f"{name}: the universal checkpoint's tensor gives shape {tuple(shard['weight'].shape)} "

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from megatron_ds.checkpoint import tp as tp_rules
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.data.tokenizer import canonical_tokenizer_type
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.utils import pad_vocab_size
@@ -166,14 +167,14 @@ class VocabSettings:
                                 meta=meta, log=log)
 
 
-def fit_vocab_rows(name: str, tensors: dict[str, torch.Tensor], padded: int,
-                   change: VocabChange | None) -> dict[str, torch.Tensor]:
+def fit_vocab_rows(name: str, tensors: dict[str, torch.Tensor], padded: int, change: VocabChange | None,
+                   family: ModelFamily) -> dict[str, torch.Tensor]:
     """``tensors`` (the full "weight" / "fp32" / Adam moments of parameter ``name``) with this run's
     ``padded`` vocabulary rows. Under an accepted vocabulary extension the rows of the new ids start
     at the mean of the checkpoint's real rows (an average token, not the zero or stale padding rows
-    they would otherwise be), and their Adam moments at zero."""
-    out = {k: tp_rules.resize_vocab(name, t, padded) for k, t in tensors.items()}
-    if change is None or change.now <= change.saved or not tp_rules.is_vocab_param(name):
+    they would otherwise be), and their Adam moments at zero. ``family``: whose parameters they are."""
+    out = {k: tp_rules.resize_vocab(name, t, padded, family) for k, t in tensors.items()}
+    if change is None or change.now <= change.saved or not tp_rules.is_vocab_param(name, family):
         return out
     old, new = change.saved, change.now
     for key, t in out.items():

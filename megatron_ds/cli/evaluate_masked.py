@@ -43,9 +43,10 @@ def held_out_samples(args, weights, tokenizer, **family):
     return test
 
 
-def evaluate(args, family: str, samples, collator, score):
+def evaluate(args, tool: str, samples, collator, score):
     """(checkpoint weights, samples evaluated, score's results), or None after a one-line error.
-    ``family`` names the model family the checkpoint must hold (``megatron_ds.families``);
+    ``tool``: this tool's script, which must be the evaluation of the checkpoint's model family
+    (``ModelFamily.evaluation``);
     samples(args, weights, tokenizer) builds the dataset, collator(vocab size, source name) batches it,
     score(weights, loader, vocab size) scores it."""
     import dataclasses  # noqa: PLC0415
@@ -56,10 +57,14 @@ def evaluate(args, family: str, samples, collator, score):
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
     from megatron_ds.data.tokenizer import build_tokenizer_for  # noqa: PLC0415
     from megatron_ds.errors import ConfigError, DataError  # noqa: PLC0415
-    from megatron_ds.families import get_family  # noqa: PLC0415
+    from megatron_ds.families import checkpoint_family  # noqa: PLC0415
 
     try:
-        weights = load_consolidated(args.load, args.iteration, family=get_family(family), log=lambda *a: None)
+        family = checkpoint_family(args.load, args.iteration)
+        if family.evaluation != tool:
+            raise ConfigError(f"{args.load} holds a {family.label} model, which {tool} does not evaluate"
+                              + (f": use {family.evaluation}" if family.evaluation else ""))
+        weights = load_consolidated(args.load, args.iteration, family=family, log=lambda *a: None)
         saved = {k: v for k, v in weights.config.get("data", {}).items() if k in DataConfig.__dataclass_fields__}
         data = DataConfig(**saved)
         if args.vocab_file:

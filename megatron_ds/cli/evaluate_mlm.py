@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from megatron_ds.families.bert.bert_family import BertCollator  # noqa: PLC0415
     from megatron_ds.families.bert.masked_lm import load_bert, masked_lm_accuracy  # noqa: PLC0415
 
-    done = evaluate(args, "bert", _datasets, BertCollator,
+    done = evaluate(args, "tools/evaluate_mlm.py", _datasets, BertCollator,
                     lambda weights, loader, vocab_size: masked_lm_accuracy(load_bert(weights), loader, vocab_size))
     if done is None:
         return 1

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from megatron_ds.families.t5.span_loss import load_t5, span_prediction_loss  # noqa: PLC0415
     from megatron_ds.families.t5.t5_family import T5Collator  # noqa: PLC0415
 
-    done = evaluate(args, "t5", _dataset, T5Collator,
+    done = evaluate(args, "tools/evaluate_t5.py", _dataset, T5Collator,
                     lambda weights, loader, vocab_size: span_prediction_loss(load_t5(weights), loader, vocab_size))
     if done is None:
         return 1

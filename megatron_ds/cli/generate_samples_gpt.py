@@ -137,9 +137,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = sampling_config(args, parser)
+    from megatron_ds.families import weights_family  # noqa: PLC0415 - the training stack, after --help
+
     try:
         prompts = read_prompts(args)
-        session = open_session(args)
+        session = open_session(args, weights_family(args.load, args.iteration, args.hf_model))
     except (ValueError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,11 @@
 """Export a megatron_ds checkpoint (any TP/PP/DP/ZeRO/precision) to a Hugging Face transformers
-directory: GPT2LMHeadModel for GPT-2-style models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm;
+directory, by the model family that wrote it (``ModelFamily.hf``): GPT2LMHeadModel for GPT-2-style
+models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm, MixtralForCausalLM with MoE layers;
 pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
 --apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the
-variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused).
+variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused). Options a
+family's export does not take (BERT and T5: the tokenizer files but their vocab.txt, --from-fp32-masters,
+the shard size) change nothing there.
 
     python tools/checkpoint/to_hf.py --load CHECKPOINT_DIR --out HF_DIR [--iteration N] [--dtype bf16]
         [--from-fp32-masters]
@@ -39,22 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_ds.checkpoint.export import export_hf  # noqa: PLC0415 - keep --help fast
+    from megatron_ds.config.family import ExportOptions  # noqa: PLC0415 - keep --help fast
     from megatron_ds.errors import ConfigError  # noqa: PLC0415
-    from megatron_ds.families import HF_EXPORTS, checkpoint_family  # noqa: PLC0415
+    from megatron_ds.families import checkpoint_family  # noqa: PLC0415
 
+    options = ExportOptions(iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
+                            tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                            tokenizer_model=args.tokenizer_model, from_masters=args.from_fp32_masters,
+                            max_shard_bytes=int(args.max_shard_size_gb * 2**30))
     try:
-        # BERT's and T5's exports are their families' own (families/bert/bert_hf.py, families/t5/t5_hf.py:
-        # the variant HF's T5 computes)
-        own_export = HF_EXPORTS.get(checkpoint_family(args.load, args.iteration).name)
-        if own_export is not None:
-            own_export(args.load, args.out, iteration=args.iteration, dtype=args.dtype,
-                       vocab_size=args.vocab_size, vocab_file=args.vocab_file)
-            return 0
-        export_hf(args.load, args.out, iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
-                  data_overrides=dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model),
-                  from_masters=args.from_fp32_masters, max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+        family = checkpoint_family(args.load, args.iteration)
+        if family.hf is None:
+            raise ConfigError(f"{args.load} holds a {family.label} model, which has no Hugging Face export")
+        family.hf.export(args.load, args.out, options)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

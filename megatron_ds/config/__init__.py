@@ -7,13 +7,13 @@ estimate (memory) that refuses a layout before it reaches the queue.
 Everything here is a pure function of the flags and the world size: no process group, no device.
 """
 from megatron_ds.config.arguments import build_parser, parse_args
-from megatron_ds.config.layout import Layout, count_parameters, resolve_model_config
+from megatron_ds.config.layout import Layout, resolve_model_config
 from megatron_ds.config.run import Run, resolve
 from megatron_ds.config.schema import (CheckpointConfig, Config, DataConfig, DeepSpeedConfig, LoggingConfig,
                                        ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
 
 __all__ = [
-    "build_parser", "parse_args", "Layout", "count_parameters", "resolve_model_config", "Run", "resolve",
+    "build_parser", "parse_args", "Layout", "resolve_model_config", "Run", "resolve",
     "CheckpointConfig", "Config", "DataConfig", "DeepSpeedConfig", "LoggingConfig", "ModelConfig",
     "OptimizerConfig", "ParallelConfig", "TrainingConfig",
 ]

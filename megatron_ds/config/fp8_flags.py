@@ -17,7 +17,6 @@ and ``blockwise`` need Transformer Engine and are refused naming the recipe to u
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 from megatron_ds.config.schema import ModelConfig
@@ -77,15 +76,8 @@ def fp8_recipe(m: ModelConfig) -> Fp8Recipe | None:
     return Fp8Recipe(format=fmt, granularity=granularity, margin=m.fp8_margin or 0, wgrad=m.fp8_wgrad)
 
 
-def without_fp8(m: ModelConfig) -> ModelConfig:
-    """``m`` with FP8 off: a checkpoint's flags say how it was trained; its evaluation and generation
-    run the weights in their own dtype, as a Hugging Face export of it does."""
-    return dataclasses.replace(m, fp8_e4m3=False, fp8_hybrid=False, fp8_format=None)
-
-
-def describe_fp8(m: ModelConfig, *, moe: bool) -> str:
-    """The dry run's account: recipe, layers in FP8, memory effect."""
-    recipe = fp8_recipe(m)
+def describe_fp8(recipe: Fp8Recipe | None, m: ModelConfig, *, moe: bool) -> str:
+    """The dry run's account of the run's recipe (``Layout.fp8``): layers in FP8, memory effect."""
     if recipe is None:
         return "FP8: off"
     fmt = "E4M3 everywhere" if recipe.format == "e4m3" else "E4M3 forward, E5M2 gradients"

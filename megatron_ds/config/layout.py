@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_ds import accelerator
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
@@ -22,11 +23,10 @@ from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_precision, check_profile, check_weight_decay, require)
-from megatron_ds import accelerator
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.partition import partition_stages
+from megatron_ds.parallel.fp8 import Fp8Recipe
+from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
-from megatron_ds.pipeline.plan import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 
 
 def resolve_model_config(m: ModelConfig) -> ModelConfig:
@@ -103,9 +103,9 @@ class Layout:
     total_params: int
     stages: tuple[StageParams, ...]
     ds_config: dict = field(hash=False)  # the merged DeepSpeed JSON deepspeed.initialize receives
+    family: ModelFamily = field(compare=False)  # the model family it trains (config/family.py)
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
-    family: ModelFamily | None = field(default=None, compare=False)  # None: the GPT (config/family.py)
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
     decoder_seq_length: int | None = None  # T5: --decoder-seq-length (model.seq_length is the encoder's); else None
@@ -114,6 +114,8 @@ class Layout:
     scatter_gather_p2p: bool = False
     # --gradient-accumulation-fusion: weight-gradient GEMMs add into DeepSpeed's fp32 gradients where it keeps them
     grad_accum_fusion: bool = False
+    # the FP8 recipe every linear layer of the model runs its GEMMs with (config/fp8_flags.py), None: FP8 off
+    fp8: Fp8Recipe | None = None
 
     @property
     def own_schedule(self) -> bool:
@@ -129,7 +131,7 @@ class Layout:
 
     def _family_prefix(self) -> str:
         """"BERT, " for another family's model (the GPT's line stays as it was)."""
-        return "" if self.family is None or self.family.legacy_unnamed else f"{self.family.label}, "
+        return "" if self.family.legacy_unnamed else f"{self.family.label}, "
 
     def summary(self) -> str:
         m = self.model
@@ -224,8 +226,9 @@ def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     return a_split + m_split, a_repl + m_repl
 
 
-def _layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, int]]:
-    """Per transformer layer: (parameters on one rank, of which experts', in the whole model, active per token)."""
+def layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, int]]:
+    """Per transformer layer of a stack (MoE layers where --num-experts puts them): (parameters on one rank, of
+    which experts', in the whole model, active per token), for the families' counts (``families/gpt/gpt_params.py``)."""
     a_split, a_repl = _attention_params(m, tp)
     split, repl = _layer_params(m, tp)
     dense = (split + repl, 0, split * tp + repl, split * tp + repl)
@@ -239,66 +242,6 @@ def _layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int,
         out.append((a_split + a_repl + moe.per_rank, moe.experts_per_rank, attention + moe.total,
                     attention + moe.active))
     return out
-
-
-def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
-    """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
-    ``model/layer_specs.py`` lists them (the names are what a "type:" partition method matches): the
-    embedding, the transformer layers, the final norm, the output layer -- tied, a second
-    ``GPTEmbedding`` holding the word embedding only, or untied, its own weight."""
-    h = m.hidden_size
-    emb = padded_vocab * h // tp
-    pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-    final_norm = 2 * h if m.normalization == "layernorm" else h
-    head = "GPTOutputHead" if m.untie_embeddings_and_output_weights else "GPTEmbedding"
-    layers = [("ParallelTransformerLayer", per_rank) for per_rank, _, _, _ in _layer_counts(m, tp, ep)]
-    return [("GPTEmbedding", emb + pos)] + layers + [("FinalNorm", final_norm), (head, emb)]
-
-
-def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, layers: list) -> list[int]:
-    if partition_method is None:  # num_layers / pp transformer layers each, the others at the ends
-        return [0] + [1 + s * (num_layers // pp) for s in range(1, pp)] + [len(layers)]
-    return partition_stages(pp, partition_method, [name for name, _ in layers], lambda: [n for _, n in layers])
-
-
-def count_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                     partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
-    """Analytic parameter count: (unique total, per-stage count on one TP rank). With MoE layers a rank
-    holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe_params.py).
-
-    ``partition_method``: how DeepSpeed's pipeline engine splits the layers over the stages
-    (--pipeline-partition-method); None: ``num_layers / pp`` transformer layers per stage (the
-    interleaved schedule's, and what the default "type:ParallelTransformerLayer" gives). Other
-    methods move layers between stages ("uniform" counts the embedding, final norm and output
-    layer as layers too), which the stages' parameters and activations must follow."""
-    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp, ep)
-    per_layer = _layer_counts(m, tp, ep)
-    parts = _stage_boundaries(n, pp, partition_method, layers)
-    tied = not m.untie_embeddings_and_output_weights
-    stages = []
-    for s in range(pp):
-        first, stop = parts[s], parts[s + 1]
-        p = sum(count for _, count in layers[first:stop])
-        if tied and first == 0 and stop == len(layers):
-            p -= layers[-1][1]  # the output layer borrows the embedding of its own stage: no copy
-        held = (min(max(first - 1, 0), n), min(max(stop - 1, 0), n))  # transformer layers are 1..n
-        stages.append(StageParams(s, held, p, sum(c[1] for c in per_layer[held[0]:held[1]])))
-    emb, final_norm = layers[-1][1], layers[-2][1]
-    pos = layers[0][1] - emb
-    total = sum(c[2] for c in per_layer) + emb * tp + pos + final_norm + (0 if tied else emb * tp)
-    return total, tuple(stages)
-
-
-def active_parameters(m: ModelConfig, padded_vocab: int) -> int:
-    """The parameters one token goes through: count_parameters' total with each MoE layer's experts replaced
-    by the --topk it is routed to (the gate and a residual MLP included)."""
-    per_layer = _layer_counts(m, 1, 1)
-    h = m.hidden_size
-    pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-    final_norm = 2 * h if m.normalization == "layernorm" else h
-    emb = padded_vocab * h
-    return sum(c[3] for c in per_layer) + emb + pos + final_norm + (emb if m.untie_embeddings_and_output_weights
-                                                                    else 0)
 
 
 def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
@@ -389,27 +332,16 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
     }
 
 
-def check_gpt(flags: Config, pp: int) -> None:
-    """The GPT's ``ModelFamily.check``: it runs every combination the validation above accepts but T5's
-    own: relative position biases and the relu and gated-GeLU MLPs (families/t5/t5_model.py)."""
-    m = flags.model
-    bad = [what for what, on in (("--position-embedding-type relative", m.position_embedding_type == "relative"),
-                                 ("--relu", m.relu), ("--geglu", m.geglu)) if on]
-    if bad:
-        raise ConfigError(f"{' and '.join(bad)}: T5 only (pretrain_t5.py); the GPT does not have it")
-
-
-
-def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None,
-                 device_type: str = "cuda", family: ModelFamily | None = None) -> tuple[Layout, list[str]]:
+def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: dict | None, family: ModelFamily,
+                 device_type: str = "cuda") -> tuple[Layout, list[str]]:
     """Check ``flags`` for ``world_size`` processes and compute everything that follows from them;
     returns the layout and the notes of DeepSpeed JSON values the command line overrode. ``family``:
-    the model family (its checks and parameter count); None: the GPT's, this module's."""
+    the model family (its checks and parameter count)."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
-    (family.check if family else check_gpt)(flags, par.pipeline_model_parallel_size)
+    family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family is None or family.pipeline_choice is None)
+    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
@@ -433,7 +365,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_weight_decay(o)
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
-    fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
+    fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_data(flags.data)
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)
@@ -444,18 +376,17 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
-    if moe and family is not None and not family.moe_layers:
+    if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
-    total, stages = (family.count_parameters if family else count_parameters)(m, padded, tp, pp, partition, ep=ep)
+    total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
     ds = build_ds_config(template, micro=micro, global_batch=global_batch, gas=gas, precision=precision,
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe,
-                         partition_activations=(family is None or family.partition_activations)
-                         and par.scatter_gather_tensors_in_pipeline)
+                         partition_activations=family.partition_activations and par.scatter_gather_tensors_in_pipeline)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)
@@ -470,10 +401,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
-                    active_params=active_parameters(m, padded) if moe else None,
-                    decoder_seq_length=(family.decoder_seq_length(flags) if family and family.decoder_seq_length
-                                        else None),
+                    active_params=family.active_parameters(m, padded) if moe else None,
+                    decoder_seq_length=family.decoder_seq_length(flags) if family.decoder_seq_length else None,
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1
                                         and not par.sequence_parallel and not moe),
-                    grad_accum_fusion=bool(t.gradient_accumulation_fusion))
+                    grad_accum_fusion=bool(t.gradient_accumulation_fusion), fp8=fp8)
     return layout, notes

@@ -8,9 +8,9 @@ entropy, DeepSpeed's communication buckets and a runtime reserve. ``check_memory
 total with the GPU's memory and, when it does not fit, raises a ``ConfigError`` naming the biggest
 term and the single changes (TP, PP, recompute, ZeRO, micro batch) that would fit.
 
-What a stage's layers keep comes from the model family (``ModelFamily.activations``): the
-GPT's ``gpt_stage_activations`` below, BERT's (the same layers, plus its MLM head) in
-``families/bert/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
+What a stage's layers keep comes from the model family (``ModelFamily.activations``): a plain
+stack of transformer layers' ``stack_activations`` below (the GPT's), BERT's (the same layers, plus its
+MLM head) in ``families/bert/bert_params.py``, T5's (encoder and decoder layers at their own lengths, cross-attention,
 the encoder output on decoder stages) in ``families/t5/t5_params.py``.
 
 Pure arithmetic on the ``Layout``: ``pretrain_gpt.py --dry-run`` runs it on a login node.
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
-from megatron_ds.config.layout import Layout, count_parameters
+from megatron_ds.config.layout import Layout
 from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
@@ -247,10 +247,10 @@ class LayerActivations:
     chunk_input: float  # its input hidden state: what full recompute keeps of a chunk starting here
 
 
-def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """``ModelFamily.activations`` of the GPT (and BERT, whose layers are the GPT's): the stage's transformer
-    layers as runs that full recompute may chunk together (one run here), and the bytes per micro-batch of
-    the stage's input/output hidden state buffers."""
+def stack_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
+    """``ModelFamily.activations`` of a plain stack of transformer layers (the GPT's; BERT's adds its head):
+    the stage's transformer layers as runs that full recompute may chunk together (one run here), and the
+    bytes per micro-batch of the stage's input/output hidden state buffers."""
     m = layout.model
     # the hidden state kept per recomputed chunk and crossing stages: the residual stream
     act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
@@ -263,22 +263,16 @@ def gpt_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivat
     return [run], sbh * act_bytes
 
 
-def _stage_layers(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
-    """The family's ``activations`` of this stage (the GPT's where the family has none)."""
-    family = layout.family
-    return (family.activations if family is not None and family.activations else gpt_stage_activations)(layout, stage)
-
-
 def stage_activation_bytes(layout: Layout, stage) -> float:
     """The activations a stage holds at its peak: the micro-batches in flight times what each keeps
     (with full recompute only each chunk's input, plus one chunk's working set re-run in backward),
     and the stage's input/output buffers. The family's ``activations`` says what its layers keep."""
-    runs, boundary = _stage_layers(layout, stage)
+    runs, boundary = layout.family.activations(layout, stage)
     in_flight = in_flight_micro_batches(layout, stage.stage)
     layers = [layer for run in runs for layer in run]
     if layout.recompute == "full":
         # Only each recomputed chunk's input is kept; backward re-runs one chunk at a time (a chunk
-        # ends where the run of layers does: model/layer_specs.py checkpoints transformer layers only).
+        # ends where the run of layers does: model/pipeline_model.py checkpoints transformer layers only).
         chunk = max(1, min(layout.recompute_num_layers, len(layers)))
         kept = sum(layer.chunk_input for run in runs for layer in run[::chunk])
         # the largest chunk's layers (MoE layers keep more than dense ones)
@@ -413,7 +407,7 @@ def backward_working_bytes(layout: Layout, stage, last: bool) -> float:
     grad_bytes = 4 if layout.precision == "fp32" else 2
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     first = (layout.padded_vocab_size if last else ffn) / layout.tp * m.hidden_size * grad_bytes
-    runs, _ = _stage_layers(layout, stage)
+    runs, _ = layout.family.activations(layout, stage)
     layer = max((one.kept for run in runs for one in run), default=0.0)
     return first + layer
 
@@ -455,8 +449,7 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
-    total, stages = (layout.family.count_parameters if layout.family else count_parameters)(
-        layout.model, padded, tp, pp, partition, ep=layout.ep)
+    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, partition, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
@@ -496,7 +489,7 @@ def _single_changes(layout: Layout, m, world: int):
     pp = layout.pp * 2
     # (Ulysses runs on the plain engine only: no pipeline to suggest)
     # (nor under --no-pipeline-parallel, which refuses PP > 1)
-    choose = (layout.family and layout.family.pipeline_choice) or _gpt_pipeline_choice
+    choose = layout.family.pipeline_choice or _even_pipeline_choice
     while sp == 1 and layout.use_pipeline and world % (layout.tp * pp) == 0 and layout.zero_stage < 2:
         choice = choose(m, pp)
         if choice is not None:
@@ -509,7 +502,8 @@ def _single_changes(layout: Layout, m, world: int):
         micro //= 2
 
 
-def _gpt_pipeline_choice(m, pp: int):
+def _even_pipeline_choice(m, pp: int):
+    """A stack's --num-layers over ``pp`` stages (``ModelFamily.pipeline_choice`` where a family has none)."""
     return (m, "") if m.num_layers % pp == 0 else None
 
 

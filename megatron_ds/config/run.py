@@ -115,14 +115,14 @@ def _settings(cls, section):
     return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
-def resolve(flags: Config, *, world_size: int, vocab_size: int, device_type: str = "cuda",
+def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFamily, device_type: str = "cuda",
             ds_template=FROM_FLAGS, ignored: tuple[str, ...] | list[str] = (), saved_flags: dict | None = None,
-            family: ModelFamily | None = None, gpu_memory: float | None = None) -> Run:
+            gpu_memory: float | None = None) -> Run:
     """The ``Run`` of the parsed ``flags`` on ``world_size`` processes with a tokenizer of ``vocab_size``
     ids; ``device_type`` "cpu" refuses what needs a GPU. ``ds_template``: the DeepSpeed JSON as a dict
     (default: read from --deepspeed_config). ``saved_flags``: the --load checkpoint's record, for
     --use-checkpoint-args. ``family``: the model family (the entry point's: pretrain_bert.py gives
-    BERT's; None: the GPT). ``gpu_memory``: bytes of the GPU the run trains on (default:
+    BERT's). ``gpu_memory``: bytes of the GPU the run trains on (default:
     --gpu-memory-gb, else ``memory.ASSUMED_GPU``), which decides the output layer's loss kernel where
     no flag does. Pure: no process group, device or DeepSpeed import."""
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template

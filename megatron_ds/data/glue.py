@@ -22,7 +22,6 @@ import numpy as np
 from megatron_ds.errors import DataError
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
-QQP_LABELS = (0, 1)
 
 
 def clean_text(text: str) -> str:

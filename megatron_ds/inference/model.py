@@ -1,9 +1,10 @@
-"""A trained GPT ready for inference: built at any tensor parallel size from full (consolidated)
-weights, evaluated without dropout, with full-vocabulary logits.
+"""A trained decoder-only language model (a family that ``generates``: the GPT's) ready for inference:
+built at any tensor parallel size from full (consolidated) weights, evaluated without dropout, with
+full-vocabulary logits.
 
-The weights come as one full fp32 state dict keyed like the single-process
-``build_sequential_gpt`` model (what ``megatron_ds.checkpoint.load_consolidated`` returns, for a
-checkpoint saved at any TP / PP). For TP > 1 each rank builds the same ``GPTSequential`` with its
+The weights come as one full fp32 state dict keyed like the single-process model of the family's
+layer specs (what ``megatron_ds.checkpoint.load_consolidated`` returns, for a checkpoint saved at any
+TP / PP). For TP > 1 each rank builds the same ``SequentialModel`` with its
 tensor parallel group and copies in its slice of every split parameter: the slice a parameter's
 ``partition_dim`` / ``partition_stride`` attributes describe, the same rule the layers use to cut
 their master weights (``megatron_ds.parallel.layers._master_weight_shard``). Pipeline parallelism
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ds.config.fp8_flags import without_fp8
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.gpt import GPTEmbedding, split_moe_loss
-from megatron_ds.model.layer_specs import GPTSequential, build_sequential_gpt
+from megatron_ds.model.language_model import LanguageModelEmbedding, split_moe_loss
+from megatron_ds.model.pipeline_model import SequentialModel
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.mappings import gather_from_tensor_parallel_region
@@ -73,19 +74,20 @@ def load_full_state_dict(module: torch.nn.Module, state_dict: dict, tp_group=Non
 
 
 class InferenceModel:
-    """A ``GPTSequential`` in eval mode, run step by step so a KV cache can be threaded through.
+    """A ``SequentialModel`` of a decoder-only language model in eval mode, run step by step so a KV cache
+    can be threaded through.
 
     ``logits`` returns ``[batch, seq, vocab_size]`` fp32 with the vocabulary gathered over the
     tensor parallel ranks and its padding dropped; ``token_losses`` stays vocab-parallel.
     """
 
-    def __init__(self, module: GPTSequential, *, vocab_size: int, max_positions: int | None, tp_group=None):
+    def __init__(self, module: SequentialModel, *, vocab_size: int, max_positions: int | None, tp_group=None):
         self.module = module.eval()
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.tp_group = tp_group
         funcs = module.forward_funcs
-        if not isinstance(funcs[0], GPTEmbedding) or funcs[0].eod_token is not None:
+        if not isinstance(funcs[0], LanguageModelEmbedding) or funcs[0].eod_token is not None:
             raise ValueError("inference expects a model built without reset_attention_mask")
         self._embedding = funcs[0]
         self._layers = [f for f in funcs if isinstance(f, ParallelTransformerLayer)]
@@ -126,17 +128,18 @@ class InferenceModel:
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
 
 
-def build_inference_model(weights: ModelWeights, *, tp_group=None, device=None,
+def build_inference_model(weights: ModelWeights, *, family: ModelFamily, tp_group=None, device=None,
                           dtype: torch.dtype = torch.float32) -> InferenceModel:
-    """Build the model at this process's tensor parallel size and load ``weights`` into it."""
-    cfg = dataclasses.replace(without_fp8(weights.model), hidden_dropout=0.0, attention_dropout=0.0)
+    """Build ``family``'s model at this process's tensor parallel size and load ``weights`` into it
+    (without FP8: a checkpoint trained with it evaluates in the weights' precision, as its export does)."""
+    cfg = dataclasses.replace(weights.model, hidden_dropout=0.0, attention_dropout=0.0)
     tp = tp_world_size(tp_group)
     if weights.padded_vocab_size % tp:
         raise ValueError(f"the checkpoint's padded vocabulary ({weights.padded_vocab_size}) does not split over "
                          f"tensor parallel size {tp}")
     vocab_size = min(weights.vocab_size or weights.padded_vocab_size, weights.padded_vocab_size)
-    module = build_sequential_gpt(cfg, padded_vocab_size=weights.padded_vocab_size, tp_group=tp_group, seed=0,
-                                  vocab_size=vocab_size)
+    module = SequentialModel(family.layer_specs(cfg, weights.padded_vocab_size, tp_group=tp_group,
+                                                vocab_size=vocab_size), seed=0)
     load_full_state_dict(module, weights.state_dict, tp_group)
     module.to(device=device, dtype=dtype)
     max_positions = cfg.max_position_embeddings if cfg.position_embedding_type == "learned_absolute" else None

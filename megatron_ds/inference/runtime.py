@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.accelerator import on_cuda
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.data.tokenizer import build_tokenizer
+from megatron_ds.errors import ConfigError
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
 from megatron_ds.launch.env import apply_dist_env, discover_dist_env
 from megatron_ds.parallel.utils import PRECISION_DTYPES
@@ -128,32 +130,31 @@ def pick_dtype(arg: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
 
 
-def load_weights(args, log) -> tuple[ModelWeights, dict]:
-    """(weights, the data/tokenizer settings the model was trained with)."""
+def load_weights(args, family: ModelFamily, log) -> tuple[ModelWeights, dict]:
+    """(weights, the data/tokenizer settings the model was trained with) of ``family``'s model."""
     if args.load:
-        return _consolidated(args.load, args.iteration, log)
-    return load_hf_export(args.hf_model, log)
+        return _consolidated(args.load, args.iteration, family, log)
+    return load_hf_export(args.hf_model, family, log)
 
 
-def _consolidated(load_dir: str, iteration: int | None, log) -> tuple[ModelWeights, dict]:
+def _consolidated(load_dir: str, iteration: int | None, family: ModelFamily, log) -> tuple[ModelWeights, dict]:
     from megatron_ds.checkpoint import load_consolidated  # noqa: PLC0415 - heavy (DeepSpeed)
 
-    c = load_consolidated(load_dir, iteration, log=log)
+    c = load_consolidated(load_dir, iteration, family=family, log=log)
     weights = ModelWeights(model=c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size,
                            state_dict=c.state_dict)
     return weights, dict(c.config.get("data", {}))
 
 
-def load_hf_export(path: str, log) -> tuple[ModelWeights, dict]:
-    """A Hugging Face GPT-2 / Llama directory (e.g. from ``tools/checkpoint/to_hf.py``): imported into
-    a temporary checkpoint by ``megatron_ds.checkpoint.import_hf`` and consolidated from there."""
-    from megatron_ds.checkpoint.import_hf import import_hf  # noqa: PLC0415
-
+def load_hf_export(path: str, family: ModelFamily, log) -> tuple[ModelWeights, dict]:
+    """A Hugging Face directory of ``family``'s (e.g. a GPT-2 / Llama one from ``tools/checkpoint/to_hf.py``):
+    imported into a temporary checkpoint by the family's import (``ModelFamily.hf``) and consolidated
+    from there."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--hf-model {path} is not a directory")
     with tempfile.TemporaryDirectory(prefix="hf_import_") as tmp:
-        import_hf(path, tmp, log=lambda *a: None)
-        return _consolidated(tmp, None, log)
+        family.hf.import_dir(path, tmp, log=lambda *a: None)
+        return _consolidated(tmp, None, family, log)
 
 
 def tokenizer_from(args, trained: dict, log, model_vocab: int | None = None):
@@ -169,24 +170,28 @@ def tokenizer_from(args, trained: dict, log, model_vocab: int | None = None):
     return build_tokenizer(kind, vocab_size=trained.get("vocab_size") or model_vocab, log=log, **files)
 
 
-def open_session(args) -> Session:
-    """Join the job, load the checkpoint (or export) and build the model. Megatron model flags the
-    command line passes (``add_megatron_model_args``) are checked against the checkpoint first: a
-    ValueError naming every one that disagrees."""
+def open_session(args, family: ModelFamily) -> Session:
+    """Join the job, load the checkpoint (or export) of ``family``'s model (a ConfigError for one that
+    is not a decoder-only language model: ``ModelFamily.generates``) and build the model. Megatron model
+    flags the command line passes (``add_megatron_model_args``) are checked against the checkpoint first:
+    a ValueError naming every one that disagrees."""
+    if not family.generates:
+        raise ConfigError(f"{args.load or args.hf_model} holds a {family.label} model, which generation and "
+                          f"perplexity do not run" + (f": use {family.evaluation}" if family.evaluation else ""))
     rank, world, local_rank, tp_group = init_distributed(args.use_mpi)
     log = print if rank == 0 else (lambda *a, **k: None)
     device = pick_device(args.device, local_rank)
     dtype = pick_dtype(args.dtype, device)
-    weights, trained = load_weights(args, log)
+    weights, trained = load_weights(args, family, log)
     weights = dataclasses.replace(weights, model=resolve_model_config(weights.model))
     mismatch = model_flag_mismatch(args, weights.model, world)
     if mismatch:
         raise ValueError(mismatch)
     tokenizer = tokenizer_from(args, trained, log, weights.vocab_size)
     weights = dataclasses.replace(weights, vocab_size=weights.vocab_size or tokenizer.vocab_size)
-    model = build_inference_model(weights, tp_group=tp_group, device=device, dtype=dtype)
+    model = build_inference_model(weights, family=family, tp_group=tp_group, device=device, dtype=dtype)
     m = weights.model
-    describe = (f"GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab "
+    describe = (f"{family.label} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, vocab "
                 f"{weights.vocab_size} (padded {weights.padded_vocab_size}); tensor parallel {world}, "
                 f"{device}, {str(dtype).replace('torch.', '')}")
     log(f"> {describe}")

@@ -1,13 +1,14 @@
-"""Model building blocks: tensor parallel transformer layers, the GPT built from them, MoE layers,
-and the layer specs that turn a model into a DeepSpeed ``PipelineModule`` or one plain module.
-The families' own models (BERT, T5, in ``megatron_ds.families``) are built from these pieces.
+"""Model building blocks every model family builds from: tensor parallel transformer layers, the
+language model's embedding, final norm, output layer and loss, MoE layers, and the pipeline modules
+that turn a family's layer specs into a DeepSpeed ``PipelineModule`` or one plain module. The
+families' own models (the GPT, BERT, T5) are in ``megatron_ds.families``.
 
-    specs/builders  layer_specs.py  gpt_layer_specs, build_pipeline_gpt, build_sequential_gpt
-    GPT pieces      gpt.py          embedding, final norm, output head, gpt_loss_fn
+    pipeline modules pipeline_model.py  PipelineModel, SequentialModel, stage_of_specs: any layer specs
+    language model  language_model.py  embedding, final norm, output layer, language_model_loss
     blocks          transformer.py  attention (SDPA, GQA), MLP (GeLU / SwiGLU), the layer
                     rotary.py       rotary position embeddings (Megatron/Llama "rotate half")
                     norms.py        LayerNorm / RMSNorm, apex's kernels when importable
-                    moe.py          DeepSpeed's MoE layer around the expert MLP, which layers hold experts
+                    moe_layer.py    DeepSpeed's MoE layer around the expert MLP, which layers hold experts
     kernels         kernels.py      kernel choice: optional apex norms, SDPA; describe_kernels() for the log
                     fusions.py      compiled bias-GeLU / bias-SwiGLU / bias-dropout-add / RoPE
                     liger.py        liger-kernel's fused linear + cross entropy (optional extra)
@@ -18,11 +19,10 @@ The families' own models (BERT, T5, in ``megatron_ds.families``) are built from 
 
 The model chunks of the interleaved schedule are in ``megatron_ds.pipeline.chunks``.
 """
-from megatron_ds.model.gpt import document_ids, gpt_loss_fn
 from megatron_ds.model.kernels import describe_kernels
-from megatron_ds.model.layer_specs import (PARTITION_METHOD, GPTPipelineModel, GPTSequential, build_pipeline_gpt,
-                                           build_sequential_gpt, gpt_layer_specs)
+from megatron_ds.model.language_model import document_ids, language_model_loss
+from megatron_ds.model.pipeline_model import PARTITION_METHOD, PipelineModel, SequentialModel
 from megatron_ds.model.transformer import ParallelTransformerLayer
 
-__all__ = ["PARTITION_METHOD", "GPTPipelineModel", "GPTSequential", "ParallelTransformerLayer", "build_pipeline_gpt",
-           "build_sequential_gpt", "describe_kernels", "document_ids", "gpt_layer_specs", "gpt_loss_fn"]
+__all__ = ["PARTITION_METHOD", "PipelineModel", "SequentialModel", "ParallelTransformerLayer", "describe_kernels",
+           "document_ids", "language_model_loss"]

@@ -73,11 +73,6 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> int:
     return len(layers)
 
 
-def is_compiled(layer: nn.Module) -> bool:
-    """Whether ``compile_layers`` compiled this layer's forward."""
-    return isinstance(layer.forward, _CompiledLayerForward)
-
-
 def describe_compiled_layers(model_cfg=None) -> str:
     """For the start-up ``kernels:`` line and --dry-run: how the transformer layers run."""
     if model_cfg is None or not model_cfg.compile_layers:

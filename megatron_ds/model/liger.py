@@ -5,7 +5,7 @@ states onto the vocabulary and takes the cross entropy a chunk of tokens at a ti
 gradients on the way: the ``[tokens, vocab]`` logits never exist (GPT 1.3B at micro batch 8 and
 seq 2048: 0.8 GB of bf16 logits, plus their gradient and fp32 temporaries in the unfused path).
 
-It is used when all of these hold, else the vocab-parallel path (``gpt_loss_fn``) runs:
+It is used when all of these hold, else the vocab-parallel path (``language_model_loss``) runs:
 - liger-kernel imports and CUDA is available (detected once per process);
 - it is chosen: ``--liger-kernel``, or neither it nor ``--no-liger-kernel`` and the logits would
   take more than a set share of the GPU's memory (``config.memory.choose_fused_loss``);
@@ -52,7 +52,7 @@ def _import_liger():
 
 
 class HiddenForLoss(NamedTuple):
-    """What the output layer hands to ``gpt_loss_fn`` instead of logits on the liger path."""
+    """What the output layer hands to ``language_model_loss`` instead of logits on the liger path."""
     hidden: torch.Tensor  # [s, b, h], final-normed
     weight: torch.Tensor  # [padded vocab, h], the output layer's (or tied embedding's) weight
     vocab_size: int | None  # the real vocabulary; rows at and above it are padding

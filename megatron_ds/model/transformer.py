@@ -38,13 +38,13 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds import ds_compat
-from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
+from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
 from megatron_ds.parallel.random import checkpoint, get_rng_tracker
@@ -91,12 +91,6 @@ def pack_activation(hidden, document_ids=None, moe_loss=None):
     return (hidden, *extra) if extra else hidden
 
 
-def split_hidden_and_documents(inputs):
-    """A layer's input -> ``(hidden, document_ids)`` (ids or None), whatever else it carries."""
-    hidden, document_ids, _ = split_activation(inputs)
-    return hidden, document_ids
-
-
 class ParallelAttention(nn.Module):
     """Self-attention; heads (query and key/value alike) are split over the tensor parallel ranks.
 
@@ -115,7 +109,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False,
-                 sp_group=None, causal: bool = True):
+                 sp_group=None, causal: bool = True, fp8: Fp8Recipe | None = None):
         super().__init__()
         tp = tp_world_size(tp_group)
         d = cfg.kv_channels
@@ -135,7 +129,7 @@ class ParallelAttention(nn.Module):
         self.rope_fusion, self.fusions_on_cpu = cfg.apply_rope_fusion, cfg.fusions_on_cpu
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device, fp8=fp8_recipe(cfg))
+                      params_dtype=params_dtype, device=device, fp8=fp8)
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
             init_method=init_method_normal(cfg.init_method_std),
@@ -249,7 +243,8 @@ class ParallelMLP(nn.Module):
     so the output bias is always added here (Megatron-DeepSpeed's expert RowParallelLinear adds it too)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, expert: bool = False):
+                 params_dtype: torch.dtype = torch.float32, device=None, expert: bool = False,
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
         self.expert = expert
         self.swiglu = cfg.swiglu
@@ -264,7 +259,7 @@ class ParallelMLP(nn.Module):
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         ffn = cfg.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device, fp8=fp8_recipe(cfg))
+                      params_dtype=params_dtype, device=device, fp8=fp8)
         # SwiGLU fuses [gate; up] into one projection. Every rank needs its slice of the gate AND
         # the matching slice of up, so the rows are split with stride 2: rank r holds
         # [gate_r; up_r] (Megatron's layout), and the full matrix is the same at any TP size.
@@ -318,18 +313,21 @@ class ParallelTransformerLayer(nn.Module):
     mask, see the module docstring).
 
     The class name is what the pipeline partitioner balances on
-    (``megatron_ds.model.layer_specs.PARTITION_METHOD``); keep the two in sync.
+    (``megatron_ds.model.pipeline_model.PARTITION_METHOD``); keep the two in sync.
 
     ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``) holding this rank's share of the
     experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
+    ``fp8``: the run's FP8 recipe (``Layout.fp8``, resolved once from the flags), which every linear layer
+    of the block (experts included) runs its GEMMs with; None: the weights' precision.
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
                  sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
-                 carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal"):
+                 carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal",
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
         if self_attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")
@@ -341,7 +339,7 @@ class ParallelTransformerLayer(nn.Module):
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         norm = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
         parallel = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
-                        device=device)
+                        device=device, fp8=fp8)
         norm["one_plus"] = cfg.apply_layernorm_1p
         # --fp32-residual-connection: the stream between layers is fp32; the norms read it in fp32 and
         # hand the branches the weights' dtype (Megatron's MixedFusedLayerNorm, model/norms.py)
@@ -371,7 +369,7 @@ class ParallelTransformerLayer(nn.Module):
             ds_compat.gather_flat_on_gloo(parallel["tp_group"])
         expert = dict(parallel, tp_group=parallel["tp_group"] if expert_tp else None)
         # the experts' seeds follow this layer's seed (the generators are seeded just before each layer
-        # is built: model/layer_specs.py), drawn by Python's generator, not torch's: a build on fake tensors
+        # is built: model/pipeline_model.py), drawn by Python's generator, not torch's: a build on fake tensors
         # (tests/fake_cuda/test_gpu_paths_moe.py) or on the meta device has no tensor value to read back
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - num_experts)
         return build_moe(cfg.hidden_size, lambda: ParallelMLP(cfg, expert=True, **expert), num_experts=num_experts,

@@ -1,7 +1,8 @@
 """Tensor parallelism: layers, autograd mappings, vocab-parallel cross entropy (``chunked_cross_entropy``:
 without an fp32 copy of half-precision logits), RNG tracker and RNG-restoring activation checkpointing,
 and the deferred weight gradients of zero-bubble schedules (``weight_grad``). Process groups live in
-``groups.py`` (imported on its own: it pulls in DeepSpeed's topology)."""
+``groups.py`` (imported on its own: it pulls in DeepSpeed's topology); the pipeline schedules as pure step
+lists in ``schedules.py`` (what ``config`` checks and describes, what ``pipeline.executor`` runs)."""
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          init_method_normal,

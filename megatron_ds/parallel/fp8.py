@@ -18,16 +18,12 @@ schedule defers it as it defers the bf16 one.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
+from megatron_ds.ds_compat import torchao_import_quiet
 from megatron_ds.parallel.weight_grad import weight_grad_now_or_later
-
-FORMATS = ("e4m3", "hybrid")
-GRANULARITIES = ("tensorwise", "rowwise")
-
 
 @dataclass(frozen=True)
 class Fp8Recipe:
@@ -62,17 +58,10 @@ def _torchao():
     that torchao's enums need no registration any more: held back, they say nothing about this run."""
     global _torchao_pieces
     if _torchao_pieces is None:
-        logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-        levels = [log.level for log in logs]
-        for log in logs:
-            log.setLevel(logging.ERROR)
-        try:
+        with torchao_import_quiet():
             from torchao.float8 import float8_training_tensor as ftt  # noqa: PLC0415
             from torchao.float8.config import ScalingGranularity  # noqa: PLC0415
             from torchao.float8.float8_utils import tensor_to_scale  # noqa: PLC0415
-        finally:
-            for log, level in zip(logs, levels):
-                log.setLevel(level)
         _torchao_pieces = ftt, ScalingGranularity, tensor_to_scale
     return _torchao_pieces
 

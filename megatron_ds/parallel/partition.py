@@ -1,5 +1,5 @@
 """Which transformer layers each pipeline stage holds, for the layout's analytic count
-(``config/layout.py``), the model's build (``model/layer_specs.py``) and the interleaved schedule's
+(``config/layout.py``), the model's build (``model/pipeline_model.py``) and the interleaved schedule's
 model chunks (``pipeline/chunks.py``) alike.
 
 Without interleaving, DeepSpeed's pipeline engine places the layers itself: ``partition_stages``

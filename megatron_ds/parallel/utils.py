@@ -47,11 +47,3 @@ def vocab_range(global_vocab_size: int, rank: int, world_size: int) -> tuple[int
     return rank * per_partition, (rank + 1) * per_partition
 
 
-def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
-                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
-    """Split the last dimension into `num_partitions` equal views (copies if `contiguous_split_chunks`)."""
-    last = divide(tensor.size(-1), num_partitions)
-    chunks = torch.split(tensor, last, dim=-1)
-    if contiguous_split_chunks:
-        return tuple(chunk.contiguous() for chunk in chunks)
-    return chunks

@@ -68,7 +68,7 @@ class WeightGradStore:
 # zero-bubble executor asks for it. Otherwise F.linear (the same numbers: LinearFunction's forward is
 # F.linear and its backward the same two GEMMs): non-reentrant activation checkpointing stops its
 # recomputation early on autograd's own nodes but not on a Function's, which recomputed one GEMM
-# more per layer under full recompute (tests/training/test_flops.py counts it).
+# more per layer under full recompute (tests/families/gpt/test_flops.py counts it).
 _deferrable = False
 
 

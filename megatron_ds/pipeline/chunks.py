@@ -1,11 +1,11 @@
-"""The GPT split into model chunks for the interleaved pipeline schedule.
+"""A model split into chunks for the interleaved pipeline schedule (and ZB-H1's one chunk per rank).
 
-Pipeline rank ``r`` of ``pp`` holds ``v`` chunks; chunk ``c`` is virtual stage ``c * pp + r`` and
-holds transformer layers ``[(c*pp + r) * L, (c*pp + r + 1) * L)`` (Megatron's assignment, see
-``megatron_ds.parallel.partition.chunk_layer_range``). Virtual stage 0 also holds the embedding;
-the last one the final norm and the output layer.
+Pipeline rank ``r`` of ``pp`` holds ``v`` chunks; chunk ``c`` is virtual stage ``c * pp + r``. Which
+layer specs each chunk holds is the model family's (the GPT's: ``families/gpt/gpt_model.py``
+``chunk_spec_indices``, Megatron's assignment: virtual stage 0 also holds the embedding, the last
+one the final norm and the output layer).
 
-Each chunk is a ``GPTSequential`` over a subset of the same DeepSpeed layer specs the
+Each chunk is a ``SequentialModel`` over a subset of the same DeepSpeed layer specs the
 ``PipelineModule`` is built from, seeded per global spec index as it seeds them: an interleaved
 model starts with exactly the weights of the non-interleaved one and of one process. With tied
 embeddings the last virtual stage builds its own copy of the word embedding, which is overwritten
@@ -19,53 +19,40 @@ layer of its own (it has no state); the first stage's copy is saved.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from megatron_ds import ds_compat
-from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.layer_specs import GPTSequential, gpt_layer_specs
-from megatron_ds.parallel.partition import chunk_layer_range
+from megatron_ds.model.pipeline_model import SequentialModel
 
 
-def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> list[int]:
-    """Global spec indices (0 = embedding, 1..N = transformer layers, N+1 = final norm, N+2 =
-    output layer) held by ``chunk`` of pipeline ``rank``."""
-    layers = chunk_layer_range(num_layers, pp, v, rank, chunk)
-    indices = [i + 1 for i in layers]
-    if chunk == 0 and rank == 0:
-        indices.insert(0, 0)
-    if chunk == v - 1 and rank == pp - 1:
-        indices += [num_layers + 1, num_layers + 2]
-    return indices
+class ModelChunks(nn.Module):
+    """This pipeline rank's chunks as one module (what DeepSpeed's plain engine wraps).
 
-
-class GPTModelChunks(nn.Module):
-    """This pipeline rank's ``v`` chunks as one module (what DeepSpeed's plain engine wraps).
-
-    ``forward(inputs, chunk=c)`` runs chunk ``c``. ``tied_weight`` is the word embedding on the
-    first stage and its copy on the last (None elsewhere or when untied).
+    ``layer_indices[c]``: the global spec indices chunk ``c`` holds. ``forward(inputs, chunk=c)`` runs
+    chunk ``c``. ``tied_weight`` is the tied weight (the word embedding) on the first stage and its
+    copy on the last (None elsewhere or without a tied spec, which must then be the first spec).
     """
 
-    def __init__(self, specs: list, *, num_layers: int, pp: int, pp_rank: int, v: int, tp_group=None, seed: int,
-                 tie_group=None, activation_checkpoint_interval: int = 0, loss_report=None,
-                 moe_loss_coeff: float = 0.0):
+    def __init__(self, specs: list, *, layer_indices: list[list[int]], pp: int, pp_rank: int, seed: int,
+                 loss_fn: Callable, tie_group=None, activation_checkpoint_interval: int = 0):
         super().__init__()
-        self.pp, self.pp_rank, self.v = pp, pp_rank, v
-        self.layer_indices = [chunk_spec_indices(num_layers, pp, v, pp_rank, c) for c in range(v)]
+        self.pp, self.pp_rank, self.v = pp, pp_rank, len(layer_indices)
+        self.layer_indices = layer_indices
         self.chunks = nn.ModuleList(
-            GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=indices,
-                          activation_checkpoint_interval=activation_checkpoint_interval, loss_report=loss_report,
-                          moe_loss_coeff=moe_loss_coeff)
+            SequentialModel(specs, seed=seed, layer_indices=indices, loss_fn=loss_fn,
+                            activation_checkpoint_interval=activation_checkpoint_interval)
             for indices in self.layer_indices)
-        self.loss_fn = self.chunks[0].loss_fn
+        self.loss_fn = loss_fn
         self.tied_weight = None
-        tied = any(isinstance(spec, TiedLayerSpec) for spec in specs)
+        tied = isinstance(specs[0], TiedLayerSpec)
         if tied and (pp_rank == 0 or pp_rank == pp - 1):
             chunk = self.chunks[0] if pp_rank == 0 else self.chunks[-1]
-            self.tied_weight = chunk.tied_modules[specs[0].key].word_embeddings.weight
+            self.tied_weight = _tied_weight(chunk.tied_modules[specs[0].key], specs[0])
             if pp_rank != 0:
                 # DeepSpeed's marker: count this copy's gradient once (on the first stage) in the
                 # global grad norm, as PipelineModule marks its tied copies.
@@ -95,14 +82,9 @@ class GPTModelChunks(nn.Module):
             dist.broadcast(self.tied_weight, src=src, group=self.tie_group)
 
 
-def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: int, padded_vocab_size: int,
-                          tp_group, seed: int, tie_group=None, activation_checkpoint_interval: int = 0,
-                          loss_report=None, **spec_kwargs) -> GPTModelChunks:
-    """This rank's chunks of the GPT (``spec_kwargs`` as for ``build_pipeline_gpt``); ``tie_group``
-    from ``megatron_ds.pipeline.p2p.tied_embedding_group`` (None: no copies to synchronize)."""
-    specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
-                            loss_report=loss_report, **spec_kwargs)
-    return GPTModelChunks(specs, num_layers=model_cfg.num_layers, pp=pp, pp_rank=pp_rank, v=v, tp_group=tp_group,
-                          seed=seed, tie_group=tie_group, loss_report=loss_report,
-                          moe_loss_coeff=model_cfg.moe_loss_coeff,
-                          activation_checkpoint_interval=activation_checkpoint_interval)
+def _tied_weight(module: nn.Module, spec: TiedLayerSpec) -> torch.Tensor:
+    """The one weight a tied spec shares (its ``tied_weight_attr``, e.g. ``word_embeddings.weight``)."""
+    (path,) = spec.tied_weight_attr
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module

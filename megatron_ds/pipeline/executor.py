@@ -1,8 +1,8 @@
-"""Executes the interleaved 1F1B schedule (``megatron_ds.pipeline.plan``) inside DeepSpeed's
+"""Executes the interleaved 1F1B schedule (``megatron_ds.parallel.schedules``) inside DeepSpeed's
 plain engine, which keeps owning the optimizer, ZeRO-1, loss scaling, clipping and checkpoints.
 
 DeepSpeed's pipeline engine runs plain 1F1B only, so this rank's model chunks
-(``megatron_ds.pipeline.chunks.GPTModelChunks``) are given to ``deepspeed.initialize`` as one
+(``megatron_ds.pipeline.chunks.ModelChunks``) are given to ``deepspeed.initialize`` as one
 ordinary module, and ``InterleavedPipeline.train_batch`` walks this rank's step list:
 
 * forward (chunk c, micro-batch j): the input is the micro-batch's tokens on virtual stage 0, else
@@ -21,7 +21,7 @@ ordinary module, and ``InterleavedPipeline.train_batch`` walks this rank's step 
   ``_allreduce_word_embedding_grads``), then at a forced accumulation boundary the engine reduces
   gradients over data parallel ranks and steps (clipping, overflow skip, LR schedule).
 
-ZB-H1 (``--enable-zbh1-pipeline``, ``pipeline.plan.zbh1_schedule``) runs here too, with one
+ZB-H1 (``--enable-zbh1-pipeline``, ``parallel.schedules.zbh1_schedule``) runs here too, with one
 chunk per rank: an input backward runs ``engine.backward`` while ``parallel.weight_grad``'s store
 defers the linear layers' weight gradients; a weight pass runs the oldest deferred micro-batch's.
 Megatron-DeepSpeed instead replaces DeepSpeed's ``TrainSchedule`` class and extends
@@ -45,12 +45,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
+                                       pipeline_schedule, zbh1_schedule)
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 from megatron_ds.parallel.weight_grad import WeightGradStore, allow_deferral
-from megatron_ds.pipeline.chunks import build_interleaved_gpt
-from megatron_ds.pipeline.p2p import ACTIVATION, GRADIENT, PipelineP2P, tied_embedding_group
-from megatron_ds.pipeline.plan import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
-                                       pipeline_schedule, zbh1_schedule)
+from megatron_ds.pipeline.p2p import ACTIVATION, GRADIENT, PipelineP2P
 from megatron_ds.progress import print_rank0
 
 
@@ -62,7 +61,7 @@ class InterleavedPipeline:
         """``schedule``: this rank's steps (default: the (interleaved) 1F1B of ``pipeline_schedule``);
         ``scatter_gather``: each TP rank sends 1/TP of what crosses a stage (``PipelineP2P``)."""
         self.engine = engine
-        self.model = engine.module  # GPTModelChunks
+        self.model = engine.module  # ModelChunks
         self.ps = ps
         self.pp, self.v, self.m = ps.pp_size, self.model.v, micro_batches
         self.num_stages = self.pp * self.v
@@ -247,14 +246,8 @@ def activation_specs(layout, *, reset_attention_mask: bool, dtype: torch.dtype) 
     return specs
 
 
-def build_interleaved_model(layout, ps, common: dict):
-    """This rank's chunks, tied copies synchronized (``common``: engine.build_model's arguments)."""
-    return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=ps.pp_rank, v=layout.virtual_pp,
-                                 tie_group=tied_embedding_group(ps), **common)
-
-
 def wrap_engine(engine, run, ps) -> InterleavedPipeline:
-    """The executor around DeepSpeed's plain engine holding ``build_interleaved_model``'s module."""
+    """The executor around DeepSpeed's plain engine holding a family's ``ModelChunks`` (``pipeline/chunks.py``)."""
     layout = run.layout
     # --fp32-residual-connection: the hidden state between stages is the fp32 residual stream
     # (Megatron's p2p_communication receives into fp32 buffers then too)

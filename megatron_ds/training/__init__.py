@@ -1,13 +1,12 @@
-"""Training a resolved ``Run``: the stack every model family shares (the families themselves, and the
-pipeline executors beyond DeepSpeed's own, live in ``megatron_ds.families`` and ``megatron_ds.pipeline``).
+"""Training a resolved ``Run``: the stack every model family shares (the families themselves, the
+pipeline executors beyond DeepSpeed's own and the parallelism planner live in ``megatron_ds.families``,
+``megatron_ds.pipeline`` and ``megatron_ds.planner``).
 
     entry point     pretrain.py           main(family): parse, resolve, --dry-run, pretrain(); the family (its
                                           builders, datasets, micro-batches, loss names) is the entry
                                           point's, from megatron_ds.families
                     meta_build.py         --dry-run: each pipeline stage built on the meta device
                     file_checks.py        --dry-run: data, --load and --save looked at before the queue
-    planning        planner.py            the layouts that fit, ranked by time_model.py's predicted step time;
-                    plan_cli.py           tools/plan.py and --dry-run --plan; plan_script.py: the ABCI job script
                     trainer.py            train(): start-up checks, build, resume, loop, final evaluation
     set-up          initialize.py         rank discovery, the process group
                     device.py             which device this rank trains on
@@ -21,6 +20,5 @@ pipeline executors beyond DeepSpeed's own, live in ``megatron_ds.families`` and 
                     signals.py            stop signals (walltime, Ctrl-C) agreed over ranks
                     collective_timeout.py a hung collective named in one line
     reporting       log.py, wandb_log.py  Megatron's log lines, TensorBoard / W&B scalars
-                    flops.py              model FLOPs per iteration (TFLOP/s and MFU in the log)
                     profiler.py           --profile: torch profiler traces of chosen steps and ranks
 """

@@ -47,7 +47,7 @@ def select_device(local_rank: int, local_world_size: int | None = None,
         raise ConfigError(no_gpu_message(local_rank, count, local_world_size, environ))
     torch.cuda.set_device(local_rank)
     # Initialise CUDA now, on this rank's GPU: the RNG set-up that follows saves and restores CUDA
-    # generator states only once CUDA is in use (megatron_ds.parallel.random, model.layer_specs).
+    # generator states only once CUDA is in use (megatron_ds.parallel.random, model.pipeline_model).
     torch.cuda.init()
     _match_deepspeed_accelerator("cuda")
     return torch.device("cuda", local_rank)

@@ -13,19 +13,18 @@ from megatron_ds import ds_compat
 from megatron_ds.checkpoint.checkpointing import install_safe_loading
 from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.run import Run
 from megatron_ds.model.compile_layers import compile_layers, describe_compiled_layers
-from megatron_ds.model.gpt import reported_names
 from megatron_ds.model.kernels import describe_kernels
-from megatron_ds.model.layer_specs import build_pipeline_gpt, build_sequential_gpt
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe_layer import is_moe_model
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import ColumnParallelLinear, RowParallelLinear, register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
 from megatron_ds.parallel.utils import PRECISION_DTYPES
-from megatron_ds.pipeline.executor import build_interleaved_model, wrap_engine
+from megatron_ds.pipeline.executor import wrap_engine
 from megatron_ds.progress import print_rank0
 from megatron_ds.training.lr_schedule import make_lr_schedule
 from megatron_ds.training.optimizer import GuardedOptimizer, build_optimizer
@@ -36,42 +35,28 @@ def params_dtype(layout: Layout) -> torch.dtype:
 
 
 def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
-    """The model builders' arguments for this run (all but the pipeline placement), shared by
-    ``build_model`` and --dry-run's build on the meta device (``training.meta_build``)."""
+    """The model builders' arguments for this run (all but the pipeline placement), shared by the
+    families' builders of training and of --dry-run's build on the meta device (``training.meta_build``)."""
     layout = run.layout
     return dict(padded_vocab_size=layout.padded_vocab_size, vocab_size=layout.vocab_size, tp_group=tp_group,
                 seed=run.training.seed, sequence_parallel=layout.sequence_parallel,
                 reset_attention_mask=run.data.reset_attention_mask, eod_token=eod_token,
                 recompute_granularity=layout.recompute,
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
-                params_dtype=params_dtype(layout), device=device,
+                params_dtype=params_dtype(layout), device=device, fp8=layout.fp8,
                 # the expert parallel size only where MoE layers exist (GPT only: other families take no ep_size)
                 **({"ep_size": layout.ep} if layout.active_params is not None else {}))
 
 
-def build_model(run: Run, ps: ParallelState, eod_token: int, device=None, loss_report: LossReport | None = None):
-    """The GPT as a PipelineModule (pipeline engine) or a plain module (--no-pipeline-parallel);
-    its loss function reports to ``loss_report``.
-
-    Built directly in the compute precision on ``device``: each weight is drawn in fp32 on the CPU
-    generator (device-independent numbers) and moved at once, so the whole fp32 model never
-    exists on the host and no second copy is made afterwards."""
-    layout = run.layout
-    common = dict(model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
-                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
-    if layout.own_schedule:
-        return build_interleaved_model(layout, ps, common)
-    if layout.use_pipeline:
-        return build_pipeline_gpt(layout.model, topology=ps.topology,
-                                  partition_method=run.distributed.pipeline_partition_method, **common)
-    return build_sequential_gpt(layout.model, sp_group=ps.sp_group, **common)
-
-
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
-                 loss_report: LossReport | None = None, build=build_model) -> torch.nn.Module:
+                 loss_report: LossReport | None = None, *, build) -> torch.nn.Module:
     """This rank's model, seeded, in its compute precision, on ``device``: what DeepSpeed's engine
     is given (and what the fake-CUDA tests run on ``cuda``). ``build``: the model family's builder
-    (``config.family.ModelFamily.build_model``; the GPT's by default)."""
+    (``config.family.ModelFamily.build_model``).
+
+    A family's builder builds its model directly in the compute precision on ``device``: each weight is
+    drawn in fp32 on the CPU generator (device-independent numbers) and moved at once, so the whole fp32
+    model never exists on the host and no second copy is made afterwards."""
     # Model init draws from the default generators (identically on every rank); the tracker's
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
@@ -148,19 +133,18 @@ def fuse_grad_accumulation(layout: Layout, engine, model: torch.nn.Module) -> in
     return ds_compat.link_main_grads(opt, weights)
 
 
-def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *, build=build_model,
-                 loss_names: tuple[str, ...] = ()) -> Runtime:
+def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: int, *,
+                 family: ModelFamily) -> Runtime:
     """The model built for this rank, its optimizer (NaN-guarded in fp32 ZeRO-0) and LR schedule,
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
-    ``build`` and ``loss_names``: the model family's builder and the terms its loss reports
-    (``config.family.ModelFamily``; the GPT's by default)."""
+    ``family``: the model family (its builder and the terms its loss reports)."""
     layout = run.layout
     moe = is_moe_model(layout.model)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
-    # the family's reported terms (BERT: lm loss, sop loss), else the GPT's (with MoE: lm loss, moe loss, ...)
-    loss_report = LossReport(loss_names or reported_names(moe))
-    model = build_module(run, ps, device, eod_token, loss_report, build)
+    # the family's reported terms (BERT: lm loss, sop loss; an MoE GPT: lm loss, moe loss, ...)
+    loss_report = LossReport(family.loss_names(layout))
+    model = build_module(run, ps, device, eod_token, loss_report, build=family.build_model)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:

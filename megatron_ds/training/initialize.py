@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import torch
 
+from megatron_ds.ds_compat import skip_shm_comm_op
 from megatron_ds.errors import ConfigError
 from megatron_ds.launch import apply_dist_env, discover_dist_env
 from megatron_ds.progress import print_rank0
@@ -31,6 +32,8 @@ def init_distributed(distributed, device: torch.device) -> None:
     backend = distributed.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = timedelta(minutes=distributed.distributed_timeout_minutes)
     apply_timeout_to_new_groups(timeout, log=print_rank0)
+    if device.type == "cpu":
+        skip_shm_comm_op()  # DeepSpeed's inference-only CPU collective: not compiled for a run that never uses it
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
     except Exception as exc:  # a port clash becomes one line; anything else stays as it is

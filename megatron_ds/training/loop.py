@@ -22,7 +22,6 @@ from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
-from megatron_ds.training.flops import gpt_iteration_flops
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
 from megatron_ds.training.profiler import StepProfiler
 from megatron_ds.training.seqlen_warmup import SeqlenWarmup
@@ -85,7 +84,7 @@ def _plain_loss(engine, batch, loss_fn):
 def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
     """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP).
     ``dp_group``: the data parallel ranks, with their DeepSpeed-Ulysses sequence parallel ranks, whose
-    losses are parts of one sequence's (``model/gpt.py`` ``gpt_loss_fn``) and are summed, not averaged."""
+    losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged."""
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -164,9 +163,7 @@ class Loop:
     profiler: StepProfiler | None = None  # --profile (training/profiler.py)
     # the named scalars the model's loss function reports (model/loss_report.py): printed after lm loss
     loss_report: LossReport = field(default_factory=LossReport)
-    # (layout, sequence length) -> model FLOPs of one iteration: the family's count (config/family.py ModelFamily.flops)
-    count_flops: Callable = gpt_iteration_flops
-    # (state, label, reported means) after each validation line: fine-tuning's per-epoch accuracy (cli/finetune.py)
+    # (state, label, reported means) after each validation line: fine-tuning's per-epoch accuracy (cli/tasks.py)
     after_validation: Callable | None = None
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
@@ -177,7 +174,8 @@ class Loop:
         self.warmup = SeqlenWarmup(self.engine, layout.use_pipeline) if layout.curriculum else None
 
     def _flops(self, seq_length: int) -> float:
-        return self.count_flops(self.run.layout, seq_length)
+        """Model FLOPs of one iteration at ``seq_length``: the model family's count (``ModelFamily.flops``)."""
+        return self.run.layout.family.flops(self.run.layout, seq_length)
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""

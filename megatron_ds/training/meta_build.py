@@ -2,7 +2,8 @@
 
 ``build_stages(run, eod_token)`` builds, for one rank of every pipeline stage (tensor and data
 parallel rank 0: data parallel ranks hold the same modules, tensor parallel ranks the same shapes,
-since the padded vocabulary divides evenly), what training builds there (``engine.model_kwargs``):
+since the padded vocabulary divides evenly), what training builds there (the family's ``build_stage``
+over ``engine.model_kwargs``):
 the same layer specs, vocabulary padding, tied copy or untied output layer, tensor parallel shards,
 Llama-style RoPE / SwiGLU / RMSNorm / GQA, and the model chunks of the interleaved schedule. On
 the meta device the parameters have shapes and dtypes but no memory, so a 13B model builds in a
@@ -13,7 +14,7 @@ before this returns.
 ``report`` puts each stage's built parameter count, and the weights, gradients and optimizer
 states that follow from it (``config.memory.parameter_state``: the layout's precision, ZeRO stage
 and data parallel split), next to the estimate's, which counts the parameters by formula
-(``config.layout.count_parameters``). More than ``TOLERANCE`` apart is a warning: one of the two
+(``ModelFamily.count_parameters``). More than ``TOLERANCE`` apart is a warning: one of the two
 is wrong about the model the run would train.
 """
 from __future__ import annotations
@@ -29,9 +30,6 @@ from megatron_ds.config.layout import Layout
 from megatron_ds.config.memory import GB, estimate_stages, parameter_state
 from megatron_ds.config.run import Run
 from megatron_ds.errors import ConfigError
-from megatron_ds.pipeline.chunks import build_interleaved_gpt
-from megatron_ds.model.layer_specs import build_sequential_gpt, build_stage_gpt
-from megatron_ds.training.engine import model_kwargs, params_dtype
 
 TOLERANCE = 0.01
 """Largest relative difference between the built model and the estimate that passes unremarked."""
@@ -47,28 +45,12 @@ class BuiltStage:
     expert_params: int = 0  # of which MoE experts' (DeepSpeed marks them allreduce=False; ZeRO splits them apart)
 
 
-def build_stage(run: Run, stage: int, tp_group, eod_token: int) -> torch.nn.Module:
-    """The modules pipeline stage ``stage`` builds in training, on the meta device, cast to the compute
-    precision as training casts them (engine.build_module: DeepSpeed's MoE builds its gate and PR-MoE
-    coefficient as fp32 torch.nn.Linear layers)."""
+def build_stages(run: Run, eod_token: int, on_built=lambda built: None) -> list[BuiltStage]:
+    """Build every pipeline stage on the meta device with the model family's stage builder
+    (``ModelFamily.build_stage``; see the module docstring); ``on_built`` sees each stage as it is
+    done. A shape the layers refuse is a ConfigError."""
     layout = run.layout
-    common = model_kwargs(run, tp_group, eod_token, device="meta")
-    if layout.own_schedule:  # interleaved or ZB-H1: our executor's chunks
-        # no tie_group: synchronizing the tied copy moves values, and there are none on meta
-        model = build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
-    elif layout.use_pipeline:
-        model = build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
-                                partition_method=run.distributed.pipeline_partition_method, **common)
-    else:
-        model = build_sequential_gpt(layout.model, **common)
-    return model.to(params_dtype(layout)) if layout.precision != "fp32" else model
-
-
-def build_stages(run: Run, eod_token: int, on_built=lambda built: None, build=build_stage) -> list[BuiltStage]:
-    """Build every pipeline stage on the meta device (see the module docstring); ``on_built``
-    sees each stage as it is done. A shape the layers refuse is a ConfigError. ``build``: the model
-    family's stage builder (``config.family.ModelFamily.build_stage``; the GPT's by default)."""
-    layout = run.layout
+    build = layout.family.build_stage
     group = ds_compat.fake_process_group(layout.tp, 0) if layout.tp > 1 else contextlib.nullcontext()
     from deepspeed.moe.utils import is_moe_param  # noqa: PLC0415 (DeepSpeed only once a model is built)
 
@@ -119,14 +101,14 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def report(run: Run, eod_token: int, out=_print, build=build_stage) -> list[BuiltStage]:
+def report(run: Run, eod_token: int, out=_print) -> list[BuiltStage]:
     """Build on the meta device and print a line per stage as it is built (the progress of a
     long build), then the verdict against the estimate."""
     layout = run.layout
     out(f"model built on the meta device, one rank per pipeline stage (TP rank 0 of {layout.tp}, DP rank 0; "
         f"no memory used):")
     start = time.monotonic()
-    built = build_stages(run, eod_token, on_built=lambda b: out(stage_line(layout, b)), build=build)
+    built = build_stages(run, eod_token, on_built=lambda b: out(stage_line(layout, b)))
     diff, stage, name = worst(layout, built)
     took = f"built in {time.monotonic() - start:.1f} s"
     if diff <= TOLERANCE:

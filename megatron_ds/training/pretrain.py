@@ -19,16 +19,16 @@ from megatron_ds.accelerator import on_cuda
 from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
-from megatron_ds.config.family import ModelFamily
-from megatron_ds.config.fp8_flags import describe_fp8, fp8_recipe
-from megatron_ds.config.validation import missing_flags
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.fp8_flags import describe_fp8, fp8_format
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
 from megatron_ds.config.moe_params import is_moe
+from megatron_ds.config.validation import missing_flags
 from megatron_ds.data.tokenizer import build_tokenizer_for
 from megatron_ds.ds_compat import check_deepspeed
-from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.errors import ConfigError, DataError, Interrupted, TrainingStopped
+from megatron_ds.launch.parent_watch import watch_launcher
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files
@@ -71,7 +71,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     from megatron_ds.training.meta_build import report  # noqa: PLC0415
     from megatron_ds.training.optimizer import describe_cuda_optimizer  # noqa: PLC0415
 
-    report(run, family.eod_token(tokenizer), build=family.build_stage)
+    report(run, family.eod_token(tokenizer))
     # what a CUDA run of this configuration would run, known before the queue, even where this host has no GPU
     lay = run.layout
     on_gpu = dataclasses.replace(run, layout=dataclasses.replace(lay, model=dataclasses.replace(
@@ -79,7 +79,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     print("kernels on CUDA: " + describe_run_kernels(on_gpu, describe_cuda_optimizer(run.optimizer), on_cuda=True,
                                                     skip=("output layer + loss",)))
     print(f"output layer + loss on CUDA: {describe_liger(lay.model, lay.tp, run.fused_loss_reason, on_cuda=True)}")
-    print(describe_fp8(lay.model, moe=is_moe(lay.model)))
+    print(describe_fp8(lay.fp8, lay.model, moe=is_moe(lay.model)))
     check_layout_memory(run.layout, flags.gpu_memory_gb)
     if run.ignored_flags:
         print(f"ignored flags (no effect here): {describe_ignored(run.ignored_flags)}")
@@ -106,7 +106,8 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily) -> TrainSta
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)
-    devices.check_fp8_device(fp8_recipe(flags.model) is not None, device)
+    # before the resolution, which needs the device: whether FP8 is asked for at all (its recipe comes later)
+    devices.check_fp8_device(fp8_format(flags.model) is not None, device)
     run, tokenizer = prepare(flags, ignored, world_size=env.world_size, device_type=device.type,
                              log=print_rank0 if env.rank == 0 else (lambda *a: None), family=family,
                              gpu_memory=devices.memory_bytes(device))
@@ -137,8 +138,8 @@ def main(argv=None, *, family: ModelFamily) -> int:
     in tools/. ``family``: the entry point's model (``families.get_family``)."""
     prog = f"pretrain_{family.name}.py"  # what the error lines name
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--plan" in argv:  # --dry-run --plan: the planner over these flags (training/plan_cli.py)
-        from megatron_ds.training.plan_cli import main as plan_main  # noqa: PLC0415
+    if "--plan" in argv:  # --dry-run --plan: the planner over these flags (planner/plan_cli.py)
+        from megatron_ds.planner.plan_cli import main as plan_main  # noqa: PLC0415
 
         return plan_main(argv, family=family, prog=prog)
     flags, ignored = parse_args(argv, prog)

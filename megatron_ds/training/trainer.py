@@ -65,8 +65,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
-    rt = build_engine(run, ps, device, family.eod_token(tokenizer), build=family.build_model,
-                      loss_names=family.loss_names)
+    rt = build_engine(run, ps, device, family.eod_token(tokenizer), family=family)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
     state = _resume(run, rt.engine, ps, signature, family, _tokenizer_record(run, tokenizer, family))
@@ -78,7 +77,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
             save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family)
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
-                        stop_signals=stop_signals, loss_report=rt.loss_report, count_flops=family.flops,
+                        stop_signals=stop_signals, loss_report=rt.loss_report,
                         after_validation=after_validation,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
             if training:

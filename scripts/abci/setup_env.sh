@@ -24,7 +24,8 @@
 #   2. the venv VENV_DIR (default: <repo>/.venv, where the job scripts look for it)
 #   3. torch: TORCH_SPEC (default "torch", whose Linux wheels are CUDA builds) with TORCH_PIP_ARGS
 #      (e.g. "--index-url <a CUDA 12.8 wheel index>" to match the loaded CUDA module)
-#   4. DeepSpeed and the other requirements, then this package (pip install -e, C++ helpers)
+#   4. DeepSpeed and the other requirements, then this package (pip install -e, C++ helpers) with
+#      its tensorboard extra (the job scripts write TensorBoard events)
 #   5. BUILD_APEX=1: apex with its CUDA extensions for TORCH_CUDA_ARCH_LIST (default: the GPUs
 #      of this node; else by resource type: V100 7.0, A100 8.0, H200 9.0), APEX_SRC (a checkout
 #      or pip URL, default NVIDIA's git repository), MAX_JOBS compile processes
@@ -113,7 +114,7 @@ install_packages() {
   if stamp_ok packages "$key"; then echo "[setup] ok: DeepSpeed, requirements and megatron_ds"; else
     run_step "${pip[@]}" install -q -r "$MEGATRON_DS_ROOT/requirements.txt" \
       --constraint <("$py" -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null || true)
-    run_step "${pip[@]}" install -q --no-build-isolation -e "$MEGATRON_DS_ROOT"
+    run_step "${pip[@]}" install -q --no-build-isolation -e "${MEGATRON_DS_ROOT}[tensorboard]"
     stamp_set packages "$key"
   fi
   if [ "$BUILD_APEX" = 1 ]; then

@@ -5,7 +5,7 @@ from tests.distributed import run_distributed
 from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
 
 # Dropout off: its random streams legitimately depend on the layout, so runs at different layouts
-# could not be compared (tests/training/test_parity.py has the same rule).
+# could not be compared (tests/families/gpt/test_parity.py has the same rule).
 STEPS = ["--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
 STYLES = {"gpt2": [], "llama": LLAMA_FLAGS}
 

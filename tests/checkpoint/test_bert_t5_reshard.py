@@ -19,8 +19,8 @@ import torch
 
 from tests.checkpoint.test_reshard import FP32
 from tests.distributed import run_distributed
-from tests.training.test_bert_parity import TINY_BERT, bert_losses
-from tests.training.test_t5_parity import TINY_T5, t5_train_losses
+from tests.families.bert.test_bert_parity import TINY_BERT, bert_losses
+from tests.families.t5.test_t5_parity import TINY_T5, t5_train_losses
 
 pytestmark = pytest.mark.timeout(1200)
 SIX = ["--train-iters", "6", "--adam-eps", "1e-4"]

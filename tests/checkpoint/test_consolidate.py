@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoint.common import train
+from megatron_ds.families.gpt.gpt_family import GPT
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -17,14 +18,14 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_tp2_pp2_consolidates_to_the_single_process_weights(tmp_path, style):
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 
     dirs = {}
     for tp, pp in ((1, 1), (2, 2)):
         dirs[tp, pp] = str(tmp_path / f"tp{tp}pp{pp}")
         train(style, tp, pp, 1, 2, ["--save", dirs[tp, pp]])
-    ref = load_consolidated(dirs[1, 1], log=lambda *a: None)
-    got = load_consolidated(dirs[2, 2], log=lambda *a: None)
+    ref = load_consolidated(dirs[1, 1], log=lambda *a: None, family=GPT)
+    got = load_consolidated(dirs[2, 2], log=lambda *a: None, family=GPT)
     assert got.iteration == 2 and got.vocab_size == 512 and got.padded_vocab_size == 512
     assert got.model == ref.model
     assert sorted(got.state_dict) == sorted(ref.state_dict)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_ds.cli import to_hf
+from megatron_ds.families.gpt.gpt_family import GPT
 from tests.checkpoint.common import train
 
 EMBED = "tied_modules.embed.word_embeddings.weight"
@@ -30,8 +31,8 @@ def test_masters_are_deepspeeds_fp32_weights(bf16_zero1):
 
     from megatron_ds.checkpoint import load_consolidated
 
-    masters = load_consolidated(bf16_zero1, from_masters=True, log=lambda *a: None).state_dict
-    weights = load_consolidated(bf16_zero1, log=lambda *a: None).state_dict
+    masters = load_consolidated(bf16_zero1, from_masters=True, log=lambda *a: None, family=GPT).state_dict
+    weights = load_consolidated(bf16_zero1, log=lambda *a: None, family=GPT).state_dict
     reference = get_fp32_state_dict_from_zero_checkpoint(bf16_zero1, tag="global_step2")
     assert sorted(masters) == sorted(reference) == sorted(weights)
     for name, tensor in reference.items():
@@ -45,7 +46,7 @@ def test_export_from_fp32_masters(bf16_zero1, tmp_path):
 
     from megatron_ds.checkpoint import load_consolidated
 
-    masters = load_consolidated(bf16_zero1, from_masters=True, log=lambda *a: None).state_dict
+    masters = load_consolidated(bf16_zero1, from_masters=True, log=lambda *a: None, family=GPT).state_dict
     exported = {}
     for flag in ([], ["--from-fp32-masters"]):
         out = str(tmp_path / ("masters" if flag else "weights"))

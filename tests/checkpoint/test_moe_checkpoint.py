@@ -49,6 +49,7 @@ from tests.checkpoint.common import layout_flags
 from tests.checkpoint.test_reshard import _optimizer_state
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(1500)
 MOE = ["--num-experts", "4", "--global-batch-size", "8"]
@@ -91,7 +92,7 @@ def test_resume_at_ep2_is_bitwise(tmp_path):
 def _weights(path, iteration=None):
     from megatron_ds.checkpoint import load_consolidated
 
-    return load_consolidated(path, iteration, log=lambda *a: None).state_dict
+    return load_consolidated(path, iteration, log=lambda *a: None, family=GPT).state_dict
 
 
 @pytest.mark.parametrize("name,saved,resumed,extra,last", [

@@ -4,7 +4,7 @@
   (deepspeedai/DeepSpeed ``deepspeed/runtime/engine.py``);
 - expert files written from a global (EP 1) state with our names are what DeepSpeed's own
   ``load_moe_state_dict`` reads into an EP 2 model on each expert parallel rank, and that is what
-  ``expert_files.to_local`` says the rank holds; ``regroup`` between EP sizes agrees with it;
+  ``expert_files.to_local`` says the rank holds; regrouping between EP sizes through them agrees with it;
 - tensor parallel rules: experts are whole on every TP rank unless
   --enable-expert-tensor-parallelism, then split like the dense MLP;
 - the Mixtral name map round-trips and refuses what Mixtral cannot express, one line each.
@@ -18,10 +18,12 @@ import types
 import pytest
 import torch
 
-from megatron_ds.checkpoint import expert_files, mixtral
+from megatron_ds.checkpoint import expert_files
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import mixtral_hf as mixtral
+from megatron_ds.families.gpt.gpt_family import GPT
 
 H, F, E = 8, 6, 4  # hidden, expert ffn (SwiGLU: dense_h_to_4h has 2F rows), experts
 
@@ -39,16 +41,21 @@ def _global_state(prefix: str = "3.mlp") -> dict[str, torch.Tensor]:
     return out
 
 
+def _expert_file_name(moe_layer: int, expert: int, mp_rank: int) -> str:
+    """DeepSpeed's ``_get_expert_ckpt_name`` (the per-layer form, ``layer_id >= 0``)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return os.path.basename(DeepSpeedEngine._get_expert_ckpt_name("d", moe_layer, expert, "t",
+                                                                  checkpoint_mp_rank=mp_rank))
+
+
 def test_file_names_are_deepspeeds():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    ours = expert_files.expert_file_name(1, 5, 3)
-    assert ours == os.path.basename(DeepSpeedEngine._get_expert_ckpt_name("d", 1, 5, "t", checkpoint_mp_rank=3))
-    assert expert_files.parse_expert_file(ours) == (1, 5, 3)
+    assert expert_files.parse_expert_file(_expert_file_name(1, 5, 3)) == (1, 5, 3)
     engine = types.SimpleNamespace(checkpoint_mp_rank=2)
-    assert expert_files.expert_optim_file_name(1, 2) == os.path.basename(
-        DeepSpeedEngine._get_optimizer_ckpt_name(engine, "d", "t", 1))
-    assert expert_files.parse_expert_optim_file(expert_files.expert_optim_file_name(1, 2)) == (1, 2)
+    name = os.path.basename(DeepSpeedEngine._get_optimizer_ckpt_name(engine, "d", "t", 1))
+    assert expert_files.parse_expert_optim_file(name) == (1, 2)
 
 
 class _Expert(torch.nn.Module):
@@ -79,7 +86,7 @@ def test_deepspeed_loads_what_to_local_says(tmp_path, monkeypatch, ep_size):
     os.makedirs(tmp_path / tag)
     for e in range(E):  # what _save_moe_checkpoint writes: one file per global expert, keys with the global id
         torch.save({k: v for k, v in full.items() if expert_files.expert_id(k) == e},
-                   tmp_path / tag / expert_files.expert_file_name(0, e, 0))
+                   tmp_path / tag / _expert_file_name(0, e, 0))
     for rank in range(ep_size):
         monkeypatch.setattr(groups, "_get_expert_parallel_rank", lambda name, r=rank: r)
         loaded = {}
@@ -94,12 +101,20 @@ def test_deepspeed_loads_what_to_local_says(tmp_path, monkeypatch, ep_size):
         assert set(ours) == own
 
 
+def _regroup(per_rank: list[dict], ep_size: int) -> list[dict]:
+    """The states of ``len(per_rank)`` expert parallel ranks (local ids) as the states of ``ep_size`` ranks."""
+    full: dict = {}
+    for rank, state in enumerate(per_rank):
+        full.update(expert_files.to_global(state, rank))
+    return [expert_files.to_local(full, r, ep_size) for r in range(ep_size)]
+
+
 def test_regroup_between_ep_sizes():
     full = _global_state()
     per_rank = {n: [expert_files.to_local(full, r, n) for r in range(n)] for n in (1, 2, 4)}
     for src in (1, 2, 4):
         for dst in (1, 2, 4):
-            out = expert_files.regroup(per_rank[src], dst)
+            out = _regroup(per_rank[src], dst)
             assert [sorted(s) for s in out] == [sorted(s) for s in per_rank[dst]]
             assert all(torch.equal(a[k], b[k]) for a, b in zip(out, per_rank[dst]) for k in a)
     assert expert_files.to_global(per_rank[2][1], 1) == {k: v for k, v in full.items()
@@ -123,8 +138,8 @@ def test_expert_tensor_parallel_rule(expert_tp):
     full = _global_state()
     up = f"3.mlp{expert_files.EXPERTS_INFIX}1.dense_h_to_4h.weight"
     down = f"3.mlp{expert_files.EXPERTS_INFIX}1.dense_4h_to_h.weight"
-    shards_up = [tp_rules.split(up, full[up], 2, r, m) for r in range(2)]
-    shards_down = [tp_rules.split(down, full[down], 2, r, m) for r in range(2)]
+    shards_up = [tp_rules.split(up, full[up], 2, r, m, GPT) for r in range(2)]
+    shards_down = [tp_rules.split(down, full[down], 2, r, m, GPT) for r in range(2)]
     if expert_tp:  # as the dense SwiGLU MLP: [gate_r; up_r] rows, and the down projection's columns
         gate, upper = full[up].chunk(2)
         assert torch.equal(shards_up[1], torch.cat([gate[F // 2:], upper[F // 2:]]))
@@ -132,12 +147,12 @@ def test_expert_tensor_parallel_rule(expert_tp):
     else:
         assert all(torch.equal(s, full[up]) for s in shards_up)
         assert all(torch.equal(s, full[down]) for s in shards_down)
-    assert torch.equal(tp_rules.merge(up, shards_up, m), full[up])
-    assert torch.equal(tp_rules.merge(down, shards_down, m), full[down])
+    assert torch.equal(tp_rules.merge(up, shards_up, m, GPT), full[up])
+    assert torch.equal(tp_rules.merge(down, shards_down, m, GPT), full[down])
     gate_name = "3.mlp.deepspeed_moe.gate.wg.weight"
-    assert tp_rules.partition(gate_name, m) is None
+    assert tp_rules.partition(gate_name, m, GPT) is None
     # PR-MoE's residual MLP is a dense MLP: split whatever the expert flag says
-    assert tp_rules.partition("3.mlp.mlp.dense_h_to_4h.weight", m) == (0, 2)
+    assert tp_rules.partition("3.mlp.mlp.dense_h_to_4h.weight", m, GPT) == (0, 2)
 
 
 def test_mixtral_names_round_trip():
@@ -172,7 +187,7 @@ def test_mixtral_names_round_trip():
     (dict(normalization="layernorm"), "--normalization layernorm"),
 ])
 def test_mixtral_refusals_name_the_reason(change, reason):
-    from megatron_ds.checkpoint import hf
+    from megatron_ds.families.gpt import gpt_hf as hf
 
     assert hf.choose_architecture(_model()) == hf.MIXTRAL
     with pytest.raises(ConfigError) as info:
@@ -200,7 +215,7 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
 
 
 def test_mixtral_config_imports_as_deepspeed_moe():
-    from megatron_ds.checkpoint import hf
+    from megatron_ds.families.gpt import gpt_hf as hf
 
     transformers = pytest.importorskip("transformers")
     d = transformers.MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=F, num_hidden_layers=2,

@@ -14,7 +14,7 @@ exact arithmetic (e.g. the key bias, which softmax ignores) from turning floatin
 ~1e-10 into lr-sized, layout-dependent updates.
 
 Tolerances. fp32: the layouts sum the same numbers in other orders (~1e-7 relative per op);
-tests/training/test_parity.py measures losses within 2e-5 relative after 5 steps; weights move
+tests/families/gpt/test_parity.py measures losses within 2e-5 relative after 5 steps; weights move
 by lr x (relative gradient error) per step, far below atol 1e-6. bf16: activations and weights
 round to 8 bits of mantissa at every layer, and different TP/PP sizes round partial sums
 differently: losses agree to ~1e-3 relative (rtol 5e-3 leaves a margin), and a master weight that
@@ -33,6 +33,7 @@ import torch
 from tests.checkpoint.common import layout_flags
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
 
 RUN = TINY_GPT + ["--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
                   "--vocab-size", "500", "--train-iters", "6", "--adam-eps", "1e-4"]
@@ -62,7 +63,7 @@ def fp32_2x2(tmp_path_factory):
 def _weights(path, iteration=None):
     from megatron_ds.checkpoint import load_consolidated
 
-    c = load_consolidated(path, iteration, log=lambda *a: None)
+    c = load_consolidated(path, iteration, log=lambda *a: None, family=GPT)
     # the real vocabulary rows (the padded sizes differ between the layouts)
     return {k: (v[:500] if v.shape[0] in (500, 504) and v.ndim == 2 else v) for k, v in c.state_dict.items()}
 
@@ -93,10 +94,10 @@ def _optimizer_state(path, iteration=None):
     from megatron_ds.checkpoint.reshard import full_tensors
     from megatron_ds.checkpoint.sources import layer_source
 
-    ckpt = open_checkpoint(path, iteration)
+    ckpt = open_checkpoint(path, iteration, GPT)
     saved = SavedOptimizer(ckpt)
     out = {}
-    for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size):
+    for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, GPT):
         for name, t in full_tensors(ckpt, layer_source(ckpt), saved, idx, prefix).items():
             out[name] = {k: v[:500] if v.ndim == 2 and v.shape[0] in (500, 504) else v
                          for k, v in t.items() if k != "weight"}

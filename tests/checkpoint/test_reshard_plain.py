@@ -35,6 +35,7 @@ from tests.checkpoint.common import layout_flags
 from tests.checkpoint.test_reshard import FP32, _weights
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
 
 RUN = TINY_GPT + ["--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
                   "--vocab-size", "500", "--train-iters", "6", "--adam-eps", "1e-4", "--save-interval", "3"]
@@ -113,8 +114,8 @@ def _weights_by_name(path):
     """{name: weight} of a TP 1 checkpoint's layer files."""
     from megatron_ds.checkpoint.files import layer_prefixes, open_checkpoint
 
-    ckpt = open_checkpoint(path, 3)
-    return {prefix + k: v.float() for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size)
+    ckpt = open_checkpoint(path, 3, GPT)
+    return {prefix + k: v.float() for idx, prefix in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, GPT)
             for k, v in _load(ckpt.layer_file(idx, 0)).items()}
 
 
@@ -142,10 +143,10 @@ def derived(fp32_pp2, tmp_path_factory):
 
 def _saved(path):
     from megatron_ds.checkpoint.files import open_checkpoint
-    from megatron_ds.checkpoint.plain_optim import saved_shapes
     from megatron_ds.checkpoint.optim_state import SavedOptimizer
+    from megatron_ds.checkpoint.plain_optim import saved_shapes
 
-    ckpt = open_checkpoint(path, 3)
+    ckpt = open_checkpoint(path, 3, GPT)
     saved = SavedOptimizer(ckpt)
     shapes = saved_shapes(ckpt, 0)
     return {name: saved.tensors(name, 0, shape) for name, shape in shapes.items()}, saved.step

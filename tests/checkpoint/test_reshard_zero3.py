@@ -27,6 +27,7 @@ from tests.checkpoint.common import layout_flags
 from tests.checkpoint.test_reshard import FP32, _optimizer_state, _weights
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
 
 RUN = TINY_GPT + ["--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
                   "--vocab-size", "500", "--train-iters", "6", "--adam-eps", "1e-4", "--save-interval", "3"]
@@ -75,7 +76,7 @@ def test_zero3_reader_matches_deepspeeds_zero_to_fp32(chain):
 
     from megatron_ds.checkpoint import load_consolidated
 
-    ours = load_consolidated(chain["a"], 6, log=lambda *a: None).state_dict
+    ours = load_consolidated(chain["a"], 6, log=lambda *a: None, family=GPT).state_dict
     theirs = get_fp32_state_dict_from_zero_checkpoint(chain["a"], tag="global_step6")
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():

@@ -16,6 +16,7 @@ from megatron_ds.checkpoint.integrity import write_manifest
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
+from megatron_ds.families.gpt.gpt_family import GPT
 
 SAVED = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --num-key-value-heads 2 --seq-length 32 "
          "--max-position-embeddings 32 --micro-batch-size 1 --lr 1e-3 --train-iters 10 --swiglu "
@@ -53,8 +54,8 @@ def test_checkpoint_flags_fill_and_win(tmp_path):
 def test_needs_load_and_tolerates_a_checkpoint_without_flags(tmp_path):
     cfg, _ = parse_args(["--use-checkpoint-args", *SAVED])
     with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load"):
-        resolve(cfg, world_size=2, vocab_size=512, device_type="cpu", saved_flags=None)
+        resolve(cfg, world_size=2, vocab_size=512, device_type="cpu", saved_flags=None, family=GPT)
     cfg, _ = parse_args(["--use-checkpoint-args", "--load", str(tmp_path), *SAVED])
-    run = resolve(cfg, world_size=2, vocab_size=512, device_type="cpu", saved_flags=None)
+    run = resolve(cfg, world_size=2, vocab_size=512, device_type="cpu", saved_flags=None, family=GPT)
     assert any("has no saved flags" in n for n in run.notes)
     assert os.listdir(tmp_path) == []

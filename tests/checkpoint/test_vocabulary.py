@@ -14,6 +14,7 @@ from megatron_ds.checkpoint import load_consolidated
 from megatron_ds.checkpoint.vocabulary import check_vocabulary, rows_only, saved_tokenizer
 from megatron_ds.cli import preprocess_data, train_tokenizer
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from tests.data.test_tokenizer import training_corpus
 from tests.distributed import run_distributed
 from tests.training.cli import cli_many
@@ -59,8 +60,8 @@ def test_another_tokenizer_is_refused_and_extends_on_purpose(tmp_path):
             f"(vocabulary size: checkpoint 300 vs now 400; EOD id: checkpoint 299 vs now 399); embedding and "
             f"output rows resized to this tokenizer's 400 tokens (padded 512): rows 300-399 are new and start at "
             f"the mean of the checkpoint's 300 rows") in out2
-    before = load_consolidated(saved, log=lambda *a: None).state_dict
-    after = load_consolidated(extended, log=lambda *a: None)
+    before = load_consolidated(saved, log=lambda *a: None, family=GPT).state_dict
+    after = load_consolidated(extended, log=lambda *a: None, family=GPT)
     key = next(k for k in before if k.endswith("word_embeddings.weight"))
     old, new = before[key], after.state_dict[key]
     assert (old.shape[0], new.shape[0]) == (384, 512)  # 300 and 400 tokens padded to multiples of 128

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--lr 1e-3 --train-iters 10 --mock-data --vocab-size 512 --no-pipeline-parallel --bf16").split()
@@ -20,7 +21,7 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 def _resolve(flags: str, zero: dict | None = None, **top):
     cfg, ignored = parse_args(BASE + flags.split())
     template = {"zero_optimization": zero or {"stage": 2}, **top}
-    return resolve(cfg, world_size=2, vocab_size=512, ds_template=template, ignored=ignored)
+    return resolve(cfg, world_size=2, vocab_size=512, ds_template=template, ignored=ignored, family=GPT)
 
 
 CPU = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
@@ -66,11 +67,11 @@ def test_json_bf16_wins_over_fp16_but_not_the_reverse():
     cfg, _ = parse_args([f for f in BASE if f != "--bf16"] + ["--fp16"])
     both = {"zero_optimization": {"stage": 2}}
     run = resolve(cfg, world_size=2, vocab_size=512,
-                  ds_template={**both, "fp16": {"enabled": False}, "bf16": {"enabled": True}})
+                  ds_template={**both, "fp16": {"enabled": False}, "bf16": {"enabled": True}}, family=GPT)
     assert run.layout.precision == "bf16" and any("--fp16 gives way" in n for n in run.notes)
     with pytest.raises(ConfigError, match=r'"fp16.enabled" = False contradicts the precision flag: --fp16'):
-        resolve(cfg, world_size=2, vocab_size=512, ds_template={**both, "fp16": {"enabled": False}})
+        resolve(cfg, world_size=2, vocab_size=512, ds_template={**both, "fp16": {"enabled": False}}, family=GPT)
     cfg, _ = parse_args(BASE)  # --bf16 with an fp16 JSON: fp16 could overflow where bf16 does not
     with pytest.raises(ConfigError, match=r'"fp16.enabled" = True contradicts the precision flag: --bf16'):
         resolve(cfg, world_size=2, vocab_size=512,
-                ds_template={**both, "fp16": {"enabled": True}, "bf16": {"enabled": False}})
+                ds_template={**both, "fp16": {"enabled": True}, "bf16": {"enabled": False}}, family=GPT)

@@ -17,6 +17,7 @@ import pytest
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.curriculum import legacy_curriculum, parse_curriculum
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 
 
 class TranscribedScheduler:
@@ -110,7 +111,7 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 
 def _resolve(argv, block, world=4):
     cfg, _ = parse_args(BASE + argv)
-    return resolve(cfg, world_size=world, vocab_size=512, ds_template={"curriculum_learning": block})
+    return resolve(cfg, world_size=world, vocab_size=512, ds_template={"curriculum_learning": block}, family=GPT)
 
 
 def test_resolve_takes_the_block_out_of_the_engine_json_and_refuses_what_cannot_run():

@@ -9,8 +9,9 @@ import io
 import pytest
 
 from megatron_ds.config import parse_args, resolve
-from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.families import main as pretrain_main
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.model.kernels import describe_kernels
 
 # GPT 1.3B as measured on an H200 (liger's fused loss cost ~20% per iteration there)
 GPT_1_3B = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
@@ -29,7 +30,7 @@ def _logits_gb(micro: int, seq: int) -> float:
 
 def _choice(argv, gpu_memory=None):
     cfg, _ = parse_args(argv)
-    run = resolve(cfg, world_size=1, vocab_size=50257, device_type="cuda", gpu_memory=gpu_memory)
+    run = resolve(cfg, world_size=1, vocab_size=50257, device_type="cuda", gpu_memory=gpu_memory, family=GPT)
     return run.layout.model.liger_kernel, run.fused_loss_reason
 
 
@@ -57,7 +58,7 @@ def test_the_rule_on_both_sides_of_fifteen_percent():
 def test_start_up_line_names_the_loss_kernel_and_why():
     fused, why = _choice(GPT_1_3B)
     cfg, _ = parse_args(GPT_1_3B)
-    model = resolve(cfg, world_size=1, vocab_size=50257, device_type="cuda").layout.model
+    model = resolve(cfg, world_size=1, vocab_size=50257, device_type="cuda", family=GPT).layout.model
     line = describe_kernels(model, 1, why)["output layer + loss"]
     assert line.startswith("logits + vocab-parallel cross entropy (logits + cross entropy 2.5 GB")
     assert "--liger-kernel" in line

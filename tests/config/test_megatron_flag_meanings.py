@@ -6,6 +6,7 @@ import pytest
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 
 ARGS = ("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
         "--lr 1e-3 --train-iters 4 --mock-data --vocab-size 64").split()
@@ -13,7 +14,7 @@ ARGS = ("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 -
 
 def _run(*argv):
     cfg, _ = parse_args(ARGS + list(argv))
-    return resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    return resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
 
 
 @pytest.mark.parametrize("extra,notes", [((), 0), (("--recompute-granularity", "full"), 1),

@@ -61,8 +61,8 @@ IGNORED = {
 REFUSED = {
     # BERT/T5: --mask-prob, --short-seq-prob, --vocab-extra-ids, --encoder-seq-length and --decoder-seq-length
     # are accepted (BERT/T5 data; tests/data/test_bert_t5_datasets.py, tests/config/test_bert_t5_data_flags.py),
-    # --bert-no-binary-head too (pretrain_bert.py; tests/training/test_bert_parity.py), --decoder-num-layers
-    # (pretrain_t5.py; tests/training/test_t5_parity.py)
+    # --bert-no-binary-head too (pretrain_bert.py; tests/families/bert/test_bert_parity.py), --decoder-num-layers
+    # (pretrain_t5.py; tests/families/t5/test_t5_parity.py)
     **{f: _BERT_T5 for f in ("--output-bert-embeddings", "--bert-embedder-type",
                              "--retriever-seq-length", "--sample-rate")},
     "--num-experts-switch": "--num-experts N --topk 1",

@@ -28,7 +28,7 @@ def test_num_experts_switch_is_refused_naming_deepspeed_moe(capsys):
 
 
 def test_zero_bubble_flags_are_accepted():
-    # the schedule itself: tests/parallel/test_zbh1_schedule.py, tests/training/test_zbh1.py
+    # the schedule itself: tests/parallel/test_zbh1_schedule.py, tests/pipeline/test_zbh1.py
     par = parse_args(["--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"])[0].parallel
     assert par.enable_zbh1_pipeline and par.enable_zbh1_exact_semantics
 

@@ -16,6 +16,7 @@ from megatron_ds.config import memory, parse_args, resolve
 from megatron_ds.config.memory import (GB, activation_bytes_per_layer, check_memory, estimate_memory, estimate_stages,
                                        gpu_memory_bytes, logits_bytes)
 from megatron_ds.families import main as pretrain_main
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training.device import select_device
 from tests.distributed import cuda_env, run_distributed
 
@@ -28,7 +29,8 @@ TINY = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 3
 
 def _layout(argv, world):
     cfg, _ = parse_args(argv)
-    return cfg, resolve(cfg, world_size=world, vocab_size=cfg.data.vocab_size or 50257, device_type="cuda").layout
+    return cfg, resolve(cfg, world_size=world, vocab_size=cfg.data.vocab_size or 50257, device_type="cuda",
+                        family=GPT).layout
 
 
 def _gpt_flags(layers, hidden, heads, seq, micro, gbs, tp=1, pp=1):
@@ -107,9 +109,9 @@ def test_activation_term_is_what_a_layer_saves(case):
 
 
 def _saved_by_the_loss(dtype, tokens, vocab, hidden) -> int:
-    """Bytes the output layer + gpt_loss_fn keep for backward (saved-tensor hooks), the hidden
+    """Bytes the output layer + language_model_loss keep for backward (saved-tensor hooks), the hidden
     states and the weight left out."""
-    from megatron_ds.model.gpt import gpt_loss_fn
+    from megatron_ds.model.language_model import language_model_loss
 
     weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
     x = torch.randn(tokens, 1, hidden, dtype=dtype, requires_grad=True)
@@ -123,7 +125,7 @@ def _saved_by_the_loss(dtype, tokens, vocab, hidden) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        gpt_loss_fn((x @ weight.t()).transpose(0, 1), (labels, mask))
+        language_model_loss((x @ weight.t()).transpose(0, 1), (labels, mask))
     return sum(saved.values())
 
 
@@ -272,19 +274,19 @@ def _measure_engines(rank, world_size, argvs):
     import functools
     import io
 
-    from megatron_ds.model.gpt import gpt_loss_fn
+    from megatron_ds.model.language_model import language_model_loss
     from megatron_ds.parallel.groups import ParallelState
     from megatron_ds.training.data import BatchCollator, build_datasets, build_loader, describe_source
-    from megatron_ds.training.loop import train_step
     from megatron_ds.training.engine import build_engine
     from megatron_ds.training.initialize import discover_world, init_distributed
+    from megatron_ds.training.loop import train_step
 
     results = []
     for argv in argvs:
         cfg, _ = parse_args(argv)
         env = discover_world(use_mpi=False, local_rank=None)
         device = torch.device("cpu")
-        run = resolve(cfg, world_size=env.world_size, vocab_size=cfg.data.vocab_size, device_type="cpu")
+        run = resolve(cfg, world_size=env.world_size, vocab_size=cfg.data.vocab_size, device_type="cpu", family=GPT)
         layout = run.layout
         init_distributed(run.distributed, device)
         ps = ParallelState(layout.tp, layout.pp, layout.dp)
@@ -296,8 +298,8 @@ def _measure_engines(rank, world_size, argvs):
                                     micro_batch_size=layout.micro_batch_size, dp_size=ps.dp_size))
         before = _live_tensor_bytes()
         with contextlib.redirect_stdout(io.StringIO()):
-            rt = build_engine(run, ps, device, cfg.data.vocab_size - 1)
-            train_step(rt.engine, iter(batches), layout, functools.partial(gpt_loss_fn, tp_group=ps.tp_group),
+            rt = build_engine(run, ps, device, cfg.data.vocab_size - 1, family=GPT)
+            train_step(rt.engine, iter(batches), layout, functools.partial(language_model_loss, tp_group=ps.tp_group),
                        ps.dp_group)
         after = _live_tensor_bytes()
         est = estimate_memory(layout)
@@ -345,16 +347,16 @@ def test_parameter_state_matches_real_engines(tmp_path):
 
 # Peaks of torch.cuda.max_memory_allocated measured on an H200 by `make gpu-report` (2026-11-26,
 # bench/RESULTS.md: bf16, seq 2048, micro batch 4, one GPU, the pipeline engine at PP 1, GiB; the
-# same with and without compiled layers), for the command lines of megatron_ds/cli/gpu_mfu.py.
+# same with and without compiled layers), for the command lines of bench/gpu_mfu.py.
 H200_PEAKS_GIB = {"gpt-1.3b": 34.1, "llama-1.3b": 35.7}
 
 
 @pytest.mark.parametrize("model", list(H200_PEAKS_GIB))
-def test_estimate_is_within_ten_percent_of_the_measured_gpu_peak(model):
+def test_estimate_is_within_ten_percent_of_the_measured_gpu_peak(model, bench):
     """Never below the measured peak, at most 10% above it (without the runtime reserve, which is no
     tensor): the peak is backward's start, where the gradients made for the optimizer step do not
     exist yet, and the fused RoPE and SwiGLU keep less than their unfused paths."""
-    from megatron_ds.cli.gpu_mfu import SHAPES, our_argv
+    SHAPES, our_argv = bench("gpu_mfu").SHAPES, bench("gpu_mfu").our_argv
 
     _, layout = _layout(our_argv(SHAPES[model], 2048, 4, 12, False, "bf16"), 1)
     est = estimate_memory(layout)

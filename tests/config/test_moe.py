@@ -17,6 +17,7 @@ from megatron_ds.config.memory import parameter_state, state_bytes
 from megatron_ds.config.moe_params import expert_capacity, experts_per_layer
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
+from megatron_ds.families.gpt.gpt_family import GPT
 
 SMALL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 8 --train-iters 10 "
@@ -50,7 +51,7 @@ def test_wrong_list_length_is_one_line():
 
 def _layout(argv, world):
     cfg, _ = parse_args(argv)
-    return resolve(cfg, world_size=world, vocab_size=50257, device_type="cuda").layout
+    return resolve(cfg, world_size=world, vocab_size=50257, device_type="cuda", family=GPT).layout
 
 
 def _moe64_argv():

@@ -1,9 +1,11 @@
 """resolve(): every rejection by its message, and the derived values against hand computation."""
 import pytest
 
-from megatron_ds.config import count_parameters, parse_args, resolve, resolve_model_config
+from megatron_ds.config import parse_args, resolve, resolve_model_config
 from megatron_ds.config.megatron_overrides import megatron_overrides
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 from megatron_ds.parallel.utils import pad_vocab_size
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
@@ -13,7 +15,7 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
 def make(*extra, world=1, vocab=1000, template=None, device="cpu"):
     """The Run of BASE + extra."""
     cfg, _ = parse_args(BASE + list(extra))
-    return resolve(cfg, world_size=world, vocab_size=vocab, ds_template=template, device_type=device)
+    return resolve(cfg, world_size=world, vocab_size=vocab, ds_template=template, device_type=device, family=GPT)
 
 
 def rejects(match, *extra, **kw):
@@ -102,7 +104,7 @@ def test_other_rejections():
 def test_missing_required():
     cfg, _ = parse_args(["--num-layers", "2"])
     with pytest.raises(ConfigError, match="--hidden-size is required"):
-        resolve(cfg, world_size=1, vocab_size=10)
+        resolve(cfg, world_size=1, vocab_size=10, family=GPT)
 
 
 def test_derived_values():
@@ -168,7 +170,7 @@ def test_parameter_count_gpt2_small():
     cfg, _ = parse_args("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
                         "--micro-batch-size 1 --train-iters 1 --lr 1".split())
     m = resolve_model_config(cfg.model)
-    total, stages = count_parameters(m, 50304, 1, 1)
+    total, stages = count_gpt_parameters(m, 50304, 1, 1)
     assert total == _count_by_hand(768, 12, 50304, 1024, 3072)
     assert abs(total - 124.4e6) < 0.5e6  # the published GPT-2 small size (with the padded vocab)
     assert stages[0].params_per_tp_rank == total
@@ -177,8 +179,8 @@ def test_parameter_count_gpt2_small():
 def test_parameter_count_split_over_tp_pp():
     cfg, _ = parse_args(BASE)
     m = resolve_model_config(cfg.model)
-    total, _ = count_parameters(m, 1024, 1, 1)
-    _, stages = count_parameters(m, 1024, 2, 2)
+    total, _ = count_gpt_parameters(m, 1024, 1, 1)
+    _, stages = count_gpt_parameters(m, 1024, 2, 2)
     h = 64
     # each TP rank holds half of every split matrix; norms and row-parallel biases are replicated;
     # the last stage holds a copy of the tied word embeddings.
@@ -208,7 +210,7 @@ def test_rampup_with_interleaving_refused():
         "--train-samples", "640", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
         "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "64"])
     with pytest.raises(ConfigError, match="--rampup-batch-size cannot be combined with the interleaved"):
-        resolve(cfg, world_size=2, vocab_size=1000)
+        resolve(cfg, world_size=2, vocab_size=1000, family=GPT)
 
 
 def test_run_is_frozen_and_the_flags_are_never_edited():
@@ -217,7 +219,7 @@ def test_run_is_frozen_and_the_flags_are_never_edited():
     cfg, _ = parse_args(BASE + ["--sequence-parallel", "--activations-checkpoint-method", "uniform",
                                 "--fp16", "--loss-scale", "8"])
     before = cfg.to_dict()
-    run = resolve(cfg, world_size=1, vocab_size=1000, device_type="cuda")
+    run = resolve(cfg, world_size=1, vocab_size=1000, device_type="cuda", family=GPT)
     assert cfg.to_dict() == before  # the overrides made new values
     # ... which the run records (what a checkpoint saves) and reads
     assert run.record["parallel"]["sequence_parallel"] is False and run.record["training"]["loss_scale"] is None

@@ -9,7 +9,7 @@ from megatron_ds.data.glue import ClassificationDataset, pair_ids, read_mnli, re
 from megatron_ds.data.race import read_race
 from megatron_ds.data.wordpiece import BertWordPieceTokenizer
 from megatron_ds.errors import DataError
-from tests.training.task_data import MNLI_HEADER
+from tests.families.bert.task_data import MNLI_HEADER
 
 TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c", "d", "x", "y", "."]
 ID = {t: i for i, t in enumerate(TOKENS)}

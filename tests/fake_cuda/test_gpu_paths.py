@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megatron_ds import fake_cuda
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model import fusions
-from megatron_ds.model import gpt as gpt_module
+from megatron_ds.model import language_model as gpt_module
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.training import data as train_data
 from megatron_ds.training.device import select_device
@@ -65,7 +66,7 @@ def test_forward_backward_step_on_cuda(case, gpu, monkeypatch):
         ps = ParallelState(tp, pp)
         device = select_device(0)  # the real decision: cuda:0, DeepSpeed's accelerator switched to CUDA
         assert device == torch.device("cuda", 0)
-        model = build_module(run, ps, device, tokenizer.eod)
+        model = build_module(run, ps, device, tokenizer.eod, build=GPT.build_model)
         if hasattr(model, "_precompute_checkpointable_values"):
             model._precompute_checkpointable_values()  # DeepSpeed's PipelineEngine does this at start
         m = run.layout.model
@@ -96,7 +97,7 @@ def test_compile_failure_falls_back_once_saying_why(gpu, capsys):
     batch = _micro_batch(run, tokenizer)
     with fake_world(1, 0), fake_cuda.activate():
         ps = ParallelState(1, 1)
-        model = build_module(run, ps, select_device(0), tokenizer.eod)
+        model = build_module(run, ps, select_device(0), tokenizer.eod, build=GPT.build_model)
         model._precompute_checkpointable_values()
         for _ in range(2):
             stage_step(model, ps, batch, torch.device("cuda", 0))

@@ -27,8 +27,8 @@ from megatron_ds.training.optimizer import build_optimizer
 from tests.data.test_bert_t5_datasets import random_documents, write_dataset, write_vocab
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step
 from tests.fake_cuda.test_gpu_paths import FULL
-from tests.training.test_bert_parity import TINY_BERT
-from tests.training.test_t5_parity import RELATIVE, TINY_T5
+from tests.families.bert.test_bert_parity import TINY_BERT
+from tests.families.t5.test_t5_parity import RELATIVE, TINY_T5
 
 DROPOUT = "--hidden-dropout 0.1 --attention-dropout 0.1".split()
 FAMILIES = {"bert": (BERT, TINY_BERT), "t5": (T5, TINY_T5)}
@@ -49,7 +49,7 @@ CASES = {
     "bert-bf16-tp2-sequence-parallel": ("bert", ["--bf16", "--sequence-parallel"], 2, 1, 1),
     # DeepSpeed's activation checkpointing of the encoder and decoder layers, their tuple inputs included
     "t5-fp16-full-recompute": ("t5", ["--fp16", *FULL], 1, 1, 0),
-    # the plain engine's module (GPTSequential); BERT without the binary head: the MLM logits alone
+    # the plain engine's module (SequentialModel); BERT without the binary head: the MLM logits alone
     "bert-fp16-no-pipeline-no-binary-head": ("bert", ["--fp16", "--no-pipeline-parallel", "--bert-no-binary-head"],
                                              1, 1, 0),
     "t5-bf16-no-pipeline": ("t5", ["--bf16", "--no-pipeline-parallel"], 1, 1, 0),
@@ -90,7 +90,7 @@ def test_forward_backward_step_on_cuda(case, gpu, monkeypatch):
     batch = _micro_batch(family, run, tokenizer)
     scaled_mm, real_scaled_mm = [], torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: scaled_mm.append(1) or real_scaled_mm(*a, **k))
-    report = LossReport(family.loss_names)
+    report = LossReport(family.loss_names(run.layout))
     with fake_world(tp * pp, rank), fake_cuda.activate():
         ps = ParallelState(tp, pp)
         device = select_device(0)

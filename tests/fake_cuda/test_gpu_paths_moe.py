@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from megatron_ds import fake_cuda
 from megatron_ds.families.gpt.gpt_family import GPT
-from megatron_ds.model.gpt import reported_names
+from megatron_ds.model.language_model import reported_names
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.training.device import select_device
@@ -63,7 +63,7 @@ def _build(run, tokenizer, tp: int = 1, pp: int = 1):
     ps = ParallelState(tp, pp)
     device = select_device(0)
     ps.expert_groups(run.layout.ep, run.layout.model.enable_expert_tensor_parallelism)
-    model = build_module(run, ps, device, tokenizer.eod, LossReport(reported_names(True)))
+    model = build_module(run, ps, device, tokenizer.eod, LossReport(reported_names(True)), build=GPT.build_model)
     for module in model.modules():
         if hasattr(module, "set_deepspeed_parallelism"):
             module.set_deepspeed_parallelism()

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.model import fusions, liger
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin
 from tests.gpu.helpers import RUN_TO_RUN, SHAPE, run_cli
 from tests.model.test_fusions import FLAGS, model_config

@@ -7,8 +7,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_ds.config import DataConfig, parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model.kernels import apex_norm_classes
-from megatron_ds.model.gpt import document_ids
+from megatron_ds.model.language_model import document_ids
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -25,7 +26,7 @@ def _model_config(*flags):
     cfg, _ = parse_args(("--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
                          "--max-position-embeddings 512 --micro-batch-size 2 --mock-data --train-iters 1 "
                          "--lr 1e-4 --hidden-dropout 0 --attention-dropout 0").split() + list(flags))
-    return resolve(cfg, world_size=1, vocab_size=1024, device_type="cuda").layout.model
+    return resolve(cfg, world_size=1, vocab_size=1024, device_type="cuda", family=GPT).layout.model
 
 
 ATTENTION_CASES = {

@@ -7,8 +7,8 @@ import torch
 
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.inference.model import ModelWeights
-from megatron_ds.model.layer_specs import build_sequential_gpt
 
 PADDED_VOCAB = 128
 VOCAB = 120  # real vocabulary; ids 120..127 are padding and must never be generated

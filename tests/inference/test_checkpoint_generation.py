@@ -16,6 +16,7 @@ import pytest
 from tests.checkpoint.common import train
 from tests.distributed import run_distributed
 from tests.inference.common import reference_greedy
+from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(900)
 LAYOUTS = ((1, 1), (1, 2), (2, 1))  # (TP, PP)
@@ -68,7 +69,7 @@ def test_checkpoints_of_any_layout_generate_the_same_tokens(checkpoints, tmp_pat
     assert _read(out) == reference
 
     # The tokens are an independent greedy decode's, with choices far apart (see the docstring).
-    c = load_consolidated(checkpoints[1, 1], log=lambda *a: None)
+    c = load_consolidated(checkpoints[1, 1], log=lambda *a: None, family=GPT)
     weights = ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict)
     for prompt, r in zip(PROMPTS, reference):
         tokens, margin = reference_greedy(weights, [int(t) for t in prompt.split()], NEW)
@@ -88,11 +89,11 @@ def test_a_checkpoint_saved_with_fusions_on_cpu_is_read_without(checkpoints, tmp
     meta = json.loads(meta_path.read_text())
     meta["config"]["model"]["fusions_on_cpu"] = True
     meta_path.write_text(json.dumps(meta))
-    assert open_checkpoint(str(load)).model.fusions_on_cpu is False
+    assert open_checkpoint(str(load), None, GPT).model.fusions_on_cpu is False
 
 
 def test_evaluate_cli_on_a_pipeline_checkpoint(checkpoints, tmp_path):
-    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.cli.evaluate import main
 
     text = tmp_path / "ids.txt"
     text.write_text(" ".join(str((i * 37) % 500) for i in range(300)))
@@ -113,7 +114,7 @@ def test_evaluate_cli_on_a_pipeline_checkpoint(checkpoints, tmp_path):
 
 
 def _eval_under_launcher(rank, world_size, argv):
-    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.cli.evaluate import main
     return main(argv)
 
 
@@ -130,7 +131,7 @@ def test_megatron_task_flags_on_a_pipeline_checkpoint(checkpoints, tmp_path):
     model's sequence length every 32 tokens, the detokenizer picked by the file name) and --task
     LAMBADA; a wrong --valid-data is refused as Megatron's assertion would."""
     from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.cli.evaluate import main
     from megatron_ds.inference.model import ModelWeights, build_inference_model
     from megatron_ds.inference.zeroshot import wikitext_detokenizer, wikitext_perplexity
 
@@ -142,8 +143,8 @@ def test_megatron_task_flags_on_a_pipeline_checkpoint(checkpoints, tmp_path):
     got = json.load(open(out))["task"]
     assert (got["num_original_tokens"], got["num_tokenized_tokens"]) == (276, 300)
     assert got["token_ratio"] == 299 / 275 and got["overlapping_eval"] == 32
-    c = load_consolidated(checkpoints[1, 2], log=lambda *a: None)
-    model = build_inference_model(ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict))
+    c = load_consolidated(checkpoints[1, 2], log=lambda *a: None, family=GPT)
+    model = build_inference_model(ModelWeights(c.model, c.padded_vocab_size, c.vocab_size, c.state_dict), family=GPT)
     ref = wikitext_perplexity(model, wiki.read_text(), _Ids(), seq_len=c.model.seq_length, overlapping_eval=32,
                               detokenize=wikitext_detokenizer, show_progress=False)
     assert got["seq_length"] == c.model.seq_length and got["windows"] == ref["windows"]
@@ -199,12 +200,12 @@ def test_perplexity_equals_transformers_on_the_hf_export(checkpoints, tmp_path):
     import torch
     import transformers
 
-    from megatron_ds.checkpoint.export import export_hf
-    from megatron_ds.cli.evaluate_gpt import main as evaluate
+    from megatron_ds.cli.evaluate import main as evaluate
     from megatron_ds.cli.generate_samples_gpt import main as generate_samples
+    from megatron_ds.families.gpt.gpt_hf_export import export_hf
 
     export = str(tmp_path / "hf")
-    export_hf(checkpoints[1, 2], export, dtype="fp32", log=lambda *a: None)
+    export_hf(checkpoints[1, 2], export, dtype="fp32", log=lambda *a: None, family=GPT)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     ids = [(i * 37 + i // 7) % 500 for i in range(300)]
     text = tmp_path / "ids.txt"

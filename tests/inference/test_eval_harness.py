@@ -91,10 +91,10 @@ def setup(tmp_path_factory):
 
 
 def _ours(rank, world_size, ckpt, tasks, out, names=("--tasks", "--output", "--batch-size"), extra=()):
-    from megatron_ds.cli import lm_eval_harness
+    from megatron_ds.cli import eval_harness
 
     tasks_flag, output_flag, batch_flag = names
-    assert lm_eval_harness.main(["--load", ckpt, tasks_flag, TASKS, "--include-path", str(tasks), "--offline",
+    assert eval_harness.main(["--load", ckpt, tasks_flag, TASKS, "--include-path", str(tasks), "--offline",
                                  "--no-builtin-tasks", "--log-samples", batch_flag, "3", output_flag, out,
                                  *extra]) == 0
     return json.load(open(out)) if rank == 0 else None

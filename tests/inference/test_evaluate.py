@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.inference.evaluate import lambada_accuracy, perplexity, sliding_windows
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.inference.model import build_inference_model
-from megatron_ds.model.layer_specs import build_sequential_gpt
+from megatron_ds.inference.scoring import lambada_accuracy, perplexity, sliding_windows
 from tests.distributed import run_distributed
 from tests.inference.common import CONFIGS, EOD, VOCAB, random_weights
 
@@ -69,7 +70,7 @@ def _stream(n=150, seed=1):
 def test_perplexity_equals_direct_computation(arch):
     weights = random_weights(CONFIGS[arch]())
     stream = _stream()
-    model = build_inference_model(weights)
+    model = build_inference_model(weights, family=GPT)
     got = perplexity(model, stream, window=24, stride=10, batch_size=3, show_progress=False)
     ppl, count = _direct_perplexity(weights, stream, 24, 10)
     assert got["scored_tokens"] == count == len(stream) - 1
@@ -92,7 +93,7 @@ def _lambada_direct(weights, samples):
 
 def test_lambada_accuracy_equals_direct_computation():
     weights = random_weights(CONFIGS["gpt2"]())
-    model = build_inference_model(weights)
+    model = build_inference_model(weights, family=GPT)
     g = torch.Generator().manual_seed(3)
     samples = []
     for i in range(12):
@@ -113,14 +114,14 @@ def test_lambada_accuracy_equals_direct_computation():
 def _tp_perplexity(rank, world_size, weights, stream):
     import torch.distributed as dist
 
-    model = build_inference_model(weights, tp_group=dist.new_group([0, 1]))
+    model = build_inference_model(weights, tp_group=dist.new_group([0, 1]), family=GPT)
     return perplexity(model, stream, window=24, stride=10, batch_size=3, show_progress=False)["perplexity"]
 
 
 def test_tensor_parallel_perplexity_equals_single_process():
     weights = random_weights(CONFIGS["llama"]())
     stream = _stream()
-    single = perplexity(build_inference_model(weights), stream, window=24, stride=10, show_progress=False)
+    single = perplexity(build_inference_model(weights, family=GPT), stream, window=24, stride=10, show_progress=False)
     for ppl in run_distributed(_tp_perplexity, 2, weights, stream, timeout=240):
         # The vocab-parallel loss sums partial softmax terms over 2 ranks: ~1e-6 relative in fp32.
         assert ppl == pytest.approx(single["perplexity"], rel=1e-5)

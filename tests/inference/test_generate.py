@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.inference.generate import (SamplingConfig, apply_repetition_penalty, attention_mask,
                                             filter_top_k_top_p, generate)
 from megatron_ds.inference.model import build_inference_model
@@ -17,7 +18,7 @@ NEW = 12
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_greedy_kv_cache_equals_no_cache_and_reference(arch):
     weights = random_weights(CONFIGS[arch]())
-    model = build_inference_model(weights)
+    model = build_inference_model(weights, family=GPT)
     batch = prompts()
     greedy = dict(max_new_tokens=NEW, greedy=True, stop_at_eod=False)
     cached = generate(model, batch, SamplingConfig(**greedy), eod=EOD).tokens
@@ -33,7 +34,7 @@ def test_greedy_kv_cache_equals_no_cache_and_reference(arch):
 
 def test_sampling_same_with_and_without_cache_and_stops_at_eod():
     weights = random_weights(CONFIGS["gpt2"]())
-    model = build_inference_model(weights)
+    model = build_inference_model(weights, family=GPT)
     batch = prompts()
     cfg = dict(max_new_tokens=NEW, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=5,
                stop_at_eod=False)
@@ -80,7 +81,7 @@ def test_filters_match_transformers():
 def _tp_generate(rank, world_size, weights, batch):
     import torch.distributed as dist
 
-    model = build_inference_model(weights, tp_group=dist.new_group([0, 1]))
+    model = build_inference_model(weights, tp_group=dist.new_group([0, 1]), family=GPT)
     greedy = generate(model, batch, SamplingConfig(max_new_tokens=NEW, greedy=True, stop_at_eod=False), eod=EOD)
     sampled = generate(model, batch, SamplingConfig(max_new_tokens=NEW, top_k=10, seed=3, stop_at_eod=False),
                        eod=EOD)
@@ -91,7 +92,7 @@ def _tp_generate(rank, world_size, weights, batch):
 def test_tensor_parallel_generation_equals_single_process(arch):
     weights = random_weights(CONFIGS[arch]())
     batch = prompts()
-    model = build_inference_model(weights)
+    model = build_inference_model(weights, family=GPT)
     greedy = generate(model, batch, SamplingConfig(max_new_tokens=NEW, greedy=True, stop_at_eod=False), eod=EOD)
     sampled = generate(model, batch, SamplingConfig(max_new_tokens=NEW, top_k=10, seed=3, stop_at_eod=False),
                        eod=EOD)

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 
 def test_megatron_model_flags_are_checked_against_the_checkpoint(tmp_path, capsys):
-    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.cli.evaluate import main
 
     ckpt = imported_gpt2(tmp_path)  # 2 layers, hidden 32, 4 heads, 48 positions
     lam = tmp_path / "lambada.jsonl"

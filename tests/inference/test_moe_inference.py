@@ -3,7 +3,7 @@
 - A Llama-style top-2 MoE (experts on every layer, no token dropping, no second-expert sampling;
   trained at EP 2 x DP 2, initialized with std 0.3 so that greedy choices are far apart): greedy
   generation from the checkpoint equals greedy decoding by transformers' MixtralForCausalLM on its
-  export (its logits equal ours: tests/checkpoint/test_moe_hf.py; the smallest margin between the
+  export (its logits equal ours: tests/families/gpt/test_moe_hf.py; the smallest margin between the
   best and second-best token is asserted, so equality is not luck), as does generation at TP 2
   under a launcher (whole experts on both ranks), and tools/evaluate.py's
   perplexity equals Hugging Face's perplexity guide run on that Mixtral (fp32 both; the kernels
@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from tests.checkpoint.common import train
-from tests.checkpoint.test_moe_hf import MIXTRAL_MOE
+from tests.families.gpt.test_moe_hf import MIXTRAL_MOE
 from tests.distributed import run_distributed
 from tests.inference.test_checkpoint_generation import _hf_guide_nll  # HF's perplexity guide, transcribed
+from megatron_ds.families.gpt.gpt_family import GPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,12 +37,12 @@ PROMPTS = ["5 17 33 9 100 7", "42 43"]
 
 @pytest.fixture(scope="module")
 def llama_moe(tmp_path_factory):
-    from megatron_ds.checkpoint.export import export_hf
+    from megatron_ds.families.gpt.gpt_hf_export import export_hf
 
     ckpt = str(tmp_path_factory.mktemp("llama-moe"))
     train("llama", 1, 1, 2, 2, ["--save", ckpt, *MIXTRAL_MOE, "--init-method-std", "0.3"])
     hf_dir = str(tmp_path_factory.mktemp("llama-moe-hf"))
-    export_hf(ckpt, hf_dir, dtype="fp32", log=lambda *a: None)
+    export_hf(ckpt, hf_dir, dtype="fp32", log=lambda *a: None, family=GPT)
     return ckpt, transformers.MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), hf_dir
 
 
@@ -87,7 +88,7 @@ def _cli_under_launcher(rank, world_size, argv):
 
 
 def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
-    from megatron_ds.cli.evaluate_gpt import main
+    from megatron_ds.cli.evaluate import main
 
     ckpt, mixtral, _ = llama_moe
     ids = [(i * 37 + i // 7) % 500 for i in range(300)]
@@ -110,7 +111,7 @@ def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
 
 
 def test_deepspeed_default_routing_generates_and_evaluates(tmp_path):
-    from megatron_ds.cli.evaluate_gpt import main as evaluate
+    from megatron_ds.cli.evaluate import main as evaluate
     from megatron_ds.cli.generate_samples_gpt import main as generate
 
     ckpt = str(tmp_path / "gpt2-moe")

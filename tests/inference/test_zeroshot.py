@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.inference.evaluate import lambada_accuracy, lambada_samples
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.inference.model import build_inference_model
+from megatron_ds.inference.scoring import lambada_accuracy, lambada_samples
 from megatron_ds.inference.zeroshot import (detokenizer_for, lm_windows, read_text, wikitext_detokenizer,
                                             wikitext_perplexity)
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.distributed import run_distributed
 from tests.inference.common import CONFIGS, EOD, VOCAB, random_weights
 
@@ -143,7 +144,7 @@ def _wiki_file(tmp_path):
 def test_wikitext_adjusted_perplexity_equals_megatrons(tmp_path, overlap):
     weights = random_weights(CONFIGS["gpt2"]())
     path, tok = _wiki_file(tmp_path), CharTokenizer()
-    got = wikitext_perplexity(build_inference_model(weights), read_text(path), tok, seq_len=16,
+    got = wikitext_perplexity(build_inference_model(weights, family=GPT), read_text(path), tok, seq_len=16,
                               overlapping_eval=overlap, detokenize=detokenizer_for(path), batch_size=5,
                               show_progress=False)
     ref = megatron_wikitext(weights, path, tok, 16, overlap)
@@ -211,7 +212,7 @@ def _lambada_file(tmp_path, weights):
 def test_lambada_strict_and_non_strict_equal_megatrons(tmp_path):
     weights = random_weights(CONFIGS["gpt2"]())
     path, n = _lambada_file(tmp_path, weights)
-    model, tok, counts = build_inference_model(weights), PieceTokenizer(), {}
+    model, tok, counts = build_inference_model(weights, family=GPT), PieceTokenizer(), {}
     for strict in (True, False):
         got = lambada_accuracy(model, lambada_samples(path, tok, strict=strict), pad_id=EOD, batch_size=3,
                                show_progress=False)
@@ -223,7 +224,7 @@ def test_lambada_strict_and_non_strict_equal_megatrons(tmp_path):
 def _tp_task_numbers(rank, world_size, weights, wiki_path, lambada_path):
     import torch.distributed as dist
 
-    model, tok = build_inference_model(weights, tp_group=dist.new_group([0, 1])), CharTokenizer()
+    model, tok = build_inference_model(weights, tp_group=dist.new_group([0, 1]), family=GPT), CharTokenizer()
     wiki = wikitext_perplexity(model, read_text(wiki_path), tok, seq_len=16, overlapping_eval=6,
                                detokenize=detokenizer_for(wiki_path), batch_size=4, show_progress=False)
     correct = [lambada_accuracy(model, lambada_samples(lambada_path, PieceTokenizer(), strict=s), pad_id=EOD,
@@ -234,7 +235,7 @@ def _tp_task_numbers(rank, world_size, weights, wiki_path, lambada_path):
 def test_tensor_parallel_task_numbers_equal_single_process(tmp_path):
     weights = random_weights(CONFIGS["gpt2"]())
     wiki_path, (lambada_path, _) = _wiki_file(tmp_path), _lambada_file(tmp_path, weights)
-    model, tok = build_inference_model(weights), CharTokenizer()
+    model, tok = build_inference_model(weights, family=GPT), CharTokenizer()
     ppl = wikitext_perplexity(model, read_text(wiki_path), tok, seq_len=16, overlapping_eval=6,
                               detokenize=detokenizer_for(wiki_path), show_progress=False)["adjusted_ppl"]
     correct = [lambada_accuracy(model, lambada_samples(lambada_path, PieceTokenizer(), strict=s), pad_id=EOD,

@@ -23,7 +23,11 @@ _LAUNCH_VARS = re.compile(
     r"MEGATRON_DS_.*|MPIRUN.*|TP|PP|ZERO_STAGE|DS_CONFIG|DATA_.*|VOCAB_FILE|MERGE_FILE|"
     r"TOKENIZER_.*|CHECKPOINT_DIR|RUN_DIR|RUN_NAME|LOG_DIR|WORK_DIR|TENSORBOARD_DIR|"
     r".*_MODULE|PROBE_OUT_DIR|RESOURCE_TYPE|GPU_MEMORY_GB|STAGE_DATA|UCX_.*|NCCL_.*|"
-    r"CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_.*|VENV_DIR|SETUP_.*|BUILD_APEX|TORCH_.*)$")
+    r"CUDA_DEVICE_MAX_CONNECTIONS|TORCH_NCCL_.*|VENV_DIR|SETUP_.*|BUILD_APEX|TORCH_(?!EXTENSIONS_DIR$).*)$")
+# Kept: TORCH_EXTENSIONS_DIR, where the session's C++ ops (DeepSpeed's cpu_adam, the fake-CUDA shim)
+# are already built (the Makefile sets it). Without it a launched process that needs one builds it
+# again in ~/.cache/torch_extensions (~45 s on two cores), and again whenever a checkout with
+# another venv used that cache in between.
 
 
 def clean_env(**overrides):

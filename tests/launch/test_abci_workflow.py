@@ -234,7 +234,7 @@ def test_setup_env_installs_once_and_reports(tmp_path, scheduler):
     calls = pip_log.read_text().splitlines()
     assert calls[0] == "install -q torch"
     assert any(c.startswith("install -q -r ") and "requirements.txt" in c for c in calls)
-    assert f"install -q --no-build-isolation -e {REPO}" in calls
+    assert f"install -q --no-build-isolation -e {REPO}[tensorboard]" in calls  # the job scripts' --tensorboard-dir
     arch = "8.0" if scheduler == "sge" else "9.0"  # A100 / H200 (no nvidia-smi here)
     assert f"TORCH_CUDA_ARCH_LIST={arch}" in first.stdout
     assert any("--build-option=--cuda_ext" in c and c.endswith("apex.git") for c in calls)

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from tests.launch.helpers import REPO
+from megatron_ds.families.gpt.gpt_family import GPT
 
 CONFIGS = REPO / "ds_configs"
 TEMPLATES = sorted(CONFIGS.glob("*.json"))
@@ -35,7 +36,7 @@ def fill_from_cli(path, precision, micro_batch=2, global_batch=8):
     argv += ["--no-pipeline-parallel"] if stage >= 2 else []  # ZeRO 2/3 need the plain engine
     cfg, _ = parse_args(argv)
     # resolve reads the template from --deepspeed_config
-    return resolve(cfg, world_size=1, vocab_size=100, device_type="cuda").layout.ds_config
+    return resolve(cfg, world_size=1, vocab_size=100, device_type="cuda", family=GPT).layout.ds_config
 
 
 def test_every_stage_and_precision_is_shipped():

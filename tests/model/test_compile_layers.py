@@ -18,9 +18,10 @@ from megatron_ds.config.arguments import parse_args
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt, build_stage_gpt
 from megatron_ds.model import compile_layers as cl
 from megatron_ds.model import fusions
-from megatron_ds.model.layer_specs import build_sequential_gpt, build_stage_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
@@ -90,7 +91,7 @@ def test_the_default_is_on_with_cuda_only_and_says_so(monkeypatch):
 
     def resolved(argv, device_type):
         return resolve(parse_args(argv)[0], world_size=1, vocab_size=VOCAB, device_type=device_type,
-                       ds_template=None)
+                       ds_template=None, family=GPT)
 
     cases = [(base, "cuda", True), (base, "cpu", False), (base + ["--no-compile-layers"], "cuda", False),
              (base + ["--compile-layers"], "cpu", True)]
@@ -103,7 +104,7 @@ def test_the_default_is_on_with_cuda_only_and_says_so(monkeypatch):
             said.startswith("eager")
     zbh1 = base + ["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline", "--global-batch-size", "4"]
     assert resolve(parse_args(zbh1)[0], world_size=2, vocab_size=VOCAB, device_type="cuda",
-                   ds_template=None).layout.model.compile_layers is False
+                   ds_template=None, family=GPT).layout.model.compile_layers is False
     monkeypatch.undo()
     with accelerator.simulate("cuda"):  # fake CUDA: a CPU build's inductor has no CUDA backend
         assert resolved(base, "cuda").layout.model.compile_layers is False
@@ -119,7 +120,7 @@ def test_zero_bubble_schedule_is_refused():
             "--micro-batch-size 1 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data "
             "--pipeline-model-parallel-size 2 --enable-zbh1-pipeline --compile-layers").split()
     with pytest.raises(ConfigError, match="--compile-layers cannot be combined with --enable-zbh1-pipeline"):
-        resolve(parse_args(argv)[0], world_size=2, vocab_size=VOCAB, device_type="cpu", ds_template=None)
+        resolve(parse_args(argv)[0], world_size=2, vocab_size=VOCAB, device_type="cpu", ds_template=None, family=GPT)
 
 
 @pytest.mark.parametrize("name,over,build", [
@@ -137,7 +138,9 @@ def test_one_graph_without_breaks_for_every_layer(name, over, build):
     splits the layer fails here."""
     model = build_sequential_gpt(model_config(name, **over), padded_vocab_size=VOCAB, seed=7, **build)
     assert graphs_and_breaks(model) == (1, 0)
-    assert all(cl.is_compiled(m) for m in model.modules() if isinstance(m, ParallelTransformerLayer))
+    # compile_layers' wrapper of each layer's forward (model/compile_layers.py)
+    assert all(type(m.forward).__name__ == "_CompiledLayerForward" for m in model.modules()
+               if isinstance(m, ParallelTransformerLayer))
 
 
 def test_rotary_tables_enter_the_graph_as_inputs():
@@ -254,14 +257,13 @@ def test_compile_layers_finds_the_layers_of_every_builder():
     """One place applies it (training.engine.build_module) to whatever the builder made: a pipeline
     stage, the interleaved schedule's chunks, BERT's and T5's layers (subclasses); the state dict
     keeps its names, and a second call changes nothing."""
-    from megatron_ds.pipeline.chunks import GPTModelChunks
-    from megatron_ds.model.layer_specs import gpt_layer_specs
+    from megatron_ds.families.gpt.gpt_model import build_interleaved_gpt
 
     cfg = model_config("gpt2", num_layers=4)
     stage = build_stage_gpt(cfg, num_stages=2, stage=1, padded_vocab_size=VOCAB, seed=7)
     keys = list(stage.state_dict())
     assert cl.compile_layers(stage) == 2 and cl.compile_layers(stage) == 2 and list(stage.state_dict()) == keys
-    chunks = GPTModelChunks(gpt_layer_specs(cfg, padded_vocab_size=VOCAB), num_layers=4, pp=2, pp_rank=0, v=2, seed=7)
+    chunks = build_interleaved_gpt(cfg, pp=2, pp_rank=0, v=2, padded_vocab_size=VOCAB, tp_group=None, seed=7)
     assert cl.compile_layers(chunks) == 2
 
 

@@ -18,14 +18,15 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.model import fusions
-from megatron_ds.model.gpt import FinalNorm, GPTEmbedding
+from megatron_ds.model.language_model import FinalNorm, LanguageModelEmbedding
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
-from tests.model.test_reference import VOCAB, batch, dense_weights, gpt2_config, llama_config
+from tests.families.gpt.test_reference import VOCAB, batch, dense_weights, gpt2_config, llama_config
 from tests.training.common import TINY_GPT, train_losses
 
 BF16 = torch.bfloat16
@@ -47,7 +48,8 @@ def _outputs_by_kind(model, tokens, position_ids) -> dict:
         return record
 
     for name, module in model.named_modules():
-        kind = type(module).__name__ if isinstance(module, (GPTEmbedding, ParallelTransformerLayer, FinalNorm)) \
+        kind = type(module).__name__ if isinstance(module, (LanguageModelEmbedding, ParallelTransformerLayer,
+                                                            FinalNorm)) \
             else "layer norm" if name.endswith("layernorm") and "final" not in name else None
         if kind is not None:
             module.register_forward_hook(hook(kind))
@@ -62,7 +64,7 @@ def test_residual_stream_is_fp32_and_weights_bf16(cfg):
     model = _bf16_model(cfg)
     tokens, position_ids, labels, loss_mask = batch()
     seen = _outputs_by_kind(model, tokens, position_ids)
-    assert seen["GPTEmbedding"] == [torch.float32]
+    assert seen["LanguageModelEmbedding"] == [torch.float32]
     assert seen["ParallelTransformerLayer"] == [torch.float32] * cfg.num_layers
     # the norms hand the half-precision branches and the output layer the weights' dtype
     assert seen["layer norm"] == [BF16] * (2 * cfg.num_layers) and seen["FinalNorm"] == [BF16]
@@ -108,7 +110,7 @@ def dense_mixed_gpt(w, cfg, tokens, position_ids):
     weights and branches, fp32 residual adds, each norm in fp32 from the fp32 stream with its output
     rounded to bf16 (where Megatron's mixed kernel writes gamma's dtype). Per-group q/k/v matrices cut
     from the fused projection; attention by torch's scaled_dot_product_attention, so its bf16
-    internals round as the model's (tests/model/test_reference.py checks attention from the formula)."""
+    internals round as the model's (tests/families/gpt/test_reference.py checks attention from the formula)."""
     b, s = tokens.shape
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.kv_channels
     norm = lambda x, wb: _dense_norm(x, wb[0], wb[1], cfg.normalization, cfg.layernorm_epsilon)  # noqa: E731
@@ -190,7 +192,7 @@ def test_pp2_training_with_fp32_residual_stream():
     """Through the entry point at PP 2 in bf16: DeepSpeed's pipeline engine sends the fp32 stream
     as it is (its tensor meta carries the dtype), and the interleaved executor receives fp32 into
     buffers of that dtype (pipeline/executor.py). Both run the same bf16 operations
-    (ZeRO-1, fp32 gradient accumulation: tests/training/test_interleaved.py), so the first loss,
+    (ZeRO-1, fp32 gradient accumulation: tests/pipeline/test_interleaved.py), so the first loss,
     before any update, is the same bit for bit; later ones within that file's RTOL, as the global
     grad norm sums its terms in another order (measured: equal up to iteration 4, 2e-6 apart at 8,
     as without the flag). And the model trains."""
@@ -214,7 +216,8 @@ def test_fp32_runs_refuse_the_flag_as_megatron_does():
     cfg, _ = parse_args(base)
     assert cfg.model.fp32_residual_connection
     with pytest.raises(ConfigError, match="--fp32-residual-connection .* pass --bf16 or --fp16") as err:
-        resolve(cfg, world_size=1, vocab_size=128, device_type="cpu")
+        resolve(cfg, world_size=1, vocab_size=128, device_type="cpu", family=GPT)
     assert "\n" not in str(err.value)
-    assert resolve(parse_args(base + ["--bf16"])[0], world_size=1, vocab_size=128, device_type="cpu").layout.model \
+    assert resolve(parse_args(base + ["--bf16"])[0], world_size=1, vocab_size=128, device_type="cpu",
+                   family=GPT).layout.model \
         .fp32_residual_connection

@@ -16,8 +16,9 @@ import torch
 from megatron_ds.config.arguments import IGNORED_FLAGS, parse_args
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 from megatron_ds.model import fusions
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.parallel.random import set_parallel_seeds
 from tests.distributed import run_distributed
 
@@ -117,7 +118,8 @@ def test_kv_cache_decoding_with_fusions_equals_unfused():
     for fused in (False, True):
         weights = ModelWeights(model=model_config("llama", fused), padded_vocab_size=VOCAB, vocab_size=REAL_VOCAB,
                                state_dict=state)
-        out[fused] = generate(build_inference_model(weights), prompts, SamplingConfig(max_new_tokens=6, greedy=True),
+        out[fused] = generate(build_inference_model(weights, family=GPT), prompts, SamplingConfig(max_new_tokens=6,
+                                                                                                  greedy=True),
                               eod=3).tokens
     assert out[True] == out[False] and all(len(t) > 0 for t in out[True])
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.model import gpt as gpt_module
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.model import language_model as gpt_module
 from megatron_ds.model import liger
 from megatron_ds.model.kernels import describe_kernels
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from tests.model.test_fusions import REAL_VOCAB, SEQ, VOCAB, batch, model_config
 
 

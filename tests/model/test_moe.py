@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.gpt import reported_names
+from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+from megatron_ds.model.language_model import reported_names
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe_layer import experts_per_layer
-from megatron_ds.model.layer_specs import build_sequential_gpt
 from megatron_ds.model.transformer import ParallelTransformerLayer
 
 H, E = 16, 4

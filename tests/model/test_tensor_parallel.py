@@ -58,7 +58,7 @@ def _one_step(model, tokens, labels, loss_mask):
 def _compare_tp2_with_tp1(rank, world_size, name, sequence_parallel):
     import torch.distributed as dist
 
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
     from megatron_ds.parallel.layers import register_sequence_parallel_grad_hooks
     from megatron_ds.parallel.random import set_parallel_seeds
 

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ds.parallel.utils import pad_vocab_size, tp_rank, tp_world_size
 from tests.distributed import run_distributed
@@ -59,7 +60,7 @@ def _model_cfg():
 
 def _unpadded_reference(cfg):
     """The unpadded single-process GPT, its loss, logits and real-weight gradients on one batch."""
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 
     model = build_sequential_gpt(cfg, padded_vocab_size=VOCAB, seed=7)
     g = torch.Generator().manual_seed(1)
@@ -75,7 +76,7 @@ def _unpadded_reference(cfg):
 
 def _check_model(group):
     from megatron_ds.checkpoint import tp as tp_rules
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
 
     cfg = _model_cfg()
     for name, extra in (("gpt2", {}), ("untied", dict(untie_embeddings_and_output_weights=True))):
@@ -87,9 +88,9 @@ def _check_model(group):
         with torch.no_grad():
             for key, param in model.named_parameters():
                 full = state[key]
-                if tp_rules.is_vocab_param(key):  # padding rows: large random values, to be ignored
+                if tp_rules.is_vocab_param(key, GPT):  # padding rows: large random values, to be ignored
                     full = torch.cat([full, 50 * torch.randn(padded - VOCAB, full.shape[1])])
-                param.copy_(tp_rules.split(key, full, world, rank, cfg_))
+                param.copy_(tp_rules.split(key, full, world, rank, cfg_, GPT))
         logits = model(inputs)
         loss = model.loss_fn(logits, labels)
         loss.backward()
@@ -101,9 +102,9 @@ def _check_model(group):
                                    msg=name)
         for key, param in model.named_parameters():
             ref = ref_grads[key]
-            if tp_rules.is_vocab_param(key):
+            if tp_rules.is_vocab_param(key, GPT):
                 ref = torch.cat([ref, torch.zeros(padded - VOCAB, ref.shape[1])])  # padding rows: no gradient
-            torch.testing.assert_close(param.grad, tp_rules.split(key, ref, world, rank, cfg_), **MODEL_TOL,
+            torch.testing.assert_close(param.grad, tp_rules.split(key, ref, world, rank, cfg_, GPT), **MODEL_TOL,
                                        msg=f"{name} {key}")
 
 

@@ -96,9 +96,9 @@ def test_tp2():
 
 
 def test_model_loss_takes_the_chunked_path_for_bf16_logits(monkeypatch):
-    """gpt_loss_fn on bf16 logits: the chunked function runs, and the loss and gradient equal the
+    """language_model_loss on bf16 logits: the chunked function runs, and the loss and gradient equal the
     fp32 path's (the one the model used before) within the tolerances above."""
-    import megatron_ds.model.gpt as gpt
+    import megatron_ds.model.language_model as gpt
 
     calls = []
     real = gpt.chunked_vocab_parallel_cross_entropy
@@ -106,7 +106,7 @@ def test_model_loss_takes_the_chunked_path_for_bf16_logits(monkeypatch):
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     logits = (torch.randn(3, 5, 40) * 3).to(torch.bfloat16).requires_grad_(True)
     labels, mask = torch.randint(0, 40, (3, 5)), (torch.rand(3, 5) > 0.3).float()
-    loss = gpt.gpt_loss_fn(logits, (labels, mask))
+    loss = gpt.language_model_loss(logits, (labels, mask))
     loss.backward()
     assert calls == [1]
     same = logits.detach().clone().requires_grad_(True)

@@ -18,7 +18,8 @@ from fractions import Fraction
 import pytest
 
 from megatron_ds.parallel.partition import chunk_layer_range
-from megatron_ds.pipeline.plan import (BACKWARD, FORWARD, ScheduleError, Step, bubble_fraction, describe_assignment,
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, ScheduleError, Step, bubble_fraction,
+                                            describe_assignment,
                                        pipeline_schedule, virtual_pipeline_size)
 
 CASES = [(pp, v, m) for pp in (2, 3, 4) for v in (1, 2, 3) for m in (pp, 2 * pp, 4 * pp)] + [(4, 1, 3), (2, 4, 6)]

@@ -1,11 +1,9 @@
-"""Pure helpers: sizes, vocabulary padding and ranges, tensor splitting (no processes needed)."""
+"""Pure helpers: sizes, vocabulary padding and ranges (no processes needed)."""
 import pytest
-import torch
 
 from megatron_ds.parallel.utils import (
     divide,
     pad_vocab_size,
-    split_tensor_along_last_dim,
     tp_rank,
     tp_world_size,
     vocab_range,
@@ -53,14 +51,3 @@ def test_vocab_range_covers_vocabulary_without_overlap():
     assert ranges == [(0, 10), (10, 20), (20, 30), (30, 40)]
     with pytest.raises(ValueError):
         vocab_range(37, 0, 2)
-
-
-def test_split_tensor_along_last_dim():
-    x = torch.arange(24.0).reshape(2, 3, 4)
-    a, b = split_tensor_along_last_dim(x, 2)
-    assert torch.equal(torch.cat([a, b], dim=-1), x)
-    assert a.shape == (2, 3, 2) and not a.is_contiguous()
-    a, b = split_tensor_along_last_dim(x, 2, contiguous_split_chunks=True)
-    assert a.is_contiguous() and torch.equal(a, x[..., :2])
-    with pytest.raises(ValueError):
-        split_tensor_along_last_dim(x, 3)

@@ -17,7 +17,7 @@ from collections import deque
 
 import pytest
 
-from megatron_ds.pipeline.plan import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, Step, pipeline_schedule,
+from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, Step, pipeline_schedule,
                                        simulate_step_time, zbh1_schedule)
 
 CASES = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp, 4 * pp) if m >= 1]

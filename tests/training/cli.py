@@ -31,3 +31,16 @@ def cli_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[i
 def iterations(stdout: str) -> list[tuple[int, str]]:
     """(iteration, printed loss) of each iteration line."""
     return [(int(it), loss) for it, loss in ITERATION.findall(stdout)]
+
+
+def printed_losses(world_size: int, argv: list[str], timeout: float = 600) -> list[tuple[int, str]]:
+    """(iteration, printed loss) of pretrain_gpt.py's main(argv) on world_size gloo processes
+    (tests/distributed.py), as the last rank prints them (the last pipeline stage, as under a
+    launcher). The uninterrupted reference run of the launcher tests (test_signals.py,
+    test_kill_loop.py): the same flags, without a launcher's start-up of fresh processes."""
+    from tests.distributed import run_distributed
+
+    ranks = run_distributed(cli_many, world_size, [argv], timeout=timeout)
+    for [(rc, _, err)] in ranks:
+        assert rc == 0, err[-3000:]
+    return iterations(ranks[-1][0][1])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training import device as dev
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT
@@ -114,11 +115,11 @@ def test_model_built_in_place_equals_built_then_cast(dtype):
     """Training builds the model directly in its compute precision on its device (no full fp32
     copy first): the weights are exactly those of the fp32 build cast afterwards."""
     from megatron_ds.config import parse_args, resolve
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
     from tests.training.common import LLAMA_FLAGS
 
     cfg, _ = parse_args(TINY_GPT + LLAMA_FLAGS + ["--train-iters", "1"])
-    layout = resolve(cfg, world_size=1, vocab_size=512, device_type="cpu").layout
+    layout = resolve(cfg, world_size=1, vocab_size=512, device_type="cpu", family=GPT).layout
     direct = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=5,
                                   params_dtype=dtype, device="cpu").state_dict()
     cast = build_sequential_gpt(layout.model, padded_vocab_size=layout.padded_vocab_size, seed=5).to(dtype)

@@ -107,7 +107,7 @@ def _train(rank, world_size, runs):
     fp16 allowed on the CPU; per run what the spy saw, the losses and the iteration lines."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    import megatron_ds.model.layer_specs as layer_specs
+    import megatron_ds.model.language_model as language_model
     import megatron_ds.training.loop as loop
     import megatron_ds.training.pretrain as pretrain
     from megatron_ds.config import parse_args
@@ -116,12 +116,13 @@ def _train(rank, world_size, runs):
     CPU_Accelerator.is_fp16_supported = lambda self: True
     prepare = pretrain.prepare
     pretrain.prepare = lambda *args, **kwargs: prepare(*args, **{**kwargs, "device_type": "cuda"})
-    # every model kind (plain, pipeline, interleaved chunks) takes its loss from layer_specs.gpt_loss_fn
-    real_loss, real_step = layer_specs.gpt_loss_fn, loop.train_step
+    # every model kind (plain, pipeline, interleaved chunks) binds its loss from language_model.language_model_loss
+    # when it is built (language_model_loss_fn)
+    real_loss, real_step = language_model.language_model_loss, loop.train_step
     results = []
     for argv, inf_at in runs:
         spy = _Spy(inf_at)
-        layer_specs.gpt_loss_fn, loop.train_step = spy.loss_fn(real_loss), spy.train_step(real_step)
+        language_model.language_model_loss, loop.train_step = spy.loss_fn(real_loss), spy.train_step(real_step)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             state = pretrain.pretrain(*parse_args(argv), get_family("gpt"))  # the GPT's entry point

@@ -14,7 +14,7 @@ losses must also differ from the bf16 ones: the FP8 GEMMs ran.
 
 The FP8 recipe (current scaling) has no state, so a run resumed from its step-10 checkpoint must give
 the uninterrupted run's last 10 losses bitwise; the checkpoint (bf16 weights, as any) exports to Hugging
-Face, whose logits equal ours on the same weights (both fp32, tolerance as tests/checkpoint/test_hf.py).
+Face, whose logits equal ours on the same weights (both fp32, tolerance as tests/families/gpt/test_hf.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
 
 RUN = TINY_GPT + LLAMA_FLAGS + ["--num-layers", "2", "--train-iters", "20", "--global-batch-size", "2",
                                 "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0"]
@@ -79,10 +80,10 @@ def test_fp8_checkpoint_exports_to_hugging_face(runs, tmp_path):
     out = str(tmp_path / "hf")
     assert to_hf.main(["--load", ckpt, "--out", out]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    c = load_consolidated(ckpt, log=lambda *a: None)
+    c = load_consolidated(ckpt, log=lambda *a: None, family=GPT)
     assert c.model.fp8_hybrid  # the run's flags travel with the checkpoint; the weights are plain
     # ours as our evaluation and generation tools build it: the weights without FP8 (inference/model.py)
-    ours = build_inference_model(c)
+    ours = build_inference_model(c, family=GPT)
     assert not any(getattr(m, "fp8", None) for m in ours.module.modules())
     tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT
+from megatron_ds.families.gpt.gpt_family import GPT
 
 TOKENS, IN, OUT = 16, 24, 8
 
@@ -250,7 +251,8 @@ def test_layout_summary_says_where_deepspeed_keeps_fp32_gradients(template, appl
 
     def summary(*flags):
         cfg, _ = parse_args(TINY_GPT + ["--bf16", "--no-pipeline-parallel", "--train-iters", "2", *flags])
-        return resolve(cfg, world_size=1, vocab_size=512, ds_template=template, device_type="cpu").layout.summary()
+        return resolve(cfg, world_size=1, vocab_size=512, ds_template=template, device_type="cpu",
+                       family=GPT).layout.summary()
 
     line = [x for x in summary(*FUSE).splitlines() if x.startswith("gradient accumulation fusion")]
     assert line and ("not applied" not in line[0]) == applied, line

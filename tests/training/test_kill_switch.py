@@ -10,6 +10,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.training.test_loop import ARGS, StubEngine
+from megatron_ds.families.gpt.gpt_family import GPT
 
 
 class _Touching(StubEngine):
@@ -32,7 +33,7 @@ def _train(rank, world_size, path, at):
     from megatron_ds.training.loop import Loop, TrainState
 
     cfg, _ = parse_args(ARGS + ["--train-iters", "8", "--kill-switch-file", path, "--save", "unused"])
-    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
     saved = []
     loop = Loop(run, _Touching([1.0] * 8, path, at, rank), loss_fn=None, dp_group=None, device=torch.device("cpu"),
                 tb=mlog.TensorBoard(None, False), save=lambda st: saved.append(st.iteration), start_time=0.0)

@@ -7,8 +7,9 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError, TrainingStopped
+from megatron_ds.families.gpt.gpt_family import GPT
+from megatron_ds.families.gpt.gpt_flops import model_flops_per_iteration
 from megatron_ds.training import log as mlog
-from megatron_ds.training.flops import model_flops_per_iteration
 from megatron_ds.training.loop import Loop, TrainState
 from tests.distributed import run_distributed
 
@@ -37,7 +38,7 @@ class StubEngine:
 
 def _train(losses, *extra):
     cfg, _ = parse_args(ARGS + ["--train-iters", str(len(losses)), *extra])
-    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
     saved = []
     loop = Loop(run, StubEngine(losses), loss_fn=None, dp_group=None, device=torch.device("cpu"),
                 tb=mlog.TensorBoard(None, False), save=lambda st: saved.append(st.iteration), start_time=0.0)
@@ -75,11 +76,11 @@ def test_final_save_when_interval_does_not_divide():
 def test_model_flops_formula():
     # Megatron's closed form for GPT-2 shapes (docs/flops.md), evaluated by hand for GPT 345M: B=8,
     # s=1024, l=24, h=1024, V=50304; the general count is checked against measured matmuls in
-    # tests/training/test_flops.py
+    # tests/families/gpt/test_flops.py
     expected = 72 * 8 * 1024 * 24 * 1024 ** 2 * (1 + 1024 / (6 * 1024) + 50304 / (12 * 24 * 1024))
     cfg, _ = parse_args(("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
                          "--max-position-embeddings 1024 --micro-batch-size 8 --mock-data --train-iters 1 --lr 1e-4").split())
-    model = resolve(cfg, world_size=1, vocab_size=50257, device_type="cpu").layout.model
+    model = resolve(cfg, world_size=1, vocab_size=50257, device_type="cpu", family=GPT).layout.model
     assert model_flops_per_iteration(model, 8, 50304, False) == pytest.approx(expected, rel=1e-12)
 
 
@@ -181,7 +182,7 @@ class _Recorder:
 def test_learning_rate_scalar_can_be_left_out(extra, logged):
     # Megatron-DeepSpeed's --no-log-learnig-rate-to-tensorboard (typo and all) drops only that scalar
     cfg, _ = parse_args(ARGS + ["--train-iters", "2", *extra])
-    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    run = resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
     tb = _Recorder()
     Loop(run, StubEngine([1.0, 1.0]), loss_fn=None, dp_group=None, device=torch.device("cpu"), tb=tb,
          save=lambda st: None, start_time=0.0).train(TrainState(), None, None)

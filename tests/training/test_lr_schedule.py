@@ -11,6 +11,7 @@ import torch
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.config.run_length import Rampup
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule, LRSchedule
 
 
@@ -91,7 +92,7 @@ def test_rampup_batches_and_iterations_match_megatron():
                              "--seq-length", "8", "--micro-batch-size", "1", "--lr", "1e-3",
                              "--global-batch-size", str(gbs), "--rampup-batch-size", str(start), str(inc), str(samples),
                              "--train-samples", str(total)])
-        layout = resolve(cfg, world_size=1, vocab_size=100, device_type="cpu").layout
+        layout = resolve(cfg, world_size=1, vocab_size=100, device_type="cpu", family=GPT).layout
         assert layout.train_iters == megatron_train_iters(total, ref)
 
 
@@ -106,7 +107,7 @@ def test_bad_rampup_and_token_flags(argv, message):
     cfg, _ = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
                          "--micro-batch-size", "1", "--lr", "1e-3", "--global-batch-size", "6", *argv])
     with pytest.raises(ConfigError, match=message):
-        resolve(cfg, world_size=2, vocab_size=100, device_type="cpu")
+        resolve(cfg, world_size=2, vocab_size=100, device_type="cpu", family=GPT)
 
 
 def _drive(style, warmup_steps, warmup_tokens, decay_tokens, decay_steps=10 ** 9, steps=60):

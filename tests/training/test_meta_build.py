@@ -2,7 +2,7 @@
 
 The layouts are the ABCI job scripts' (scripts/abci/), built one rank per pipeline stage in this
 process. Each stage's built parameter count is checked twice: against the memory estimate's
-(config/layout.py count_parameters, through config/memory.py) and against a closed form written
+(families/gpt/gpt_params.py count_gpt_parameters, through config/memory.py) and against a closed form written
 here from the architecture (GPT-2: 12h^2 + 13h per layer; Llama: GQA attention, three SwiGLU
 matrices, RMSNorm, no biases, untied output layer), split over TP and PP by hand.
 """
@@ -19,6 +19,7 @@ import torch
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training.meta_build import TOLERANCE, build_stages, compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def _argv(name: str, extra=()) -> list[str]:
 
 def _run(name: str, extra=()):
     cfg, _ = parse_args(_argv(name, extra))
-    return resolve(cfg, world_size=LAYOUTS[name][1], vocab_size=VOCAB, device_type="cuda")
+    return resolve(cfg, world_size=LAYOUTS[name][1], vocab_size=VOCAB, device_type="cuda", family=GPT)
 
 
 def _padded(tp: int) -> int:
@@ -151,7 +152,7 @@ TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4"
 ])
 def test_other_partition_methods_move_layers_and_the_estimate_follows(method, layers):
     cfg, _ = parse_args(TINY + ["--pipeline-partition-method", method])
-    run = resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu")
+    run = resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu", family=GPT)
     assert [s.layers for s in run.layout.stages] == layers
     built = build_stages(run, EOD)
     assert [b.params for b in built] == [s.params_per_tp_rank for s in run.layout.stages]
@@ -162,7 +163,7 @@ def test_other_partition_methods_move_layers_and_the_estimate_follows(method, la
 def test_partition_methods_deepspeed_refuses_are_refused_before_the_queue(method, message):
     cfg, _ = parse_args(TINY + ["--pipeline-partition-method", method])
     with pytest.raises(ConfigError, match=message):
-        resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu")
+        resolve(cfg, world_size=4, vocab_size=VOCAB, device_type="cpu", family=GPT)
 
 
 def test_dry_run_prints_the_built_model_per_stage():
@@ -198,11 +199,11 @@ def test_moe_stage_counts_are_the_built_models(extra, world):
     from deepspeed.moe.utils import is_moe_param
 
     from megatron_ds import ds_compat
-    from megatron_ds.model.layer_specs import build_stage_gpt
+    from megatron_ds.families.gpt.gpt_model import build_stage_gpt
     from megatron_ds.training.engine import model_kwargs
 
     cfg, _ = parse_args(MOE_BASE + extra.split())
-    run = resolve(cfg, world_size=world, vocab_size=100, device_type="cpu")
+    run = resolve(cfg, world_size=world, vocab_size=100, device_type="cpu", family=GPT)
     lay = run.layout
     group = ds_compat.fake_process_group(lay.tp, 0) if lay.tp > 1 else contextlib.nullcontext()
     with group as tp_group:
@@ -220,14 +221,15 @@ def test_moe_partitions_match_the_analytic_count(method):
     """DeepSpeed's partition methods over an MoE model (8 experts on layers 2 and 4, EP 1): "parameters"
     balances by what each layer holds, so MoE layers weigh more; the layout's per-stage counts are the stages
     the built model is cut into."""
-    from megatron_ds.config import count_parameters, resolve_model_config
+    from megatron_ds.config import resolve_model_config
     from megatron_ds.config.schema import ModelConfig
-    from megatron_ds.model.layer_specs import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+    from megatron_ds.families.gpt.gpt_params import count_gpt_parameters
 
     cfg = resolve_model_config(ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                                            num_experts=(8,)))
     model = build_sequential_gpt(cfg, padded_vocab_size=128, seed=1)
-    _, stages = count_parameters(cfg, 128, 1, 2, method)
+    _, stages = count_gpt_parameters(cfg, 128, 1, 2, method)
     assert model.stage_parameter_counts(2, method) == [s.params_per_tp_rank for s in stages]
 
 
@@ -239,7 +241,7 @@ def test_moe_dry_run_build_matches_the_estimate():
     cfg, _ = parse_args(MOE_BASE + ("--num-experts 4 2 --moe-expert-parallel-size 2 --mlp-type residual "
                                     "--tensor-model-parallel-size 2 --enable-expert-tensor-parallelism --zero-stage 1 "
                                     "--create-moe-param-group --bf16").split())
-    run = resolve(cfg, world_size=8, vocab_size=100, device_type="cuda")
+    run = resolve(cfg, world_size=8, vocab_size=100, device_type="cuda", family=GPT)
     (built,) = build_stages(run, EOD)
     assert built.expert_params == run.layout.stages[0].expert_params_per_tp_rank > 0
     for quantity, (value, estimated) in compare(run.layout, built).items():

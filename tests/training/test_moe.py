@@ -8,7 +8,7 @@ is deterministic, and capacity factor 1 with 4 experts drops tokens (the reporte
 so dropping is part of what must agree. The iteration line carries "moe loss" (Megatron-DeepSpeed's
 name: the coefficient times the layers' summed auxiliary losses) and "moe drop fraction".
 
-Tolerance rtol 2e-5 as tests/training/test_parity.py (fp32 sums in another order; the expert outputs
+Tolerance rtol 2e-5 as tests/families/gpt/test_parity.py (fp32 sums in another order; the expert outputs
 travel through all-to-alls and come back bit for bit, the gradients are summed in another order). A
 mis-routed expert (wrong expert parallel rank order), a missing expert gradient reduction or an expert
 gradient averaged over the wrong group moves the loss by 1e-3 or more within 10 steps. Clipping is on

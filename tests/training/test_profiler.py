@@ -11,6 +11,7 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.training import log as mlog
 from megatron_ds.training.loop import Loop, TrainState
 from megatron_ds.training.profiler import step_profiler
@@ -29,7 +30,7 @@ class _Working(StubEngine):
 
 def _run(tmp_path, *extra):
     cfg, _ = parse_args(ARGS + ["--train-iters", "5", "--tensorboard-dir", str(tmp_path), *extra])
-    return resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+    return resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)
 
 
 def test_trace_holds_exactly_the_chosen_steps(tmp_path):
@@ -67,4 +68,4 @@ def test_bad_profile_flags(tmp_path, argv, message):
 def test_profile_needs_a_tensorboard_dir():
     cfg, _ = parse_args(ARGS + ["--train-iters", "5", "--profile", "pt"])
     with pytest.raises(ConfigError, match="--tensorboard-dir"):
-        resolve(cfg, world_size=1, vocab_size=64, device_type="cpu")
+        resolve(cfg, world_size=1, vocab_size=64, device_type="cpu", family=GPT)

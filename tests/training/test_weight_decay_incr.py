@@ -11,6 +11,7 @@ import torch
 
 from megatron_ds.config import parse_args, resolve
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
 from megatron_ds.model.param_groups import param_groups
 from megatron_ds.training.lr_schedule import make_lr_schedule
 
@@ -47,7 +48,7 @@ class MegatronWeightDecay:
 
 def _schedule(argv):
     cfg, _ = parse_args(ARGS + argv)
-    run = resolve(cfg, world_size=1, vocab_size=100, device_type="cpu")
+    run = resolve(cfg, world_size=1, vocab_size=100, device_type="cpu", family=GPT)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     opt = torch.optim.AdamW(param_groups(model, run.optimizer.weight_decay), lr=1e-3)
     return run, opt, make_lr_schedule(opt, run)
@@ -92,4 +93,4 @@ def test_constant_style_keeps_weight_decay():
 def test_weight_decay_flags_are_checked(argv, message):
     cfg, _ = parse_args(ARGS + ["--train-iters", "5"] + argv)
     with pytest.raises(ConfigError, match=message):
-        resolve(cfg, world_size=1, vocab_size=100, device_type="cpu")
+        resolve(cfg, world_size=1, vocab_size=100, device_type="cpu", family=GPT)

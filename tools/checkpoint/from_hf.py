@@ -4,7 +4,7 @@
     python tools/checkpoint/from_hf.py --help
 
 The command line lives in megatron_ds/cli/from_hf.py (this script only calls it), so the package
-must be installed: `pip install -e .` (`make install`).
+must be installed with its "hf" extra (transformers): `pip install -e '.[hf]'`.
 """
 import sys
 

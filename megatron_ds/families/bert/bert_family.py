@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.family import ExportOptions, HFMapping, ModelFamily
 from megatron_ds.errors import DataError
 from megatron_ds.families.bert.bert_flops import bert_iteration_flops
 from megatron_ds.families.bert.bert_params import bert_stage_activations, check_bert, count_bert_parameters
+from megatron_ds.families.bert.bert_quickstart import EVALUATION, QUICKSTART
 
 # Megatron-DeepSpeed's pretrain_bert.py: args_defaults={'tokenizer_type': 'BertWordPieceLowerCase'}
 DEFAULT_TOKENIZER = "BertWordPieceLowerCase"
@@ -146,9 +147,28 @@ def make_bert_collator(run, tokenizer):
     return BertCollator(tokenizer.vocab_size, describe_source(run.data))
 
 
+def _import_hf(hf_dir: str, save_dir: str, log=print) -> None:
+    from megatron_ds.families.bert.bert_hf import import_hf_bert  # noqa: PLC0415
+
+    import_hf_bert(hf_dir, save_dir, family=BERT, log=log)
+
+
+def _export_hf(load_dir: str, out_dir: str, options: ExportOptions, log=print) -> None:
+    """(Megatron)BertForPreTraining; of the options, those a WordPiece vocabulary and BERT's export take."""
+    from megatron_ds.families.bert.bert_hf import export_hf_bert  # noqa: PLC0415
+
+    export_hf_bert(load_dir, out_dir, family=BERT, iteration=options.iteration, dtype=options.dtype,
+                   vocab_size=options.vocab_size, vocab_file=options.vocab_file, log=log)
+
+
 BERT = ModelFamily(name="bert", label="BERT", check=check_bert, count_parameters=count_bert_parameters,
                    build_model=build_bert_model, build_stage=build_bert_stage, build_datasets=build_bert_datasets,
                    make_collator=make_bert_collator, flops=bert_iteration_flops, layer_specs=bert_checkpoint_specs,
-                   activations=bert_stage_activations, loss_names=LOSS_NAMES,
+                   activations=bert_stage_activations, loss_names=lambda layout: LOSS_NAMES,
                    default_tokenizer_type=DEFAULT_TOKENIZER, uses_eod=False,
-                   causal_attention=False)
+                   causal_attention=False,
+                   # its MLM bias (bert_model.py BertLMBias): a column parallel bias, one per vocabulary entry
+                   tp_split={("lm_head", "bias"): 0}, vocab_parameters=(("lm_head", "bias"),),
+                   hf=HFMapping(model_types=("bert", "megatron-bert"), import_dir=_import_hf, export=_export_hf,
+                                architectures="MegatronBertForPreTraining or BertForPreTraining"),
+                   evaluation=EVALUATION, quickstart=QUICKSTART)

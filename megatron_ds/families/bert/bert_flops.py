@@ -1,5 +1,5 @@
 """BERT's model FLOPs of one training iteration (``ModelFamily.flops``), in the terms of
-``training/flops.py`` (its module docstring: a multiply-add is 2 FLOPs, backward two forwards, what
+``planner/flops.py`` (its module docstring: a multiply-add is 2 FLOPs, backward two forwards, what
 full recompute re-runs).
 
 BERT (pretrain_bert.py; ``families/bert/bert_model.py``): the dense layers at s = --seq-length (bidirectional, every
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.training.flops import dense_layer_flops
+from megatron_ds.planner.flops import dense_layer_flops
 
 
 def bert_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool) -> float:

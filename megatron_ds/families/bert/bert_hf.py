@@ -21,17 +21,19 @@ Names without a layer prefix refer to ``build_sequential_bert``'s state dict: ``
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Callable
 
 import torch
 
-from megatron_ds.checkpoint.hf import fuse_qkv, split_qkv
+from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.ds_compat import torchao_import_quiet
 from megatron_ds.errors import ConfigError
-from megatron_ds.families.bert.bert_family import BERT as FAMILY
 
 BERT, MEGATRON_BERT = "BertForPreTraining", "MegatronBertForPreTraining"
 _ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # hidden_act -> --openai-gelu
@@ -229,28 +231,47 @@ def write_hf_bert(out_dir: str, m: ModelConfig, state: dict[str, torch.Tensor], 
 
     arch = bert_architecture(m)
     config = hf_bert_config(arch, m, vocab, pad_token_id=pad_token_id, dtype=dtype)
-    model = getattr(transformers, arch)(config)
+    # transformers' first model class imports its quantizers, and they import torchao wherever it is
+    # installed (for FP8 runs): its warnings about CUDA kernel libraries say nothing about this export
+    with torchao_import_quiet():
+        model = getattr(transformers, arch)(config)
     tensors = bert_to_hf(arch, m, state, vocab)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     missing = [k for k in missing if k not in tensors]
     if missing or unexpected:
         raise ConfigError(f"{arch} and the converted BERT disagree: missing {missing}, unexpected {unexpected}")
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
+    with _without_progress_bars(transformers):
+        model.save_pretrained(out_dir)
     if data is not None:
         save_bert_tokenizer(data, out_dir, log, vocab)
     log(f"wrote {arch} ({vocab} of {state[EMBED + 'word_embeddings.weight'].shape[0]} vocabulary rows) to {out_dir}")
     return arch
 
 
-def export_hf_bert(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
-                   vocab_size: int | None = None, vocab_file: str | None = None, log: Callable = print) -> str:
+@contextlib.contextmanager
+def _without_progress_bars(transformers):
+    """transformers 5 draws a "Writing model shards" bar while it saves, in a log a line of
+    carriage-return frames around the one file written; the export's own "wrote ..." line follows."""
+    hf_logging = transformers.utils.logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def export_hf_bert(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
+                   dtype: str | None = None, vocab_size: int | None = None, vocab_file: str | None = None,
+                   log: Callable = print) -> str:
     """A pretrain_bert.py checkpoint (any TP / PP / DP) as a transformers model directory."""
     from megatron_ds.checkpoint.consolidate import load_consolidated  # noqa: PLC0415
     from megatron_ds.config.schema import DataConfig  # noqa: PLC0415
     from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
 
-    c = load_consolidated(load_dir, iteration, family=FAMILY, log=log)
+    c = load_consolidated(load_dir, iteration, family=family, log=log)
     vocab = vocab_size or c.vocab_size
     if vocab is None:
         raise ConfigError(f"{load_dir} does not record its real vocabulary size; pass --vocab-size")
@@ -275,13 +296,13 @@ def _tokenizer_data(hf_dir: str, data_config):
                        vocab_file=os.path.abspath(vocab_txt))
 
 
-def import_hf_bert(hf_dir: str, save_dir: str, *, log: Callable = print) -> ModelConfig:
+def import_hf_bert(hf_dir: str, save_dir: str, *, family: ModelFamily, log: Callable = print) -> ModelConfig:
     """Write ``hf_dir``'s (Megatron)BertForPreTraining as a weights-only pretrain_bert.py checkpoint
     (TP 1 x PP 1 layer files, fp32; ``--load`` at any layout reshards it); returns our model config."""
     from megatron_ds.checkpoint.files import layer_file_name, layer_prefixes  # noqa: PLC0415
     from megatron_ds.checkpoint.format import (COMPLETENESS, META, TRACKER, atomic_write,  # noqa: PLC0415
                                                signature, step_dir)
-    from megatron_ds.checkpoint.import_hf import HFWeights  # noqa: PLC0415
+    from megatron_ds.checkpoint.hf_files import HFWeights  # noqa: PLC0415
     from megatron_ds.checkpoint.integrity import write_manifest  # noqa: PLC0415
     from megatron_ds.config.schema import Config, DataConfig  # noqa: PLC0415
     from megatron_ds.parallel.utils import pad_vocab_size  # noqa: PLC0415
@@ -294,13 +315,13 @@ def import_hf_bert(hf_dir: str, save_dir: str, *, log: Callable = print) -> Mode
     state = bert_from_hf(arch, m, HFWeights(hf_dir).require, padded)
     tag_dir = step_dir(save_dir, 0)
     os.makedirs(tag_dir, exist_ok=True)
-    for idx, prefix in layer_prefixes(m, padded, FAMILY):
+    for idx, prefix in layer_prefixes(m, padded, family):
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
     data = _tokenizer_data(hf_dir, DataConfig)
-    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": FAMILY.name},
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": family.name},
             "config": Config(model=m, data=data).to_dict(),
-            "vocab_size": vocab, "model_family": FAMILY.name, "weights_only": True,
+            "vocab_size": vocab, "model_family": family.name, "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)

@@ -29,10 +29,11 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.gpt import FinalNorm, GPTEmbedding, gpt_loss_fn
-from megatron_ds.model.layer_specs import (PARTITION_METHOD, TIED_EMBEDDING_KEY, GPTPipelineModel, GPTSequential,
-                                           stage_of_specs)
+from megatron_ds.model.language_model import FinalNorm, LanguageModelEmbedding, language_model_loss
+from megatron_ds.model.pipeline_model import (PARTITION_METHOD, TIED_EMBEDDING_KEY, PipelineModel, SequentialModel,
+                                              stage_of_specs)
 from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout, openai_gelu
+from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import ColumnParallelLinear, init_method_normal
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from megatron_ds.parallel.utils import divide, tp_world_size
@@ -41,7 +42,7 @@ NUM_TOKENTYPES = 2  # with the binary head (sentence A / sentence B)
 LOSS_NAMES = ("lm loss", "sop loss")  # what bert_loss_fn reports (pretrain_bert.py's loss_func names)
 
 
-class BertEmbedding(GPTEmbedding):
+class BertEmbedding(LanguageModelEmbedding):
     """Word (vocab-parallel) + position + token-type embeddings, dropout; ``[s, b, h]`` out with the
     padding mask (``model/transformer.py``). The tied copy on the last stage projects with
     ``logits`` like the GPT's (no position or token-type table there)."""
@@ -52,7 +53,7 @@ class BertEmbedding(GPTEmbedding):
                          tp_group=tp_group, fused_loss=False, **kwargs)
         self.tokentype_embeddings = None
         if num_tokentypes:
-            # fp32 on the CPU generator, then moved, as the position table (GPTEmbedding)
+            # fp32 on the CPU generator, then moved, as the position table (LanguageModelEmbedding)
             table = torch.empty(num_tokentypes, hidden_size, dtype=torch.float32)
             init_method_normal(kwargs["init_method_std"])(table)
             self.tokentype_embeddings = nn.Embedding.from_pretrained(table.to(device=device, dtype=params_dtype),
@@ -156,7 +157,7 @@ def bert_loss_fn(output, labels, *, tp_group=None, vocab_size: int | None = None
     logits, binary = output if isinstance(output, (tuple, list)) else (output, None)
     # -1 marks unpredicted positions; any id works there, as the mask drops them
     targets = torch.where(loss_mask > 0, lm_labels, torch.zeros_like(lm_labels))
-    lm_loss = gpt_loss_fn(logits, (targets, loss_mask), tp_group=tp_group, vocab_size=vocab_size)
+    lm_loss = language_model_loss(logits, (targets, loss_mask), tp_group=tp_group, vocab_size=vocab_size)
     if report is not None:
         report.add("lm loss", lm_loss)
     if binary is None:
@@ -178,9 +179,11 @@ def _check(m: ModelConfig) -> None:
 
 def bert_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None,
                      sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, device=None,
-                     recompute_granularity: str | None = None, vocab_size: int | None = None) -> list:
+                     recompute_granularity: str | None = None, vocab_size: int | None = None,
+                     fp8: Fp8Recipe | None = None) -> list:
     """The BERT as DeepSpeed layer specs (module docstring); ``model_cfg`` resolved, its
-    ``bert_binary_head`` choosing the binary head (and the token types)."""
+    ``bert_binary_head`` choosing the binary head (and the token types); ``fp8``: the run's FP8 recipe
+    (``Layout.fp8``), which the transformer layers' GEMMs run with."""
     m = model_cfg
     _check(m)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
@@ -193,7 +196,7 @@ def bert_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group
                            tied_weight_attr="word_embeddings.weight", **embedding)]
     for i in range(m.num_layers):
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1, self_attn_mask_type="padding",
-                               recompute_attention=recompute_granularity == "selective", **common))
+                               recompute_attention=recompute_granularity == "selective", fp8=fp8, **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
                            one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))
@@ -222,30 +225,29 @@ def _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs):
 
 def build_pipeline_bert(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,
                         activation_checkpoint_interval: int = 0, partition_method: str = PARTITION_METHOD,
-                        loss_report=None, **spec_kwargs) -> GPTPipelineModel:
-    """BERT as a DeepSpeed ``PipelineModule`` (seeded per layer as the GPT: ``model/layer_specs.py``)."""
+                        loss_report=None, **spec_kwargs) -> PipelineModel:
+    """BERT as a DeepSpeed ``PipelineModule`` (seeded per layer as every family: ``model/pipeline_model.py``)."""
     specs = _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs)
-    return GPTPipelineModel(specs, topology=topology, tp_group=tp_group, seed=seed, partition_method=partition_method,
-                            activation_checkpoint_interval=activation_checkpoint_interval,
-                            loss_fn=bert_loss(tp_group, spec_kwargs.get("vocab_size"), loss_report))
-
-
-def build_sequential_bert(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,
-                          activation_checkpoint_interval: int = 0, loss_report=None, **spec_kwargs) -> GPTSequential:
-    """BERT as one plain module (PP 1, --no-pipeline-parallel, references); the same weights as
-    ``build_pipeline_bert`` with the same seed, under the same parameter names."""
-    specs = _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs)
-    return GPTSequential(specs, tp_group=tp_group, seed=seed,
+    return PipelineModel(specs, topology=topology, seed=seed, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval,
                          loss_fn=bert_loss(tp_group, spec_kwargs.get("vocab_size"), loss_report))
 
 
+def build_sequential_bert(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=None, seed: int,
+                          activation_checkpoint_interval: int = 0, loss_report=None, **spec_kwargs) -> SequentialModel:
+    """BERT as one plain module (PP 1, --no-pipeline-parallel, references); the same weights as
+    ``build_pipeline_bert`` with the same seed, under the same parameter names."""
+    specs = _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs)
+    return SequentialModel(specs, seed=seed, activation_checkpoint_interval=activation_checkpoint_interval,
+                           loss_fn=bert_loss(tp_group, spec_kwargs.get("vocab_size"), loss_report))
+
+
 def build_stage_bert(model_cfg: ModelConfig, *, num_stages: int, stage: int, padded_vocab_size: int, tp_group=None,
                      seed: int, partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0,
-                     loss_report=None, **spec_kwargs) -> GPTSequential:
+                     loss_report=None, **spec_kwargs) -> SequentialModel:
     """What stage ``stage`` of ``build_pipeline_bert``'s model holds, without a topology (--dry-run's meta build)."""
     specs = _specs(model_cfg, padded_vocab_size, tp_group, spec_kwargs)
-    return stage_of_specs(specs, num_stages=num_stages, stage=stage, tp_group=tp_group, seed=seed,
+    return stage_of_specs(specs, num_stages=num_stages, stage=stage, seed=seed,
                           partition_method=partition_method,
                           activation_checkpoint_interval=activation_checkpoint_interval,
                           loss_fn=bert_loss(tp_group, spec_kwargs.get("vocab_size"), loss_report))

@@ -13,12 +13,12 @@ The pipeline layers, in ``families/bert/bert_model.py``'s order, with the parame
 
 The memory estimate (``config/memory.py``) counts BERT's transformer layers as the GPT's (the same
 layer; its [b, 1, 1, s] padding mask is negligible) and adds, on the last stage, what the MLM head's
-transform keeps (``mlm_head_activation_bytes``; tests/config/test_family_memory.py measures it).
+transform keeps (``mlm_head_activation_bytes``; tests/families/test_family_memory.py measures it).
 """
 from __future__ import annotations
 
 from megatron_ds.config.layout import Layout, StageParams, gpt_only_refusals, layer_parameters
-from megatron_ds.config.memory import LayerActivations, gpt_stage_activations
+from megatron_ds.config.memory import LayerActivations, stack_activations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.partition import partition_stages
@@ -95,7 +95,7 @@ def mlm_head_activation_bytes(layout: Layout) -> float:
 
 def bert_stage_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations]], float]:
     """``ModelFamily.activations`` of BERT: the GPT's, and on the last stage the MLM head's transform."""
-    runs, boundary = gpt_stage_activations(layout, stage)
+    runs, boundary = stack_activations(layout, stage)
     if stage.stage == layout.pp - 1:
         boundary += mlm_head_activation_bytes(layout)
     return runs, boundary

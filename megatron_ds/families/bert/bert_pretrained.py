@@ -40,12 +40,12 @@ def load_pretrained(path: str, module, run, ps, log=print) -> None:
     ckpt = open_checkpoint(path, None, BERT)
     params = dict(module.named_parameters())
     loaded = set()
-    for _, tensors in iter_consolidated_layers(ckpt, family=BERT, log=lambda *a: None):
+    for _, tensors in iter_consolidated_layers(ckpt, log=lambda *a: None):
         for name, full in tensors.items():
             if name not in params:
                 continue  # another stage's layer, or the MLM head fine-tuning drops
-            fitted = fit_vocab_rows(name, {"weight": full}, run.layout.padded_vocab_size, None)["weight"]
-            shard = tp_rules.split(name, fitted, ps.tp_size, ps.tp_rank, ckpt.model)
+            fitted = fit_vocab_rows(name, {"weight": full}, run.layout.padded_vocab_size, None, BERT)["weight"]
+            shard = tp_rules.split(name, fitted, ps.tp_size, ps.tp_rank, ckpt.model, BERT)
             if shard.shape != params[name].shape:
                 raise ConfigError(f"--pretrained-checkpoint {path}: {name} is {tuple(shard.shape)} there but "
                                   f"{tuple(params[name].shape)} here; give the pretrained model's --num-layers, "

@@ -32,7 +32,7 @@ from megatron_ds.errors import DataError
 from megatron_ds.families.bert.bert_family import BERT
 from megatron_ds.families.bert.bert_model import bert_layer_specs, linear_layer
 from megatron_ds.families.bert.bert_params import bert_pipeline_layers
-from megatron_ds.model.layer_specs import PARTITION_METHOD, GPTPipelineModel, GPTSequential, stage_of_specs
+from megatron_ds.model.pipeline_model import PARTITION_METHOD, PipelineModel, SequentialModel, stage_of_specs
 from megatron_ds.model.transformer import hidden_dropout
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_ds.parallel.partition import partition_stages
@@ -124,10 +124,10 @@ def build_task_model(task: Task, pretrained, run, ps, eod_token, device, loss_re
     specs, build = _specs(task, run, ps.tp_group, device)
     loss_fn = functools.partial(task_loss_fn, num_choices=task.num_choices, report=loss_report)
     if run.layout.use_pipeline:
-        model = GPTPipelineModel(specs, topology=ps.topology, tp_group=ps.tp_group, loss_fn=loss_fn,
-                                 partition_method=run.distributed.pipeline_partition_method, **build)
+        model = PipelineModel(specs, topology=ps.topology, loss_fn=loss_fn,
+                              partition_method=run.distributed.pipeline_partition_method, **build)
     else:
-        model = GPTSequential(specs, tp_group=ps.tp_group, loss_fn=loss_fn, **build)
+        model = SequentialModel(specs, loss_fn=loss_fn, **build)
     if pretrained is not None:
         pretrained(model, run, ps)
     return model
@@ -138,8 +138,8 @@ def build_task_stage(task: Task, run, stage: int, tp_group, eod_token):
     specs, build = _specs(task, run, tp_group, "meta")
     layout = run.layout
     if not layout.use_pipeline:
-        return GPTSequential(specs, tp_group=tp_group, **build)
-    return stage_of_specs(specs, num_stages=layout.pp, stage=stage, tp_group=tp_group,
+        return SequentialModel(specs, **build)
+    return stage_of_specs(specs, num_stages=layout.pp, stage=stage,
                           partition_method=run.distributed.pipeline_partition_method or PARTITION_METHOD, **build)
 
 
@@ -176,4 +176,5 @@ def task_family(task: Task, datasets: tuple, pretrained=None) -> ModelFamily:
         make_collator=lambda run, tokenizer: TaskCollator(tokenizer.vocab_size, f"the {task.name} data"),
         layer_specs=lambda model, padded_vocab_size, **kw: task_layer_specs(
             task, model, padded_vocab_size=padded_vocab_size, **kw),
-        loss_names=(ACCURACY,), universal_checkpoints=False)
+        loss_names=lambda layout: (ACCURACY,), universal_checkpoints=False, quickstart=None,
+        evaluation=None, hf=None, plannable=False)

@@ -6,6 +6,7 @@
     t5_flops.py      model FLOPs of one iteration
     t5_hf.py         to and from Hugging Face (T5ForConditionalGeneration)
     span_loss.py     span-corruption loss evaluation (tools/evaluate_t5.py)
+    t5_quickstart.py tools/quickstart.py --model t5 (the steps of ../masked_quickstart.py)
 
 Its samples are Megatron's (``data/t5_dataset.py``, built by ``data/bert_t5_datasets.py``).
 """

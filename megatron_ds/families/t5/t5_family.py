@@ -15,18 +15,19 @@ collator turns a batch of them into DeepSpeed's micro-batch
   become 0, a real id, whose loss the zero ``loss_mask`` drops all the same.
 
 The loss is pretrain_t5.py's ``loss_func``: the vocab-parallel cross entropy averaged over
-``loss_mask`` (the GPT's ``gpt_loss_fn``), printed as ``lm loss``.
+``loss_mask`` (the GPT's ``language_model_loss``), printed as ``lm loss``.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from megatron_ds.config.family import ModelFamily
+from megatron_ds.config.family import ExportOptions, HFMapping, ModelFamily
 from megatron_ds.errors import ConfigError, DataError
 from megatron_ds.families.t5.t5_flops import t5_iteration_flops
 from megatron_ds.families.t5.t5_params import (check_t5, count_t5_parameters, decoder_layers, t5_decoder_seq_length,
                                                t5_pipeline_choice, t5_stage_activations)
+from megatron_ds.families.t5.t5_quickstart import EVALUATION, QUICKSTART
 
 KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask", "enc_dec_mask")
 # --mock-data ids: padding 0 (what upstream's masks treat as padding: ``>= 1`` is a token), then the
@@ -106,6 +107,7 @@ def _model_kwargs(run, tp_group, device, loss_report=None) -> dict:
     kwargs = dict(decoder_num_layers=decoder_layers(layout.model), padded_vocab_size=layout.padded_vocab_size,
                   vocab_size=layout.vocab_size, tp_group=tp_group, seed=run.training.seed,
                   recompute_granularity=layout.recompute, params_dtype=params_dtype(layout), device=device,
+                  fp8=layout.fp8,
                   activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0))
     if loss_report is not None:
         kwargs["loss_report"] = loss_report
@@ -164,6 +166,28 @@ def _t5_collator(run, tokenizer):
     return T5Collator(tokenizer.vocab_size, describe_source(run.data))
 
 
+def _import_hf(hf_dir: str, save_dir: str, log=print) -> None:
+    from megatron_ds.families.t5.t5_hf import import_hf_t5  # noqa: PLC0415
+
+    import_hf_t5(hf_dir, save_dir, family=T5, log=log)
+
+
+def _export_hf(load_dir: str, out_dir: str, options: ExportOptions, log=print) -> None:
+    """T5ForConditionalGeneration (the variant HF's T5 computes); of the options, those a WordPiece
+    vocabulary and T5's export take."""
+    from megatron_ds.families.t5.t5_hf import export_hf_t5  # noqa: PLC0415
+
+    export_hf_t5(load_dir, out_dir, family=T5, iteration=options.iteration, dtype=options.dtype,
+                 vocab_size=options.vocab_size, vocab_file=options.vocab_file, log=log)
+
+
+# What T5's own layers split over tensor parallel ranks (t5_model.py): the cross-attention's column
+# parallel query and key_value (heads split), the relative position bias tables ([buckets, heads]: heads
+# split) and the LM head's bias (one per vocabulary entry)
+T5_TP_SPLIT = {("query", "weight"): 0, ("query", "bias"): 0, ("key_value", "weight"): 0, ("key_value", "bias"): 0,
+               ("encoder_relative_attention_bias", "weight"): 1, ("decoder_relative_attention_bias", "weight"): 1,
+               ("lm_head", "bias"): 0}
+
 # Megatron-DeepSpeed's validate_args has no --num-layers % PP check; its transformer.py _get_num_layers
 # divides each side of the split rank over that side's stages (check_t5, t5_pipeline_choice)
 T5 = ModelFamily(name="t5", label="T5", check=check_t5, count_parameters=count_t5_parameters,
@@ -172,4 +196,8 @@ T5 = ModelFamily(name="t5", label="T5", check=check_t5, count_parameters=count_t
                  partition_activations=False, activations=t5_stage_activations, pipeline_choice=t5_pipeline_choice,
                  decoder_seq_length=t5_decoder_seq_length,
                  default_tokenizer_type="BertWordPieceLowerCase",  # pretrain_t5.py's args_defaults
-                 uses_eod=False)  # documents are delimited in the index; the model never reads an EOD id
+                 uses_eod=False,  # documents are delimited in the index; the model never reads an EOD id
+                 tp_split=T5_TP_SPLIT, vocab_parameters=(("lm_head", "bias"),),
+                 hf=HFMapping(model_types=("t5",), import_dir=_import_hf, export=_export_hf,
+                              architectures="T5ForConditionalGeneration"),
+                 evaluation=EVALUATION, quickstart=QUICKSTART)

@@ -1,5 +1,5 @@
 """T5's model FLOPs of one training iteration (``ModelFamily.flops``), in the terms of
-``training/flops.py`` (its module docstring: a multiply-add is 2 FLOPs, backward two forwards, what
+``planner/flops.py`` (its module docstring: a multiply-add is 2 FLOPs, backward two forwards, what
 full recompute re-runs).
 
 T5 (pretrain_t5.py; ``families/t5/t5_model.py``), s_e = --encoder-seq-length, s_d = --decoder-seq-length:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_ds.families.t5.t5_params import decoder_layers
-from megatron_ds.training.flops import dense_layer_flops
+from megatron_ds.planner.flops import dense_layer_flops
 
 
 def t5_flops_per_iteration(model, batch: int, padded_vocab_size: int, full_recompute: bool, *,

@@ -36,9 +36,9 @@ import math
 
 import torch
 
+from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.families.t5.t5_family import T5 as FAMILY
 
 _ACTIVATIONS = {"gelu": "gelu", "openai_gelu": "gelu_new", "swiglu": "gated-silu", "squared_relu": "relu2",
                 "relu": "relu", "geglu": "gated-gelu"}
@@ -299,8 +299,9 @@ def save_t5_tokenizer(data, tokenizer, out_dir: str, log) -> None:
     log(f"wrote {kind} tokenizer files ({data.vocab_file} + {len(added)} added tokens)")
 
 
-def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, dtype: str | None = None,
-                 vocab_size: int | None = None, vocab_file: str | None = None, log=print) -> None:
+def export_hf_t5(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
+                 dtype: str | None = None, vocab_size: int | None = None, vocab_file: str | None = None,
+                 log=print) -> None:
     """A pretrain_t5.py checkpoint (any TP / PP / DP) as a ``T5ForConditionalGeneration`` directory
     (model.safetensors, config.json, tokenizer files)."""
     import dataclasses  # noqa: PLC0415
@@ -311,7 +312,7 @@ def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, d
     from megatron_ds.families.t5.t5_params import decoder_layers  # noqa: PLC0415
     from megatron_ds.parallel.utils import PRECISION_DTYPES  # noqa: PLC0415
 
-    c = load_consolidated(load_dir, iteration, family=FAMILY, log=log)
+    c = load_consolidated(load_dir, iteration, family=family, log=log)
     check_representable(c.model)
     vocab = vocab_size or c.vocab_size
     if vocab is None:
@@ -335,7 +336,7 @@ def export_hf_t5(load_dir: str, out_dir: str, *, iteration: int | None = None, d
     log(f"wrote T5ForConditionalGeneration ({vocab} of {c.padded_vocab_size} vocabulary rows) to {out_dir}")
 
 
-def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
+def import_hf_t5(hf_dir: str, save_dir: str, *, family: ModelFamily, log=print) -> ModelConfig:
     """Write ``hf_dir``'s T5ForConditionalGeneration as a weights-only pretrain_t5.py checkpoint (TP 1 x
     PP 1 layer files, fp32; ``--load`` at any layout reshards it); returns our model config."""
     import json  # noqa: PLC0415
@@ -357,12 +358,12 @@ def import_hf_t5(hf_dir: str, save_dir: str, *, log=print) -> ModelConfig:
     state = from_hf(get, d, padded_vocab_size=padded)
     tag_dir = step_dir(save_dir, 0)
     os.makedirs(tag_dir, exist_ok=True)
-    for idx, prefix in layer_prefixes(m, padded, FAMILY):
+    for idx, prefix in layer_prefixes(m, padded, family):
         tensors = {k[len(prefix):]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
         torch.save(tensors, os.path.join(tag_dir, layer_file_name(idx, 0)))
-    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": FAMILY.name},
+    meta = {"signature": {**signature(m, padded_vocab_size=padded), "model_family": family.name},
             "config": Config(model=m).to_dict(),
-            "vocab_size": vocab, "model_family": FAMILY.name, "weights_only": True,
+            "vocab_size": vocab, "model_family": family.name, "weights_only": True,
             "imported_from": os.path.abspath(hf_dir), COMPLETENESS[0]: COMPLETENESS[1]}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)

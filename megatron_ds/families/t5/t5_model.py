@@ -57,13 +57,13 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from megatron_ds import ds_compat
-from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.families.t5.t5_params import t5_stage_bounds
-from megatron_ds.model.gpt import mask_padded_vocab_
+from megatron_ds.model.language_model import language_model_loss_fn, mask_padded_vocab_
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.layer_specs import GPTPipelineModel, GPTSequential
+from megatron_ds.model.pipeline_model import PipelineModel, SequentialModel
 from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout, padding_attention_mask
+from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          init_method_normal, scaled_init_method_normal,
                                          set_tensor_parallel_attributes)
@@ -139,7 +139,7 @@ class T5Embedding(nn.Module):
         self.position_embeddings = None
         if max_position_embeddings is not None:
             table = torch.empty(max_position_embeddings, hidden_size, dtype=torch.float32)
-            init(table)  # on the CPU generator in fp32, as GPTEmbedding: device- and dtype-independent numbers
+            init(table)  # on the CPU generator in fp32, as LanguageModelEmbedding: device- and dtype-independent numbers
             self.position_embeddings = nn.Embedding.from_pretrained(table.to(device=device, dtype=params_dtype),
                                                                     freeze=False)
         self.lm_head = None
@@ -241,14 +241,14 @@ class ParallelCrossAttention(nn.Module):
     ParallelAttention with ``AttnType.cross_attn``: ``query`` [heads * d], ``key_value`` laid out
     per head as [k; v], ``dense``). Multi-head only, as upstream (it asserts no GQA there)."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, params_dtype=torch.float32, device=None):
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, params_dtype=torch.float32, device=None,
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
         tp = tp_world_size(tp_group)
         self.kv_channels, self.num_heads = cfg.kv_channels, divide(cfg.num_attention_heads, tp)
         self.attention_dropout = cfg.attention_dropout
         projection = cfg.num_attention_heads * cfg.kv_channels
-        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device,
-                      fp8=fp8_recipe(cfg))
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device, fp8=fp8)
         init = init_method_normal(cfg.init_method_std)
         column = dict(gather_output=False, init_method=init, async_grad_comm=cfg.async_tensor_model_parallel_allreduce)
         self.query = ColumnParallelLinear(cfg.hidden_size, projection, **column, **common)
@@ -279,11 +279,11 @@ class T5DecoderLayer(ParallelTransformerLayer):
     ``LayerType.decoder`` layer: ``default_decoder_cross_attention`` between the two)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, params_dtype=torch.float32,
-                 device=None, recompute_attention: bool = False):
+                 device=None, recompute_attention: bool = False, fp8: Fp8Recipe | None = None):
         super().__init__(cfg, layer_number, tp_group=tp_group, params_dtype=params_dtype, device=device,
-                         recompute_attention=recompute_attention)
+                         recompute_attention=recompute_attention, fp8=fp8)
         self.inter_attention = ParallelCrossAttention(cfg, tp_group=tp_group, params_dtype=params_dtype,
-                                                      device=device)
+                                                      device=device, fp8=fp8)
         self.post_inter_attention_layernorm = build_norm(
             cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, params_dtype=params_dtype, device=device,
             one_plus=cfg.apply_layernorm_1p, fp32_input=cfg.fp32_residual_connection)
@@ -351,9 +351,10 @@ def check_t5_shape(m: ModelConfig, *, decoder_num_layers: int, num_stages: int, 
 
 def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size: int, tp_group=None,
                    params_dtype: torch.dtype = torch.float32, device=None, vocab_size: int | None = None,
-                   recompute_granularity: str | None = None) -> list:
+                   recompute_granularity: str | None = None, fp8: Fp8Recipe | None = None) -> list:
     """The T5 as DeepSpeed layer specs: tied embedding (encoder input), encoder layers, encoder
-    final norm, tied embedding (decoder input), decoder layers, decoder final norm, tied LM head."""
+    final norm, tied embedding (decoder input), decoder layers, decoder final norm, tied LM head.
+    ``fp8``: the run's FP8 recipe (``Layout.fp8``), which the layers' GEMMs run with."""
     common = dict(params_dtype=params_dtype, device=device)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
     embedding = dict(max_position_embeddings=positions, init_method_std=m.init_method_std, dropout=m.hidden_dropout,
@@ -372,7 +373,7 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
         return TiedLayerSpec(TIED_KEY, T5Embedding, m.hidden_size, padded_vocab_size, forward_fn=forward_fn,
                              tied_weight_attr=attrs, **embedding)
 
-    layer = dict(tp_group=tp_group, recompute_attention=recompute_granularity == "selective", **common)
+    layer = dict(tp_group=tp_group, recompute_attention=recompute_granularity == "selective", fp8=fp8, **common)
     specs = [tied(None)]
     specs += [LayerSpec(T5EncoderLayer, m, i + 1, **layer) for i in range(m.num_layers)]
     specs += [LayerSpec(T5EncoderFinalNorm, m, **common), tied(embed_decoder)]
@@ -381,7 +382,7 @@ def t5_layer_specs(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size
     return specs
 
 
-class T5PipelineModel(GPTPipelineModel):
+class T5PipelineModel(PipelineModel):
     """The T5 as a ``PipelineModule``, partitioned at the split rank (``families/t5/t5_params.py``
     ``t5_stage_bounds``)."""
 
@@ -420,24 +421,24 @@ def build_pipeline_t5(m: ModelConfig, topology, *, decoder_num_layers: int, spli
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
     return T5PipelineModel(specs, parts=t5_stage_bounds(m.num_layers, decoder_num_layers, stages, split_rank),
-                           topology=topology, tp_group=tp_group, seed=seed, loss_report=loss_report,
+                           topology=topology, seed=seed, loss_fn=language_model_loss_fn(tp_group, None, loss_report),
                            activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 def build_sequential_t5(m: ModelConfig, *, decoder_num_layers: int, padded_vocab_size: int, tp_group=None,
                         seed: int, activation_checkpoint_interval: int = 0, loss_report=None,
-                        **spec_kwargs) -> GPTSequential:
+                        **spec_kwargs) -> SequentialModel:
     """The T5 as one plain module with the pipeline model's weights and state-dict names; forward
     takes ``(enc tokens, dec tokens, enc flags, dec flags)`` and returns ``[b, s_dec, V/tp]`` logits."""
     check_t5_shape(m, decoder_num_layers=decoder_num_layers, num_stages=1, split_rank=None)
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
-    return GPTSequential(specs, tp_group=tp_group, seed=seed, loss_report=loss_report,
-                         activation_checkpoint_interval=activation_checkpoint_interval)
+    return SequentialModel(specs, seed=seed, loss_fn=language_model_loss_fn(tp_group, None, loss_report),
+                           activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 def build_stage_t5(m: ModelConfig, *, num_stages: int, stage: int, decoder_num_layers: int, padded_vocab_size: int,
-                   tp_group=None, seed: int, activation_checkpoint_interval: int = 0, **spec_kwargs) -> GPTSequential:
+                   tp_group=None, seed: int, activation_checkpoint_interval: int = 0, **spec_kwargs) -> SequentialModel:
     """The modules stage ``stage`` of ``build_pipeline_t5``'s model holds (its tied copy included),
     as one module without topology or accelerator: --dry-run builds it on the meta device."""
     check_t5_shape(m, decoder_num_layers=decoder_num_layers, num_stages=num_stages,
@@ -445,8 +446,9 @@ def build_stage_t5(m: ModelConfig, *, num_stages: int, stage: int, decoder_num_l
     specs = t5_layer_specs(m, decoder_num_layers=decoder_num_layers, padded_vocab_size=padded_vocab_size,
                            tp_group=tp_group, **spec_kwargs)
     parts = t5_stage_bounds(m.num_layers, decoder_num_layers, num_stages, m.pipeline_model_parallel_split_rank)
-    return GPTSequential(specs, tp_group=tp_group, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
-                         activation_checkpoint_interval=activation_checkpoint_interval)
+    return SequentialModel(specs, seed=seed, layer_indices=range(parts[stage], parts[stage + 1]),
+                           loss_fn=language_model_loss_fn(tp_group),
+                           activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 __all__ = ["T5Embedding", "T5EncoderLayer", "T5DecoderLayer", "ParallelCrossAttention", "T5PipelineModel",

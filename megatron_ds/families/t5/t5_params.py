@@ -19,7 +19,7 @@ whatever --pipeline-partition-method.
 The memory estimate (``config/memory.py``; ``t5_stage_activations`` here) counts encoder layers at
 --encoder-seq-length as the GPT's, decoder layers at --decoder-seq-length with their cross-attention
 (``decoder_layer_activation_bytes``), the encoder output each decoder stage holds for its
-cross-attentions, and the logits at the decoder length. tests/config/test_family_memory.py measures a
+cross-attentions, and the logits at the decoder length. tests/families/test_family_memory.py measures a
 layer of each kind with saved-tensor hooks.
 """
 from __future__ import annotations
