@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
+from megatron_ds.config import dialect
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
@@ -44,12 +45,20 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     if ffn is None:
         # SwiGLU has three matrices instead of two; 2/3 keeps the parameter count of a 4h GeLU MLP.
         ffn = int(4 * h * 2 / 3 / 64) * 64 if m.swiglu else 4 * h
+    kv_heads = m.num_key_value_heads
+    if m.group_query_attention and m.num_query_groups is not None:
+        # megatron/training/arguments.py (Megatron-LM core_v0.19.0): num_query_groups is read only with
+        # --group-query-attention (else the attention is multi-head)
+        if kv_heads is not None and kv_heads != m.num_query_groups:
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} contradicts --num-key-value-heads {kv_heads}; "
+                              f"pass one of them")
+        kv_heads = m.num_query_groups
     if m.kv_channels is None and h % heads:
         raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or pass --kv-channels")
     return dataclasses.replace(
         m,
-        num_key_value_heads=m.num_key_value_heads or heads,
+        num_key_value_heads=kv_heads or heads,
         ffn_hidden_size=ffn,
         kv_channels=m.kv_channels or h // heads,
         max_position_embeddings=m.max_position_embeddings or seq,
@@ -286,12 +295,19 @@ def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
     return "exact" if par.enable_zbh1_exact_semantics else "default"
 
 
-def _engine(flags: Config, template: dict | None, *, tp: int, pp: int, seq_length: int) -> tuple[int, bool]:
+def _engine(flags: Config, template: dict | None, notes: list[str], *, tp: int, pp: int,
+            seq_length: int) -> tuple[int, bool]:
     """(ZeRO stage, whether DeepSpeed's pipeline engine runs the model)."""
     template_stage = ((template or {}).get("zero_optimization") or {}).get("stage")
-    zero_stage = flags.deepspeed.zero_stage if flags.deepspeed.zero_stage is not None else (template_stage or 0)
-    check_engine(flags.parallel, pp=pp, tp=tp, zero_stage=zero_stage, seq_length=seq_length)
-    return zero_stage, not flags.parallel.no_pipeline_parallel
+    zero_stage = dialect.zero_stage(flags, template_stage, notes)
+    par = flags.parallel
+    if zero_stage >= 2 and pp == 1 and not par.no_pipeline_parallel and dialect.dialect(flags)[0] == dialect.MEGATRON_LM:
+        # Megatron-LM has no DeepSpeed pipeline engine: at PP 1 its model runs unpipelined, as
+        # --no-pipeline-parallel runs it here (DeepSpeed's pipeline engine refuses ZeRO 2 and 3)
+        par = dataclasses.replace(par, no_pipeline_parallel=True)
+        notes.append(f"PP 1 with ZeRO stage {zero_stage}: DeepSpeed's plain engine, as --no-pipeline-parallel")
+    check_engine(par, pp=pp, tp=tp, zero_stage=zero_stage, seq_length=seq_length)
+    return zero_stage, not par.no_pipeline_parallel
 
 
 def _curriculum(flags: Config, template: dict | None, seq_length: int, *, tp: int,
@@ -351,7 +367,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     gas = global_batch // (micro * dp)
     virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
     precision = check_precision(t, device_type)
-    zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
+    engine_notes: list[str] = []
+    zero_stage, use_pipeline = _engine(flags, template, engine_notes, tp=tp, pp=pp, seq_length=m.seq_length)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
     if zbh1 is not None and m.compile_layers:
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once
@@ -387,6 +404,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe,
                          partition_activations=family.partition_activations and par.scatter_gather_tensors_in_pipeline)
+    dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
+    notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if moe:
         check_moe_zero_json(ds, zero_stage)

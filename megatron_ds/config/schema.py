@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
          nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
-         default_factory=None) -> Any:
+         default_factory=None, const: Any = None) -> Any:
     """A dataclass field carrying parser hints (see module docstring). ``off_flags``: an
     ``Optional[bool]`` switch's spellings that store False (``flags`` store True; neither: None)."""
-    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags}
+    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags, "const": const}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=md)
     return field(default=default, metadata=md)
@@ -39,6 +39,11 @@ class ModelConfig:
     """Number of attention heads."""
     num_key_value_heads: Optional[int] = None
     """Key/value heads for grouped-query attention (default: --num-attention-heads, i.e. MHA)."""
+    group_query_attention: bool = False
+    """Megatron-LM: grouped-query attention with --num-query-groups key/value heads (without it, as upstream,
+    --num-query-groups is not read)."""
+    num_query_groups: Optional[int] = None
+    """Megatron-LM: the key/value heads of grouped-query attention (--num-key-value-heads in Megatron-DeepSpeed)."""
     ffn_hidden_size: Optional[int] = None
     """MLP hidden size (default 4*hidden; with --swiglu, 2/3 of that rounded down to a multiple of 64)."""
     kv_channels: Optional[int] = None
@@ -184,7 +189,7 @@ class ModelConfig:
     """Delayed scaling's amax history; only 1 (current scaling's equivalent) without Transformer Engine."""
     fp8_amax_compute_algo: Optional[str] = meta(None, choices=("most_recent", "max"))
     """Delayed scaling's amax from the history; with a history of 1 both are the current amax."""
-    fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad",), invert=True)
+    fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad", "--disable-fp8-wgrad"), invert=True)
     """--no-fp8-wgrad: the weight-gradient GEMM in bf16/fp32 even in an FP8 run."""
 
     def __post_init__(self):
@@ -203,7 +208,8 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Interleaved 1F1B schedule: transformer layers per model chunk; each pipeline rank holds
     num_layers / PP / this many chunks (Megatron's virtual pipeline stages)."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = meta(
+        None, flags=("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"))
     """Interleaved 1F1B schedule: model chunks per pipeline rank (Megatron-LM's spelling of the above)."""
     enable_zbh1_pipeline: bool = False
     """The ZB-H1 zero-bubble pipeline schedule: weight-gradient passes fill 1F1B's cool-down bubbles."""
@@ -286,10 +292,12 @@ class OptimizerConfig:
     """Weight decay reached at the end of training, with --weight-decay-incr-style linear or cosine."""
     weight_decay_incr_style: str = meta("constant", choices=("constant", "linear", "cosine"))
     """How weight decay goes from --start-weight-decay to --end-weight-decay (constant: --weight-decay)."""
-    override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler"))
+    override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler",
+                                                        "--override-opt-param-scheduler"))
     """On load, use the command line's schedule instead of the checkpoint's."""
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
-                                                          "--use-checkpoint-opt_param-scheduler"))
+                                                          "--use-checkpoint-opt_param-scheduler",
+                                                          "--use-checkpoint-opt-param-scheduler"))
     """On load, take the schedule from the checkpoint even if the command line differs."""
     # -- the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
     cpu_optimizer: bool = False
@@ -446,7 +454,7 @@ class CheckpointConfig:
     """Directory to save checkpoints to."""
     load: Optional[str] = None
     """Directory to load the latest checkpoint from."""
-    save_interval: Optional[int] = None
+    save_interval: Optional[int] = meta(None, flags=("--save-interval", "--persistent-save-interval"))
     """Save every this many iterations."""
     load_optim: bool = meta(True, flags=("--no-load-optim",), invert=True)
     """Do not load optimizer state."""
@@ -496,8 +504,15 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
     # Megatron-DeepSpeed's profiler flags (megatron/profiler.py)
-    profile: Optional[str] = meta(None, choices=("pt", "pt-full"))
-    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks)."""
+    profile: Optional[str] = meta(None, choices=("pt", "pt-full", "window"), nargs="?", const="window")
+    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks).
+    Given alone (Megatron-LM's switch; "window"): the torch profiler over the steps from --profile-step-start
+    to --profile-step-end instead."""
+    profile_step_start: int = 10
+    """Megatron-LM: with --profile alone, the iteration at which profiling starts: the step after it is the first
+    traced (megatron/training/training.py: iterations [start, end) before their step)."""
+    profile_step_end: int = 12
+    """Megatron-LM: with --profile alone, the iteration at which profiling stops (the last traced step)."""
     profile_steps: str = meta("2,3", flags=("--profile_steps",))
     """`FIRST,LAST`: the training steps of this process to profile, counted from 1, both included."""
     profile_ranks: Optional[list] = meta(None, nargs="+")
@@ -524,7 +539,26 @@ class DeepSpeedConfig:
     """DeepSpeed JSON: ZeRO, buckets, loss-scale knobs. Batch sizes and precision come from the
     command line."""
     zero_stage: Optional[int] = meta(None, choices=(0, 1, 2, 3))
-    """ZeRO stage (default: the JSON's, else 0)."""
+    """ZeRO stage (default: the JSON's, else 0; with Megatron-LM's --use-distributed-optimizer 1)."""
+    # Megatron-LM's data parallel flags (megatron/training/arguments.py, core_v0.19.0), read as DeepSpeed's
+    # (config/layout.py ``engine_from_megatron_lm``); a Megatron-DeepSpeed command line (--deepspeed) ignores them
+    use_distributed_optimizer: bool = False
+    """Megatron-LM: shard the optimizer state over the data parallel ranks, i.e. ZeRO stage 1 (fp32 main
+    weights and gradients, as Megatron keeps them) unless --zero-stage or the JSON names a stage of 1 or more.
+    Megatron-DeepSpeed's DeepSpeed path does not read it."""
+    overlap_grad_reduce: bool = False
+    """Megatron-LM: overlap the gradient reduction with the backward pass: DeepSpeed's "overlap_comm" (ZeRO 1-3)."""
+    overlap_param_gather: bool = False
+    """Megatron-LM: overlap the updated parameters' all-gather with the next forward: DeepSpeed's "overlap_comm"
+    prefetch at ZeRO 3; at ZeRO 1/2 DeepSpeed gathers them at the end of the step (the same values)."""
+    ddp_bucket_size: Optional[int] = None
+    """Megatron-LM: elements per gradient-reduction bucket: DeepSpeed's "reduce_bucket_size"."""
+    use_megatron_fsdp: bool = False
+    """Megatron-LM's FSDP: DeepSpeed ZeRO at the stage --data-parallel-sharding-strategy names (default 3)."""
+    data_parallel_sharding_strategy: Optional[str] = meta(None, choices=("no_shard", "optim", "optim_grads",
+                                                                          "optim_grads_params"))
+    """With --use-megatron-fsdp: what is sharded: no_shard (ZeRO 0), optim (1), optim_grads (2),
+    optim_grads_params (3, Megatron-LM's default)."""
 
 
 @dataclass(frozen=True)

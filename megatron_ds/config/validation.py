@@ -313,6 +313,11 @@ def check_profile(lg) -> None:
         return
     if lg.tensorboard_dir is None:
         raise ConfigError(f"--profile {lg.profile} writes its traces to --tensorboard-dir; pass one")
+    if lg.profile == "window":
+        if not 0 <= lg.profile_step_start < lg.profile_step_end:
+            raise ConfigError(f"--profile-step-start {lg.profile_step_start} --profile-step-end {lg.profile_step_end}: "
+                              f"expected 0 <= start < end")
+        return
     steps = lg.profile_steps.split(",")
     if len(steps) != 2 or not all(v.strip().isdigit() for v in steps) or not 1 <= int(steps[0]) <= int(steps[1]):
         raise ConfigError(f"--profile_steps {lg.profile_steps}: expected FIRST,LAST with 1 <= FIRST <= LAST")

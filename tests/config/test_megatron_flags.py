@@ -73,7 +73,7 @@ REFUSED = {
     "--random-ltd": "drop it", "--data-efficiency-curriculum-learning": "--curriculum-learning-legacy",
     "--inference": "tools/evaluate.py", "--lazy-mpu-init": "drop it",
     "--standalone-embedding-stage": "--pipeline-partition-method", "--aml-data-download-path": "--data-path",
-    "--return-data-index": "drop it", "--use-distributed-optimizer": "--zero-stage 1",
+    "--return-data-index": "drop it",
     **{f: _INDEX for f in ("--train-idx-path", "--train-desc-path", "--train-doc-idx-path", "--train-sample-idx-path",
                            "--train-shuffle-idx-path")},
     "--adlr-autoresume": "--exit-duration-in-mins", "--init-method-xavier-uniform": "--init-method-std",
