@@ -329,6 +329,7 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
             par.ds_sequence_parallel_size > 1,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
         "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
+        "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
     }
 
 

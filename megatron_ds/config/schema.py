@@ -108,6 +108,11 @@ class ModelConfig:
     15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
     cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
     --dry-run say which."""
+    use_z_loss: bool = False
+    """PaLM's z-loss, as the Swallow fork of Megatron-LM (okoge-kaz/Megatron-LM) adds it: every loss token's
+    cross entropy gains 1e-4 x log(Z)^2, log Z the log-sum-exp of its logits over the vocabulary (the
+    coefficient is fixed there too, no flag), in training and validation; reported inside `lm loss`, as
+    there. It keeps the softmax normalizer near 1, against logit drift in long bf16 runs. GPT only."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
