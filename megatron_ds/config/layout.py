@@ -389,6 +389,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          notes=notes, moe=moe,
                          partition_activations=family.partition_activations and par.scatter_gather_tensors_in_pipeline)
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
+        notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     if moe:
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)

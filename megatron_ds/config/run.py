@@ -64,6 +64,8 @@ class OptimizerSettings:
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
     create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
+    decoupled_lr: float | None = None  # embedding and output layer's peak LR (Megatron-LM); None: --lr
+    decoupled_min_lr: float | None = None  # their floor; None: --min-lr
 
 
 @dataclass(frozen=True)

@@ -303,6 +303,12 @@ class OptimizerConfig:
     cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
     """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
     "zero_force_ds_cpu_optimizer": false)."""
+    decoupled_lr: Optional[float] = None
+    """Megatron-LM's flag: the peak learning rate of the input embedding and the output layer weights
+    (the word embedding, tied or not, and the untied output layer; not the position table), which follow
+    the same warmup and decay as the other parameters between it and --decoupled-min-lr. Default: --lr."""
+    decoupled_min_lr: Optional[float] = None
+    """Megatron-LM's flag: the floor of --decoupled-lr's decay (default --min-lr). Needs --decoupled-lr."""
     # MoE optimizer groups, as megatron/optimizer/__init__.py get_megatron_optimizer makes them
     create_moe_param_group: bool = False
     """Put expert parameters in optimizer groups of their own (deepspeed.moe.utils.

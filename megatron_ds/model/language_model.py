@@ -29,6 +29,7 @@ from torch import nn
 from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.model.norms import build_norm
+from megatron_ds.model.param_groups import EMBEDDING_OR_OUTPUT
 from megatron_ds.model.transformer import hidden_dropout, split_activation
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
@@ -100,6 +101,8 @@ class LanguageModelEmbedding(nn.Module):
         init = init_method_normal(init_method_std)
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp_group=tp_group,
                                                       init_method=init, params_dtype=params_dtype, device=device)
+        # --decoupled-lr's parameter (model/param_groups.py); the tied output layer's copy is this class too
+        setattr(self.word_embeddings.weight, EMBEDDING_OR_OUTPUT, True)
         self.position_embeddings = None
         if max_position_embeddings is not None:
             # Initialized like the tensor parallel layers (fp32 on the CPU generator, then moved), so
@@ -166,6 +169,7 @@ class OutputLayer(nn.Module):
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
             params_dtype=params_dtype, device=device, async_grad_comm=async_grad_comm)
+        setattr(self.output_layer.weight, EMBEDDING_OR_OUTPUT, True)  # --decoupled-lr's (model/param_groups.py)
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _, moe_loss = split_activation(inputs)
