@@ -22,7 +22,8 @@ from megatron_ds.config.run_length import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
-                                           check_precision, check_profile, check_weight_decay, require)
+                                           check_per_token_loss, check_precision, check_profile, check_weight_decay,
+                                           require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
@@ -330,6 +331,8 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
         "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
         "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
+        "--calculate-per-token-loss (the GPT's language-model loss applies it)":
+            bool(flags.training.calculate_per_token_loss),
     }
 
 
@@ -363,6 +366,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
+    check_per_token_loss(t, flags.model, sp)
     check_weight_decay(o)
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)

@@ -396,6 +396,12 @@ class TrainingConfig:
     kill_switch_file: Optional[str] = None
     """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
     exit 0; a run started while it exists exits at once."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's flag: the language-model loss is the sum of the token losses over the loss tokens of
+    the whole global batch (every micro-batch, every data parallel rank) instead of the mean of each
+    micro-batch's own token mean; the gradients and the reported `lm loss` (training and validation) both.
+    Differs from the default where the micro-batches keep different numbers of loss tokens (--eod-mask-loss,
+    masked data). Costs one scalar all-reduce per step. GPT without MoE or DeepSpeed-Ulysses."""
     data_parallel_random_init: bool = False
     """A random seed per data parallel rank (dropout differs across them; initial weights are still
     data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""

@@ -276,6 +276,19 @@ def check_learning_rate(o) -> None:
                               f"layer's LR decays from --decoupled-lr to --decoupled-min-lr, default --min-lr)")
 
 
+def check_per_token_loss(t, m, sp: int) -> None:
+    """--calculate-per-token-loss scales the language-model loss itself (model/token_loss.py); the MoE
+    auxiliary loss added to it and DeepSpeed-Ulysses' shards are not normalised that way here."""
+    if not t.calculate_per_token_loss:
+        return
+    if any(n > 1 for n in (m.num_experts or (1,))):
+        raise ConfigError("--calculate-per-token-loss with --num-experts > 1 is not supported: the MoE auxiliary "
+                          "loss would be scaled by the global batch's token count; drop one of them")
+    if sp > 1:
+        raise ConfigError(f"--calculate-per-token-loss with --ds-sequence-parallel-size {sp} is not supported; "
+                          "drop one of them")
+
+
 def check_activation(m) -> None:
     """One MLP activation. Megatron-DeepSpeed's ParallelMLP takes the first of --openai-gelu, --swiglu,
     --squared-relu (and with --openai-gelu --swiglu builds an MLP whose shapes do not fit), so a second

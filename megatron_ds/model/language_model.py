@@ -225,12 +225,17 @@ def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None,
     ``moe_loss_coeff`` x the layers' summed auxiliary losses (Megatron-DeepSpeed's pretrain_gpt.py
     forward_step and loss_func), reported as "lm loss" and "moe loss" (upstream's log names).
 
+    --calculate-per-token-loss: the report's ``token_scale`` turns the mean into the micro-batch's share
+    of the global batch's token mean (``model/token_loss.py``).
+
     ``z_loss_coeff`` (--use-z-loss: ``Z_LOSS_COEFF``): each token's cross entropy gains that times the
     square of its logits' log-sum-exp over the whole vocabulary (across the tensor parallel ranks), inside
     the mean over ``loss_mask`` and the reported "lm loss", as the fork that defines the flag does.
     """
     output, moe_loss = split_moe_loss(output)
     lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff)
+    if report is not None and report.token_scale is not None:  # --calculate-per-token-loss (model/token_loss.py)
+        lm = report.token_scale.apply(lm, labels_and_mask[1])
     if moe_loss is None:
         return lm
     moe = moe_loss_coeff * moe_loss.sum()
