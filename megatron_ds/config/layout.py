@@ -23,7 +23,8 @@ from megatron_ds.config.run_length import RunSchedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
-                                           check_precision, check_profile, check_weight_decay, require)
+                                           check_per_token_loss, check_precision, check_profile, check_weight_decay,
+                                           require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
@@ -345,6 +346,9 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
             par.ds_sequence_parallel_size > 1,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
         "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
+        "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
+        "--calculate-per-token-loss (the GPT's language-model loss applies it)":
+            bool(flags.training.calculate_per_token_loss),
     }
 
 
@@ -379,6 +383,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
+    check_per_token_loss(t, flags.model, sp)
     check_weight_decay(o)
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
@@ -407,6 +412,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
     notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
+        notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     if moe:
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)

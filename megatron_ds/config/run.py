@@ -40,6 +40,7 @@ class TrainingSettings:
     empty_unused_memory_level: int
     kill_switch_file: str | None  # save and exit when this file exists
     data_parallel_random_init: bool  # a seed per data parallel rank
+    calculate_per_token_loss: bool = False  # the loss is the global batch's token mean (model/token_loss.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class OptimizerSettings:
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
     create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
+    decoupled_lr: float | None = None  # embedding and output layer's peak LR (Megatron-LM); None: --lr
+    decoupled_min_lr: float | None = None  # their floor; None: --min-lr
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,11 @@ class ModelConfig:
     15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
     cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
     --dry-run say which."""
+    use_z_loss: bool = False
+    """PaLM's z-loss, as the Swallow fork of Megatron-LM (okoge-kaz/Megatron-LM) adds it: every loss token's
+    cross entropy gains 1e-4 x log(Z)^2, log Z the log-sum-exp of its logits over the vocabulary (the
+    coefficient is fixed there too, no flag), in training and validation; reported inside `lm loss`, as
+    there. It keeps the softmax normalizer near 1, against logit drift in long bf16 runs. GPT only."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
@@ -306,6 +311,12 @@ class OptimizerConfig:
     cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
     """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
     "zero_force_ds_cpu_optimizer": false)."""
+    decoupled_lr: Optional[float] = None
+    """Megatron-LM's flag: the peak learning rate of the input embedding and the output layer weights
+    (the word embedding, tied or not, and the untied output layer; not the position table), which follow
+    the same warmup and decay as the other parameters between it and --decoupled-min-lr. Default: --lr."""
+    decoupled_min_lr: Optional[float] = None
+    """Megatron-LM's flag: the floor of --decoupled-lr's decay (default --min-lr). Needs --decoupled-lr."""
     # MoE optimizer groups, as megatron/optimizer/__init__.py get_megatron_optimizer makes them
     create_moe_param_group: bool = False
     """Put expert parameters in optimizer groups of their own (deepspeed.moe.utils.
@@ -393,6 +404,12 @@ class TrainingConfig:
     kill_switch_file: Optional[str] = None
     """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
     exit 0; a run started while it exists exits at once."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's flag: the language-model loss is the sum of the token losses over the loss tokens of
+    the whole global batch (every micro-batch, every data parallel rank) instead of the mean of each
+    micro-batch's own token mean; the gradients and the reported `lm loss` (training and validation) both.
+    Differs from the default where the micro-batches keep different numbers of loss tokens (--eod-mask-loss,
+    masked data). Costs one scalar all-reduce per step. GPT without MoE or DeepSpeed-Ulysses."""
     data_parallel_random_init: bool = False
     """A random seed per data parallel rank (dropout differs across them; initial weights are still
     data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""

@@ -22,6 +22,8 @@ from megatron_ds.errors import ConfigError
 _RANGES: tuple = (
     ("optimizer", "lr", 0.0, True, None, False),
     ("optimizer", "min_lr", 0.0, True, None, False),
+    ("optimizer", "decoupled_lr", 0.0, True, None, False),
+    ("optimizer", "decoupled_min_lr", 0.0, True, None, False),
     ("optimizer", "weight_decay", 0.0, True, None, False),
     ("optimizer", "clip_grad", 0.0, True, None, False),
     ("optimizer", "adam_beta1", 0.0, True, 1.0, False),
@@ -267,6 +269,24 @@ def check_learning_rate(o) -> None:
         raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set; choose one")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if o.decoupled_lr is not None:
+        floor, name = (o.min_lr, "--min-lr") if o.decoupled_min_lr is None else (o.decoupled_min_lr, "--decoupled-min-lr")
+        if floor > o.decoupled_lr:
+            raise ConfigError(f"{name} {floor} is above --decoupled-lr {o.decoupled_lr} (the embedding and output "
+                              f"layer's LR decays from --decoupled-lr to --decoupled-min-lr, default --min-lr)")
+
+
+def check_per_token_loss(t, m, sp: int) -> None:
+    """--calculate-per-token-loss scales the language-model loss itself (model/token_loss.py); the MoE
+    auxiliary loss added to it and DeepSpeed-Ulysses' shards are not normalised that way here."""
+    if not t.calculate_per_token_loss:
+        return
+    if any(n > 1 for n in (m.num_experts or (1,))):
+        raise ConfigError("--calculate-per-token-loss with --num-experts > 1 is not supported: the MoE auxiliary "
+                          "loss would be scaled by the global batch's token count; drop one of them")
+    if sp > 1:
+        raise ConfigError(f"--calculate-per-token-loss with --ds-sequence-parallel-size {sp} is not supported; "
+                          "drop one of them")
 
 
 def check_activation(m) -> None:

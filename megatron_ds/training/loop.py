@@ -6,6 +6,8 @@ or --exit-interval, printing Megatron's iteration line every --log-interval iter
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -81,10 +83,41 @@ def _plain_loss(engine, batch, loss_fn):
     return loss_fn(engine(inputs), labels)
 
 
-def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
+def _global_tokens(micro_batches, group, sp: int, device) -> float:
+    """Loss tokens of the global batch: this rank's micro-batches' loss masks (none on a middle pipeline
+    stage, which reads no data) summed over ``group`` (data x sequence parallel ranks; each of a sample's
+    ``sp`` sequence parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
+    local = sum(float(labels[1].float().sum()) for _, labels in micro_batches)
+    total = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    return float(total) / sp
+
+
+@contextlib.contextmanager
+def _per_token(token_scale, engine, data_iter, layout, dp_group):
+    """--calculate-per-token-loss (``model/token_loss.py``): the step's micro-batches read ahead, counted,
+    and the loss scaled for them; yields the iterator to run the step on (the same one without the flag)."""
+    if token_scale is None:
+        yield data_iter
+        return
+    steps = engine.gradient_accumulation_steps()  # changes during a batch-size ramp-up
+    batches = list(itertools.islice(data_iter, steps))
+    tokens = _global_tokens(batches, dp_group, layout.sp, engine.device)
+    with token_scale.scaled(layout.dp * steps, tokens):
+        yield iter(batches)
+
+
+def train_step(engine, data_iter, layout, loss_fn, dp_group, token_scale=None) -> float:
     """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP).
     ``dp_group``: the data parallel ranks, with their DeepSpeed-Ulysses sequence parallel ranks, whose
-    losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged."""
+    losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged.
+    ``token_scale``: --calculate-per-token-loss's (``model/token_loss.py``): the loss is then the global
+    batch's token mean, in the gradients and the value returned."""
+    with _per_token(token_scale, engine, data_iter, layout, dp_group) as it:
+        return _train_step(engine, it, layout, loss_fn, dp_group)
+
+
+def _train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -102,8 +135,22 @@ def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> float:
-    """Mean loss over eval_iters global batches."""
+def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int, token_scale=None) -> float:
+    """Mean loss over eval_iters global batches. --calculate-per-token-loss (``token_scale``): the mean over
+    their loss tokens, as Megatron-LM's evaluate sums the losses and the tokens of every batch."""
+    if token_scale is not None:
+        total = tokens = 0.0
+        for _ in range(eval_iters):
+            batches = list(itertools.islice(data_iter, layout.grad_accum_steps))
+            n = _global_tokens(batches, dp_group, layout.sp, engine.device)
+            with token_scale.scaled(layout.dp * layout.grad_accum_steps, n):
+                total += _evaluate(engine, iter(batches), layout, loss_fn, dp_group, 1) * n
+            tokens += n
+        return total / max(tokens, 1.0)
+    return _evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters)
+
+
+def _evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> float:
     total = 0.0
     if layout.use_pipeline:
         for _ in range(eval_iters):
@@ -194,7 +241,8 @@ class Loop:
                 self.warmup.set_length(plan.seqlen)
             if self.profiler is not None:
                 self.profiler.begin()
-            loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
+            loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group,
+                              self.loss_report.token_scale)
             if self.profiler is not None:
                 self.profiler.end()
             state.iteration += 1
@@ -323,7 +371,8 @@ class Loop:
         if self.warmup is not None:  # evaluation at the full length (megatron/training.py evaluate)
             self.warmup.set_length(layout.model.seq_length)
         with self.loss_report.phase(EVAL):
-            loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
+            loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters,
+                            self.loss_report.token_scale)
         reported, loss = self._reported(loss, EVAL)
         if t.empty_unused_memory_level >= 2 and cuda_runtime():
             torch.cuda.empty_cache()
