@@ -62,6 +62,15 @@ def _memory_file() -> int:
     return fd
 
 
+def _reserve(fd: int, start: int, size: int) -> None:
+    """Grow the memory file by ``size`` bytes at ``start``, its memory taken now: too little memory is an
+    OSError here (ENOMEM, ENOSPC), not a SIGBUS while the tensors are copied into it."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, start, size)
+    else:
+        os.ftruncate(fd, start + size)
+
+
 class Snapshot:
     """The copied state of one rank's checkpoint files: ``files`` [(path, pickled state with storage
     references)], ``storages`` [(offset, bytes)] in the memory file ``fd`` of ``nbytes`` bytes."""
@@ -85,7 +94,7 @@ class Snapshot:
             self.storages.append((offset, storage.nbytes()))
             offset = -(-(offset + storage.nbytes()) // _ALIGN) * _ALIGN
         if offset > start:
-            os.ftruncate(self.fd, offset)
+            _reserve(self.fd, start, offset - start)
             region = mmap.mmap(self.fd, offset - start, offset=start)
             try:
                 for storage, (at, size) in zip(sources, self.storages[first:]):
