@@ -34,6 +34,7 @@ ASYNC = ["--async-save"]  # Megatron-LM's background save (checkpoint/async_save
 LAYOUTS = {"one_process": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
            "pp2_async_save": (2, ["--pipeline-model-parallel-size", "2", *ASYNC])}
 KILLS = 3  # per layout: each launch costs ~7 s of start-up on two busy cores
+HANDED_OVER = re.compile(r"^saving checkpoint at iteration \d+ to \S+ in the background", re.M)
 LOADED = re.compile(r"^loaded checkpoint \S+/global_step(\d+) \(iteration (\d+)\)$", re.M)
 
 
@@ -72,16 +73,24 @@ def _steps(ckpt: Path) -> set:
     return {int(m.group(1)) for d in ckpt.glob("global_step*") if (m := re.fullmatch(r"global_step(\d+)", d.name))}
 
 
-def _kill_at_a_random_moment(job: Job, ckpt: Path, rng: random.Random) -> str:
+def _kill_at_a_random_moment(job: Job, ckpt: Path, rng: random.Random, background: bool = False) -> str:
     """SIGKILL to the job's whole process group: during start-up / loading, during training, or just
     as a new checkpoint folder appears (inside DeepSpeed's writes, the config, the manifest or the
-    tracker update)."""
-    moment = rng.choice(["start-up", "training", "save", "save"])
+    tracker update). ``background`` (--async-save): or within 50 ms of a save's hand-over to the writers
+    (inside their files, or the manifest and tracker written once they answered)."""
+    moment = rng.choice(["start-up", "training", "save", "save"] + (["background"] * 2 if background else []))
     if moment == "start-up":
         time.sleep(rng.uniform(0.5, 6.0))
     elif _training(job):
         if moment == "training":
             time.sleep(rng.uniform(0.0, 0.6))
+        elif moment == "background":
+            handed = len(HANDED_OVER.findall(job.out_path.read_text()))
+            deadline = time.time() + 30
+            while len(HANDED_OVER.findall(job.out_path.read_text())) == handed and job.proc.poll() is None \
+                    and time.time() < deadline:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.05))
         else:
             before = _steps(ckpt)
             deadline = time.time() + 30
@@ -140,7 +149,7 @@ def test_kill_loop_resumes_from_the_newest_complete_step(tmp_path, layout):
     for n in range(KILLS):
         expected = newest_complete(ckpt)
         job = Job(same_command, tmp_path, f"killed{n}")
-        moment = _kill_at_a_random_moment(job, ckpt, rng)
+        moment = _kill_at_a_random_moment(job, ckpt, rng, background=ASYNC[0] in extra)
         _check_segment(job.out_path.read_text(), expected, straight, f"seed {seed}, kill {n} ({moment})")
     expected = newest_complete(ckpt)
     rc, out, err = Job(same_command, tmp_path, "last").finish()
