@@ -18,7 +18,7 @@ from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
 from megatron_ds.config.memory import choose_fused_loss, gpu_memory_bytes
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
-from megatron_ds.config.validation import check_ranges
+from megatron_ds.config.validation import check_async_save, check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
 
 FROM_FLAGS = object()
@@ -135,7 +135,7 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFam
     flags = dataclasses.replace(flags, data=dataclasses.replace(flags.data,
                                                                 tokenizer_type=resolved_tokenizer_type(flags.data)))
     flags, template, notes = megatron_overrides(flags, template)
-    notes = checkpoint_notes + notes
+    notes = checkpoint_notes + notes + check_async_save(flags.checkpoint, template)
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
                                       device_type=device_type, family=family)
     fused, fused_why = choose_fused_loss(layout, gpu_memory or gpu_memory_bytes(flags.gpu_memory_gb))

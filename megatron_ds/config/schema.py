@@ -504,6 +504,15 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
     """Take the model shape, tokenizer type and parallel sizes from the flags the --load checkpoint was
     saved with (as Megatron's load_args_from_checkpoint: sizes fill unset flags, switches and parallel sizes win)."""
+    # Megatron-LM's (megatron/training/arguments.py, core_v0.19.0)
+    async_save: bool = False
+    """Write checkpoints in a background process while training goes on (Megatron-LM's flag): training
+    waits only while the state is copied to host memory; the files, their CRCs and fsync are written in
+    the background, the manifest and tracker once every rank's writer has finished (checked at each
+    iteration, waited for before the next save and at exit). Same guarantees as a synchronous save."""
+    use_persistent_ckpt_worker: bool = False
+    """With --async-save: one background writer process for the whole run instead of one per save
+    (Megatron-LM's flag)."""
 
 
 @dataclass(frozen=True)

@@ -344,3 +344,15 @@ def check_profile(lg) -> None:
     bad = [r for r in lg.profile_ranks or () if not r.isdigit()]
     if bad:
         raise ConfigError(f"--profile-ranks {' '.join(bad)}: expected global rank numbers")
+
+
+def check_async_save(ckpt, template: dict | None) -> list[str]:
+    """--async-save and --use-persistent-ckpt-worker (Megatron-LM's): the notes to print; a DeepSpeed
+    JSON that picks another checkpoint engine (DataStates, itself asynchronous) is refused, since the
+    background save writes through megatron_ds's own."""
+    if ckpt.async_save and (template or {}).get("datastates_ckpt") not in (None, False):
+        raise ConfigError("--async-save writes checkpoints through megatron_ds's background writer; the DeepSpeed "
+                          "JSON's \"datastates_ckpt\" block picks DataStates' checkpoint engine instead: drop one")
+    if ckpt.use_persistent_ckpt_worker and not ckpt.async_save:
+        return ["--use-persistent-ckpt-worker has no effect without --async-save (as in Megatron-LM)"]
+    return []

@@ -212,6 +212,9 @@ class Loop:
     loss_report: LossReport = field(default_factory=LossReport)
     # (state, label, reported means) after each validation line: fine-tuning's per-epoch accuracy (cli/tasks.py)
     after_validation: Callable | None = None
+    # --async-save (checkpoint/async_save.py): called after every iteration with its time in seconds (collective
+    # while a background save is in flight: it finalises the save once written)
+    after_iteration: Callable[[float], None] | None = None
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
 
@@ -235,6 +238,7 @@ class Loop:
         if self.warmup is not None:
             train_iter = self.warmup.cut(train_iter)
         while plan.keep_going(state):
+            began = time.time()
             batch = plan.begin(self.engine, state)
             window.backward_scale = ds_compat.reported_loss_scale(self.engine)  # the step may change it
             if self.warmup is not None:
@@ -255,6 +259,8 @@ class Loop:
                 window = _Window(time.time(), self.engine.skipped_steps)
             # Validation and saving are kept out of the next log line's time per iteration.
             paused = time.time()
+            if self.after_iteration is not None:
+                self.after_iteration(paused - began)
             if self._between_iterations(state, valid_iter):
                 last_saved = state.iteration
             if state.exited_early:

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from megatron_ds.checkpoint.async_save import AsyncSaver
+from megatron_ds.checkpoint.background import PersistentWriter
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ds.checkpoint.format import layout_signature, step_dir
 from megatron_ds.checkpoint.integrity import protect_newer, prune as prune_checkpoints
@@ -35,19 +37,29 @@ def train(run: Run, device, tokenizer, start_time: float, family: ModelFamily, *
     """Join the process group, check --save, then build, resume and train ``family``'s model; the
     state at the end. A rank that never arrives at a collective ends the run in one line naming it.
     ``after_validation``: called after each validation line (``loop.Loop``)."""
-    init_distributed(run.distributed, device)
-    save_lock, watch = _startup_checks(run)
+    ckpt = run.checkpoint
+    # forked before the process group and the model exist: it holds a copy of nothing they allocate
+    writer = PersistentWriter() if ckpt.save and ckpt.async_save and ckpt.use_persistent_ckpt_worker else None
     try:
-        return _train(run, device, tokenizer, start_time, watch, family, after_validation)
-    except TrainingStopped:
-        raise
-    except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
-        if not is_collective_failure(exc):
+        init_distributed(run.distributed, device)
+        save_lock, watch = _startup_checks(run)
+        try:
+            return _train(run, device, tokenizer, start_time, watch, family, after_validation, writer)
+        except TrainingStopped:
             raise
-        raise TrainingStopped(watch.describe(exc, "set-up, checkpoint loading or validation")) from None
+        except RuntimeError as exc:  # a rank missing outside the loop (engine set-up, loading, validation)
+            if not is_collective_failure(exc):
+                raise
+            raise TrainingStopped(watch.describe(exc, "set-up, checkpoint loading or validation")) from None
+        finally:
+            if writer is not None:  # before the lock goes: no writer of this job outlives it
+                writer.close()
+                writer = None
+            if save_lock is not None:
+                save_lock.release()
     finally:
-        if save_lock is not None:
-            save_lock.release()
+        if writer is not None:
+            writer.close()
 
 
 def _startup_checks(run: Run):
@@ -61,7 +73,7 @@ def _startup_checks(run: Run):
 
 
 def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelFamily,
-           after_validation=None) -> TrainState:
+           after_validation=None, writer: PersistentWriter | None = None) -> TrainState:
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
@@ -72,16 +84,23 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     training = not run.training.skip_train and state.iteration < layout.train_iters
     train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, family, training=training)
     tb = _scalar_writers(run)
+    background = AsyncSaver(rt.engine, run.checkpoint.save, family=family, device=device, persistent=writer,
+                            room=_room(run, signature), log=print_rank0) \
+        if run.checkpoint.save and run.checkpoint.async_save else None
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family)
+            save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family, background)
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report,
                         after_validation=after_validation,
-                        profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type))
+                        profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type),
+                        after_iteration=background.after_iteration if background is not None else None)
             if training:
                 state = _train_loop(loop, state, train_iter, valid_iter, watch)
+            if background is not None:  # the last save, and a stop's, complete before the run goes on or exits
+                _finish_saves(background, state, watch)
+                prune(state)  # --keep-last, now that the last checkpoint is complete (as after a synchronous one)
             # A job stopped early (walltime, --exit-interval) exits right after its save, as Megatron
             # does: the final passes would eat the margin left before the scheduler kills it.
             if not state.exited_early and run.training.eval_iters:
@@ -91,7 +110,19 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
         stop_signals.raise_if_interrupted()  # a Ctrl-C stop saved as above, then exits 130 (signals.py)
     finally:
         tb.close()
+        if background is not None:
+            background.close()
     return state
+
+
+def _finish_saves(background: AsyncSaver, state: TrainState, watch) -> None:
+    why = "before exiting" if state.exited_early else "at the end of training"
+    try:
+        background.wait(why)
+    except RuntimeError as exc:
+        if not is_collective_failure(exc):
+            raise
+        raise TrainingStopped(watch.describe(exc, f"finishing the background save {why}")) from None
 
 
 def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> TrainState:
@@ -182,9 +213,16 @@ def _own_rng_state(saved, dp_rank: int, per_rank: bool) -> dict:
     return saved[dp_rank if per_rank and dp_rank < len(saved) else 0]
 
 
-def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: ModelFamily):
+def _room(run: Run, signature: dict):
+    """The room one checkpoint needs, named in the line of a failed save (rank 0)."""
+    return lambda: checkpoint_room(run.layout, signature, (run.checkpoint.save, run.checkpoint.load))[0]
+
+
+def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: ModelFamily,
+           background: AsyncSaver | None = None):
     """The loop's save and prune functions: DeepSpeed's checkpoint with the run's counters, RNG states
-    and record; --keep-last's deletions once the newest checkpoint's weights gave a finite loss."""
+    and record (written by ``background`` under --async-save); --keep-last's deletions once the newest
+    checkpoint's weights gave a finite loss."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
@@ -194,20 +232,26 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: Model
     rank0 = torch.distributed.get_rank() == 0
     unpruned = []  # the iteration saved last, until prune() has run for it
 
-    def room() -> int:  # the room one checkpoint needs, named in the line of a failed save (rank 0)
-        return checkpoint_room(run.layout, signature, (ckpt.save, ckpt.load))[0]
-
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
                   "consumed_train_tokens": st.consumed_train_tokens,
                   "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
         if ckpt.save_rng:
             client["rng"] = _rng_states(run, dp_group)
-        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, loss=st.last_loss, room=room,
-                        family=family, log=print_rank0)
-        st.last_checkpoint, st.finite_since_checkpoint = step_dir(ckpt.save, st.iteration), False
-        unpruned[:] = [st.iteration]
+        if background is not None:
+            background.save(st.iteration, client_state=client, meta=meta, loss=st.last_loss,
+                            on_complete=lambda iteration: complete(st, iteration))
+            return
+        save_checkpoint(engine, ckpt.save, st.iteration, client_state=client, meta=meta, loss=st.last_loss,
+                        room=_room(run, signature), family=family, log=print_rank0)
+        complete(st, st.iteration)
         print_rank0(f"saved checkpoint at iteration {st.iteration} to {ckpt.save}")
+
+    def complete(st: TrainState, iteration: int) -> None:
+        """Checkpoint ``iteration`` is complete (a background one: some iterations later)."""
+        st.last_checkpoint = step_dir(ckpt.save, iteration)
+        st.finite_since_checkpoint = bool(st.history) and st.history[-1][0] > iteration
+        unpruned[:] = [iteration]
 
     def prune(st: TrainState) -> None:
         if unpruned and ckpt.keep_last and rank0:
