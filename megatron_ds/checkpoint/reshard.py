@@ -144,7 +144,7 @@ def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log
         return {}
     state = load_file(ckpt.mp_file(0))
     client = {k: state[k] for k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
-                                    "nan_iterations") if k in state}
+                                    "nan_iterations", "num_floating_point_operations_so_far") if k in state}
     if (ckpt.tp, ckpt.pp) == (ps.tp_size, ps.pp_size):
         mine = load_file(ckpt.mp_file(ps.pp_rank * ps.tp_size + ps.tp_rank))
         if mine.get("rng") is not None:

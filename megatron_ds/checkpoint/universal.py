@@ -323,7 +323,7 @@ def _client_state(uc: UniversalCheckpoint, engine, ps, *, load_lr_state: bool, l
     client = {"iteration": int(st.get("iteration", 0))}
     if uc.ours:
         client.update({k: st[k] for k in ("consumed_train_samples", "consumed_train_tokens", "consumed_valid_samples",
-                                          "nan_iterations") if k in st})
+                                          "nan_iterations", "num_floating_point_operations_so_far") if k in st})
         saved = uc.info[SIGNATURE_KEY]
         if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) == (ps.tp_size, ps.pp_size):
             mine = _load(os.path.join(uc.path, f"mp_rank_{ps.pp_rank * ps.tp_size + ps.tp_rank:02d}_model_states.pt"))

@@ -40,6 +40,9 @@ class TrainingSettings:
     empty_unused_memory_level: int
     kill_switch_file: str | None  # save and exit when this file exists
     data_parallel_random_init: bool  # a seed per data parallel rank
+    manual_gc: bool  # Python's garbage collection by hand, at the same points on every rank
+    manual_gc_interval: int
+    manual_gc_eval: bool
     calculate_per_token_loss: bool = False  # the loss is the global batch's token mean (model/token_loss.py)
 
 

@@ -413,6 +413,18 @@ class TrainingConfig:
     data_parallel_random_init: bool = False
     """A random seed per data parallel rank (dropout differs across them; initial weights are still
     data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""
+    # Megatron-LM's garbage-collection switches (megatron/training/config/training_config.py TrainingConfig;
+    # megatron/training/training.py train() and post_training_step_callbacks)
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off for training and collect by hand, at the same points
+    on every rank (a collection on one rank stalls the others at the next collective): once before the
+    first iteration, every --manual-gc-interval iterations, and around each validation (Megatron-LM's flag)."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: run gc.collect() after every this many training iterations (0: never between
+    iterations, only before training and around validation)."""
+    manual_gc_eval: bool = meta(True, flags=("--no-manual-gc-eval", "--disable-manual-gc-eval"), invert=True)
+    """With --manual-gc: no collection around validation (by default a full one before each validation
+    during training and a young-generation one after it)."""
 
 
 @dataclass(frozen=True)
@@ -554,6 +566,31 @@ class LoggingConfig:
     """Weights & Biases entity (user or team)."""
     wandb_save_dir: Optional[str] = None
     """Directory for W&B's local run files (default: ./wandb)."""
+    # Megatron-LM's logging flags (megatron/training/config/training_config.py LoggerConfig, read by
+    # megatron/training/training.py training_log and save_checkpoint_and_time, initialize.py setup_logging)
+    log_throughput: bool = False
+    """Add Megatron-LM's `throughput per GPU (TFLOP/s/GPU): X |` to the iteration line, after the time per
+    iteration (model FLOPs of the iteration / its time / GPUs, the value of the line's `TFLOP/s per GPU`)."""
+    log_progress: bool = False
+    """Append Megatron-LM's progress log to --save/progress.txt: a `Starting job` line per job and, after each
+    checkpoint, the job's and the cumulative TFLOP/s per GPU, the model FLOPs and tokens trained so far."""
+    logging_level: Optional[int] = None
+    """Level of Python's logging (10 DEBUG, 20 INFO, 30 WARNING, ...) for the root logger and megatron_ds's
+    loggers, whose records go to stdout (INFO and below) and stderr (default 20, or the environment
+    variable MEGATRON_LOGGING_LEVEL, as Megatron-LM)."""
+    # Megatron-LM's straggler detector (megatron/training/config/resilience_config.py
+    # StragglerDetectionConfig; megatron/core/utils.py StragglerDetector)
+    log_straggler: bool = False
+    """Every --log-interval iterations, rank 0 logs the ranks with the shortest and longest forward time
+    per iteration and the lowest and highest estimated TFLOP/s (Megatron-LM's straggler report)."""
+    disable_straggler_on_startup: bool = False
+    """With --log-straggler: start with the report off; a connection to --straggler-ctrlr-port turns it on."""
+    straggler_ctrlr_port: int = 65535
+    """With --log-straggler: rank 0 listens on this TCP port; each connection (`curl HOST:PORT`) switches
+    the report on or off at the next --log-interval."""
+    straggler_minmax_count: int = 1
+    """With --log-straggler: above 1 (and below the world size), also list this many ranks with the lowest
+    and the highest estimated TFLOP/s."""
 
 
 @dataclass(frozen=True)

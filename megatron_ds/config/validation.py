@@ -82,6 +82,9 @@ _RANGES: tuple = (
     ("checkpoint", "keep_last", 1, True, None, False),
     ("checkpoint", "ckpt_step", 0, True, None, False),
     ("logging", "log_interval", 1, True, None, False),
+    ("logging", "straggler_minmax_count", 1, True, None, False),
+    ("logging", "straggler_ctrlr_port", 0, True, 65535, True),
+    ("training", "manual_gc_interval", 0, True, None, False),
     # BERT / T5 data
     ("masked_lm", "mask_prob", 0.0, True, 1.0, True),
     ("masked_lm", "short_seq_prob", 0.0, True, 1.0, True),

@@ -25,9 +25,12 @@ from megatron_ds.model.loss_report import EVAL, LossReport
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
+from megatron_ds.training.manual_gc import ManualGC
 from megatron_ds.training.profiler import StepProfiler
+from megatron_ds.training.progress_log import ProgressLog
 from megatron_ds.training.seqlen_warmup import SeqlenWarmup
 from megatron_ds.training.signals import StopSignals, agreed_stop
+from megatron_ds.training.straggler import StragglerDetector
 
 
 @dataclass
@@ -38,6 +41,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
+    # model FLOPs of every iteration trained so far, across resumes (upstream's num_floating_point_operations_so_far)
+    floating_point_operations_so_far: float = 0.0
     last_loss: float | None = None  # the loss of the latest iteration (NaN/inf too), saved with a checkpoint
     last_checkpoint: str | None = None  # the checkpoint this run loaded or saved last
     finite_since_checkpoint: bool = False  # a finite loss came after last_checkpoint (its weights gave one)
@@ -215,8 +220,12 @@ class Loop:
     # --async-save (checkpoint/async_save.py): called after every iteration with its time in seconds (collective
     # while a background save is in flight: it finalises the save once written)
     after_iteration: Callable[[float], None] | None = None
+    progress: ProgressLog | None = None  # --log-progress: a progress.txt line after each save
+    manual_gc: ManualGC = field(default_factory=lambda: ManualGC(False, 0, False))  # --manual-gc
+    straggler: StragglerDetector | None = None  # --log-straggler: reported every --log-interval iterations
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
+    flops_since_report: float = field(init=False, default=0.0)  # the straggler report's FLOPs
 
     def __post_init__(self):
         layout = self.run.layout
@@ -226,6 +235,11 @@ class Loop:
     def _flops(self, seq_length: int) -> float:
         """Model FLOPs of one iteration at ``seq_length``: the model family's count (``ModelFamily.flops``)."""
         return self.run.layout.family.flops(self.run.layout, seq_length)
+
+    def _iteration_flops(self, batch: int, seqlen: int) -> float:
+        """Model FLOPs of an iteration of ``batch`` samples (a ramp-up's) of ``seqlen`` tokens (a warm-up's)."""
+        flops = self.flops if seqlen == self.run.layout.model.seq_length else self._flops(seqlen)
+        return flops * batch / self.run.layout.global_batch_size
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""
@@ -237,6 +251,7 @@ class Loop:
             return state
         if self.warmup is not None:
             train_iter = self.warmup.cut(train_iter)
+        self.manual_gc.start()
         while plan.keep_going(state):
             began = time.time()
             batch = plan.begin(self.engine, state)
@@ -251,7 +266,7 @@ class Loop:
                 self.profiler.end()
             state.iteration += 1
             plan.end(state, batch)
-            self._account(state, loss, window)
+            self._account(state, loss, window, self._iteration_flops(batch, plan.seqlen))
             if self.prune is not None and math.isfinite(loss):
                 self.prune(state)
             if state.iteration % self.run.logging.log_interval == 0 or not plan.keep_going(state):
@@ -263,6 +278,7 @@ class Loop:
                 self.after_iteration(paused - began)
             if self._between_iterations(state, valid_iter):
                 last_saved = state.iteration
+            self._after_step(state)
             if state.exited_early:
                 break
             window.start += time.time() - paused
@@ -281,10 +297,20 @@ class Loop:
         print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
         return True
 
-    def _account(self, state: TrainState, loss: float, window: _Window) -> None:
-        """Count the iteration's loss; too many NaN/inf losses in a row stop the run."""
+    def _after_step(self, state: TrainState) -> None:
+        """Megatron-LM's post_training_step_callbacks (megatron/training/training.py), in its order: the
+        straggler report every --log-interval iterations, then the --manual-gc-interval collection."""
+        if self.straggler is not None and state.iteration % self.run.logging.log_interval == 0:
+            self.straggler.report(self.flops_since_report, self.run.logging.log_interval)
+            self.flops_since_report = 0.0
+        self.manual_gc.after_step(state.iteration)
+
+    def _account(self, state: TrainState, loss: float, window: _Window, flops: float) -> None:
+        """Count the iteration's loss and FLOPs; too many NaN/inf losses in a row stop the run."""
         if self.run.training.empty_unused_memory_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
+        state.floating_point_operations_so_far += flops
+        self.flops_since_report += flops
         window.iterations += 1
         state.last_loss = loss
         if math.isfinite(loss):
@@ -307,6 +333,8 @@ class Loop:
             self.save(state)
         except NonFiniteState as exc:
             raise TrainingStopped(diverged(state, f"training diverged: {exc}")) from None
+        if self.progress is not None:  # upstream: save_checkpoint_and_time, after the save
+            self.progress.saved(state.iteration, state.floating_point_operations_so_far, state.consumed_train_tokens)
 
     def _log(self, state: TrainState, window: _Window, batch: int, seqlen: int) -> None:
         """Megatron's iteration line for the window, and the same scalars to TensorBoard / W&B."""
@@ -319,7 +347,8 @@ class Loop:
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
         reported, mean_loss = self._reported(mean_loss)
-        flops = self.flops if seqlen == layout.model.seq_length else self._flops(seqlen)  # warm-up: shorter
+        # model TFLOP/s per GPU (upstream's "throughput", megatron/training/training.py training_log)
+        tflops = self._iteration_flops(batch, seqlen) / elapsed / layout.world_size / 1e12
         mlog.print_last_rank(mlog.iteration_line(
             iteration=state.iteration, train_iters=layout.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -328,14 +357,15 @@ class Loop:
             grad_norm=grad_norm, skipped=engine.skipped_steps - window.skipped_before, nans=window.nans,
             samples_per_s=batch / elapsed,
             tokens_per_s_per_gpu=batch * seqlen / elapsed / layout.world_size,
-            tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
-            mem_gb=mlog.peak_memory_gb(self.device),
+            tflops_per_gpu=tflops, mem_gb=mlog.peak_memory_gb(self.device),
             eta_s=elapsed * (layout.train_iters - state.iteration),
-            curriculum_seqlen=seqlen if layout.curriculum else None, reported=reported))
+            curriculum_seqlen=seqlen if layout.curriculum else None, reported=reported,
+            throughput_tflops=tflops if lg.log_throughput else None))
         self.tb.scalars(state.iteration, {**reported,
             "lm loss": mean_loss, "learning-rate": lr if lg.log_learning_rate_to_tensorboard else None,
             "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
+            "throughput": tflops if lg.log_throughput and lg.log_timers_to_tensorboard else None,  # upstream's tag
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
             "loss-scale": ds_compat.reported_loss_scale(engine),
@@ -355,7 +385,9 @@ class Loop:
         (signals.agreed_stop). Returns whether a checkpoint was saved."""
         t, ckpt = self.run.training, self.run.checkpoint
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
+            self.manual_gc.before_eval()
             self.validate(state, valid_iter, f"iteration {state.iteration}")
+            self.manual_gc.after_eval()
         saving_due = ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0
         stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device,
                            t.kill_switch_file)

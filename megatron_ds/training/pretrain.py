@@ -34,6 +34,7 @@ from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files
 from megatron_ds.training.initialize import discover_world
+from megatron_ds.training.log import configure_logging
 from megatron_ds.training.loop import TrainState
 from megatron_ds.training.signals import exit_at_next_interrupt
 
@@ -105,6 +106,7 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily) -> TrainSta
     from megatron_ds.training.trainer import train  # noqa: PLC0415
 
     start_time = time.time()
+    configure_logging(flags.logging.logging_level)  # --logging-level, before the first record
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)

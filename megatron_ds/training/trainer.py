@@ -26,9 +26,12 @@ from megatron_ds.training.data import build_loader, check_train_length, samples_
 from megatron_ds.training.engine import build_engine, log_startup
 from megatron_ds.training.initialize import init_distributed
 from megatron_ds.training.loop import Loop, TrainState
+from megatron_ds.training.manual_gc import ManualGC
 from megatron_ds.training.profiler import step_profiler
+from megatron_ds.training.progress_log import ProgressLog
 from megatron_ds.training.signals import StopSignals
 from megatron_ds.training.startup_checks import prepare_save_dir, startup_barrier
+from megatron_ds.training.straggler import StragglerDetector
 from megatron_ds.training.wandb_log import ScalarWriters, WandB
 
 
@@ -76,24 +79,31 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
            after_validation=None, writer: PersistentWriter | None = None) -> TrainState:
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
+    progress = _progress_log(run, start_time)
     ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
     rt = build_engine(run, ps, device, family.eod_token(tokenizer), family=family)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
     state = _resume(run, rt.engine, ps, signature, family, _tokenizer_record(run, tokenizer, family))
+    if progress is not None:
+        progress.job_start_flops = state.floating_point_operations_so_far
     training = not run.training.skip_train and state.iteration < layout.train_iters
     train_iter, valid_iter, test_iter = _data_iterators(run, ps, tokenizer, state, family, training=training)
     tb = _scalar_writers(run)
     background = AsyncSaver(rt.engine, run.checkpoint.save, family=family, device=device, persistent=writer,
                             room=_room(run, signature), log=print_rank0) \
         if run.checkpoint.save and run.checkpoint.async_save else None
+    t = run.training
+    manual_gc = ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
+    straggler = _straggler_detector(run, rt.engine, device) if training else None
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
             save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family, background)
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report,
-                        after_validation=after_validation,
+                        after_validation=after_validation, progress=progress, manual_gc=manual_gc,
+                        straggler=straggler,
                         profiler=step_profiler(run.logging, torch.distributed.get_rank(), device.type),
                         after_iteration=background.after_iteration if background is not None else None)
             if training:
@@ -112,6 +122,9 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
         tb.close()
         if background is not None:
             background.close()
+        manual_gc.restore()
+        if straggler is not None:
+            straggler.close()
     return state
 
 
@@ -123,6 +136,26 @@ def _finish_saves(background: AsyncSaver, state: TrainState, watch) -> None:
         if not is_collective_failure(exc):
             raise
         raise TrainingStopped(watch.describe(exc, f"finishing the background save {why}")) from None
+
+
+def _progress_log(run: Run, start_time: float) -> ProgressLog | None:
+    """--log-progress with --save: progress.txt's "Starting job" line, written once the ranks have joined
+    (upstream: pretrain, right after initialize_megatron)."""
+    if not (run.logging.log_progress and run.checkpoint.save):
+        return None
+    progress = ProgressLog(run.checkpoint.save, run.layout.world_size, start_time)
+    progress.start_job()
+    return progress
+
+
+def _straggler_detector(run: Run, engine, device) -> StragglerDetector | None:
+    """--log-straggler: the timer on the engine's module (what every engine and executor calls per
+    micro-batch), the controller on rank 0."""
+    lg = run.logging
+    if not lg.log_straggler:
+        return None
+    return StragglerDetector(engine.module, device, minmax_count=lg.straggler_minmax_count,
+                             enabled=not lg.disable_straggler_on_startup, port=lg.straggler_ctrlr_port)
 
 
 def _train_loop(loop, state: TrainState, train_iter, valid_iter, watch) -> TrainState:
@@ -158,6 +191,8 @@ def _resume(run: Run, engine, ps, signature: dict, family: ModelFamily, vocab: d
                                                      state.consumed_train_samples * layout.model.seq_length)
             state.consumed_valid_samples = client.get("consumed_valid_samples", 0)
             state.nan_iterations = client.get("nan_iterations", 0)
+            # 0 for a checkpoint without the count, as upstream's load_checkpoint
+            state.floating_point_operations_so_far = client.get("num_floating_point_operations_so_far", 0.0)
         if client.get("rng") is not None and ckpt.load_rng and not ckpt.finetune:
             set_rng_state(_own_rng_state(client["rng"], ps.dp_rank, run.training.data_parallel_random_init))
     if ckpt.save:
@@ -235,7 +270,8 @@ def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: Model
     def save(st: TrainState) -> None:
         client = {"iteration": st.iteration, "consumed_train_samples": st.consumed_train_samples,
                   "consumed_train_tokens": st.consumed_train_tokens,
-                  "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations}
+                  "consumed_valid_samples": st.consumed_valid_samples, "nan_iterations": st.nan_iterations,
+                  "num_floating_point_operations_so_far": st.floating_point_operations_so_far}
         if ckpt.save_rng:
             client["rng"] = _rng_states(run, dp_group)
         if background is not None:
