@@ -19,7 +19,7 @@ from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
-from megatron_ds.config.run_length import RunSchedule, resolve_iterations
+from megatron_ds.config.run_length import RunSchedule, StepSchedule, parse_step_schedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
@@ -169,7 +169,9 @@ class Layout:
                          f"{', split over TP' if m.enable_expert_tensor_parallelism and self.tp > 1 else ''})")
             lines[3] += f", {self.active_params / 1e6:,.1f}M active per token"
         r = self.schedule
-        if r.rampup is not None:
+        if isinstance(r.rampup, StepSchedule):
+            lines.insert(2, r.rampup.describe(r.seq_length))
+        elif r.rampup is not None:
             lines.insert(2, f"batch ramp-up: global {r.rampup.start} + {r.rampup.increment} every "
                             f"{r.rampup.samples_per_increment:,.0f} samples up to {r.rampup.final} after "
                             f"{r.rampup.samples:,} samples")
@@ -365,6 +367,11 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
+    if t.step_batch_size_schedule:  # its last batch size is the run's (Megatron-LM refuses both flags too)
+        if t.global_batch_size is not None:
+            raise ConfigError("--step-batch-size-schedule and --global-batch-size are both set (Megatron-LM's "
+                              "validate_args refuses the pair too); drop --global-batch-size")
+        global_batch = parse_step_schedule(t.step_batch_size_schedule, m.seq_length, micro * dp).final
     check_divisible(global_batch, micro * dp,
                     f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
                     f"{micro} x DP {dp} = {micro * dp}; use a multiple of {micro * dp}")

@@ -321,8 +321,9 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'moments',
       '--use-precision-aware-optimizer'),
     (REFUSED,
-      'batch-size schedules are not supported that way; use --rampup-batch-size START INCREMENT SAMPLES',
-      '--step-batch-size-schedule= --decrease-batch-size-if-needed'),
+      "decreasing the batch size to fit the data parallel size is not supported; give a --global-batch-size "
+      "that --micro-batch-size x DP divides",
+      '--decrease-batch-size-if-needed'),
     (REFUSED,
       'skipping iterations is not supported; a non-finite loss stops every rank (docs/failures.md)',
       '--iterations-to-skip=+'),

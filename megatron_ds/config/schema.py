@@ -332,6 +332,10 @@ class TrainingConfig:
     rampup_batch_size: Optional[list] = meta(None, nargs="*")
     """Batch-size ramp-up `START INCREMENT SAMPLES`: start at global batch START and grow by INCREMENT
     in equal sample intervals until --global-batch-size is reached after SAMPLES samples (Megatron)."""
+    step_batch_size_schedule: Optional[list] = meta(None, nargs="+")
+    """Megatron-LM: a step-wise global batch size, `THRESHOLD:BATCH ...` (thresholds in tokens, suffixes K M
+    B T; the first 0): each batch size from the step at which that many tokens were consumed. Instead of
+    --global-batch-size (the last batch size is the run's). Given quoted or split into words alike."""
     train_iters: Optional[int] = None
     """Optimizer steps to train for."""
     train_samples: Optional[int] = None

@@ -66,7 +66,8 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
         "--exp-avg-sq-dtype", "--error-injection-rate", "--recompute-modules",
         # fields of megatron_ds's own, passed at their default
         "--norm-epsilon", "--position-embedding-type", "--relative-attention-num-buckets",
-        "--relative-attention-max-distance", "--rotary-base", "--profile-step-start", "--profile-step-end"}] == []
+        "--relative-attention-max-distance", "--rotary-base", "--profile-step-start", "--profile-step-end",
+        "--straggler-ctrlr-port", "--straggler-minmax-count"}] == []
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -111,14 +112,14 @@ def test_dialect_is_read_from_the_command_line():
 
 
 def test_distributed_optimizer_is_zero_1_on_a_megatron_lm_command_line():
-    run = make("--use-distributed-optimizer", world=2)
+    run = make("--use-distributed-optimizer")
     assert run.layout.zero_stage == 1 and run.layout.ds_config["zero_optimization"]["stage"] == 1
     assert any("ZeRO stage 1: --use-distributed-optimizer" in n for n in run.notes)
     assert make("--use-distributed-optimizer", "--zero-stage", "2", world=2).layout.zero_stage == 2
     with pytest.raises(ConfigError, match="shards as ZeRO stage 1, but --zero-stage / the DeepSpeed JSON says 0"):
-        make("--use-distributed-optimizer", "--zero-stage", "0", world=2)
+        make("--use-distributed-optimizer", "--zero-stage", "0")
     # Megatron-DeepSpeed's DeepSpeed path never builds Megatron's distributed optimizer: the JSON decides
-    run = make("--use-distributed-optimizer", "--deepspeed", world=2)
+    run = make("--use-distributed-optimizer", "--deepspeed")
     assert run.layout.zero_stage == 0
     assert any("not read on a Megatron-DeepSpeed command line" in n for n in run.notes)
 
@@ -143,7 +144,7 @@ def test_megatron_fsdp_is_the_zero_stage_of_its_sharding(strategy, stage):
 
 def test_sharding_strategy_alone_is_refused():
     with pytest.raises(ConfigError, match="is read only with --use-megatron-fsdp"):
-        make("--data-parallel-sharding-strategy", "optim", world=2)
+        make("--data-parallel-sharding-strategy", "optim")
 
 
 def table() -> dict[str, int]:
@@ -154,3 +155,34 @@ def table() -> dict[str, int]:
 if __name__ == "__main__":
     for name, count in table().items():
         print(f"{name:30s} {count}")
+
+
+def by_samples(*extra, world=2):
+    """make() of a --train-samples 100 run (BASE counts iterations)."""
+    cfg, _ = parse_args([a for a in BASE if a not in ("--train-iters", "10")] + ["--train-samples", "100", *extra])
+    return resolve(cfg, world_size=world, vocab_size=1000, ds_template=None, device_type="cpu", family=GPT)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--global-batch-size", "8"], "--step-batch-size-schedule and --global-batch-size are both set"),
+    (["--rampup-batch-size", "2", "2", "64"], "both set the batch size"),
+])
+def test_step_batch_size_schedule_refuses_what_upstream_refuses(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        by_samples("--step-batch-size-schedule", "0:4 2K:8", *extra)
+
+
+@pytest.mark.parametrize("schedule,match", [
+    ("64:4 2K:8", "must start at 0"), ("0:4 0:8", "increase strictly"), ("0:4 2K", "is not THRESHOLD:BATCH_SIZE"),
+    ("0:6", "not positive multiples of --micro-batch-size x DP = 4"),
+])
+def test_step_batch_size_schedule_checks(schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        by_samples("--step-batch-size-schedule", schedule)
+
+
+def test_step_batch_size_schedule_resolves_to_its_last_size():
+    # 2K tokens at seq 32 = 62 samples: 16 steps of 4 (to 64 samples), then 8s while consumed < 100: 5 more
+    run = by_samples("--step-batch-size-schedule", "0:4", "2K:8")
+    assert run.layout.global_batch_size == 8 and run.layout.train_iters == 21
+    assert "batch size by step: 4 from 0 tokens, 8 from 1,984 tokens" in run.describe()
