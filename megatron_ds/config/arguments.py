@@ -23,7 +23,6 @@ import textwrap
 import typing
 from functools import lru_cache
 
-from megatron_ds.config.fp8_flags import TRANSFORMER_ENGINE_REFUSAL
 from megatron_ds.config.megatron_lm_flags import MEGATRON_LM_IGNORED, MEGATRON_LM_REFUSED
 from megatron_ds.config.megatron_lm_flags import VALUES as MEGATRON_LM_VALUES
 from megatron_ds.config.schema import SECTIONS, Config
@@ -179,9 +178,6 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
-    # megatron/arguments.py: --transformer-impl transformer_engine swaps in Transformer Engine's layers
-    # (delayed-scaling FP8); our layers are our own, their FP8 GEMMs torchao's (config/fp8_flags.py)
-    "--transformer-impl": ("?", "local", TRANSFORMER_ENGINE_REFUSAL),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),

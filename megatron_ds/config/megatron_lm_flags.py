@@ -478,6 +478,13 @@ MEGATRON_LM_REFUSED = _flags(REFUSED)
 # flag -> (argparse nargs, the values accepted, what an accepted value means here (None: nothing to say), why
 # another value is refused and what to use instead): flags whose upstream default is what megatron_ds does
 VALUES: dict[str, tuple[int | str, tuple[str, ...], str | None, str]] = {
+    # Megatron-LM's default is transformer_engine (Megatron-DeepSpeed's local): Transformer Engine's layers compute
+    # the same transformer as Megatron's own; FP8, where asked, follows --fp8-format / --fp8-recipe (docs/fp8.md)
+    "--transformer-impl": (1, ("local", "transformer_engine"),
+                           "megatron_ds's own layers run, which compute what Transformer Engine's and Megatron's "
+                           "local ones do; FP8 follows --fp8-format / --fp8-recipe (docs/fp8.md)",
+                           "the inference-optimized layers are Megatron-LM's inference engine's; train with local "
+                           "or transformer_engine"),
     "--context-parallel-size": (1, ("1",), None, "context parallelism is not supported yet; use "
                                                  "--ds-sequence-parallel-size N (DeepSpeed-Ulysses)"),
     "--expert-model-parallel-size": (1, ("1",), None, "Megatron-LM's MoE is not supported yet; use Megatron-DeepSpeed's "

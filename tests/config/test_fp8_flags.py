@@ -68,7 +68,6 @@ def test_dry_run_states_recipe_layers_and_memory(capsys):
     (("--fp8-hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"), "a history of 1"),
     (("--fp8-e4m3", "--fp8-hybrid"), "choose one"),
     (("--fp8-format", "e4m3", "--fp8-hybrid"), "pass one of them"),
-    (("--fp8-hybrid", "--transformer-impl", "transformer_engine"), "--transformer-impl local with --fp8-hybrid"),
 ])
 def test_unavailable_recipes_are_refused_in_one_line(capsys, flags, says):
     rc, _, err = _dry_run(capsys, *flags)
