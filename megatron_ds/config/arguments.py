@@ -410,6 +410,9 @@ def parse_args_with(argv=None, prog: str = "pretrain_gpt.py",
     extra_args_provider=...)``: ``extra_args_provider(parser)`` adds them and returns their dests,
     which come back apart as a Namespace (one parser: a typo of either kind gets the same one-line error)."""
     parser = build_parser(prog)
+    # an entry point's own flag wins over a Megatron-LM flag of the same name answered for pretraining
+    # (tasks/main.py's --pretrained-checkpoint, Megatron's finetuning flag, is refused for pretrain_gpt.py)
+    parser.conflict_handler = "resolve"
     extra_dests = extra_args_provider(parser) if extra_args_provider is not None else ()
     ns = vars(parser.parse_args(argv))
     extra = argparse.Namespace(**{dest: ns.pop(dest) for dest in extra_dests})
