@@ -1,0 +1,83 @@
+"""FP8 delayed scaling in training (CPU: torchao's emulation of the FP8 GEMMs), with the real entry point.
+
+A Megatron-LM command line (no --deepspeed) with --fp8-format hybrid and no --fp8-recipe runs delayed
+scaling, Megatron-LM's default; a history of 8 amaxes with ``max`` (longer than the 6 steps: after step 6
+the history holds the amax of every step, slots 2..7 = steps 1..6). The state is per layer, module buffers:
+
+- resumed at TP 2 from the step-3 checkpoint, the run continues bitwise: the same losses, the same
+  step-6 amax histories and scales (nothing else decides the casts);
+- resumed at TP 1 (resharded), the histories' entries of steps 1-3 come from the checkpoint and must be
+  the TP 2 run's bitwise (slots 2-4 after step 6); the later entries and the losses are recomputed at
+  another layout, equal within the TP-resharding tolerance of tests/checkpoint/test_reshard.py for the
+  losses (2e-5 relative), and 1e-4 relative for the amaxes (an amax is one operand element: a GEMM output
+  reduced in another order, then rounded through FP8 casts of the next layer, moves by a few fp32 ulps);
+  a lost history would have zeros there, and scale 1 at step 4.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.checkpoint.common import layout_flags
+from tests.distributed import run_distributed
+from tests.training.common import TINY_GPT, train_losses
+from megatron_ds.families.gpt.gpt_family import GPT
+
+RUN = TINY_GPT + ["--num-layers", "2", "--train-iters", "6", "--global-batch-size", "2", "--hidden-dropout", "0",
+                  "--attention-dropout", "0", "--eval-iters", "0",
+                  "--fp8-format", "hybrid", "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max"]
+
+
+def _run(tp: int, extra) -> list[tuple[int, float]]:
+    return run_distributed(train_losses, tp, RUN + layout_flags(tp, 1) + list(extra), timeout=600)[-1]
+
+
+def _fp8_state(path, iteration=None) -> dict[str, torch.Tensor]:
+    from megatron_ds.checkpoint import load_consolidated
+
+    c = load_consolidated(path, iteration, log=lambda *a: None, family=GPT)
+    return {k: v for k, v in c.state_dict.items() if ".fp8_scaling." in k}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("fp8-delayed"))
+    losses = _run(2, ["--save", ckpt, "--save-interval", "3"])
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")  # resume from the middle of the run
+    return losses, ckpt
+
+
+def test_resumed_run_continues_bitwise(straight, tmp_path):
+    losses, ckpt = straight
+    want = _fp8_state(ckpt, 6)
+    assert len(want) == 2 * 4 * 2  # 2 layers x (QKV, attention output, MLP in, MLP out) x (history, scale)
+    # every layer's scales moved from the first step's 1, and the history holds steps 1-6 (slots 2-7)
+    for name, t in want.items():
+        if name.endswith("scale"):
+            assert (t != 1).all(), name
+        else:
+            assert t.shape == (8, 3) and (t[:2] == 0).all() and (t[2:] > 0).all(), (name, t)
+    out = str(tmp_path / "resumed")
+    resumed = _run(2, ["--load", ckpt, "--save", out])
+    assert [it for it, _ in resumed] == [4, 5, 6]
+    assert [loss for _, loss in resumed] == [loss for _, loss in losses[3:]]
+    got = _fp8_state(out)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_resharded_to_tp1_keeps_the_history(straight, tmp_path):
+    losses, ckpt = straight
+    out = str(tmp_path / "tp1")
+    resumed = _run(1, ["--load", ckpt, "--save", out])
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in losses[3:]], rel=2e-5)
+    want, got = _fp8_state(ckpt, 6), _fp8_state(out)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        if name.endswith("amax_history"):
+            assert torch.equal(got[name][:5], t[:5]), name  # steps 1-3: the checkpoint's, carried over
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=0, msg=lambda m, name=name: f"{name}: {m}")
