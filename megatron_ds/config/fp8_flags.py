@@ -19,8 +19,8 @@ Which recipe runs without ``--fp8-recipe`` (``default_recipe``): Megatron-LM's `
 ``TransformerConfig.fp8_recipe`` default, ``delayed`` (core_v0.19.0 megatron/core/transformer/transformer_config.py);
 Megatron-DeepSpeed's ``--fp8-hybrid`` / ``--fp8-e4m3`` (Transformer Engine's ``DelayedScaling``, history 1 by
 default) keep the current scaling they have always had here, unless ``--fp8-amax-history-len`` > 1 asks for
-the history only delayed scaling reads. ``--fp8-param-gather`` (Megatron-LM: FP8 parameters, gathered in FP8)
-is accepted: the GEMMs see the same FP8 weights; the weights here stay bf16/fp32, and so does their gather.
+the history only delayed scaling reads. ``--fp8-param-gather`` (Megatron-LM: FP8 parameters, gathered in FP8, a
+memory and communication saving) is accepted and not made: the weights stay bf16/fp32, cast for each GEMM.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def _scaling(recipe: Fp8Recipe, m: ModelConfig) -> str:
     if recipe.granularity == "delayed":
         return (f"delayed scaling ({why}; Transformer Engine's DelayedScaling): each operand's scale from the "
                 f"{recipe.amax_compute_algo} amax of a history of {recipe.amax_history_len} steps, reduced over tensor "
-                f"and data parallel ranks, updated after each optimizer step; state checkpointed")
+                f"and data parallel ranks, updated after each optimizer step, checkpointed")
     return f"torchao {recipe.granularity} current scaling ({why})"
 
 
@@ -119,8 +119,8 @@ def describe_fp8(recipe: Fp8Recipe | None, m: ModelConfig, *, moe: bool) -> str:
         if m.fp8_amax_compute_algo and not delayed else "",
         f"; --fp8-interval {m.fp8_interval}: ignored, as Megatron ignores it (deprecated)"
         if m.fp8_interval is not None else "",
-        "; --fp8-param-gather: the GEMMs' FP8 weights are the same, but the weights stay bf16/fp32 here and "
-        "are gathered so (Megatron-LM keeps and gathers them in FP8)" if m.fp8_param_gather else ""])
+        "; --fp8-param-gather: not made, the weights stay bf16/fp32 and are gathered so, cast to FP8 for each "
+        "GEMM (Megatron-LM keeps and gathers them in FP8: less memory and traffic)" if m.fp8_param_gather else ""])
     state = "; per layer an amax history and 3 scales (fp32 buffers)" if delayed else ""
     return (f"FP8: {recipe.format} ({fmt}), {_scaling(recipe, m)}, margin {recipe.margin}, weight gradient in "
             f"{'FP8' if recipe.wgrad else 'bf16/fp32'}; in FP8: {layers} of every transformer layer; in bf16/fp32: "

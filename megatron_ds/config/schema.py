@@ -197,8 +197,8 @@ class ModelConfig:
     fp8_amax_compute_algo: Optional[str] = meta(None, choices=("most_recent", "max"))
     """Delayed scaling's amax from the history: its max, or the most recent (the default)."""
     fp8_param_gather: bool = False
-    """Megatron-LM's FP8 parameters gathered in FP8: accepted; the GEMMs see the same FP8 weights, the
-    weights stay bf16/fp32 here (docs/fp8.md)."""
+    """Megatron-LM's FP8 parameters, gathered in FP8 (a memory and communication saving): accepted, not made;
+    the weights stay bf16/fp32 and are cast to FP8 for each GEMM (docs/fp8.md)."""
     fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad", "--disable-fp8-wgrad"), invert=True)
     """--no-fp8-wgrad: the weight-gradient GEMM in bf16/fp32 even in an FP8 run."""
 

@@ -56,6 +56,11 @@ class DelayedScaling(torch.nn.Module):
                               error_msgs):
         """A checkpoint without delayed-scaling state (a bf16 or current-scaling run's) loads: this layer
         starts from an empty history and scale 1, as a fresh run does."""
+        saved = state_dict.get(prefix + "amax_history")
+        if saved is not None and saved.shape != self.amax_history.shape:
+            error_msgs.append(f"{prefix}amax_history: saved with --fp8-amax-history-len {saved.shape[0]}, this run's "
+                              f"is {self.amax_history.shape[0]}; resume with {saved.shape[0]}")
+            return
         before = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

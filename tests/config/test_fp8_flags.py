@@ -73,7 +73,7 @@ def test_dry_run_says_which_scaling_runs_and_why(capsys):
                           "--fp8-amax-compute-algo", "max", "--fp8-param-gather")
     line = next(l for l in out.splitlines() if l.startswith("FP8: "))
     for says in ("delayed scaling (Megatron-LM's default --fp8-recipe for --fp8-format", "max amax of a history of 1024",
-                 "reduced over tensor and data parallel ranks", "--fp8-param-gather: the GEMMs' FP8 weights are the same"):
+                 "reduced over tensor and data parallel ranks", "--fp8-param-gather: not made, the weights stay bf16/fp32"):
         assert rc == 0 and says in line, (says, line)
     rc, out, _ = _dry_run(capsys, "--fp8-hybrid")
     line = next(l for l in out.splitlines() if l.startswith("FP8: "))

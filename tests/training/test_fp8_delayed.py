@@ -37,7 +37,7 @@ def _run(tp: int, extra) -> list[tuple[int, float]]:
 def _fp8_state(path, iteration=None) -> dict[str, torch.Tensor]:
     from megatron_ds.checkpoint import load_consolidated
 
-    c = load_consolidated(path, iteration, log=lambda *a: None, family=GPT)
+    c = load_consolidated(path, iteration, fp8_state=True, log=lambda *a: None, family=GPT)
     return {k: v for k, v in c.state_dict.items() if ".fp8_scaling." in k}
 
 
@@ -68,6 +68,16 @@ def test_resumed_run_continues_bitwise(straight, tmp_path):
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+def test_checkpoint_exports_and_evaluates_as_plain_weights(straight):
+    from megatron_ds.checkpoint import load_consolidated
+    from megatron_ds.inference.model import build_inference_model
+
+    _, ckpt = straight
+    c = load_consolidated(ckpt, 6, log=lambda *a: None, family=GPT)
+    assert not any(".fp8_scaling." in k for k in c.state_dict)  # training state, not weights
+    build_inference_model(c, family=GPT)  # the inference model (no FP8) takes the state dict key for key
 
 
 def test_resharded_to_tp1_keeps_the_history(straight, tmp_path):
