@@ -52,6 +52,16 @@ class DelayedScaling(torch.nn.Module):
                                                          device=device))
         self.register_buffer("scale", torch.ones(len(ROLES), dtype=torch.float32, device=device))
 
+    def _apply(self, fn, recurse=True):
+        """Moves with the model, but stays fp32 when the model is cast (DeepSpeed's ``module.bfloat16()`` /
+        ``.half()``): an amax or a scale rounded to 8 bits would not be Transformer Engine's."""
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            if self._buffers[name].dtype != old.dtype:
+                self._buffers[name] = old.to(device=self._buffers[name].device)
+        return self
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A checkpoint without delayed-scaling state (a bf16 or current-scaling run's) loads: this layer

@@ -162,6 +162,9 @@ def test_state_is_in_the_layers_state_dict_and_loads_from_checkpoints_without_it
     # a bf16 run's checkpoint into a delayed-scaling run: fresh state; and the other way round
     fresh.load_state_dict({"weight": sd["weight"], "bias": sd["bias"]})
     RowParallelLinear(8, 4, tp_group=None, fp8=Fp8Recipe("hybrid")).load_state_dict(sd)
+    # a model cast to bf16 (DeepSpeed's engine does) keeps its scaling state fp32
+    assert fresh.bfloat16().fp8_scaling.scale.dtype == fresh.fp8_scaling.amax_history.dtype == torch.float32
+    assert fresh.weight.dtype == torch.bfloat16
     longer = RowParallelLinear(8, 4, tp_group=None, fp8=Fp8Recipe("hybrid", "delayed", amax_history_len=4))
     with pytest.raises(RuntimeError, match="saved with --fp8-amax-history-len 2, this run's is 4; resume with 2"):
         longer.load_state_dict(sd)

@@ -8,10 +8,14 @@ the history holds the amax of every step, slots 2..7 = steps 1..6). The state is
   step-6 amax histories and scales (nothing else decides the casts);
 - resumed at TP 1 (resharded), the histories' entries of steps 1-3 come from the checkpoint and must be
   the TP 2 run's bitwise (slots 2-4 after step 6); the later entries and the losses are recomputed at
-  another layout, equal within the TP-resharding tolerance of tests/checkpoint/test_reshard.py for the
-  losses (2e-5 relative), and 1e-4 relative for the amaxes (an amax is one operand element: a GEMM output
-  reduced in another order, then rounded through FP8 casts of the next layer, moves by a few fp32 ulps);
-  a lost history would have zeros there, and scale 1 at step 4.
+  another layout, equal within the bf16 TP-resharding tolerance of tests/checkpoint/test_reshard.py for the
+  losses (5e-3 relative), and 2^-3 relative for the amaxes and scales: an amax is one element of an operand
+  computed through earlier FP8 GEMMs; summed in another order, a value at a rounding boundary of their FP8
+  operands lands one FP8 step away, at most 2^-3 relative (E5M2's 2 fraction bits, the coarser format),
+  and the largest element moves by up to as much (the measured: 2%). A lost history would have zeros in
+  slots 2-4, and scale 1 at step 4.
+
+bf16, as FP8 runs train: the engine casts the model to bf16, the scaling state stays fp32.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from tests.distributed import run_distributed
 from tests.training.common import TINY_GPT, train_losses
 from megatron_ds.families.gpt.gpt_family import GPT
 
-RUN = TINY_GPT + ["--num-layers", "2", "--train-iters", "6", "--global-batch-size", "2", "--hidden-dropout", "0",
+RUN = TINY_GPT + ["--bf16", "--num-layers", "2", "--train-iters", "6", "--global-batch-size", "2", "--hidden-dropout", "0",
                   "--attention-dropout", "0", "--eval-iters", "0",
                   "--fp8-format", "hybrid", "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max"]
 
@@ -84,10 +88,10 @@ def test_resharded_to_tp1_keeps_the_history(straight, tmp_path):
     losses, ckpt = straight
     out = str(tmp_path / "tp1")
     resumed = _run(1, ["--load", ckpt, "--save", out])
-    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in losses[3:]], rel=2e-5)
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in losses[3:]], rel=5e-3)
     want, got = _fp8_state(ckpt, 6), _fp8_state(out)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         if name.endswith("amax_history"):
             assert torch.equal(got[name][:5], t[:5]), name  # steps 1-3: the checkpoint's, carried over
-        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got[name], t, rtol=2 ** -3, atol=0, msg=lambda m, name=name: f"{name}: {m}")
