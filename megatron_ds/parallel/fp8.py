@@ -8,9 +8,10 @@ scaling: ``tensor_to_scale``, per tensor or per row) and multiplies the ``Float8
 which torchao turns into ``torch._scaled_mm`` on CUDA and into an fp32 emulation of the same
 quantized product elsewhere (the CPU: same numbers up to the accumulation order). The parameters
 stay the bf16/fp32 master copies the optimizers update; only the GEMM operands are float8, and the
-output is in the input's dtype. A current-scaling recipe has no state; delayed scaling (``granularity="delayed"``) keeps each layer's
-amax history and scales in a ``DelayedScaling`` module (``parallel.fp8_delayed``), which the layers pass
-here in place of the recipe (``Fp8``): its casts use the stored scale and record the operand's amax.
+output is in the input's dtype. A current-scaling recipe has no state; delayed scaling
+(``granularity="delayed"``) keeps each layer's amax history and scales in a ``DelayedScaling`` module
+(``parallel.fp8_delayed``), which the layers pass here in place of the recipe (``Fp8``): its casts use
+the stored scale and record the operand's amax.
 
 Formats (Megatron's): "e4m3" casts every operand to E4M3; "hybrid" casts the forward operands
 (input, weight) to E4M3 and the gradients to E5M2 (more range, less precision: gradients span more
