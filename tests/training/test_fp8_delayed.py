@@ -34,8 +34,8 @@ RUN = TINY_GPT + ["--bf16", "--num-layers", "2", "--train-iters", "6", "--global
                   "--fp8-format", "hybrid", "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max"]
 
 
-def _run(tp: int, extra) -> list[tuple[int, float]]:
-    return run_distributed(train_losses, tp, RUN + layout_flags(tp, 1) + list(extra), timeout=600)[-1]
+def _run(tp: int, extra, pp: int = 1) -> list[tuple[int, float]]:
+    return run_distributed(train_losses, tp * pp, RUN + layout_flags(tp, pp) + list(extra), timeout=600)[-1]
 
 
 def _fp8_state(path, iteration=None) -> dict[str, torch.Tensor]:
@@ -94,4 +94,18 @@ def test_resharded_to_tp1_keeps_the_history(straight, tmp_path):
     for name, t in want.items():
         if name.endswith("amax_history"):
             assert torch.equal(got[name][:5], t[:5]), name  # steps 1-3: the checkpoint's, carried over
+        torch.testing.assert_close(got[name], t, rtol=2 ** -3, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_pipeline_stages_update_their_own_layers(straight, tmp_path):
+    """PP 2: each stage updates the scaling of the layers it holds. The losses follow TP 2's within the bf16
+    layout tolerance above, and so do the step-6 histories and scales (2^-3, above): without the update the
+    scales would still be 1 (the losses alone would not tell: they move by 3e-4 here)."""
+    losses, ckpt = straight
+    out = str(tmp_path / "pp2")
+    staged = _run(1, ["--save", out, "--save-interval", "6"], pp=2)
+    assert [loss for _, loss in staged] == pytest.approx([loss for _, loss in losses], rel=5e-3)
+    want, got = _fp8_state(ckpt, 6), _fp8_state(out)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=2 ** -3, atol=0, msg=lambda m, name=name: f"{name}: {m}")
