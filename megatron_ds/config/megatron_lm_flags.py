@@ -197,7 +197,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'whatever the device',
       '--init-model-with-meta-device'),
     (IGNORED,
-      'read only with --fp8-param-gather/--fp4 formats, which are refused',
+      "read only with Transformer Engine's custom FP8 recipe and FP4 formats, which are refused",
       '--fp8-quantizer-factory= --fp4-quantizer-factory= --fp4-recipe='),
     (IGNORED,
       'a Megatron-LM experimental-feature gate; the features it gates are answered flag by flag',
@@ -271,7 +271,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       "FP4 and Transformer Engine's FP8 variants are not supported; FP8 here is torchao's (--fp8-format "
       'e4m3|hybrid, docs/fp8.md)',
       '--fp8-output-proj --first-last-layers-bf16 --num-layers-at-start-in-bf16= --num-layers-at-end-in-bf16= '
-      '--fp4-format= --fp4-param-gather --fp8-param-gather --te-precision-config-file='),
+      '--fp4-format= --fp4-param-gather --te-precision-config-file='),
     (REFUSED,
       'activation and optimizer offloading to the host is not supported that way; use DeepSpeed ZeRO '
       'offload: --cpu-optimizer',

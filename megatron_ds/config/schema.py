@@ -184,16 +184,21 @@ class ModelConfig:
     fp8_format: Optional[str] = meta(None, choices=("e4m3", "hybrid"))
     """Megatron-LM's spelling of --fp8-e4m3 / --fp8-hybrid."""
     fp8_recipe: Optional[str] = meta(None, choices=("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"))
-    """FP8 scaling (default tensorwise: torchao's current scaling; rowwise: one scale per row; delayed,
-    mxfp8, blockwise need Transformer Engine and are refused)."""
+    """FP8 scaling: delayed (Transformer Engine's delayed scaling, Megatron-LM's default with --fp8-format),
+    tensorwise (current scaling, the default with --fp8-hybrid/--fp8-e4m3), rowwise (one scale per row);
+    mxfp8 and blockwise need Transformer Engine and are refused (config/fp8_flags.py)."""
     fp8_margin: Optional[int] = None
     """FP8 scale headroom: scale by 2^-margin below the largest that fits (default 0)."""
     fp8_interval: Optional[int] = None
     """Deprecated in Megatron-DeepSpeed, which ignores it; ignored here too."""
     fp8_amax_history_len: Optional[int] = None
-    """Delayed scaling's amax history; only 1 (current scaling's equivalent) without Transformer Engine."""
+    """Delayed scaling's amax history, in steps (default 1); more than 1 with --fp8-hybrid/--fp8-e4m3 selects
+    delayed scaling."""
     fp8_amax_compute_algo: Optional[str] = meta(None, choices=("most_recent", "max"))
-    """Delayed scaling's amax from the history; with a history of 1 both are the current amax."""
+    """Delayed scaling's amax from the history: its max, or the most recent (the default)."""
+    fp8_param_gather: bool = False
+    """Megatron-LM's FP8 parameters, gathered in FP8 (a memory and communication saving): accepted, not made;
+    the weights stay bf16/fp32 and are cast to FP8 for each GEMM (docs/fp8.md)."""
     fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad", "--disable-fp8-wgrad"), invert=True)
     """--no-fp8-wgrad: the weight-gradient GEMM in bf16/fp32 even in an FP8 run."""
 

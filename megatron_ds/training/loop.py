@@ -22,6 +22,7 @@ from megatron_ds.checkpoint.health import NonFiniteState
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
+from megatron_ds.parallel.fp8_delayed import update_delayed_scaling
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
@@ -117,9 +118,13 @@ def train_step(engine, data_iter, layout, loss_fn, dp_group, token_scale=None) -
     ``dp_group``: the data parallel ranks, with their DeepSpeed-Ulysses sequence parallel ranks, whose
     losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged.
     ``token_scale``: --calculate-per-token-loss's (``model/token_loss.py``): the loss is then the global
-    batch's token mean, in the gradients and the value returned."""
+    batch's token mean, in the gradients and the value returned. FP8 delayed scaling's amax histories and
+    scales are updated after the step (``parallel/fp8_delayed.py``)."""
     with _per_token(token_scale, engine, data_iter, layout, dp_group) as it:
-        return _train_step(engine, it, layout, loss_fn, dp_group)
+        loss = _train_step(engine, it, layout, loss_fn, dp_group)
+    if layout.fp8 is not None and layout.fp8.granularity == "delayed":
+        update_delayed_scaling(engine.module, dp_group)
+    return loss
 
 
 def _train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
