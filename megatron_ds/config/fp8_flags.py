@@ -30,12 +30,6 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
 
-_TORCHAO_PATH = "FP8 runs on torchao here: --transformer-impl local with --fp8-hybrid or --fp8-e4m3 (or --fp8-format)"
-TRANSFORMER_ENGINE_REFUSAL = (
-    ("Transformer Engine is installed, but megatron_ds's layers are its own, not Transformer Engine's; "
-     if importlib.util.find_spec("transformer_engine") is not None else "Transformer Engine is not installed; ")
-    + _TORCHAO_PATH)
-
 # compute capability from which a GPU has FP8 tensor cores (Ada 8.9, Hopper 9.0)
 FP8_CAPABILITY = (8, 9)
 
