@@ -134,6 +134,10 @@ def test_a_writer_dies_with_its_trainer_and_ignores_stop_signals(tmp_path):
                             env=clean_env(), start_new_session=True)
     try:
         pid = int(proc.stdout.readline())
+        # the writer names itself once forked, after setting its signals (background._become_writer)
+        deadline = time.time() + 10
+        while Path(f"/proc/{pid}/comm").read_text().strip() != NAME and time.time() < deadline:
+            time.sleep(0.02)
         assert Path(f"/proc/{pid}/comm").read_text().strip() == NAME
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             os.kill(pid, sig)

@@ -249,7 +249,9 @@ def test_ctrl_c_under_torchrun_with_pipeline_parallel_is_clean(tmp_path):
     stopped = iterations(out)[-1][0]
     assert rc == 128 + signal.SIGINT and stopped < ITERS, err[-3000:]
     assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
-    assert err.splitlines().count(CTRL_C) == 2
+    # once per rank; counted in the text, not by line: torchrun's agent and the two ranks write to one stderr,
+    # and a warning of the agent's can land on the line a rank's message ends
+    assert err.count(CTRL_C) == 2
     assert err.splitlines()[-1] == "torchrun: stopped by SIGINT; its workers were sent it and have ended"
     assert (ckpt / TRACKER).read_text() == str(stopped) and verify(str(ckpt / f"global_step{stopped}")) is None
     assert _job_gone(job) == []
