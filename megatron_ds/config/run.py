@@ -134,6 +134,8 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFam
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
+    if flags.training.eval_iters < 0:  # Megatron-LM's --eval-iters -1: no validation (do_valid = eval_iters > 0)
+        flags = dataclasses.replace(flags, training=dataclasses.replace(flags.training, eval_iters=0))
     # the tokenizer the run trains with, recorded in every checkpoint: the default one by its name too
     flags = dataclasses.replace(flags, data=dataclasses.replace(flags.data,
                                                                 tokenizer_type=resolved_tokenizer_type(flags.data)))

@@ -365,7 +365,8 @@ class TrainingConfig:
     eval_interval: int = 1000
     """Run validation every this many iterations."""
     eval_iters: int = 100
-    """Micro-batch steps (global batches) per validation."""
+    """Micro-batch steps (global batches) per validation; 0 or -1 (Megatron-LM's spelling): no validation or
+    test passes."""
     skip_train: bool = False
     """Only evaluate."""
     seed: int = 1234

@@ -42,7 +42,7 @@ _RANGES: tuple = (
     ("training", "exit_interval", 1, True, None, False),
     ("training", "exit_duration_in_mins", 0.0, False, None, False),
     ("training", "eval_interval", 0, True, None, False),
-    ("training", "eval_iters", 0, True, None, False),
+    ("training", "eval_iters", -1, True, None, False),  # -1: none (Megatron-LM validates with eval_iters > 0)
     ("training", "seed", 0, True, None, False),
     ("training", "recompute_num_layers", 1, True, None, False),
     ("training", "max_consecutive_nan_iters", 1, True, None, False),

@@ -130,7 +130,23 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _Fp8Linear(torch.nn.Module):
+    """A tensor parallel linear layer's FP8: ``fp8`` (the run's recipe, or None) and ``fp8_scaling`` (the
+    delayed-scaling state its checkpoints carry, or None), set by the layer from ``fp8_gemms``."""
+    fp8: Fp8Recipe | None
+    fp8_scaling: DelayedScaling | None
+
+    def _fp8(self) -> Fp8 | None:
+        """What the GEMMs take: the delayed-scaling state when there is one, else the recipe (or None)."""
+        return self.fp8_scaling if self.fp8_scaling is not None else self.fp8
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if self.fp8_scaling is None:
+            drop_fp8_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class ColumnParallelLinear(_Fp8Linear):
     """Y = X A^T + b with A split by rows over the tensor-parallel ranks ("columns" of the
     input-to-output map): each rank computes output_size / tp features.
 
@@ -176,15 +192,6 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _fp8(self) -> Fp8 | None:
-        """What the GEMMs take: the delayed-scaling state when there is one, else the recipe (or None)."""
-        return self.fp8_scaling if self.fp8_scaling is not None else self.fp8
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        if self.fp8_scaling is None:
-            drop_fp8_state(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, skip_bias_add: bool | None = None):
         """``skip_bias_add`` overrides the layer's setting for this call (a caller that fuses the
         bias only on some devices)."""
@@ -216,7 +223,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return output, (self.bias if skip_bias_add else None)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_Fp8Linear):
     """Y = X A^T + b with A split by columns (the input features) over the tensor-parallel ranks:
     each rank multiplies its slice of X and the partial outputs are summed (all-reduce, or a
     reduce-scatter along the sequence under sequence parallelism). The bias is replicated and
@@ -251,15 +258,6 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
-
-    def _fp8(self) -> Fp8 | None:
-        """What the GEMMs take: the delayed-scaling state when there is one, else the recipe (or None)."""
-        return self.fp8_scaling if self.fp8_scaling is not None else self.fp8
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        if self.fp8_scaling is None:
-            drop_fp8_state(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, input_: torch.Tensor, skip_bias_add: bool | None = None):
         """``skip_bias_add``: as ColumnParallelLinear.forward."""

@@ -240,9 +240,17 @@ def test_step_batch_size_schedule_resolves_to_its_last_size():
     assert "batch size by step: 4 from 0 tokens, 8 from 1,984 tokens" in run.describe()
 
 
+def test_eval_iters_minus_one_is_no_validation():
+    # megatron/training/training.py (core_v0.19.0): do_valid = full_validation or eval_iters > 0
+    assert make("--eval-iters", "-1").training.eval_iters == 0
+    with pytest.raises(ConfigError, match="--eval-iters -2 is out of range"):
+        make("--eval-iters", "-2")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write-docs"]:
         DOC.write_text(flags_page())
     else:
         for name, count in table().items():
             print(f"{name:30s} {count}")
+
