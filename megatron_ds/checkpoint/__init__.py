@@ -5,6 +5,9 @@ that wrote them (full weights, another layout, DeepSpeed universal, Hugging Face
                     integrity.py      a manifest per checkpoint, verified on load, fallback and pruning
                     lock.py           one writer per --save directory
     live engine     checkpointing.py  saving and loading a DeepSpeed engine plus this toolkit's files
+                    async_save.py     --async-save: the same save, its files written in the background
+                    snapshot.py       the copy of a save's state the background writer writes
+                    background.py     the writer processes (one per save, or one per run)
     reading         files.py          a checkpoint's files, whatever layout wrote it
                     tp.py             how each parameter splits over tensor parallel ranks
                     plain_optim.py    ZeRO-0 optimizer state by parameter name

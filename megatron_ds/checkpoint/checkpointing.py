@@ -88,8 +88,14 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
     with it (``take_write_error``)."""
 
     write_error: OSError | None = None
+    # --async-save (``async_save.AsyncSaver``): while set, ``save`` hands each file's state to this
+    # function (which copies it for the background writer) instead of writing it
+    redirect = None
 
     def save(self, state_dict, path: str):
+        if self.redirect is not None:
+            self.redirect(state_dict, path)
+            return
         if self.write_error is not None:
             return  # the disk is full (or gone): the files after the first failed one would fail too
         try:
@@ -144,11 +150,26 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     then the trackers; ``family``: the run's model family. ``loss``: the iteration's
     loss, recorded with it; a non-finite loss, weight or optimizer-state value is not saved
     (``health.NonFiniteState``). A write error on any rank (a full disk) stops every rank with one
-    line (``_WriteFailure``; ``room``: a function giving the bytes one checkpoint needs, for that line,
+    line (``WriteFailure``; ``room``: a function giving the bytes one checkpoint needs, for that line,
     called only then). --keep-last's
-    pruning is the caller's (``integrity.prune``): it waits until these weights gave a finite loss."""
-    meta = {**meta, HEALTH: health.check_before_save(engine, iteration, loss)}
+    pruning is the caller's (``integrity.prune``): it waits until these weights gave a finite loss.
+    ``async_save.AsyncSaver`` takes the same steps, the files written in the background."""
+    client_state, meta = prepare_save(engine, iteration, client_state=client_state, meta=meta, family=family,
+                                      loss=loss)
     tag = checkpoint_tag(iteration)
+    failure = WriteFailure(save_dir, iteration, room)
+    # every step ends with every rank knowing whether all ranks' writes succeeded (no rank waits in
+    # a collective for one that raised); the trackers come last, after the manifest marks it complete
+    failure.step(_write_files, engine, save_dir, tag, client_state, meta)
+    failure.step(integrity.write_manifest, os.path.join(save_dir, tag), iteration)
+    failure.step(track, save_dir, iteration, log)
+
+
+def prepare_save(engine, iteration: int, *, client_state: dict, meta: dict, family: ModelFamily,
+                 loss: float | None) -> tuple[dict, dict]:
+    """Collective: (client state, record) of a save of ``iteration``, after the check that nothing
+    saved is NaN/inf (raises ``health.NonFiniteState``)."""
+    meta = {**meta, HEALTH: health.check_before_save(engine, iteration, loss)}
     # A plain torch optimizer's state is keyed by position: name the positions, so the checkpoint
     # can be resharded to another layout (megatron_ds/checkpoint/reshard.py).
     client_state = {**client_state, "optimizer_param_names": optimizer_param_names(engine)}
@@ -159,12 +180,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, *, client_state: dict
     universal = family.universal_checkpoints
     if sig is not None and EXPERT_PARALLEL_SIZE not in sig and universal:
         client_state[UC_INFO] = checkpoint_info(meta["signature"], meta.get("vocab_size"))
-    failure = _WriteFailure(save_dir, iteration, room)
-    # every step ends with every rank knowing whether all ranks' writes succeeded (no rank waits in
-    # a collective for one that raised); the trackers come last, after the manifest marks it complete
-    failure.step(_write_files, engine, save_dir, tag, client_state, meta)
-    failure.step(integrity.write_manifest, os.path.join(save_dir, tag), iteration)
-    failure.step(_track, save_dir, iteration, log)
+    return client_state, {**meta, COMPLETENESS[0]: COMPLETENESS[1]}
 
 
 def _write_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict) -> None:
@@ -176,17 +192,17 @@ def _write_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict
     if error is not None:
         raise error
     if dist.get_rank() == 0:
-        meta = {**meta, COMPLETENESS[0]: COMPLETENESS[1]}
         atomic_write(os.path.join(save_dir, tag, META), json.dumps(meta, indent=2, default=str))
 
 
-def _track(save_dir: str, iteration: int, log) -> None:
+def track(save_dir: str, iteration: int, log) -> None:
+    """rank 0, once the manifest is written: the trackers, then the interrupted saves moved aside are deleted."""
     if dist.get_rank() == 0:
         write_trackers(save_dir, iteration)
         integrity.prune(save_dir, iteration, None, log=log)  # the interrupted saves moved aside
 
 
-class _WriteFailure:
+class WriteFailure:
     """A save's write errors (ENOSPC, EDQUOT, EIO, ...: any OSError), agreed on by every rank: the
     first failing rank's error becomes one line on every rank, naming the directory, the room one
     checkpoint needs and the room left, and the previous checkpoint, which the failed save never

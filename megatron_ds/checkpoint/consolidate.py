@@ -17,6 +17,9 @@ the fp32 master copies in the optimizer files instead (what ``megatron_ds.checkp
 resumes training from). ZeRO-3 checkpoints keep the weights only there: they are read from the
 masters, rounded to the training precision unless ``from_masters`` (so both ways agree with the
 other stages).
+
+FP8 delayed scaling's amax histories and scales (``<layer>.fp8_scaling.*``) are training state, not
+weights: left out, unless ``fp8_state=True``.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_c
 from megatron_ds.checkpoint.sources import layer_source
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
+from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 
 @dataclasses.dataclass
@@ -53,19 +57,20 @@ def merge_layer(shards: list[dict], prefix: str, model: ModelConfig, family: Mod
     return out
 
 
-def iter_consolidated_layers(ckpt: CheckpointFiles, *, from_masters: bool = False,
+def iter_consolidated_layers(ckpt: CheckpointFiles, *, from_masters: bool = False, fp8_state: bool = False,
                              log: Callable = print) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(global layer index, {state-dict key: full fp32 tensor})`` layer by layer (the fp32
     master weights of the optimizer files with ``from_masters``) of an opened checkpoint (``open_checkpoint``)."""
     source = layer_source(ckpt, from_masters=from_masters)
     prefixes = layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)
     for n, (idx, prefix) in enumerate(prefixes):
-        yield idx, merge_layer(source.shards(idx, prefix), prefix, ckpt.model, ckpt.family)
+        tensors = merge_layer(source.shards(idx, prefix), prefix, ckpt.model, ckpt.family)
+        yield idx, (tensors if fp8_state else {k: v for k, v in tensors.items() if not is_fp8_state(k)})
         log(f"consolidated layer {n + 1}/{len(prefixes)} of {ckpt.path}")
 
 
 def load_consolidated(load_dir: str, iteration: int | None = None, *, from_masters: bool = False,
-                      family: ModelFamily, log: Callable = print) -> Consolidated:
+                      fp8_state: bool = False, family: ModelFamily, log: Callable = print) -> Consolidated:
     """The whole model's full fp32 weights from the checkpoint in ``load_dir`` (tracker's iteration
     unless ``iteration`` is given; the optimizer's fp32 masters with ``from_masters``), written by
     ``family``'s model. See the module docstring."""
@@ -73,7 +78,8 @@ def load_consolidated(load_dir: str, iteration: int | None = None, *, from_maste
     log(f"reading {ckpt.path} (TP {ckpt.tp}, PP {ckpt.pp}, DP {ckpt.dp}, ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision})")
     state: dict[str, torch.Tensor] = {}
-    for _, tensors in iter_consolidated_layers(ckpt, from_masters=from_masters, log=lambda *a: None):
+    for _, tensors in iter_consolidated_layers(ckpt, from_masters=from_masters, fp8_state=fp8_state,
+                                               log=lambda *a: None):
         state.update(tensors)
     return Consolidated(model=ckpt.model, padded_vocab_size=ckpt.padded_vocab_size, vocab_size=ckpt.vocab_size,
                         iteration=ckpt.iteration, config=ckpt.config, state_dict=state)

@@ -101,18 +101,24 @@ def _list_files(ckpt_dir: str) -> dict[str, int]:
     return sizes
 
 
-def write_manifest(ckpt_dir: str, iteration: int) -> None:
-    """Collective, after every rank's files are written and before the trackers."""
+def write_manifest(ckpt_dir: str, iteration: int, known: dict[str, tuple[int, int]] | None = None) -> None:
+    """Collective, after every rank's files are written and before the trackers. ``known``: (size,
+    CRC-32) of files by name, taken by whoever wrote them (--async-save's writers hash as they write);
+    a listed file of another size, and every file not in it, is hashed here (rank 0's ``known`` counts)."""
     rank, _ = _rank_world()
+    known = known or {}
     sizes = _broadcast(_list_files(ckpt_dir) if rank == 0 else None)
-    crcs = {}
-    for part in _gather({n: crc32_file(os.path.join(ckpt_dir, n)) for n in _share(sizes)}):
+    todo = {n: size for n, size in sizes.items() if known.get(n, (None,))[0] != size}
+    crcs = {n: crc for n, (_, crc) in known.items() if n in sizes and n not in todo}
+    for part in _gather({n: crc32_file(os.path.join(ckpt_dir, n)) for n in _share(todo)}):
         crcs.update(part)
     if rank == 0:
         files = {n: {"size": sizes[n], "crc32": f"{crcs[n]:08x}"} for n in sorted(sizes)}
         meta = os.path.join(ckpt_dir, META)
         if os.path.isfile(meta):
-            files[META] = {"size": os.path.getsize(meta), "crc32": f"{crc32_file(meta):08x}"}
+            size = os.path.getsize(meta)
+            crc = known[META][1] if known.get(META, (None,))[0] == size else crc32_file(meta)
+            files[META] = {"size": size, "crc32": f"{crc:08x}"}
         atomic_write(os.path.join(ckpt_dir, MANIFEST), json.dumps(
             {"format": 1, "iteration": iteration, "checksum": "crc32", "files": files}, indent=1, sort_keys=True))
 

@@ -17,6 +17,8 @@ Every rank of the new run fills its own parameters and optimizer state from the 
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
 - mixture of experts: the saved experts are numbered globally (``megatron_ds.checkpoint.expert_files``);
   each rank takes the experts of its expert parallel rank, whatever EP size saved them;
+- FP8 delayed scaling's amax histories and scales (buffers, equal on every tensor parallel rank: the
+  amax is reduced over them): tensor parallel rank 0's copy, for every rank of the new layout;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
   that no longer exists otherwise); the new run then keeps its freshly seeded streams.
 
@@ -41,6 +43,7 @@ from megatron_ds.checkpoint.sources import layer_source
 from megatron_ds.checkpoint.vocabulary import VocabChange, fit_vocab_rows
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
                  "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE)
@@ -89,7 +92,7 @@ def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, di
     weights = merge_layer(shards, prefix, ckpt.model, ckpt.family)
     out = {name: {"weight": w} for name, w in weights.items()}
     if saved_opt is not None:
-        for name in weights:
+        for name in (n for n in weights if not is_fp8_state(n)):  # FP8 scaling state: buffers, no optimizer state
             local = name[len(prefix):]
             per_rank = [saved_opt.tensors(name, t, shards[t][local].shape) for t in range(ckpt.tp)]
             if any(p is None for p in per_rank):
@@ -113,16 +116,21 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     source = layer_source(ckpt)
     prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)}
     params = dict(engine.module.named_parameters())
+    fp8_state = {n: b for n, b in engine.module.named_buffers() if is_fp8_state(n)}
     by_layer = collections.defaultdict(list)
-    for name in params:
+    for name in [*params, *fp8_state]:
         by_layer[_layer_of(name, prefixes)].append(name)
     setter = StateSetter(engine)
     saved_names = expert_global_names(engine.module)  # this rank's experts by their saved (global) ids
+    fresh = []
     for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
         if idx not in by_layer:
             continue
         full = full_tensors(ckpt, source, saved_opt, idx, prefix)
         for name in by_layer[idx]:
+            if name in fp8_state:
+                _load_fp8_state(fp8_state[name], full.get(saved_names.get(name, name)), name, fresh)
+                continue
             saved = saved_names.get(name, name)
             if saved not in full:
                 raise ConfigError(f"{ckpt.path} has no tensor for parameter {saved}")
@@ -133,10 +141,26 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
         setter.set_step(saved_opt.step)
         if saved_opt.loss_scale and setter.set_loss_scale(saved_opt.loss_scale):
             log(f"fp16 loss scale {saved_opt.loss_scale.get('cur_scale')} carried over")
+    if fresh:
+        log(f"{ckpt.path} has no FP8 delayed-scaling state for {len(fresh)} tensors (e.g. {fresh[0]}): they start "
+            f"from an empty amax history, as a fresh run")
     client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
     return client
+
+
+def _load_fp8_state(buffer: torch.Tensor, saved: dict | None, name: str, fresh: list) -> None:
+    """A delayed-scaling buffer from the saved one (None: not saved, it stays fresh)."""
+    if saved is None:
+        fresh.append(name)
+        return
+    tensor = saved["weight"]
+    if tensor.shape != buffer.shape:
+        raise ConfigError(f"{name}: the checkpoint's FP8 state has shape {tuple(tensor.shape)}, this run's "
+                          f"{tuple(buffer.shape)}: resume with the --fp8-amax-history-len it was saved with")
+    with torch.no_grad():
+        buffer.copy_(tensor)
 
 
 def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log: Callable) -> dict:
@@ -144,7 +168,7 @@ def _client_state(ckpt: CheckpointFiles, engine, ps, *, load_lr_state: bool, log
         return {}
     state = load_file(ckpt.mp_file(0))
     client = {k: state[k] for k in ("iteration", "consumed_train_samples", "consumed_valid_samples",
-                                    "nan_iterations") if k in state}
+                                    "nan_iterations", "num_floating_point_operations_so_far") if k in state}
     if (ckpt.tp, ckpt.pp) == (ps.tp_size, ps.pp_size):
         mine = load_file(ckpt.mp_file(ps.pp_rank * ps.tp_size + ps.tp_rank))
         if mine.get("rng") is not None:

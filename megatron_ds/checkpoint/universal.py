@@ -46,6 +46,7 @@ from megatron_ds.checkpoint.vocabulary import VocabSettings, fit_vocab_rows, row
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.data.tokenizer import canonical_tokenizer_type
 from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 UC_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
 SIGNATURE_KEY = "megatron_ds_signature"  # ours, inside UC_INFO (DeepSpeed ignores unknown keys)
@@ -311,6 +312,9 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
         if step is None:
             raise ConfigError(f"{uc.path} has no step.pt (Adam's step count); pass --no-load-optim")
         setter.set_step(step)
+    if any(is_fp8_state(name) for name, _ in engine.module.named_buffers()):
+        log("FP8 delayed scaling starts from an empty amax history: universal checkpoints hold parameters and "
+            "their optimizer state only (--load the checkpoint itself to carry the history over)")
     client = _client_state(uc, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded universal checkpoint {uc.path} ({'megatron_ds' if uc.ours else 'Megatron-DeepSpeed'}, saved at "
         f"TP {uc.saved_tp}; iteration {client.get('iteration', 0)}{'' if load_optim else ', weights only'})")
@@ -323,7 +327,7 @@ def _client_state(uc: UniversalCheckpoint, engine, ps, *, load_lr_state: bool, l
     client = {"iteration": int(st.get("iteration", 0))}
     if uc.ours:
         client.update({k: st[k] for k in ("consumed_train_samples", "consumed_train_tokens", "consumed_valid_samples",
-                                          "nan_iterations") if k in st})
+                                          "nan_iterations", "num_floating_point_operations_so_far") if k in st})
         saved = uc.info[SIGNATURE_KEY]
         if (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) == (ps.tp_size, ps.pp_size):
             mine = _load(os.path.join(uc.path, f"mp_rank_{ps.pp_rank * ps.tp_size + ps.tp_rank:02d}_model_states.pt"))

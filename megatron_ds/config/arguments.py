@@ -23,7 +23,8 @@ import textwrap
 import typing
 from functools import lru_cache
 
-from megatron_ds.config.fp8_flags import TRANSFORMER_ENGINE_REFUSAL
+from megatron_ds.config.megatron_lm_flags import MEGATRON_LM_IGNORED, MEGATRON_LM_REFUSED
+from megatron_ds.config.megatron_lm_flags import VALUES as MEGATRON_LM_VALUES
 from megatron_ds.config.schema import SECTIONS, Config
 from megatron_ds.errors import closest
 
@@ -40,7 +41,8 @@ IGNORED_FLAGS: dict[str, int] = {
         "--checkpoint-in-cpu", "--synchronize-each-layer", "--profile-backward", "--mmap-warmup",
         "--use-cpu-initialization", "--log-num-zeros-in-grad",
         "--log-optimizer-states-to-tensorboard", "--log-world-size-to-tensorboard",
-        "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
+        "--no-barrier-with-level-1-timing", "--no-log-loss-scale-to-tensorboard",
+        "--disable-log-loss-scale-to-tensorboard", "--use-ring-exchange-p2p",
         "--no-initialization", "--fp16-lm-cross-entropy", "--log-params-norm",
         # Megatron-DeepSpeed only allocates a buffer for it that its DeepSpeed path never uses
         # (megatron/initialize.py _initialize_mem_buffs; the checkpoint call sites pass
@@ -55,9 +57,7 @@ IGNORED_FLAGS: dict[str, int] = {
 }
 
 # flag -> what to do instead
-UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {
-    "--use-distributed-optimizer": (0, "use --zero-stage 1 (DeepSpeed ZeRO shards optimizer state)"),
-}
+UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {}
 
 # Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off
 # (upstream scripts pass it explicitly): flag -> (nargs, off value, what to do instead).
@@ -178,9 +178,6 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
 
 # flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
 OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
-    # megatron/arguments.py: --transformer-impl transformer_engine swaps in Transformer Engine's layers
-    # (delayed-scaling FP8); our layers are our own, their FP8 GEMMs torchao's (config/fp8_flags.py)
-    "--transformer-impl": ("?", "local", TRANSFORMER_ENGINE_REFUSAL),
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
     "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
                                      "\"offload_param\" in the DeepSpeed JSON"),
@@ -197,6 +194,7 @@ _IGNORED_REASONS: dict[str, str] = {
                                    "--profile-backward")},
     **{f: _LOGGING for f in ("--log-params-norm", "--log-num-zeros-in-grad", "--log-optimizer-states-to-tensorboard",
                              "--log-world-size-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+                             "--disable-log-loss-scale-to-tensorboard",
                              "--timing-log-level", "--timing-log-option", "--no-barrier-with-level-1-timing",
                              "--tensorboard-queue-size")},
     **{f: _OWN_DDP for f in ("--DDP-impl", "--use-contiguous-buffers-in-local-ddp",
@@ -257,6 +255,8 @@ def _add_field(group, section: str | None, f: dataclasses.Field, hints: dict, do
         kwargs["type"] = kind
         if md.get("choices"):
             kwargs["choices"] = md["choices"]
+        if md.get("const") is not None:  # nargs="?": the value of the flag given alone
+            kwargs["const"] = md["const"]
         if default is not None:
             shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
             kwargs["help"] = f"{doc} (default: {shown})"
@@ -278,7 +278,7 @@ class _Ignored(argparse.Action):
 
 class _Unsupported(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        reason = {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS}[option_string][1]
+        reason = {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS, **MEGATRON_LM_REFUSED}[option_string][1]
         parser.error(f"{option_string}: {reason}")
 
 
@@ -288,6 +288,19 @@ class _OffValue(argparse.Action):
         given = values if isinstance(values, list) else [values]
         if any(v != off for v in given):
             parser.error(f"{option_string} {' '.join(given)}: {reason} ({option_string} {off} is accepted)")
+
+
+class _AcceptedValues(argparse.Action):
+    """A Megatron-LM flag taken at the values that mean what megatron_ds does (``MEGATRON_LM_VALUES``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _, accepted, note, refusal = MEGATRON_LM_VALUES[option_string]
+        given = values if isinstance(values, list) else [values]
+        if any(v not in accepted for v in given):
+            parser.error(f"{option_string} {' '.join(given)}: {refusal} ({option_string} {' or '.join(accepted)} "
+                         f"is accepted)")
+        if note is not None:
+            namespace.__dict__.setdefault("_ignored", []).append(option_string)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -359,10 +372,17 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                             help=argparse.SUPPRESS)
     for flag, (nvals, _) in IGNORED_WITH_REASON.items():
         compat.add_argument(flag, action=_Ignored, nargs=nvals, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for flag, (nvals, _) in MEGATRON_LM_IGNORED.items():
+        compat.add_argument(flag, action=_Ignored, nargs=nvals, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag, (nvals, _) in {**UNSUPPORTED_FLAGS, **REFUSED_FLAGS}.items():
         nargs = "*" if nvals < 0 else nvals
         parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
+    for flag, (nvals, _, _, _) in MEGATRON_LM_VALUES.items():
+        parser.add_argument(flag, action=_AcceptedValues, nargs=nvals if nvals != 1 else None,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for flag in MEGATRON_LM_REFUSED:  # refused whatever follows: the values are never unrecognized arguments
+        parser.add_argument(flag, action=_Unsupported, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag, (nargs, off, _) in {**OFF_VALUE_FLAGS, **OFF_VALUE_MORE}.items():
         parser.add_argument(flag, action=_OffValue, nargs=nargs, const=off, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
@@ -371,7 +391,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
 
 def describe_ignored(flags) -> str:
     """The ignored flags with why each changes nothing, for the start-up warning and --dry-run."""
-    reasons = {**_IGNORED_REASONS, **{f: why for f, (_, why) in IGNORED_WITH_REASON.items()}}
+    reasons = {**_IGNORED_REASONS, **{f: why for f, (_, why) in {**IGNORED_WITH_REASON, **MEGATRON_LM_IGNORED}.items()},
+               **{f: note for f, (_, _, note, _) in MEGATRON_LM_VALUES.items() if note}}
     return "; ".join(f"{f} ({reasons.get(f, 'a CUDA fusion or performance knob with no counterpart here')})"
                      for f in flags)
 
@@ -389,6 +410,9 @@ def parse_args_with(argv=None, prog: str = "pretrain_gpt.py",
     extra_args_provider=...)``: ``extra_args_provider(parser)`` adds them and returns their dests,
     which come back apart as a Namespace (one parser: a typo of either kind gets the same one-line error)."""
     parser = build_parser(prog)
+    # an entry point's own flag wins over a Megatron-LM flag of the same name answered for pretraining
+    # (tasks/main.py's --pretrained-checkpoint, Megatron's finetuning flag, is refused for pretrain_gpt.py)
+    parser.conflict_handler = "resolve"
     extra_dests = extra_args_provider(parser) if extra_args_provider is not None else ()
     ns = vars(parser.parse_args(argv))
     extra = argparse.Namespace(**{dest: ns.pop(dest) for dest in extra_dests})

@@ -12,17 +12,19 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
+from megatron_ds.config import dialect
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
-from megatron_ds.config.run_length import RunSchedule, resolve_iterations
+from megatron_ds.config.run_length import RunSchedule, StepSchedule, parse_step_schedule, resolve_iterations
 from megatron_ds.config.schema import Config, ModelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
-                                           check_precision, check_profile, check_weight_decay, require)
+                                           check_per_token_loss, check_precision, check_profile, check_weight_decay,
+                                           require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
@@ -44,12 +46,20 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     if ffn is None:
         # SwiGLU has three matrices instead of two; 2/3 keeps the parameter count of a 4h GeLU MLP.
         ffn = int(4 * h * 2 / 3 / 64) * 64 if m.swiglu else 4 * h
+    kv_heads = m.num_key_value_heads
+    if m.group_query_attention and m.num_query_groups is not None:
+        # megatron/training/arguments.py (Megatron-LM core_v0.19.0): num_query_groups is read only with
+        # --group-query-attention (else the attention is multi-head)
+        if kv_heads is not None and kv_heads != m.num_query_groups:
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} contradicts --num-key-value-heads {kv_heads}; "
+                              f"pass one of them")
+        kv_heads = m.num_query_groups
     if m.kv_channels is None and h % heads:
         raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or pass --kv-channels")
     return dataclasses.replace(
         m,
-        num_key_value_heads=m.num_key_value_heads or heads,
+        num_key_value_heads=kv_heads or heads,
         ffn_hidden_size=ffn,
         kv_channels=m.kv_channels or h // heads,
         max_position_embeddings=m.max_position_embeddings or seq,
@@ -159,7 +169,9 @@ class Layout:
                          f"{', split over TP' if m.enable_expert_tensor_parallelism and self.tp > 1 else ''})")
             lines[3] += f", {self.active_params / 1e6:,.1f}M active per token"
         r = self.schedule
-        if r.rampup is not None:
+        if isinstance(r.rampup, StepSchedule):
+            lines.insert(2, r.rampup.describe(r.seq_length))
+        elif r.rampup is not None:
             lines.insert(2, f"batch ramp-up: global {r.rampup.start} + {r.rampup.increment} every "
                             f"{r.rampup.samples_per_increment:,.0f} samples up to {r.rampup.final} after "
                             f"{r.rampup.samples:,} samples")
@@ -286,12 +298,19 @@ def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
     return "exact" if par.enable_zbh1_exact_semantics else "default"
 
 
-def _engine(flags: Config, template: dict | None, *, tp: int, pp: int, seq_length: int) -> tuple[int, bool]:
+def _engine(flags: Config, template: dict | None, notes: list[str], *, tp: int, pp: int,
+            seq_length: int) -> tuple[int, bool]:
     """(ZeRO stage, whether DeepSpeed's pipeline engine runs the model)."""
     template_stage = ((template or {}).get("zero_optimization") or {}).get("stage")
-    zero_stage = flags.deepspeed.zero_stage if flags.deepspeed.zero_stage is not None else (template_stage or 0)
-    check_engine(flags.parallel, pp=pp, tp=tp, zero_stage=zero_stage, seq_length=seq_length)
-    return zero_stage, not flags.parallel.no_pipeline_parallel
+    zero_stage = dialect.zero_stage(flags, template_stage, notes)
+    par = flags.parallel
+    if zero_stage >= 2 and pp == 1 and not par.no_pipeline_parallel and dialect.dialect(flags)[0] == dialect.MEGATRON_LM:
+        # Megatron-LM has no DeepSpeed pipeline engine: at PP 1 its model runs unpipelined, as
+        # --no-pipeline-parallel runs it here (DeepSpeed's pipeline engine refuses ZeRO 2 and 3)
+        par = dataclasses.replace(par, no_pipeline_parallel=True)
+        notes.append(f"PP 1 with ZeRO stage {zero_stage}: DeepSpeed's plain engine, as --no-pipeline-parallel")
+    check_engine(par, pp=pp, tp=tp, zero_stage=zero_stage, seq_length=seq_length)
+    return zero_stage, not par.no_pipeline_parallel
 
 
 def _curriculum(flags: Config, template: dict | None, seq_length: int, *, tp: int,
@@ -329,6 +348,9 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
             par.ds_sequence_parallel_size > 1,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
         "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
+        "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
+        "--calculate-per-token-loss (the GPT's language-model loss applies it)":
+            bool(flags.training.calculate_per_token_loss),
     }
 
 
@@ -345,13 +367,19 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
+    if t.step_batch_size_schedule:  # its last batch size is the run's (Megatron-LM refuses both flags too)
+        if t.global_batch_size is not None:
+            raise ConfigError("--step-batch-size-schedule and --global-batch-size are both set (Megatron-LM's "
+                              "validate_args refuses the pair too); drop --global-batch-size")
+        global_batch = parse_step_schedule(t.step_batch_size_schedule, m.seq_length, micro * dp).final
     check_divisible(global_batch, micro * dp,
                     f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
                     f"{micro} x DP {dp} = {micro * dp}; use a multiple of {micro * dp}")
     gas = global_batch // (micro * dp)
     virtual_pp = _virtual_pp(par, m.num_layers, pp, gas)
     precision = check_precision(t, device_type)
-    zero_stage, use_pipeline = _engine(flags, template, tp=tp, pp=pp, seq_length=m.seq_length)
+    engine_notes: list[str] = []
+    zero_stage, use_pipeline = _engine(flags, template, engine_notes, tp=tp, pp=pp, seq_length=m.seq_length)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
     if zbh1 is not None and m.compile_layers:
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once
@@ -362,6 +390,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     iters = resolve_iterations(t, o, seq_length=m.seq_length, global_batch=global_batch, micro_dp=micro * dp,
                                interleaved=virtual_pp > 1, zbh1=zbh1 is not None)
     check_learning_rate(o)
+    check_per_token_loss(t, flags.model, sp)
     check_weight_decay(o)
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
@@ -387,7 +416,11 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe,
                          partition_activations=family.partition_activations and par.scatter_gather_tensors_in_pipeline)
+    dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
+    notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
+        notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     if moe:
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)

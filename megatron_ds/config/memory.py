@@ -105,6 +105,11 @@ def choose_fused_loss(layout: Layout, gpu_bytes: float | None) -> tuple[bool, st
     """(use liger's fused linear + cross entropy, why) for this layout on a GPU of ``gpu_bytes``
     (None: ``ASSUMED_GPU``): as --liger-kernel / --no-liger-kernel say, else by ``FUSED_LOSS_SHARE``."""
     asked = layout.model.liger_kernel
+    if layout.model.use_z_loss:  # the vocab-parallel cross entropy adds it; liger's fused loss here does not
+        if asked:
+            raise ConfigError("--liger-kernel with --use-z-loss: the z-loss is added by the vocab-parallel cross "
+                              "entropy, not by liger's fused loss; drop --liger-kernel")
+        return False, "--use-z-loss (the vocab-parallel cross entropy adds the z-loss)"
     if asked is not None:
         return asked, "--liger-kernel" if asked else "--no-liger-kernel"
     gpu = f"{gpu_bytes / GB:.0f} GB" if gpu_bytes else f"{GPU_MEMORY_GB[ASSUMED_GPU]} GB ({ASSUMED_GPU}, assumed)"

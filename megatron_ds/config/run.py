@@ -18,7 +18,7 @@ from megatron_ds.config.layout import Layout, build_layout
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args, megatron_overrides
 from megatron_ds.config.memory import choose_fused_loss, gpu_memory_bytes
 from megatron_ds.config.schema import CheckpointConfig, Config, DataConfig, LoggingConfig, MaskedLMDataConfig
-from megatron_ds.config.validation import check_ranges
+from megatron_ds.config.validation import check_async_save, check_ranges
 from megatron_ds.data.tokenizer import resolved_tokenizer_type
 
 FROM_FLAGS = object()
@@ -40,6 +40,10 @@ class TrainingSettings:
     empty_unused_memory_level: int
     kill_switch_file: str | None  # save and exit when this file exists
     data_parallel_random_init: bool  # a seed per data parallel rank
+    manual_gc: bool  # Python's garbage collection by hand, at the same points on every rank
+    manual_gc_interval: int
+    manual_gc_eval: bool
+    calculate_per_token_loss: bool = False  # the loss is the global batch's token mean (model/token_loss.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class OptimizerSettings:
     cpu_optimizer: bool  # DeepSpeedCPUAdam (torch.optim.AdamW with cpu_torch_adam) for ZeRO-Offload
     cpu_torch_adam: bool
     create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
+    decoupled_lr: float | None = None  # embedding and output layer's peak LR (Megatron-LM); None: --lr
+    decoupled_min_lr: float | None = None  # their floor; None: --min-lr
 
 
 @dataclass(frozen=True)
@@ -128,11 +134,13 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFam
     template = load_ds_template(flags.deepspeed.deepspeed_config) if ds_template is FROM_FLAGS else ds_template
     flags, checkpoint_notes = apply_checkpoint_args(flags, saved_flags)
     check_ranges(flags)  # out-of-range numbers by flag name, before any check below reads them
+    if flags.training.eval_iters < 0:  # Megatron-LM's --eval-iters -1: no validation (do_valid = eval_iters > 0)
+        flags = dataclasses.replace(flags, training=dataclasses.replace(flags.training, eval_iters=0))
     # the tokenizer the run trains with, recorded in every checkpoint: the default one by its name too
     flags = dataclasses.replace(flags, data=dataclasses.replace(flags.data,
                                                                 tokenizer_type=resolved_tokenizer_type(flags.data)))
     flags, template, notes = megatron_overrides(flags, template)
-    notes = checkpoint_notes + notes
+    notes = checkpoint_notes + notes + check_async_save(flags.checkpoint, template)
     layout, json_notes = build_layout(flags, world_size, vocab_size=vocab_size, template=template,
                                       device_type=device_type, family=family)
     fused, fused_why = choose_fused_loss(layout, gpu_memory or gpu_memory_bytes(flags.gpu_memory_gb))

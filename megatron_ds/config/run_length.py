@@ -10,6 +10,13 @@ Megatron-DeepSpeed semantics, transcribed from its sources:
 * The number of iterations of a ramped ``--train-samples`` run is megatron/training.py
   ``update_train_iters``: iterate the ramp until more than SAMPLES samples are consumed, then whole
   global batches of what is left (a partial last batch is dropped).
+* Megatron-LM's step-wise batch size (``--step-batch-size-schedule "0:768 250B:1536"``, megatron/core/
+  num_microbatches_calculator.py ``StepBatchsizeNumMicroBatchesCalculator``, core_v0.19.0): thresholds in
+  tokens (divided by --seq-length into samples, suffixes K M B T), sorted, the first 0, strictly increasing;
+  the batch size is that of the last threshold at or below the consumed samples. A ``--train-samples`` run
+  takes ``while consumed < train_samples`` steps of the scheduled sizes (megatron/training/training.py
+  ``update_train_iters``); an iteration-based run keeps its --train-iters. It cannot be given with
+  --global-batch-size (megatron/training/arguments.py validate_args), whose place its last size takes.
 * Token-based training (``--train-tokens``): the loop runs ``while iteration < train_iters and
   consumed_train_tokens < train_tokens`` (megatron/training.py ``train``); ``--train-samples`` /
   ``--train-iters`` stay a cap. Tokens consumed per iteration are ``global batch x seq_length``.
@@ -46,11 +53,66 @@ class Rampup:
 
 
 @dataclass(frozen=True)
+class StepSchedule:
+    """--step-batch-size-schedule: ((threshold in samples, global batch), ...), thresholds increasing from 0."""
+    steps: tuple[tuple[int, int], ...]
+
+    @property
+    def final(self) -> int:
+        return self.steps[-1][1]
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """StepBatchsizeNumMicroBatchesCalculator._get_batch_size_for_samples."""
+        return next(batch for threshold, batch in reversed(self.steps) if consumed_samples >= threshold)
+
+    def describe(self, seq_length: int) -> str:
+        return "batch size by step: " + ", ".join(f"{batch} from {threshold * seq_length:,} tokens"
+                                                  for threshold, batch in self.steps)
+
+
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _schedule_number(text: str) -> int:
+    """StepBatchsizeNumMicroBatchesCalculator._parse_numeric_value: "2.4B" -> 2_400_000_000."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def parse_step_schedule(words: list | None, seq_length: int, micro_dp: int) -> StepSchedule | None:
+    """--step-batch-size-schedule's words (one quoted string or several) as upstream parses them, plus what
+    would fail mid-run there: every batch size must split into micro-batches over the data parallel ranks."""
+    if not words:
+        return None
+    text = " ".join(words)
+    steps = []
+    for entry in text.replace(",", " ").split():
+        threshold, sep, batch = entry.strip("'\"").partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            steps.append((_schedule_number(threshold) // seq_length, _schedule_number(batch)))
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: {entry!r} is not THRESHOLD:BATCH_SIZE "
+                              f"(e.g. \"0:768 250B:1536\")") from None
+    steps.sort()
+    if steps[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: thresholds must start at 0 and increase strictly "
+                          f"(in samples of --seq-length {seq_length} tokens)")
+    bad = [batch for _, batch in steps if batch <= 0 or batch % micro_dp]
+    if bad:
+        raise ConfigError(f"--step-batch-size-schedule: batch sizes {', '.join(map(str, bad))} are not positive "
+                          f"multiples of --micro-batch-size x DP = {micro_dp}")
+    return StepSchedule(tuple(steps))
+
+
+@dataclass(frozen=True)
 class RunSchedule:
     """Ramp-up, the token target and the LR schedule's spans (in samples / tokens)."""
     seq_length: int
     global_batch_size: int  # after any ramp-up
-    rampup: Rampup | None
+    rampup: Rampup | StepSchedule | None  # the global batch changing with consumed samples
     train_tokens: int | None
     lr_warmup_samples: float
     lr_decay_samples: int
@@ -78,6 +140,11 @@ class RunSchedule:
         if self.rampup is None:
             return train_samples // self.global_batch_size
         iterations = consumed = 0
+        if isinstance(self.rampup, StepSchedule):  # Megatron-LM's loop: every step of the schedule's sizes
+            while consumed < train_samples:
+                consumed += self.rampup.global_batch_at(consumed)
+                iterations += 1
+            return iterations
         while consumed <= self.rampup.samples:
             consumed += self.rampup.global_batch_at(consumed)
             iterations += 1
@@ -113,8 +180,11 @@ def parse_rampup(values: list | None, global_batch: int, micro_dp: int) -> Rampu
 def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: int) -> RunSchedule:
     """The RunSchedule of TrainingConfig ``t`` and OptimizerConfig ``o`` (spans as in Megatron's
     get_optimizer_param_scheduler: iteration counts times the global batch size)."""
-    rampup = parse_rampup(t.rampup_batch_size, global_batch, micro_dp)
-    if rampup is not None and t.train_samples is None:
+    steps = parse_step_schedule(t.step_batch_size_schedule, seq_length, micro_dp)
+    if steps is not None and t.rampup_batch_size:
+        raise ConfigError("--step-batch-size-schedule and --rampup-batch-size both set the batch size; choose one")
+    rampup = steps or parse_rampup(t.rampup_batch_size, global_batch, micro_dp)
+    if isinstance(rampup, Rampup) and t.train_samples is None:
         raise ConfigError("--rampup-batch-size needs --train-samples (Megatron: no batch-size ramp-up for "
                           "iteration-based training)")
     for flag, value, least in (("--train-tokens", t.train_tokens, 1), ("--lr-warmup-tokens", o.lr_warmup_tokens, 0),
@@ -164,12 +234,14 @@ def resolve_iterations(t, o, *, seq_length: int, global_batch: int, micro_dp: in
     warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else warmup_abs
     run = build_run_schedule(t, o, seq_length=seq_length, global_batch=global_batch, micro_dp=micro_dp)
     if run.rampup is not None:
+        what = "--rampup-batch-size" if isinstance(run.rampup, Rampup) else "--step-batch-size-schedule"
         if interleaved:
             # The interleaved schedule needs micro-batches per step to be a multiple of PP at every
             # step (Megatron asserts the same); a ramp changes that count from step to step.
-            raise ConfigError("--rampup-batch-size cannot be combined with the interleaved pipeline schedule "
-                              "(--num-layers-per-virtual-pipeline-stage); drop one of them")
+            raise ConfigError(f"{what} cannot be combined with the interleaved pipeline schedule "
+                              f"(--num-layers-per-virtual-pipeline-stage); drop one of them")
         if zbh1:  # the executor's step list is built once, for one count of micro-batches
-            raise ConfigError("--rampup-batch-size cannot be combined with --enable-zbh1-pipeline; drop one of them")
-        train_iters = run.train_iters_for_samples(t.train_samples)
+            raise ConfigError(f"{what} cannot be combined with --enable-zbh1-pipeline; drop one of them")
+        if t.train_samples is not None:
+            train_iters = run.train_iters_for_samples(t.train_samples)
     return Iterations(train=train_iters, lr_decay=decay, lr_warmup=warmup, schedule=run)

@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
          nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
-         default_factory=None) -> Any:
+         default_factory=None, const: Any = None) -> Any:
     """A dataclass field carrying parser hints (see module docstring). ``off_flags``: an
     ``Optional[bool]`` switch's spellings that store False (``flags`` store True; neither: None)."""
-    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags}
+    md = {"flags": flags, "choices": choices, "nargs": nargs, "invert": invert, "off_flags": off_flags, "const": const}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=md)
     return field(default=default, metadata=md)
@@ -39,6 +39,11 @@ class ModelConfig:
     """Number of attention heads."""
     num_key_value_heads: Optional[int] = None
     """Key/value heads for grouped-query attention (default: --num-attention-heads, i.e. MHA)."""
+    group_query_attention: bool = False
+    """Megatron-LM: grouped-query attention with --num-query-groups key/value heads (without it, as upstream,
+    --num-query-groups is not read)."""
+    num_query_groups: Optional[int] = None
+    """Megatron-LM: the key/value heads of grouped-query attention (--num-key-value-heads in Megatron-DeepSpeed)."""
     ffn_hidden_size: Optional[int] = None
     """MLP hidden size (default 4*hidden; with --swiglu, 2/3 of that rounded down to a multiple of 64)."""
     kv_channels: Optional[int] = None
@@ -108,6 +113,11 @@ class ModelConfig:
     15 percent of the GPU's memory (it saves that memory, but ran ~20 percent slower than logits +
     cross entropy for GPT 1.3B, vocabulary 50k, on an H200); the start-up `kernels:` line and
     --dry-run say which."""
+    use_z_loss: bool = False
+    """PaLM's z-loss, as the Swallow fork of Megatron-LM (okoge-kaz/Megatron-LM) adds it: every loss token's
+    cross entropy gains 1e-4 x log(Z)^2, log Z the log-sum-exp of its logits over the vocabulary (the
+    coefficient is fixed there too, no flag), in training and validation; reported inside `lm loss`, as
+    there. It keeps the softmax normalizer near 1, against logit drift in long bf16 runs. GPT only."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
@@ -174,17 +184,22 @@ class ModelConfig:
     fp8_format: Optional[str] = meta(None, choices=("e4m3", "hybrid"))
     """Megatron-LM's spelling of --fp8-e4m3 / --fp8-hybrid."""
     fp8_recipe: Optional[str] = meta(None, choices=("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"))
-    """FP8 scaling (default tensorwise: torchao's current scaling; rowwise: one scale per row; delayed,
-    mxfp8, blockwise need Transformer Engine and are refused)."""
+    """FP8 scaling: delayed (Transformer Engine's delayed scaling, Megatron-LM's default with --fp8-format),
+    tensorwise (current scaling, the default with --fp8-hybrid/--fp8-e4m3), rowwise (one scale per row);
+    mxfp8 and blockwise need Transformer Engine and are refused (config/fp8_flags.py)."""
     fp8_margin: Optional[int] = None
     """FP8 scale headroom: scale by 2^-margin below the largest that fits (default 0)."""
     fp8_interval: Optional[int] = None
     """Deprecated in Megatron-DeepSpeed, which ignores it; ignored here too."""
     fp8_amax_history_len: Optional[int] = None
-    """Delayed scaling's amax history; only 1 (current scaling's equivalent) without Transformer Engine."""
+    """Delayed scaling's amax history, in steps (default 1); more than 1 with --fp8-hybrid/--fp8-e4m3 selects
+    delayed scaling."""
     fp8_amax_compute_algo: Optional[str] = meta(None, choices=("most_recent", "max"))
-    """Delayed scaling's amax from the history; with a history of 1 both are the current amax."""
-    fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad",), invert=True)
+    """Delayed scaling's amax from the history: its max, or the most recent (the default)."""
+    fp8_param_gather: bool = False
+    """Megatron-LM's FP8 parameters, gathered in FP8 (a memory and communication saving): accepted, not made;
+    the weights stay bf16/fp32 and are cast to FP8 for each GEMM (docs/fp8.md)."""
+    fp8_wgrad: bool = meta(True, flags=("--no-fp8-wgrad", "--disable-fp8-wgrad"), invert=True)
     """--no-fp8-wgrad: the weight-gradient GEMM in bf16/fp32 even in an FP8 run."""
 
     def __post_init__(self):
@@ -203,7 +218,8 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Interleaved 1F1B schedule: transformer layers per model chunk; each pipeline rank holds
     num_layers / PP / this many chunks (Megatron's virtual pipeline stages)."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = meta(
+        None, flags=("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"))
     """Interleaved 1F1B schedule: model chunks per pipeline rank (Megatron-LM's spelling of the above)."""
     enable_zbh1_pipeline: bool = False
     """The ZB-H1 zero-bubble pipeline schedule: weight-gradient passes fill 1F1B's cool-down bubbles."""
@@ -286,10 +302,12 @@ class OptimizerConfig:
     """Weight decay reached at the end of training, with --weight-decay-incr-style linear or cosine."""
     weight_decay_incr_style: str = meta("constant", choices=("constant", "linear", "cosine"))
     """How weight decay goes from --start-weight-decay to --end-weight-decay (constant: --weight-decay)."""
-    override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler"))
+    override_lr_scheduler: bool = meta(False, flags=("--override-lr-scheduler", "--override-opt_param-scheduler",
+                                                        "--override-opt-param-scheduler"))
     """On load, use the command line's schedule instead of the checkpoint's."""
     use_checkpoint_lr_scheduler: bool = meta(False, flags=("--use-checkpoint-lr-scheduler",
-                                                          "--use-checkpoint-opt_param-scheduler"))
+                                                          "--use-checkpoint-opt_param-scheduler",
+                                                          "--use-checkpoint-opt-param-scheduler"))
     """On load, take the schedule from the checkpoint even if the command line differs."""
     # -- the CPU optimizer of ZeRO-Offload (Megatron-DeepSpeed's flags) --
     cpu_optimizer: bool = False
@@ -298,6 +316,12 @@ class OptimizerConfig:
     cpu_torch_adam: bool = meta(False, flags=("--cpu_torch_adam",))
     """With --cpu-optimizer: torch.optim.AdamW instead of DeepSpeedCPUAdam (the JSON then needs
     "zero_force_ds_cpu_optimizer": false)."""
+    decoupled_lr: Optional[float] = None
+    """Megatron-LM's flag: the peak learning rate of the input embedding and the output layer weights
+    (the word embedding, tied or not, and the untied output layer; not the position table), which follow
+    the same warmup and decay as the other parameters between it and --decoupled-min-lr. Default: --lr."""
+    decoupled_min_lr: Optional[float] = None
+    """Megatron-LM's flag: the floor of --decoupled-lr's decay (default --min-lr). Needs --decoupled-lr."""
     # MoE optimizer groups, as megatron/optimizer/__init__.py get_megatron_optimizer makes them
     create_moe_param_group: bool = False
     """Put expert parameters in optimizer groups of their own (deepspeed.moe.utils.
@@ -313,6 +337,10 @@ class TrainingConfig:
     rampup_batch_size: Optional[list] = meta(None, nargs="*")
     """Batch-size ramp-up `START INCREMENT SAMPLES`: start at global batch START and grow by INCREMENT
     in equal sample intervals until --global-batch-size is reached after SAMPLES samples (Megatron)."""
+    step_batch_size_schedule: Optional[list] = meta(None, nargs="+")
+    """Megatron-LM: a step-wise global batch size, `THRESHOLD:BATCH ...` (thresholds in tokens, suffixes K M
+    B T; the first 0): each batch size from the step at which that many tokens were consumed. Instead of
+    --global-batch-size (the last batch size is the run's). Given quoted or split into words alike."""
     train_iters: Optional[int] = None
     """Optimizer steps to train for."""
     train_samples: Optional[int] = None
@@ -337,7 +365,8 @@ class TrainingConfig:
     eval_interval: int = 1000
     """Run validation every this many iterations."""
     eval_iters: int = 100
-    """Micro-batch steps (global batches) per validation."""
+    """Micro-batch steps (global batches) per validation; 0 or -1 (Megatron-LM's spelling): no validation or
+    test passes."""
     skip_train: bool = False
     """Only evaluate."""
     seed: int = 1234
@@ -385,9 +414,27 @@ class TrainingConfig:
     kill_switch_file: Optional[str] = None
     """When this file exists (checked after every iteration, agreed across ranks), save (if --save) and
     exit 0; a run started while it exists exits at once."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's flag: the language-model loss is the sum of the token losses over the loss tokens of
+    the whole global batch (every micro-batch, every data parallel rank) instead of the mean of each
+    micro-batch's own token mean; the gradients and the reported `lm loss` (training and validation) both.
+    Differs from the default where the micro-batches keep different numbers of loss tokens (--eod-mask-loss,
+    masked data). Costs one scalar all-reduce per step. GPT without MoE or DeepSpeed-Ulysses."""
     data_parallel_random_init: bool = False
     """A random seed per data parallel rank (dropout differs across them; initial weights are still
     data parallel rank 0's, which DeepSpeed's engine broadcasts); checkpoints keep every rank's RNG state."""
+    # Megatron-LM's garbage-collection switches (megatron/training/config/training_config.py TrainingConfig;
+    # megatron/training/training.py train() and post_training_step_callbacks)
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off for training and collect by hand, at the same points
+    on every rank (a collection on one rank stalls the others at the next collective): once before the
+    first iteration, every --manual-gc-interval iterations, and around each validation (Megatron-LM's flag)."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: run gc.collect() after every this many training iterations (0: never between
+    iterations, only before training and around validation)."""
+    manual_gc_eval: bool = meta(True, flags=("--no-manual-gc-eval", "--disable-manual-gc-eval"), invert=True)
+    """With --manual-gc: no collection around validation (by default a full one before each validation
+    during training and a young-generation one after it)."""
 
 
 @dataclass(frozen=True)
@@ -446,7 +493,7 @@ class CheckpointConfig:
     """Directory to save checkpoints to."""
     load: Optional[str] = None
     """Directory to load the latest checkpoint from."""
-    save_interval: Optional[int] = None
+    save_interval: Optional[int] = meta(None, flags=("--save-interval", "--persistent-save-interval"))
     """Save every this many iterations."""
     load_optim: bool = meta(True, flags=("--no-load-optim",), invert=True)
     """Do not load optimizer state."""
@@ -479,6 +526,15 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
     """Take the model shape, tokenizer type and parallel sizes from the flags the --load checkpoint was
     saved with (as Megatron's load_args_from_checkpoint: sizes fill unset flags, switches and parallel sizes win)."""
+    # Megatron-LM's (megatron/training/arguments.py, core_v0.19.0)
+    async_save: bool = False
+    """Write checkpoints in a background process while training goes on (Megatron-LM's flag): training
+    waits only while the state is copied to host memory; the files, their CRCs and fsync are written in
+    the background, the manifest and tracker once every rank's writer has finished (checked at each
+    iteration, waited for before the next save and at exit). Same guarantees as a synchronous save."""
+    use_persistent_ckpt_worker: bool = False
+    """With --async-save: one background writer process for the whole run instead of one per save
+    (Megatron-LM's flag)."""
 
 
 @dataclass(frozen=True)
@@ -496,8 +552,15 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = False
     """Also write iteration time to TensorBoard."""
     # Megatron-DeepSpeed's profiler flags (megatron/profiler.py)
-    profile: Optional[str] = meta(None, choices=("pt", "pt-full"))
-    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks)."""
+    profile: Optional[str] = meta(None, choices=("pt", "pt-full", "window"), nargs="?", const="window")
+    """Record torch profiler traces of --profile_steps into --tensorboard-dir (pt-full: with Python stacks).
+    Given alone (Megatron-LM's switch; "window"): the torch profiler over the steps from --profile-step-start
+    to --profile-step-end instead."""
+    profile_step_start: int = 10
+    """Megatron-LM: with --profile alone, the iteration at which profiling starts: the step after it is the first
+    traced (megatron/training/training.py: iterations [start, end) before their step)."""
+    profile_step_end: int = 12
+    """Megatron-LM: with --profile alone, the iteration at which profiling stops (the last traced step)."""
     profile_steps: str = meta("2,3", flags=("--profile_steps",))
     """`FIRST,LAST`: the training steps of this process to profile, counted from 1, both included."""
     profile_ranks: Optional[list] = meta(None, nargs="+")
@@ -513,6 +576,31 @@ class LoggingConfig:
     """Weights & Biases entity (user or team)."""
     wandb_save_dir: Optional[str] = None
     """Directory for W&B's local run files (default: ./wandb)."""
+    # Megatron-LM's logging flags (megatron/training/config/training_config.py LoggerConfig, read by
+    # megatron/training/training.py training_log and save_checkpoint_and_time, initialize.py setup_logging)
+    log_throughput: bool = False
+    """Add Megatron-LM's `throughput per GPU (TFLOP/s/GPU): X |` to the iteration line, after the time per
+    iteration (model FLOPs of the iteration / its time / GPUs, the value of the line's `TFLOP/s per GPU`)."""
+    log_progress: bool = False
+    """Append Megatron-LM's progress log to --save/progress.txt: a `Starting job` line per job and, after each
+    checkpoint, the job's and the cumulative TFLOP/s per GPU, the model FLOPs and tokens trained so far."""
+    logging_level: Optional[int] = None
+    """Level of Python's logging (10 DEBUG, 20 INFO, 30 WARNING, ...) for the root logger and megatron_ds's
+    loggers, whose records go to stdout (INFO and below) and stderr (default 20, or the environment
+    variable MEGATRON_LOGGING_LEVEL, as Megatron-LM)."""
+    # Megatron-LM's straggler detector (megatron/training/config/resilience_config.py
+    # StragglerDetectionConfig; megatron/core/utils.py StragglerDetector)
+    log_straggler: bool = False
+    """Every --log-interval iterations, rank 0 logs the ranks with the shortest and longest forward time
+    per iteration and the lowest and highest estimated TFLOP/s (Megatron-LM's straggler report)."""
+    disable_straggler_on_startup: bool = False
+    """With --log-straggler: start with the report off; a connection to --straggler-ctrlr-port turns it on."""
+    straggler_ctrlr_port: int = 65535
+    """With --log-straggler: rank 0 listens on this TCP port; each connection (`curl HOST:PORT`) switches
+    the report on or off at the next --log-interval."""
+    straggler_minmax_count: int = 1
+    """With --log-straggler: above 1 (and below the world size), also list this many ranks with the lowest
+    and the highest estimated TFLOP/s."""
 
 
 @dataclass(frozen=True)
@@ -524,7 +612,26 @@ class DeepSpeedConfig:
     """DeepSpeed JSON: ZeRO, buckets, loss-scale knobs. Batch sizes and precision come from the
     command line."""
     zero_stage: Optional[int] = meta(None, choices=(0, 1, 2, 3))
-    """ZeRO stage (default: the JSON's, else 0)."""
+    """ZeRO stage (default: the JSON's, else 0; with Megatron-LM's --use-distributed-optimizer 1)."""
+    # Megatron-LM's data parallel flags (megatron/training/arguments.py, core_v0.19.0), read as DeepSpeed's
+    # (config/layout.py ``engine_from_megatron_lm``); a Megatron-DeepSpeed command line (--deepspeed) ignores them
+    use_distributed_optimizer: bool = False
+    """Megatron-LM: shard the optimizer state over the data parallel ranks, i.e. ZeRO stage 1 (fp32 main
+    weights and gradients, as Megatron keeps them) unless --zero-stage or the JSON names a stage of 1 or more.
+    Megatron-DeepSpeed's DeepSpeed path does not read it."""
+    overlap_grad_reduce: bool = False
+    """Megatron-LM: overlap the gradient reduction with the backward pass: DeepSpeed's "overlap_comm" (ZeRO 1-3)."""
+    overlap_param_gather: bool = False
+    """Megatron-LM: overlap the updated parameters' all-gather with the next forward: DeepSpeed's "overlap_comm"
+    prefetch at ZeRO 3; at ZeRO 1/2 DeepSpeed gathers them at the end of the step (the same values)."""
+    ddp_bucket_size: Optional[int] = None
+    """Megatron-LM: elements per gradient-reduction bucket: DeepSpeed's "reduce_bucket_size"."""
+    use_megatron_fsdp: bool = False
+    """Megatron-LM's FSDP: DeepSpeed ZeRO at the stage --data-parallel-sharding-strategy names (default 3)."""
+    data_parallel_sharding_strategy: Optional[str] = meta(None, choices=("no_shard", "optim", "optim_grads",
+                                                                          "optim_grads_params"))
+    """With --use-megatron-fsdp: what is sharded: no_shard (ZeRO 0), optim (1), optim_grads (2),
+    optim_grads_params (3, Megatron-LM's default)."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from megatron_ds.errors import ConfigError
 _RANGES: tuple = (
     ("optimizer", "lr", 0.0, True, None, False),
     ("optimizer", "min_lr", 0.0, True, None, False),
+    ("optimizer", "decoupled_lr", 0.0, True, None, False),
+    ("optimizer", "decoupled_min_lr", 0.0, True, None, False),
     ("optimizer", "weight_decay", 0.0, True, None, False),
     ("optimizer", "clip_grad", 0.0, True, None, False),
     ("optimizer", "adam_beta1", 0.0, True, 1.0, False),
@@ -40,7 +42,7 @@ _RANGES: tuple = (
     ("training", "exit_interval", 1, True, None, False),
     ("training", "exit_duration_in_mins", 0.0, False, None, False),
     ("training", "eval_interval", 0, True, None, False),
-    ("training", "eval_iters", 0, True, None, False),
+    ("training", "eval_iters", -1, True, None, False),  # -1: none (Megatron-LM validates with eval_iters > 0)
     ("training", "seed", 0, True, None, False),
     ("training", "recompute_num_layers", 1, True, None, False),
     ("training", "max_consecutive_nan_iters", 1, True, None, False),
@@ -80,6 +82,9 @@ _RANGES: tuple = (
     ("checkpoint", "keep_last", 1, True, None, False),
     ("checkpoint", "ckpt_step", 0, True, None, False),
     ("logging", "log_interval", 1, True, None, False),
+    ("logging", "straggler_minmax_count", 1, True, None, False),
+    ("logging", "straggler_ctrlr_port", 0, True, 65535, True),
+    ("training", "manual_gc_interval", 0, True, None, False),
     # BERT / T5 data
     ("masked_lm", "mask_prob", 0.0, True, 1.0, True),
     ("masked_lm", "short_seq_prob", 0.0, True, 1.0, True),
@@ -267,6 +272,24 @@ def check_learning_rate(o) -> None:
         raise ConfigError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are both set; choose one")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if o.decoupled_lr is not None:
+        floor, name = (o.min_lr, "--min-lr") if o.decoupled_min_lr is None else (o.decoupled_min_lr, "--decoupled-min-lr")
+        if floor > o.decoupled_lr:
+            raise ConfigError(f"{name} {floor} is above --decoupled-lr {o.decoupled_lr} (the embedding and output "
+                              f"layer's LR decays from --decoupled-lr to --decoupled-min-lr, default --min-lr)")
+
+
+def check_per_token_loss(t, m, sp: int) -> None:
+    """--calculate-per-token-loss scales the language-model loss itself (model/token_loss.py); the MoE
+    auxiliary loss added to it and DeepSpeed-Ulysses' shards are not normalised that way here."""
+    if not t.calculate_per_token_loss:
+        return
+    if any(n > 1 for n in (m.num_experts or (1,))):
+        raise ConfigError("--calculate-per-token-loss with --num-experts > 1 is not supported: the MoE auxiliary "
+                          "loss would be scaled by the global batch's token count; drop one of them")
+    if sp > 1:
+        raise ConfigError(f"--calculate-per-token-loss with --ds-sequence-parallel-size {sp} is not supported; "
+                          "drop one of them")
 
 
 def check_activation(m) -> None:
@@ -313,9 +336,26 @@ def check_profile(lg) -> None:
         return
     if lg.tensorboard_dir is None:
         raise ConfigError(f"--profile {lg.profile} writes its traces to --tensorboard-dir; pass one")
+    if lg.profile == "window":
+        if not 0 <= lg.profile_step_start < lg.profile_step_end:
+            raise ConfigError(f"--profile-step-start {lg.profile_step_start} --profile-step-end {lg.profile_step_end}: "
+                              f"expected 0 <= start < end")
+        return
     steps = lg.profile_steps.split(",")
     if len(steps) != 2 or not all(v.strip().isdigit() for v in steps) or not 1 <= int(steps[0]) <= int(steps[1]):
         raise ConfigError(f"--profile_steps {lg.profile_steps}: expected FIRST,LAST with 1 <= FIRST <= LAST")
     bad = [r for r in lg.profile_ranks or () if not r.isdigit()]
     if bad:
         raise ConfigError(f"--profile-ranks {' '.join(bad)}: expected global rank numbers")
+
+
+def check_async_save(ckpt, template: dict | None) -> list[str]:
+    """--async-save and --use-persistent-ckpt-worker (Megatron-LM's): the notes to print; a DeepSpeed
+    JSON that picks another checkpoint engine (DataStates, itself asynchronous) is refused, since the
+    background save writes through megatron_ds's own."""
+    if ckpt.async_save and (template or {}).get("datastates_ckpt") not in (None, False):
+        raise ConfigError("--async-save writes checkpoints through megatron_ds's background writer; the DeepSpeed "
+                          "JSON's \"datastates_ckpt\" block picks DataStates' checkpoint engine instead: drop one")
+    if ckpt.use_persistent_ckpt_worker and not ckpt.async_save:
+        return ["--use-persistent-ckpt-worker has no effect without --async-save (as in Megatron-LM)"]
+    return []

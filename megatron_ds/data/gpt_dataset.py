@@ -203,11 +203,16 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_split(split: str) -> list[float]:
-    """'949,50,1' (or '949/50/1', or '1') -> three fractions summing to 1; missing parts are 0."""
+    """'949,50,1' (or '949/50/1', or '1') -> three fractions summing to 1; missing parts are 0.
+
+    The numbers are read as Megatron-LM reads them (megatron/core/datasets/blended_megatron_dataset_config.py
+    ``parse_and_normalize_split``: ``re.findall(r"[.0-9]+", split)``), so quotes a launch script passes
+    literally (NVIDIA's Llama 3 example: ``--split "'99,1,0'"``) or spaces ("969, 30, 1") are skipped."""
     text = str(split)
-    sep = "," if "," in text else "/"
+    unquoted = text.replace("'", "").replace('"', "")
+    sep = "," if "," in unquoted else "/"
     try:
-        parts = [float(p) for p in text.split(sep)]
+        parts = [float(p) for p in unquoted.split(sep) if p.strip()]
     except ValueError:
         raise ValueError(f"--split {text!r} is not a list of numbers like '949,50,1'") from None
     parts = (parts + [0.0, 0.0])[:3]

@@ -29,6 +29,7 @@ from torch import nn
 from megatron_ds.model.liger import HiddenForLoss, fused_linear_loss, use_fused_linear_loss
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.model.norms import build_norm
+from megatron_ds.model.param_groups import EMBEDDING_OR_OUTPUT
 from megatron_ds.model.transformer import hidden_dropout, split_activation
 from megatron_ds.parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from megatron_ds.parallel.cross_entropy import masked_token_loss, vocab_parallel_cross_entropy
@@ -100,6 +101,8 @@ class LanguageModelEmbedding(nn.Module):
         init = init_method_normal(init_method_std)
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, hidden_size, tp_group=tp_group,
                                                       init_method=init, params_dtype=params_dtype, device=device)
+        # --decoupled-lr's parameter (model/param_groups.py); the tied output layer's copy is this class too
+        setattr(self.word_embeddings.weight, EMBEDDING_OR_OUTPUT, True)
         self.position_embeddings = None
         if max_position_embeddings is not None:
             # Initialized like the tensor parallel layers (fp32 on the CPU generator, then moved), so
@@ -166,6 +169,7 @@ class OutputLayer(nn.Module):
             hidden_size, padded_vocab_size, tp_group=tp_group, bias=False, gather_output=False,
             init_method=init_method_normal(init_method_std), sequence_parallel=sequence_parallel,
             params_dtype=params_dtype, device=device, async_grad_comm=async_grad_comm)
+        setattr(self.output_layer.weight, EMBEDDING_OR_OUTPUT, True)  # --decoupled-lr's (model/param_groups.py)
 
     def forward(self, inputs) -> torch.Tensor:
         hidden, _, moe_loss = split_activation(inputs)
@@ -194,8 +198,16 @@ class FinalNorm(nn.Module):
         return with_moe_loss(self.final_layernorm(hidden), moe_loss)
 
 
+Z_LOSS_COEFF = 1e-4
+"""--use-z-loss's coefficient: the Swallow fork of Megatron-LM hard-codes it (okoge-kaz/Megatron-LM,
+megatron/core/tensor_parallel/cross_entropy.py at commit 306f6def6ad8fddb0a76fc8eda6f47ba784314db:
+``log_Z = torch.log(sum_exp_logits) + logits_max; z_loss = 1e-4 * log_Z * log_Z; loss = loss + z_loss``
+per token, before the loss mask's mean; the flag: megatron/training/arguments.py at commit
+239e20902509a30d0ffad24b4f2fccd56841998a, ``--use-z-loss``, store_true), PaLM's value."""
+
+
 def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
-                sp_group=None, report=None, moe_loss_coeff: float = 0.0) -> torch.Tensor:
+                sp_group=None, report=None, moe_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
@@ -212,9 +224,18 @@ def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None,
     Mixture of experts: ``output`` is ``(logits, moe_loss)`` and the loss is the language-model loss +
     ``moe_loss_coeff`` x the layers' summed auxiliary losses (Megatron-DeepSpeed's pretrain_gpt.py
     forward_step and loss_func), reported as "lm loss" and "moe loss" (upstream's log names).
+
+    --calculate-per-token-loss: the report's ``token_scale`` turns the mean into the micro-batch's share
+    of the global batch's token mean (``model/token_loss.py``).
+
+    ``z_loss_coeff`` (--use-z-loss: ``Z_LOSS_COEFF``): each token's cross entropy gains that times the
+    square of its logits' log-sum-exp over the whole vocabulary (across the tensor parallel ranks), inside
+    the mean over ``loss_mask`` and the reported "lm loss", as the fork that defines the flag does.
     """
     output, moe_loss = split_moe_loss(output)
-    lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group)
+    lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff)
+    if report is not None and report.token_scale is not None:  # --calculate-per-token-loss (model/token_loss.py)
+        lm = report.token_scale.apply(lm, labels_and_mask[1])
     if moe_loss is None:
         return lm
     moe = moe_loss_coeff * moe_loss.sum()
@@ -229,30 +250,36 @@ def reported_names(moe: bool) -> tuple[str, ...]:
     return ("lm loss", "moe loss", DROP_FRACTION) if moe else ()
 
 
-def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group) -> torch.Tensor:
+def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff) -> torch.Tensor:
     labels, loss_mask = labels_and_mask
     if tp_world_size(sp_group) > 1:
         labels, full_mask, loss_mask = sequence_shard(labels, sp_group), loss_mask, sequence_shard(loss_mask, sp_group)
-        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size) * (
+        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
             loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
-    return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size)
+    return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff)
 
 
-def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size) -> torch.Tensor:
-    """The cross entropy of ``output`` averaged over the tokens ``loss_mask`` keeps."""
+def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) -> torch.Tensor:
+    """The cross entropy (+ z-loss) of ``output`` averaged over the tokens ``loss_mask`` keeps."""
     if isinstance(output, HiddenForLoss):  # liger's fused projection + loss (model/liger.py)
+        if z_loss_coeff > 0:  # config.memory.choose_fused_loss never picks liger with --use-z-loss
+            raise ValueError("liger's fused loss does not add the z-loss: build the model with fused_loss=False")
         return fused_linear_loss(output, labels, loss_mask)
     if output.dtype in (torch.bfloat16, torch.float16):
         # fp32 math a chunk of tokens at a time: no fp32 copy of the [tokens, vocab/tp] logits
-        losses = chunked_vocab_parallel_cross_entropy(output, labels, tp_group, real_vocab_size=vocab_size)
+        losses = chunked_vocab_parallel_cross_entropy(output, labels, tp_group, real_vocab_size=vocab_size,
+                                                      z_loss_coeff=z_loss_coeff)
     else:
-        losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group, vocab_size=vocab_size)
+        losses = vocab_parallel_cross_entropy(output.float(), labels, tp_group, vocab_size=vocab_size,
+                                              z_loss_coeff=z_loss_coeff)
     return masked_token_loss(losses, loss_mask)
 
 
-def language_model_loss_fn(tp_group, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0):
+def language_model_loss_fn(tp_group, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0,
+                           z_loss_coeff: float = 0.0):
     """``language_model_loss`` bound to a model's groups and report: the ``loss_fn`` a pipeline or
     sequential model of a decoder (the GPT, T5) is given."""
     return functools.update_wrapper(functools.partial(language_model_loss, tp_group=tp_group, sp_group=sp_group,
-                                                      report=loss_report, moe_loss_coeff=moe_loss_coeff),
+                                                      report=loss_report, moe_loss_coeff=moe_loss_coeff,
+                                                      z_loss_coeff=z_loss_coeff),
                                     language_model_loss)

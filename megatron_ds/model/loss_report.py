@@ -27,8 +27,11 @@ TRAIN, EVAL = "train", "eval"
 
 
 class LossReport:
-    def __init__(self, names=()):
+    def __init__(self, names=(), token_scale=None):
+        """``token_scale``: the run's ``model.token_loss.GlobalTokenScale`` (--calculate-per-token-loss),
+        which the language-model loss applies and the training loop sets per step; None: none."""
         self.names = tuple(names)
+        self.token_scale = token_scale
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"duplicate names in {self.names}")
         self._index = {name: i for i, name in enumerate(self.names)}

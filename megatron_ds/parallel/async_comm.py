@@ -30,21 +30,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_forward, fp8_input_grad, fp8_weight_grad
+from megatron_ds.parallel.fp8 import Fp8, fp8_forward, fp8_input_grad, fp8_weight_grad
 from megatron_ds.parallel.mappings import start_all_gather_along_first_dim, start_all_reduce, \
     start_reduce_scatter_along_first_dim
 from megatron_ds.parallel.weight_grad import linear_weight_grad, weight_grad_now_or_later
 
 
-def _forward(x, weight, bias, fp8: Fp8Recipe | None):
+def _forward(x, weight, bias, fp8: Fp8 | None):
     return F.linear(x, weight, bias) if fp8 is None else fp8_forward(x, weight, bias, fp8)
 
 
-def _input_grad(grad_out, weight, fp8: Fp8Recipe | None):
+def _input_grad(grad_out, weight, fp8: Fp8 | None):
     return grad_out.matmul(weight) if fp8 is None else fp8_input_grad(grad_out, weight, fp8)
 
 
-def _weight_grad(x, grad_out, fp8: Fp8Recipe | None, weight):
+def _weight_grad(x, grad_out, fp8: Fp8 | None, weight):
     """The weight's gradient now or at a zero-bubble weight pass, or added into its ``main_grad``."""
     if fp8 is not None:
         return weight_grad_now_or_later(weight, lambda: fp8_weight_grad(x, grad_out, fp8))
@@ -105,7 +105,7 @@ class _OverlappedSequenceParallelLinear(torch.autograd.Function):
 
 
 def overlapped_column_linear(x: torch.Tensor, weight: torch.Tensor, bias, group, *, sequence_parallel: bool,
-                             fp8: Fp8Recipe | None = None):
+                             fp8: Fp8 | None = None):
     """ColumnParallelLinear's product at TP > 1 with the overlapped backward, its GEMMs in FP8 with a
     recipe (``parallel.fp8``). Under torch autocast (DeepSpeed's "torch_autocast" block) a Function's
     backward would see mixed dtypes: the caller takes the synchronous path there, as

@@ -10,7 +10,8 @@ Same numbers as the reference up to the order of fp32 summation; the same two al
 micro-batch over the tensor parallel group (the max, then the target logit and the sums).
 
 ``real_vocab_size`` (optional) leaves the padded vocabulary columns ``[real_vocab_size,
-padded)`` out of the softmax entirely (their gradient is zero).
+padded)`` out of the softmax entirely (their gradient is zero). ``z_loss_coeff`` adds the z-loss
+as ``cross_entropy.py`` does (its docstring), from the log-sum-exp already kept.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _chunk_logits(logits: torch.Tensor, rows: slice, real_columns: int | None) -
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, logits, target, group, real_vocab_size, chunk_tokens):
+    def forward(ctx, logits, target, group, real_vocab_size, chunk_tokens, z_loss_coeff):
         local_vocab = logits.shape[-1]
         world = tp_world_size(group)
         start, end = vocab_range(local_vocab * world, tp_rank(group), world)
@@ -67,9 +68,12 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         sums = _all_reduce(sums, group)
         log_sum_exp = logits_max + sums[1].log()
         loss = log_sum_exp - sums[0]
+        if z_loss_coeff > 0:
+            loss = loss + z_loss_coeff * log_sum_exp.square()
 
         ctx.save_for_backward(logits, log_sum_exp, not_mine, local_t)  # the input, not a view of it
         ctx.real_columns, ctx.chunk_tokens, ctx.shape = real_columns, chunk_tokens, logits.shape
+        ctx.z_loss_coeff = z_loss_coeff
         return loss.view(target.shape)
 
     @staticmethod
@@ -83,14 +87,16 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             rows = slice(i, i + ctx.chunk_tokens)
             # d loss / d logit_j = softmax_j - [j == target], times the incoming gradient
             softmax = _chunk_logits(x, rows, ctx.real_columns).sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()
+            if ctx.z_loss_coeff > 0:  # d(c lse^2)/d logit_j = 2 c lse softmax_j
+                softmax.mul_((1.0 + 2.0 * ctx.z_loss_coeff * log_sum_exp[rows]).unsqueeze(-1))
             softmax.scatter_add_(-1, local_t[rows].unsqueeze(-1), -owned[rows].unsqueeze(-1))
             grad[rows] = softmax.mul_(grad_output[rows].unsqueeze(-1))
-        return grad.view(ctx.shape), None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None
 
 
 def chunked_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group,
                                          real_vocab_size: int | None = None,
-                                         chunk_tokens: int | None = None) -> torch.Tensor:
+                                         chunk_tokens: int | None = None, z_loss_coeff: float = 0.0) -> torch.Tensor:
     """Per-token loss (fp32, shape of ``target``) from logits ``[..., vocab/tp]`` (any float dtype)
     holding this rank's slice of the vocabulary; ``target`` holds global ids. The gradient has
     the logits' dtype. ``chunk_tokens`` defaults to ``CHUNK_ELEMENTS // (vocab/tp)``."""
@@ -106,7 +112,7 @@ def chunked_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, ta
     permuted = vocab_parallel_logits.permute(*order, target.dim())
     if order == lead or not permuted.is_contiguous():
         return _ChunkedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, real_vocab_size,
-                                                       chunk)
+                                                       chunk, z_loss_coeff)
     loss = _ChunkedVocabParallelCrossEntropy.apply(permuted, target.permute(*order), tp_group, real_vocab_size,
-                                                   chunk)
+                                                   chunk, z_loss_coeff)
     return loss.permute(*sorted(lead, key=order.__getitem__))

@@ -12,6 +12,11 @@ Vocabulary padding: the embedding is padded to a multiple of `--make-vocab-size-
 rows, so the padded size depends on TP. Given `vocab_size` (the real vocabulary), the columns at
 ids >= vocab_size take no part at all -- not in the max, the softmax sum, label smoothing or the
 gradient -- so the loss is the same for any padding, hence at any TP size.
+
+z-loss (``z_loss_coeff`` c > 0, PaLM's auxiliary loss as the Swallow fork of Megatron-LM adds it, see
+``megatron_ds.model.language_model.Z_LOSS_COEFF``): each token's loss gains ``c * log(Z)^2``, ``log Z``
+the log-sum-exp of its logits over the whole (real) vocabulary, whose gradient ``2 c log(Z) softmax``
+scales the saved softmax; the sums it needs are those of the cross entropy (no further all-reduce).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tens
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, group, label_smoothing, real_vocab_size):
+    def forward(ctx, vocab_parallel_logits, target, group, label_smoothing, real_vocab_size, z_loss_coeff):
         # At least fp32 (half-precision exp/sum over a 50k vocabulary loses too much); float64 stays.
         logits = vocab_parallel_logits.to(torch.promote_types(vocab_parallel_logits.dtype, torch.float32))
         local_vocab = logits.size(-1)
@@ -71,7 +76,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             mean_log_prob = sums[2] / vocab_size - log_sum_exp
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_prob
 
-        ctx.save_for_backward(exp_logits.div_(sum_exp.unsqueeze(-1)), not_mine, local_target)
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        if z_loss_coeff > 0:
+            log_z = log_sum_exp + logits_max  # the unshifted log-sum-exp
+            loss = loss + z_loss_coeff * log_z.square()
+            softmax.mul_((1.0 + 2.0 * z_loss_coeff * log_z).unsqueeze(-1))  # + d(c log_z^2)/d logits
+        ctx.save_for_backward(softmax, not_mine, local_target)
         ctx.smoothing, ctx.vocab_size, ctx.real_local = smoothing, vocab_size, real_local
         ctx.input_dtype = vocab_parallel_logits.dtype
         return loss
@@ -86,14 +96,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         owned = (~not_mine).to(grad.dtype) * (1.0 - ctx.smoothing)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.unsqueeze(-1))
         grad.mul_(grad_output.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group,
-                                 label_smoothing: float = 0.0, vocab_size: int | None = None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                 z_loss_coeff: float = 0.0) -> torch.Tensor:
     """Per-token loss (at least fp32, shape of `target`) from logits [..., padded vocab / tp] holding this
     rank's slice of the vocabulary. `target` holds global ids in [0, vocab_size). `vocab_size`: the
-    real vocabulary; ids at and above it are padding and excluded (None: no padding)."""
+    real vocabulary; ids at and above it are padding and excluded (None: no padding). `z_loss_coeff`:
+    adds that times log(Z)^2 per token (module docstring; 0: none)."""
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(vocab_parallel_logits.shape)} and "
                          f"target {tuple(target.shape)} disagree (expected logits = target shape + [vocab])")
@@ -102,7 +114,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     padded = vocab_parallel_logits.size(-1) * tp_world_size(tp_group)
     if vocab_size is not None and not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_size {vocab_size} must be in (0, {padded}]")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, vocab_size)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, label_smoothing, vocab_size,
+                                            z_loss_coeff)
 
 
 def masked_token_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

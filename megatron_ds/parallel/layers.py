@@ -39,7 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ds.parallel.async_comm import overlap_applies, overlapped_column_linear
-from megatron_ds.parallel.fp8 import Fp8Recipe, fp8_linear
+from megatron_ds.parallel.fp8 import Fp8, Fp8Recipe, fp8_linear
+from megatron_ds.parallel.fp8_delayed import DelayedScaling, drop_fp8_state
 from megatron_ds.parallel.mappings import (
     all_gather_along_first_dim,
     copy_to_tensor_parallel_region,
@@ -89,8 +90,14 @@ def _master_weight_shard(full_shape, partition_dim, stride, init_method, group, 
     return shard.to(dtype=params_dtype, device=device).contiguous()
 
 
+def fp8_gemms(recipe: Fp8Recipe | None, tp_group, device) -> tuple[Fp8Recipe | None, DelayedScaling | None]:
+    """A layer's (recipe, delayed-scaling state): the state, a submodule whose buffers (amax history,
+    scales) are checkpointed with the layer, only under ``--fp8-recipe delayed``."""
+    return recipe, (DelayedScaling(recipe, tp_group, device) if recipe is not None and recipe.granularity == "delayed" else None)
+
+
 def layer_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 fp8: Fp8Recipe | None) -> torch.Tensor:
+                 fp8: Fp8 | None) -> torch.Tensor:
     """The GEMM of a tensor-parallel linear layer on its local operands: FP8 when the layer has a
     recipe, else the (deferrable) ``linear``."""
     return linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, fp8)
@@ -123,7 +130,23 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _Fp8Linear(torch.nn.Module):
+    """A tensor parallel linear layer's FP8: ``fp8`` (the run's recipe, or None) and ``fp8_scaling`` (the
+    delayed-scaling state its checkpoints carry, or None), set by the layer from ``fp8_gemms``."""
+    fp8: Fp8Recipe | None
+    fp8_scaling: DelayedScaling | None
+
+    def _fp8(self) -> Fp8 | None:
+        """What the GEMMs take: the delayed-scaling state when there is one, else the recipe (or None)."""
+        return self.fp8_scaling if self.fp8_scaling is not None else self.fp8
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if self.fp8_scaling is None:
+            drop_fp8_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class ColumnParallelLinear(_Fp8Linear):
     """Y = X A^T + b with A split by rows over the tensor-parallel ranks ("columns" of the
     input-to-output map): each rank computes output_size / tp features.
 
@@ -145,7 +168,7 @@ class ColumnParallelLinear(torch.nn.Module):
         (``parallel.fp8``)."""
         super().__init__()
         self.async_grad_comm = bool(async_grad_comm)  # None (neither flag): off
-        self.fp8 = fp8
+        self.fp8, self.fp8_scaling = fp8_gemms(fp8, tp_group, device)
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True (the output stays split over the tensor-parallel ranks)")
@@ -186,21 +209,21 @@ class ColumnParallelLinear(torch.nn.Module):
         parallel = tp_world_size(self.tp_group) > 1
         if parallel and self.async_grad_comm and overlap_applies(input_, weight):
             output = overlapped_column_linear(input_, weight, bias, self.tp_group,
-                                              sequence_parallel=self.sequence_parallel, fp8=self.fp8)
+                                              sequence_parallel=self.sequence_parallel, fp8=self._fp8())
         elif self.sequence_parallel and parallel and self.fp8 is not None:
             # (synchronous, e.g. --no-async-tensor-model-parallel-allreduce) the gathered sequence is
             # kept for backward here, where _SequenceParallelLinear, whose GEMMs are bf16, re-gathers it
-            output = layer_matmul(gather_from_sequence_parallel_region(input_, self.tp_group), weight, bias, self.fp8)
+            output = layer_matmul(gather_from_sequence_parallel_region(input_, self.tp_group), weight, bias, self._fp8())
         elif self.sequence_parallel and parallel:
             output = _SequenceParallelLinear.apply(input_, weight, bias, self.tp_group)
         else:
-            output = layer_matmul(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias, self.fp8)
+            output = layer_matmul(copy_to_tensor_parallel_region(input_, self.tp_group), weight, bias, self._fp8())
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.tp_group)
         return output, (self.bias if skip_bias_add else None)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_Fp8Linear):
     """Y = X A^T + b with A split by columns (the input features) over the tensor-parallel ranks:
     each rank multiplies its slice of X and the partial outputs are summed (all-reduce, or a
     reduce-scatter along the sequence under sequence parallelism). The bias is replicated and
@@ -215,7 +238,7 @@ class RowParallelLinear(torch.nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None, stride: int = 1,
                  fp8: Fp8Recipe | None = None):
         super().__init__()
-        self.fp8 = fp8  # FP8 GEMMs (parallel/fp8.py) when set
+        self.fp8, self.fp8_scaling = fp8_gemms(fp8, tp_group, device)  # FP8 GEMMs (parallel/fp8.py) when set
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes from a ColumnParallelLinear)")
@@ -240,7 +263,7 @@ class RowParallelLinear(torch.nn.Module):
         """``skip_bias_add``: as ColumnParallelLinear.forward."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_parallel_region(input_, self.tp_group)
-        partial = layer_matmul(input_, self.weight, None, self.fp8)
+        partial = layer_matmul(input_, self.weight, None, self._fp8())
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

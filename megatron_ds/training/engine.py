@@ -20,6 +20,7 @@ from megatron_ds.model.compile_layers import compile_layers, describe_compiled_l
 from megatron_ds.model.kernels import describe_kernels
 from megatron_ds.model.loss_report import LossReport
 from megatron_ds.model.moe_layer import is_moe_model
+from megatron_ds.model.token_loss import GlobalTokenScale
 from megatron_ds.parallel.groups import ParallelState
 from megatron_ds.parallel.layers import ColumnParallelLinear, RowParallelLinear, register_sequence_parallel_grad_hooks
 from megatron_ds.parallel.random import set_parallel_seeds
@@ -143,7 +144,9 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
     # the family's reported terms (BERT: lm loss, sop loss; an MoE GPT: lm loss, moe loss, ...)
-    loss_report = LossReport(family.loss_names(layout))
+    # --calculate-per-token-loss: the scale the loss applies and the loop sets per step (model/token_loss.py)
+    loss_report = LossReport(family.loss_names(layout),
+                             token_scale=GlobalTokenScale() if run.training.calculate_per_token_loss else None)
     model = build_module(run, ps, device, eod_token, loss_report, build=family.build_model)
     optimizer, desc = build_optimizer(model, run.optimizer, device)
     guarded = guards_optimizer(layout.precision, layout.zero_stage)

@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import math
+import os
 import resource
 import sys
 
 import torch
+
+from megatron_ds.errors import ConfigError
+
+# Megatron-LM's environment variable for the default of --logging-level (megatron/training/initialize.py)
+LOGGING_LEVEL_ENV = "MEGATRON_LOGGING_LEVEL"
 
 
 def print_last_rank(*args) -> None:
@@ -28,9 +35,11 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
                    skipped: int, nans: int, samples_per_s: float, tokens_per_s_per_gpu: float,
                    tflops_per_gpu: float, mem_gb: float, consumed_tokens: int | None = None,
                    eta_s: float | None = None, curriculum_seqlen: int | None = None,
-                   reported: dict | None = None) -> str:
+                   reported: dict | None = None, throughput_tflops: float | None = None) -> str:
     """``reported``: the loss function's other named scalars (``model/loss_report.py``), printed after
-    ``lm loss`` as ``| name: value |`` (None values left out)."""
+    ``lm loss`` as ``| name: value |`` (None values left out). ``throughput_tflops`` (--log-throughput):
+    Megatron-LM's field, in its place after the time per iteration (megatron/training/training.py
+    training_log); Megatron-DeepSpeed's lines, and so the parsers of them, never have it."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f" consumed samples: {consumed_samples:12d}",
@@ -39,6 +48,10 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
         parts.append(f" consumed tokens: {consumed_tokens:12d}")
     parts += [
         f" elapsed time per iteration (ms): {elapsed_ms:.1f}",
+    ]
+    if throughput_tflops is not None:
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {throughput_tflops:.1f}")
+    parts += [
         f" learning rate: {lr:.3E}",
         f" global batch size: {global_batch_size:5d}",
     ]
@@ -61,6 +74,44 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, e
     if eta_s is not None:  # after Megatron's fields, so their parsers are unaffected
         parts.append(f" ETA: {datetime.timedelta(seconds=int(eta_s))}")
     return "".join(p + " |" for p in parts)
+
+
+class _ConsoleHandler(logging.Handler):
+    """megatron_ds's log records as Megatron-LM prints its own (``logging.basicConfig``'s format in
+    megatron/training/training.py): INFO and below to stdout, warnings and errors to stderr, each
+    stream looked up when the record comes (a caller may have redirected it since)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's own rule: a failing handler reports, never raises
+            self.handleError(record)
+
+
+def configure_logging(level: int | None, environ=os.environ) -> int:
+    """--logging-level: Megatron-LM's setup_logging (megatron/training/initialize.py) sets the root logger's
+    level from the flag, else from MEGATRON_LOGGING_LEVEL, and prints INFO records by default. Here the same
+    level goes to the root logger (third-party loggers without a level of their own follow it) and to
+    megatron_ds's loggers, whose records get a console handler (added once). Returns the level in force."""
+    if level is None and environ.get(LOGGING_LEVEL_ENV):
+        try:
+            level = int(environ[LOGGING_LEVEL_ENV])
+        except ValueError:
+            raise ConfigError(f"{LOGGING_LEVEL_ENV}={environ[LOGGING_LEVEL_ENV]!r} is not an integer logging "
+                             f"level (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR)") from None
+    ours = logging.getLogger("megatron_ds")
+    if not any(isinstance(h, _ConsoleHandler) for h in ours.handlers):
+        ours.addHandler(_ConsoleHandler())
+    if level is not None:
+        logging.getLogger().setLevel(level)
+    ours.setLevel(logging.INFO if level is None else level)
+    return ours.level
 
 
 def validation_lines(label: str, loss: float, reported: dict | None = None) -> str:

@@ -6,6 +6,8 @@ or --exit-interval, printing Megatron's iteration line every --log-interval iter
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,12 +22,16 @@ from megatron_ds.checkpoint.health import NonFiniteState
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
+from megatron_ds.parallel.fp8_delayed import update_delayed_scaling
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
 from megatron_ds.training.lr_schedule import ConsumedLRSchedule
+from megatron_ds.training.manual_gc import ManualGC
 from megatron_ds.training.profiler import StepProfiler
+from megatron_ds.training.progress_log import ProgressLog
 from megatron_ds.training.seqlen_warmup import SeqlenWarmup
 from megatron_ds.training.signals import StopSignals, agreed_stop
+from megatron_ds.training.straggler import StragglerDetector
 
 
 @dataclass
@@ -36,6 +42,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     nan_iterations: int = 0
     consecutive_nans: int = 0
+    # model FLOPs of every iteration trained so far, across resumes (upstream's num_floating_point_operations_so_far)
+    floating_point_operations_so_far: float = 0.0
     last_loss: float | None = None  # the loss of the latest iteration (NaN/inf too), saved with a checkpoint
     last_checkpoint: str | None = None  # the checkpoint this run loaded or saved last
     finite_since_checkpoint: bool = False  # a finite loss came after last_checkpoint (its weights gave one)
@@ -81,10 +89,45 @@ def _plain_loss(engine, batch, loss_fn):
     return loss_fn(engine(inputs), labels)
 
 
-def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
+def _global_tokens(micro_batches, group, sp: int, device) -> float:
+    """Loss tokens of the global batch: this rank's micro-batches' loss masks (none on a middle pipeline
+    stage, which reads no data) summed over ``group`` (data x sequence parallel ranks; each of a sample's
+    ``sp`` sequence parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
+    local = sum(float(labels[1].float().sum()) for _, labels in micro_batches)
+    total = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    return float(total) / sp
+
+
+@contextlib.contextmanager
+def _per_token(token_scale, engine, data_iter, layout, dp_group):
+    """--calculate-per-token-loss (``model/token_loss.py``): the step's micro-batches read ahead, counted,
+    and the loss scaled for them; yields the iterator to run the step on (the same one without the flag)."""
+    if token_scale is None:
+        yield data_iter
+        return
+    steps = engine.gradient_accumulation_steps()  # changes during a batch-size ramp-up
+    batches = list(itertools.islice(data_iter, steps))
+    tokens = _global_tokens(batches, dp_group, layout.sp, engine.device)
+    with token_scale.scaled(layout.dp * steps, tokens):
+        yield iter(batches)
+
+
+def train_step(engine, data_iter, layout, loss_fn, dp_group, token_scale=None) -> float:
     """One optimizer step over layout.grad_accum_steps micro-batches; returns the mean loss (all DP).
     ``dp_group``: the data parallel ranks, with their DeepSpeed-Ulysses sequence parallel ranks, whose
-    losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged."""
+    losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged.
+    ``token_scale``: --calculate-per-token-loss's (``model/token_loss.py``): the loss is then the global
+    batch's token mean, in the gradients and the value returned. FP8 delayed scaling's amax histories and
+    scales are updated after the step (``parallel/fp8_delayed.py``)."""
+    with _per_token(token_scale, engine, data_iter, layout, dp_group) as it:
+        loss = _train_step(engine, it, layout, loss_fn, dp_group)
+    if layout.fp8 is not None and layout.fp8.granularity == "delayed":
+        update_delayed_scaling(engine.module, dp_group)
+    return loss
+
+
+def _train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
     if layout.use_pipeline:
         return float(engine.train_batch(data_iter=data_iter))
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -102,8 +145,22 @@ def train_step(engine, data_iter, layout, loss_fn, dp_group) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> float:
-    """Mean loss over eval_iters global batches."""
+def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int, token_scale=None) -> float:
+    """Mean loss over eval_iters global batches. --calculate-per-token-loss (``token_scale``): the mean over
+    their loss tokens, as Megatron-LM's evaluate sums the losses and the tokens of every batch."""
+    if token_scale is not None:
+        total = tokens = 0.0
+        for _ in range(eval_iters):
+            batches = list(itertools.islice(data_iter, layout.grad_accum_steps))
+            n = _global_tokens(batches, dp_group, layout.sp, engine.device)
+            with token_scale.scaled(layout.dp * layout.grad_accum_steps, n):
+                total += _evaluate(engine, iter(batches), layout, loss_fn, dp_group, 1) * n
+            tokens += n
+        return total / max(tokens, 1.0)
+    return _evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters)
+
+
+def _evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int) -> float:
     total = 0.0
     if layout.use_pipeline:
         for _ in range(eval_iters):
@@ -165,8 +222,15 @@ class Loop:
     loss_report: LossReport = field(default_factory=LossReport)
     # (state, label, reported means) after each validation line: fine-tuning's per-epoch accuracy (cli/tasks.py)
     after_validation: Callable | None = None
+    # --async-save (checkpoint/async_save.py): called after every iteration with its time in seconds (collective
+    # while a background save is in flight: it finalises the save once written)
+    after_iteration: Callable[[float], None] | None = None
+    progress: ProgressLog | None = None  # --log-progress: a progress.txt line after each save
+    manual_gc: ManualGC = field(default_factory=lambda: ManualGC(False, 0, False))  # --manual-gc
+    straggler: StragglerDetector | None = None  # --log-straggler: reported every --log-interval iterations
     flops: float = field(init=False)  # model FLOPs of one iteration at the final global batch
     warmup: SeqlenWarmup | None = field(init=False)  # the sequence-length warm-up, when the run has one
+    flops_since_report: float = field(init=False, default=0.0)  # the straggler report's FLOPs
 
     def __post_init__(self):
         layout = self.run.layout
@@ -176,6 +240,11 @@ class Loop:
     def _flops(self, seq_length: int) -> float:
         """Model FLOPs of one iteration at ``seq_length``: the model family's count (``ModelFamily.flops``)."""
         return self.run.layout.family.flops(self.run.layout, seq_length)
+
+    def _iteration_flops(self, batch: int, seqlen: int) -> float:
+        """Model FLOPs of an iteration of ``batch`` samples (a ramp-up's) of ``seqlen`` tokens (a warm-up's)."""
+        flops = self.flops if seqlen == self.run.layout.model.seq_length else self._flops(seqlen)
+        return flops * batch / self.run.layout.global_batch_size
 
     def train(self, state: TrainState, train_iter, valid_iter) -> TrainState:
         """Train from ``state`` until the run ends or is stopped early; saves where --save asks."""
@@ -187,19 +256,22 @@ class Loop:
             return state
         if self.warmup is not None:
             train_iter = self.warmup.cut(train_iter)
+        self.manual_gc.start()
         while plan.keep_going(state):
+            began = time.time()
             batch = plan.begin(self.engine, state)
             window.backward_scale = ds_compat.reported_loss_scale(self.engine)  # the step may change it
             if self.warmup is not None:
                 self.warmup.set_length(plan.seqlen)
             if self.profiler is not None:
                 self.profiler.begin()
-            loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group)
+            loss = train_step(self.engine, train_iter, self.run.layout, self.loss_fn, self.dp_group,
+                              self.loss_report.token_scale)
             if self.profiler is not None:
                 self.profiler.end()
             state.iteration += 1
             plan.end(state, batch)
-            self._account(state, loss, window)
+            self._account(state, loss, window, self._iteration_flops(batch, plan.seqlen))
             if self.prune is not None and math.isfinite(loss):
                 self.prune(state)
             if state.iteration % self.run.logging.log_interval == 0 or not plan.keep_going(state):
@@ -207,8 +279,11 @@ class Loop:
                 window = _Window(time.time(), self.engine.skipped_steps)
             # Validation and saving are kept out of the next log line's time per iteration.
             paused = time.time()
+            if self.after_iteration is not None:
+                self.after_iteration(paused - began)
             if self._between_iterations(state, valid_iter):
                 last_saved = state.iteration
+            self._after_step(state)
             if state.exited_early:
                 break
             window.start += time.time() - paused
@@ -227,10 +302,20 @@ class Loop:
         print_rank0(f"exiting before iteration {state.iteration + 1} ({state.stop_reason})")
         return True
 
-    def _account(self, state: TrainState, loss: float, window: _Window) -> None:
-        """Count the iteration's loss; too many NaN/inf losses in a row stop the run."""
+    def _after_step(self, state: TrainState) -> None:
+        """Megatron-LM's post_training_step_callbacks (megatron/training/training.py), in its order: the
+        straggler report every --log-interval iterations, then the --manual-gc-interval collection."""
+        if self.straggler is not None and state.iteration % self.run.logging.log_interval == 0:
+            self.straggler.report(self.flops_since_report, self.run.logging.log_interval)
+            self.flops_since_report = 0.0
+        self.manual_gc.after_step(state.iteration)
+
+    def _account(self, state: TrainState, loss: float, window: _Window, flops: float) -> None:
+        """Count the iteration's loss and FLOPs; too many NaN/inf losses in a row stop the run."""
         if self.run.training.empty_unused_memory_level >= 1 and self.device.type == "cuda":
             torch.cuda.empty_cache()
+        state.floating_point_operations_so_far += flops
+        self.flops_since_report += flops
         window.iterations += 1
         state.last_loss = loss
         if math.isfinite(loss):
@@ -253,6 +338,8 @@ class Loop:
             self.save(state)
         except NonFiniteState as exc:
             raise TrainingStopped(diverged(state, f"training diverged: {exc}")) from None
+        if self.progress is not None:  # upstream: save_checkpoint_and_time, after the save
+            self.progress.saved(state.iteration, state.floating_point_operations_so_far, state.consumed_train_tokens)
 
     def _log(self, state: TrainState, window: _Window, batch: int, seqlen: int) -> None:
         """Megatron's iteration line for the window, and the same scalars to TensorBoard / W&B."""
@@ -265,7 +352,8 @@ class Loop:
         # Megatron prints the mean loss of the iterations since the last line (NaNs excluded)
         mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
         reported, mean_loss = self._reported(mean_loss)
-        flops = self.flops if seqlen == layout.model.seq_length else self._flops(seqlen)  # warm-up: shorter
+        # model TFLOP/s per GPU (upstream's "throughput", megatron/training/training.py training_log)
+        tflops = self._iteration_flops(batch, seqlen) / elapsed / layout.world_size / 1e12
         mlog.print_last_rank(mlog.iteration_line(
             iteration=state.iteration, train_iters=layout.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -274,14 +362,15 @@ class Loop:
             grad_norm=grad_norm, skipped=engine.skipped_steps - window.skipped_before, nans=window.nans,
             samples_per_s=batch / elapsed,
             tokens_per_s_per_gpu=batch * seqlen / elapsed / layout.world_size,
-            tflops_per_gpu=flops * batch / layout.global_batch_size / elapsed / layout.world_size / 1e12,
-            mem_gb=mlog.peak_memory_gb(self.device),
+            tflops_per_gpu=tflops, mem_gb=mlog.peak_memory_gb(self.device),
             eta_s=elapsed * (layout.train_iters - state.iteration),
-            curriculum_seqlen=seqlen if layout.curriculum else None, reported=reported))
+            curriculum_seqlen=seqlen if layout.curriculum else None, reported=reported,
+            throughput_tflops=tflops if lg.log_throughput else None))
         self.tb.scalars(state.iteration, {**reported,
             "lm loss": mean_loss, "learning-rate": lr if lg.log_learning_rate_to_tensorboard else None,
             "grad-norm": grad_norm,
             "iteration-time": elapsed if lg.log_timers_to_tensorboard else None,
+            "throughput": tflops if lg.log_throughput and lg.log_timers_to_tensorboard else None,  # upstream's tag
             "batch-size": batch if lg.log_batch_size_to_tensorboard else None,
             "mem-peak-GB": mlog.peak_memory_gb(self.device) if lg.log_memory_to_tensorboard else None,
             "loss-scale": ds_compat.reported_loss_scale(engine),
@@ -301,7 +390,9 @@ class Loop:
         (signals.agreed_stop). Returns whether a checkpoint was saved."""
         t, ckpt = self.run.training, self.run.checkpoint
         if valid_iter is not None and t.eval_interval and state.iteration % t.eval_interval == 0:
+            self.manual_gc.before_eval()
             self.validate(state, valid_iter, f"iteration {state.iteration}")
+            self.manual_gc.after_eval()
         saving_due = ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0
         stop = agreed_stop(self.stop_signals, self.start_time, t.exit_duration_in_mins, self.device,
                            t.kill_switch_file)
@@ -323,7 +414,8 @@ class Loop:
         if self.warmup is not None:  # evaluation at the full length (megatron/training.py evaluate)
             self.warmup.set_length(layout.model.seq_length)
         with self.loss_report.phase(EVAL):
-            loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters)
+            loss = evaluate(self.engine, data_iter, layout, self.loss_fn, self.dp_group, t.eval_iters,
+                            self.loss_report.token_scale)
         reported, loss = self._reported(loss, EVAL)
         if t.empty_unused_memory_level >= 2 and cuda_runtime():
             torch.cuda.empty_cache()

@@ -64,18 +64,25 @@ class LRSchedule:
         self._apply()
 
     def lr_at(self, step: int) -> float:
+        """The LR of the parameters at --lr / --min-lr (what the iteration line prints, as Megatron-LM logs
+        its default group's) after ``step`` steps."""
+        return self.group_lr_at(step, self.max_lr, self.min_lr)
+
+    def group_lr_at(self, step: int, max_lr: float, min_lr: float) -> float:
+        """The schedule between ``max_lr`` and ``min_lr``: each group's own, as Megatron-LM's
+        OptimizerParamScheduler.get_lr(param_group) takes a group's ``max_lr`` / ``min_lr`` (--decoupled-lr)."""
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+            return max_lr * step / self.warmup_steps
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.decay_style == "inverse-square-root":
             warm = max(self.warmup_steps, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
+            return max(min_lr, max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
         if step > self.decay_steps:
-            return self.min_lr
+            return min_lr
         ratio = (step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def get_lr(self) -> list[float]:
         return [self.lr_at(self.num_steps)]
@@ -84,10 +91,11 @@ class LRSchedule:
         return self.get_lr()
 
     def _apply(self) -> None:
-        lr = self.lr_at(self.num_steps)
         wd = self.weight_decay.at(self.num_steps) if self.weight_decay is not None else None
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            # a group without max_lr / min_lr (all but --decoupled-lr's) follows --lr / --min-lr
+            group["lr"] = self.group_lr_at(self.num_steps, group.get("max_lr", self.max_lr),
+                                           group.get("min_lr", self.min_lr))
             if wd is not None:  # groups of an optimizer saved before wd_mult existed: decay where it decayed
                 group["weight_decay"] = wd * group.get("wd_mult", 1.0 if group["weight_decay"] else 0.0)
 
@@ -145,38 +153,38 @@ class ConsumedLRSchedule(LRSchedule):
         self.num_steps += self._next_increment
         self._apply()
 
-    def _warmup_lr(self, step: int) -> float | None:
+    def _warmup_lr(self, step: int, max_lr: float) -> float | None:
         if self.warmup_tokens is None:
             if self.decay_tokens is not None and self.decay_start_tokens is None and step >= self.warmup_steps:
                 self.decay_start_tokens = self.num_tokens
             if self.warmup_steps > 0 and step <= self.warmup_steps:
-                return self.max_lr * step / self.warmup_steps
+                return max_lr * step / self.warmup_steps
         elif self.warmup_tokens > 0 and self.num_tokens <= self.warmup_tokens:
-            return self.max_lr * self.num_tokens / self.warmup_tokens
+            return max_lr * self.num_tokens / self.warmup_tokens
         return None
 
-    def lr_at(self, step: int) -> float:
-        warm = self._warmup_lr(step)
+    def group_lr_at(self, step: int, max_lr: float, min_lr: float) -> float:
+        warm = self._warmup_lr(step, max_lr)
         if warm is not None:
             return warm
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         by_tokens = self.decay_tokens is not None
         if (self.num_tokens > self.decay_tokens) if by_tokens else (step > self.decay_steps):
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
             if self.warmup_tokens is None:
-                lr = self.max_lr * math.sqrt(max(self.warmup_steps, 1)) / math.sqrt(max(step, 1))
+                lr = max_lr * math.sqrt(max(self.warmup_steps, 1)) / math.sqrt(max(step, 1))
             else:
-                lr = self.max_lr * math.sqrt(max(self.warmup_tokens, 1)) / math.sqrt(max(self.num_tokens, 1))
-            return max(self.min_lr, lr)
+                lr = max_lr * math.sqrt(max(self.warmup_tokens, 1)) / math.sqrt(max(self.num_tokens, 1))
+            return max(min_lr, lr)
         if by_tokens:
             start = self.decay_start_tokens or 0
             ratio = (self.num_tokens - start) / max(self.decay_tokens - start, 1)
         else:
             ratio = (step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "warmup_tokens": self.warmup_tokens, "decay_tokens": self.decay_tokens,

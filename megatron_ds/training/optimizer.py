@@ -22,7 +22,11 @@ APEX_ADAM, TORCH_FUSED_ADAM = "apex.optimizers.FusedAdam", "torch.optim.AdamW(fu
 
 def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     """Returns (optimizer, description). ``settings``: the run's ``OptimizerSettings``."""
-    groups = param_groups(model, settings.weight_decay, moe_groups=settings.create_moe_param_group)
+    # --decoupled-lr: the embedding and output layer weights' groups carry their own peak and floor LR
+    decoupled = None if settings.decoupled_lr is None else (
+        settings.decoupled_lr, settings.min_lr if settings.decoupled_min_lr is None else settings.decoupled_min_lr)
+    groups = param_groups(model, settings.weight_decay, moe_groups=settings.create_moe_param_group,
+                          decoupled_lr=decoupled)
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), SGD
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)

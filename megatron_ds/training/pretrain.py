@@ -20,6 +20,7 @@ from megatron_ds.checkpoint.checkpointing import saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.config.dialect import dialect
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import describe_fp8, fp8_format
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
@@ -33,6 +34,7 @@ from megatron_ds.progress import print_rank0
 from megatron_ds.training import device as devices
 from megatron_ds.training.file_checks import check_load_vocabulary, check_run_files
 from megatron_ds.training.initialize import discover_world
+from megatron_ds.training.log import configure_logging
 from megatron_ds.training.loop import TrainState
 from megatron_ds.training.signals import exit_at_next_interrupt
 
@@ -61,6 +63,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
     check_load_vocabulary(run, tokenizer, family)
     print(run.describe())
+    print("flags read as {}'s: {}".format(*dialect(flags)))
     for note in run.notes:
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")
@@ -103,6 +106,7 @@ def pretrain(flags: Config, ignored: list[str], family: ModelFamily) -> TrainSta
     from megatron_ds.training.trainer import train  # noqa: PLC0415
 
     start_time = time.time()
+    configure_logging(flags.logging.logging_level)  # --logging-level, before the first record
     env = discover_world(use_mpi=flags.parallel.use_mpi, local_rank=flags.parallel.local_rank)
     watch_launcher(env.launcher)  # a worker whose launcher was killed stops instead of training on
     device = devices.select_device(env.local_rank, env.local_world_size)

@@ -6,6 +6,10 @@ records steps A..B inclusive in one trace; ``--profile-ranks`` names the global 
 default); ``pt-full`` adds Python stacks. The trace goes to --tensorboard-dir through
 ``torch.profiler.tensorboard_trace_handler`` (gzipped ``*.pt.trace.json.gz``, read by TensorBoard's
 profiler plugin and by chrome://tracing).
+
+``--profile`` given alone is Megatron-LM's switch (megatron/training/training.py, core_v0.19.0): the steps
+taken at iterations ``--profile-step-start`` to ``--profile-step-end`` - 1 (default 10..11, i.e. steps
+11 and 12 of a fresh run), counted here from this process's first step as above.
 """
 from __future__ import annotations
 
@@ -43,5 +47,8 @@ def step_profiler(logging, rank: int, device_type: str) -> StepProfiler | None:
     ranks = logging.profile_ranks
     if logging.profile is None or (ranks is not None and rank not in {int(r) for r in ranks}):
         return None
-    first, last = (int(v) for v in logging.profile_steps.split(","))
-    return StepProfiler(logging.profile, (first, last), logging.tensorboard_dir, device_type)
+    if logging.profile == "window":  # Megatron-LM's --profile: the steps after iterations [start, end)
+        first, last, kind = logging.profile_step_start + 1, logging.profile_step_end, "pt"
+    else:
+        (first, last), kind = (int(v) for v in logging.profile_steps.split(",")), logging.profile
+    return StepProfiler(kind, (first, last), logging.tensorboard_dir, device_type)

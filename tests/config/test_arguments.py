@@ -69,8 +69,8 @@ def test_several_misspelt_flags_in_one_line(capsys):
 
 def test_unsupported_flag_says_what_to_do(capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--use-distributed-optimizer"])
-    assert "use --zero-stage 1" in capsys.readouterr().err
+        parse_args(["--num-experts-switch", "8"])
+    assert "--num-experts N --topk 1" in capsys.readouterr().err
 
 
 def test_inverted_booleans_and_defaults():

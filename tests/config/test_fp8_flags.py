@@ -39,6 +39,14 @@ def _recipe(*flags) -> Fp8Recipe | None:
     (("--fp8-format", "e4m3", "--fp8-recipe", "rowwise"), Fp8Recipe("e4m3", "rowwise")),
     (("--fp8-hybrid", "--fp8-margin", "2", "--no-fp8-wgrad", "--fp8-interval", "4", "--fp8-amax-history-len", "1",
       "--fp8-amax-compute-algo", "max"), Fp8Recipe("hybrid", margin=2, wgrad=False)),
+    # Megatron-LM's --fp8-format without --fp8-recipe: its default, delayed (TransformerConfig.fp8_recipe)
+    (("--fp8-format", "hybrid"), Fp8Recipe("hybrid", "delayed")),
+    # NVIDIA's examples/llama/train_llama3_8b_h100_fp8.sh, as written
+    (("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+      "--fp8-param-gather"), Fp8Recipe("hybrid", "delayed", amax_history_len=1024, amax_compute_algo="max")),
+    (("--fp8-e4m3", "--fp8-recipe", "delayed", "--fp8-margin", "1"), Fp8Recipe("e4m3", "delayed", margin=1)),
+    # Megatron-DeepSpeed's spelling with a history: the history is delayed scaling's
+    (("--fp8-hybrid", "--fp8-amax-history-len", "16"), Fp8Recipe("hybrid", "delayed", amax_history_len=16)),
 ])
 def test_flags_make_the_recipe(flags, recipe):
     assert _recipe(*flags) == recipe
@@ -60,15 +68,27 @@ def test_dry_run_states_recipe_layers_and_memory(capsys):
     assert "FP8: off" in _dry_run(capsys)[1]
 
 
+def test_dry_run_says_which_scaling_runs_and_why(capsys):
+    rc, out, _ = _dry_run(capsys, "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                          "--fp8-amax-compute-algo", "max", "--fp8-param-gather")
+    line = next(l for l in out.splitlines() if l.startswith("FP8: "))
+    for says in ("delayed scaling (Megatron-LM's default --fp8-recipe for --fp8-format", "max amax of a history of 1024",
+                 "reduced over tensor and data parallel ranks", "--fp8-param-gather: not made, the weights stay bf16/fp32"):
+        assert rc == 0 and says in line, (says, line)
+    rc, out, _ = _dry_run(capsys, "--fp8-hybrid")
+    line = next(l for l in out.splitlines() if l.startswith("FP8: "))
+    assert "tensorwise current scaling (--fp8-hybrid without --fp8-recipe" in line and "--fp8-recipe delayed" in line
+
+
 @pytest.mark.parametrize("flags,says", [
-    (("--fp8-hybrid", "--fp8-recipe", "delayed"), "use --fp8-recipe tensorwise"),
-    (("--fp8-hybrid", "--fp8-recipe", "mxfp8"), "use --fp8-recipe rowwise"),
-    (("--fp8-e4m3", "--fp8-recipe", "blockwise"), "use --fp8-recipe rowwise"),
+    (("--fp8-hybrid", "--fp8-recipe", "mxfp8"), "use --fp8-recipe delayed (Megatron-LM's default), rowwise"),
+    (("--fp8-e4m3", "--fp8-recipe", "blockwise"), "rowwise (torchao's per-row scales)"),
     (("--fp8-hybrid", "--fp8-recipe", "rowwise"), "use --fp8-format e4m3"),
-    (("--fp8-hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"), "a history of 1"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "1024"),
+     "use --fp8-recipe delayed or drop it"),
+    (("--fp8-format", "hybrid", "--fp8-amax-history-len", "0"), "must be >= 1"),
     (("--fp8-e4m3", "--fp8-hybrid"), "choose one"),
     (("--fp8-format", "e4m3", "--fp8-hybrid"), "pass one of them"),
-    (("--fp8-hybrid", "--transformer-impl", "transformer_engine"), "--transformer-impl local with --fp8-hybrid"),
 ])
 def test_unavailable_recipes_are_refused_in_one_line(capsys, flags, says):
     rc, _, err = _dry_run(capsys, *flags)

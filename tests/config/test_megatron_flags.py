@@ -25,8 +25,7 @@ _BERT_T5 = "BERT and T5"
 _INDEX = "--data-cache-path"
 
 # Accepted at the value that turns the feature off (the one a dense script passes); others refused.
-AT_OFF_VALUE = {"--transformer-impl": ("transformer_engine", "--transformer-impl local with --fp8-hybrid"),
-                "--remote-device": ("cpu", "offload_param"),
+AT_OFF_VALUE = {"--remote-device": ("cpu", "offload_param"),
                 "--recompute-method": ("block", "invalid choice")}
 
 # no effect in Megatron-DeepSpeed's own DeepSpeed path either, or a CUDA kernel choice with no counterpart
@@ -55,6 +54,8 @@ IGNORED = {
     "--no-initialization", "--mmap-warmup", "--no-save-optim", "--embedding-weights-in-fp32",
     # DistributedAttention at sequence parallel size 1 is the local attention
     "--force-ds-sequence-parallel",
+    # Transformer Engine's layers compute the same transformer; megatron_ds's own run (either value accepted)
+    "--transformer-impl",
 }
 
 # flag -> what the one-line refusal must say (the feature, or the flag to use instead)
@@ -73,7 +74,7 @@ REFUSED = {
     "--random-ltd": "drop it", "--data-efficiency-curriculum-learning": "--curriculum-learning-legacy",
     "--inference": "tools/evaluate.py", "--lazy-mpu-init": "drop it",
     "--standalone-embedding-stage": "--pipeline-partition-method", "--aml-data-download-path": "--data-path",
-    "--return-data-index": "drop it", "--use-distributed-optimizer": "--zero-stage 1",
+    "--return-data-index": "drop it",
     **{f: _INDEX for f in ("--train-idx-path", "--train-desc-path", "--train-doc-idx-path", "--train-sample-idx-path",
                            "--train-shuffle-idx-path")},
     "--adlr-autoresume": "--exit-duration-in-mins", "--init-method-xavier-uniform": "--init-method-std",

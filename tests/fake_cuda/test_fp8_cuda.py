@@ -19,6 +19,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
     # hybrid: forward E4M3 x E4M3, input gradient E5M2 grad x E4M3 weight, weight gradient E5M2 grad x E4M3 input
     (Fp8Recipe("hybrid"), [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E4M3)]),
     (Fp8Recipe("e4m3", "rowwise"), [(E4M3, E4M3)] * 3),
+    # delayed scaling: the layers' stored scales (buffers on cuda), the same GEMMs
+    (Fp8Recipe("hybrid", "delayed", amax_history_len=4, amax_compute_algo="max"),
+     [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E4M3)]),
 ])
 def test_fp8_layers_run_scaled_mm_on_cuda(gpu, monkeypatch, recipe, operands):
     calls = []
@@ -40,6 +43,14 @@ def test_fp8_layers_run_scaled_mm_on_cuda(gpu, monkeypatch, recipe, operands):
         assert out.device.type == "cuda" and out.dtype == torch.bfloat16
         assert x.grad.dtype == torch.bfloat16 and column.weight.grad.dtype == torch.bfloat16
         assert column.weight.grad.device.type == "cuda" and row.weight.grad.shape == (64, 128)
+        if recipe.granularity == "delayed":
+            from megatron_ds.parallel.fp8_delayed import update_delayed_scaling
+
+            update_delayed_scaling(torch.nn.ModuleList([column, row]), dp_group=None)
+            for layer in (column, row):  # (fake tensors hold no values: their numbers are the CPU tests')
+                state = layer.fp8_scaling
+                assert state.scale.device.type == state.amax_history.device.type == "cuda"
+                assert state.scale.shape == (3,) and state.amax_history.shape == (4, 3)
     # forward: column then row; backward: row's two GEMMs, then column's
     got = [(a, b) for a, b, *_ in calls]
     assert got == [operands[0], operands[0], *operands[1:], *operands[1:]], got

@@ -74,12 +74,14 @@ def _cli_failing_on_rank1(rank, world_size, argvs, fragment):
     return cli_many(rank, world_size, argvs)
 
 
-def test_write_error_on_one_rank_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("background", [[], ["--async-save"]], ids=["synchronous", "async_save"])
+def test_write_error_on_one_rank_stops_every_rank(tmp_path, background):
     """Two data parallel ranks under ZeRO-1 write their own optimizer shard; rank 1's disk fails (EIO)
     while writing its shard of global_step2. Rank 0 has nothing to fail on: it must not wait for rank 1
-    forever, and both say the same line."""
+    forever, and both say the same line. With --async-save rank 1's background writer fails; both ranks
+    stop with the same line once they find the save finished (after iteration 3, which trained meanwhile)."""
     save = str(tmp_path / "ckpt")
-    argv = SMALL_GPT + ["--train-iters", "3", "--save", save, "--save-interval", "1", "--zero-stage", "1"]
+    argv = SMALL_GPT + ["--train-iters", "3", "--save", save, "--save-interval", "1", "--zero-stage", "1", *background]
     shard = "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     results = run_distributed(_cli_failing_on_rank1, 2, [argv], shard, timeout=900)
     [(rc0, _, err0)], [(rc1, out1, err1)] = results
@@ -90,7 +92,8 @@ def test_write_error_on_one_rank_stops_every_rank(tmp_path):
                         rf"about \S+ \S+\); removed the partial {save}/global_step2; the previous checkpoint "
                         rf"{save}/global_step1 is intact: check the filesystem \(or choose another --save\) and "
                         rf"resume with --load {save}", err0.strip().splitlines()[-1]), err0
-    assert [it for it, _ in iterations(out1)] == [1, 2]  # the last rank prints the iteration lines
+    # the last rank prints the iteration lines
+    assert [it for it, _ in iterations(out1)] == ([1, 2, 3] if background else [1, 2])
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")

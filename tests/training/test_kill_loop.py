@@ -2,12 +2,15 @@
 whole job -- torchrun and its workers -- killed at random moments, inside saves too, then the same
 command again with --load = --save. Every restart must resume from the newest complete checkpoint
 (found here by reading the manifests, independently of the code under test) and print the losses of
-the uninterrupted run; the last one finishes. One process, and pipeline parallel 2.
+the uninterrupted run; the last one finishes. One process, pipeline parallel 2, and pipeline parallel 2
+with --async-save (kills land in the snapshot, in the background writers' files, in the manifest and
+tracker written once they finished; the reference run saves nothing, synchronously or not).
 
 Also: torchrun alone killed -- its workers notice and stop at once, saving nothing.
 
 Losses are compared as printed (see tests/training/test_signals.py: identical floats print alike).
 """
+import functools
 import json
 import os
 import random
@@ -26,9 +29,26 @@ from tests.training.test_signals import Job
 ITERS = 12
 ARGS = SMALL_GPT + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS), "--hidden-dropout", "0.1",
                     "--attention-dropout", "0.1", "--save-interval", "1"]  # a save every iteration: kills land in them
-LAYOUTS = {"one_process": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+PERSISTENT = "--use-persistent-ckpt-worker"
+ASYNC = ["--async-save"]  # Megatron-LM's background save (checkpoint/async_save.py): a writer forked per save
+LAYOUTS = {"one_process": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+           "pp2_async_save": (2, ["--pipeline-model-parallel-size", "2", *ASYNC])}
 KILLS = 3  # per layout: each launch costs ~7 s of start-up on two busy cores
+HANDED_OVER = re.compile(r"^saving checkpoint at iteration \d+ to \S+ in the background", re.M)
 LOADED = re.compile(r"^loaded checkpoint \S+/global_step(\d+) \(iteration (\d+)\)$", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def _straight(nproc: int, extra: tuple) -> dict:
+    losses = dict(printed_losses(nproc, [*ARGS, *extra]))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return losses
+
+
+def straight_losses(nproc: int, extra) -> dict:
+    """The uninterrupted run's losses: the same flags on gloo processes of this session (no launcher
+    start-up), without --async-save (a background save must not change a loss); once per layout."""
+    return _straight(nproc, tuple(flag for flag in extra if flag not in (*ASYNC, PERSISTENT)))
 
 
 def _torchrun(nproc):
@@ -53,16 +73,24 @@ def _steps(ckpt: Path) -> set:
     return {int(m.group(1)) for d in ckpt.glob("global_step*") if (m := re.fullmatch(r"global_step(\d+)", d.name))}
 
 
-def _kill_at_a_random_moment(job: Job, ckpt: Path, rng: random.Random) -> str:
+def _kill_at_a_random_moment(job: Job, ckpt: Path, rng: random.Random, background: bool = False) -> str:
     """SIGKILL to the job's whole process group: during start-up / loading, during training, or just
     as a new checkpoint folder appears (inside DeepSpeed's writes, the config, the manifest or the
-    tracker update)."""
-    moment = rng.choice(["start-up", "training", "save", "save"])
+    tracker update). ``background`` (--async-save): or within 50 ms of a save's hand-over to the writers
+    (inside their files, or the manifest and tracker written once they answered)."""
+    moment = rng.choice(["start-up", "training", "save", "save"] + (["background"] * 2 if background else []))
     if moment == "start-up":
         time.sleep(rng.uniform(0.5, 6.0))
     elif _training(job):
         if moment == "training":
             time.sleep(rng.uniform(0.0, 0.6))
+        elif moment == "background":
+            handed = len(HANDED_OVER.findall(job.out_path.read_text()))
+            deadline = time.time() + 30
+            while len(HANDED_OVER.findall(job.out_path.read_text())) == handed and job.proc.poll() is None \
+                    and time.time() < deadline:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.05))
         else:
             before = _steps(ckpt)
             deadline = time.time() + 30
@@ -112,9 +140,7 @@ def _check_segment(out: str, expected_start: int, straight: dict, what: str) -> 
 def test_kill_loop_resumes_from_the_newest_complete_step(tmp_path, layout):
     nproc, extra = LAYOUTS[layout]
     command = _torchrun(nproc) + [REPO / "pretrain_gpt.py", *ARGS, *extra]
-    # the uninterrupted run: the same flags on gloo processes of this session (no launcher start-up)
-    straight = dict(printed_losses(nproc, [*ARGS, *extra]))
-    assert sorted(straight) == list(range(1, ITERS + 1))
+    straight = straight_losses(nproc, extra)
 
     ckpt = tmp_path / "ckpt"
     same_command = command + ["--save", ckpt, "--load", ckpt]
@@ -123,7 +149,7 @@ def test_kill_loop_resumes_from_the_newest_complete_step(tmp_path, layout):
     for n in range(KILLS):
         expected = newest_complete(ckpt)
         job = Job(same_command, tmp_path, f"killed{n}")
-        moment = _kill_at_a_random_moment(job, ckpt, rng)
+        moment = _kill_at_a_random_moment(job, ckpt, rng, background=ASYNC[0] in extra)
         _check_segment(job.out_path.read_text(), expected, straight, f"seed {seed}, kill {n} ({moment})")
     expected = newest_complete(ckpt)
     rc, out, err = Job(same_command, tmp_path, "last").finish()
@@ -205,3 +231,60 @@ def test_killing_the_torchrun_that_hosts_the_store_leaves_one_line_per_rank(tmp_
                         r"without saving\n", err0), err0
     assert rc != 0 and re.search(r"^error: a collective in the training loop at iteration \d+ failed", err1, re.M), err1
     assert CPP_STACK not in err1, err1[-3000:]
+
+
+SAVING = re.compile(r"^saving checkpoint at iteration (\d+) to \S+ in the background \(training paused [\d.]+ ms to "
+                    r"copy [\d.]+ [KMG]?B of state\)$")
+SAVED = re.compile(r"^saved checkpoint at iteration (\d+) to \S+ \(written in the background in ([\d.]+) s, complete "
+                   r"([\d.]+) s after the snapshot(?:; (\d+) iterations? trained meanwhile at ([\d.]+) ms each "
+                   r"\(([\d.]+) ms each before the save\))?\)$")
+ELAPSED = re.compile(r"^ iteration\s+(\d+)/.*\| elapsed time per iteration \(ms\): ([\d.]+) \|")
+
+
+def _check_save_lines(out: str, saved_every: int) -> None:
+    """Every save is announced, then completed; the iterations the completion line counts are the
+    iteration lines printed in between, at the mean time those lines print (one process: the same clock)."""
+    lines = out.splitlines()
+    started = {int(m.group(1)): n for n, line in enumerate(lines) if (m := SAVING.match(line))}
+    assert sorted(started) == list(range(saved_every, ITERS + 1, saved_every)), out[-3000:]
+    for n, line in enumerate(lines):
+        if not line.startswith("saved checkpoint"):
+            continue
+        m = SAVED.match(line)
+        assert m, line
+        iteration, writing, complete = int(m.group(1)), float(m.group(2)), float(m.group(3))
+        assert 0 <= writing <= complete + 0.01, line
+        between = [float(e.group(2)) for x in lines[started[iteration]:n] if (e := ELAPSED.match(x))]
+        if m.group(4) is None:
+            assert between == [] and iteration == ITERS, line  # the last save, waited for at the end
+            continue
+        assert int(m.group(4)) == len(between) > 0, (line, between)
+        mean = sum(between) / len(between)
+        # the line's time runs from the loop's top to the iteration's end, the iteration line's from
+        # the previous line's end to this line: they differ by the printing of one line (well under 2 ms)
+        assert abs(float(m.group(5)) - mean) <= 2.0 + 0.05 * mean, (line, between)
+        assert float(m.group(6)) > 0
+
+
+@pytest.mark.slow
+def test_async_save_trains_as_without_it_and_says_what_it_cost(tmp_path):
+    """One process, --async-save with a writer forked per save and with the persistent writer (and
+    --keep-last 2): the losses are the uninterrupted synchronous run's, every checkpoint kept is complete
+    and verifies, and each save's line says how long it was written in the background and how long the
+    iterations meanwhile took."""
+    from megatron_ds.checkpoint.integrity import verify
+    from tests.distributed import run_distributed
+    from tests.training.cli import cli_many
+
+    straight = straight_losses(1, [])
+    runs = {"forked": ASYNC, "persistent": [*ASYNC, PERSISTENT, "--keep-last", "2"]}
+    argvs = [[*ARGS, "--save", str(tmp_path / name), "--save-interval", "3", *flags] for name, flags in runs.items()]
+    [results] = run_distributed(cli_many, 1, argvs, timeout=600)
+    for name, (rc, out, err) in zip(runs, results):
+        assert rc == 0, err[-3000:]
+        assert dict(iterations(out)) == straight, name
+        _check_save_lines(out, 3)
+        ckpt = tmp_path / name
+        assert (ckpt / TRACKER).read_text() == str(ITERS)
+        kept = [9, 12] if "--keep-last" in runs[name] else [3, 6, 9, 12]  # --keep-last 2 after the last completed
+        assert sorted(_steps(ckpt)) == kept and [verify(str(ckpt / f"global_step{it}")) for it in kept] == [None] * len(kept)

@@ -56,8 +56,19 @@ def test_profile_ranks_and_defaults(tmp_path):
             step_profiler(_run(tmp_path, "--profile", "pt").logging, 0, "cpu").last) == (2, 3)  # upstream's "2,3"
 
 
+def test_megatron_lm_switch_profiles_its_iteration_window(tmp_path):
+    # megatron/training/training.py (Megatron-LM core_v0.19.0): the profiler starts at iteration == start and
+    # stops once iteration == end, the iteration counting the steps already taken: steps start+1 .. end
+    window = step_profiler(_run(tmp_path, "--profile", "--profile-step-start", "1", "--profile-step-end", "3").logging,
+                           0, "cpu")
+    assert (window.first, window.last) == (2, 3) and not window.profiler.with_stack
+    default = step_profiler(_run(tmp_path, "--profile").logging, 0, "cpu")
+    assert (default.first, default.last) == (11, 12)  # upstream's defaults 10 and 12
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--profile", "pt", "--profile_steps", "3,2"], "expected FIRST,LAST"),
+    (["--profile", "--profile-step-start", "4", "--profile-step-end", "4"], "expected 0 <= start < end"),
     (["--profile", "pt", "--profile-ranks", "x"], "expected global rank numbers"),
 ])
 def test_bad_profile_flags(tmp_path, argv, message):

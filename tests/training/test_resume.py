@@ -25,6 +25,9 @@ def _run(world, argv):
     ("zero1_dp2", 2, ["--zero-stage", "1"]),
     ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
     ("bf16_pp2", 2, ["--bf16", "--pipeline-model-parallel-size", "2"]),
+    # saved in the background (Megatron-LM's --async-save), waited for at the exit: DeepSpeed's bf16 ZeRO-1
+    # optimizer, whose fp32 partitions are views of flat buffers, copied while training waits
+    ("bf16_zero1_dp2_async_save", 2, ["--bf16", "--zero-stage", "1", "--async-save", "--use-persistent-ckpt-worker"]),
 ])
 def test_resume_equals_straight_run(tmp_path, name, world, extra):
     straight = _run(world, RUN + extra)

@@ -94,3 +94,23 @@ def test_rampup_on_the_plain_engine_matches_the_pipeline_engine():
     # order, so fp32 rounding differs slightly
     for (_, a), (_, b) in zip(pipe["history"], plain["history"]):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_megatron_lm_step_batch_size_schedule_trains_its_sizes_and_resumes(tmp_path):
+    # Megatron-LM's StepBatchsizeNumMicroBatchesCalculator (core_v0.19.0): "0:2 128:4 0.32K:6" at seq 16 is
+    # batch 2 from 0 samples, 4 from 128/16 = 8, 6 from 320/16 = 20; update_train_iters runs while consumed < 30:
+    # consumed 0,2,4,6 -> 2; 8,12,16 -> 4; 20,26 -> 6; 32 >= 30: 9 iterations. Split into words as an unquoted
+    # array expansion passes it (NVIDIA's examples/gpt3 script); quoted, the same.
+    base = TINY_GPT + ["--seq-length", "16", "--train-samples", "30", "--lr-warmup-iters", "0",
+                       "--lr-decay-style", "linear", "--min-lr", "1e-4"]
+    steps = ["--step-batch-size-schedule", "0:2", "128:4", "0.32K:6"]
+    straight = _run(base + steps)
+    assert [r[5] for r in straight["rows"]] == [2, 2, 2, 2, 4, 4, 4, 6, 6]
+    assert [r[2] for r in straight["rows"]] == [2, 4, 6, 8, 12, 16, 20, 26, 32]
+    assert [r[1] for r in straight["rows"]] == [9] * 9
+    ckpt = str(tmp_path / "ckpt")
+    quoted = ["--step-batch-size-schedule", "0:2 128:4 0.32K:6"]
+    first = _run(base + quoted + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "5"])
+    second = _run(base + quoted + ["--load", ckpt, "--save", ckpt, "--save-interval", "100"])
+    assert first["history"] + second["history"] == straight["history"]
+    assert first["rows"] + second["rows"] == straight["rows"]

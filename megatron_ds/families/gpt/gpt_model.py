@@ -24,8 +24,8 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.model.language_model import (FinalNorm, LanguageModelEmbedding, OutputLayer, language_model_loss_fn,
-                                              tied_output_logits)
+from megatron_ds.model.language_model import (Z_LOSS_COEFF, FinalNorm, LanguageModelEmbedding, OutputLayer,
+                                              language_model_loss_fn, tied_output_logits)
 from megatron_ds.model.moe_layer import experts_per_layer
 from megatron_ds.model.pipeline_model import (PARTITION_METHOD, TIED_EMBEDDING_KEY, PipelineModel, SequentialModel,
                                               stage_of_specs)
@@ -131,8 +131,10 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
 
 
 def gpt_loss(model_cfg: ModelConfig, tp_group, sp_group=None, loss_report=None):
-    """The GPT's loss function: the language-model loss, plus the MoE layers' weighted auxiliary loss."""
-    return language_model_loss_fn(tp_group, sp_group, loss_report, model_cfg.moe_loss_coeff)
+    """The GPT's loss function: the language-model loss (with --use-z-loss's z-loss), plus the MoE layers'
+    weighted auxiliary loss."""
+    return language_model_loss_fn(tp_group, sp_group, loss_report, model_cfg.moe_loss_coeff,
+                                  Z_LOSS_COEFF if model_cfg.use_z_loss else 0.0)
 
 
 def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,
