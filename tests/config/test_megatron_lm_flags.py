@@ -162,19 +162,25 @@ def table() -> dict[str, int]:
 DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron-lm-flags.md"
 
 
-def _help(spelling: str) -> str:
+@functools.lru_cache(maxsize=None)
+def _parser():
     from megatron_ds.config.arguments import build_parser  # noqa: PLC0415
 
-    action = build_parser()._option_string_actions[spelling]
+    return build_parser()
+
+
+def _help(spelling: str) -> str:
+    action = _parser()._option_string_actions[spelling]
     return " ".join((action.help or "").replace("|", "/").split())
 
 
 def flags_page() -> str:
     """The page, from the collected flags and this tree's answers."""
     rows = []
+    answers = {spelling: (got, line) for spelling, _, got, line in _outcomes()}
     for group, flags, values in FLAGS:
         spelling = flags[0]
-        got, line = outcome([spelling, *values])
+        got, line = answers[spelling]
         if spelling in MEGATRON_LM_VALUES:
             _, accepted, note, refusal = MEGATRON_LM_VALUES[spelling]
             what = (f"accepted at {' or '.join(accepted)}" + (f" ({note})" if note else "")
