@@ -182,7 +182,24 @@ def _write_once(parent: int, job: Job, snapshot: Snapshot, conn) -> None:
     conn.send(write(job, snapshot, snapshot.fd))
 
 
-class ForkedWriter:
+class _Writer:
+    """What both writers share: ``process`` (a ``_Child``), ``conn`` (its answers), ``job`` (the save in hand)."""
+    process: _Child | None
+    conn: object
+    job: Job | None
+
+    def done(self) -> bool:
+        return self.conn.poll() or not self.process.is_alive()
+
+    def _answer(self) -> dict:
+        """The save's files and time, or its error (the writer's own, or that it died)."""
+        try:
+            return self.conn.recv()
+        except EOFError:
+            return _died(self.process, self.job.ckpt_dir)
+
+
+class ForkedWriter(_Writer):
     """One process per save, forked with the snapshot's memory file open."""
 
     def __init__(self):
@@ -194,14 +211,8 @@ class ForkedWriter:
         self.process = _Child(_write_once, (os.getpid(), job, snapshot, child))
         child.close()
 
-    def done(self) -> bool:
-        return self.conn.poll() or not self.process.is_alive()
-
     def result(self) -> dict:
-        try:
-            answer = self.conn.recv()
-        except EOFError:
-            answer = _died(self.process, self.job.ckpt_dir)
+        answer = self._answer()
         self.process.join()
         self.conn.close()
         return answer
@@ -228,7 +239,7 @@ def _serve(parent: int, conn) -> None:
         conn.send(answer)
 
 
-class PersistentWriter:
+class PersistentWriter(_Writer):
     """--use-persistent-ckpt-worker: one process for every save of the run, forked by ``start``."""
 
     def __init__(self):
@@ -242,14 +253,8 @@ class PersistentWriter:
         self.conn.send((job, snapshot))
         send_handle(self.conn, snapshot.fd, self.process.pid)
 
-    def done(self) -> bool:
-        return self.conn.poll() or not self.process.is_alive()
-
     def result(self) -> dict:
-        try:
-            answer = self.conn.recv()
-        except EOFError:
-            answer = _died(self.process, self.job.ckpt_dir)
+        answer = self._answer()
         self.job = None
         return answer
 

@@ -59,11 +59,6 @@ IGNORED_FLAGS: dict[str, int] = {
 # flag -> what to do instead
 UNSUPPORTED_FLAGS: dict[str, tuple[int, str]] = {}
 
-# Megatron-DeepSpeed flags of features we do not have, accepted at the value that turns them off
-# (upstream scripts pass it explicitly): flag -> (nargs, off value, what to do instead).
-OFF_VALUE_FLAGS: dict[str, tuple[str, str, str]] = {}
-
-
 # --- the rest of Megatron-DeepSpeed's megatron/arguments.py (deepspeedai/Megatron-DeepSpeed,
 # commit 4efb479; tests/config/megatron_flags.py transcribes it). Comments name the upstream file that says so.
 _NEVER_READ = "Megatron-DeepSpeed declares it but never reads it"
@@ -176,11 +171,15 @@ REFUSED_FLAGS.update({flag: (-1, f"{family} are not part of megatron_ds, which p
                                  f"models; drop the flag")
                       for family, flags in _OTHER_FAMILIES.items() for flag in flags.split()})
 
-# flag -> (nargs, off value, what to do instead); as OFF_VALUE_FLAGS
-OFF_VALUE_MORE: dict[str, tuple[str, str, str]] = {
+# Flags accepted at the values that mean what megatron_ds does, others refused: flag -> (nargs, the accepted
+# values (the first is a bare "?" flag's), what an accepted value means here or None, the refusal) -- Megatron-
+# LM's (config/megatron_lm_flags.py) and Megatron-DeepSpeed's features we do not have, at the value that turns
+# them off (upstream scripts pass it explicitly)
+ACCEPTED_VALUES: dict[str, tuple[int | str, tuple[str, ...], str | None, str]] = {
+    **MEGATRON_LM_VALUES,
     # pretrain_gpt.py passes it to deepspeed.zero.Init (ZeRO-3 initialisation on a remote device)
-    "--remote-device": ("?", "none", "ZeRO-3 initialisation on a remote device is not supported; use "
-                                     "\"offload_param\" in the DeepSpeed JSON"),
+    "--remote-device": ("?", ("none",), None, "ZeRO-3 initialisation on a remote device is not supported; use "
+                                              "\"offload_param\" in the DeepSpeed JSON"),
 }
 # Why each IGNORED_FLAGS flag changes nothing (the rest: a CUDA fusion or performance knob)
 _CHECKPOINTING = "a DeepSpeed activation-checkpointing option; recomputation here is torch's checkpoint"
@@ -282,19 +281,11 @@ class _Unsupported(argparse.Action):
         parser.error(f"{option_string}: {reason}")
 
 
-class _OffValue(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        _, off, reason = {**OFF_VALUE_FLAGS, **OFF_VALUE_MORE}[option_string]
-        given = values if isinstance(values, list) else [values]
-        if any(v != off for v in given):
-            parser.error(f"{option_string} {' '.join(given)}: {reason} ({option_string} {off} is accepted)")
-
-
 class _AcceptedValues(argparse.Action):
-    """A Megatron-LM flag taken at the values that mean what megatron_ds does (``MEGATRON_LM_VALUES``)."""
+    """A flag taken at the values that mean what megatron_ds does (``ACCEPTED_VALUES``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        _, accepted, note, refusal = MEGATRON_LM_VALUES[option_string]
+        _, accepted, note, refusal = ACCEPTED_VALUES[option_string]
         given = values if isinstance(values, list) else [values]
         if any(v not in accepted for v in given):
             parser.error(f"{option_string} {' '.join(given)}: {refusal} ({option_string} {' or '.join(accepted)} "
@@ -378,21 +369,18 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         nargs = "*" if nvals < 0 else nvals
         parser.add_argument(flag, action=_Unsupported, nargs=nargs, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
-    for flag, (nvals, _, _, _) in MEGATRON_LM_VALUES.items():
-        parser.add_argument(flag, action=_AcceptedValues, nargs=nvals if nvals != 1 else None,
+    for flag, (nvals, accepted, _, _) in ACCEPTED_VALUES.items():
+        parser.add_argument(flag, action=_AcceptedValues, nargs=nvals if nvals != 1 else None, const=accepted[0],
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for flag in MEGATRON_LM_REFUSED:  # refused whatever follows: the values are never unrecognized arguments
         parser.add_argument(flag, action=_Unsupported, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for flag, (nargs, off, _) in {**OFF_VALUE_FLAGS, **OFF_VALUE_MORE}.items():
-        parser.add_argument(flag, action=_OffValue, nargs=nargs, const=off, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS)
     return parser
 
 
 def describe_ignored(flags) -> str:
     """The ignored flags with why each changes nothing, for the start-up warning and --dry-run."""
     reasons = {**_IGNORED_REASONS, **{f: why for f, (_, why) in {**IGNORED_WITH_REASON, **MEGATRON_LM_IGNORED}.items()},
-               **{f: note for f, (_, _, note, _) in MEGATRON_LM_VALUES.items() if note}}
+               **{f: note for f, (_, _, note, _) in ACCEPTED_VALUES.items() if note}}
     return "; ".join(f"{f} ({reasons.get(f, 'a CUDA fusion or performance knob with no counterpart here')})"
                      for f in flags)
 

@@ -59,7 +59,9 @@ def zero_stage(flags: Config, template_stage: int | None, notes: list[str]) -> i
     if named is None:
         notes.append(f"ZeRO stage {wanted}: {why} (Megatron-LM's sharding, as DeepSpeed ZeRO)")
         return wanted
-    if (named < wanted) if d.use_distributed_optimizer and not d.use_megatron_fsdp else named != wanted:
+    # the distributed optimizer shards at least the optimizer state (ZeRO >= 1); FSDP's strategy names one stage
+    conflict = named != wanted if d.use_megatron_fsdp else named < wanted
+    if conflict:
         raise ConfigError(f"{why} shards as ZeRO stage {wanted}, but --zero-stage / the DeepSpeed JSON says {named}; "
                           f"drop one of them")
     return named
