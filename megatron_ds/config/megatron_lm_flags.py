@@ -136,9 +136,6 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--muon-coefficient-type= --muon-num-ns-steps= --muon-tp-mode= --muon-extra-scale-factor= '
       '--muon-scalar-optimizer= --lion-beta1= --lion-beta2='),
     (IGNORED,
-      'read only with --qk-layernorm, which is refused',
-      '--apply-wd-to-qk-layernorm'),
-    (IGNORED,
       'read only with --context-parallel-size > 1, which is refused',
       '--hierarchical-context-parallel-sizes=+ --max-seqlen-per-dp-cp-rank= --cp-comm-type=+'),
     (IGNORED,
@@ -255,15 +252,14 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
     (REFUSED,
       "is not supported: the attention here is Llama/GPT's (rotary or learned positions, optional GQA); "
       'drop it',
-      '--add-qkv-bias --qk-layernorm --qk-l2-norm --qk-clip --qk-clip-alpha= --qk-clip-threshold= '
-      '--attention-output-gate --activation-func-clamp-value= --rotary-interleaved --window-size= '
+      '--qk-l2-norm --qk-clip --qk-clip-alpha= --qk-clip-threshold= '
+      '--attention-output-gate --activation-func-clamp-value= --rotary-interleaved '
       '--window-attn-skip-freq= --no-rope-freq= --mrope-section=+ --quick-geglu'),
     (REFUSED,
-      "RoPE scaling (YaRN, Llama 3.1's) is not supported yet; train at the model's native context with "
-      '--rotary-base',
+      "YaRN RoPE scaling is not supported; Llama 3.1's is --use-rope-scaling, linear is "
+      '--rotary-seq-len-interpolation-factor',
       '--yarn-original-max-position-embeddings= --yarn-beta-fast= --yarn-beta-slow= '
-      '--yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int '
-      '--rotary-seq-len-interpolation-factor= --use-rope-scaling --rope-scaling-factor='),
+      '--yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int'),
     (REFUSED,
       'is not supported; the embedding initialises with --init-method-std',
       '--embedding-init-method-std='),

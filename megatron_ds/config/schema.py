@@ -70,6 +70,31 @@ class ModelConfig:
     """Rotary base frequency."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary embeddings apply to."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (Megatron-LM's flag; HF rope_scaling type "llama3"): frequencies
+    whose wavelength exceeds --rope-scaling-original-max-position-embeddings / low factor are divided by
+    --rope-scaling-factor, those under it / high factor kept, those between interpolated smoothly."""
+    rope_scaling_factor: float = 8.0
+    """--use-rope-scaling: the factor (Megatron-LM's default 8, Llama 3.1's; 32 for Llama 3.2 1B/3B)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """--use-rope-scaling: HF's low_freq_factor (Megatron-LM fixes it at Llama 3.1's 1)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """--use-rope-scaling: HF's high_freq_factor (Megatron-LM fixes it at Llama 3.1's 4)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """--use-rope-scaling: HF's original_max_position_embeddings (Megatron-LM fixes it at Llama 3.1's 8192)."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Linear RoPE scaling (HF rope_scaling type "linear"): positions are divided by this factor."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even with --disable-bias-linear (Qwen2 / Qwen2.5)."""
+    qk_layernorm: bool = False
+    """Normalise each head's query and key (the --normalization kind, one weight of head size shared by
+    the heads) before rotary positions (Qwen3)."""
+    apply_wd_to_qk_layernorm: bool = False
+    """--qk-layernorm: apply weight decay to the query/key norms' weights (Megatron-LM's flag; off: they
+    join the no-decay group as the other norms)."""
+    window_size: Optional[str] = None
+    """Megatron-LM's sliding-window attention "(left,right)" (Mistral: its sliding_window - 1, 0). Accepted
+    where the window covers --seq-length (it then masks nothing); refused otherwise."""
     apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
     """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
     compile_layers: Optional[bool] = meta(None, flags=("--compile-layers",), off_flags=("--no-compile-layers",))
