@@ -14,6 +14,7 @@ DeepSpeed classes its optimizer states contain, instead of unpickling arbitrary 
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -292,6 +293,21 @@ def load_checkpoint(engine, settings, *, signature: dict, family: ModelFamily, p
         if not recorded:
             health.check_state(engine, path)
     return (0 if settings.finetune else iteration), client
+
+
+def pretrained_start(settings, log=print):
+    """--pretrained-checkpoint: ``settings`` (the parsed CheckpointConfig) loading that checkpoint as
+    --finetune when --load holds none, as Megatron-LM's load_checkpoint falls back to it (training/
+    checkpointing.py: ``checkpoint_exists`` is the tracker file); else ``settings`` unchanged."""
+    pretrained, load = settings.pretrained_checkpoint, settings.load
+    if pretrained is None or (load and os.path.isfile(os.path.join(load, TRACKER))):
+        return settings
+    if not os.path.isfile(os.path.join(pretrained, TRACKER)):
+        raise ConfigError(f"no checkpoint in --load {load} nor in --pretrained-checkpoint {pretrained} "
+                          f"(neither has {TRACKER})")
+    log(f"no checkpoint in --load {load}: starting from --pretrained-checkpoint {pretrained} (weights only, "
+        f"iteration 0, as --finetune)")
+    return dataclasses.replace(settings, load=pretrained, finetune=True)
 
 
 def saved_flags(settings, log=print) -> dict | None:

@@ -548,6 +548,11 @@ class CheckpointConfig:
     """Load this checkpoint directory of --load (global_stepN, as DeepSpeed names them; same as --ckpt-step N)."""
     exit_on_missing_checkpoint: bool = False
     """If --load holds no checkpoint (a path typo), exit instead of training from scratch."""
+    pretrained_checkpoint: Optional[str] = None
+    """Megatron-LM's: where --load holds no checkpoint (no latest_checkpointed_iteration.txt), start from this
+    one's weights as --finetune does (iteration 0, no optimizer or RNG state); once the run has saved into
+    --load, the same command resumes from there. Continual pretraining's resubmittable job: --load and
+    --save the run's directory, --pretrained-checkpoint the imported model."""
     use_checkpoint_args: bool = False
     """Take the model shape, tokenizer type and parallel sizes from the flags the --load checkpoint was
     saved with (as Megatron's load_args_from_checkpoint: sizes fill unset flags, switches and parallel sizes win)."""

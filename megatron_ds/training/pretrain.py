@@ -16,7 +16,7 @@ import time
 import torch
 
 from megatron_ds.accelerator import on_cuda
-from megatron_ds.checkpoint.checkpointing import saved_flags
+from megatron_ds.checkpoint.checkpointing import pretrained_start, saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
@@ -44,6 +44,7 @@ def prepare(flags: Config, ignored: list[str], *, world_size: int, device_type: 
     """The one resolution, for --dry-run and training alike: the tokenizer (its vocabulary sizes the
     model), the ``Run`` of ``family``'s model, and the checks only DeepSpeed can make (its version,
     its JSON parser). ``gpu_memory``: the training GPU's bytes (``resolve``'s)."""
+    flags = dataclasses.replace(flags, checkpoint=pretrained_start(flags.checkpoint, log=log))
     saved = saved_flags(flags.checkpoint, log=log)  # --use-checkpoint-args
     # its tokenizer type may be the checkpoint's too (resolve takes the rest, with a note per value)
     flags_used = apply_checkpoint_args(flags, saved)[0]

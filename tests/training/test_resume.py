@@ -92,15 +92,23 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
 
 
 def test_finetune_loads_weights_and_restarts_at_iteration_one(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+    """--finetune; then Megatron-LM's --pretrained-checkpoint, continual pretraining's resubmittable job:
+    the first job finds no checkpoint in --load and starts as --finetune from the pretrained one, the
+    next resumes from what the first saved in --load -- together the uninterrupted --finetune run."""
+    ckpt, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
     trained = _run(1, RUN + ["--save", ckpt])
     fresh = _run(1, RUN + ["--train-iters", "2"])
-    tuned = _run(1, RUN + ["--train-iters", "2", "--load", ckpt, "--finetune"])
-    assert [it for it, _ in tuned] == [1, 2]
+    tuned = _run(1, RUN + ["--train-iters", "3", "--load", ckpt, "--finetune"])
+    assert [it for it, _ in tuned] == [1, 2, 3]
     # --finetune restarts the data at sample 0, which the loaded weights were trained on for 10 steps:
     # their loss there is clearly below a fresh model's (~0.2 nats here; run-to-run noise is 0)
     assert tuned[0][1] < fresh[0][1] - 0.05
     assert trained[0] == fresh[0]  # same seed, same first batch: the comparison is like for like
+
+    job = RUN + ["--train-iters", "3", "--load", run_dir, "--save", run_dir, "--pretrained-checkpoint", ckpt]
+    first = _run(1, job + ["--exit-interval", "2"])
+    assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert first + _run(1, job) == tuned
 
 
 class _Payload:
