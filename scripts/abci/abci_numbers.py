@@ -7,7 +7,8 @@
 
 A script's flags are the ones its DRY_RUN passes: the script runs under bash with DRY_RUN=1 and an
 entry point that only records its arguments -- no scheduler, no module loads, placeholder input
-files -- at the node count of its own header. The vocabulary is GPT-2's (the scripts' tokenizer).
+files -- at the node count of its own header. The vocabulary is GPT-2's (the scripts' tokenizer; Llama 3's
+for the llama3 scripts).
 Places: in a script, the lines after the one ending in MARKER; in the docs, the code block between
 ``<!-- abci_numbers.py: [VAR=value ...] SCRIPT -->`` and ``<!-- /abci_numbers.py -->``.
 """
@@ -35,8 +36,11 @@ PLACEHOLDERS = ("data/gpt2/gpt2-vocab.json", "data/gpt2/gpt2-merges.txt",
                 "data/tinystories/tinystories_train_text_document.bin",
                 "data/tinystories/tinystories_train_text_document.idx",
                 "data/bert/bert-large-uncased-vocab.txt", "data/bert/bert_text_sentence.bin",
-                "data/bert/bert_text_sentence.idx")
+                "data/bert/bert_text_sentence.idx", "hf/Llama-3.1-8B/tokenizer.json",
+                "checkpoints/llama3.1_8b_hf/latest_checkpointed_iteration.txt",
+                "data/llama3/corpus_text_document.bin", "data/llama3/corpus_text_document.idx")
 BERT_VOCAB_SIZE = 30522  # bert-large-uncased's vocab.txt, the BERT scripts' default vocabulary
+LLAMA3_VOCAB_SIZE = 128256  # Llama 3's tokenizer.json (128,000 BPE tokens + 256 special), the llama3 scripts'
 RECORD_ARGV = "import json, os, sys\njson.dump(sys.argv[1:], open(os.environ['NUMBERS_ARGV'], 'w'))\n"
 WIDTH = 100
 
@@ -79,7 +83,7 @@ def resolved(argv: list[str], script: str = ""):
     bert, t5 = "bert" in name, "_t5_" in name
     # T5: the BERT vocabulary plus [BOS], [EOS] (which bert-large's vocab.txt lacks) and the sentinels
     vocab = BERT_VOCAB_SIZE + 2 + flags.masked_lm.vocab_extra_ids if t5 else BERT_VOCAB_SIZE if bert else \
-        GPT2_VOCAB_SIZE
+        LLAMA3_VOCAB_SIZE if "llama3" in name else GPT2_VOCAB_SIZE
     run = resolve(flags, world_size=flags.world_size, vocab_size=vocab, ignored=ignored,
                   family=get_family("t5" if t5 else "bert" if bert else "gpt"))
     return run, memory.gpu_memory_bytes(flags.gpu_memory_gb)

@@ -44,6 +44,12 @@ SPECIFIC = {
                                "--untie-embeddings-and-output-weights": None,
                                "--ffn-hidden-size": "11008", "--num-layers": "32",
                                "--hidden-size": "4096"},
+    "abci3_h200_llama3.1_8b_cpt.sh": {"--bf16": None, "--pretrained-checkpoint": None, "--use-rope-scaling": None,
+                                      "--rope-scaling-factor": "8", "--rotary-base": "500000",
+                                      "--num-query-groups": "8", "--ffn-hidden-size": "14336",
+                                      "--max-position-embeddings": "131072", "--seq-length": "8192",
+                                      "--tokenizer-type": "HuggingFaceTokenizer", "--zero-stage": "2",
+                                      "--no-pipeline-parallel": None, "--micro-batch-size": "2"},
     "abci3_h200_t5_220m.sh": {"--bf16": None, "--num-layers": "12", "--decoder-num-layers": "12",
                               "--seq-length": "512", "--decoder-seq-length": "128", "--vocab-extra-ids": "100",
                               "--tokenizer-type": "BertWordPieceLowerCase"},
@@ -72,7 +78,8 @@ def walltime_minutes(script):
 
 
 def flag_value(argv, flag):
-    return argv[argv.index(flag) + 1]
+    """The value the run takes: the last one given (a later flag overrides an earlier one)."""
+    return argv[len(argv) - argv[::-1].index(flag)]
 
 
 class FakeJob:
@@ -84,15 +91,19 @@ class FakeJob:
         self.local = root / "local"  # node-local scratch ($SGE_LOCALDIR / $PBS_LOCALDIR)
         self.probes = root / "probes"
         for d in (self.work / "data" / "gpt2", self.work / "data" / "tinystories", self.work / "data" / "bert",
-                  self.local, self.probes, root / "bin"):
+                  self.work / "data" / "llama3", self.work / "hf" / "Llama-3.1-8B",
+                  self.work / "checkpoints" / "llama3.1_8b_hf", self.local, self.probes, root / "bin"):
             d.mkdir(parents=True, exist_ok=True)
         # The probe never reads these; the scripts check they exist before launching.
         for name in ("gpt2/gpt2-vocab.json", "gpt2/gpt2-merges.txt",
                      "tinystories/tinystories_train_text_document.bin",
                      "tinystories/tinystories_train_text_document.idx",
                      "bert/bert-large-uncased-vocab.txt", "bert/bert_text_sentence.bin",
-                     "bert/bert_text_sentence.idx"):
+                     "bert/bert_text_sentence.idx", "llama3/corpus_text_document.bin",
+                     "llama3/corpus_text_document.idx"):
             (self.work / "data" / name).write_text("")
+        for name in ("hf/Llama-3.1-8B/tokenizer.json", "checkpoints/llama3.1_8b_hf/latest_checkpointed_iteration.txt"):
+            (self.work / name).write_text("")
         self.module_log = root / "module.calls"
         fake_module = root / "bin" / "module"
         fake_module.write_text(f'#!/bin/sh\necho "$*" >> "{self.module_log}"\n')
@@ -172,6 +183,8 @@ def test_job_script_launches_two_ranks(tmp_path, script):
     for flag in COMMON:
         if flag == "--merge-file" and ("bert" in script or "_t5_" in script):
             continue  # a WordPiece vocabulary is one file
+        if flag in ("--vocab-file", "--merge-file") and "--tokenizer-model" in argv:
+            continue  # a Hugging Face / SentencePiece tokenizer: --tokenizer-model instead
         assert flag in argv, flag
     for flag, value in SPECIFIC[script].items():
         assert flag in argv, flag
