@@ -115,8 +115,8 @@ GPT = ModelFamily(name="gpt", label="GPT", check=check_gpt, count_parameters=cou
                   build_datasets=_gpt_datasets, make_collator=_gpt_collator, flops=gpt_iteration_flops,
                   layer_specs=gpt_checkpoint_specs, loss_names=_loss_names, active_parameters=gpt_active_parameters,
                   universal_checkpoints=True, legacy_unnamed=True,
-                  hf=HFMapping(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral"), import_dir=_import_hf,
-                               export=_export_hf,
+                  hf=HFMapping(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral"),
+                               import_dir=_import_hf, export=_export_hf,
                                architectures="GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
                                              "Qwen3ForCausalLM, MistralForCausalLM or MixtralForCausalLM"),
                   evaluation=EVALUATION, generates=True, quickstart=QUICKSTART)

@@ -107,8 +107,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         mixtral.check_expressible(m)
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
-        raise ConfigError(f"--apply-residual-connection-post-layernorm: {ARCHITECTURES[arch]} cannot express it "
-                          f"(it adds the residual from before the norm)")
+        raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor the Llama-style "
+                          "classes can express it (they add the residual from before the norm)")
     if m.position_embedding_type == "none":
         raise ConfigError(f"--position-embedding-type none: {ARCHITECTURES[arch]} cannot express a model without "
                           f"positions")

@@ -288,3 +288,96 @@ def test_sharded_export_imports_back(imported, tmp_path):
     a, b = (load_consolidated(d, log=lambda *a: None, family=GPT).state_dict for d in (ckpt, str(tmp_path / "again")))
     assert sorted(a) == sorted(b) and all(torch.equal(v, b[k]) for k, v in a.items())
 
+
+
+class _PeakAnon:
+    """The largest anonymous resident memory (/proc/self/status RssAnon: not the page cache of the
+    files read, which the kernel can drop) seen while the block runs, sampled every 2 ms."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.peak = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _now():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._now())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
+def test_a_70b_shaped_model_converts_in_memory_near_one_shard(tmp_path, capfd):
+    """Llama 3 70B's shape at 1/32 of its width: 80 layers, 64 query / 8 key-value heads, SwiGLU
+    3.5x wide, untied (vocabulary cut to 8192): 71M parameters, 284 MB in sharded safetensors of
+    16 MB. Import and export each convert one layer at a time: the extra anonymous memory stays
+    within 4 shards (the writer's pending shard, its serialized copy, a layer read, its conversion),
+    under a quarter of the model, and each shows its progress per layer."""
+    from safetensors.torch import save_file
+
+    shard = 16 * 2**20
+    h, heads, kv, ffn, vocab, layers = 256, 64, 8, 896, 8192, 80
+    hf_dir = str(tmp_path / "hf")
+    transformers.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
+                             rope_parameters={**_LLAMA3, "original_max_position_embeddings": 8192},
+                             tie_word_embeddings=False).save_pretrained(hf_dir)
+    g, d = torch.Generator().manual_seed(0), h // heads
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                       p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+                       p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                       p + "mlp.down_proj.weight": (h, ffn)})
+    total, files, pending, weight_map = 0, 0, {}, {}
+
+    def flush():
+        nonlocal files, pending
+        files += 1
+        save_file(pending, os.path.join(hf_dir, f"model-{files:05d}.safetensors"), metadata={"format": "pt"})
+        weight_map.update({k: f"model-{files:05d}.safetensors" for k in pending})
+        pending = {}
+
+    for name, shape in shapes.items():
+        pending[name] = torch.randn(shape, generator=g) * 0.02
+        total += pending[name].numel() * 4
+        if sum(t.numel() * 4 for t in pending.values()) >= shard:
+            flush()
+    flush()
+    with open(os.path.join(hf_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    del pending
+    capfd.readouterr()
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    with _PeakAnon() as imported_memory:
+        assert from_hf.main(["--hf-dir", hf_dir, "--save", ckpt]) == 0
+    with _PeakAnon() as exported_memory:
+        assert to_hf.main(["--load", ckpt, "--out", out, "--max-shard-size-gb", str(shard / 2**30)]) == 0
+    err = capfd.readouterr().err
+    assert f"import: {layers + 3}/{layers + 3} layers (100%)" in err and f"export: {layers + 3}/{layers + 3} " \
+        "layers (100%)" in err, err
+    assert total > 250 * 2**20
+    for memory in (imported_memory, exported_memory):
+        assert memory.peak - memory.base < 4 * shard, (memory.peak - memory.base) / 2**20
+    from safetensors import safe_open
+
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
+    assert sorted(index) == sorted(shapes)
+    name = "model.layers.79.mlp.down_proj.weight"
+    with safe_open(os.path.join(hf_dir, weight_map[name]), "pt") as a, safe_open(os.path.join(out, index[name]),
+                                                                                  "pt") as b:
+        assert torch.equal(a.get_tensor(name), b.get_tensor(name))
