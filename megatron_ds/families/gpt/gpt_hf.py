@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
+from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
@@ -71,9 +72,10 @@ def architecture_key(name: str) -> str:
 def sliding_window(m: ModelConfig) -> int | None:
     """HF's sliding_window W of --window-size "(W-1,0)" (None: no window; a negative left side is
     Megatron-LM's unbounded one)."""
-    if m.window_size is None:
+    window = window_size(m)
+    if window is None:
         return None
-    left, right = (int(x) for x in m.window_size.strip("()[] ").split(","))
+    left, right = window
     if right != 0:
         raise ConfigError(f"--window-size {m.window_size}: causal models have no right window (HF has none)")
     return None if left < 0 else left + 1

@@ -68,9 +68,15 @@ FIELDS = ("rope_parameters", "head_dim", "tie_word_embeddings", "attention_bias"
 
 
 def _hf_model(name):
+    """The model with random weights everywhere: transformers initializes biases to 0 and norm weights
+    to 1, which would let a swapped q/k bias or q_norm/k_norm pass unseen."""
     torch.manual_seed(0)
-    config = MODELS[name]()
-    return getattr(transformers, CLASSES[name])(config).eval()
+    model = getattr(transformers, CLASSES[name])(MODELS[name]()).eval()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if param.dim() == 1:
+                param.copy_((1.0 if pname.endswith("norm.weight") else 0.0) + 0.3 * torch.randn_like(param))
+    return model
 
 
 @pytest.fixture(scope="module")
