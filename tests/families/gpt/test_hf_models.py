@@ -1,6 +1,7 @@
 """Today's open models both ways: Llama 3.1 (rope_scaling "llama3"), Llama 3.2 (tied, factor 32), Qwen2
 (q/k/v biases, rope_theta 1e6, tied), Qwen3 (per-head q/k RMSNorm, head_dim 32 != hidden 64 / 4 heads)
-and Mistral (sliding_window covering the sequence, explicit head_dim). Each is a tiny random
+and Mistral (sliding_window covering the sequence, explicit head_dim), and a Llama with "linear" RoPE
+scaling. Each is a tiny random
 transformers model built here from its config class.
 
 - import (tools/checkpoint/from_hf.py): our model's logits equal transformers' at every position, and
@@ -44,6 +45,8 @@ MODELS = {
     "llama3.1": lambda: transformers.LlamaConfig(**_SMALL, rope_parameters=_LLAMA3, tie_word_embeddings=False),
     "llama3.2": lambda: transformers.LlamaConfig(**_SMALL, rope_parameters={**_LLAMA3, "factor": 32.0},
                                                  tie_word_embeddings=True),
+    "llama-linear": lambda: transformers.LlamaConfig(**_SMALL, rope_parameters={"rope_type": "linear",
+                                                                                "rope_theta": 1e4, "factor": 4.0}),
     "qwen2": lambda: transformers.Qwen2Config(**_SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                               tie_word_embeddings=True, use_sliding_window=False,
                                               sliding_window=4096, max_window_layers=2),
@@ -53,12 +56,13 @@ MODELS = {
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                                   tie_word_embeddings=False),
 }
-CLASSES = {"llama3.1": "LlamaForCausalLM", "llama3.2": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+CLASSES = {"llama3.1": "LlamaForCausalLM", "llama3.2": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 # the flags each import must print for its features (Megatron-LM's spelling)
 FLAGS = {"llama3.1": ["--use-rope-scaling", "--rope-scaling-factor 8", "--rotary-base 500000",
                       "--rope-scaling-original-max-position-embeddings 64", "--untie-embeddings-and-output-weights"],
          "llama3.2": ["--use-rope-scaling", "--rope-scaling-factor 32"],
+         "llama-linear": ["--rotary-seq-len-interpolation-factor 4"],
          "qwen2": ["--add-qkv-bias", "--disable-bias-linear", "--rotary-base 1e+06"],
          "qwen3": ["--qk-layernorm", "--kv-channels 32", "--num-key-value-heads 2"],
          "mistral": [f"--window-size {SEQ - 1},0", f"--seq-length {SEQ}"]}
@@ -135,7 +139,8 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
     for field in ("kv_channels", "num_key_value_heads", "add_qkv_bias", "add_bias_linear", "qk_layernorm",
                   "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings", "rope_theta",
-                  "window_size", "untie_embeddings_and_output_weights", "seq_length", "layernorm_epsilon"):
+                  "rotary_seq_len_interpolation_factor", "window_size", "untie_embeddings_and_output_weights",
+                  "seq_length", "layernorm_epsilon"):
         want_value, got_value = getattr(c.model, field), getattr(printed, field)
         if field == "window_size" and want_value is not None:
             want_value, got_value = hf.sliding_window(c.model), hf.sliding_window(printed)
@@ -167,7 +172,7 @@ TRAIN = ("--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 5 -
          "--log-interval 1 --eval-interval 1000 --eval-iters 1 --num-workers 0 --seed 1234").split()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "qwen2", "qwen3", "mistral"])
 def test_imported_model_trains_alike_at_tp2_pp2(imported, name, tmp_path):
     _, ckpt, text = imported(name)
     base = _printed_flags(text).split() + TRAIN + ["--load", ckpt]
@@ -387,3 +392,60 @@ def test_a_70b_shaped_model_converts_in_memory_near_one_shard(tmp_path, capfd):
     with safe_open(os.path.join(hf_dir, weight_map[name]), "pt") as a, safe_open(os.path.join(out, index[name]),
                                                                                   "pt") as b:
         assert torch.equal(a.get_tensor(name), b.get_tensor(name))
+
+
+# config.json as the hub has them (transformers 4 spelling: rope_theta beside rope_scaling)
+HUB = {
+    "Llama-3.1-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256, tie_word_embeddings=False,
+                         attention_bias=False, mlp_bias=False, hidden_act="silu", torch_dtype="bfloat16",
+                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192, rope_type="llama3")),
+    "Llama-3.2-1B": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256, tie_word_embeddings=True,
+                         rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192, rope_type="llama3")),
+    "Qwen2.5-0.5B": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936, tie_word_embeddings=True,
+                         use_sliding_window=False, sliding_window=32768, max_window_layers=24, rope_scaling=None),
+    "Qwen3-0.6B": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000, vocab_size=151936, tie_word_embeddings=True,
+                       attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=28,
+                       rope_scaling=None),
+    "Mistral-7B-v0.1": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                            rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096, vocab_size=32000,
+                            tie_word_embeddings=False),
+    "Mistral-7B-v0.3": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                            rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, vocab_size=32768,
+                            tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB))
+def test_hub_configs_export_as_transformers_reads_them(name):
+    """A hub config.json read here and written back by the export describes the model transformers
+    reads from the original: every field its layers use, as transformers parses each (AutoConfig)."""
+    d = HUB[name]
+    arch, m = hf.model_config_from_hf(d)
+    assert hf.choose_architecture(m, recorded=hf.ARCHITECTURES[arch]) == arch
+    theirs = transformers.AutoConfig.for_model(**d)
+    ours = hf.hf_config(arch, m, d["vocab_size"], bos=None, eos=None, dtype=torch.float32)
+    assert type(ours) is type(theirs)
+    for field in FIELDS + ("hidden_size", "num_hidden_layers", "num_attention_heads", "layer_types"):
+        want = getattr(theirs, field, None)
+        if field == "head_dim" and want is None:  # Qwen2: hidden / heads
+            want = theirs.hidden_size // theirs.num_attention_heads
+        got = getattr(ours, field, None)
+        if field == "head_dim" and got is None:
+            got = m.kv_channels
+        if field == "rope_parameters":
+            want, got = {k: float(v) if isinstance(v, (int, float)) else v for k, v in want.items()}, \
+                {k: float(v) if isinstance(v, (int, float)) else v for k, v in got.items()}
+        assert got == want, (field, got, want)
+    assert m.seq_length == (4096 if name == "Mistral-7B-v0.1" else d["max_position_embeddings"])
