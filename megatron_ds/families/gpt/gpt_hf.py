@@ -106,7 +106,7 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
                           f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
     if arch == MIXTRAL:
-        mixtral.check_expressible(m)
+        mixtral.check_expressible(m, rope_scaling_problems(m))
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
         raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor the Llama-style "
@@ -152,6 +152,7 @@ def _problems(arch: str, m: ModelConfig) -> list[str]:
         problems.append(f"a GeLU MLP without --swiglu ({name} has SwiGLU)")
     if m.rotary_percent != 1.0:
         problems.append(f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)")
+    problems += rope_scaling_problems(m)
     if m.qk_layernorm != (arch == QWEN3):
         problems.append(f"--qk-layernorm ({name} has no query/key norms)" if m.qk_layernorm else
                         "no --qk-layernorm (Qwen3ForCausalLM normalizes every head's queries and keys)")
@@ -171,6 +172,14 @@ def _problems(arch: str, m: ModelConfig) -> list[str]:
         problems.append(f"--window-size {m.window_size} (LlamaForCausalLM has no sliding window; "
                         f"MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM have)")
     return problems
+
+
+def rope_scaling_problems(m: ModelConfig) -> list[str]:
+    """transformers' ``rope_parameters`` holds one scaling: both of ours at once have no equivalent."""
+    if m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None:
+        return [f"--use-rope-scaling with --rotary-seq-len-interpolation-factor "
+                f"{m.rotary_seq_len_interpolation_factor:g} (rope_parameters has one rope_type)"]
+    return []
 
 
 def _rope_free_problems(name: str, m: ModelConfig) -> list[str]:
@@ -316,7 +325,7 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
         rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
     window = sliding_window(m)
     if arch == MIXTRAL:
-        return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m))
+        return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
     if arch == MISTRAL:
         return transformers.MistralConfig(**llama, sliding_window=window)
     if arch in (QWEN2, QWEN3):  # max_window_layers 0: every layer slides (layer_types from it)
@@ -383,8 +392,8 @@ def _rope_config(d: dict) -> dict:
 
 def _hf_window(d: dict, kind: str) -> int | None:
     """The sliding window a config applies (transformers' defaults where a field is absent), None without."""
-    if kind == MISTRAL:  # MistralConfig: every layer slides when sliding_window is set (default 4096)
-        return d.get("sliding_window", 4096)
+    if kind in (MISTRAL, MIXTRAL):  # every layer slides when sliding_window is set (Mistral's default 4096)
+        return d.get("sliding_window", 4096 if kind == MISTRAL else None)
     if kind not in (QWEN2, QWEN3) or not d.get("use_sliding_window") or d.get("sliding_window") is None:
         return None  # Qwen2Config / Qwen3Config.__post_init__: no window without use_sliding_window
     n, first = d["num_hidden_layers"], d.get("max_window_layers", 28)

@@ -56,7 +56,8 @@ MODELS = {
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                                   tie_word_embeddings=False),
 }
-CLASSES = {"llama3.1": "LlamaForCausalLM", "llama3.2": "LlamaForCausalLM", "llama-linear": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+CLASSES = {"llama3.1": "LlamaForCausalLM", "llama3.2": "LlamaForCausalLM",
+           "llama-linear": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 # the flags each import must print for its features (Megatron-LM's spelling)
 FLAGS = {"llama3.1": ["--use-rope-scaling", "--rope-scaling-factor 8", "--rotary-base 500000",
@@ -261,6 +262,12 @@ def test_export_refuses_what_the_class_cannot_express(imported, tmp_path, capsys
             ("Qwen2ForCausalLM", {"add_qkv_bias": False}, "no --add-qkv-bias"),
             ("Qwen2ForCausalLM", {"add_bias_linear": True}, "biases on the output projection and MLP"),
             ("LlamaForCausalLM", {"add_qkv_bias": False, "window_size": "(31,0)"}, "--window-size (31,0)"),
+            ("Qwen2ForCausalLM", {"use_rope_scaling": True, "rotary_seq_len_interpolation_factor": 2.0},
+             "--use-rope-scaling with --rotary-seq-len-interpolation-factor 2"),
+            ("MixtralForCausalLM", {"num_experts": (4,), "topk": 2, "disable_moe_token_dropping": True,
+                                    "disable_moe_top2_2nd_expert_sampling": True, "qk_layernorm": True},
+             "--add-qkv-bias (Mixtral's attention and experts have none; train with --disable-bias-linear); "
+             "--qk-layernorm"),
             ("GPT2LMHeadModel", {}, "--position-embedding-type rope"),
             ("MixtralForCausalLM", {}, "needs mixture-of-experts layers"),
             ("OPTForCausalLM", {}, "--architecture OPTForCausalLM: one of")):
