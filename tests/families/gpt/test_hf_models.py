@@ -12,7 +12,7 @@ transformers model built here from its config class.
   equal the single-process run's (rtol 2e-5 as tests/families/gpt/test_parity.py: the layouts sum
   the same fp32 numbers in different orders; a few seconds per model); the trained TP x PP
   checkpoint, which no longer records the class it was imported from, exports as the class its
-  features choose (Mistral by its window);
+  features choose (Mistral by its window) with our logits on the trained weights;
 - greedy generation (megatron_ds.inference, with its KV cache) equals transformers' generate token
   for token;
 - what a target cannot express is refused in one line naming the field or flag.
@@ -181,9 +181,16 @@ def test_imported_model_trains_alike_at_tp2_pp2(imported, name, tmp_path):
     save = str(tmp_path / "trained")
     assert layout_losses(train_losses, base, 2, 2, 1, ["--save", save], timeout=600) == pytest.approx(single,
                                                                                                        rel=2e-5)
-    # a trained checkpoint no longer records where it came from: its features choose the class
+    # a trained checkpoint no longer records where it came from: its features choose the class, whose
+    # logits are those of our model with the trained (TP x PP consolidated) weights
     assert to_hf.main(["--load", save, "--out", str(tmp_path / "out")]) == 0
-    assert json.load(open(tmp_path / "out" / "config.json"))["architectures"] == [CLASSES[name]]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(theirs).__name__ == CLASSES[name]
+    _, ours = _ours(save)
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=tokens).logits,
+                                   ours((tokens, torch.arange(SEQ).expand_as(tokens))), **LOGIT_TOL)
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "qwen3", "mistral"])
