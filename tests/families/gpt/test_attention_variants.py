@@ -221,3 +221,30 @@ def test_dry_run_names_the_variants():
     for words in ("head dim 12 (heads x head dim 48 != hidden 32)", "QKV bias", "QK rmsnorm per head (no weight decay)",
                   "RoPE llama3 scaling x32 (low 1, high 4, original 8192 positions)", "RoPE positions / 2 (linear)"):
         assert words in summary
+
+
+@pytest.mark.parametrize("build", [{}, dict(activation_checkpoint_interval=1)])
+def test_compiled_layers_equal_eager_in_one_graph(build):
+    """--compile-layers with the fusions on (--fusions-on-cpu): each layer, q/k norms and scaled tables
+    included, is one graph without breaks (the tables enter it as inputs: their cache key holds the
+    scaling), and a step's loss and gradients are eager's, under full recompute too. aot_eager runs
+    dynamo and AOTAutograd as inductor does, without building C++ (tests/model/test_compile_layers.py
+    runs inductor itself)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_ds.model import compile_layers as cl
+    from tests.model.test_compile_layers import SEQ as COMPILE_SEQ
+    from tests.model.test_compile_layers import TOL, VOCAB, graphs_and_breaks, one_step
+
+    assert COMPILE_SEQ == SEQ
+    cfg = resolve_model_config(ModelConfig(**FEATURES, fusions_on_cpu=True))
+    kw = dict(padded_vocab_size=VOCAB, seed=7, **build)
+    ref_loss, ref_grads = one_step(build_sequential_gpt(cfg, **kw))
+    assert graphs_and_breaks(build_sequential_gpt(cfg, **kw)) == (1, 0)
+    torch._dynamo.reset()
+    model = build_sequential_gpt(cfg, **kw)
+    assert cl.compile_layers(model, backend=CompileCounterWithBackend("aot_eager")) == cfg.num_layers
+    loss, grads = one_step(model)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
