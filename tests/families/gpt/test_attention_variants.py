@@ -201,6 +201,29 @@ def test_built_parameters_equal_the_count():
         assert sum(p.numel() for p in model.parameters()) == run.layout.total_params
 
 
+def test_each_stage_and_tp_rank_holds_the_counted_parameters():
+    """TP 2 x PP 2: each stage's rank builds what the layout counts for it (the QKV bias split with the
+    weight's rows, the q/k norms whole on every rank, the output projection's [heads x head dim / TP ->
+    hidden] shard), as --dry-run's meta-device build compares."""
+    from megatron_ds import ds_compat
+    from megatron_ds.families.gpt.gpt_model import build_stage_gpt
+    from megatron_ds.training.engine import model_kwargs
+
+    run = _run("--num-key-value-heads", "2", "--kv-channels", "12", "--use-rotary-position-embeddings",
+               "--normalization", "rmsnorm", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm",
+               "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    lay = run.layout
+    with ds_compat.fake_process_group(2, 0) as tp_group:
+        for stage in lay.stages:
+            model = build_stage_gpt(lay.model, num_stages=2, stage=stage.stage,
+                                    **model_kwargs(run, tp_group, 0, device="cpu"))
+            assert sum(p.numel() for p in model.parameters()) == stage.params_per_tp_rank
+            shapes = {n.split(".", 1)[1]: p.shape for n, p in model.named_parameters() if "self_attention" in n}
+            assert shapes["self_attention.query_key_value.bias"] == ((4 + 2 * 2) * 12 // 2,)
+            assert shapes["self_attention.q_layernorm.weight"] == (12,)
+            assert shapes["self_attention.dense.weight"] == (32, 4 * 12 // 2)
+
+
 def test_a_window_covering_the_sequence_is_accepted_and_said_to_mask_nothing():
     summary = _run("--window-size", f"({SEQ - 1},0)").describe()
     assert f"window ({SEQ - 1}, 0) covers seq {SEQ}: masks nothing" in summary
