@@ -201,6 +201,29 @@ def test_built_parameters_equal_the_count():
         assert sum(p.numel() for p in model.parameters()) == run.layout.total_params
 
 
+def test_each_stage_and_tp_rank_holds_the_counted_parameters():
+    """TP 2 x PP 2: each stage's rank builds what the layout counts for it (the QKV bias split with the
+    weight's rows, the q/k norms whole on every rank, the output projection's [heads x head dim / TP ->
+    hidden] shard), as --dry-run's meta-device build compares."""
+    from megatron_ds import ds_compat
+    from megatron_ds.families.gpt.gpt_model import build_stage_gpt
+    from megatron_ds.training.engine import model_kwargs
+
+    run = _run("--num-key-value-heads", "2", "--kv-channels", "12", "--use-rotary-position-embeddings",
+               "--normalization", "rmsnorm", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm",
+               "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    lay = run.layout
+    with ds_compat.fake_process_group(2, 0) as tp_group:
+        for stage in lay.stages:
+            model = build_stage_gpt(lay.model, num_stages=2, stage=stage.stage,
+                                    **model_kwargs(run, tp_group, 0, device="cpu"))
+            assert sum(p.numel() for p in model.parameters()) == stage.params_per_tp_rank
+            shapes = {n.split(".", 1)[1]: p.shape for n, p in model.named_parameters() if "self_attention" in n}
+            assert shapes["self_attention.query_key_value.bias"] == ((4 + 2 * 2) * 12 // 2,)
+            assert shapes["self_attention.q_layernorm.weight"] == (12,)
+            assert shapes["self_attention.dense.weight"] == (32, 4 * 12 // 2)
+
+
 def test_a_window_covering_the_sequence_is_accepted_and_said_to_mask_nothing():
     summary = _run("--window-size", f"({SEQ - 1},0)").describe()
     assert f"window ({SEQ - 1}, 0) covers seq {SEQ}: masks nothing" in summary
@@ -221,3 +244,30 @@ def test_dry_run_names_the_variants():
     for words in ("head dim 12 (heads x head dim 48 != hidden 32)", "QKV bias", "QK rmsnorm per head (no weight decay)",
                   "RoPE llama3 scaling x32 (low 1, high 4, original 8192 positions)", "RoPE positions / 2 (linear)"):
         assert words in summary
+
+
+@pytest.mark.parametrize("build", [{}, dict(activation_checkpoint_interval=1)])
+def test_compiled_layers_equal_eager_in_one_graph(build):
+    """--compile-layers with the fusions on (--fusions-on-cpu): each layer, q/k norms and scaled tables
+    included, is one graph without breaks (the tables enter it as inputs: their cache key holds the
+    scaling), and a step's loss and gradients are eager's, under full recompute too. aot_eager runs
+    dynamo and AOTAutograd as inductor does, without building C++ (tests/model/test_compile_layers.py
+    runs inductor itself)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_ds.model import compile_layers as cl
+    from tests.model.test_compile_layers import SEQ as COMPILE_SEQ
+    from tests.model.test_compile_layers import TOL, VOCAB, graphs_and_breaks, one_step
+
+    assert COMPILE_SEQ == SEQ
+    cfg = resolve_model_config(ModelConfig(**FEATURES, fusions_on_cpu=True))
+    kw = dict(padded_vocab_size=VOCAB, seed=7, **build)
+    ref_loss, ref_grads = one_step(build_sequential_gpt(cfg, **kw))
+    assert graphs_and_breaks(build_sequential_gpt(cfg, **kw)) == (1, 0)
+    torch._dynamo.reset()
+    model = build_sequential_gpt(cfg, **kw)
+    assert cl.compile_layers(model, backend=CompileCounterWithBackend("aot_eager")) == cfg.num_layers
+    loss, grads = one_step(model)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
