@@ -134,6 +134,9 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
         sig["relative_attention_num_buckets"] = model.relative_attention_num_buckets  # signatures still match)
     if model.geglu:  # T5's gated GeLU doubles the first MLP matrix, as --swiglu
         sig["geglu"] = True
+    for name in ("add_qkv_bias", "qk_layernorm"):  # parameters of their own (added only when on, as above)
+        if getattr(model, name, False):
+            sig[name] = True
     if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
         sig["decoder_num_layers"] = model.decoder_num_layers
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

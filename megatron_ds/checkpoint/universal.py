@@ -68,6 +68,9 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     replicated = [rf"{layer}({'|'.join(norms)})\.weight$"]
     if signature["normalization"].lower() == "layernorm":
         replicated.append(rf"{layer}({'|'.join(norms)})\.bias$")
+    if signature.get("qk_layernorm"):  # one weight of head size shared by every head: on each TP rank
+        kinds = "(weight|bias)" if signature["normalization"].lower() == "layernorm" else "weight"
+        replicated.append(rf"{layer}self_attention\.(q|k)_layernorm\.{kinds}$")
     if signature["position_embedding_type"] == "learned_absolute":
         replicated.append(r".*position_embeddings\.weight$")
     if bias:

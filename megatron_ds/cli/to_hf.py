@@ -1,6 +1,9 @@
 """Export a megatron_ds checkpoint (any TP/PP/DP/ZeRO/precision) to a Hugging Face transformers
 directory, by the model family that wrote it (``ModelFamily.hf``): GPT2LMHeadModel for GPT-2-style
-models, LlamaForCausalLM for RoPE + SwiGLU + RMSNorm, MixtralForCausalLM with MoE layers;
+models; for RoPE + SwiGLU + RMSNorm the class the checkpoint was imported from where it can express the
+model, else Qwen3ForCausalLM with --qk-layernorm, Qwen2ForCausalLM with --add-qkv-bias alone,
+MistralForCausalLM with --window-size, LlamaForCausalLM otherwise (--architecture chooses);
+MixtralForCausalLM with MoE layers;
 pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
 --apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the
 variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused). Options a
@@ -8,7 +11,7 @@ family's export does not take (BERT and T5: the tokenizer files but their vocab.
 the shard size) change nothing there.
 
     python tools/checkpoint/to_hf.py --load CHECKPOINT_DIR --out HF_DIR [--iteration N] [--dtype bf16]
-        [--from-fp32-masters]
+        [--from-fp32-masters] [--architecture Qwen2ForCausalLM]
 
 Then ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTokenizer`` load it.
 """
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, if it moved since training")
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model / tokenizer.json, if it moved")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file")
+    p.add_argument("--architecture", default=None,
+                   help="GPT family: the transformers class to write (e.g. MistralForCausalLM for a Llama-style "
+                        "model); refused naming what it cannot express (default: see above)")
     return p
 
 
@@ -49,7 +55,7 @@ def main(argv=None) -> int:
     options = ExportOptions(iteration=args.iteration, dtype=args.dtype, vocab_size=args.vocab_size,
                             tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                             tokenizer_model=args.tokenizer_model, from_masters=args.from_fp32_masters,
-                            max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+                            max_shard_bytes=int(args.max_shard_size_gb * 2**30), architecture=args.architecture)
     try:
         family = checkpoint_family(args.load, args.iteration)
         if family.hf is None:

@@ -64,6 +64,7 @@ class ExportOptions:
     tokenizer_model: str | None = None
     from_masters: bool = False
     max_shard_bytes: int = 5 * 2**30
+    architecture: str | None = None  # the transformers class to write (None: the family's rule)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
 from megatron_ds.config import dialect
+from megatron_ds.config.attention import check_attention, describe_attention
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
 from megatron_ds.config.family import ModelFamily
@@ -159,6 +160,9 @@ class Layout:
             f" {activation_name(m)}, vocab {self.vocab_size} padded to {self.padded_vocab_size}",
             f"parameters: {self.total_params / 1e6:,.1f}M total",
         ]
+        attention = describe_attention(m)
+        if attention:
+            lines[2] += f"; attention: {attention}"
         if self.active_params is not None:
             experts = model_experts(m)
             moe = [n for n in experts if n > 1]
@@ -226,10 +230,11 @@ def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     """(parameters split over TP, parameters replicated on each TP rank) of a transformer layer without its
     MLP: attention and the two norms."""
     h, d, bias = m.hidden_size, m.kv_channels, m.add_bias_linear
-    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
-    split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias else 0)
-    norm = 2 * h if m.normalization == "layernorm" else h
-    return split // tp, 2 * norm + (h if bias else 0)  # the row-parallel bias is not split
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d  # heads x kv_channels may differ from h (Qwen3)
+    split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0)
+    per_channel = 2 if m.normalization == "layernorm" else 1
+    qk_norms = 2 * per_channel * d if m.qk_layernorm else 0  # one weight of head size each, on every rank
+    return split // tp, 2 * per_channel * h + qk_norms + (h if bias else 0)  # the row-parallel bias is not split
 
 
 def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -362,6 +367,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     par, t, o = flags.parallel, flags.training, flags.optimizer
     family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
+    check_attention(m, family.causal_attention)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
     dp = world_size // (tp * pp * sp)

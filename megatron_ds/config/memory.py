@@ -225,8 +225,12 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     qkv = 2 * (a + 2 * g) * d / h
     # the fused split + RoPE (fusions.rope_qkv, compiled on the GPU) keeps no rotated copies: its
     # backward needs only cos and sin
-    unfused_rope = m.position_embedding_type == "rope" and layout.sp == 1 and not m.apply_rope_fusion
+    # (--qk-layernorm takes the unfused path: the norms sit between the split and the rotation)
+    unfused_rope = m.position_embedding_type == "rope" and layout.sp == 1 and not (m.apply_rope_fusion
+                                                                                   and not m.qk_layernorm)
     rope = 2 * (a + g) * d / h if unfused_rope else 0.0
+    # --qk-layernorm: each norm keeps its normalised input for the weight's gradient
+    rope += 2 * (a + g) * d / h if m.qk_layernorm else 0.0
     core = 2 * a * d / h * (2 if layout.sp > 1 else 1) + (4 * a / h if recompute != "selective" else 0.0)
     if m.swiglu and m.bias_swiglu_fusion:
         mlp = (4 + 2) * f / h  # the fused SwiGLU keeps its input and recomputes SiLU(gate) in backward

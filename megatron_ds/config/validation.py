@@ -66,6 +66,10 @@ _RANGES: tuple = (
     ("model", "make_vocab_size_divisible_by", 1, True, None, False),
     ("model", "rope_theta", 0.0, False, None, False),
     ("model", "rotary_percent", 0.0, False, 1.0, True),
+    ("model", "rope_scaling_factor", 0.0, False, None, False),
+    ("model", "rope_scaling_low_freq_factor", 0.0, False, None, False),
+    ("model", "rope_scaling_original_max_position_embeddings", 1, True, None, False),
+    ("model", "rotary_seq_len_interpolation_factor", 0.0, False, None, False),
     ("model", "expert_interval", 1, True, None, False),  # mixture of experts
     ("model", "topk", 1, True, None, False),
     ("model", "moe_train_capacity_factor", 0.0, False, None, False),

@@ -254,7 +254,7 @@ def describe_fusions(model_cfg=None) -> str:
         m = model_cfg
         wanted = {"bias_gelu": m.bias_gelu_fusion and not m.swiglu and m.add_bias_linear,
                   "bias_swiglu": m.bias_swiglu_fusion and m.swiglu, "bias_dropout_add": m.bias_dropout_fusion,
-                  "rope": m.apply_rope_fusion and m.position_embedding_type == "rope"}
+                  "rope": m.apply_rope_fusion and m.position_embedding_type == "rope" and not m.qk_layernorm}
         names = [name for name in names if wanted[name]]
         if not names:
             return "off"

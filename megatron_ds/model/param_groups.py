@@ -14,10 +14,16 @@ EMBEDDING_OR_OUTPUT = "is_embedding_or_output_parameter"
 marks the word embedding weight and the untied output layer weight (``model/language_model.py``):
 --decoupled-lr's parameters."""
 
+DECAY = "apply_weight_decay"
+"""An attribute that overrides the split for one parameter (True: decays though 1-D): --qk-layernorm's
+norm weights under --apply-wd-to-qk-layernorm (``model/transformer.py``), which Megatron-LM's
+get_param_groups (megatron/core/optimizer/__init__.py) takes out of the no-decay rule by their names."""
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float, moe_groups: bool = False,
                  decoupled_lr: tuple[float, float] | None = None) -> list[dict]:
-    """Megatron's split: no weight decay on biases and normalization weights (all 1-D tensors).
+    """Megatron's split: no weight decay on biases and normalization weights (all 1-D tensors), unless the
+    parameter's ``DECAY`` attribute says otherwise.
 
     ``decoupled_lr`` (--decoupled-lr, --decoupled-min-lr): the parameters marked ``EMBEDDING_OR_OUTPUT``
     go to groups of their own (after the others, per decay setting) carrying that ``max_lr`` and
@@ -33,7 +39,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, moe_groups: bool =
         if not p.requires_grad:
             continue
         own = decoupled_lr is not None and getattr(p, EMBEDDING_OR_OUTPUT, False)
-        skip_decay = p.ndim == 1 or name.endswith(".bias")
+        skip_decay = not getattr(p, DECAY) if hasattr(p, DECAY) else p.ndim == 1 or name.endswith(".bias")
         ((own_no_decay if own else no_decay) if skip_decay else (own_decay if own else decay)).append(p)
     # wd_mult: what a weight-decay increment schedule scales (Megatron's get_param_groups sets the same key)
     groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},

@@ -7,10 +7,39 @@ Llama checkpoints expect. Only the first ``rotary_percent`` of each head's chann
 Positions are ``0 .. seq-1`` for every sample, as in Megatron: rotary embeddings ignore
 ``position_ids`` (also under ``--reset-position-ids``), which is why no position tensor needs to
 travel between pipeline stages.
+
+Long-context variants (``RopeScaling``): Llama 3.1's frequency scaling (--use-rope-scaling) changes the
+inverse frequencies, linear interpolation (--rotary-seq-len-interpolation-factor) the positions, as
+Megatron-LM's RotaryEmbedding does (megatron/core/models/common/embeddings/rotary_pos_embedding.py:
+``_apply_scaling`` and ``get_freqs_non_repeated``); both may be on at once there and here.
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
+
+
+class RopeScaling(NamedTuple):
+    """What changes the tables besides (length, dim, base): part of their cache key. ``factor`` None:
+    no Llama 3.1 scaling; ``linear`` None: positions as they are."""
+    factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+    linear: float | None = None
+
+
+def rope_scaling(cfg) -> RopeScaling | None:
+    """A ``ModelConfig``'s scaling (None: plain RoPE, the tables' key as before scaling existed)."""
+    if not cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is None:
+        return None
+    return RopeScaling(float(cfg.rope_scaling_factor) if cfg.use_rope_scaling else None,
+                       float(cfg.rope_scaling_low_freq_factor), float(cfg.rope_scaling_high_freq_factor),
+                       int(cfg.rope_scaling_original_max_position_embeddings),
+                       None if cfg.rotary_seq_len_interpolation_factor is None
+                       else float(cfg.rotary_seq_len_interpolation_factor))
 
 
 def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
@@ -26,7 +55,8 @@ _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _MAX_TABLES = 16  # a sequence-length warm-up asks for many lengths: keep the latest ones
 
 
-def rotary_cos_sin(seq_len: int, dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(seq_len: int, dim: int, theta: float, device,
+                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, fp32, shaped ``[seq, 1, 1, dim]`` to broadcast over ``[seq, batch, heads, dim]``.
 
     Computed as plain functions of (length, dim, base) and cached, rather than kept as module
@@ -36,12 +66,12 @@ def rotary_cos_sin(seq_len: int, dim: int, theta: float, device) -> tuple[torch.
     of the layer's graph, where it traces through an lru_cache wrapper and recomputes the tables
     inside every layer's forward (and recompute); ``compile_layers`` fills the entry first.
     """
-    key = (seq_len, dim, float(theta), str(torch.device(device)))
+    key = (seq_len, dim, float(theta), str(torch.device(device)), scaling)
     tables = _TABLES.get(key)
     if tables is None:
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.pop(next(iter(_TABLES)))
-        tables = _TABLES[key] = _cos_sin(seq_len, dim, theta, torch.device(device))
+        tables = _TABLES[key] = _cos_sin(seq_len, dim, theta, torch.device(device), scaling)
     return tables
 
 
@@ -50,9 +80,36 @@ def clear_rotary_tables() -> None:
     _TABLES.clear()
 
 
-def _cos_sin(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """The ``dim / 2`` rotation frequencies, fp32, with Llama 3.1's scaling where ``scaling.factor`` is set:
+    Megatron-LM's ``RotaryEmbedding._apply_scaling`` (from transformers' ``_compute_llama3_parameters``):
+    wavelengths above ``original / low_freq_factor`` slow down by ``factor``, those under ``original /
+    high_freq_factor`` stay, those between blend the two by ``original / wavelength``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    if scaling is None or scaling.factor is None:
+        return inv_freq
+    factor, low, high, original = (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                                   scaling.original_max_positions)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_positions(seq_len: int, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """Positions 0 .. seq-1, fp32; linear interpolation multiplies them by ``1 / scaling.linear`` (Megatron-LM's
+    ``seq *= 1 / self.seq_len_interpolation_factor``)."""
+    seq = torch.arange(seq_len, dtype=torch.float32, device=device)
+    if scaling is not None and scaling.linear is not None:
+        seq *= 1 / scaling.linear
+    return seq
+
+
+def _cos_sin(seq_len: int, dim: int, theta: float, device: torch.device,
+             scaling: RopeScaling | None) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.outer(rotary_positions(seq_len, scaling, device), inverse_frequencies(dim, theta, scaling, device))
     angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
     return angles.cos(), angles.sin()
 

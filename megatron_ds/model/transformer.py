@@ -43,7 +43,8 @@ from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, 
 from megatron_ds.model.kernels import sdpa_supports_gqa
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin, rotary_dim
+from megatron_ds.model.param_groups import DECAY
+from megatron_ds.model.rotary import apply_rotary, rope_scaling, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
@@ -105,6 +106,16 @@ class ParallelAttention(nn.Module):
     rank attends over the whole sequence with 1/SP of this TP rank's key/value groups (and their
     query heads), and a second all-to-all returns the context to the sequence split. RoPE rotates
     before it, at the shard's global positions.
+
+    --add-qkv-bias (Qwen2): the QKV projection has its bias even without --add-bias-linear, laid out
+    (and split over TP) as the weight's rows. --qk-layernorm (Qwen3's q_norm / k_norm, Megatron-LM's
+    ``q_layernorm`` / ``k_layernorm``): each head's query and key are normalised over its ``kv_channels``
+    by one weight shared by every head, after the heads are split and before RoPE (Megatron-LM's
+    ``SelfAttention.get_query_key_value_tensors``, transformers' ``Qwen3Attention.forward``). Each TP rank
+    sees only its heads, so those weights' gradients are partial sums over TP: they are marked
+    ``sequence_parallel`` and summed over the group like the norms under --sequence-parallel
+    (``parallel.layers.register_sequence_parallel_grad_hooks``; Megatron-LM's finalize_model_grads does
+    the same for them).
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
@@ -124,7 +135,7 @@ class ParallelAttention(nn.Module):
         self.recompute_core = recompute_core
         self.rope_dim = (rotary_dim(d, cfg.rotary_percent)
                          if cfg.position_embedding_type == "rope" else None)
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, rope_scaling(cfg)
         self.seq_length = cfg.seq_length  # the whole sequence (all SP ranks' positions): the tables' length
         self.rope_fusion, self.fusions_on_cpu = cfg.apply_rope_fusion, cfg.fusions_on_cpu
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
@@ -133,7 +144,12 @@ class ParallelAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, gather_output=False,
             init_method=init_method_normal(cfg.init_method_std),
-            async_grad_comm=cfg.async_tensor_model_parallel_allreduce, **common)
+            async_grad_comm=cfg.async_tensor_model_parallel_allreduce,
+            **dict(common, bias=cfg.add_bias_linear or cfg.add_qkv_bias))
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (_qk_norm(cfg, partial_grads=tp > 1, params_dtype=params_dtype,
+                                                           device=device) for _ in range(2))
         self.bias_dropout_fusion = cfg.bias_dropout_fusion
         self.dense = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, input_is_parallel=True,
@@ -155,11 +171,14 @@ class ParallelAttention(nn.Module):
         qkv, _ = self.query_key_value(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.kv_channels)
-        if self.rope_dim is not None and self.rope_fusion and use_compiled(qkv, self.fusions_on_cpu):
+        if (self.rope_dim is not None and self.rope_fusion and self.q_layernorm is None
+                and use_compiled(qkv, self.fusions_on_cpu)):
             # one kernel splits and rotates, and its backward writes the QKV gradient in one go
             q, k, v = rope_qkv(True, qkv, *self._rotary_tables(s, qkv.device, kv_cache))
         else:
             q, k, v = split_qkv(qkv)
+            if self.q_layernorm is not None:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
             if self.rope_dim is not None:
                 cos, sin = self._rotary_tables(s, qkv.device, kv_cache)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -186,15 +205,16 @@ class ParallelAttention(nn.Module):
         """Make the training length's cos/sin tables before a compiled forward reads them (where they
         exist, dynamo takes them as graph inputs instead of computing them inside the graph)."""
         if self.rope_dim is not None:
-            rotary_cos_sin(self.seq_length, self.rope_dim, self.rope_theta, self.query_key_value.weight.device)
+            rotary_cos_sin(self.seq_length, self.rope_dim, self.rope_theta, self.query_key_value.weight.device,
+                           self.rope_scaling)
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache is None:
             # under Ulysses this rank holds positions [rank * s, (rank + 1) * s) of the sequence
-            cos, sin = rotary_cos_sin(s * self.sp_size, self.rope_dim, self.rope_theta, device)
+            cos, sin = rotary_cos_sin(s * self.sp_size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
             return cos[self.sp_rank * s:(self.sp_rank + 1) * s], sin[self.sp_rank * s:(self.sp_rank + 1) * s]
         # new positions start at the cache offset; one table for the whole generation
-        cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, device)
+        cos, sin = rotary_cos_sin(kv_cache.max_length, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         return cos[kv_cache.offset:kv_cache.offset + s], sin[kv_cache.offset:kv_cache.offset + s]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -214,6 +234,18 @@ class ParallelAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                                  **extra)
         return out.permute(2, 0, 1, 3)
+
+
+def _qk_norm(cfg: ModelConfig, *, partial_grads: bool, params_dtype: torch.dtype, device) -> nn.Module:
+    """One of --qk-layernorm's norms (``ParallelAttention``): the --normalization kind over a head's
+    channels. ``partial_grads``: its gradient is a partial sum over TP (marked as ``build_norm`` marks the
+    norms under sequence parallelism). --apply-wd-to-qk-layernorm marks its parameters for weight
+    decay (``model/param_groups.py``)."""
+    norm = build_norm(cfg.normalization, cfg.kv_channels, cfg.layernorm_epsilon, sequence_parallel=partial_grads,
+                      params_dtype=params_dtype, device=device, one_plus=cfg.apply_layernorm_1p)
+    for p in norm.parameters():
+        setattr(p, DECAY, cfg.apply_wd_to_qk_layernorm)
+    return norm
 
 
 @torch.compiler.disable

@@ -84,6 +84,10 @@ LAYER_CASES = {
                          "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0",
                          "--fusions-on-cpu"],
     "fp32_residual": ["--fp32-residual-connection"],  # both norms read the fp32 stream
+    # Qwen's QKV bias and per-head q/k norms (before RoPE, unfused), head dim 48 != 256 / 8
+    "open_model": ["--swiglu", "--ffn-hidden-size", "688", "--num-key-value-heads", "2", "--kv-channels", "48",
+                   "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0",
+                   "--add-qkv-bias", "--qk-layernorm", "--no-bias-swiglu-fusion"],
 }
 
 

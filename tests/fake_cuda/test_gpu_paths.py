@@ -21,7 +21,7 @@ from megatron_ds.training.device import select_device
 from megatron_ds.training.engine import build_module
 from megatron_ds.training.optimizer import build_optimizer
 from tests.fake_cuda.conftest import build_run, check_trained, fake_world, loader_batches, stage_step
-from tests.training.common import LLAMA_FLAGS
+from tests.training.common import LLAMA_FLAGS, OPEN_MODEL_FLAGS
 
 SELECTIVE = "--recompute-granularity selective".split()
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
@@ -42,6 +42,8 @@ CASES = {
     "gpt-bf16-tp2-sp-async-tp": (["--bf16", "--sequence-parallel", "--async-tensor-model-parallel-allreduce"], 2, 1, 1),
     "gpt-fp16-pp2-last-stage": (["--fp16"], 1, 2, 1),
     "gpt-bf16-tp2-sp-fp8": (["--bf16", "--sequence-parallel", "--fp8-hybrid"], 2, 1, 1),
+    # QKV bias, q/k norms before the scaled RoPE (the unfused path), FP8 GEMMs with head dim != hidden / heads
+    "open-model-bf16-tp2-sp-fp8": (["--bf16", *OPEN_MODEL_FLAGS, "--sequence-parallel", "--fp8-hybrid"], 2, 1, 1),
 }
 
 

@@ -29,10 +29,10 @@ def test_lookups():
     assert get_family("t5") is FAMILIES["t5"]
     with pytest.raises(ConfigError, match="no model family 'llama': megatron_ds trains gpt, bert, t5"):
         get_family("llama")
-    assert hf_family("llama") is hf_family("gpt2") is hf_family("mixtral") is get_family("gpt")
+    assert hf_family("llama") is hf_family("gpt2") is hf_family("mixtral") is hf_family("qwen3") is get_family("gpt")
     assert hf_family("megatron-bert") is get_family("bert") and hf_family("t5") is get_family("t5")
-    with pytest.raises(ConfigError, match="model_type 'qwen2': megatron_ds imports Hugging Face models of type"):
-        hf_family("qwen2")
+    with pytest.raises(ConfigError, match="model_type 'gemma': megatron_ds imports Hugging Face models of type"):
+        hf_family("gemma")
 
 
 def test_a_hugging_face_directory_names_its_family(tmp_path):

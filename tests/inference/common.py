@@ -31,7 +31,16 @@ def llama_config(**over) -> ModelConfig:
     return resolve_model_config(dataclasses.replace(cfg, **over))
 
 
-CONFIGS = {"gpt2": gpt2_config, "llama": llama_config}
+def open_model_config(**over) -> ModelConfig:
+    """Llama-style with Qwen's QKV bias and q/k norms, head dim 12 != 32 / 4, and both RoPE scalings: Llama
+    3.1's from an original context of 8 (prompts plus new tokens run past it) and linear; a cache whose
+    tables ignored a scaling would rotate its new positions otherwise than the full forward does."""
+    return llama_config(kv_channels=12, add_qkv_bias=True, qk_layernorm=True, use_rope_scaling=True,
+                        rope_scaling_original_max_position_embeddings=8, rotary_seq_len_interpolation_factor=2.0,
+                        **over)
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "open": open_model_config}
 
 
 def random_weights(cfg: ModelConfig, seed: int = 7) -> ModelWeights:

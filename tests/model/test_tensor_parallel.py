@@ -2,7 +2,7 @@
 
 Both are built with the same seed, so the TP = 2 shards must be exact slices of the TP = 1
 weights; the gathered logits, the loss and every (sharded) gradient of one step must then match,
-with and without sequence parallelism, for the GPT-2 and the Llama-style model.
+with and without sequence parallelism, for the GPT-2, the Llama-style and the Qwen-style model.
 """
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ CASES = {
     "llama": (dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, ffn_hidden_size=96,
                    use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm",
                    add_bias_linear=False, untie_embeddings_and_output_weights=True), True),
+    # Qwen-style: head dim 12 != hidden / heads, QKV bias alone, per-head q/k RMSNorm (its replicated
+    # weights' gradients summed over TP), Llama 3.1 RoPE scaling from position 8 on
+    "qwen": (dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, kv_channels=12, ffn_hidden_size=96,
+                  use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm", add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True, add_qkv_bias=True, qk_layernorm=True,
+                  use_rope_scaling=True, rope_scaling_original_max_position_embeddings=8), False),
 }
 
 

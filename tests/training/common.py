@@ -11,6 +11,11 @@ TINY_GPT = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lengt
 LLAMA_FLAGS = ("--use-rotary-position-embeddings --swiglu --normalization rmsnorm --num-key-value-heads 2 "
                "--disable-bias-linear --untie-embeddings-and-output-weights").split()
 
+# Qwen2.5/Qwen3/Llama 3.1's attention on top (with TINY_GPT: head dim 24 != hidden 64 / 4 heads; Llama 3.1
+# scaling whose original context, 16, is under the sequence, 32)
+OPEN_MODEL_FLAGS = LLAMA_FLAGS + ("--kv-channels 24 --add-qkv-bias --qk-layernorm --use-rope-scaling "
+                                  "--rope-scaling-original-max-position-embeddings 16").split()
+
 
 def train_losses(rank: int, world_size: int, argv: list[str]) -> list[tuple[int, float]]:
     """Run pretrain_gpt.py's body with argv in this process; return (iteration, loss) pairs."""

@@ -104,7 +104,7 @@ def _export_hf(load_dir: str, out_dir: str, options: ExportOptions, log=print) -
 
     export_hf(load_dir, out_dir, family=GPT, iteration=options.iteration, dtype=options.dtype,
               vocab_size=options.vocab_size, from_masters=options.from_masters,
-              max_shard_bytes=options.max_shard_bytes, log=log,
+              max_shard_bytes=options.max_shard_bytes, architecture=options.architecture, log=log,
               data_overrides=dict(tokenizer_type=options.tokenizer_type, vocab_file=options.vocab_file,
                                   merge_file=options.merge_file, tokenizer_model=options.tokenizer_model))
 
@@ -115,6 +115,8 @@ GPT = ModelFamily(name="gpt", label="GPT", check=check_gpt, count_parameters=cou
                   build_datasets=_gpt_datasets, make_collator=_gpt_collator, flops=gpt_iteration_flops,
                   layer_specs=gpt_checkpoint_specs, loss_names=_loss_names, active_parameters=gpt_active_parameters,
                   universal_checkpoints=True, legacy_unnamed=True,
-                  hf=HFMapping(model_types=("gpt2", "llama", "mixtral"), import_dir=_import_hf, export=_export_hf,
-                               architectures="GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM"),
+                  hf=HFMapping(model_types=("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral"),
+                               import_dir=_import_hf, export=_export_hf,
+                               architectures="GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+                                             "Qwen3ForCausalLM, MistralForCausalLM or MixtralForCausalLM"),
                   evaluation=EVALUATION, generates=True, quickstart=QUICKSTART)

@@ -9,7 +9,26 @@ Two targets, chosen by the model's shape:
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
   SwiGLU, optional grouped-query attention, tied or untied output layer; biases map to Llama's
-  ``attention_bias`` / ``mlp_bias``.
+  ``attention_bias`` / ``mlp_bias``. Llama 3.1's RoPE scaling (``rope_type`` "llama3") is
+  --use-rope-scaling with its factors, "linear" is --rotary-seq-len-interpolation-factor; both
+  hold for the three classes below too (transformers computes every class's frequencies with
+  ``modeling_rope_utils.ROPE_INIT_FUNCTIONS``).
+- ``Qwen2ForCausalLM``: Llama's layers with biases on q/k/v only (--add-qkv-bias
+  --disable-bias-linear).
+- ``Qwen3ForCausalLM``: Llama's layers with a per-head RMSNorm of head size on queries and keys
+  before the rotary embedding (--qk-layernorm: ``self_attention.q_layernorm`` / ``k_layernorm`` ->
+  ``self_attn.q_norm`` / ``k_norm``), ``head_dim`` free of hidden / heads (--kv-channels).
+- ``MistralForCausalLM``: Llama's layers without biases, with ``sliding_window`` W: transformers'
+  ``masking_utils.sliding_window_overlay`` lets query q see keys kv with ``kv > q - W``, i.e. W - 1
+  keys back, Megatron-LM's --window-size (W - 1, 0). Qwen2/Qwen3 slide on the layers
+  ``layer_types`` names ``sliding_attention``; here the window holds on every layer, which is the
+  same computation because the window must cover --seq-length (it masks nothing).
+
+Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
+--architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
+metadata) when it can express the model, else by the model's features: MoE -> Mixtral, learned
+positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
+--window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 
 Our fused QKV weight is laid out per key/value group (``model/transformer.py``): for group g,
 ``heads_per_group`` query heads, then its key head, then its value head. Query head ``g *
@@ -22,30 +41,94 @@ from __future__ import annotations
 import torch
 
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
+from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import mixtral_hf as mixtral
 
-GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
-ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
+GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
+ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
+                 QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM"}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
                      "relu2": {"squared_relu": True}}
+# Megatron-LM's Llama 3.1 constants (rotary_pos_embedding.py, RotaryEmbedding._apply_scaling): its flags
+# set only the factor, so the others are printed only where a checkpoint differs
+_LLAMA3_FIXED = dict(rope_scaling_low_freq_factor=1.0, rope_scaling_high_freq_factor=4.0,
+                     rope_scaling_original_max_position_embeddings=8192)
 
 
-def choose_architecture(m: ModelConfig) -> str:
-    """The transformers class that can express ``m`` exactly; ConfigError naming what cannot."""
-    if is_moe(m):
-        mixtral.check_expressible(m)
+def architecture_key(name: str) -> str:
+    """A class name (``Qwen3ForCausalLM``) or model type (``qwen3``) -> our key; ConfigError if unknown."""
+    for key, cls in ARCHITECTURES.items():
+        if name in (key, cls):
+            return key
+    raise ConfigError(f"--architecture {name}: one of {', '.join(ARCHITECTURES.values())}")
+
+
+def sliding_window(m: ModelConfig) -> int | None:
+    """HF's sliding_window W of --window-size "(W-1,0)" (None: no window; a negative left side is
+    Megatron-LM's unbounded one)."""
+    window = window_size(m)
+    if window is None:
+        return None
+    left, right = window
+    if right != 0:
+        raise ConfigError(f"--window-size {m.window_size}: causal models have no right window (HF has none)")
+    return None if left < 0 else left + 1
+
+
+def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: str | None = None) -> str:
+    """The transformers class that can express ``m`` exactly (``asked``: to_hf.py --architecture;
+    ``recorded``: the class the checkpoint was imported from, taken where it can express ``m``);
+    ConfigError naming what cannot."""
+    if asked is not None:
+        arch = architecture_key(asked)
+    elif is_moe(m):
+        arch = MIXTRAL
+    elif m.position_embedding_type == "learned_absolute":
+        arch = GPT2
+    elif recorded is not None and recorded in ARCHITECTURES.values() \
+            and not _problems(architecture_key(recorded), m):
+        arch = architecture_key(recorded)
+    elif m.qk_layernorm:
+        arch = QWEN3
+    elif m.add_qkv_bias and not m.add_bias_linear:
+        arch = QWEN2
+    elif m.window_size is not None:
+        arch = MISTRAL
+    else:
+        arch = LLAMA
+    if (arch == MIXTRAL) != is_moe(m):
+        raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
+                          f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
+    if arch == MIXTRAL:
+        mixtral.check_expressible(m, rope_scaling_problems(m))
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
-        raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor LlamaForCausalLM "
-                          "can express it (both add the residual from before the norm)")
-    if m.position_embedding_type == "learned_absolute":
+        raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor the Llama-style "
+                          "classes can express it (they add the residual from before the norm)")
+    if m.position_embedding_type == "none":
+        raise ConfigError(f"--position-embedding-type none: {ARCHITECTURES[arch]} cannot express a model without "
+                          f"positions")
+    problems = _problems(arch, m)
+    if problems:
+        what = "learned absolute positions" if m.position_embedding_type == "learned_absolute" else "rotary positions"
+        raise ConfigError(f"{what} export as {ARCHITECTURES[arch]}, which cannot express " + "; ".join(problems))
+    return arch
+
+
+def _problems(arch: str, m: ModelConfig) -> list[str]:
+    """What ``arch`` (a dense class) cannot express of ``m``, by flag."""
+    name = ARCHITECTURES[arch]
+    if arch == GPT2:
         problems = []
+        if m.position_embedding_type != "learned_absolute":
+            problems.append(f"--position-embedding-type {m.position_embedding_type} (GPT2LMHeadModel has learned "
+                            f"absolute positions)")
         if m.normalization != "layernorm":
             problems.append(f"--normalization {m.normalization} (GPT2LMHeadModel has LayerNorm)")
         if m.swiglu:
@@ -59,24 +142,64 @@ def choose_architecture(m: ModelConfig) -> str:
                             f"grouped-query attention)")
         if m.kv_channels * m.num_attention_heads != m.hidden_size:
             problems.append(f"--kv-channels {m.kv_channels} (GPT2LMHeadModel needs kv channels x heads = hidden)")
-        if problems:
-            raise ConfigError("learned absolute positions export as GPT2LMHeadModel, which cannot express "
-                              + "; ".join(problems))
-        return GPT2
-    if m.position_embedding_type == "rope":
-        problems = []
-        if m.normalization != "rmsnorm":
-            problems.append(f"--normalization {m.normalization} (LlamaForCausalLM has RMSNorm)")
-        if not m.swiglu:
-            problems.append("a GeLU MLP without --swiglu (LlamaForCausalLM has SwiGLU)")
-        if m.rotary_percent != 1.0:
-            problems.append(f"--rotary-percent {m.rotary_percent} (LlamaForCausalLM rotates whole heads)")
-        if problems:
-            raise ConfigError("rotary positions export as LlamaForCausalLM, which cannot express "
-                              + "; ".join(problems))
-        return LLAMA
-    raise ConfigError(f"--position-embedding-type {m.position_embedding_type}: neither GPT2LMHeadModel "
-                      f"(learned positions) nor LlamaForCausalLM (rotary) can express a model without positions")
+        return problems + _rope_free_problems(name, m)
+    problems = []
+    if m.position_embedding_type != "rope":
+        problems.append(f"--position-embedding-type {m.position_embedding_type} ({name} has rotary positions)")
+    if m.normalization != "rmsnorm":
+        problems.append(f"--normalization {m.normalization} ({name} has RMSNorm)")
+    if not m.swiglu:
+        problems.append(f"a GeLU MLP without --swiglu ({name} has SwiGLU)")
+    if m.rotary_percent != 1.0:
+        problems.append(f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)")
+    problems += rope_scaling_problems(m)
+    if m.qk_layernorm != (arch == QWEN3):
+        problems.append(f"--qk-layernorm ({name} has no query/key norms)" if m.qk_layernorm else
+                        "no --qk-layernorm (Qwen3ForCausalLM normalizes every head's queries and keys)")
+    qkv_only = m.add_qkv_bias and not m.add_bias_linear
+    if arch == LLAMA and qkv_only:
+        problems.append("--add-qkv-bias without --add-bias-linear (LlamaForCausalLM's attention_bias puts a bias "
+                        "on the output projection too; Qwen2ForCausalLM has q/k/v biases only)")
+    if arch == QWEN2 and not qkv_only:
+        problems.append("biases on the output projection and MLP (Qwen2ForCausalLM has q/k/v biases only: "
+                        "--disable-bias-linear --add-qkv-bias)" if m.add_bias_linear else
+                        "no --add-qkv-bias (Qwen2ForCausalLM's q/k/v projections have biases)")
+    if arch in (QWEN3, MISTRAL) and (m.add_bias_linear or m.add_qkv_bias):
+        why = "has attention biases on q/k/v and the output projection together, none in the MLP" \
+            if arch == QWEN3 else "has no biases"
+        problems.append(f"{'--add-qkv-bias' if qkv_only else 'biases (no --disable-bias-linear)'} ({name} {why})")
+    if arch == LLAMA and m.window_size is not None:
+        problems.append(f"--window-size {m.window_size} (LlamaForCausalLM has no sliding window; "
+                        f"MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM have)")
+    return problems
+
+
+def rope_scaling_problems(m: ModelConfig) -> list[str]:
+    """transformers' ``rope_parameters`` holds one scaling: both of ours at once have no equivalent."""
+    if m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None:
+        return [f"--use-rope-scaling with --rotary-seq-len-interpolation-factor "
+                f"{m.rotary_seq_len_interpolation_factor:g} (rope_parameters has one rope_type)"]
+    return []
+
+
+def _rope_free_problems(name: str, m: ModelConfig) -> list[str]:
+    """What a class without rotary embeddings or attention variants (GPT-2) cannot express."""
+    flags = [("--add-qkv-bias", m.add_qkv_bias and not m.add_bias_linear), ("--qk-layernorm", m.qk_layernorm),
+             (f"--window-size {m.window_size}", m.window_size is not None)]
+    return [f"{flag} ({name} has no such variant)" for flag, on in flags if on]
+
+
+def _rope_parameters(m: ModelConfig) -> dict:
+    """transformers 5's ``rope_parameters`` of ``m`` (modeling_rope_utils: _compute_llama3_parameters,
+    _compute_linear_scaling_rope_parameters)."""
+    if m.use_rope_scaling:
+        return {"rope_type": "llama3", "rope_theta": m.rope_theta, "factor": m.rope_scaling_factor,
+                "low_freq_factor": m.rope_scaling_low_freq_factor,
+                "high_freq_factor": m.rope_scaling_high_freq_factor,
+                "original_max_position_embeddings": m.rope_scaling_original_max_position_embeddings}
+    if m.rotary_seq_len_interpolation_factor is not None:
+        return {"rope_type": "linear", "rope_theta": m.rope_theta, "factor": m.rotary_seq_len_interpolation_factor}
+    return {"rope_type": "default", "rope_theta": m.rope_theta}
 
 
 def _transformer_layer_names(arch: str, i: int) -> dict[str, str]:
@@ -84,6 +207,8 @@ def _transformer_layer_names(arch: str, i: int) -> dict[str, str]:
     below because of Conv1D and the fused c_attn)."""
     p = f"model.layers.{i}."
     return {"input_layernorm.weight": p + "input_layernorm.weight",
+            "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",  # Qwen3 (--qk-layernorm)
+            "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
             "post_attention_layernorm.weight": p + "post_attention_layernorm.weight",
             "self_attention.dense.weight": p + "self_attn.o_proj.weight",
             "self_attention.dense.bias": p + "self_attn.o_proj.bias",
@@ -109,6 +234,10 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
         out.update(mixtral.moe_to_hf(i, t))
         t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
     names = _transformer_layer_names(arch, i)
+    fused = {f"{a}.{s}" for a in ("self_attention.query_key_value", "mlp.dense_h_to_4h") for s in ("weight", "bias")}
+    unknown = sorted(set(t) - set(names) - fused)
+    if unknown:  # would be dropped from the export: the model is not the one the class computes
+        raise ConfigError(f"layer {i + 1} has parameters {unknown} that {ARCHITECTURES[arch]} cannot hold")
     out.update({names[k]: v for k, v in t.items() if k in names})
     p = f"model.layers.{i}."
     for suffix in ("weight", "bias"):
@@ -187,16 +316,26 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
-    # what Llama and Mixtral describe alike (Mixtral: Llama's layers with an MoE MLP)
+    # what Llama, Qwen2/3, Mistral and Mixtral describe alike (Llama's layers)
     llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
         head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        attention_dropout=m.attention_dropout, **common)
+        rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
+    window = sliding_window(m)
     if arch == MIXTRAL:
-        return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m))
+        return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
+    if arch == MISTRAL:
+        return transformers.MistralConfig(**llama, sliding_window=window)
+    if arch in (QWEN2, QWEN3):  # max_window_layers 0: every layer slides (layer_types from it)
+        qwen = dict(use_sliding_window=window is not None, sliding_window=window,
+                    max_window_layers=0 if window is not None else m.num_layers)
+        if arch == QWEN2:  # Qwen2Config has no head_dim field; modeling_qwen2.py reads one that config.json has
+            if m.kv_channels * m.num_attention_heads == m.hidden_size:
+                del llama["head_dim"]
+            return transformers.Qwen2Config(**llama, **qwen)
+        return transformers.Qwen3Config(**llama, **qwen, attention_bias=False)
     return transformers.LlamaConfig(**llama, attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear)
 
 
@@ -205,11 +344,11 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
     kind = d.get("model_type")
     if kind == "gpt2":
         return GPT2, resolve_model_config(_gpt2_config(d))
-    if kind == "llama":
-        return LLAMA, resolve_model_config(_llama_config(d))
+    if kind in (LLAMA, QWEN2, QWEN3, MISTRAL):
+        return kind, resolve_model_config(_llama_config(d, kind))
     if kind == "mixtral":
-        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d), d))
-    raise ConfigError(f"model_type {kind!r}: only gpt2, llama and mixtral models import")
+        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d, kind), d))
+    raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -229,27 +368,70 @@ def _gpt2_config(d: dict) -> ModelConfig:
                        init_method_std=d.get("initializer_range", 0.02), **_GPT2_ACTIVATIONS[act])
 
 
-def _llama_config(d: dict) -> ModelConfig:
+def _rope_config(d: dict) -> dict:
+    """Our rotary fields of a config's ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
+    ``rope_theta`` (the hub's config.json files of transformers 4)."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} has no equivalent here "
-                          f"(plain rotary embeddings only)")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {d['hidden_act']!r}: only SwiGLU (silu) Llama models import")
-    if bool(d.get("attention_bias")) != bool(d.get("mlp_bias")):
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(d.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"partial_rotary_factor {rope.get('partial_rotary_factor', d.get('partial_rotary_factor'))}:"
+                          f" only whole-head rotary embeddings import")
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind == "linear":
+        return dict(rope_theta=theta, rotary_seq_len_interpolation_factor=float(rope["factor"]))
+    if kind == "llama3":
+        return dict(rope_theta=theta, use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                    rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                    rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    raise ConfigError(f"rope_scaling rope_type {kind!r}: only 'default', 'linear' (--rotary-seq-len-interpolation-"
+                      f"factor) and 'llama3' (--use-rope-scaling) have an equivalent here")
+
+
+def _hf_window(d: dict, kind: str) -> int | None:
+    """The sliding window a config applies (transformers' defaults where a field is absent), None without."""
+    if kind in (MISTRAL, MIXTRAL):  # every layer slides when sliding_window is set (Mistral's default 4096)
+        return d.get("sliding_window", 4096 if kind == MISTRAL else None)
+    if kind not in (QWEN2, QWEN3) or not d.get("use_sliding_window") or d.get("sliding_window") is None:
+        return None  # Qwen2Config / Qwen3Config.__post_init__: no window without use_sliding_window
+    n, first = d["num_hidden_layers"], d.get("max_window_layers", 28)
+    types = d.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return d["sliding_window"] if "sliding_attention" in types else None
+
+
+def _biases(d: dict, kind: str) -> dict:
+    """--add-bias-linear / --add-qkv-bias of a Llama-like config (each class's own bias layout)."""
+    if kind == QWEN2:  # modeling_qwen2.py: q/k/v with biases, o_proj and the MLP without
+        return dict(add_bias_linear=False, add_qkv_bias=True)
+    if kind == QWEN3 and d.get("attention_bias"):
+        raise ConfigError("attention_bias true: Qwen3's biases on q/k/v and o_proj without MLP biases have no "
+                          "equivalent here (--add-bias-linear puts them on every linear layer)")
+    if kind == LLAMA and bool(d.get("attention_bias")) != bool(d.get("mlp_bias")):
         raise ConfigError("attention_bias and mlp_bias differ; here one flag (--disable-bias-linear) decides both")
+    return dict(add_bias_linear=kind == LLAMA and bool(d.get("attention_bias")))
+
+
+def _llama_config(d: dict, kind: str) -> ModelConfig:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {d['hidden_act']!r}: only SwiGLU (silu) models import")
     heads, positions = d["num_attention_heads"], d["max_position_embeddings"]
-    theta = float(d.get("rope_theta") or rope.get("rope_theta", 10000.0))  # transformers 4 / 5 spelling
+    head_dim = d.get("head_dim") or (128 if kind == QWEN3 else d["hidden_size"] // heads)  # Qwen3Config's default
+    window, seq = _hf_window(d, kind), positions
+    if window is not None:
+        # our window must cover --seq-length (then it masks nothing): train at most at the window
+        seq = min(positions, window)
     return ModelConfig(num_layers=d["num_hidden_layers"], hidden_size=d["hidden_size"], num_attention_heads=heads,
                        num_key_value_heads=d.get("num_key_value_heads") or heads,
-                       ffn_hidden_size=d["intermediate_size"],
-                       kv_channels=d.get("head_dim") or d["hidden_size"] // heads,
-                       seq_length=positions, max_position_embeddings=positions, position_embedding_type="rope",
-                       rope_theta=theta, normalization="rmsnorm", layernorm_epsilon=d.get("rms_norm_eps", 1e-6),
-                       swiglu=True, add_bias_linear=bool(d.get("attention_bias")),
+                       ffn_hidden_size=d["intermediate_size"], kv_channels=head_dim,
+                       seq_length=seq, max_position_embeddings=positions, position_embedding_type="rope",
+                       normalization="rmsnorm", layernorm_epsilon=d.get("rms_norm_eps", 1e-6),
+                       swiglu=True, qk_layernorm=kind == QWEN3,
+                       window_size=None if window is None else f"({window - 1},0)",
                        untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
                        hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0)),
-                       init_method_std=d.get("initializer_range", 0.02))
+                       init_method_std=d.get("initializer_range", 0.02), **_rope_config(d), **_biases(d, kind))
 
 
 def model_flags(m: ModelConfig) -> list[str]:
@@ -263,6 +445,11 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append(f"--kv-channels {m.kv_channels}")
     if m.position_embedding_type == "rope":
         f += ["--use-rotary-position-embeddings", f"--rotary-base {m.rope_theta:g}"]
+    if m.use_rope_scaling:
+        f += ["--use-rope-scaling", f"--rope-scaling-factor {m.rope_scaling_factor:g}"]
+        f += [f"--{k.replace('_', '-')} {getattr(m, k):g}" for k, v in _LLAMA3_FIXED.items() if getattr(m, k) != v]
+    if m.rotary_seq_len_interpolation_factor is not None:
+        f.append(f"--rotary-seq-len-interpolation-factor {m.rotary_seq_len_interpolation_factor:g}")
     if m.normalization == "rmsnorm":
         f.append("--normalization rmsnorm")
     f.append(f"--norm-epsilon {m.layernorm_epsilon:g}")
@@ -272,6 +459,12 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append("--openai-gelu" if m.openai_gelu else "--squared-relu")
     if not m.add_bias_linear:
         f.append("--disable-bias-linear")
+    if m.add_qkv_bias and not m.add_bias_linear:
+        f.append("--add-qkv-bias")
+    if m.qk_layernorm:
+        f.append("--qk-layernorm")
+    if m.window_size is not None:  # Megatron-LM's tuple_type reads "L,R" as well as "(L,R)"
+        f.append(f"--window-size {m.window_size.strip('()')}")
     if m.untie_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
     if is_moe(m):

@@ -90,12 +90,14 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
 
 def export_hf(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: int | None = None,
               dtype: str | None = None, vocab_size: int | None = None, data_overrides: dict | None = None,
-              from_masters: bool = False, max_shard_bytes: int = 5 * 2**30, log: Callable = print) -> str:
+              from_masters: bool = False, max_shard_bytes: int = 5 * 2**30, architecture: str | None = None,
+              log: Callable = print) -> str:
     """Write the checkpoint of ``family`` (the GPT's) as a transformers model directory; returns the
     architecture name. ``from_masters``: the optimizer's fp32 master weights instead of the module's
-    (bf16/fp16 runs: the bits their rounding dropped; ``megatron_ds.checkpoint.sources.MasterSource``)."""
+    (bf16/fp16 runs: the bits their rounding dropped; ``megatron_ds.checkpoint.sources.MasterSource``).
+    ``architecture``: the class to write (else ``gpt_hf.choose_architecture``'s rule)."""
     ckpt = open_checkpoint(load_dir, iteration, family)
-    arch = hf.choose_architecture(ckpt.model)
+    arch = hf.choose_architecture(ckpt.model, asked=architecture, recorded=ckpt.meta.get("hf_architecture"))
     data = _data_config(ckpt, data_overrides or {})
     tokenizer = _tokenizer(data, log)
     vocab = vocab_size or ckpt.vocab_size or (tokenizer.vocab_size if tokenizer else None)

@@ -1,9 +1,12 @@
-"""Import a local Hugging Face GPT-2, Llama or Mixtral directory as a checkpoint of the GPT family.
+"""Import a local Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral or Mixtral directory as a checkpoint of
+the GPT family.
 
 The result is a weights-only checkpoint (``DIR/global_step0``, tracker 0) in the per-layer format
 of a TP 1 x PP 1 run, fp32. ``pretrain_gpt.py --load DIR`` (or ``--finetune``) at any layout
 reshards it on load (``megatron_ds.checkpoint.reshard``); the model flags must match, and the
-tool prints them. One layer is converted and written at a time.
+tool prints them. One layer is converted and written at a time. The checkpoint's metadata records
+the class it came from (``hf_architecture``), which ``to_hf.py`` writes back where it can express
+the model.
 """
 from __future__ import annotations
 
@@ -89,10 +92,15 @@ def import_hf(hf_dir: str, save_dir: str, *, family: ModelFamily, log: Callable 
     named = {} if family.recorded_name is None else {"model_family": family.recorded_name}
     meta = {"signature": {**signature(m, padded_vocab_size=vocab), **named}, "config": cfg.to_dict(),
             "vocab_size": vocab, "weights_only": True, "imported_from": os.path.abspath(hf_dir),
+            "hf_architecture": hf.ARCHITECTURES[arch],
             COMPLETENESS[0]: COMPLETENESS[1], TOKENIZER: _tokenizer_facts(cfg.data), **named}
     atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
     write_manifest(tag_dir, 0)  # complete, and verified when loaded, like a saved checkpoint
     atomic_write(os.path.join(save_dir, TRACKER), "0")  # Megatron's tracker only: there is no DeepSpeed state
+    window = hf.sliding_window(m)
+    if window is not None and window < m.max_position_embeddings:
+        log(f"NOTE: sliding_window {window} is narrower than max_position_embeddings {m.max_position_embeddings}: "
+            f"--seq-length {m.seq_length}, where the window masks nothing (longer sequences are refused)")
     log(f"imported {hf.ARCHITECTURES[arch]} from {hf_dir} into {save_dir}; train it with\n  "
         + " ".join(hf.model_flags(m)) + f"\n  --load {save_dir} (continue) or --load {save_dir} --finetune")
     return m

@@ -18,7 +18,8 @@ and drops nothing, so an export is refused, in one line naming each reason, for:
 - residual MoE (PR-MoE's dense MLP beside the experts), MoE on only some layers
   (``--expert-interval`` > 1, or a layer with one expert), differing expert counts per layer:
   Mixtral has experts, all alike, on every layer and nothing beside them;
-- biases (Mixtral's attention and experts have none), GeLU experts (Mixtral's are SwiGLU), and
+- biases (Mixtral's attention and experts have none), query/key norms, GeLU experts (Mixtral's are
+  SwiGLU), and
   what LlamaForCausalLM cannot express either (Mixtral's attention, norms and rotary embedding are
   Llama's).
 
@@ -58,8 +59,11 @@ def _llama_problems(m: ModelConfig) -> list[str]:
         problems.append(f"--normalization {m.normalization} (Mixtral has RMSNorm)")
     if not m.swiglu:
         problems.append("GeLU experts without --swiglu (Mixtral's experts are SwiGLU)")
-    if m.add_bias_linear:
-        problems.append("biases (Mixtral's attention and experts have none; train with --disable-bias-linear)")
+    if m.add_bias_linear or m.add_qkv_bias:
+        problems.append(f"{'biases' if m.add_bias_linear else '--add-qkv-bias'} (Mixtral's attention and experts have "
+                        f"none; train with --disable-bias-linear)")
+    if m.qk_layernorm:
+        problems.append("--qk-layernorm (Mixtral has no query/key norms)")
     return problems
 
 
@@ -85,9 +89,10 @@ def _moe_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
-def check_expressible(m: ModelConfig) -> None:
-    """ConfigError (one line, every reason) unless MixtralForCausalLM computes ``m``'s logits."""
-    problems = _llama_problems(m) + _moe_problems(m)
+def check_expressible(m: ModelConfig, rope_problems: list[str] = ()) -> None:
+    """ConfigError (one line, every reason) unless MixtralForCausalLM computes ``m``'s logits
+    (``rope_problems``: what transformers' rope_parameters cannot hold, ``gpt_hf.rope_scaling_problems``)."""
+    problems = _llama_problems(m) + list(rope_problems) + _moe_problems(m)
     if problems:
         raise ConfigError("a mixture-of-experts model exports as MixtralForCausalLM, which cannot express "
                           + "; ".join(problems))
@@ -158,4 +163,4 @@ def config_kwargs(m: ModelConfig) -> dict:
     """MixtralConfig's MoE fields for ``m`` (its Llama fields come from ``hf.hf_config``)."""
     return dict(num_local_experts=model_experts(m)[0], num_experts_per_tok=m.topk,
                 router_aux_loss_coef=m.moe_loss_coeff,
-                router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+                router_jitter_noise=0.0, output_router_logits=False)

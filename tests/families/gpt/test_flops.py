@@ -28,6 +28,10 @@ SHAPES = {
     "llama": ("--use-rotary-position-embeddings --swiglu --ffn-hidden-size 48 --normalization rmsnorm "
               "--num-key-value-heads 2 --disable-bias-linear --untie-embeddings-and-output-weights "
               "--kv-channels 12").split(),
+    # Qwen's QKV bias and q/k norms (no matmuls of their own), Llama 3.1 RoPE scaling, head dim 12
+    "open_model": ("--use-rotary-position-embeddings --swiglu --ffn-hidden-size 48 --normalization rmsnorm "
+                   "--num-key-value-heads 2 --disable-bias-linear --untie-embeddings-and-output-weights "
+                   "--kv-channels 12 --add-qkv-bias --qk-layernorm --use-rope-scaling").split(),
 }
 
 
