@@ -17,7 +17,7 @@ from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_c
 from megatron_ds.checkpoint.hf_files import ShardWriter
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import DataConfig
-from megatron_ds.data.tokenizer import build_tokenizer_for, resolved_tokenizer_type
+from megatron_ds.data.tokenizer import build_tokenizer_for, canonical_tokenizer_type, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.parallel.utils import PRECISION_DTYPES
@@ -54,7 +54,7 @@ def _tokenizer(data: DataConfig, log: Callable):
 
 def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> None:
     """Tokenizer files transformers' AutoTokenizer loads, from the files the run was trained with."""
-    kind = data.tokenizer_type
+    kind = canonical_tokenizer_type(data.tokenizer_type)  # HuggingFaceTokenizer is HFTokenizer
     if kind == "GPT2BPETokenizer":
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
         from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -82,6 +82,10 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
         if kind == "SentencePieceTokenizer":
             log("NOTE: Megatron's SentencePieceTokenizer appends special ids (<EOD> ...) after the model's pieces; "
                 "transformers' tokenizer does not know them")
+    elif kind in ("Llama2Tokenizer", "TikTokenizer", "Llama3Tokenizer"):
+        from megatron_ds.data.tokenizer_export import save_hf_tokenizer  # noqa: PLC0415
+
+        log("wrote " + save_hf_tokenizer(build_tokenizer_for(data, log=None), out_dir, data.tokenizer_model))
     else:
         log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
         return
