@@ -191,3 +191,39 @@ def test_export_writes_files_auto_tokenizer_reads(files, tmp_path, kind):
     assert [auto(t).input_ids for t in texts] == ours.tokenize_batch(texts)
     assert auto.decode(ours.tokenize(TEXTS[1]), skip_special_tokens=True) == TEXTS[1]
     assert auto.eos_token_id == ours.eod
+
+
+def test_training_records_the_tokenizer(files, tmp_path):
+    """A short pretrain_gpt.py run on Llama3Tokenizer data: the vocabulary (535 ids) pads as usual and
+    the checkpoint records the tokenizer (type, size, eod, digest) and its flags for later tools."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_ds.checkpoint.format import read_meta
+    from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
+
+    repo = Path(__file__).resolve().parents[2]
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": " ".join(VARIED[i % 14: i % 14 + 4])}) + "\n" for i in range(60))
+    prefix = str(tmp_path / "d")
+    assert preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
+                                 "Llama3Tokenizer", "--tokenizer-model", files["llama3"], "--append-eod"]) == 0
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--data-path", prefix + "_text_document",
+            "--split", "100,0,0", "--tokenizer-type", "Llama3Tokenizer", "--tokenizer-model", files["llama3"],
+            "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"), "--save", ckpt, "--save-interval", "2",
+            "--eval-iters", "0", "--log-interval", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, str(repo / "pretrain_gpt.py"), *argv], capture_output=True, text=True,
+                          cwd=repo, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "building Llama3Tokenizer tokenizer: vocab size 535, eod id 280, bos id 279 prepended" in out
+    meta = read_meta(os.path.join(ckpt, "global_step2"))
+    assert meta["signature"]["padded_vocab_size"] == 640  # 535 up to a multiple of 128 x TP 1
+    tok = build_tokenizer("Llama3Tokenizer", tokenizer_model=files["llama3"], log=None)
+    assert meta[TOKENIZER] == tokenizer_record(tok, "Llama3Tokenizer", 280)
+    assert meta["config"]["data"]["tokenizer_model"] == files["llama3"]
