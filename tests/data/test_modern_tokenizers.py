@@ -227,3 +227,20 @@ def test_training_records_the_tokenizer(files, tmp_path):
     tok = build_tokenizer("Llama3Tokenizer", tokenizer_model=files["llama3"], log=None)
     assert meta[TOKENIZER] == tokenizer_record(tok, "Llama3Tokenizer", 280)
     assert meta["config"]["data"]["tokenizer_model"] == files["llama3"]
+    # generation rebuilds the recorded tokenizer (no tokenizer flags): BOS before the prompt, eod stops it
+    from megatron_ds.cli.generate_samples_gpt import main as generate
+
+    gen_out = str(tmp_path / "gen.jsonl")
+    assert generate(["--load", ckpt, "--greedy", "--max-new-tokens", "3", "--prompt", "the", "--output", gen_out]) == 0
+    result = json.loads(open(gen_out).read().splitlines()[0])
+    assert result["prompt"] == "the" and 1 <= result["new_tokens"] <= 3
+    # the HF export: config bos/eos are Llama 3's, and AutoTokenizer reads the written files
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_ds.cli import to_hf
+
+    hf_dir = str(tmp_path / "hf")
+    assert to_hf.main(["--load", ckpt, "--out", hf_dir]) == 0
+    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    assert (config.bos_token_id, config.eos_token_id, config.vocab_size) == (279, 280, 535)
+    assert AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)("the end").input_ids == tok.tokenize("the end")

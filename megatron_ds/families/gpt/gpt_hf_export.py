@@ -72,7 +72,7 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
         # copyfile, not copy: the export's files follow the umask, not the source's mode
         shutil.copyfile(os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src,
                         os.path.join(out_dir, "tokenizer.json"))
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(src_dir, name)):
                 shutil.copyfile(os.path.join(src_dir, name), os.path.join(out_dir, name))
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
@@ -122,10 +122,12 @@ def export_hf(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: in
         for name, tensor in _to_hf_layer(arch, ckpt, idx, n_layers, tensors, vocab).items():
             writer.add(name, tensor.to(torch_dtype))
     size = writer.close()
-    hf.hf_config(arch, ckpt.model, vocab, bos=eod, eos=eod, dtype=torch_dtype).save_pretrained(out_dir)
+    bos = getattr(tokenizer, "bos", None)  # Llama's <s> / <|begin_of_text|>; GPT-2's is its eod
+    bos = eod if bos is None else bos
+    hf.hf_config(arch, ckpt.model, vocab, bos=bos, eos=eod, dtype=torch_dtype).save_pretrained(out_dir)
     from transformers import GenerationConfig  # noqa: PLC0415
 
-    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eod, pad_token_id=eod).save_pretrained(out_dir)
     if tokenizer is not None:
         save_tokenizer(data, eod, out_dir, log)
     log(f"wrote {hf.ARCHITECTURES[arch]} ({size / 2**20:.1f} MiB of weights) to {out_dir}")
