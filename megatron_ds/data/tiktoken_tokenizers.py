@@ -10,6 +10,7 @@ import base64
 import binascii
 import json
 import os
+import re
 
 from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
@@ -44,16 +45,25 @@ class _TiktokenFile(AbstractTokenizer):
 
         self._ranks, self._specials, self.pattern = ranks, specials, pattern
         self._enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        # The core's encode with allowed_special="all" spelled as its set: what Encoding.encode calls,
+        # without rebuilding the set and a thread pool (encode_batch) for every text.
+        self._allowed = frozenset(specials)
+        core = getattr(self._enc, "_core_bpe", None)
+        self._core_encode = core.encode if hasattr(core, "encode") else \
+            (lambda text, allowed: self._enc.encode(text, allowed_special=allowed))
 
     @property
     def eod(self):
         return self._eod
 
-    def _encode(self, texts):
+    def _encode_one(self, text):
         try:
-            return self._enc.encode_batch(texts, num_threads=1, allowed_special="all")
+            return self._core_encode(text, self._allowed)
         except UnicodeEncodeError:  # lone surrogates
-            return self._enc.encode_batch([clean_text(t) for t in texts], num_threads=1, allowed_special="all")
+            return self._core_encode(clean_text(text), self._allowed)
+
+    def _encode(self, texts):
+        return [self._encode_one(t) for t in texts]
 
     def tokenize(self, text):
         return self.tokenize_batch([text])[0]
@@ -211,4 +221,33 @@ class Llama3Tokenizer(_TiktokenFile):
         return len(self._ranks) + len(self._specials)
 
     def tokenize_batch(self, texts):
-        return [[self.bos] + ids for ids in self._encode(list(texts))]
+        out = []
+        for text in texts:
+            ids = [self.bos]
+            for piece in meta_llama3_pieces(text):
+                ids += self._encode_one(piece)
+            out.append(ids)
+        return out
+
+
+# Meta's Tokenizer.encode (llama/tokenizer.py) encodes 400,000-character chunks, each cut inside any
+# run of whitespace or of non-whitespace longer than 25,000 characters (tiktoken is slow, or
+# overflows its stack, on such runs); the cuts change the ids, so they are Meta's here too.
+LLAMA3_MAX_ENCODE_CHARS, LLAMA3_MAX_RUN_CHARS = 400_000, 25_000
+_RUNS = re.compile(r"\s+|\S+")  # \s is str.isspace's set, the test Meta's _split_whitespaces_or_nonwhitespaces uses
+
+
+def meta_llama3_pieces(text: str) -> list[str]:
+    """The pieces Meta's Llama 3 Tokenizer.encode hands tiktoken one by one (the text itself when
+    it is shorter than a run limit, which is nearly always)."""
+    if len(text) <= LLAMA3_MAX_RUN_CHARS:
+        return [text]
+    pieces = []
+    for i in range(0, len(text), LLAMA3_MAX_ENCODE_CHARS):
+        chunk, start = text[i:i + LLAMA3_MAX_ENCODE_CHARS], 0
+        for run in _RUNS.finditer(chunk):  # a cut after every 25,000 characters of one run
+            for cut in range(run.start() + LLAMA3_MAX_RUN_CHARS, run.end(), LLAMA3_MAX_RUN_CHARS):
+                pieces.append(chunk[start:cut])
+                start = cut
+        pieces.append(chunk[start:])
+    return pieces

@@ -102,6 +102,42 @@ def test_llama3_tokenizer_against_tiktoken(files):
     assert len(tok.vocab) == tok.vocab_size  # unique spellings, all ids
 
 
+def _meta_split(s, max_chars, max_run):
+    """Meta's llama/tokenizer.py, Tokenizer.encode's chunks and _split_whitespaces_or_nonwhitespaces, ported."""
+    for i in range(0, len(s), max_chars):
+        chunk = s[i:i + max_chars]
+        run_len, is_space, start = 0, chunk[0].isspace() if chunk else False, 0
+        for j, ch in enumerate(chunk):
+            if is_space ^ ch.isspace():
+                run_len, is_space = 1, ch.isspace()
+            else:
+                run_len += 1
+                if run_len > max_run:
+                    yield chunk[start:j]
+                    start, run_len = j, 1
+        yield chunk[start:]
+
+
+def test_llama3_long_texts_cut_as_meta_does(files, monkeypatch):
+    import random
+
+    from megatron_ds.data import tiktoken_tokenizers as tt
+
+    rng = random.Random(0)
+    with monkeypatch.context() as m:  # small limits: the cutting rule itself
+        m.setattr(tt, "LLAMA3_MAX_RUN_CHARS", 5)
+        m.setattr(tt, "LLAMA3_MAX_ENCODE_CHARS", 12)
+        for _ in range(300):
+            text = "".join(rng.choice("ab \n\u3000") * rng.randrange(1, 9) for _ in range(rng.randrange(2, 12)))
+            assert tt.meta_llama3_pieces(text) == list(_meta_split(text, 12, 5)), repr(text)
+    enc, specials = _llama3_reference(files)
+    text = " ".join(rng.choice(["the", "and", "you", "in"]) for _ in range(110_000)) + " " * 30_000 + "end"
+    tok = build_tokenizer("Llama3Tokenizer", tokenizer_model=files["llama3"], log=None)
+    pieces = list(_meta_split(text, 400_000, 25_000))
+    assert len(pieces) == 3  # a 400,000-character chunk, then the space run cut after 25,000
+    assert tok.tokenize(text) == [specials["<|begin_of_text|>"]] + [i for p in pieces for i in enc.encode(p)]
+
+
 @pytest.mark.parametrize("pattern", ["v1", "v2"])
 def test_tiktokenizer_against_tiktoken(files, pattern):
     import tiktoken
