@@ -201,6 +201,16 @@ class GPT2BPETokenizer(_MappedTokenizer):
         return self._decode([int(i) for i in ids])
 
 
+def _load_sentencepiece(model_file, tokenizer_type):
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except RuntimeError:  # "INTERNAL: could not parse ModelProto ..." from C++
+        raise TokenizerError(f"--tokenizer-model {model_file} is not a SentencePiece model ({tokenizer_type} reads "
+                             f"one; Meta's Llama 3 tiktoken tokenizer.model is Llama3Tokenizer's)") from None
+
+
 class SentencePieceTokenizer(_MappedTokenizer):
     """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
     them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos, then the
@@ -211,9 +221,7 @@ class SentencePieceTokenizer(_MappedTokenizer):
     name = "SentencePieceTokenizer"
 
     def __init__(self, model_file, vocab_extra_ids: int = 0):
-        import sentencepiece
-
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        self._sp = _load_sentencepiece(model_file, self.name)
         n = self._sp.get_piece_size()
         self._vocab = {self._sp.id_to_piece(i): i for i in range(n)}
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
@@ -387,7 +395,7 @@ def _find_hf_tokenizer_json(path, tokenizer_type):
         return candidate
     if not os.path.isfile(path):
         raise TokenizerError(
-            f"--tokenizer-model {path} does not exist; HFTokenizer loads a local tokenizer.json or a "
+            f"--tokenizer-model {path} does not exist; {tokenizer_type} loads a local tokenizer.json or a "
             "directory holding one and never downloads from the hub"
         )
     return path
@@ -408,10 +416,10 @@ class HFTokenizer(_MappedTokenizer):
 
     name = "HFTokenizer"
 
-    def __init__(self, tokenizer_model):
+    def __init__(self, tokenizer_model, spelled: str = "HFTokenizer"):
         from tokenizers import Tokenizer
 
-        path = _find_hf_tokenizer_json(tokenizer_model, self.name)
+        path = _find_hf_tokenizer_json(tokenizer_model, spelled)
         self.source_dir = os.path.dirname(path)
         self.bos = self._auto = None
         if os.path.basename(path) == "tokenizer.json" and \
@@ -543,7 +551,7 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     elif kind == "Llama2Tokenizer":
         tok = Llama2Tokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
-        tok = HFTokenizer(tokenizer_model)
+        tok = HFTokenizer(tokenizer_model, tokenizer_type)
     elif kind == "TikTokenizer":
         from megatron_ds.data.tiktoken_tokenizers import TikTokenizer
 

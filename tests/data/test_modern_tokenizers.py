@@ -280,3 +280,24 @@ def test_training_records_the_tokenizer(files, tmp_path):
     config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     assert (config.bos_token_id, config.eos_token_id, config.vocab_size) == (279, 280, 535)
     assert AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)("the end").input_ids == tok.tokenize("the end")
+
+
+@pytest.mark.parametrize("kind", ["Llama2Tokenizer", "TikTokenizer", "Llama3Tokenizer", "HuggingFaceTokenizer"])
+def test_each_needs_its_tokenizer_model(kind):
+    from megatron_ds.config import parse_args
+    from megatron_ds.config.validation import missing_flags
+
+    cfg, _ = parse_args(["--tokenizer-type", kind])
+    assert f"--tokenizer-model (for {kind})" in missing_flags(cfg)
+    with pytest.raises(TokenizerError, match=f"--tokenizer-type {kind} needs --tokenizer-model"):
+        build_tokenizer(kind, log=None)
+
+
+def test_refusals_are_one_line(files):
+    with pytest.raises(TokenizerError, match="--tokenizer-special-tokens is supported with --tokenizer-type "
+                                             "TikTokenizer only"):
+        build_tokenizer("Llama3Tokenizer", tokenizer_model=files["llama3"], tokenizer_special_tokens=["<x>"], log=None)
+    with pytest.raises(TokenizerError, match="does not exist; HuggingFaceTokenizer loads a local tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="meta-llama/Llama-3.1-8B", log=None)
+    with pytest.raises(TokenizerError, match="is not a SentencePiece model .*Llama3Tokenizer"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=files["llama3"], log=None)
