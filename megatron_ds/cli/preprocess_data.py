@@ -32,7 +32,7 @@ from megatron_ds.data.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer, tiktoken_options
+from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_options
 from megatron_ds.progress import progress
 
 MAX_REPORTED = 5  # malformed lines shown individually; the rest only counted
@@ -80,6 +80,8 @@ def get_args(argv=None):
                    "TikTokenizer: its vocabulary size (default 131072)")
     g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None, help="TikTokenizer's regex (default v2)")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer's special ids 0..N-1")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: no special tokens around the text (no BOS from Llama 3's files)")
     g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
                    help="TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
@@ -434,7 +436,7 @@ def run(args, log=lambda msg: print(msg, file=sys.stderr), tokenizer=None):
     files = resolve_inputs(args.input)
     tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                            vocab_extra_ids=args.vocab_extra_ids, **tiktoken_options(args))
+                            vocab_extra_ids=args.vocab_extra_ids, **tokenizer_options(args))
     if tokenizer is None:
         tokenizer = build_tokenizer(**tokenizer_kwargs, log=log)
     if args.append_eod:

@@ -428,8 +428,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'is not supported; the tokenizer is read as is from --tokenizer-model',
       '--tokenizer-metadata= --tokenizer-sentencepiece-legacy '
       '--no-tokenizer-sentencepiece-ignore-extra-whitespaces '
-      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast '
-      '--tokenizer-hf-no-include-special-tokens'),
+      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast'),
     (IGNORED,
       "the torch profiler is the one --profile runs here (without this flag Megatron-LM opens an nsys capture "
       "range instead: run under nsys with --capture-range=none for that)",

@@ -502,6 +502,9 @@ class DataConfig:
     tokenizer_special_tokens: Optional[list] = meta(None, nargs="+")
     """TikTokenizer's special tokens (ids in order); must include <unk> <s> </s> <mask> <pad> <cls>
     <sep> (the default list)."""
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode without the tokenizer's special tokens (no BOS from Llama 3's
+    files) and decode dropping them."""
     vocab_size: Optional[int] = None
     """Vocabulary size for NullTokenizer / --mock-data; TikTokenizer's (default 131072)."""
     eod_mask_loss: bool = False

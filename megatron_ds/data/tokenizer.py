@@ -411,13 +411,16 @@ class HFTokenizer(_MappedTokenizer):
     (special tokens included: BOS for Llama 3's files, none for Qwen's): where tokenizer_config.json
     lies beside tokenizer.json, transformers' AutoTokenizer loads the directory (local files only)
     and its configured backend encodes; a bare tokenizer.json (or a config AutoTokenizer refuses)
-    encodes as the file says. eod is the
+    encodes as the file says. --tokenizer-hf-no-include-special-tokens encodes without them
+    (``tokens_to_ids(tokenize(text))`` there) and decodes dropping them. eod is the
     eos token (``HuggingFaceTokenizer.eod``), else the first of the usual end-of-text tokens."""
 
     name = "HFTokenizer"
 
-    def __init__(self, tokenizer_model, spelled: str = "HFTokenizer"):
+    def __init__(self, tokenizer_model, spelled: str = "HFTokenizer", include_special_tokens: bool = True):
         from tokenizers import Tokenizer
+
+        self.include_special_tokens = include_special_tokens
 
         path = _find_hf_tokenizer_json(tokenizer_model, spelled)
         self.source_dir = os.path.dirname(path)
@@ -435,7 +438,7 @@ class HFTokenizer(_MappedTokenizer):
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._eod = self._vocab.get(self._eos_token(path, self._vocab))
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self.adds_bos = self.bos is not None and self._tok.encode("").ids[:1] == [self.bos]
+        self.adds_bos = self.bos is not None and self.tokenize("")[:1] == [self.bos]
 
     def _from_auto_tokenizer(self, directory):
         import transformers
@@ -478,20 +481,22 @@ class HFTokenizer(_MappedTokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def tokenize(self, text):
+        add = self.include_special_tokens
         try:
-            return self._tok.encode(text).ids
+            return self._tok.encode(text, add_special_tokens=add).ids
         except (UnicodeEncodeError, TypeError):  # lone surrogates
-            return self._tok.encode(clean_text(text)).ids
+            return self._tok.encode(clean_text(text), add_special_tokens=add).ids
 
     def tokenize_batch(self, texts):
-        texts = list(texts)
+        texts, add = list(texts), self.include_special_tokens
         try:
-            return [e.ids for e in self._encode_batch(texts)]
+            return [e.ids for e in self._encode_batch(texts, add_special_tokens=add)]
         except (UnicodeEncodeError, TypeError):
-            return [e.ids for e in self._encode_batch([clean_text(t) for t in texts])]
+            return [e.ids for e in self._encode_batch([clean_text(t) for t in texts], add_special_tokens=add)]
 
     def detokenize(self, ids):
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        # Megatron-LM's ids_to_text drops the special tokens when they are not included
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not self.include_special_tokens)
 
 
 class NullTokenizer(AbstractTokenizer):
@@ -525,10 +530,11 @@ class NullTokenizer(AbstractTokenizer):
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
                     vocab_size=None, vocab_extra_ids=0, tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
-                    tokenizer_special_tokens=None, log=print):
+                    tokenizer_special_tokens=None, hf_include_special_tokens=True, log=print):
     """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
     `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types;
-    the tiktoken_* flags, --tokenizer-special-tokens and --vocab-size shape TikTokenizer."""
+    the tiktoken_* flags, --tokenizer-special-tokens and --vocab-size shape TikTokenizer;
+    hf_include_special_tokens False (--tokenizer-hf-no-include-special-tokens) HuggingFaceTokenizer."""
     kind = canonical_tokenizer_type(tokenizer_type)
     if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
         raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
@@ -551,7 +557,7 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
     elif kind == "Llama2Tokenizer":
         tok = Llama2Tokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
-        tok = HFTokenizer(tokenizer_model, tokenizer_type)
+        tok = HFTokenizer(tokenizer_model, tokenizer_type, include_special_tokens=hf_include_special_tokens)
     elif kind == "TikTokenizer":
         from megatron_ds.data.tiktoken_tokenizers import TikTokenizer
 
@@ -607,13 +613,15 @@ def build_tokenizer_for(data, log=print, *, vocab_extra_ids: int = 0, default_ty
         return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                            tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
-                           vocab_extra_ids=vocab_extra_ids, log=log, **tiktoken_options(data))
+                           vocab_extra_ids=vocab_extra_ids, log=log, **tokenizer_options(data))
 
 
-def tiktoken_options(data) -> dict:
-    """build_tokenizer's TikTokenizer keywords from a data section (``DataConfig``) or a namespace
-    with its field names, or a dict of them (older checkpoints' configs lack them: Megatron-LM's defaults)."""
+def tokenizer_options(data) -> dict:
+    """build_tokenizer's keywords beyond the files (TikTokenizer's, HuggingFaceTokenizer's) from a
+    data section (``DataConfig``), a namespace with its field names or a dict of them (older
+    checkpoints' configs lack them: Megatron-LM's defaults)."""
     get = data.get if isinstance(data, dict) else lambda k: getattr(data, k, None)
     return {"tiktoken_pattern": get("tiktoken_pattern"),
             "tiktoken_num_special_tokens": get("tiktoken_num_special_tokens") or 1000,
-            "tokenizer_special_tokens": get("tokenizer_special_tokens")}
+            "tokenizer_special_tokens": get("tokenizer_special_tokens"),
+            "hf_include_special_tokens": not get("tokenizer_hf_no_include_special_tokens")}

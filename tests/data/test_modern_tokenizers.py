@@ -181,6 +181,10 @@ def test_huggingface_tokenizer_equals_auto_tokenizer(files, kind):
     assert tok.eod == auto.eos_token_id
     assert tok.adds_bos == (kind == "hf_llama3") and tok.tokenize("x")[0] == (0 if tok.adds_bos else tok.tokenize("x")[0])
     assert tok.bos == auto.bos_token_id  # None for Qwen
+    # --tokenizer-hf-no-include-special-tokens: Megatron-LM's tokens_to_ids(tokenize(text))
+    bare = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=files[kind], hf_include_special_tokens=False, log=None)
+    assert bare.tokenize_batch(TEXTS) == [auto.convert_tokens_to_ids(auto.tokenize(t)) for t in TEXTS]
+    assert not bare.adds_bos and bare.detokenize(tok.tokenize(TEXTS[1])) == TEXTS[1]
 
 
 def _read_docs(prefix):
@@ -188,11 +192,13 @@ def _read_docs(prefix):
     return [np.concatenate(ds[int(ds.doc_idx[d]): int(ds.doc_idx[d + 1])]).tolist() for d in range(len(ds.doc_idx) - 1)]
 
 
-@pytest.mark.parametrize("kind", ["Llama3Tokenizer", "TikTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer"])
-def test_preprocess_round_trip(files, tmp_path, kind, capsys):
+@pytest.mark.parametrize("kind,bare", [("Llama3Tokenizer", False), ("TikTokenizer", False), ("Llama2Tokenizer", False),
+                                       ("HuggingFaceTokenizer", False), ("HuggingFaceTokenizer", True)])
+def test_preprocess_round_trip(files, tmp_path, kind, bare, capsys):
     model = {"Llama3Tokenizer": files["llama3"], "TikTokenizer": files["tik"], "Llama2Tokenizer": files["sp"],
              "HuggingFaceTokenizer": files["hf_llama3"]}[kind]
     extra = ["--vocab-size", "289", "--tiktoken-num-special-tokens", "10"] if kind == "TikTokenizer" else []
+    extra += ["--tokenizer-hf-no-include-special-tokens"] if bare else []
     texts = [t for t in TEXTS if t] * 3
     with open(tmp_path / "in.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
@@ -200,8 +206,9 @@ def test_preprocess_round_trip(files, tmp_path, kind, capsys):
     assert preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix, "--tokenizer-type",
                                  kind, "--tokenizer-model", model, "--append-eod", "--workers", "2",
                                  "--log-interval", "1", *extra]) == 0
-    tok = build_tokenizer(kind, tokenizer_model=model, log=None, vocab_size=289 if extra else None,
-                          tiktoken_num_special_tokens=10)
+    tok = build_tokenizer(kind, tokenizer_model=model, log=None, vocab_size=289 if kind == "TikTokenizer" else None,
+                          tiktoken_num_special_tokens=10, hf_include_special_tokens=not bare)
+    assert tok.adds_bos == (kind != "TikTokenizer" and not bare)
     assert _read_docs(prefix + "_text_document") == [tok.tokenize(t) + [tok.eod] for t in texts]
     err = capsys.readouterr().err
     assert f"building {tok.name} tokenizer" in err and "docs" in err
@@ -226,6 +233,12 @@ def test_export_writes_files_auto_tokenizer_reads(files, tmp_path, kind):
     texts = [t for t in TEXTS if t and not (kind == "Llama2Tokenizer" and "</s>" in t)]
     assert [auto(t).input_ids for t in texts] == ours.tokenize_batch(texts)
     assert auto.decode(ours.tokenize(TEXTS[1]), skip_special_tokens=True) == TEXTS[1]
+    # the same id -> token mapping: a run resumed on the exported files with HuggingFaceTokenizer
+    # passes the checkpoint's tokenizer check (checkpoint/vocabulary.py compares these digests)
+    from megatron_ds.checkpoint.vocabulary import _digest
+
+    exported = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path), log=None)
+    assert _digest(exported) == _digest(ours) and exported.eod == ours.eod
     assert auto.eos_token_id == ours.eod
 
 
