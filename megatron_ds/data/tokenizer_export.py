@@ -1,5 +1,6 @@
 """Hugging Face tokenizer files for the tokenizers whose own files transformers does not read as they
-are (Llama2Tokenizer's SentencePiece model, TikTokenizer's and Llama 3's tiktoken files): written so
+are (Llama2Tokenizer's and GPTSentencePieceTokenizer's SentencePiece model, TikTokenizer's and
+Llama 3's tiktoken files): written so
 that ``AutoTokenizer.from_pretrained(out_dir)(text).input_ids`` equals our ``tokenize(text)``,
 BOS included (tests/data/test_modern_tokenizers.py checks it)."""
 from __future__ import annotations
@@ -12,8 +13,8 @@ import shutil
 def save_hf_tokenizer(tok, out_dir: str, model_file: str) -> str:
     """Write ``tok``'s files into ``out_dir``; returns what was written, for the log line."""
     name = tok.name
-    if name == "Llama2Tokenizer":
-        return _save_llama2(tok, out_dir, model_file)
+    if name in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):
+        return _save_sentencepiece(tok, out_dir, model_file, add_bos=name == "Llama2Tokenizer")
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
@@ -32,7 +33,7 @@ def save_hf_tokenizer(tok, out_dir: str, model_file: str) -> str:
     return f"tokenizer.json converted from the tiktoken ranks ({', '.join(f'{k} {v}' for k, v in special.items())})"
 
 
-def _save_llama2(tok, out_dir: str, model_file: str) -> str:
+def _save_sentencepiece(tok, out_dir: str, model_file: str, add_bos: bool) -> str:
     """transformers converts the SentencePiece model (LlamaTokenizer); its Metaspace pre-tokenizer
     ("first" prepend scheme) drops a space of a leading run that SentencePiece's dummy prefix keeps,
     so the pipeline Meta's Llama 2 tokenizer.json has (Prepend + Replace normalizer, no pre-tokenizer)
@@ -48,10 +49,11 @@ def _save_llama2(tok, out_dir: str, model_file: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copyfile(model_file, os.path.join(tmp, "tokenizer.model"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, **names}, f)
+            json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": add_bos, "add_eos_token": False, **names}, f)
         backend = AutoTokenizer.from_pretrained(tmp, local_files_only=True).backend_tokenizer
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     backend.pre_tokenizer = None
     PreTrainedTokenizerFast(tokenizer_object=backend, **names).save_pretrained(out_dir)
     shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
-    return "tokenizer.json converted from the SentencePiece model (BOS added) and tokenizer.model"
+    return f"tokenizer.json converted from the SentencePiece model ({'BOS' if add_bos else 'nothing'} added) " \
+           f"and tokenizer.model"

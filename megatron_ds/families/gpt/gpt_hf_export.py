@@ -75,14 +75,13 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
         for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(src_dir, name)):
                 shutil.copyfile(os.path.join(src_dir, name), os.path.join(out_dir, name))
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    elif kind == "SentencePieceTokenizer":
         shutil.copyfile(data.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}, f)
-        if kind == "SentencePieceTokenizer":
-            log("NOTE: Megatron's SentencePieceTokenizer appends special ids (<EOD> ...) after the model's pieces; "
-                "transformers' tokenizer does not know them")
-    elif kind in ("Llama2Tokenizer", "TikTokenizer", "Llama3Tokenizer"):
+        log("NOTE: Megatron's SentencePieceTokenizer appends special ids (<EOD> ...) after the model's pieces; "
+            "transformers' tokenizer does not know them")
+    elif kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "Llama3Tokenizer"):
         from megatron_ds.data.tokenizer_export import save_hf_tokenizer  # noqa: PLC0415
 
         log("wrote " + save_hf_tokenizer(build_tokenizer_for(data, log=None), out_dir, data.tokenizer_model))
