@@ -498,10 +498,10 @@ class DataConfig:
     tiktoken_pattern: Optional[str] = meta(None, choices=("v1", "v2"))
     """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 (default v2)."""
     tiktoken_num_special_tokens: int = 1000
-    """TikTokenizer's special-token ids 0..N-1 (--tokenizer-special-tokens, then <SPECIAL_i> fillers)."""
+    """TikTokenizer's special-token ids 0..N-1 (--tokenizer-special-tokens, then `<SPECIAL_i>` fillers)."""
     tokenizer_special_tokens: Optional[list] = meta(None, nargs="+")
-    """TikTokenizer's special tokens (ids in order); must include <unk> <s> </s> <mask> <pad> <cls>
-    <sep> (the default list)."""
+    """TikTokenizer's special tokens (ids in order); must include `<unk> <s> </s> <mask> <pad> <cls>
+    <sep>` (the default list)."""
     tokenizer_hf_no_include_special_tokens: bool = False
     """HuggingFaceTokenizer: encode without the tokenizer's special tokens (no BOS from Llama 3's
     files) and decode dropping them."""
