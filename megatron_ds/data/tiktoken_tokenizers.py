@@ -140,7 +140,9 @@ class TikTokenizer(_TiktokenFile):
     (--tokenizer-special-tokens, default <unk> <s> </s> <mask> <pad> <cls> <sep>, then
     <SPECIAL_i> fillers up to --tiktoken-num-special-tokens N), then the file's ranks shifted by N,
     cut to --vocab-size (default 2**17) minus N. eod is </s>; nothing is added around the text
-    (no BOS), as upstream's text_to_ids."""
+    (no BOS), as upstream's text_to_ids. (Megatron-LM's legacy CustomTikTokenizer, before
+    core/tokenizers, gave the same ids to ordinary text but encoded special-token strings as text,
+    required only <unk> <s> </s> and took them as --tiktoken-special-tokens.)"""
 
     name = "TikTokenizer"
 
