@@ -316,3 +316,16 @@ def test_refusals_are_one_line(files):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model="meta-llama/Llama-3.1-8B", log=None)
     with pytest.raises(TokenizerError, match="is not a SentencePiece model .*Llama3Tokenizer"):
         build_tokenizer("Llama2Tokenizer", tokenizer_model=files["llama3"], log=None)
+
+
+def test_eval_harness_takes_bos_as_hflm_does(files):
+    """lm-eval's HFLM encodes without special tokens and puts the tokenizer's BOS first only as the
+    prefix of an empty context; the harness keeps that rule with tokenizers that prepend a BOS."""
+    from types import SimpleNamespace
+
+    from megatron_ds.inference.harness import MegatronLM
+
+    tok = build_tokenizer("Llama3Tokenizer", tokenizer_model=files["llama3"], log=None)
+    lm = MegatronLM(SimpleNamespace(max_positions=None), tok, max_length=16)
+    assert lm.prefix_token_id == tok.bos and lm.eot_token_id == tok.eod
+    assert lm.tok_encode("the end") == tok.tokenize("the end")[1:]
