@@ -32,7 +32,7 @@ from megatron_ds.data.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
+from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer, tokenizer_options
 from megatron_ds.progress import progress
 
 MAX_REPORTED = 5  # malformed lines shown individually; the rest only counted
@@ -65,16 +65,25 @@ def get_args(argv=None):
                    help="write an empty data set (with a warning) when the input has no documents, instead of failing")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, help="GPT2BPETokenizer, SentencePieceTokenizer, "
-                   "GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer, JapaneseSentencePiece, "
-                   "BertWordPieceLowerCase or BertWordPieceCase")
+                   "GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer (HFTokenizer), TikTokenizer, "
+                   "Llama3Tokenizer, NullTokenizer, JapaneseSentencePiece, BertWordPieceLowerCase or "
+                   "BertWordPieceCase (docs/data.md: which add a BOS)")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json; BERT vocab.txt; the SentencePiece model for "
                    "JapaneseSentencePiece")
     g.add_argument("--vocab-extra-ids", type=int, default=0,
                    help="T5 sentinels <extra_id_0>.. added to a BERT vocabulary (they only change the vocabulary "
                         "size, hence possibly the token dtype; text never contains them)")
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model, or HF tokenizer.json / its directory")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids are 0..N-1 and eod is N")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model, HF tokenizer.json / its directory, "
+                   "TikTokenizer's JSON vocabulary or Llama 3's tiktoken tokenizer.model")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids are 0..N-1 and eod is N; "
+                   "TikTokenizer: its vocabulary size (default 131072)")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None, help="TikTokenizer's regex (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer's special ids 0..N-1")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: no special tokens around the text (no BOS from Llama 3's files)")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
@@ -427,7 +436,7 @@ def run(args, log=lambda msg: print(msg, file=sys.stderr), tokenizer=None):
     files = resolve_inputs(args.input)
     tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                            vocab_extra_ids=args.vocab_extra_ids)
+                            vocab_extra_ids=args.vocab_extra_ids, **tokenizer_options(args))
     if tokenizer is None:
         tokenizer = build_tokenizer(**tokenizer_kwargs, log=log)
     if args.append_eod:

@@ -147,9 +147,6 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'read only with --optimizer-cpu-offload, which is refused',
       '--optimizer-offload-fraction= --use-torch-optimizer-for-cpu-offload'),
     (IGNORED,
-      'read only with --tokenizer-type TikTokenizer, not offered here',
-      '--tiktoken-pattern= --tiktoken-num-special-tokens='),
-    (IGNORED,
       "read only with --tokenizer-type NullTokenizer's padding/eod overrides of Megatron-LM's SFT and RL "
       "paths; NullTokenizer's eod here is its last id, as upstream's default",
       '--null-tokenizer-eod-id= --null-tokenizer-pad-id='),
@@ -426,10 +423,9 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--padded-vocab-size= --no-pad-vocab-size --disable-pad-vocab-size'),
     (REFUSED,
       'is not supported; the tokenizer is read as is from --tokenizer-model',
-      '--tokenizer-metadata= --tokenizer-special-tokens=+ --tokenizer-sentencepiece-legacy '
+      '--tokenizer-metadata= --tokenizer-sentencepiece-legacy '
       '--no-tokenizer-sentencepiece-ignore-extra-whitespaces '
-      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast '
-      '--tokenizer-hf-no-include-special-tokens'),
+      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces --tokenizer-hf-no-use-fast'),
     (IGNORED,
       "the torch profiler is the one --profile runs here (without this flag Megatron-LM opens an nsys capture "
       "range instead: run under nsys with --capture-range=none for that)",

@@ -92,7 +92,7 @@ _CHECKPOINT_ARGS = (
     ("model", "use_rotary_position_embeddings", True), ("model", "rotary_percent", True),
     ("model", "add_bias_linear", True), ("model", "swiglu", True),
     ("model", "untie_embeddings_and_output_weights", True), ("model", "apply_layernorm_1p", True),
-    ("data", "tokenizer_type", False),
+    ("data", "tokenizer_type", False), ("data", "tiktoken_pattern", True),  # core_v0.19.0 forces the latter
     ("parallel", "tensor_model_parallel_size", True), ("parallel", "pipeline_model_parallel_size", True),
     ("parallel", "virtual_pipeline_model_parallel_size", True),
     ("parallel", "num_layers_per_virtual_pipeline_stage", False),

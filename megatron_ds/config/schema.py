@@ -484,17 +484,29 @@ class DataConfig:
     """Data loader worker processes."""
     tokenizer_type: Optional[str] = None
     """Tokenizer the data was preprocessed with: GPT2BPETokenizer, SentencePieceTokenizer,
-    GPTSentencePieceTokenizer, HFTokenizer, NullTokenizer or JapaneseSentencePiece (the SentencePiece
-    tokenizer of ABCI users' forks) (default GPT2BPETokenizer, the args_defaults of Megatron-DeepSpeed's
-    pretrain_gpt.py; --mock-data alone needs none)."""
+    GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer (or HFTokenizer), TikTokenizer,
+    Llama3Tokenizer (Meta's tiktoken tokenizer.model), NullTokenizer or JapaneseSentencePiece (the
+    SentencePiece tokenizer of ABCI users' forks) (default GPT2BPETokenizer, the args_defaults of
+    Megatron-DeepSpeed's pretrain_gpt.py; --mock-data alone needs none). docs/data.md lists their BOS/EOS."""
     vocab_file: Optional[str] = None
     """GPT-2 vocab.json; for JapaneseSentencePiece, the SentencePiece model."""
     merge_file: Optional[str] = None
     """GPT-2 merges.txt."""
     tokenizer_model: Optional[str] = None
-    """SentencePiece model, or HF tokenizer.json / directory."""
+    """SentencePiece model, HF tokenizer.json / directory, TikTokenizer's JSON vocabulary or Llama 3's
+    tiktoken tokenizer.model."""
+    tiktoken_pattern: Optional[str] = meta(None, choices=("v1", "v2"))
+    """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 (default v2)."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer's special-token ids 0..N-1 (--tokenizer-special-tokens, then `<SPECIAL_i>` fillers)."""
+    tokenizer_special_tokens: Optional[list] = meta(None, nargs="+")
+    """TikTokenizer's special tokens (ids in order); must include `<unk> <s> </s> <mask> <pad> <cls>
+    <sep>` (the default list)."""
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode without the tokenizer's special tokens (no BOS from Llama 3's
+    files) and decode dropping them."""
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer / --mock-data."""
+    """Vocabulary size for NullTokenizer / --mock-data; TikTokenizer's (default 131072)."""
     eod_mask_loss: bool = False
     """Do not compute loss on end-of-document tokens."""
     reset_position_ids: bool = False

@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.data.tokenizer import resolved_tokenizer_type
+from megatron_ds.data.tokenizer import canonical_tokenizer_type, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 
 # (section, field, lower bound, lower inclusive, upper bound, upper inclusive); None = unbounded.
@@ -162,7 +162,8 @@ def missing_flags(cfg, *, with_data: bool = True) -> list[str]:
     if kind == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
         files = " and ".join(f for f, v in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)) if not v)
         missing.append(f"{files} (for {kind}{default})")
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer") and not d.tokenizer_model:
+    elif canonical_tokenizer_type(kind) in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                            "HFTokenizer", "TikTokenizer", "Llama3Tokenizer") and not d.tokenizer_model:
         missing.append(f"--tokenizer-model (for {kind})")
     elif kind == "NullTokenizer" and d.vocab_size is None:
         missing.append("--vocab-size (for NullTokenizer)")

@@ -19,7 +19,10 @@ VALID_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "HFTokenizer",
+    "TikTokenizer",
+    "Llama3Tokenizer",
     "NullTokenizer",
     "JapaneseSentencePiece",
     "BertWordPieceLowerCase",
@@ -198,6 +201,16 @@ class GPT2BPETokenizer(_MappedTokenizer):
         return self._decode([int(i) for i in ids])
 
 
+def _load_sentencepiece(model_file, tokenizer_type):
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except RuntimeError:  # "INTERNAL: could not parse ModelProto ..." from C++
+        raise TokenizerError(f"--tokenizer-model {model_file} is not a SentencePiece model ({tokenizer_type} reads "
+                             f"one; Meta's Llama 3 tiktoken tokenizer.model is Llama3Tokenizer's)") from None
+
+
 class SentencePieceTokenizer(_MappedTokenizer):
     """Megatron's SentencePieceTokenizer: the model's pieces, then special tokens appended after
     them when the model lacks them (<CLS> <SEP> <EOD> <MASK>, and pad/bos/eos, then the
@@ -208,9 +221,7 @@ class SentencePieceTokenizer(_MappedTokenizer):
     name = "SentencePieceTokenizer"
 
     def __init__(self, model_file, vocab_extra_ids: int = 0):
-        import sentencepiece
-
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        self._sp = _load_sentencepiece(model_file, self.name)
         n = self._sp.get_piece_size()
         self._vocab = {self._sp.id_to_piece(i): i for i in range(n)}
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
@@ -293,6 +304,28 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
         self._eod = self._sp.eos_id()
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer as its legacy megatron/training/tokenizer/tokenizer.py
+    (``_Llama2Tokenizer``) defines it, Llama 2's convention: the model's own pieces, BOS prepended
+    (``tokenize(s, bos=True, eos=False)``), eod = the model's eos. (core_v0.19.0 routes the name to
+    its generic SentencePiece wrapper, which adds no BOS; Llama 2 was trained with it.)"""
+
+    name = "Llama2Tokenizer"
+
+    def _add_specials(self, n):
+        super()._add_specials(n)
+        if self._sp.bos_id() < 0:
+            raise TokenizerError("the SentencePiece model defines no bos piece, which Llama2Tokenizer prepends")
+        self.bos = self.bos_token_id = self._sp.bos_id()
+        self.adds_bos = True
+
+    def tokenize(self, text):
+        return [self.bos] + super().tokenize(text)
+
+    def tokenize_batch(self, texts):
+        return [[self.bos] + ids for ids in super().tokenize_batch(texts)]
+
+
 class JapaneseSentencePiece(AbstractTokenizer):
     """--tokenizer-type JapaneseSentencePiece --vocab-file MODEL: the SentencePiece tokenizer of ABCI users'
     Megatron-DeepSpeed forks (megatron/tokenizer/tokenizer.py ``_JapaneseSentencePiece``). It ships in two
@@ -362,7 +395,7 @@ def _find_hf_tokenizer_json(path, tokenizer_type):
         return candidate
     if not os.path.isfile(path):
         raise TokenizerError(
-            f"--tokenizer-model {path} does not exist; HFTokenizer loads a local tokenizer.json or a "
+            f"--tokenizer-model {path} does not exist; {tokenizer_type} loads a local tokenizer.json or a "
             "directory holding one and never downloads from the hub"
         )
     return path
@@ -372,28 +405,61 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[
 
 
 class HFTokenizer(_MappedTokenizer):
-    """A local HF `tokenizer.json`. eod is the eos token from a neighbouring tokenizer_config.json,
-    else the first of the usual end-of-text tokens the vocabulary has. Encoding adds the
-    tokenizer's own special tokens (e.g. BOS for Llama), as Megatron's HF tokenizer does."""
+    """A local HF tokenizer (Megatron-LM's HuggingFaceTokenizer, Megatron-DeepSpeed's HFTokenizer):
+    a directory with tokenizer.json, or the file itself. Ids are those of Megatron-LM's
+    ``HuggingFaceTokenizer.text_to_ids``, ``AutoTokenizer.from_pretrained(dir)(text).input_ids``
+    (special tokens included: BOS for Llama 3's files, none for Qwen's): where tokenizer_config.json
+    lies beside tokenizer.json, transformers' AutoTokenizer loads the directory (local files only)
+    and its configured backend encodes; a bare tokenizer.json (or a config AutoTokenizer refuses)
+    encodes as the file says. --tokenizer-hf-no-include-special-tokens encodes without them
+    (``tokens_to_ids(tokenize(text))`` there) and decodes dropping them. eod is the
+    eos token (``HuggingFaceTokenizer.eod``), else the first of the usual end-of-text tokens."""
 
     name = "HFTokenizer"
 
-    def __init__(self, tokenizer_model):
+    def __init__(self, tokenizer_model, spelled: str = "HFTokenizer", include_special_tokens: bool = True):
         from tokenizers import Tokenizer
 
-        path = _find_hf_tokenizer_json(tokenizer_model, self.name)
-        try:
-            self._tok = Tokenizer.from_file(path)
-        except Exception as exc:  # noqa: BLE001 - the Rust library raises plain Exceptions for bad files
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise TokenizerError(f"--tokenizer-model {path} is not a tokenizers tokenizer.json ({first})") from None
+        self.include_special_tokens = include_special_tokens
+
+        path = _find_hf_tokenizer_json(tokenizer_model, spelled)
+        self.source_dir = os.path.dirname(path)
+        self.bos = self._auto = None
+        if os.path.basename(path) == "tokenizer.json" and \
+                os.path.isfile(os.path.join(self.source_dir, "tokenizer_config.json")):
+            self._tok = self._from_auto_tokenizer(self.source_dir)
+        if self._auto is None:
+            try:
+                self._tok = Tokenizer.from_file(path)
+            except Exception as exc:  # noqa: BLE001 - the Rust library raises plain Exceptions for bad files
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise TokenizerError(f"--tokenizer-model {path} is not a tokenizers tokenizer.json ({first})") from None
         self._vocab = self._tok.get_vocab(with_added_tokens=True)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._eod = self._vocab.get(self._eos_token(path, self._vocab))
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        self.adds_bos = self.bos is not None and self.tokenize("")[:1] == [self.bos]
 
-    @staticmethod
-    def _eos_token(path, vocab):
+    def _from_auto_tokenizer(self, directory):
+        import transformers
+        from transformers import AutoTokenizer
+
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its notes on the class it picks are not the user's concern
+        try:
+            auto = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception:  # noqa: BLE001 - a config transformers refuses (e.g. an old eos_token dict): the file alone
+            return None
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        if not getattr(auto, "is_fast", False):
+            return None
+        self._auto, self.bos = auto, auto.bos_token_id
+        return auto.backend_tokenizer
+
+    def _eos_token(self, path, vocab):
+        if self._auto is not None and self._auto.eos_token in vocab:
+            return self._auto.eos_token
         config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
         if os.path.isfile(config):
             with open(config, encoding="utf-8") as f:
@@ -415,20 +481,22 @@ class HFTokenizer(_MappedTokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def tokenize(self, text):
+        add = self.include_special_tokens
         try:
-            return self._tok.encode(text).ids
+            return self._tok.encode(text, add_special_tokens=add).ids
         except (UnicodeEncodeError, TypeError):  # lone surrogates
-            return self._tok.encode(clean_text(text)).ids
+            return self._tok.encode(clean_text(text), add_special_tokens=add).ids
 
     def tokenize_batch(self, texts):
-        texts = list(texts)
+        texts, add = list(texts), self.include_special_tokens
         try:
-            return [e.ids for e in self._encode_batch(texts)]
+            return [e.ids for e in self._encode_batch(texts, add_special_tokens=add)]
         except (UnicodeEncodeError, TypeError):
-            return [e.ids for e in self._encode_batch([clean_text(t) for t in texts])]
+            return [e.ids for e in self._encode_batch([clean_text(t) for t in texts], add_special_tokens=add)]
 
     def detokenize(self, ids):
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        # Megatron-LM's ids_to_text drops the special tokens when they are not included
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not self.include_special_tokens)
 
 
 class NullTokenizer(AbstractTokenizer):
@@ -461,13 +529,19 @@ class NullTokenizer(AbstractTokenizer):
 
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, vocab_extra_ids=0, log=print):
+                    vocab_size=None, vocab_extra_ids=0, tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
+                    tokenizer_special_tokens=None, hf_include_special_tokens=True, log=print):
     """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
-    `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types."""
+    `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types;
+    the tiktoken_* flags, --tokenizer-special-tokens and --vocab-size shape TikTokenizer;
+    hf_include_special_tokens False (--tokenizer-hf-no-include-special-tokens) HuggingFaceTokenizer."""
     kind = canonical_tokenizer_type(tokenizer_type)
     if vocab_extra_ids and kind not in ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer"):
         raise TokenizerError(f"--vocab-extra-ids is supported with the BertWordPieceLowerCase/BertWordPieceCase and "
                              f"SentencePieceTokenizer tokenizers only (as in Megatron-DeepSpeed), not {tokenizer_type}")
+    if tokenizer_special_tokens and kind != "TikTokenizer":
+        raise TokenizerError(f"--tokenizer-special-tokens is supported with --tokenizer-type TikTokenizer only "
+                             f"(its special ids), not {tokenizer_type}; other tokenizers keep their files' tokens")
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         from megatron_ds.data.wordpiece import BertWordPieceTokenizer
 
@@ -480,8 +554,19 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
         tok = SentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind), vocab_extra_ids)
     elif kind == "GPTSentencePieceTokenizer":
         tok = GPTSentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
+    elif kind == "Llama2Tokenizer":
+        tok = Llama2Tokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "HFTokenizer":
-        tok = HFTokenizer(tokenizer_model)
+        tok = HFTokenizer(tokenizer_model, tokenizer_type, include_special_tokens=hf_include_special_tokens)
+    elif kind == "TikTokenizer":
+        from megatron_ds.data.tiktoken_tokenizers import TikTokenizer
+
+        tok = TikTokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind), tiktoken_pattern or "v2",
+                           tiktoken_num_special_tokens, tokenizer_special_tokens, vocab_size)
+    elif kind == "Llama3Tokenizer":
+        from megatron_ds.data.tiktoken_tokenizers import Llama3Tokenizer
+
+        tok = Llama3Tokenizer(_require_file(tokenizer_model, "--tokenizer-model", kind))
     elif kind == "JapaneseSentencePiece":  # its forks pass the SentencePiece model as --vocab-file
         tok = JapaneseSentencePiece(_require_file(vocab_file, "--vocab-file", kind))
     elif kind == "NullTokenizer":
@@ -495,6 +580,7 @@ def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokeniz
             ids = f"eod id {tok.eod}"
         except TokenizerError:  # BERT WordPiece: no end-of-document token
             ids = f"cls {tok.cls}, sep {tok.sep}, mask {tok.mask}, pad {tok.pad}"
+        ids += f", bos id {tok.bos} prepended" if getattr(tok, "adds_bos", False) else ""
         log(f"> building {tok.name} tokenizer: vocab size {tok.vocab_size}, {ids}")
     return tok
 
@@ -527,4 +613,15 @@ def build_tokenizer_for(data, log=print, *, vocab_extra_ids: int = 0, default_ty
         return MockTokenizer(data.vocab_size or GPT2_VOCAB_SIZE)
     return build_tokenizer(tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                            tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
-                           vocab_extra_ids=vocab_extra_ids, log=log)
+                           vocab_extra_ids=vocab_extra_ids, log=log, **tokenizer_options(data))
+
+
+def tokenizer_options(data) -> dict:
+    """build_tokenizer's keywords beyond the files (TikTokenizer's, HuggingFaceTokenizer's) from a
+    data section (``DataConfig``), a namespace with its field names or a dict of them (older
+    checkpoints' configs lack them: Megatron-LM's defaults)."""
+    get = data.get if isinstance(data, dict) else lambda k: getattr(data, k, None)
+    return {"tiktoken_pattern": get("tiktoken_pattern"),
+            "tiktoken_num_special_tokens": get("tiktoken_num_special_tokens") or 1000,
+            "tokenizer_special_tokens": get("tokenizer_special_tokens"),
+            "hf_include_special_tokens": not get("tokenizer_hf_no_include_special_tokens")}

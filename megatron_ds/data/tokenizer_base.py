@@ -14,6 +14,8 @@ class TokenizerError(ConfigError):
 
 class AbstractTokenizer:
     name = "abstract"
+    # Whether tokenize() puts the beginning-of-text id (``bos``) first, as Llama's tokenizers do.
+    adds_bos = False
 
     @property
     def vocab_size(self) -> int:

@@ -56,6 +56,7 @@ class MegatronLM(TemplateLM):
         # HFLM's rule: the tokenizer's bos token if it has one, else end-of-document (GPT-2's export
         # has bos = eos = <|endoftext|>; a SentencePiece model's bos is its own <s>)
         bos = getattr(tokenizer, "bos_token_id", None)
+        bos = getattr(tokenizer, "bos", None) if bos is None else bos  # Llama 2/3, HF tokenizers with one
         self._prefix = prefix_token_id if prefix_token_id is not None else \
             bos if isinstance(bos, int) and bos >= 0 else tokenizer.eod
 
@@ -68,8 +69,10 @@ class MegatronLM(TemplateLM):
         return self._prefix
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # Our tokenizers add no special tokens (nor does the export's GPT-2 tokenizer)
-        return list(self.tok.tokenize(string))
+        # HFLM's default for causal models: no special tokens; a BOS the tokenizer prepends
+        # (Llama2Tokenizer, Llama3Tokenizer, a Llama 3 tokenizer.json) goes, the prefix token stays its place
+        ids = list(self.tok.tokenize(string))
+        return ids[1:] if getattr(self.tok, "adds_bos", False) and not add_special_tokens and ids else ids
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tok.detokenize(list(tokens))

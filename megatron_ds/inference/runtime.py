@@ -19,7 +19,7 @@ from megatron_ds.accelerator import on_cuda
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
-from megatron_ds.data.tokenizer import build_tokenizer
+from megatron_ds.data.tokenizer import build_tokenizer, tokenizer_options
 from megatron_ds.errors import ConfigError
 from megatron_ds.inference.model import InferenceModel, ModelWeights, build_inference_model
 from megatron_ds.launch.env import apply_dist_env, discover_dist_env
@@ -167,7 +167,8 @@ def tokenizer_from(args, trained: dict, log, model_vocab: int | None = None):
             flag = "--" + name.replace("_", "-")
             raise FileNotFoundError(f"{path} (the {flag} the checkpoint was trained with) does not exist here; "
                                     f"pass {flag}")
-    return build_tokenizer(kind, vocab_size=trained.get("vocab_size") or model_vocab, log=log, **files)
+    return build_tokenizer(kind, vocab_size=trained.get("vocab_size") or model_vocab, log=log, **files,
+                           **tokenizer_options(trained))
 
 
 def open_session(args, family: ModelFamily) -> Session:

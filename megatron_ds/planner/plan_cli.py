@@ -31,7 +31,9 @@ MODEL_SIZES = {"125M": (12, 768, 12), "350M": (24, 1024, 16), "760M": (24, 1536,
 # the vocabulary of a family's default tokenizer, where --vocab-size does not say: GPT-2's BPE
 # (Megatron-DeepSpeed's default type), bert-large-uncased's and bert-large-cased's WordPiece
 DEFAULT_VOCAB = {None: GPT2_VOCAB_SIZE, "GPT2BPETokenizer": GPT2_VOCAB_SIZE, "BertWordPieceLowerCase": 30522,
-                 "BertWordPieceCase": 28996}
+                 "BertWordPieceCase": 28996,
+                 # Meta's released Llama 3.x file (128,000 ranks + 256 specials); TikTokenizer's default
+                 "Llama3Tokenizer": 128256, "TikTokenizer": 131072}
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, open_c
 from megatron_ds.checkpoint.hf_files import ShardWriter
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import DataConfig
-from megatron_ds.data.tokenizer import build_tokenizer_for, resolved_tokenizer_type
+from megatron_ds.data.tokenizer import build_tokenizer_for, canonical_tokenizer_type, resolved_tokenizer_type
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import gpt_hf as hf
 from megatron_ds.parallel.utils import PRECISION_DTYPES
@@ -54,7 +54,7 @@ def _tokenizer(data: DataConfig, log: Callable):
 
 def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> None:
     """Tokenizer files transformers' AutoTokenizer loads, from the files the run was trained with."""
-    kind = data.tokenizer_type
+    kind = canonical_tokenizer_type(data.tokenizer_type)  # HuggingFaceTokenizer is HFTokenizer
     if kind == "GPT2BPETokenizer":
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
         from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -72,16 +72,19 @@ def save_tokenizer(data: DataConfig, eod: int, out_dir: str, log: Callable) -> N
         # copyfile, not copy: the export's files follow the umask, not the source's mode
         shutil.copyfile(os.path.join(src, "tokenizer.json") if os.path.isdir(src) else src,
                         os.path.join(out_dir, "tokenizer.json"))
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(src_dir, name)):
                 shutil.copyfile(os.path.join(src_dir, name), os.path.join(out_dir, name))
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    elif kind == "SentencePieceTokenizer":
         shutil.copyfile(data.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}, f)
-        if kind == "SentencePieceTokenizer":
-            log("NOTE: Megatron's SentencePieceTokenizer appends special ids (<EOD> ...) after the model's pieces; "
-                "transformers' tokenizer does not know them")
+        log("NOTE: Megatron's SentencePieceTokenizer appends special ids (<EOD> ...) after the model's pieces; "
+            "transformers' tokenizer does not know them")
+    elif kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "Llama3Tokenizer"):
+        from megatron_ds.data.tokenizer_export import save_hf_tokenizer  # noqa: PLC0415
+
+        log("wrote " + save_hf_tokenizer(build_tokenizer_for(data, log=None), out_dir, data.tokenizer_model))
     else:
         log(f"NOTE: no tokenizer files written (tokenizer type {kind})")
         return
@@ -120,10 +123,12 @@ def export_hf(load_dir: str, out_dir: str, *, family: ModelFamily, iteration: in
         for name, tensor in _to_hf_layer(arch, ckpt, idx, n_layers, tensors, vocab).items():
             writer.add(name, tensor.to(torch_dtype))
     size = writer.close()
-    hf.hf_config(arch, ckpt.model, vocab, bos=eod, eos=eod, dtype=torch_dtype).save_pretrained(out_dir)
+    bos = getattr(tokenizer, "bos", None)  # Llama's <s> / <|begin_of_text|>; GPT-2's is its eod
+    bos = eod if bos is None else bos
+    hf.hf_config(arch, ckpt.model, vocab, bos=bos, eos=eod, dtype=torch_dtype).save_pretrained(out_dir)
     from transformers import GenerationConfig  # noqa: PLC0415
 
-    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eod, pad_token_id=eod).save_pretrained(out_dir)
     if tokenizer is not None:
         save_tokenizer(data, eod, out_dir, log)
     log(f"wrote {hf.ARCHITECTURES[arch]} ({size / 2**20:.1f} MiB of weights) to {out_dir}")
