@@ -73,9 +73,12 @@ def _same_weights(want, got):
 
 @pytest.fixture(scope="module")
 def tp2_pp2(tmp_path_factory, reference):
-    """TP 2 x PP 2 (DeepSpeed's pipeline engine), saving at steps 3 and 6."""
+    """TP 2 x PP 2 (DeepSpeed's pipeline engine) under ZeRO-1, saving at steps 3 and 6; the tracker then
+    points at step 3, where the checkpoint tests resume."""
     ckpt = str(tmp_path_factory.mktemp("tp2_pp2"))
-    losses = _losses(4, _layout(2, 2) + ["--save", ckpt, "--save-interval", "3"])
+    losses = _losses(4, _layout(2, 2) + ["--zero-stage", "1", "--save", ckpt, "--save-interval", "3"])
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
     return losses, ckpt
 
 
@@ -114,10 +117,22 @@ def test_tp2_checkpoint_resumes_at_tp1(tp2_pp2, tmp_path):
     """Saved at TP 2 x PP 2, resumed at step 3 by one process: steps 4-6 are the TP 2 run's, and so are the
     weights at step 6 (the QKV bias merged from the ranks' per-group rows, the q/k norms taken once)."""
     straight, ckpt = tp2_pp2
-    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("3")
     out = str(tmp_path / "resumed")
     resumed = _losses(1, ["--load", ckpt, "--save", out])
+    assert [it for it, _ in resumed] == [4, 5, 6]
+    assert _values(resumed) == pytest.approx(_values(straight)[3:], rel=RTOL)
+    _same_weights(_weights(ckpt, ITERS), _weights(out))
+
+
+def test_tp2_checkpoint_through_a_universal_checkpoint_resumes_at_tp1(tp2_pp2, tmp_path):
+    """DeepSpeed's ds_to_universal merges the TP 2 slices by the patterns the checkpoint declares (the q/k
+    norms replicated, the QKV bias concatenated like the weight's rows); one process resumes from it."""
+    from tests.checkpoint.test_universal import ds_to_universal
+
+    straight, ckpt = tp2_pp2
+    ds_to_universal(ckpt, 3)
+    out = str(tmp_path / "resumed")
+    resumed = _losses(1, ["--zero-stage", "1", "--load", ckpt, "--universal-checkpoint", "--save", out])
     assert [it for it, _ in resumed] == [4, 5, 6]
     assert _values(resumed) == pytest.approx(_values(straight)[3:], rel=RTOL)
     _same_weights(_weights(ckpt, ITERS), _weights(out))
