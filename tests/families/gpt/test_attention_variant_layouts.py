@@ -115,6 +115,13 @@ def test_tp2_pp2_zbh1_with_selective_recompute_matches_single_process(reference,
     _same_weights(reference[1], _weights(str(tmp_path)))
 
 
+def test_ulysses_sp2_matches_single_process(reference):
+    """DeepSpeed-Ulysses at SP 2 (--no-pipeline-parallel, as it runs): each rank normalises and rotates its
+    half of the positions (the scaled tables sliced at the shard's global positions) before the all-to-all."""
+    extra = ["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"]
+    assert _values(_losses(2, extra)) == pytest.approx(reference[0], rel=RTOL)
+
+
 def test_tp2_checkpoint_resumes_at_tp1(tp2_pp2, tmp_path):
     """Saved at TP 2 x PP 2, resumed at step 3 by one process: steps 4-6 are the TP 2 run's, and so are the
     weights at step 6 (the QKV bias merged from the ranks' per-group rows, the q/k norms taken once)."""
