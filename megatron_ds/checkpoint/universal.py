@@ -237,7 +237,7 @@ class UniversalCheckpoint:
             saved = self.info[SIGNATURE_KEY]
         else:
             saved = megatron_names.signature_from_args(self.args, self.path)
-        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings",) if k in signature]
+        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings", "add_qkv_bias", "qk_layernorm") if k in signature]
         norm = lambda v: v.lower() if isinstance(v, str) else v  # noqa: E731 - "LayerNorm" == "layernorm"
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {signature[k]!r}" for k in fields
                  if norm(saved.get(k)) != norm(signature[k])]

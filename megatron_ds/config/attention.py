@@ -21,25 +21,24 @@ def window_size(m: ModelConfig) -> tuple[int, int] | None:
     return left, right
 
 
-def check_attention(m: ModelConfig, causal: bool) -> None:
+def check_attention(m: ModelConfig) -> None:
     """Refuse what the attention cannot run: a sliding window that would mask anything (``m`` resolved:
-    its seq_length set) and RoPE scaling factors outside their formula's domain.
+    its seq_length set) and RoPE scaling factors outside their formula's domain. (The families other
+    than the GPT refuse these flags: ``layout.gpt_only_refusals``.)
 
     A query at position i sees keys i - left .. i + right (Megatron-LM's get_sliding_window_causal_mask,
     megatron/core/transformer/utils.py, which replaces the causal mask). Over --seq-length positions the
-    window is then the plain mask when left >= seq - 1 and, causal, right == 0 (bidirectional: right >=
-    seq - 1); any other window would need a banded mask, which this attention (SDPA's causal kernel)
-    does not build. -1 is Transformer Engine's "no limit" (Megatron-LM's default --transformer-impl
-    passes the window to its attention as it is)."""
+    window is then the GPT's causal mask when left >= seq - 1 and right == 0; any other window would need
+    a banded mask, which this attention (SDPA's causal kernel) does not build. -1 is Transformer Engine's
+    "no limit" (Megatron-LM's default --transformer-impl passes the window to its attention as it is)."""
     window = window_size(m)
     if window is not None:
         full = m.seq_length - 1
         left, right = (full if w == -1 else w for w in window)
-        if left < full or (right != 0 if causal else right < full):
-            wanted = f"({full},0)" if causal else f"({full},{full})"
+        if left < full or right != 0:
             raise ConfigError(f"--window-size {m.window_size}: sliding-window attention narrower than --seq-length "
                               f"is not supported; use a window that covers the {m.seq_length} positions "
-                              f"(--window-size \"{wanted}\" or wider, which masks nothing) or drop the flag")
+                              f"(--window-size \"({full},0)\" or wider, which masks nothing) or drop the flag")
     if m.use_rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         raise ConfigError(f"--rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor} must exceed "
                           f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (Llama 3.1's 4 and 1)")

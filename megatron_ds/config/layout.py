@@ -356,6 +356,10 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
         "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
         "--calculate-per-token-loss (the GPT's language-model loss applies it)":
             bool(flags.training.calculate_per_token_loss),
+        "--add-qkv-bias / --qk-layernorm / --use-rope-scaling / --rotary-seq-len-interpolation-factor / "
+        "--window-size (the attention of the GPT family's open models)":
+            bool(m.add_qkv_bias or m.qk_layernorm or m.use_rope_scaling or m.window_size is not None
+                 or m.rotary_seq_len_interpolation_factor is not None),
     }
 
 
@@ -367,7 +371,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     par, t, o = flags.parallel, flags.training, flags.optimizer
     family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
-    check_attention(m, family.causal_attention)
+    check_attention(m)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
     dp = world_size // (tp * pp * sp)

@@ -94,7 +94,8 @@ class ModelConfig:
     join the no-decay group as the other norms)."""
     window_size: Optional[str] = None
     """Megatron-LM's sliding-window attention "(left,right)" (Mistral: its sliding_window - 1, 0). Accepted
-    where the window covers --seq-length (it then masks nothing); refused otherwise."""
+    where the window covers --seq-length (left >= seq - 1 or -1, right 0: it then masks nothing); refused
+    otherwise."""
     apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
     """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
     compile_layers: Optional[bool] = meta(None, flags=("--compile-layers",), off_flags=("--no-compile-layers",))

@@ -271,3 +271,18 @@ def test_compiled_layers_equal_eager_in_one_graph(build):
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("flag", [["--qk-layernorm"], ["--add-qkv-bias"], ["--use-rope-scaling"],
+                                  ["--window-size", f"({SEQ - 1},0)"]])
+def test_bert_and_t5_refuse_the_gpts_attention_variants(flag):
+    """Their attention (T5's own, BERT's Hugging Face mapping) has none of these: refused, not ignored."""
+    from megatron_ds.families.bert.bert_family import BERT
+    from megatron_ds.families.t5.t5_family import T5
+
+    cfg, _ = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                         str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+                         "--train-iters", "1", "--lr", "1e-3", "--mock-data", *flag])
+    for family, script in ((BERT, "pretrain_bert.py"), (T5, "pretrain_t5.py")):
+        with pytest.raises(ConfigError, match=f"{script} cannot run with .*--qk-layernorm"):
+            resolve(cfg, world_size=1, vocab_size=64, family=family, ds_template={}, device_type="cpu")
