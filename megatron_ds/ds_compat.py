@@ -482,6 +482,16 @@ def is_pipe_replicated(param) -> bool:
     return bool(getattr(param, "ds_pipe_replicated", False))
 
 
+def refresh_masters(opt) -> None:
+    """The optimizer's fp32 master weights from the module's weights, where it keeps its own
+    (``refresh_fp32_params``: ZeRO 1-3, the bf16 and fp16 optimizers, 0.16-0.19). DeepSpeed's
+    load_checkpoint does this for ZeRO 1-3 when it loads no optimizer state, not for its ZeRO-0
+    bf16/fp16 optimizers, whose first step would then write the initial weights back."""
+    refresh = getattr(opt, "refresh_fp32_params", None)
+    if refresh is not None:
+        refresh()
+
+
 def is_zero3_param(param) -> bool:
     """Whether ZeRO-3 partitioned ``param`` (it gets a ``ds_id``, 0.16-0.19)."""
     return hasattr(param, "ds_id")

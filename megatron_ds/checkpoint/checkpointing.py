@@ -353,6 +353,8 @@ def _load_step(engine, load_dir: str, iteration: int, *, signature: dict, ps, fa
             load_lr_scheduler_states=load_optim and load_lr_state, load_module_strict=True)
     if loaded is None:
         raise ConfigError(f"DeepSpeed could not load {path}")
+    if not load_optim:  # weights only (--finetune, --no-load-optim): the masters take them too
+        ds_compat.refresh_masters(engine.optimizer)
     if sharded_without_zero and load_optim and not ds_compat.load_bf16_optimizer_files(engine, load_dir, tag):
         raise ConfigError(f"{path} has no bf16 optimizer state files; pass --no-load-optim to load the weights only")
     log(f"loaded checkpoint {path} (iteration {iteration})")

@@ -67,6 +67,13 @@ def set_optimizer_state(engine, param: torch.nn.Parameter, master: torch.Tensor,
                         **{k: v.to(device=param.device, dtype=param.dtype).clone() for k, v in moments.items()}}
 
 
+def _keeps_master(engine, param: torch.nn.Parameter) -> bool:
+    """Whether the optimizer updates an fp32 copy of ``param`` of its own (ZeRO 1-3, DeepSpeed's bf16 and
+    fp16 optimizers) rather than ``param`` itself."""
+    return (ds_compat.is_zero3_param(param) or ds_compat.has_fragment_mapping(param)
+            or ds_compat.is_fp16_optimizer(engine.optimizer))
+
+
 def _set_fp16_optimizer_state(opt, param: torch.nn.Parameter, master: torch.Tensor, moments: dict) -> None:
     """The fp32 master and Adam moments of ``param`` in DeepSpeed's ZeRO-0 fp16 optimizers: a slice
     of the group's flat master (FP16_Optimizer: the group's parameters concatenated in order) or
@@ -129,6 +136,11 @@ class StateSetter:
         set_weight(param, master)
         if "exp_avg" in shard:
             set_optimizer_state(self.engine, param, master, {k: shard[k] for k in OPTIM_KEYS})
+        elif _keeps_master(self.engine, param):
+            # weights only (an imported model, --finetune, --no-load-optim): the optimizer's own fp32
+            # copy must hold them too, or its first step writes the initial weights back over them
+            # (DeepSpeed's loader refreshes it likewise: _restore_from_bit16_weights); moments start at 0
+            set_optimizer_state(self.engine, param, master, {})
 
     def set_step(self, step: float) -> None:
         set_optimizer_step(self.engine, step)
