@@ -20,13 +20,14 @@ from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
 from megatron_ds.config.run_length import RunSchedule, StepSchedule, parse_step_schedule, resolve_iterations
-from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_per_token_loss, check_precision, check_profile, check_weight_decay,
                                            require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
+from megatron_ds.parallel.partition import EXPLICIT, megatron_stage_layers
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -298,6 +299,47 @@ def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
     return "exact" if par.enable_zbh1_exact_semantics else "default"
 
 
+UNEVEN_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+
+
+def _pipeline_partition(flags: Config, family: ModelFamily, num_layers: int, pp: int, *, use_pipeline: bool,
+                        own_schedule: bool) -> str | None:
+    """The partition DeepSpeed's pipeline engine places the layers by (None: no PipelineModule does):
+    --pipeline-partition-method, or "layers:..." from Megatron-LM's uneven-stage flags."""
+    par = flags.parallel
+    uneven = [flag for flag, value in zip(UNEVEN_FLAGS, (
+        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+        par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split)) if value]
+    if own_schedule and num_layers % pp:
+        # our executor's chunks are Megatron's equal virtual stages (parallel/partition.py chunk_layer_range)
+        raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}, which "
+                          f"the interleaved and ZB-H1 schedules need; choose PP dividing the layer count")
+    if not uneven:
+        return par.pipeline_partition_method if use_pipeline and not own_schedule else None
+    if family.pipeline_choice is not None:
+        raise ConfigError(f"{uneven[0]}: the {family.label} model splits its layers over the stages itself; drop it")
+    if own_schedule:
+        raise ConfigError(f"{uneven[0]} runs on DeepSpeed's 1F1B pipeline engine here, not on the interleaved or "
+                          f"ZB-H1 schedule (equal chunks); drop one of them")
+    if par.pipeline_partition_method != ParallelConfig.pipeline_partition_method:
+        raise ConfigError(f"{uneven[0]} and --pipeline-partition-method {par.pipeline_partition_method} both place "
+                          f"the layers; give one of them")
+    counts = megatron_stage_layers(num_layers, pp, first=par.decoder_first_pipeline_num_layers,
+                                   last=par.decoder_last_pipeline_num_layers,
+                                   embedding=par.account_for_embedding_in_pipeline_split,
+                                   loss=par.account_for_loss_in_pipeline_split)
+    return EXPLICIT + ",".join(map(str, counts)) if use_pipeline else None
+
+
+def check_stages_hold_layers(stages: tuple[StageParams, ...], pp: int, num_layers: int, partition: str | None) -> None:
+    """A stage without any layer cannot run in DeepSpeed's pipeline (too many stages for the model)."""
+    empty = [s.stage for s in stages if s.params_per_tp_rank == 0]
+    if empty:
+        raise ConfigError(f"pipeline stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of PP {pp} "
+                          f"would hold no layer ({num_layers} layers, partition {partition}); use fewer stages")
+
+
 def _engine(flags: Config, template: dict | None, notes: list[str], *, tp: int, pp: int,
             seq_length: int) -> tuple[int, bool]:
     """(ZeRO stage, whether DeepSpeed's pipeline engine runs the model)."""
@@ -363,7 +405,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     family.check(flags, par.pipeline_model_parallel_size)
     m = resolve_model_config(flags.model)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
+    check_parallel_sizes(m, world_size, tp, pp, sp)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
@@ -404,11 +446,13 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
-    partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
+    partition = _pipeline_partition(flags, family, m.num_layers, pp, use_pipeline=use_pipeline,
+                                    own_schedule=virtual_pp > 1 or zbh1 is not None)
     if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
     total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
+    check_stages_hold_layers(stages, pp, m.num_layers, partition)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
+from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
+from megatron_ds.parallel.partition import EXPLICIT
 from megatron_ds.parallel.utils import pad_vocab_size
 
 GB = 1e9
@@ -437,6 +439,14 @@ def estimate_stages(layout: Layout) -> list[MemoryEstimate]:
     return [_stage_estimate(layout, stage, sb) for stage in layout.stages]
 
 
+def describe_stages(layout: Layout) -> str:
+    """Each pipeline stage's transformer layers and estimated total: uneven partitions (the first stage with the
+    embedding, the last with the output layer and loss) differ per stage, and the largest decides."""
+    parts = [f"{s.stage}: {s.layers[1] - s.layers[0]} layers {e.total / GB:.2f}"
+             for s, e in zip(layout.stages, estimate_stages(layout))]
+    return "memory per pipeline stage (GB): " + ", ".join(parts)
+
+
 def estimate_memory(layout: Layout) -> MemoryEstimate:
     """The estimate for the stage needing the most memory (see the module docstring)."""
     return max(estimate_stages(layout), key=lambda e: e.total)
@@ -454,6 +464,8 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
+    if partition and partition.startswith(EXPLICIT) and pp != layout.pp:  # its counts are for layout.pp stages
+        partition = ParallelConfig.pipeline_partition_method
     total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, partition, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,

@@ -147,7 +147,9 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFam
     layout = dataclasses.replace(layout, model=dataclasses.replace(layout.model, liger_kernel=fused))
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
                optimizer=_settings(OptimizerSettings, flags.optimizer),
-               distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
+               # the partition the layout counted (Megatron-LM's uneven-stage flags resolve to "layers:...")
+               distributed=dataclasses.replace(_settings(DistributedSettings, flags.parallel), pipeline_partition_method=(
+                   layout.pipeline_partition or flags.parallel.pipeline_partition_method)), data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
                notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),
