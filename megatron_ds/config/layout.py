@@ -310,7 +310,8 @@ def _pipeline_partition(flags: Config, family: ModelFamily, num_layers: int, pp:
     par = flags.parallel
     uneven = [flag for flag, value in zip(UNEVEN_FLAGS, (
         par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
-        par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split)) if value]
+        par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split))
+        if value is not None and value is not False]  # a layer count of 0 is given (and refused)
     if own_schedule and num_layers % pp:
         # our executor's chunks are Megatron's equal virtual stages (parallel/partition.py chunk_layer_range)
         raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}, which "

@@ -27,7 +27,7 @@ from megatron_ds.parallel.schedules import check_schedule
 from megatron_ds.planner.time_model import Cluster, StepTime, step_time
 
 RECOMPUTE = (None, "selective", "full")
-FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel")
+FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel", "uneven-stages")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -180,9 +180,9 @@ def structures(request: Request):
         if heads % tp or kv % tp or world % tp:
             continue
         for pp in range(1, m.num_layers + 1):
-            if world % (tp * pp):
-                continue
             per_rank, uneven = m.num_layers // pp, m.num_layers % pp
+            if world % (tp * pp) or (uneven and "uneven-stages" in off):
+                continue
             # PP not dividing the layers: the command line's own placement, else DeepSpeed's balance of BLOOM's
             # run, where the embedding and the output layer weigh as a transformer layer each
             partition = UNEVEN_PARTITION if uneven and not own_placement else None
