@@ -464,11 +464,15 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
-    if partition and partition.startswith(EXPLICIT) and pp != layout.pp:  # its counts are for layout.pp stages
+    chunks = layout.chunk_layers if pp == layout.pp else None  # uneven counts are for layout.pp stages
+    if partition and partition.startswith(EXPLICIT) and pp != layout.pp:
         partition = ParallelConfig.pipeline_partition_method
-    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, partition, ep=layout.ep)
+    counted = partition if chunks is None else EXPLICIT + ",".join(
+        str(sum(chunks[r::pp])) for r in range(pp))  # each rank's chunks (virtual stage c * pp + r)
+    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, counted, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
+        chunk_layers=chunks,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
         zero_stage=layout.zero_stage if zero_stage is None else zero_stage, use_pipeline=use_pipeline,
         pipeline_partition=partition, recompute=layout.recompute if recompute == "keep" else recompute)

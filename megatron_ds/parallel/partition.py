@@ -21,11 +21,16 @@ TRANSFORMER_LAYER = "ParallelTransformerLayer"
 EXPLICIT = "layers:"
 
 
-def chunk_layer_range(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> range:
+def chunk_layer_range(num_layers: int, pp: int, v: int, rank: int, chunk: int,
+                      counts: Sequence[int] | None = None) -> range:
     """Transformer layers (0-based) of chunk ``chunk`` on pipeline rank ``rank``: Megatron's
-    assignment, virtual stage ``chunk * pp + rank`` of ``pp * v`` equal ones."""
-    per = num_layers // (pp * v)
+    assignment, virtual stage ``chunk * pp + rank`` of ``pp * v`` equal ones, or of ``counts`` layers
+    each in virtual-stage order (``megatron_virtual_stage_layers``)."""
     stage = chunk * pp + rank
+    if counts is not None:
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
+    per = num_layers // (pp * v)
     return range(stage * per, (stage + 1) * per)
 
 
@@ -114,3 +119,22 @@ def megatron_stage_layers(num_layers: int, pp: int, *, first: int | None = None,
                           f"do not split evenly over the {max(middle, 0)} other stages of PP {pp}")
     counts = [rest // middle] * middle if middle else []
     return ([first] if first is not None else []) + counts + ([last] if last is not None else [])
+
+
+def megatron_virtual_stage_layers(num_layers: int, pp: int, v: int, *, first: int | None = None,
+                                  last: int | None = None, embedding: bool = False, loss: bool = False) -> list[int]:
+    """Transformer layers of each of the ``pp * v`` virtual stages (chunk c of rank r is virtual stage
+    c * pp + r) by Megatron-LM's uneven-stage flags with interleaving (TransformerConfig's checks,
+    get_transformer_layer_offset and get_num_layers_to_build): each rank's layers -- counting the embedding
+    and the loss where they are accounted for -- split evenly over its ``v`` chunks; the embedding then
+    takes its place in the first chunk of the first rank, the loss in the last chunk of the last rank."""
+    ranks = megatron_stage_layers(num_layers, pp, first=first, last=last, embedding=embedding, loss=loss)
+    held = [n + (embedding and r == 0) + (loss and r == pp - 1) for r, n in enumerate(ranks)]
+    for r, n in enumerate(held):
+        if n % v:
+            raise ConfigError(f"pipeline rank {r} holds {n} layer{'s' if n != 1 else ''}, which do not split into "
+                              f"{v} virtual pipeline chunks (as Megatron-LM requires)")
+    counts = [held[r] // v for _ in range(v) for r in range(pp)]
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts

@@ -23,27 +23,39 @@ def _counts(layout):
     return [stop - first for first, stop in (s.layers for s in layout.stages)]
 
 
-def _megatron_ranges(num_layers, pp, first=None, last=None, embedding=False, loss=False):
-    """Megatron-LM's layers of each pipeline rank without interleaving, transcribed from
-    transformer_layer.py get_transformer_layer_offset and transformer_block.py get_num_layers_to_build."""
+def _megatron_ranges(num_layers, pp, first=None, last=None, embedding=False, loss=False, v=None):
+    """Megatron-LM's layers of each pipeline rank (``v``: of each chunk, in (rank, chunk) order), transcribed
+    from transformer_layer.py get_transformer_layer_offset and transformer_block.py get_num_layers_to_build."""
     out = []
     for rank in range(pp):
-        if first is not None or last is not None:
-            middle_stages = pp - (first is not None) - (last is not None)
-            middle_layers = num_layers - (first or 0) - (last or 0)
-            per_rank = middle_layers // middle_stages if middle_stages > 0 else 0
-            offset = 0 if rank == 0 else (rank if first is None else rank - 1) * per_rank + (first or 0)
-            build = per_rank
-            if rank == 0 and first is not None:
-                build = first
-            if rank == pp - 1 and last is not None:
-                build = last
-        else:
-            total = num_layers + embedding + loss
-            per_rank = total // pp
-            offset = rank * per_rank - (1 if embedding and rank > 0 else 0)
-            build = per_rank - (1 if embedding and rank == 0 else 0) - (1 if loss and rank == pp - 1 else 0)
-        out.append((offset, offset + build))
+        for vp_stage in range(v or 1):
+            if first is not None or last is not None:
+                middle_stages = pp - (first is not None) - (last is not None)
+                middle_layers = num_layers - (first or 0) - (last or 0)
+                middle_rank = rank if first is None else rank - 1
+                if v is not None:
+                    f, m, la = (first or 0) // v, middle_layers // v, (last or 0) // v
+                    offset = vp_stage * (f + m + la) + (0 if rank == 0 else f + middle_rank * (m // middle_stages))
+                else:
+                    per = middle_layers // middle_stages if middle_stages > 0 else 0
+                    offset = 0 if rank == 0 else middle_rank * per + (first or 0)
+                per_rank = middle_layers // middle_stages if middle_stages > 0 else 0
+                if rank == 0 and first is not None:
+                    per_rank = first
+                if rank == pp - 1 and last is not None:
+                    per_rank = last
+            else:
+                total = num_layers + embedding + loss
+                per_rank = total // pp
+                if v is not None:
+                    offset = vp_stage * (total // v) + rank * (per_rank // v)
+                else:
+                    offset = rank * per_rank
+                offset -= 1 if embedding and not (vp_stage == 0 and rank == 0) else 0
+            build = per_rank // (v or 1)
+            build -= 1 if embedding and vp_stage == 0 and rank == 0 else 0
+            build -= 1 if loss and vp_stage == (v or 1) - 1 and rank == pp - 1 else 0
+            out.append((offset, offset + build))
     return out
 
 
@@ -65,6 +77,25 @@ def test_megatron_lm_flags_place_layers_as_megatron(layers, pp, kw, flags):
     assert layout.pipeline_partition == "layers:" + ",".join(str(b - a) for a, b in _megatron_ranges(layers, pp, **kw))
 
 
+@pytest.mark.parametrize("layers,pp,v,kw,flags", [
+    (8, 4, 2, dict(first=2, last=2), ["--decoder-first-pipeline-num-layers", "2",
+                                      "--decoder-last-pipeline-num-layers", "2"]),
+    (10, 3, 2, dict(first=2), ["--decoder-first-pipeline-num-layers", "2"]),
+    (5, 2, 3, dict(embedding=True), ["--account-for-embedding-in-pipeline-split"]),
+    (14, 4, 2, dict(embedding=True, loss=True), ["--account-for-embedding-in-pipeline-split",
+                                                 "--account-for-loss-in-pipeline-split"]),
+], ids=lambda v: "" if not isinstance(v, int) else str(v))
+def test_megatron_lm_flags_place_chunks_as_megatron(layers, pp, v, kw, flags):
+    from megatron_ds.parallel.partition import chunk_layer_range
+
+    layout = _layout(layers, pp, *flags, "--num-virtual-stages-per-pipeline-rank", str(v),
+                     "--global-batch-size", str(pp))
+    got = [chunk_layer_range(layers, pp, v, r, c, layout.chunk_layers) for r in range(pp) for c in range(v)]
+    assert [(g.start, g.stop) for g in got] == _megatron_ranges(layers, pp, v=v, **kw)
+    held = [sum(len(g) for g in got[r * v:(r + 1) * v]) for r in range(pp)]
+    assert [b - a for a, b in (s.layers for s in layout.stages)] == held  # what the count and estimate read
+
+
 def test_pp_partition_method_is_megatron_deepspeeds_spelling():
     cfg, _ = parse_args(BASE + ["--num-layers", "4", "--pp-partition-method", "type:transformer|embedding"])
     assert cfg.parallel.pipeline_partition_method == "type:transformer|embedding"
@@ -84,9 +115,12 @@ def test_layers_not_dividing_pp_are_balanced_by_deepspeed():
     (["--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers 0 must be positive"),
     (["--account-for-loss-in-pipeline-split"], r"--num-layers 6 \+ 1 \(loss\) = 7 is not divisible by"),
     (["--decoder-first-pipeline-num-layers", "2", "--pp-partition-method", "uniform"], "give one of them"),
+    (["--decoder-first-pipeline-num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "3"], "give --num-virtual-stages-per-pipeline-rank instead"),
+    (["--decoder-first-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank", "4",
+      "--global-batch-size", "3"], "pipeline rank 0 holds 2 layers, which do not split into 4"),
     (["--account-for-embedding-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--global-batch-size", "3"],
-     "not on the interleaved or ZB-H1 schedule"),
+      "--global-batch-size", "3"], r"--num-layers 6 \+ 1 \(embedding\) = 7 is not divisible by"),
     (["--pipeline-partition-method", "layers:3,3"], "needs 3 counts"),
 ])
 def test_refusals_are_one_line(flags, match):
@@ -94,7 +128,14 @@ def test_refusals_are_one_line(flags, match):
         _layout(6, 3, *flags)
 
 
-def test_interleaved_and_zbh1_need_layers_dividing_pp():
+def test_accounted_layers_must_split_into_the_chunks():
+    # Megatron-LM's validate_args: (layers + embedding + loss) / PP divisible by the chunks
+    with pytest.raises(ConfigError, match=r"3 layers per pipeline rank \(9 / PP 3\) do not split into"):
+        _layout(7, 3, "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "3")
+
+
+def test_interleaved_and_zbh1_need_layers_dividing_pp_without_megatron_lm_flags():
     with pytest.raises(ConfigError, match="not divisible by --pipeline-model-parallel-size 3"):
         _layout(5, 3, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(ConfigError, match="the interleaved and ZB-H1 schedules need"):

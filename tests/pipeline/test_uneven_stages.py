@@ -7,6 +7,9 @@ A 5-layer GPT, fp32, dropout off (its streams depend on the layout), trained 6 s
   saving at steps 3 and 6;
 - at PP 3 by Megatron-LM's --decoder-first-pipeline-num-layers 1: 1 layer first, the other 4 split over
   the 2 remaining stages (transformer_layer.py get_transformer_layer_offset);
+- on the interleaved schedule at PP 2 with 3 chunks per rank by Megatron-LM's
+  --account-for-embedding-in-pipeline-split: (5 + 1) / 2 = 3 per rank, 1 per chunk, the embedding taking the
+  first chunk's place: rank 0 holds the embedding, layers 1 and 3; rank 1 layers 0, 2 and 4 and the output layer;
 - from the PP 2 run's step-3 checkpoint at PP 1: DeepSpeed's layer files are per global layer index,
   so the 3 + 2 split loads into one stage and continues to the reference's steps 4-6 and final weights.
 
@@ -88,6 +91,13 @@ def test_megatron_lm_first_stage_layers_train_as_one_process(reference):
     want, _ = reference
     got = _train(3, "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1",
                  parts=[0, 2, 4, 8])
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], **LOSS)
+
+
+def test_interleaved_chunks_with_the_embedding_accounted_for_train_as_one_process(reference):
+    want, _ = reference
+    got = _train(2, "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+                 "--num-virtual-stages-per-pipeline-rank", "3")
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], **LOSS)
 
 
