@@ -320,7 +320,7 @@ UNEVEN_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-
                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
 
 
-def _uneven_flags(par) -> list[str]:
+def uneven_flags(par) -> list[str]:
     """Megatron-LM's uneven-stage flags the command line gives (a layer count of 0 is given, and refused)."""
     return [flag for flag, value in zip(UNEVEN_FLAGS, (
         par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
@@ -348,7 +348,7 @@ def _placement(flags: Config, family: ModelFamily, num_layers: int, pp: int, v: 
     """--pipeline-partition-method, or Megatron-LM's uneven-stage flags: "layers:..." on DeepSpeed's engine,
     per-chunk counts on the interleaved and ZB-H1 schedules (parallel/partition.py)."""
     par = flags.parallel
-    uneven = _uneven_flags(par)
+    uneven = uneven_flags(par)
     if own_schedule and num_layers % pp and not uneven:
         # our executor's chunks are Megatron's equal virtual stages (parallel/partition.py chunk_layer_range)
         raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}, which "

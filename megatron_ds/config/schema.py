@@ -270,6 +270,8 @@ class ParallelConfig:
     """Mixture of experts: ranks that split each MoE layer's experts (--num-experts / this experts per rank);
     it divides the data parallel size, and the ranks holding the same experts average their gradients
     (DeepSpeed's expert and expert-data parallel groups)."""
+    # --pp-partition-method: BigScience's Megatron-DeepSpeed (megatron/arguments.py; GPTModelPipe hands it to
+    # PipelineModule as partition_method, default "type:transformer"), the flag of the BLOOM runs
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",
                                           flags=("--pipeline-partition-method", "--pp-partition-method"))
     """DeepSpeed PipelineModule partition method: uniform, parameters or type:REGEX (balanced layers whose

@@ -184,7 +184,7 @@ def check_divisible(a: int, b: int, message: str) -> None:
 def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1) -> None:
     """The world splits into TP x PP x SP x DP, and the model's heads and MLP split over TP;
     under DeepSpeed-Ulysses (SP) each rank attends with 1/(TP x SP) of the (query and key/value) heads.
-    The layers need not divide over PP: the partition places them (config/layout.py ``_pipeline_partition``;
+    The layers need not divide over PP: the partition places them (config/layout.py ``_placement``;
     T5 checks its own split in its ``check``)."""
     if tp < 1 or pp < 1 or sp < 1 or world_size < 1:
         raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}, SP {sp}")

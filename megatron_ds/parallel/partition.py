@@ -42,8 +42,8 @@ def partition_stages(num_stages: int, method: str, names: Sequence[str | None],
     "parameters" (balanced trainable parameters; ``parameters()`` gives them per layer, asked only
     for this method) or "type:REGEX" (balanced numbers of layers whose class name matches,
     case-insensitive; the default "type:ParallelTransformerLayer" balances transformer layers;
-    Megatron-DeepSpeed's BLOOM ran "type:transformer|embedding", counting the embedding and the tied
-    output layer as one more layer each). Ours: "layers:N1,...,Np", N1 transformer layers on the first
+    BigScience's Megatron-DeepSpeed trained BLOOM with "type:transformer|embedding", counting the embedding
+    and the tied output layer as one more layer each). Ours: "layers:N1,...,Np", N1 transformer layers on the first
     stage (after the embedding), ..., Np on the last (before the final norm and the output layer)."""
     kind, weights = method.lower(), ()  # DeepSpeed lower-cases the method, its regex included
     if kind.startswith(EXPLICIT):

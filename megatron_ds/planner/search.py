@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 
 from megatron_ds.config import Config, resolve
-from megatron_ds.config.schema import ParallelConfig
-from megatron_ds.config.layout import Layout
+from megatron_ds.config.layout import Layout, uneven_flags
 from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, estimate_memory
+from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import check_schedule
 from megatron_ds.planner.time_model import Cluster, StepTime, step_time
@@ -159,8 +159,6 @@ def _divisors_pow2(limit: int) -> list[int]:
 
 
 UNEVEN_PARTITION = "type:transformer|embedding"
-UNEVEN_FIELDS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def structures(request: Request):
@@ -174,8 +172,8 @@ def structures(request: Request):
     experts = max(m.num_experts or (1,))
     off = request.without
     par = request.flags.parallel
-    own_placement = par.pipeline_partition_method != ParallelConfig.pipeline_partition_method or any(
-        getattr(par, name) for name in UNEVEN_FIELDS)
+    own_placement = par.pipeline_partition_method != ParallelConfig.pipeline_partition_method or bool(
+        uneven_flags(par))
     for tp in _divisors_pow2(min(request.cluster.gpus_per_node, heads)):
         if heads % tp or kv % tp or world % tp:
             continue
