@@ -11,7 +11,9 @@ A 5-layer GPT, fp32, dropout off (its streams depend on the layout), trained 6 s
   --account-for-embedding-in-pipeline-split: (5 + 1) / 2 = 3 per rank, 1 per chunk, the embedding taking the
   first chunk's place: rank 0 holds the embedding, layers 1 and 3; rank 1 layers 0, 2 and 4 and the output layer;
 - from the PP 2 run's step-3 checkpoint at PP 1: DeepSpeed's layer files are per global layer index,
-  so the 3 + 2 split loads into one stage and continues to the reference's steps 4-6 and final weights.
+  so the 3 + 2 split loads into one stage and continues to the reference's steps 4-6 and final weights;
+  and at PP 2 split 2 + 3, where each stage's saved optimizer state is of other layers (resharded: the
+  checkpoint's signature records uneven stages' layers).
 
 Tolerances as tests/checkpoint/test_reshard.py's fp32 case: the layouts sum the same numbers in other
 orders (~1e-7 relative per op); losses within 2e-5 relative after a few AdamW steps, weights far below
@@ -99,6 +101,16 @@ def test_interleaved_chunks_with_the_embedding_accounted_for_train_as_one_proces
     got = _train(2, "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
                  "--num-virtual-stages-per-pipeline-rank", "3")
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], **LOSS)
+
+
+def test_uneven_checkpoint_resumes_at_another_split_of_as_many_stages(reference, pp2_three_two):
+    """The 3 + 2 checkpoint at 2 + 3 (--decoder-first-pipeline-num-layers 2): the same TP, PP and DP, but each
+    stage's optimizer state belongs to other layers, so the checkpoint must be resharded, not loaded as it is."""
+    (want, _), (_, ckpt) = reference, pp2_three_two
+    resumed = _train(2, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2",
+                     "--load", ckpt, parts=[0, 3, 8])
+    assert [it for it, _ in resumed] == [4, 5, 6]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in want[3:]], **LOSS)
 
 
 def test_uneven_checkpoint_resumes_in_one_stage(reference, pp2_three_two, tmp_path):
