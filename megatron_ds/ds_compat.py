@@ -64,7 +64,8 @@ _HOOKS = (
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_is_checkpointable",
      "overridden by megatron_ds.model.pipeline_model.PipelineModel"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_partition_layers",
-     "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (the split rank's partition)"),
+     "overridden by megatron_ds.model.pipeline_model.PipelineModel (layers:N1,...,Np) and "
+     "megatron_ds.families.t5.t5_model.T5PipelineModel (the split rank's partition)"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_set_bounds", "set_pipeline_partition"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "get_tied_weights_and_groups",
      "overridden by megatron_ds.families.t5.t5_model.T5PipelineModel (tied weights a stage does not read)"),

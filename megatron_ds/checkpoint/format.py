@@ -43,6 +43,10 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_val
 # With MoE layers also: the parameters each layer has and how experts split over TP ranks.
 MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
 EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
+# Transformer layers of each pipeline stage (of each virtual stage under interleaving) where they are uneven: a
+# layout field, since at the same sizes another split gives each stage the optimizer state of other layers.
+# Absent for equal stages, what every checkpoint written before uneven stages holds.
+PIPELINE_LAYERS = "pipeline_stage_layers"
 
 
 def checkpoint_tag(iteration: int) -> str:
@@ -158,4 +162,7 @@ def layout_signature(layout) -> dict:
                     precision=layout.precision, use_pipeline=layout.use_pipeline, ep=layout.ep)
     if layout.family.recorded_name is not None:
         sig["model_family"] = layout.family.recorded_name
+    layers = layout.chunk_layers or tuple(s.layers[1] - s.layers[0] for s in layout.stages)
+    if len(set(layers)) > 1:
+        sig[PIPELINE_LAYERS] = list(layers)
     return sig

@@ -36,7 +36,7 @@ from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
-from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS
 from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.sources import layer_source
@@ -46,7 +46,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
-                 "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE)
+                 "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS)
 
 
 def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
@@ -59,7 +59,8 @@ def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
     # Another expert parallel size: DeepSpeed's loader would read the experts by their global ids,
     # but ZeRO-0's optimizer state of the wrong expert parallel rank (expp_rank files)
     moe = (EXPERT_PARALLEL_SIZE,) if EXPERT_PARALLEL_SIZE in current else ()
-    return any(saved.get(k) != current[k] for k in weights + moe + (optim if load_optim else ()))
+    return saved.get(PIPELINE_LAYERS) != current.get(PIPELINE_LAYERS) or any(
+        saved.get(k) != current[k] for k in weights + moe + (optim if load_optim else ()))
 
 
 def optimizer_param_names(engine) -> list[list[str]] | None:

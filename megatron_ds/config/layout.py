@@ -21,13 +21,14 @@ from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
                                     is_moe, mlp_params, model_experts, moe_layer_params)
 from megatron_ds.config.run_length import RunSchedule, StepSchedule, parse_step_schedule, resolve_iterations
-from megatron_ds.config.schema import Config, ModelConfig
+from megatron_ds.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
                                            check_per_token_loss, check_precision, check_profile, check_weight_decay,
                                            require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
+from megatron_ds.parallel.partition import EXPLICIT, megatron_stage_layers, megatron_virtual_stage_layers
 from megatron_ds.parallel.schedules import check_schedule, describe_assignment, describe_zbh1, virtual_pipeline_size
 from megatron_ds.parallel.utils import pad_vocab_size
 
@@ -127,6 +128,9 @@ class Layout:
     grad_accum_fusion: bool = False
     # the FP8 recipe every linear layer of the model runs its GEMMs with (config/fp8_flags.py), None: FP8 off
     fp8: Fp8Recipe | None = None
+    # transformer layers of each virtual stage (chunk c of rank r: c * pp + r) of the interleaved and ZB-H1
+    # schedules where Megatron-LM's uneven-stage flags set them; None: Megatron's equal chunks
+    chunk_layers: tuple[int, ...] | None = None
 
     @property
     def own_schedule(self) -> bool:
@@ -191,7 +195,8 @@ class Layout:
             lines.append(f"  stage {s.stage}:{layers}"
                          f" {s.params_per_tp_rank / 1e6:,.1f}M parameters per tensor parallel rank{experts}")
         if self.pp > 1:
-            schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps)
+            schedule = describe_assignment(m.num_layers, self.pp, self.virtual_pp, self.grad_accum_steps,
+                                           self.chunk_layers)
             # without interleaving, DeepSpeed's --pipeline-partition-method places the layers (above)
             lines += schedule if self.virtual_pp > 1 else [schedule[0], schedule[-1]]
             if self.zbh1 is not None:
@@ -263,8 +268,21 @@ def layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, 
 
 def _virtual_pp(par, num_layers: int, pp: int, micro_batches: int) -> int:
     """Model chunks per pipeline rank, refusing what the interleaved schedule cannot run."""
-    v = virtual_pipeline_size(num_layers, pp, par.num_layers_per_virtual_pipeline_stage,
-                              par.virtual_pipeline_model_parallel_size)
+    split = _megatron_split(par)
+    if split["first"] is not None or split["last"] is not None:
+        # Megatron-LM's validate_args: the chunks of uneven first/last stages are counted, not sized
+        if par.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage cannot size the chunks of uneven first/last "
+                              "stages (as in Megatron-LM); give --num-virtual-stages-per-pipeline-rank instead")
+        v = par.virtual_pipeline_model_parallel_size or 1
+        if v < 1 or (v > 1 and pp < 2):
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {v} needs a positive size and, above 1, "
+                              f"--pipeline-model-parallel-size >= 2")
+    else:  # Megatron-LM counts an accounted-for embedding and loss as layers of the split
+        if split["embedding"] or split["loss"]:
+            megatron_stage_layers(num_layers, pp, **split)  # refuses a split that does not divide, by the flags
+        v = virtual_pipeline_size(num_layers + split["embedding"] + split["loss"], pp,
+                                  par.num_layers_per_virtual_pipeline_stage, par.virtual_pipeline_model_parallel_size)
     check_schedule(pp, micro_batches, v)
     if v > 1 and par.no_pipeline_parallel:
         raise ConfigError("--no-pipeline-parallel cannot run the interleaved pipeline schedule; drop one of them")
@@ -301,6 +319,69 @@ def _zbh1(par, *, pp: int, virtual_pp: int) -> str | None:
         raise ConfigError("--enable-zbh1-pipeline cannot be combined with --sequence-parallel (weight passes "
                           "of sequence-parallel linear layers are not deferred); drop one of them")
     return "exact" if par.enable_zbh1_exact_semantics else "default"
+
+
+UNEVEN_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+
+
+def uneven_flags(par) -> list[str]:
+    """Megatron-LM's uneven-stage flags the command line gives (a layer count of 0 is given, and refused)."""
+    return [flag for flag, value in zip(UNEVEN_FLAGS, (
+        par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+        par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split))
+        if value is not None and value is not False]
+
+
+def _megatron_split(par) -> dict:
+    return dict(first=par.decoder_first_pipeline_num_layers, last=par.decoder_last_pipeline_num_layers,
+                embedding=par.account_for_embedding_in_pipeline_split, loss=par.account_for_loss_in_pipeline_split)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the transformer layers go: ``engine`` DeepSpeed's pipeline engine's partition method (None: no
+    PipelineModule places them), ``chunks`` the layers of each virtual stage of our executor's schedules
+    (None: Megatron's equal ones), ``counted`` the partition the parameter count places them by."""
+    engine: str | None = None
+    chunks: tuple[int, ...] | None = None
+    counted: str | None = None
+
+
+def _placement(flags: Config, family: ModelFamily, num_layers: int, pp: int, v: int, *, use_pipeline: bool,
+               own_schedule: bool) -> Placement:
+    """--pipeline-partition-method, or Megatron-LM's uneven-stage flags: "layers:..." on DeepSpeed's engine,
+    per-chunk counts on the interleaved and ZB-H1 schedules (parallel/partition.py)."""
+    par = flags.parallel
+    uneven = uneven_flags(par)
+    if own_schedule and num_layers % pp and not uneven:
+        # our executor's chunks are Megatron's equal virtual stages (parallel/partition.py chunk_layer_range)
+        raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}, which "
+                          f"the interleaved and ZB-H1 schedules need; choose PP dividing the layer count or give "
+                          f"the first/last stages' layers (--decoder-first/last-pipeline-num-layers)")
+    if not uneven:
+        method = par.pipeline_partition_method if use_pipeline and not own_schedule else None
+        return Placement(engine=method, counted=method)
+    if family.pipeline_choice is not None:
+        raise ConfigError(f"{uneven[0]}: the {family.label} model splits its layers over the stages itself; drop it")
+    if par.pipeline_partition_method != ParallelConfig.pipeline_partition_method:
+        raise ConfigError(f"{uneven[0]} and --pipeline-partition-method {par.pipeline_partition_method} both place "
+                          f"the layers; give one of them")
+    if own_schedule:
+        chunks = megatron_virtual_stage_layers(num_layers, pp, v, **_megatron_split(par))
+        ranks = [sum(chunks[c * pp + r] for c in range(v)) for r in range(pp)]
+        return Placement(chunks=tuple(chunks), counted=EXPLICIT + ",".join(map(str, ranks)))
+    counts = megatron_stage_layers(num_layers, pp, **_megatron_split(par))
+    method = EXPLICIT + ",".join(map(str, counts)) if use_pipeline else None
+    return Placement(engine=method, counted=method)
+
+
+def check_stages_hold_layers(stages: tuple[StageParams, ...], pp: int, num_layers: int, partition: str | None) -> None:
+    """A stage without any layer cannot run in DeepSpeed's pipeline (too many stages for the model)."""
+    empty = [s.stage for s in stages if s.params_per_tp_rank == 0]
+    if empty:
+        raise ConfigError(f"pipeline stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of PP {pp} "
+                          f"would hold no layer ({num_layers} layers, partition {partition}); use fewer stages")
 
 
 def _engine(flags: Config, template: dict | None, notes: list[str], *, tp: int, pp: int,
@@ -373,7 +454,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     m = resolve_model_config(flags.model)
     check_attention(m)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp, layers_over_pp=family.pipeline_choice is None)
+    check_parallel_sizes(m, world_size, tp, pp, sp)
     dp = world_size // (tp * pp * sp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
@@ -414,11 +495,14 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
     padded = pad_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
-    partition = par.pipeline_partition_method if use_pipeline and virtual_pp == 1 and zbh1 is None else None
+    placed = _placement(flags, family, m.num_layers, pp, virtual_pp, use_pipeline=use_pipeline,
+                        own_schedule=virtual_pp > 1 or zbh1 is not None)
+    partition = placed.engine
     if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
-    total, stages = family.count_parameters(m, padded, tp, pp, partition, ep=ep)
+    total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep)
+    check_stages_hold_layers(stages, pp, m.num_layers, placed.counted)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
         template = {k: v for k, v in template.items() if k != "curriculum_learning"}
@@ -440,7 +524,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     global_batch_size=global_batch, grad_accum_steps=gas, train_iters=iters.train,
                     lr_decay_iters=iters.lr_decay, lr_warmup_iters=iters.lr_warmup, schedule=iters.schedule,
                     vocab_size=vocab_size, padded_vocab_size=padded, precision=precision, zero_stage=zero_stage,
-                    use_pipeline=use_pipeline, pipeline_partition=partition,
+                    use_pipeline=use_pipeline, pipeline_partition=partition, chunk_layers=placed.chunks,
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,

@@ -273,10 +273,8 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--delay-offload-until-cuda-graph --delta-offload-bytes-across-pp-ranks= --activation-offload-fraction= '
       '--fine-grained-offloading-max-inflight-offloads= --optimizer-cpu-offload'),
     (REFUSED,
-      'uneven pipeline stages are not supported yet; balance stages with --pipeline-partition-method (e.g. '
-      'type:transformer)',
-      '--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split '
-      '--decoder-first-pipeline-num-layers= --decoder-last-pipeline-num-layers= '
+      'a layout string is not supported; give uneven stages by --decoder-first/last-pipeline-num-layers, '
+      '--account-for-embedding/loss-in-pipeline-split or --pipeline-partition-method layers:N1,...,Np',
       '--pipeline-model-parallel-layout='),
     (REFUSED,
       "is not supported: the interleaved schedule here runs Megatron's default grouping (the pipeline size)",

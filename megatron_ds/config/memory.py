@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout
 from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
+from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS
+from megatron_ds.parallel.partition import EXPLICIT
 from megatron_ds.parallel.utils import pad_vocab_size
 
 GB = 1e9
@@ -441,6 +443,14 @@ def estimate_stages(layout: Layout) -> list[MemoryEstimate]:
     return [_stage_estimate(layout, stage, sb) for stage in layout.stages]
 
 
+def describe_stages(layout: Layout) -> str:
+    """Each pipeline stage's transformer layers and estimated total: uneven partitions (the first stage with the
+    embedding, the last with the output layer and loss) differ per stage, and the largest decides."""
+    parts = [f"{s.stage}: {s.layers[1] - s.layers[0]} layers {e.total / GB:.2f}"
+             for s, e in zip(layout.stages, estimate_stages(layout))]
+    return "memory per pipeline stage (GB): " + ", ".join(parts)
+
+
 def estimate_memory(layout: Layout) -> MemoryEstimate:
     """The estimate for the stage needing the most memory (see the module docstring)."""
     return max(estimate_stages(layout), key=lambda e: e.total)
@@ -458,9 +468,15 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
-    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, partition, ep=layout.ep)
+    chunks = layout.chunk_layers if pp == layout.pp else None  # uneven counts are for layout.pp stages
+    if partition and partition.startswith(EXPLICIT) and pp != layout.pp:
+        partition = ParallelConfig.pipeline_partition_method
+    counted = partition if chunks is None else EXPLICIT + ",".join(
+        str(sum(chunks[r::pp])) for r in range(pp))  # each rank's chunks (virtual stage c * pp + r)
+    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, counted, ep=layout.ep)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
+        chunk_layers=chunks,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
         zero_stage=layout.zero_stage if zero_stage is None else zero_stage, use_pipeline=use_pipeline,
         pipeline_partition=partition, recompute=layout.recompute if recompute == "keep" else recompute)

@@ -145,9 +145,11 @@ def resolve(flags: Config, *, world_size: int, vocab_size: int, family: ModelFam
                                       device_type=device_type, family=family)
     fused, fused_why = choose_fused_loss(layout, gpu_memory or gpu_memory_bytes(flags.gpu_memory_gb))
     layout = dataclasses.replace(layout, model=dataclasses.replace(layout.model, liger_kernel=fused))
+    # the partition the layout counted (Megatron-LM's uneven-stage flags resolve to "layers:...")
+    distributed = dataclasses.replace(_settings(DistributedSettings, flags.parallel), pipeline_partition_method=(
+        layout.pipeline_partition or flags.parallel.pipeline_partition_method))
     return Run(layout=layout, training=_settings(TrainingSettings, flags.training),
-               optimizer=_settings(OptimizerSettings, flags.optimizer),
-               distributed=_settings(DistributedSettings, flags.parallel), data=flags.data,
+               optimizer=_settings(OptimizerSettings, flags.optimizer), distributed=distributed, data=flags.data,
                checkpoint=flags.checkpoint, logging=flags.logging,
                deepspeed_source=flags.deepspeed.deepspeed_config or "the DeepSpeed config",
                notes=tuple(notes + json_notes), ignored_flags=tuple(sorted(set(ignored))), record=flags.to_dict(),

@@ -271,9 +271,21 @@ class ParallelConfig:
     """Mixture of experts: ranks that split each MoE layer's experts (--num-experts / this experts per rank);
     it divides the data parallel size, and the ranks holding the same experts average their gradients
     (DeepSpeed's expert and expert-data parallel groups)."""
+    # --pp-partition-method: BigScience's Megatron-DeepSpeed (megatron/arguments.py; GPTModelPipe hands it to
+    # PipelineModule as partition_method, default "type:transformer"), the flag of the BLOOM runs
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",
-                                          flags=("--pipeline-partition-method",))
-    """DeepSpeed PipelineModule partition method; the default balances transformer layers."""
+                                          flags=("--pipeline-partition-method", "--pp-partition-method"))
+    """DeepSpeed PipelineModule partition method: uniform, parameters or type:REGEX (balanced layers whose
+    class matches; the default balances transformer layers, BLOOM's type:transformer|embedding counts the
+    embedding and output layer as layers too), or layers:N1,...,Np (transformer layers per stage)."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Transformer layers on the first pipeline stage; the others split evenly over the remaining stages."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Transformer layers on the last pipeline stage; the others split evenly over the remaining stages."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a transformer layer of the first stage when splitting layers over the stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as a transformer layer of the last stage when splitting layers."""
     distributed_backend: str = meta(None, choices=("nccl", "gloo", "ccl", "mpi"))
     """torch.distributed backend (default nccl on GPU, gloo on CPU)."""
     distributed_timeout_minutes: float = 10

@@ -186,12 +186,11 @@ def check_divisible(a: int, b: int, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1, *,
-                         layers_over_pp: bool = True) -> None:
-    """The world splits into TP x PP x SP x DP, and the model's heads, layers and MLP split over TP / PP;
+def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1) -> None:
+    """The world splits into TP x PP x SP x DP, and the model's heads and MLP split over TP;
     under DeepSpeed-Ulysses (SP) each rank attends with 1/(TP x SP) of the (query and key/value) heads.
-    ``layers_over_pp`` False: the family splits its layers over the stages itself (T5: each side of the
-    split rank over its own stages, checked by its ``check``)."""
+    The layers need not divide over PP: the partition places them (config/layout.py ``_placement``;
+    T5 checks its own split in its ``check``)."""
     if tp < 1 or pp < 1 or sp < 1 or world_size < 1:
         raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}, SP {sp}")
     names, sizes = ("TP x PP", f"{tp} x {pp}") if sp == 1 else ("TP x PP x SP", f"{tp} x {pp} x {sp}")
@@ -209,10 +208,6 @@ def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: 
     check_divisible(m.num_attention_heads, m.num_key_value_heads,
                     f"--num-attention-heads {m.num_attention_heads} is not a multiple of "
                     f"--num-key-value-heads {m.num_key_value_heads}")
-    if layers_over_pp:
-        check_divisible(m.num_layers, pp,
-                        f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
-                        f"{pp}; choose PP dividing the layer count")
     check_divisible(m.ffn_hidden_size, tp,
                     f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
                     f"--tensor-model-parallel-size {tp}")

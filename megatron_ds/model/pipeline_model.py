@@ -35,10 +35,11 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.model.transformer import ParallelTransformerLayer
-from megatron_ds.parallel.partition import partition_stages
+from megatron_ds.parallel.partition import EXPLICIT, TRANSFORMER_LAYER, partition_stages
 from megatron_ds.parallel.random import checkpoint
 
 TRANSFORMER_LAYER_CLASS = ParallelTransformerLayer.__name__
+assert TRANSFORMER_LAYER_CLASS == TRANSFORMER_LAYER  # what parallel/partition.py's "layers:" counts
 PARTITION_METHOD = f"type:{TRANSFORMER_LAYER_CLASS}"
 """DeepSpeed partition method that balances stages by transformer layers (the config default)."""
 TIED_EMBEDDING_KEY = "embed"
@@ -75,6 +76,8 @@ class PipelineModel(PipelineModule):
     def __init__(self, specs: list, *, topology, loss_fn: Callable, seed: int,
                  partition_method: str = PARTITION_METHOD, activation_checkpoint_interval: int = 0):
         """``loss_fn(output, labels)``: the family's loss (e.g. ``language_model.language_model_loss_fn``)."""
+        # read by _partition_layers, inside super().__init__
+        object.__setattr__(self, "spec_names", [_spec_name(spec) for spec in specs])
         seeder = _LayerInitSeeder()
         # no_grad: DeepSpeed broadcasts the tied weights in place at the end of __init__; with
         # grad mode on, autograd records that collective on the parameter and warns in backward.
@@ -88,6 +91,13 @@ class PipelineModel(PipelineModule):
                 # Ours replays the tensor parallel RNG stream too, so recomputed dropout is exact.
                 activation_checkpoint_func=checkpoint)
         seeder.building = False
+
+    @ds_compat.overrides_deepspeed_hook
+    def _partition_layers(self, method: str = "uniform") -> None:
+        """DeepSpeed's partition, and ours of "layers:N1,...,Np" (parallel/partition.py), which it lacks."""
+        if not method.lower().startswith(EXPLICIT):
+            return super()._partition_layers(method)
+        ds_compat.set_pipeline_partition(self, partition_stages(self.num_stages, method, self.spec_names, None))
 
     @ds_compat.overrides_deepspeed_hook
     def _is_checkpointable(self, funcs) -> bool:

@@ -270,15 +270,17 @@ def ideal_efficiency(pp: int, m: int, v: int = 1) -> float:
     return m / (m + (pp - 1) / v)
 
 
-def describe_assignment(num_layers: int, pp: int, v: int, m: int) -> list[str]:
-    """Lines for --dry-run: each rank's chunks and layers, and the predicted bubble."""
+def describe_assignment(num_layers: int, pp: int, v: int, m: int, counts=None) -> list[str]:
+    """Lines for --dry-run: each rank's chunks and layers (``counts``: per virtual stage, where uneven), and
+    the predicted bubble."""
     lines = [f"pipeline schedule: {'interleaved 1F1B' if v > 1 else '1F1B'}, PP {pp} x {v} chunk(s) per rank, "
              f"{m} micro-batches per step"]
     for rank in range(pp):
         parts = []
         for c in range(v):
-            layers = chunk_layer_range(num_layers, pp, v, rank, c)
-            members = [f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"]
+            layers = chunk_layer_range(num_layers, pp, v, rank, c, counts)
+            members = [] if not layers else [
+                f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"]
             if rank == 0 and c == 0:
                 members.insert(0, "embedding")
             if rank == pp - 1 and c == v - 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from megatron_ds.config import Config, parse_args, resolve
@@ -179,7 +180,7 @@ def report(request: planner.Request, flags: Config, opts, argv: list[str]) -> tu
     lines += planner.table(result.ranked, top=opts.top, train_tokens=tokens,
                            tokens_per_step=flags.training.global_batch_size * m.seq_length)
     best = result.ranked[0]
-    lines.append(f"best: {' '.join(planner.flags_of(request, best.knobs))}")
+    lines.append(f"best: {shlex.join(planner.flags_of(request, best.knobs))}")  # a partition may hold "|"
     yours, line = your_layout(request, flags)
     lines.append(line)
     if yours is not None and yours.knobs != best.knobs:

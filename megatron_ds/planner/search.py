@@ -19,14 +19,15 @@ import time
 from dataclasses import dataclass
 
 from megatron_ds.config import Config, resolve
-from megatron_ds.config.layout import Layout
+from megatron_ds.config.layout import Layout, uneven_flags
 from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, estimate_memory
+from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import check_schedule
 from megatron_ds.planner.time_model import Cluster, StepTime, step_time
 
 RECOMPUTE = (None, "selective", "full")
-FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel")
+FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel", "uneven-stages")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -43,6 +44,7 @@ class Knobs:
     recompute: str | None = None
     zbh1: bool = False  # the ZB-H1 zero-bubble schedule
     ep: int = 1  # MoE expert parallel ranks
+    partition: str | None = None  # --pipeline-partition-method (None: the command line's)
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
@@ -61,6 +63,8 @@ class Knobs:
             out.append("--enable-zbh1-pipeline")
         if self.ep > 1:
             out += ["--moe-expert-parallel-size", str(self.ep)]
+        if self.partition:
+            out += ["--pipeline-partition-method", self.partition]
         return out
 
     def apply(self, cfg: Config) -> Config:
@@ -69,7 +73,8 @@ class Knobs:
             virtual_pipeline_model_parallel_size=self.v if self.v > 1 else None,
             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.seq_par,
             ds_sequence_parallel_size=self.sp, no_pipeline_parallel=self.zero >= 2 or self.sp > 1,
-            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False, moe_expert_parallel_size=self.ep)
+            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False, moe_expert_parallel_size=self.ep,
+            **({"pipeline_partition_method": self.partition} if self.partition else {}))
         tr = dataclasses.replace(cfg.training, micro_batch_size=self.mb, recompute_granularity=self.recompute,
                                  checkpoint_activations=False, deepspeed_activation_checkpointing=False,
                                  recompute_activations=False, activations_checkpoint_method=None)
@@ -153,24 +158,36 @@ def _divisors_pow2(limit: int) -> list[int]:
     return out
 
 
+UNEVEN_PARTITION = "type:transformer|embedding"
+
+
 def structures(request: Request):
     """(TP, PP, chunks or ZB-H1, sequence parallel, Ulysses, ZeRO, EP) the world size and the model allow
-    (a family that cannot interleave, run ZB-H1 or Ulysses is refused those by the resolution)."""
+    (a family that cannot interleave, run ZB-H1 or Ulysses is refused those by the resolution). PP need not
+    divide the layers: such stages run on DeepSpeed's 1F1B engine, placed by ``UNEVEN_PARTITION`` unless the
+    command line places them itself (--pipeline-partition-method, Megatron-LM's uneven-stage flags)."""
     m, world = request.flags.model, request.cluster.world_size
     heads = m.num_attention_heads
     kv = m.num_key_value_heads or heads
     experts = max(m.num_experts or (1,))
     off = request.without
+    par = request.flags.parallel
+    own_placement = par.pipeline_partition_method != ParallelConfig.pipeline_partition_method or bool(
+        uneven_flags(par))
     for tp in _divisors_pow2(min(request.cluster.gpus_per_node, heads)):
         if heads % tp or kv % tp or world % tp:
             continue
         for pp in range(1, m.num_layers + 1):
-            if world % (tp * pp) or m.num_layers % pp:
+            per_rank, uneven = m.num_layers // pp, m.num_layers % pp
+            if world % (tp * pp) or (uneven and "uneven-stages" in off):
                 continue
-            per_rank = m.num_layers // pp
-            # (chunks, ZB-H1): the interleaved schedule's chunk counts, and ZB-H1 without chunks
+            # PP not dividing the layers: the command line's own placement, else DeepSpeed's balance of BLOOM's
+            # run, where the embedding and the output layer weigh as a transformer layer each
+            partition = UNEVEN_PARTITION if uneven and not own_placement else None
+            # (chunks, ZB-H1): the interleaved schedule's chunk counts, and ZB-H1 without chunks; both need even
+            # stages, uneven ones run on DeepSpeed's 1F1B engine
             schedules = [(1, False)]
-            if pp > 1:
+            if pp > 1 and not uneven:
                 schedules = [(v, False) for v in (1, 2, 4, 8) if per_rank % v == 0 and (
                     v == 1 or "interleaved" not in off)] + ([(1, True)] if "zbh1" not in off else [])
             seq_pars = (False, True) if tp > 1 and "sequence-parallel" not in off else (False,)
@@ -183,7 +200,7 @@ def structures(request: Request):
                 for sp in sps:
                     for ep in _divisors_pow2(min(experts, dp_world // sp) if "expert-parallel" not in off else 1):
                         if experts % ep == 0 and (dp_world // sp) % ep == 0:
-                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep)
+                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, partition=partition)
 
 
 def resolve_knobs(request: Request, knobs: Knobs) -> Layout:

@@ -97,6 +97,8 @@ def check_layout_memory(layout, gpu_memory_gb: str | None) -> None:
     layout that cannot fit fails at submission instead of after the queue."""
     estimate = memory.estimate_memory(layout)
     budget = memory.gpu_memory_bytes(gpu_memory_gb)
+    if layout.pp > 1:
+        print(memory.describe_stages(layout))
     print(estimate.describe(budget))
     memory.check_memory(layout, estimate, budget)
 

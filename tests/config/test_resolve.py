@@ -38,9 +38,10 @@ def test_kv_heads_not_divisible_by_tp():
             "--num-key-value-heads", "2", "--tensor-model-parallel-size", "4", world=4)
 
 
-def test_layers_not_divisible_by_pp():
-    rejects(r"--num-layers 4 is not divisible by --pipeline-model-parallel-size 3",
-            "--pipeline-model-parallel-size", "3", world=3)
+def test_pipeline_stage_without_layers():
+    # 4 transformer layers, embedding, final norm and output layer over 8 stages by "uniform": one each
+    rejects(r"pipeline stage 7 of PP 8 would hold no layer", "--pipeline-model-parallel-size", "8",
+            "--pipeline-partition-method", "uniform", world=8)
 
 
 def test_global_batch_not_divisible():

@@ -57,7 +57,7 @@ def _plan_request(argv):
 # Megatron-LM's README (its 2021-22 revisions, "Training Speed and Scalability"; the same runs as
 # Narayanan et al., SC21, Table 1): GPT models, seq 2048, vocabulary 51,200, on Selene's DGX A100
 # 80 GB nodes (8 GPUs, 8 x HDR InfiniBand 200 Gb/s); planned with the software of those runs: fp16,
-# full activation recompute, no ZeRO, no ZB-H1 or sequence parallelism (later work), the attention
+# full activation recompute, no ZeRO, no ZB-H1, sequence parallelism or uneven stages (later work), the attention
 # of the time (scores in memory): (billions, heads, hidden, layers, TP, PP, GPUs, batch,
 # achieved TFLOP/s per GPU).
 MEGATRON_TABLE = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -77,7 +77,7 @@ def test_megatron_published_runs(row):
     argv = (f"--gpu-type a100-80 --gpus {gpus} --num-layers {layers} --hidden-size {hidden} "
             f"--num-attention-heads {heads} --seq-length 2048 --max-position-embeddings 2048 "
             f"--global-batch-size {batch} --fp16 --plan-zero 0 --plan-recompute full --unfused-attention "
-            "--plan-without zbh1,sequence-parallel,ulysses").split()
+            "--plan-without zbh1,sequence-parallel,ulysses,uneven-stages").split()
     _, _, _, result = _plan(argv)
     pairs = [(c.knobs.tp, c.knobs.pp) for c in result.ranked]
     assert (tp, pp) in pairs
@@ -230,3 +230,22 @@ def test_v100_refuses_bf16():
 def test_cluster_from_a_gpu_count():
     cluster = make_cluster(gpu="a100-80", gpus=64, resource=None, nodes=None)
     assert (cluster.gpus_per_node, cluster.nodes, cluster.world_size) == (8, 8, 64)
+
+
+def test_bloom_176b_is_planned_on_uneven_stages():
+    """BLOOM 176B's shape (70 layers, hidden 14336, 112 heads, vocabulary 250880, seq 2048, global batch 2048)
+    on its 384 A100 80 GB: no PP > 2 that fits 8-GPU nodes divides 70 layers, so the plan needs stages of
+    unequal layers (BigScience ran TP 4 x PP 12 x DP 8 with --pp-partition-method 'type:transformer|embedding':
+    72 "layers" with the embedding and the tied output layer, 6 per stage, 5 transformer layers on the ends)."""
+    argv = ("--gpu-type a100-80 --gpus 384 --num-layers 70 --hidden-size 14336 --num-attention-heads 112 "
+            "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 2048 --bf16 --vocab-size 250880 "
+            "--plan-recompute full --plan-micro-batch 1,2").split()
+    with contextlib.chdir(ROOT):
+        request, _, _, result = _plan(argv)
+        bloom = planner.evaluate(request, planner.Knobs(4, 12, mb=2, recompute="full",
+                                                        partition=planner.UNEVEN_PARTITION))
+    assert any(70 % c.knobs.pp for c in result.ranked)
+    assert [s.layers[1] - s.layers[0] for s in bloom.layout.stages] == [5] + [6] * 10 + [5]
+    assert bloom.memory.total <= 80e9
+    assert "'type:transformer|embedding'" in " ".join(plan_cli.shlex.quote(f) for f in planner.flags_of(
+        request, bloom.knobs))

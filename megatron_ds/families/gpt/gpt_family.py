@@ -36,7 +36,7 @@ def build_gpt_model(run, ps, eod_token: int, device, loss_report):
                   ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
     if layout.own_schedule:
         return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=ps.pp_rank, v=layout.virtual_pp,
-                                     tie_group=tied_embedding_group(ps), **common)
+                                     tie_group=tied_embedding_group(ps), chunk_layers=layout.chunk_layers, **common)
     if layout.use_pipeline:
         return build_pipeline_gpt(layout.model, topology=ps.topology,
                                   partition_method=run.distributed.pipeline_partition_method, **common)
@@ -55,7 +55,8 @@ def build_gpt_stage(run, stage: int, tp_group, eod_token: int):
     common = _model_kwargs(run, tp_group, eod_token, "meta")
     if layout.own_schedule:  # interleaved or ZB-H1: our executor's chunks
         # no tie_group: synchronizing the tied copy moves values, and there are none on meta
-        model = build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp, **common)
+        model = build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=stage, v=layout.virtual_pp,
+                                      chunk_layers=layout.chunk_layers, **common)
     elif layout.use_pipeline:
         model = build_stage_gpt(layout.model, num_stages=layout.pp, stage=stage,
                                 partition_method=run.distributed.pipeline_partition_method, **common)

@@ -175,11 +175,11 @@ def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_g
                            loss_fn=gpt_loss(model_cfg, tp_group, sp_group, loss_report))
 
 
-def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int) -> list[int]:
+def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int, counts=None) -> list[int]:
     """Global spec indices (0 = embedding, 1..N = transformer layers, N+1 = final norm, N+2 =
     output layer) held by ``chunk`` of pipeline ``rank`` (Megatron's assignment of the layers to the
-    virtual stages: ``megatron_ds.parallel.partition.chunk_layer_range``)."""
-    layers = chunk_layer_range(num_layers, pp, v, rank, chunk)
+    virtual stages, equal or of ``counts`` layers each: ``megatron_ds.parallel.partition.chunk_layer_range``)."""
+    layers = chunk_layer_range(num_layers, pp, v, rank, chunk, counts)
     indices = [i + 1 for i in layers]
     if chunk == 0 and rank == 0:
         indices.insert(0, 0)
@@ -190,13 +190,14 @@ def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int) 
 
 def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: int, padded_vocab_size: int,
                           tp_group, seed: int, tie_group=None, activation_checkpoint_interval: int = 0,
-                          loss_report=None, **spec_kwargs) -> ModelChunks:
+                          loss_report=None, chunk_layers=None, **spec_kwargs) -> ModelChunks:
     """This rank's ``v`` chunks of the GPT for the interleaved and ZB-H1 schedules (``spec_kwargs`` as for
     ``build_pipeline_gpt``); ``tie_group`` from ``megatron_ds.pipeline.p2p.tied_embedding_group`` (None:
-    no copies to synchronize, e.g. on the meta device)."""
+    no copies to synchronize, e.g. on the meta device); ``chunk_layers``: the layout's transformer layers
+    per virtual stage where they are uneven."""
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group,
                             loss_report=loss_report, **spec_kwargs)
-    indices = [chunk_spec_indices(model_cfg.num_layers, pp, v, pp_rank, c) for c in range(v)]
+    indices = [chunk_spec_indices(model_cfg.num_layers, pp, v, pp_rank, c, chunk_layers) for c in range(v)]
     return ModelChunks(specs, layer_indices=indices, pp=pp, pp_rank=pp_rank, seed=seed, tie_group=tie_group,
                        loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report),
                        activation_checkpoint_interval=activation_checkpoint_interval)
