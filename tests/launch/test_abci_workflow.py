@@ -24,7 +24,7 @@ from tests.launch.test_abci_scripts import ABCI, EXPECTED_PORT, JOB_SCRIPTS, Fak
 LAYOUT = {"abci2_v100_gpt_345m.sh": (4, 1, "rt_F"), "abci2_v100_gpt_13b.sh": (4, 8, "rt_F"),
           "abci2_a100_gpt_1.3b.sh": (8, 1, "rt_AF"), "abci3_h200_gpt_1.3b.sh": (8, 1, "rt_HF"),
           "abci3_h200_llama_7b.sh": (8, 2, "rt_HF"), "abci3_h200_bert_345m.sh": (8, 1, "rt_HF"),
-          "abci3_h200_t5_220m.sh": (8, 1, "rt_HF")}
+          "abci3_h200_t5_220m.sh": (8, 1, "rt_HF"), "abci3_h200_llama3.1_8b_cpt.sh": (8, 2, "rt_HF")}
 
 
 def header_nodes(script):
@@ -42,6 +42,8 @@ def real_job(tmp_path, script, e2e_data, hosts):
         vocab = tmp_path / "vocab.txt"
         vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]))
         env["VOCAB_FILE"] = str(vocab)
+    if "llama3" in script:  # its Hugging Face tokenizer directory is a placeholder here: the same BPE files
+        env["TOKENIZER_TYPE"] = "GPT2BPETokenizer"
     return job, env
 
 
