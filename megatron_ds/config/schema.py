@@ -292,8 +292,14 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate floor after decay."""
-    lr_decay_style: str = meta("linear", choices=("constant", "linear", "cosine", "inverse-square-root"))
-    """Learning rate decay shape."""
+    lr_decay_style: str = meta("linear", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    """Learning rate decay shape (WSD: warmup, stable at --lr, then decay over the last --lr-wsd-decay-iters)."""
+    lr_wsd_decay_style: str = meta("exponential", choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    """Megatron-LM: the shape of WSD's final decay from --lr to --min-lr."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Megatron-LM: WSD's decay phase, the last iterations of the decay span (iteration-based runs)."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Megatron-LM: WSD's decay phase, the last samples of the decay span (with --train-samples)."""
     lr_decay_iters: Optional[int] = None
     """Iterations to decay over (default --train-iters)."""
     lr_decay_samples: Optional[int] = None
