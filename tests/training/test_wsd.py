@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +233,56 @@ def test_wsd_run_resumed_mid_decay_equals_the_straight_run(tmp_path):
     assert LR_LINE.findall(first[1]) + LR_LINE.findall(second[1]) == expected
     assert [it for it, _ in second[0]] == [7, 8]
     assert first[0] + second[0] == straight[0]
+
+
+SVG = Path(__file__).resolve().parents[2] / "docs" / "wsd-schedule.svg"
+COLORS = {"exponential": "#1f77b4", "linear": "#ff7f0e", "cosine": "#2ca02c", "minus_sqrt": "#d62728"}
+
+
+def schedule_svg() -> str:
+    """docs/wsd-schedule.svg: for each WSD decay style, our schedule (a line through its LR after every
+    iteration, built from the flags below) and Megatron-LM's formula (the transcription above, a dot per
+    iteration). 100 iterations, 10 of warmup, the last 30 decaying from --lr 3e-4 to --min-lr 3e-5."""
+    lr, min_lr, gbs, iters, warmup, wsd = 3e-4, 3e-5, 8, 100, 10, 30
+    w, h, left, top, right, bottom = 640, 360, 60, 20, 20, 50
+    x = lambda i: left + (w - left - right) * i / iters  # noqa: E731
+    y = lambda v: top + (h - top - bottom) * (1 - v / lr)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+             f'font-size="12">', f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<path d="M{left},{top} V{h - bottom} H{w - right}" fill="none" stroke="black"/>']
+    for i in range(0, iters + 1, 10):
+        parts.append(f'<text x="{x(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{i}</text>')
+    for v in (0.0, min_lr, lr / 2, lr):
+        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1e}</text>')
+    parts.append(f'<text x="{(left + w - right) / 2}" y="{h - 16}" text-anchor="middle">iteration</text>')
+    legend_x, legend_y = left + 60, top + 150  # below the stable phase, left of the decay
+    for k, style in enumerate(STYLES):
+        _, opt, ours = build(f"--lr {lr} --min-lr {min_lr} --lr-decay-style WSD --lr-wsd-decay-style {style} "
+                             f"--train-iters {iters} --global-batch-size {gbs} --lr-warmup-iters {warmup} "
+                             f"--lr-wsd-decay-iters {wsd}".split())
+        got = [opt.param_groups[0]["lr"], *lrs_of(ours, opt, gbs, iters)]
+        ref = megatron_lm_reference(lr=lr, min_lr=min_lr, gbs=gbs, style=style, train_iters=iters,
+                                    warmup_iters=warmup, wsd_iters=wsd)
+        expected = [ref.get_lr(), *(ref.step(gbs) for _ in range(iters))]
+        assert got == expected, style
+        c = COLORS[style]
+        points = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(got))
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{c}" stroke-width="1.5"/>')
+        parts += [f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="1.6" fill="{c}"/>' for i, v in enumerate(expected)
+                  if i > iters - wsd - 2]  # the dots where the styles differ: the decay
+        ly = legend_y + 16 * k
+        parts.append(f'<line x1="{legend_x}" y1="{ly - 4}" x2="{legend_x + 20}" y2="{ly - 4}" stroke="{c}" '
+                     f'stroke-width="1.5"/><text x="{legend_x + 26}" y="{ly}">--lr-wsd-decay-style {style}</text>')
+    for j, line in enumerate((f"--lr-warmup-iters {warmup} --train-iters {iters} --lr-wsd-decay-iters {wsd}",
+                              "line: megatron_ds; dots: Megatron-LM's formula")):
+        parts.append(f'<text x="{legend_x}" y="{legend_y + 16 * (len(STYLES) + j)}">{line}</text>')
+    return "\n".join(parts + ["</svg>", ""])
+
+
+def test_wsd_plot_in_the_docs_is_current():
+    assert SVG.read_text() == schedule_svg(), "run: python -m tests.training.test_wsd --write-svg"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-svg"]:
+        SVG.write_text(schedule_svg())
