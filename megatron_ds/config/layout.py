@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from megatron_ds import accelerator
 from megatron_ds.config import dialect
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
-from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
+from megatron_ds.config.deepspeed_json import (build_ds_config, check_cpu_optimizer, describe_gradients, keeps_fp32_grads,
+                                               uses_bf16_optimizer)
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
@@ -194,6 +195,8 @@ class Layout:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
             if self.tp > 1:
                 lines.append(self._describe_stage_messages())
+        if self.precision != "fp32":
+            lines.append(describe_gradients(self.ds_config, self.precision, self.zero_stage, self.use_pipeline))
         if self.grad_accum_fusion:
             lines.append(self._describe_grad_accum_fusion())
         return "\n".join(lines)
@@ -380,6 +383,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     precision = check_precision(t, device_type)
     engine_notes: list[str] = []
     zero_stage, use_pipeline = _engine(flags, template, engine_notes, tp=tp, pp=pp, seq_length=m.seq_length)
+    template = dialect.gradient_data_types(flags, template, precision=precision, zero_stage=zero_stage,
+                                           notes=engine_notes)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
     if zbh1 is not None and m.compile_layers:
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once

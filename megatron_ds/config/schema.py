@@ -657,6 +657,9 @@ class DeepSpeedConfig:
     prefetch at ZeRO 3; at ZeRO 1/2 DeepSpeed gathers them at the end of the step (the same values)."""
     ddp_bucket_size: Optional[int] = None
     """Megatron-LM: elements per gradient-reduction bucket: DeepSpeed's "reduce_bucket_size"."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron-LM: with --bf16, accumulate and reduce gradients in bf16 (DeepSpeed's "grad_accum_dtype" and
+    "communication_data_type" bf16) instead of Megatron-LM's default fp32."""
     use_megatron_fsdp: bool = False
     """Megatron-LM's FSDP: DeepSpeed ZeRO at the stage --data-parallel-sharding-strategy names (default 3)."""
     data_parallel_sharding_strategy: Optional[str] = meta(None, choices=("no_shard", "optim", "optim_grads",
