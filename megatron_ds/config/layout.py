@@ -206,7 +206,8 @@ class Layout:
             return ("gradient accumulation fusion: the tensor-parallel layers' weight-gradient GEMMs add fp32 "
                     "results into DeepSpeed's fp32 gradients (no bf16 .grad)")
         return ("gradient accumulation fusion: not applied, DeepSpeed keeps no fp32 gradient to add into here "
-                "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json)")
+                "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json, or "
+                "Megatron-LM's --use-distributed-optimizer without a JSON)")
 
     def _describe_stage_messages(self) -> str:
         split = (self.scatter_gather_p2p if self.own_schedule
