@@ -163,6 +163,15 @@ def test_wsd_state_resumes_mid_decay_and_refuses_another_span():
     megatron_state = {k: v for k, v in state.items() if not k.startswith("wsd_")}
     other.load_state_dict({**megatron_state, "decay_steps": 20})
     assert other.wsd_decay_steps == 6 and other.num_steps == 15
+    # which wins, as Megatron-LM's _check_and_set: this run's (--override-opt_param-scheduler) or the checkpoint's
+    for flag, span in (("--override-opt_param-scheduler", 6), ("--use-checkpoint-opt_param-scheduler", 8)):
+        _, opt_c, chosen = build(argv[:-1] + ["6", flag])
+        chosen.load_state_dict(state)
+        assert chosen.wsd_decay_steps == span and chosen.num_steps == 15
+        ref = megatron_lm_reference(lr=1e-3, min_lr=0.0, gbs=2, style="cosine", train_iters=20, warmup_iters=2,
+                                    wsd_iters=span)
+        ref.step(15 * 2)
+        assert opt_c.param_groups[0]["lr"] == ref.get_lr()
     # a cosine checkpoint's state is unchanged by WSD's keys (older checkpoints load as before)
     plain = LRSchedule(opt, max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="cosine")
     assert set(plain.state_dict()) == {"max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "num_steps"}
