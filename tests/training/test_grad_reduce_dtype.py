@@ -102,7 +102,7 @@ def test_the_engine_accumulates_and_reduces_in_those_dtypes():
     """DP 2, two micro-batches a step. Without the flag no bf16 tensor is all-reduced at all (the float32 ones
     include the loss and the gradient norm); with it the gradients' all-reduce is bf16."""
     cases = [[], ["--grad-reduce-in-bf16"], ["--use-distributed-optimizer"],
-             ["--use-distributed-optimizer", "--grad-reduce-in-bf16"]]
+             ["--use-distributed-optimizer", "--grad-reduce-in-bf16"], ["--zero-stage", "2", "--no-pipeline-parallel"]]
     got = run_distributed(_engine_dtypes, 2, cases, timeout=600)[0]
     assert [g[:5] for g in got] == [
         # ZeRO 0, pipeline engine: DeepSpeed's BF16_Optimizer with bf16 accumulation (it refuses fp32 without ZeRO)
@@ -111,6 +111,8 @@ def test_the_engine_accumulates_and_reduces_in_those_dtypes():
         # ZeRO 1 (Megatron-LM's distributed optimizer): fp32 gradients as Megatron-LM's main_grad, reduced in fp32
         ("BF16_Optimizer", ["bfloat16", "float32"], "float32", ["float32"], ["float32"]),
         ("DeepSpeedZeroOptimizer", ["bfloat16", "bfloat16"], "bfloat16", [], ["bfloat16", "float32"]),
+        # ZeRO 2: the ZeRO optimizer's fp32 accumulation, its reduction fp32
+        ("DeepSpeedZeroOptimizer", ["bfloat16", "float32"], "float32", [], ["float32"]),
     ]
     assert all(math.isfinite(g[5]) for g in got)
 
