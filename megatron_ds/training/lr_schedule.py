@@ -102,11 +102,11 @@ class LRSchedule:
             return max_lr * step / self.warmup_steps
         if self.decay_style == "constant":
             return max_lr
+        if step > self.decay_steps:  # before inverse-square-root's formula too, as both Megatrons' get_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
             warm = max(self.warmup_steps, 1)
             return max(min_lr, max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
-        if step > self.decay_steps:
-            return min_lr
         if self.decay_style == "WSD":
             return min_lr + wsd_coeff(step, self.decay_steps, self.wsd_decay_steps, self.wsd_decay_style) \
                 * (max_lr - min_lr)
