@@ -81,6 +81,21 @@ def keeps_fp32_grads(ds: dict, precision: str, zero_stage: int, use_pipeline: bo
     return uses_bf16_optimizer(ds, precision, zero_stage, use_pipeline) and grad_accum_bytes(ds, precision) == 4
 
 
+def describe_gradients(ds: dict, precision: str, zero_stage: int, use_pipeline: bool) -> str:
+    """--dry-run's line on the gradients' accumulation and reduction dtype (DeepSpeed's "data_types":
+    {"grad_accum_dtype"} and "communication_data_type"; both default to the weights' dtype) and the optimizer
+    wrapper DeepSpeed picks for them (runtime/engine.py _do_optimizer_sanity_check)."""
+    acc = "fp32" if grad_accum_bytes(ds, precision) == 4 else precision
+    comm = str(ds.get("communication_data_type") or precision)
+    if uses_bf16_optimizer(ds, precision, zero_stage, use_pipeline):
+        wrapper = "DeepSpeed's BF16_Optimizer"
+    elif zero_stage:
+        wrapper = f"DeepSpeed's ZeRO stage {zero_stage} optimizer"
+    else:
+        wrapper = f"DeepSpeed's {precision} optimizer"
+    return f"gradients: accumulated in {acc}, reduced in {comm} ({wrapper}; fp32 main weights)"
+
+
 def build_ds_config(template: dict | None, *, micro: int, global_batch: int, gas: int, precision: str,
                     zero_stage: int, clip_grad: float, sequence_parallel: bool, notes: list | None = None,
                     moe: bool = False, partition_activations: bool = True) -> dict:

@@ -15,7 +15,8 @@ from megatron_ds import accelerator
 from megatron_ds.config import dialect
 from megatron_ds.config.attention import check_attention, describe_attention
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
-from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
+from megatron_ds.config.deepspeed_json import (build_ds_config, check_cpu_optimizer, describe_gradients, keeps_fp32_grads,
+                                               uses_bf16_optimizer)
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import fp8_recipe
 from megatron_ds.config.moe_params import (check_moe, check_moe_stages, check_moe_tensor_parallel, check_moe_zero_json,
@@ -203,6 +204,8 @@ class Layout:
                 lines += describe_zbh1(self.pp, self.grad_accum_steps, exact=self.zbh1 == "exact")
             if self.tp > 1:
                 lines.append(self._describe_stage_messages())
+        if self.precision != "fp32":
+            lines.append(describe_gradients(self.ds_config, self.precision, self.zero_stage, self.use_pipeline))
         if self.grad_accum_fusion:
             lines.append(self._describe_grad_accum_fusion())
         return "\n".join(lines)
@@ -212,7 +215,8 @@ class Layout:
             return ("gradient accumulation fusion: the tensor-parallel layers' weight-gradient GEMMs add fp32 "
                     "results into DeepSpeed's fp32 gradients (no bf16 .grad)")
         return ("gradient accumulation fusion: not applied, DeepSpeed keeps no fp32 gradient to add into here "
-                "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json)")
+                "(it does with --bf16, ZeRO 1 and \"grad_accum_dtype\": \"fp32\": ds_configs/zero1_bf16.json, or "
+                "Megatron-LM's --use-distributed-optimizer without a JSON)")
 
     def _describe_stage_messages(self) -> str:
         split = (self.scatter_gather_p2p if self.own_schedule
@@ -471,6 +475,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     precision = check_precision(t, device_type)
     engine_notes: list[str] = []
     zero_stage, use_pipeline = _engine(flags, template, engine_notes, tp=tp, pp=pp, seq_length=m.seq_length)
+    template = dialect.gradient_data_types(flags, template, precision=precision, zero_stage=zero_stage,
+                                           notes=engine_notes)
     zbh1 = _zbh1(par, pp=pp, virtual_pp=virtual_pp)
     if zbh1 is not None and m.compile_layers:
         # its weight passes decide in backward whether to defer, which a compiled graph fixes once

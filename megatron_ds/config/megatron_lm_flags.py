@@ -304,9 +304,8 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'a fake process group runs no training; --dry-run checks a layout without one',
       '--fake-process-group'),
     (REFUSED,
-      "is not supported; gradients reduce in fp32 (DeepSpeed's bf16 optimizer keeps fp32 gradients)",
-      '--ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation=+ '
-      '--grad-reduce-in-bf16'),
+      "is not supported; gradients accumulate and reduce in fp32 with --bf16 (or in bf16 with --grad-reduce-in-bf16)",
+      '--ddp-reduce-scatter-with-fp32-accumulation --ddp-param-name-patterns-for-fp32-local-accumulation=+'),
     (REFUSED,
       "Megatron-LM's precision-aware optimizer is not supported; DeepSpeed keeps fp32 master weights and "
       'moments',
@@ -382,9 +381,6 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
     (REFUSED,
       'freezing all layers is not supported; drop it',
       '--freeze-all-layers'),
-    (REFUSED,
-      'the WSD schedule is not supported yet; use --lr-decay-style cosine or linear',
-      '--lr-wsd-decay-style= --lr-wsd-decay-iters= --lr-wsd-decay-samples='),
     (REFUSED,
       'is not supported; warm-up starts from 0 as in Megatron-DeepSpeed',
       '--lr-warmup-init='),

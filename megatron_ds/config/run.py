@@ -70,6 +70,7 @@ class OptimizerSettings:
     create_moe_param_group: bool = False  # expert parameters in optimizer groups of their own
     decoupled_lr: float | None = None  # embedding and output layer's peak LR (Megatron-LM); None: --lr
     decoupled_min_lr: float | None = None  # their floor; None: --min-lr
+    lr_wsd_decay_style: str = "exponential"  # WSD's decay shape (its span is the schedule's)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,11 @@ class RunSchedule:
     lr_decay_tokens: int | None
     # the weight-decay increment's span (get_optimizer_param_scheduler's wd_incr_steps): training's length
     wd_incr_samples: int
+    # --lr-decay-style WSD's decay phase (get_optimizer_param_scheduler's wsd_decay_steps); None otherwise.
+    # A --train-samples run's counts samples, so its schedule counts them too (exactly upstream's, whole
+    # global batches or not); an iteration-based run's is a whole number of global batches.
+    lr_wsd_decay_samples: int | None = None
+    wsd_in_samples: bool = False
 
     @property
     def counts_tokens(self) -> bool:
@@ -130,7 +135,8 @@ class RunSchedule:
     @property
     def needs_sample_lr(self) -> bool:
         """The LR schedule must count samples/tokens rather than iterations (ramp-up or token spans)."""
-        return self.rampup is not None or self.lr_decay_tokens is not None or self.lr_warmup_tokens is not None
+        return self.rampup is not None or self.lr_decay_tokens is not None or self.lr_warmup_tokens is not None \
+            or self.wsd_in_samples
 
     def global_batch_at(self, consumed_samples: int) -> int:
         return self.rampup.global_batch_at(consumed_samples) if self.rampup else self.global_batch_size
@@ -202,7 +208,32 @@ def build_run_schedule(t, o, *, seq_length: int, global_batch: int, micro_dp: in
                        train_tokens=t.train_tokens, lr_warmup_samples=warmup, lr_decay_samples=decay,
                        lr_warmup_tokens=o.lr_warmup_tokens, lr_decay_tokens=o.lr_decay_tokens,
                        wd_incr_samples=t.train_samples if t.train_samples is not None
-                       else (t.train_iters or 0) * global_batch)
+                       else (t.train_iters or 0) * global_batch,
+                       lr_wsd_decay_samples=_wsd_decay_samples(t, o, global_batch),
+                       wsd_in_samples=o.lr_decay_style == "WSD" and t.train_samples is not None)
+
+
+def _wsd_decay_samples(t, o, global_batch: int) -> int | None:
+    """megatron/training/training.py get_optimizer_param_scheduler (Megatron-LM): --lr-wsd-decay-iters x the
+    global batch in an iteration-based run, --lr-wsd-decay-samples in a --train-samples run. Upstream reads
+    only the one of its kind and asserts the span is set (OptimizerParamScheduler.__init__); said here in one
+    line. Without WSD both flags are ignored, as upstream."""
+    if o.lr_decay_style != "WSD":
+        return None
+    if o.lr_warmup_tokens is not None or o.lr_decay_tokens is not None:
+        raise ConfigError("--lr-decay-style WSD counts samples (Megatron-LM); it cannot be combined with "
+                          "--lr-warmup-tokens / --lr-decay-tokens (Megatron-DeepSpeed's)")
+    by_samples = t.train_samples is not None
+    given, other = ("--lr-wsd-decay-samples", "--lr-wsd-decay-iters") if by_samples \
+        else ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples")
+    span, stray = (o.lr_wsd_decay_samples, o.lr_wsd_decay_iters) if by_samples \
+        else (o.lr_wsd_decay_iters, o.lr_wsd_decay_samples)
+    kind = "a --train-samples" if by_samples else "an iteration-based"
+    if stray is not None:
+        raise ConfigError(f"{other} is not read in {kind} run (Megatron-LM); give {given}")
+    if span is None:
+        raise ConfigError(f"--lr-decay-style WSD needs {given} in {kind} run: the length of its final decay")
+    return span if by_samples else span * global_batch
 
 
 @dataclass(frozen=True)

@@ -305,8 +305,14 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate floor after decay."""
-    lr_decay_style: str = meta("linear", choices=("constant", "linear", "cosine", "inverse-square-root"))
-    """Learning rate decay shape."""
+    lr_decay_style: str = meta("linear", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    """Learning rate decay shape (WSD: warmup, stable at --lr, then decay over the last --lr-wsd-decay-iters)."""
+    lr_wsd_decay_style: str = meta("exponential", choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    """Megatron-LM: the shape of WSD's final decay from --lr to --min-lr."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Megatron-LM: WSD's decay phase, the last iterations of the decay span (iteration-based runs)."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Megatron-LM: WSD's decay phase, the last samples of the decay span (with --train-samples)."""
     lr_decay_iters: Optional[int] = None
     """Iterations to decay over (default --train-iters)."""
     lr_decay_samples: Optional[int] = None
@@ -681,6 +687,9 @@ class DeepSpeedConfig:
     prefetch at ZeRO 3; at ZeRO 1/2 DeepSpeed gathers them at the end of the step (the same values)."""
     ddp_bucket_size: Optional[int] = None
     """Megatron-LM: elements per gradient-reduction bucket: DeepSpeed's "reduce_bucket_size"."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron-LM: with --bf16, accumulate and reduce gradients in bf16 (DeepSpeed's "grad_accum_dtype" and
+    "communication_data_type" bf16) instead of Megatron-LM's default fp32."""
     use_megatron_fsdp: bool = False
     """Megatron-LM's FSDP: DeepSpeed ZeRO at the stage --data-parallel-sharding-strategy names (default 3)."""
     data_parallel_sharding_strategy: Optional[str] = meta(None, choices=("no_shard", "optim", "optim_grads",

@@ -35,6 +35,8 @@ _RANGES: tuple = (
     ("optimizer", "lr_warmup_fraction", 0.0, True, 1.0, True),
     ("optimizer", "lr_warmup_iters", 0, True, None, False),
     ("optimizer", "lr_warmup_samples", 0, True, None, False),
+    ("optimizer", "lr_wsd_decay_iters", 0, True, None, False),
+    ("optimizer", "lr_wsd_decay_samples", 0, True, None, False),
     ("training", "micro_batch_size", 1, True, None, False),
     ("training", "global_batch_size", 1, True, None, False),
     ("training", "train_iters", 0, True, None, False),

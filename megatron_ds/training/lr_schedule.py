@@ -1,5 +1,6 @@
 """Megatron's learning-rate schedule: linear warmup, then constant / linear / cosine /
-inverse-square-root decay to --min-lr, stepped once per applied optimizer step.
+inverse-square-root decay to --min-lr, or Megatron-LM's WSD (warmup, stable at --lr, then a decay over the
+last --lr-wsd-decay-iters of the decay span), stepped once per applied optimizer step.
 
 DeepSpeed steps it (it is passed as the engine's lr_scheduler) only when the optimizer step was
 applied, so skipped fp16-overflow or NaN steps do not advance the schedule, as in Megatron.
@@ -41,15 +42,41 @@ class WeightDecayIncrement:
         return self.start + coeff * (self.end - self.start)
 
 
+WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+def wsd_coeff(step: float, decay_steps: float, wsd_steps: float, style: str) -> float:
+    """The WSD branch of Megatron-LM's OptimizerParamScheduler.get_lr (megatron/core/
+    optimizer_param_scheduler.py, core_v0.19.0), for a step after the warmup and at most ``decay_steps``:
+    1 until the last ``wsd_steps`` of the decay span, then down to 0 along ``style``."""
+    anneal_start = decay_steps - wsd_steps
+    if step <= anneal_start:
+        return 1.0
+    ratio = float(step - anneal_start) / float(wsd_steps)
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return (2.0 * math.pow(0.5, ratio)) - 1.0
+    return 1.0 - math.sqrt(ratio)  # minus_sqrt
+
+
 class LRSchedule:
     # what must agree between a checkpoint's schedule and this run's (see load_state_dict)
     SHAPE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, last_step: int = 0, override: bool = False, use_checkpoint: bool = False,
-                 weight_decay: WeightDecayIncrement | None = None):
-        if decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+                 weight_decay: WeightDecayIncrement | None = None, wsd_decay_steps: int | None = None,
+                 wsd_decay_style: str = "exponential"):
+        if decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
             raise ValueError(f"unknown --lr-decay-style {decay_style}")
+        if decay_style == "WSD" and (wsd_decay_steps is None or wsd_decay_style not in WSD_STYLES):
+            raise ValueError(f"WSD needs a decay span and one of {WSD_STYLES}")
+        # WSD's decay phase (steps) and shape; None for the other styles
+        self.wsd_decay_steps = wsd_decay_steps if decay_style == "WSD" else None
+        self.wsd_decay_style = wsd_decay_style if decay_style == "WSD" else None
         self.optimizer = optimizer
         self.max_lr, self.min_lr = max_lr, min_lr
         self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, 1)
@@ -75,11 +102,14 @@ class LRSchedule:
             return max_lr * step / self.warmup_steps
         if self.decay_style == "constant":
             return max_lr
+        if step > self.decay_steps:  # before inverse-square-root's formula too, as both Megatrons' get_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
             warm = max(self.warmup_steps, 1)
             return max(min_lr, max_lr * math.sqrt(warm) / math.sqrt(max(step, 1)))
-        if step > self.decay_steps:
-            return min_lr
+        if self.decay_style == "WSD":
+            return min_lr + wsd_coeff(step, self.decay_steps, self.wsd_decay_steps, self.wsd_decay_style) \
+                * (max_lr - min_lr)
         ratio = (step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
@@ -104,13 +134,18 @@ class LRSchedule:
         self._apply()
 
     def state_dict(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
+        state = {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+                 "decay_steps": self.decay_steps, "decay_style": self.decay_style, "num_steps": self.num_steps}
+        if self.decay_style == "WSD":  # other styles' state stays as it was (older checkpoints load alike)
+            state.update(wsd_decay_steps=self.wsd_decay_steps, wsd_decay_style=self.wsd_decay_style)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the step (DeepSpeed calls this while loading a checkpoint). A schedule shape that
         differs from this run's is an error unless a flag says which one wins, as in Megatron."""
-        shape = self.SHAPE
+        # WSD's span and shape are compared when the checkpoint has them; Megatron-LM never saves them (its
+        # state_dict), so a checkpoint without them (Megatron-LM's, another style's) takes this run's
+        shape = self.SHAPE + tuple(k for k in ("wsd_decay_steps", "wsd_decay_style") if k in state)
         if ("num_tokens" in state) != ("num_tokens" in self.state_dict()):
             raise ConfigError("the checkpoint's learning-rate schedule counts {} but this run's counts {} "
                               "(--rampup-batch-size / --lr-warmup-tokens / --lr-decay-tokens differ); resume with "
@@ -178,6 +213,9 @@ class ConsumedLRSchedule(LRSchedule):
             else:
                 lr = max_lr * math.sqrt(max(self.warmup_tokens, 1)) / math.sqrt(max(self.num_tokens, 1))
             return max(min_lr, lr)
+        if self.decay_style == "WSD":  # counted in samples only (token spans with WSD are refused)
+            return min_lr + wsd_coeff(step, self.decay_steps, self.wsd_decay_steps, self.wsd_decay_style) \
+                * (max_lr - min_lr)
         if by_tokens:
             start = self.decay_start_tokens or 0
             ratio = (self.num_tokens - start) / max(self.decay_tokens - start, 1)
@@ -203,7 +241,7 @@ def make_lr_schedule(optimizer, run) -> LRSchedule:
     count divided by the constant global batch); sample/token-counted for ramp-up and token spans."""
     o, layout, spans = run.optimizer, run.layout, run.layout.schedule
     common = dict(max_lr=o.lr, min_lr=o.min_lr, decay_style=o.lr_decay_style, override=o.override_lr_scheduler,
-                  use_checkpoint=o.use_checkpoint_lr_scheduler)
+                  use_checkpoint=o.use_checkpoint_lr_scheduler, wsd_decay_style=o.lr_wsd_decay_style)
     wd = None
     if o.weight_decay_incr_style != "constant":
         # Megatron counts samples; an iteration-counted schedule counts them in global batches
@@ -211,8 +249,9 @@ def make_lr_schedule(optimizer, run) -> LRSchedule:
         wd = WeightDecayIncrement(o.start_weight_decay, o.end_weight_decay, max(spans.wd_incr_samples / unit, 1),
                                   o.weight_decay_incr_style)
     if not spans.needs_sample_lr:
+        wsd = None if spans.lr_wsd_decay_samples is None else spans.lr_wsd_decay_samples // layout.global_batch_size
         return LRSchedule(optimizer, warmup_steps=layout.lr_warmup_iters, decay_steps=layout.lr_decay_iters,
-                          weight_decay=wd, **common)
+                          weight_decay=wd, wsd_decay_steps=wsd, **common)
     return ConsumedLRSchedule(optimizer, warmup_steps=spans.lr_warmup_samples, decay_steps=spans.lr_decay_samples,
                               warmup_tokens=spans.lr_warmup_tokens, decay_tokens=spans.lr_decay_tokens,
-                              weight_decay=wd, **common)
+                              weight_decay=wd, wsd_decay_steps=spans.lr_wsd_decay_samples, **common)

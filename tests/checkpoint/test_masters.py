@@ -22,7 +22,9 @@ EMBED = "tied_modules.embed.word_embeddings.weight"
 @pytest.fixture(scope="module")
 def bf16_zero1(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("bf16-zero1"))
-    train("gpt2", 1, 1, 2, 2, ["--bf16", "--zero-stage", "1", "--no-pipeline-parallel", "--save", ckpt])
+    # --deepspeed: DeepSpeed's default bf16 gradients, its ZeRO optimizer, whose files zero_to_fp32 reads (Megatron-LM's
+    # command line would accumulate in fp32: BF16_Optimizer, whose files it does not read)
+    train("gpt2", 1, 1, 2, 2, ["--bf16", "--zero-stage", "1", "--deepspeed", "--no-pipeline-parallel", "--save", ckpt])
     return ckpt
 
 

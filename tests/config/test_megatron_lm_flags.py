@@ -70,7 +70,8 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
         # fields of megatron_ds's own, passed at their default
         "--norm-epsilon", "--position-embedding-type", "--relative-attention-num-buckets",
         "--relative-attention-max-distance", "--rotary-base", "--rope-scaling-factor", "--profile-step-start", "--profile-step-end",
-        "--straggler-ctrlr-port", "--straggler-minmax-count", "--tiktoken-num-special-tokens"}] == []
+        "--straggler-ctrlr-port", "--straggler-minmax-count", "--tiktoken-num-special-tokens",
+        "--lr-wsd-decay-style"}] == []
 
 
 @pytest.mark.parametrize("argv,says", [

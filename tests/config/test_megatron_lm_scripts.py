@@ -42,16 +42,14 @@ def test_gpt3_175b_example_is_refused_as_megatron_lm_refuses_it(tmp_path):
     assert "TP 8 x PP 16 x DP 1" in out and "flags read as Megatron-LM's" in out
 
 
-# What the Llama 3 FP8 example needs that megatron_ds does not have yet, each refused in one line
-LLAMA3_NOT_YET = ("--grad-reduce-in-bf16",)
-
-
-def test_llama3_8b_fp8_example_less_what_is_not_built_yet_passes(tmp_path):
+def test_llama3_8b_fp8_example_passes_with_bf16_gradients_as_it_asks(tmp_path):
     script = _script(tmp_path, "llama3_8b_h100_fp8")
     rc, out, err = dry_run(script, _files(tmp_path, write_data=False))
-    assert rc != 0 and any(f"error: {flag}" in err for flag in LLAMA3_NOT_YET), err[-2000:]
-    rest = type(script)(script.name, script.world, _without(script.argv, *LLAMA3_NOT_YET))
-    rc, out, err = dry_run(rest, _files(tmp_path, write_data=False))
     assert rc == 0, out[-2000:] + err[-2000:]
     assert "kv 8" in out and "ZeRO 1" in out and "flags read as Megatron-LM's" in out
     assert "delayed scaling" in out  # FP8 as upstream's default recipe runs it (docs/fp8.md)
+    # --grad-reduce-in-bf16, as the script passes it; without it Megatron-LM's fp32 default
+    assert "gradients: accumulated in bf16, reduced in bf16 (DeepSpeed's ZeRO stage 1 optimizer" in out
+    rest = type(script)(script.name, script.world, _without(script.argv, "--grad-reduce-in-bf16"))
+    rc, out, err = dry_run(rest, _files(tmp_path, write_data=False))
+    assert rc == 0 and "gradients: accumulated in fp32, reduced in fp32 (DeepSpeed's BF16_Optimizer" in out, err[-2000:]

@@ -169,3 +169,16 @@ def test_lr_state_round_trip_mid_schedule():
         plain.load_state_dict(a.state_dict())
     with pytest.raises(ConfigError, match="counts iterations but this run's counts samples and tokens"):
         ConsumedLRSchedule(opt, **kw).load_state_dict(plain.state_dict())
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "constant"])
+def test_iteration_schedule_matches_megatron_past_the_decay_span(style):
+    """The iteration-counted schedule (no tokens, no ramp) with --lr-decay-iters shorter than training: after the
+    decay span every style but constant is at --min-lr, inverse-square-root included (get_lr returns min_lr
+    for num_steps > lr_decay_steps before any style's formula)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    ours = LRSchedule(opt, max_lr=1.0, min_lr=0.05, warmup_steps=3, decay_steps=12, decay_style=style)
+    ref = MegatronScheduler(1.0, 0.05, 3 * 4, 12 * 4, style, None, None)  # in samples: a global batch of 4
+    for _ in range(20):
+        ours.step()
+        assert ours.get_lr()[0] == pytest.approx(ref.step(4, 0), rel=1e-12, abs=1e-15), (style, ours.num_steps)
