@@ -43,6 +43,7 @@ from __future__ import annotations
 from torch import nn
 
 from megatron_ds.model.fusions import CompiledWithFallback, compile_unavailable
+from megatron_ds.model.mla import MLASelfAttention
 from megatron_ds.model.transformer import ParallelAttention, ParallelTransformerLayer
 
 _FAILED: dict[str, str] = {}  # "layer N" -> why its compilation failed (then every layer eager)
@@ -65,7 +66,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> int:
     """Compile the forward of every transformer layer of ``model`` in place (the module docstring);
     ``compile_kwargs`` go to ``torch.compile`` (tests: a counting backend). Returns how many."""
     layers = [m for m in model.modules() if isinstance(m, ParallelTransformerLayer)]
-    for attention in (m for m in model.modules() if isinstance(m, ParallelAttention)):
+    for attention in (m for m in model.modules() if isinstance(m, (ParallelAttention, MLASelfAttention))):
         attention.fill_rotary_tables()
     for layer in layers:
         if not isinstance(layer.forward, _CompiledLayerForward):  # once, whoever calls it again

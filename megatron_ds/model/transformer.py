@@ -379,8 +379,13 @@ class ParallelTransformerLayer(nn.Module):
         # --apply-residual-connection-post-layernorm: the residual is the norm's output (Megatron's layer)
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
-        self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
-                                                causal=not self.padding, **parallel)
+        if cfg.multi_latent_attention:  # DeepSeek's (model/mla.py; it builds on this module's helpers)
+            from megatron_ds.model.mla import MLASelfAttention
+            self.self_attention = MLASelfAttention(cfg, recompute_core=recompute_attention, causal=not self.padding,
+                                                   **{k: v for k, v in parallel.items() if k != "fp8"})
+        else:
+            self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
+                                                    causal=not self.padding, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         if num_experts > 1:

@@ -1,0 +1,69 @@
+"""A tiny GPT with DeepSeek's multi-latent attention (--multi-latent-attention, megatron_ds/model/mla.py; a query
+latent, YaRN x40 with DeepSeek-V2's mscale) trains as one process does at TP 2, TP 2 with --sequence-parallel and
+PP 2: the same losses and, at TP 2, the same weights after the last step.
+
+What each layout checks: at TP 2 the up projections split over heads and the output projection over its input,
+while the down projections and the latents' norms are whole on each rank -- their gradients must be complete
+there (the rotary key's gradient summed over the heads of both ranks); under --sequence-parallel each rank
+projects half the tokens, so those gradients are partial sums that must be summed over TP (weights compared:
+a missing sum moves them by ~lr while six losses barely notice, as tests/families/gpt/test_attention_variant_layouts.py
+measured for the q/k norms); at PP 2 the layers are split over stages and the YaRN tables are rebuilt per stage.
+
+Tolerances are test_attention_variant_layouts.py's (rtol 2e-5 for losses, weights within 1e-5/1e-6: other
+summation orders in fp32, amplified by a few Adam steps). Dropout is off (its streams depend on the layout).
+"""
+import pytest
+import torch
+
+from megatron_ds.families.gpt.gpt_family import GPT
+from tests.distributed import run_distributed
+from tests.training.common import TINY_GPT, train_losses
+
+ITERS = 5
+MLA_FLAGS = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 8 "
+             "--v-head-dim 12 --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707 "
+             "--position-embedding-type rope --normalization rmsnorm --disable-bias-linear --swiglu").split()
+RUN = TINY_GPT + MLA_FLAGS + ["--train-iters", str(ITERS), "--global-batch-size", "8", "--hidden-dropout", "0",
+                              "--attention-dropout", "0", "--adam-eps", "1e-4", "--save-interval", str(ITERS)]
+RTOL = 2e-5
+
+
+def _run(world, ckpt, extra=()):
+    results = run_distributed(train_losses, world, RUN + ["--save", ckpt] + list(extra), timeout=600)
+    for other in results:
+        assert other == results[-1]
+    assert [it for it, _ in results[-1]][-1] == ITERS
+    return [loss for _, loss in results[-1]]
+
+
+def _weights(path):
+    from megatron_ds.checkpoint import load_consolidated
+
+    return load_consolidated(path, None, log=lambda *a: None, family=GPT).state_dict
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("reference"))
+    losses = _run(1, ckpt)
+    assert len(set(losses)) == ITERS  # the steps change the model
+    return losses, _weights(ckpt)
+
+
+def _same_weights(want, got):
+    assert sorted(want) == sorted(got)
+    assert any("linear_kv_down_proj" in n for n in want) and any("q_layernorm" in n for n in want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp2", "tp2_sequence_parallel"])
+def test_tp2_matches_single_process(reference, tmp_path, extra):
+    losses = _run(2, str(tmp_path), ["--tensor-model-parallel-size", "2"] + extra)
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    _same_weights(reference[1], _weights(str(tmp_path)))
+
+
+def test_pp2_matches_single_process(reference, tmp_path):
+    losses = _run(2, str(tmp_path), ["--pipeline-model-parallel-size", "2"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
