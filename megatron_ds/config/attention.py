@@ -44,7 +44,7 @@ def check_attention(m: ModelConfig) -> None:
                           f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (Llama 3.1's 4 and 1)")
 
 
-def check_mla(m: ModelConfig, *, tp: int, ulysses: int, fp8: bool) -> None:
+def check_mla(m: ModelConfig, *, ulysses: int, fp8: bool) -> None:
     """Refuse --rope-type yarn without --multi-latent-attention (Megatron-LM's argument_utils asserts the same),
     and with it what multi-latent attention (``model/mla.py``) does not read or run, each in one line."""
     if not m.multi_latent_attention:
@@ -63,9 +63,6 @@ def check_mla(m: ModelConfig, *, tp: int, ulysses: int, fp8: bool) -> None:
     bad = [flag for flag, on in unread.items() if on]
     if bad:
         raise ConfigError(f"--multi-latent-attention does not support {', '.join(bad)}; drop it")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"--multi-latent-attention splits its {m.num_attention_heads} heads over tensor parallel "
-                          f"ranks: --num-attention-heads must be divisible by --tensor-model-parallel-size {tp}")
     if m.qk_pos_emb_head_dim % 2 or m.qk_pos_emb_head_dim <= 0:
         raise ConfigError(f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim}: rotary channels rotate in pairs; use a "
                           f"positive even number")

@@ -421,7 +421,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
-    check_mla(m, tp=tp, ulysses=sp, fp8=fp8 is not None)
+    check_mla(m, ulysses=sp, fp8=fp8 is not None)
     check_data(flags.data)
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)

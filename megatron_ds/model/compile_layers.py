@@ -22,7 +22,7 @@ What breaks a layer's graph (the graphs and breaks per layer are counted by
   layers' autograd Functions into the graph (one graph, no break);
 - attention dropout > 0: its masks are drawn from the tensor parallel RNG stream (``parallel.random``),
   whose fork sets the generators' states, which dynamo does not trace: attention with dropout runs
-  eagerly (``transformer._sdpa_with_dropout``), one break seen through the four nested calls to it,
+  eagerly (``kernels.sdpa_with_dropout``), one break seen through the four nested calls to it,
   6 graphs and 4 breaks per layer; hidden dropout under sequence parallelism forks the same way;
 - selective recompute: dynamo traces the checkpointed attention core (one graph, no break);
 - DeepSpeed's MoE (its gate reads ``.item()`` and sizes its buffers by it): it runs eagerly between

@@ -34,10 +34,9 @@ from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import use_compiled
+from megatron_ds.model.kernels import sdpa_with_dropout
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin
-# (transformer.py imports this module where it builds a layer's attention, not at its top)
-from megatron_ds.model.transformer import _sdpa_with_dropout
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
 from megatron_ds.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
@@ -197,7 +196,7 @@ class MLASelfAttention(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         is_causal = self.causal and mask is None
         if p > 0.0:
-            out = _sdpa_with_dropout(q, k, v, mask, p, is_causal, {"scale": self.scale})
+            out = sdpa_with_dropout(q, k, v, mask, p, is_causal, {"scale": self.scale})
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale)
         return out.permute(2, 0, 1, 3)

@@ -155,3 +155,117 @@ def test_kv_cache_decoding_matches_the_full_forward():
             cache.advance(stop - start)
             steps.append(out)
     torch.testing.assert_close(torch.cat(steps), full, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the GPT's flags, counts and refusals
+def _run(*extra, world_size=1):
+    from megatron_ds.config import parse_args, resolve
+    from megatron_ds.families.gpt.gpt_family import GPT
+
+    cfg, _ = parse_args(["--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
+                         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+                         "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--multi-latent-attention",
+                         "--kv-lora-rank", str(KV_RANK), "--qk-head-dim", str(QK), "--qk-pos-emb-head-dim", str(ROPE),
+                         "--v-head-dim", str(V), "--position-embedding-type", "rope", *extra])
+    return resolve(cfg, world_size=world_size, vocab_size=64, family=GPT, ds_template={}, device_type="cpu")
+
+
+@pytest.mark.parametrize("extra", [[], ["--q-lora-rank", "12", "--normalization", "rmsnorm", "--disable-bias-linear"]],
+                         ids=["plain_query_layernorm", "query_latent_rmsnorm"])
+def test_built_parameters_equal_the_count(extra):
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+
+    run = _run(*extra)
+    model = build_sequential_gpt(run.layout.model, padded_vocab_size=run.layout.padded_vocab_size, seed=1)
+    assert sum(p.numel() for p in model.parameters()) == run.layout.total_params
+
+
+def test_each_stage_and_tp_rank_holds_the_counted_parameters():
+    """TP 2 x PP 2: the up projections and the output projection split over heads, the down projections and
+    the latents' norms whole on each rank (and not marked tensor parallel: gradient norms count them once)."""
+    from megatron_ds import ds_compat
+    from megatron_ds.families.gpt.gpt_model import build_stage_gpt
+    from megatron_ds.training.engine import model_kwargs
+
+    run = _run("--q-lora-rank", "12", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               world_size=4)
+    lay = run.layout
+    with ds_compat.fake_process_group(2, 0) as tp_group:
+        for stage in lay.stages:
+            model = build_stage_gpt(lay.model, num_stages=2, stage=stage.stage,
+                                    **model_kwargs(run, tp_group, 0, device="cpu"))
+            assert sum(p.numel() for p in model.parameters()) == stage.params_per_tp_rank
+            params = {n.split(".", 1)[1]: p for n, p in model.named_parameters() if "self_attention" in n}
+            shapes = {n: tuple(p.shape) for n, p in params.items()}
+            assert shapes["self_attention.linear_q_down_proj.weight"] == (12, H)
+            assert shapes["self_attention.linear_q_up_proj.weight"] == (HEADS // 2 * (QK + ROPE), 12)
+            assert shapes["self_attention.linear_kv_down_proj.weight"] == (KV_RANK + ROPE, H)
+            assert shapes["self_attention.linear_kv_up_proj.weight"] == (HEADS // 2 * (QK + V), KV_RANK)
+            assert shapes["self_attention.dense.weight"] == (H, HEADS // 2 * V)
+            assert not params["self_attention.linear_kv_down_proj.weight"].tensor_model_parallel
+            assert params["self_attention.linear_kv_up_proj.weight"].tensor_model_parallel
+
+
+def test_dry_run_names_it():
+    summary = _run("--q-lora-rank", "12", "--rotary-scaling-factor", "40", "--mscale", "0.707",
+                   "--mscale-all-dim", "0.707").describe()
+    assert "multi-latent attention (q rank 12, kv rank 10, head dims qk 8 + rope 8, v 6; YaRN x40 (mscale 0.707, " \
+           "all dim 0.707))" in summary
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--num-key-value-heads", "2"], "--group-query-attention / --num-key-value-heads"),
+    (["--qk-layernorm"], "--qk-layernorm"),
+    (["--use-rope-scaling"], "--use-rope-scaling"),
+    (["--rotary-percent", "0.5"], "--rotary-percent other than 1"),
+    (["--fp8-format", "hybrid"], "FP8"),
+    (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses"),
+])
+def test_what_it_does_not_read_is_refused_in_one_line(extra, says):
+    from megatron_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--multi-latent-attention does not support .*{says}.*; drop it"):
+        _run(*extra, world_size=2)
+
+
+def test_yarn_without_it_and_other_families_are_refused():
+    from megatron_ds.config import parse_args, resolve
+    from megatron_ds.errors import ConfigError
+    from megatron_ds.families.bert.bert_family import BERT
+    from megatron_ds.families.gpt.gpt_family import GPT
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data"]
+    with pytest.raises(ConfigError, match="--rope-type yarn applies to --multi-latent-attention only"):
+        resolve(parse_args(base + ["--rope-type", "yarn"])[0], world_size=1, vocab_size=64, family=GPT,
+                ds_template={}, device_type="cpu")
+    with pytest.raises(ConfigError, match="pretrain_bert.py cannot run with .*--multi-latent-attention"):
+        resolve(parse_args(base + ["--multi-latent-attention"])[0], world_size=1, vocab_size=64, family=BERT,
+                ds_template={}, device_type="cpu")
+
+
+def test_compiled_layers_equal_eager():
+    """--compile-layers (aot_eager: dynamo and AOTAutograd as inductor runs them, without building C++): one
+    graph per layer, the YaRN tables entering it as inputs, and a step's loss and gradients are eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
+    from megatron_ds.model import compile_layers as cl
+    from tests.model.test_compile_layers import SEQ as COMPILE_SEQ
+    from tests.model.test_compile_layers import TOL, VOCAB, graphs_and_breaks, one_step
+
+    cfg = resolve_model_config(ModelConfig(
+        num_layers=2, hidden_size=H, num_attention_heads=HEADS, seq_length=COMPILE_SEQ, multi_latent_attention=True,
+        q_lora_rank=12, kv_lora_rank=KV_RANK, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V,
+        position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0, fusions_on_cpu=True, **YARN))
+    kw = dict(padded_vocab_size=VOCAB, seed=7)
+    ref_loss, ref_grads = one_step(build_sequential_gpt(cfg, **kw))
+    assert graphs_and_breaks(build_sequential_gpt(cfg, **kw)) == (1, 0)
+    torch._dynamo.reset()
+    model = build_sequential_gpt(cfg, **kw)
+    assert cl.compile_layers(model, backend=CompileCounterWithBackend("aot_eager")) == cfg.num_layers
+    loss, grads = one_step(model)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")

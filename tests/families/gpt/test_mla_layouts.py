@@ -67,3 +67,18 @@ def test_tp2_matches_single_process(reference, tmp_path, extra):
 def test_pp2_matches_single_process(reference, tmp_path):
     losses = _run(2, str(tmp_path), ["--pipeline-model-parallel-size", "2"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+def test_pp2_interleaved_matches_single_process(reference, tmp_path):
+    """The interleaved schedule (two chunks of one layer per rank)."""
+    losses = _run(2, str(tmp_path), ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                     "1"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+def test_tp2_pp2_zbh1_matches_single_process(reference, tmp_path):
+    """ZB-H1's deferred weight passes at TP 2 x PP 2: the down projections' weight gradients too."""
+    losses = _run(4, str(tmp_path), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--enable-zbh1-pipeline"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    _same_weights(reference[1], _weights(str(tmp_path)))
