@@ -446,6 +446,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
     notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if m.multi_latent_attention and flags.model.kv_channels is not None:  # Megatron-LM ignores it too
+        notes.append(f"--kv-channels {flags.model.kv_channels} is not read by --multi-latent-attention (its heads have "
+                     f"--qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim channels)")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     if moe:

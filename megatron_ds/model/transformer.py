@@ -371,6 +371,8 @@ class ParallelTransformerLayer(nn.Module):
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
         if cfg.multi_latent_attention:  # DeepSeek's (model/mla.py)
+            if fp8 is not None or tp_world_size(sp_group) > 1:  # (config/attention.py check_mla refuses both)
+                raise ValueError("multi-latent attention runs without FP8 and DeepSpeed-Ulysses")
             self.self_attention = MLASelfAttention(cfg, recompute_core=recompute_attention, causal=not self.padding,
                                                    **{k: v for k, v in parallel.items() if k != "fp8"})
         else:

@@ -269,3 +269,15 @@ def test_compiled_layers_equal_eager():
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def test_kv_channels_is_said_to_be_unread():
+    from megatron_ds.config import parse_args
+    from megatron_ds.config.layout import build_layout
+    from megatron_ds.families.gpt.gpt_family import GPT
+
+    cfg, _ = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr",
+                         "1e-3", "--mock-data", "--multi-latent-attention", "--kv-channels", "128"])
+    _, notes = build_layout(cfg, 1, vocab_size=64, template={}, family=GPT, device_type="cpu")
+    assert any(n.startswith("--kv-channels 128 is not read by --multi-latent-attention") for n in notes)
