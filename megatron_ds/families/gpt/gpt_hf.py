@@ -113,7 +113,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
                           f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
     if arch == MIXTRAL:
-        mixtral.check_expressible(m, rope_scaling_problems(m))
+        mla = ["--multi-latent-attention (MixtralForCausalLM has Llama's attention)"] if m.multi_latent_attention else []
+        mixtral.check_expressible(m, rope_scaling_problems(m) + mla)
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
         raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor the Llama-style "

@@ -124,3 +124,18 @@ def test_what_has_no_equivalent_is_refused_by_name(tmp_path, over, says):
     _hf_model("v2_lite_yarn", **over).save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match=says):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), family=GPT, log=lambda *a: None)
+
+
+def test_other_classes_refuse_multi_latent_attention():
+    from megatron_ds.config.layout import resolve_model_config
+    from megatron_ds.config.schema import ModelConfig
+    from megatron_ds.families.gpt import gpt_hf as hf
+
+    m = resolve_model_config(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                         multi_latent_attention=True, position_embedding_type="rope", swiglu=True,
+                                         normalization="rmsnorm", add_bias_linear=False))
+    assert hf.choose_architecture(m) == hf.DEEPSEEK_V3
+    with pytest.raises(ConfigError, match="cannot express --multi-latent-attention"):
+        hf.choose_architecture(m, asked="LlamaForCausalLM")
+    with pytest.raises(ConfigError, match="MixtralForCausalLM, which cannot express .*--multi-latent-attention"):
+        hf.choose_architecture(resolve_model_config(ModelConfig(**{**m.__dict__, "num_experts": (2,)})))
