@@ -40,6 +40,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_val
                 "untie_embeddings_and_output_weights")
 
 
+MLA_SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
 # With MoE layers also: the parameters each layer has and how experts split over TP ranks.
 MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
 EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
@@ -141,6 +143,8 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     for name in ("add_qkv_bias", "qk_layernorm"):  # parameters of their own (added only when on, as above)
         if getattr(model, name, False):
             sig[name] = True
+    if getattr(model, "multi_latent_attention", False):  # its own parameters and their shapes
+        sig.update({name: getattr(model, name) for name in MLA_SHAPE_FIELDS}, multi_latent_attention=True)
     if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded
         sig["decoder_num_layers"] = model.decoder_num_layers
     sig.update(padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

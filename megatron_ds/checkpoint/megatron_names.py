@@ -39,7 +39,11 @@ from megatron_ds.errors import ConfigError
 BLOCK_SUFFIXES = tuple(f"{m}.{p}" for m in (
     "input_layernorm", "self_attention.query_key_value", "self_attention.dense", "post_attention_layernorm",
     "mlp.dense_h_to_4h", "mlp.dense_4h_to_h",
-    "self_attention.q_layernorm", "self_attention.k_layernorm") for p in ("weight", "bias"))  # (--qk-layernorm: ours)
+    "self_attention.q_layernorm", "self_attention.k_layernorm",  # (--qk-layernorm: ours)
+    # --multi-latent-attention (model/mla.py; q_layernorm is its query latent's norm there)
+    "self_attention.linear_q_proj", "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj", "self_attention.kv_layernorm", "self_attention.linear_kv_up_proj")
+    for p in ("weight", "bias"))
 _BLOCK = re.compile(r"^(?:language_model\.encoder\.layers\.)?(\d+)\.(.+)$")
 _FINAL = re.compile(r"^(?:\d+\.(?:final_layernorm\.)?|language_model\.encoder\.final_layernorm\.)(weight|bias)$")
 _WHY = (("expert", "mixture-of-experts layers are not supported"), ("moe", "mixture-of-experts layers are not supported"),

@@ -41,6 +41,11 @@ _SPLIT_DIM = {
     ("dense_h_to_4h", "weight"): 0,
     ("dense_h_to_4h", "bias"): 0,
     ("dense_4h_to_h", "weight"): 1,
+    # multi-latent attention (model/mla.py): the up projections split over heads; the down projections and
+    # the latents' norms are replicated
+    ("linear_q_proj", "weight"): 0,
+    ("linear_q_up_proj", "weight"): 0,
+    ("linear_kv_up_proj", "weight"): 0,
 }
 VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"))
 

@@ -71,6 +71,10 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     if signature.get("qk_layernorm"):  # one weight of head size shared by every head: on each TP rank
         kinds = "(weight|bias)" if signature["normalization"].lower() == "layernorm" else "weight"
         replicated.append(rf"{layer}self_attention\.(q|k)_layernorm\.{kinds}$")
+    if signature.get("multi_latent_attention"):  # the down projections and the latents' norms (checkpoint/tp.py)
+        kinds = "(weight|bias)" if signature["normalization"].lower() == "layernorm" else "weight"
+        replicated += [rf"{layer}self_attention\.linear_(q|kv)_down_proj\.weight$",
+                       rf"{layer}self_attention\.(q|kv)_layernorm\.{kinds}$"]
     if signature["position_embedding_type"] == "learned_absolute":
         replicated.append(r".*position_embeddings\.weight$")
     if bias:

@@ -44,8 +44,38 @@ def check_attention(m: ModelConfig) -> None:
                           f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (Llama 3.1's 4 and 1)")
 
 
+def check_mla(m: ModelConfig, *, ulysses: int, fp8: bool) -> None:
+    """Refuse --rope-type yarn without --multi-latent-attention (Megatron-LM's argument_utils asserts the same),
+    and with it what multi-latent attention (``model/mla.py``) does not read or run, each in one line."""
+    if not m.multi_latent_attention:
+        if m.rope_type == "yarn":
+            raise ConfigError("--rope-type yarn applies to --multi-latent-attention only (Megatron-LM's other "
+                              "attention takes rope only); drop it or add --multi-latent-attention")
+        return
+    unread = {"--group-query-attention / --num-key-value-heads (MLA's heads share one latent instead)":
+              m.num_key_value_heads != m.num_attention_heads,
+              "--qk-layernorm": m.qk_layernorm, "--add-qkv-bias": m.add_qkv_bias, "--window-size": m.window_size,
+              "--use-rope-scaling": m.use_rope_scaling,
+              "--rotary-seq-len-interpolation-factor": m.rotary_seq_len_interpolation_factor is not None,
+              "--rotary-percent other than 1": m.rotary_percent != 1.0,
+              "FP8 (--fp8-format)": fp8,
+              "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses)": ulysses > 1}
+    bad = [flag for flag, on in unread.items() if on]
+    if bad:
+        raise ConfigError(f"--multi-latent-attention does not support {', '.join(bad)}; drop it")
+    if m.qk_pos_emb_head_dim % 2 or m.qk_pos_emb_head_dim <= 0:
+        raise ConfigError(f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim}: rotary channels rotate in pairs; use a "
+                          f"positive even number")
+
+
 def describe_attention(m: ModelConfig) -> str:
     """The attention's variants in a few words ("" for none), for the model's summary line."""
+    if m.multi_latent_attention:
+        q = "q plain" if m.q_lora_rank is None else f"q rank {m.q_lora_rank}"
+        rope = (f"YaRN x{m.rotary_scaling_factor:g} (mscale {m.mscale:g}, all dim {m.mscale_all_dim:g})"
+                if (m.rope_type or "yarn") == "yarn" else "RoPE")
+        return (f"multi-latent attention ({q}, kv rank {m.kv_lora_rank}, head dims qk {m.qk_head_dim} + rope "
+                f"{m.qk_pos_emb_head_dim}, v {m.v_head_dim}; {rope})")
     parts = []
     if m.kv_channels * m.num_attention_heads != m.hidden_size:
         parts.append(f"head dim {m.kv_channels} (heads x head dim {m.kv_channels * m.num_attention_heads} != "

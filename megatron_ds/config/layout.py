@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
 from megatron_ds.config import dialect
-from megatron_ds.config.attention import check_attention, describe_attention
+from megatron_ds.config.attention import check_attention, check_mla, describe_attention
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import (build_ds_config, check_cpu_optimizer, describe_gradients, keeps_fp32_grads,
                                                uses_bf16_optimizer)
@@ -239,11 +239,26 @@ def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     """(parameters split over TP, parameters replicated on each TP rank) of a transformer layer without its
     MLP: attention and the two norms."""
     h, d, bias = m.hidden_size, m.kv_channels, m.add_bias_linear
+    if m.multi_latent_attention:
+        return _mla_params(m, tp)
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d  # heads x kv_channels may differ from h (Qwen3)
     split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0)
     per_channel = 2 if m.normalization == "layernorm" else 1
     qk_norms = 2 * per_channel * d if m.qk_layernorm else 0  # one weight of head size each, on every rank
     return split // tp, 2 * per_channel * h + qk_norms + (h if bias else 0)  # the row-parallel bias is not split
+
+
+def _mla_params(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """``_attention_params`` of multi-latent attention (``model/mla.py``): the up projections and the output
+    projection split over heads, the down projections and the latents' norms replicated."""
+    h, heads, q_rank, kv_rank = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    split = (h if q_rank is None else q_rank) * heads * q_head + kv_rank * heads * (m.qk_head_dim + m.v_head_dim)
+    split += heads * m.v_head_dim * h
+    per_channel = 2 if m.normalization.lower() == "layernorm" else 1
+    down = (0 if q_rank is None else h * q_rank) + h * (kv_rank + m.qk_pos_emb_head_dim)
+    norms = per_channel * (2 * h + kv_rank + (q_rank or 0))
+    return split // tp, down + norms + (h if m.add_bias_linear else 0)
 
 
 def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -441,6 +456,7 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
         "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
         "--calculate-per-token-loss (the GPT's language-model loss applies it)":
             bool(flags.training.calculate_per_token_loss),
+        "--multi-latent-attention (DeepSeek's attention is the GPT's)": bool(m.multi_latent_attention),
         "--add-qkv-bias / --qk-layernorm / --use-rope-scaling / --rotary-seq-len-interpolation-factor / "
         "--window-size (the attention of the GPT family's open models)":
             bool(m.add_qkv_bias or m.qk_layernorm or m.use_rope_scaling or m.window_size is not None
@@ -492,6 +508,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_activation(flags.model)
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
+    check_mla(m, ulysses=sp, fp8=fp8 is not None)
     check_data(flags.data)
     check_profile(flags.logging)
     ep, moe = par.moe_expert_parallel_size, is_moe(m)
@@ -519,6 +536,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
     notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
+    if m.multi_latent_attention and flags.model.kv_channels is not None:  # Megatron-LM ignores it too
+        notes.append(f"--kv-channels {flags.model.kv_channels} is not read by --multi-latent-attention (its heads have "
+                     f"--qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim channels)")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     if moe:

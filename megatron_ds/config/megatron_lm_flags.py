@@ -223,11 +223,6 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--mtp-standalone --mtp-num-layers= --mtp-loss-scaling-factor= --mtp-use-repeated-layer '
       '--mtp-detach-heads --mtp-hybrid-override-pattern='),
     (REFUSED,
-      'multi-latent attention (DeepSeek) is not supported; use grouped-query attention: '
-      '--group-query-attention --num-query-groups G',
-      '--multi-latent-attention --q-lora-rank= --kv-lora-rank= --qk-head-dim= --qk-pos-emb-head-dim= '
-      '--v-head-dim= --rotary-scaling-factor= --mscale= --mscale-all-dim='),
-    (REFUSED,
       'sparse and linear attention variants (DSA, gated delta net) are not supported; attention here is '
       'full softmax attention',
       '--experimental-attention-variant= --dsa-indexer-n-heads= --dsa-indexer-head-dim= --dsa-indexer-topk= '
@@ -253,8 +248,9 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--attention-output-gate --activation-func-clamp-value= --rotary-interleaved '
       '--window-attn-skip-freq= --no-rope-freq= --mrope-section=+ --quick-geglu'),
     (REFUSED,
-      "YaRN RoPE scaling is not supported; Llama 3.1's is --use-rope-scaling, linear is "
-      '--rotary-seq-len-interpolation-factor',
+      "YaRN as the position embedding (--position-embedding-type yarn) is not supported; Llama 3.1's scaling is "
+      "--use-rope-scaling, linear --rotary-seq-len-interpolation-factor (multi-latent attention's YaRN takes "
+      "--rotary-scaling-factor --mscale --mscale-all-dim and, as Megatron-LM's, original 4096 positions, betas 32/1)",
       '--yarn-original-max-position-embeddings= --yarn-beta-fast= --yarn-beta-slow= '
       '--yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int'),
     (REFUSED,
@@ -475,7 +471,6 @@ VALUES: dict[str, tuple[int | str, tuple[str, ...], str | None, str]] = {
     "--softmax-type": (1, ("vanilla",), None, "only the standard softmax is supported"),
     "--glu-linear-offset": (1, ("0", "0.0"), None, "an offset in the gated linear unit is not supported"),
     "--mlp-chunks-for-training": (1, ("1",), None, "chunking the MLP is not supported (the same values); drop it"),
-    "--rope-type": (1, ("rope",), None, "YaRN is not supported yet; use --position-embedding-type rope"),
     "--exit-signal": (1, ("SIGTERM", "SIGUSR1", "15", "10"),
                       "SIGTERM and SIGUSR1 both save a checkpoint and exit here (docs/failures.md)",
                       "only SIGTERM and SIGUSR1 save and exit here"),

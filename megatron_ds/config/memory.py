@@ -245,6 +245,12 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
         slots = experts * capacity
         replicated += 4 + 4 * experts / h + 2 * m.topk + (4 if m.mlp_type == "residual" else 0)
         mlp = mlp * slots / tokens + 2 * slots / tokens + (mlp if m.mlp_type == "residual" else 0.0)
+    if m.multi_latent_attention:  # model/mla.py: q, k, v and the context, the rotary parts' copies, the latents
+        q_head, v_head, rope_d = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, m.qk_pos_emb_head_dim
+        qkv = 2 * a * (2 * q_head + v_head) / h
+        rope = 2 * 2 * (a + 1) * rope_d / h
+        core = 2 * a * v_head / h + (4 * a / h if recompute != "selective" else 0.0)
+        replicated += 2 * (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + rope_d) / h
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
     return per_layer * (2 if layout.precision == "fp32" else 1)

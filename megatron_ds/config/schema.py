@@ -96,6 +96,34 @@ class ModelConfig:
     """Megatron-LM's sliding-window attention "(left,right)" (Mistral: its sliding_window - 1, 0). Accepted
     where the window covers --seq-length (left >= seq - 1 or -1, right 0: it then masks nothing); refused
     otherwise."""
+    # -- multi-latent attention (DeepSeek-V2/V3), Megatron-LM's flags and defaults (megatron/training/arguments.py
+    # _add_mla_args; the layer is megatron/core/transformer/multi_latent_attention.py MLASelfAttention, ours
+    # megatron_ds/model/mla.py)
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (GPT only): queries and keys/values through low-rank latents, plus a
+    decoupled rotary key shared by the heads; its own RoPE (--rope-type, YaRN by default) on the
+    --qk-pos-emb-head-dim channels. --kv-channels and grouped-query attention are not read."""
+    q_lora_rank: Optional[int] = None
+    """--multi-latent-attention: rank of the query's latent (None: one plain query projection, DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 32
+    """--multi-latent-attention: rank of the keys' and values' shared latent."""
+    qk_head_dim: int = 128
+    """--multi-latent-attention: query/key channels per head without rotary positions (a head's query is
+    --qk-head-dim + --qk-pos-emb-head-dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """--multi-latent-attention: the rotary query/key channels per head (the rotary key is shared by the heads)."""
+    v_head_dim: int = 128
+    """--multi-latent-attention: value channels per head."""
+    rope_type: Optional[str] = meta(None, choices=("rope", "yarn"))
+    """Megatron-LM's RoPE kind of multi-latent attention: yarn (its default) or rope; the other attention
+    takes rope only."""
+    rotary_scaling_factor: float = 1.0
+    """--multi-latent-attention, YaRN: the context-extension factor (DeepSeek-V2/V3: 40)."""
+    mscale: float = 1.0
+    """--multi-latent-attention, YaRN: mscale of the rotary tables' attention factor."""
+    mscale_all_dim: float = 0.0
+    """--multi-latent-attention, YaRN: mscale_all_dim; the softmax scale is (0.1 x this x ln(factor) + 1)^2 /
+    sqrt(head dim) for a factor > 1."""
     apply_rope_fusion: bool = meta(True, flags=("--no-rope-fusion",), invert=True)
     """Do not compile the rotary embedding's application into one fused kernel (Megatron-LM's flag)."""
     compile_layers: Optional[bool] = meta(None, flags=("--compile-layers",), off_flags=("--no-compile-layers",))

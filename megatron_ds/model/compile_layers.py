@@ -22,7 +22,7 @@ What breaks a layer's graph (the graphs and breaks per layer are counted by
   layers' autograd Functions into the graph (one graph, no break);
 - attention dropout > 0: its masks are drawn from the tensor parallel RNG stream (``parallel.random``),
   whose fork sets the generators' states, which dynamo does not trace: attention with dropout runs
-  eagerly (``transformer._sdpa_with_dropout``), one break seen through the four nested calls to it,
+  eagerly (``kernels.sdpa_with_dropout``), one break seen through the four nested calls to it,
   6 graphs and 4 breaks per layer; hidden dropout under sequence parallelism forks the same way;
 - selective recompute: dynamo traces the checkpointed attention core (one graph, no break);
 - DeepSpeed's MoE (its gate reads ``.item()`` and sizes its buffers by it): it runs eagerly between
@@ -43,6 +43,7 @@ from __future__ import annotations
 from torch import nn
 
 from megatron_ds.model.fusions import CompiledWithFallback, compile_unavailable
+from megatron_ds.model.mla import MLASelfAttention
 from megatron_ds.model.transformer import ParallelAttention, ParallelTransformerLayer
 
 _FAILED: dict[str, str] = {}  # "layer N" -> why its compilation failed (then every layer eager)
@@ -65,7 +66,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> int:
     """Compile the forward of every transformer layer of ``model`` in place (the module docstring);
     ``compile_kwargs`` go to ``torch.compile`` (tests: a counting backend). Returns how many."""
     layers = [m for m in model.modules() if isinstance(m, ParallelTransformerLayer)]
-    for attention in (m for m in model.modules() if isinstance(m, ParallelAttention)):
+    for attention in (m for m in model.modules() if isinstance(m, (ParallelAttention, MLASelfAttention))):
         attention.fill_rotary_tables()
     for layer in layers:
         if not isinstance(layer.forward, _CompiledLayerForward):  # once, whoever calls it again

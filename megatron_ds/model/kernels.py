@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron_ds.model.fusions import describe_fusions
 from megatron_ds.model.liger import describe_liger
+from megatron_ds.parallel.random import get_rng_tracker
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,3 +76,13 @@ def describe_kernels(model_cfg=None, tp: int = 1, loss_reason: str = "", on_cuda
         "cross_entropy": "chunked over tokens for bf16/fp16 logits (no fp32 [tokens, vocab] copy), "
                          "vocab-parallel",
     }
+
+
+@torch.compiler.disable
+def sdpa_with_dropout(q, k, v, mask, p: float, is_causal: bool, extra: dict) -> torch.Tensor:
+    """Attention with dropout. Each rank holds different heads, so their dropout masks must differ:
+    they are drawn from the tensor parallel RNG stream. Its fork sets the generators' states, which
+    dynamo does not trace: in a layer compiled with --compile-layers this runs eagerly, between two
+    graphs (one graph break; otherwise dynamo would break at each generator call)."""
+    with get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **extra)

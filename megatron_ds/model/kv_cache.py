@@ -33,8 +33,9 @@ class KVCache:
         if end > self.max_length:
             raise ValueError(f"KV cache holds {self.max_length} positions; {end} were asked for")
         if layer_number not in self._buffers:
-            shape = (self.max_length, *k.shape[1:])
-            self._buffers[layer_number] = (k.new_empty(shape), v.new_empty(shape))
+            # (multi-latent attention's values are narrower than its keys)
+            self._buffers[layer_number] = (k.new_empty(self.max_length, *k.shape[1:]),
+                                           v.new_empty(self.max_length, *v.shape[1:]))
         k_buf, v_buf = self._buffers[layer_number]
         k_buf[self.offset:end] = k
         v_buf[self.offset:end] = v

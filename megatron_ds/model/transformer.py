@@ -40,7 +40,8 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
-from megatron_ds.model.kernels import sdpa_supports_gqa
+from megatron_ds.model.kernels import sdpa_supports_gqa, sdpa_with_dropout
+from megatron_ds.model.mla import MLASelfAttention
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.param_groups import DECAY
@@ -229,7 +230,7 @@ class ParallelAttention(nn.Module):
                 v = v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.attention_dropout if self.training else 0.0
         if p > 0.0:
-            out = _sdpa_with_dropout(q, k, v, mask, p, self.causal and mask is None, extra)
+            out = sdpa_with_dropout(q, k, v, mask, p, self.causal and mask is None, extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                                  **extra)
@@ -246,16 +247,6 @@ def _qk_norm(cfg: ModelConfig, *, partial_grads: bool, params_dtype: torch.dtype
     for p in norm.parameters():
         setattr(p, DECAY, cfg.apply_wd_to_qk_layernorm)
     return norm
-
-
-@torch.compiler.disable
-def _sdpa_with_dropout(q, k, v, mask, p: float, is_causal: bool, extra: dict) -> torch.Tensor:
-    """Attention with dropout. Each rank holds different heads, so their dropout masks must differ:
-    they are drawn from the tensor parallel RNG stream. Its fork sets the generators' states, which
-    dynamo does not trace: in a layer compiled with --compile-layers this runs eagerly, between two
-    graphs (one graph break; otherwise dynamo would break at each generator call)."""
-    with get_rng_tracker().fork():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **extra)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -379,8 +370,14 @@ class ParallelTransformerLayer(nn.Module):
         # --apply-residual-connection-post-layernorm: the residual is the norm's output (Megatron's layer)
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **norm)
-        self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
-                                                causal=not self.padding, **parallel)
+        if cfg.multi_latent_attention:  # DeepSeek's (model/mla.py)
+            if fp8 is not None or tp_world_size(sp_group) > 1:  # (config/attention.py check_mla refuses both)
+                raise ValueError("multi-latent attention runs without FP8 and DeepSpeed-Ulysses")
+            self.self_attention = MLASelfAttention(cfg, recompute_core=recompute_attention, causal=not self.padding,
+                                                   **{k: v for k, v in parallel.items() if k != "fp8"})
+        else:
+            self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
+                                                    causal=not self.padding, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         if num_experts > 1:

@@ -35,9 +35,23 @@ def unrecomputed_flops(m) -> int:
     return 2 * m.ffn_hidden_size * m.hidden_size if m.hidden_dropout == 0 else 0
 
 
+def mla_attention_flops_per_token(m, seq: int) -> int:
+    """Forward FLOPs per token of multi-latent attention (``model/mla.py``): its down and up projections (Megatron-LM's
+    training.py num_floating_point_operations counts the same matrices), scores over query heads of qk + rope
+    channels, values of v channels, the output projection."""
+    h, a, q_head = m.hidden_size, m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = 2 * h * a * q_head if m.q_lora_rank is None else 2 * m.q_lora_rank * (h + a * q_head)
+    kv = 2 * h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + 2 * m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim)
+    return q + kv + 2 * seq * a * (q_head + m.v_head_dim) + 2 * a * m.v_head_dim * h
+
+
 def dense_layer_flops(m, seq: int) -> tuple[int, int]:
     """(forward, recomputed) FLOPs per token of one dense transformer layer at ``seq`` keys."""
     forward = layer_forward_flops_per_token(hidden=m.hidden_size, heads=m.num_attention_heads,
                                             kv_heads=m.num_key_value_heads, kv_channels=m.kv_channels,
                                             ffn=m.ffn_hidden_size, swiglu=m.swiglu or m.geglu, seq=seq)
+    if getattr(m, "multi_latent_attention", False):
+        forward += mla_attention_flops_per_token(m, seq) - layer_forward_flops_per_token(
+            hidden=m.hidden_size, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+            kv_channels=m.kv_channels, ffn=0, swiglu=False, seq=seq)
     return forward, forward - unrecomputed_flops(m)

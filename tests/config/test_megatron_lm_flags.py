@@ -65,13 +65,16 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
     same = sorted(s for s, v, got, _ in _outcomes() if got == "accepted, no change")
     assert [s for s in same if s not in MEGATRON_DEEPSPEED_NAMES and s not in {
         "--context-parallel-size", "--expert-model-parallel-size", "--softmax-type", "--glu-linear-offset",
-        "--mlp-chunks-for-training", "--rope-type", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
+        "--mlp-chunks-for-training", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
         "--exp-avg-sq-dtype", "--error-injection-rate", "--recompute-modules",
         # fields of megatron_ds's own, passed at their default
         "--norm-epsilon", "--position-embedding-type", "--relative-attention-num-buckets",
         "--relative-attention-max-distance", "--rotary-base", "--rope-scaling-factor", "--profile-step-start", "--profile-step-end",
         "--straggler-ctrlr-port", "--straggler-minmax-count", "--tiktoken-num-special-tokens",
-        "--lr-wsd-decay-style"}] == []
+        "--lr-wsd-decay-style",
+        # multi-latent attention's sizes and YaRN, at Megatron-LM's defaults (ours)
+        "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",
+        "--mscale"}] == []
 
 
 @pytest.mark.parametrize("argv,says", [

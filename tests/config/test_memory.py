@@ -88,6 +88,11 @@ LAYER_CASES = {
     "open_model": ["--swiglu", "--ffn-hidden-size", "688", "--num-key-value-heads", "2", "--kv-channels", "48",
                    "--use-rotary-position-embeddings", "--disable-bias-linear", "--hidden-dropout", "0",
                    "--add-qkv-bias", "--qk-layernorm", "--no-bias-swiglu-fusion"],
+    # DeepSeek's multi-latent attention: the latents and their norms, q/k of 32 + 16 channels; v of 48 as well, so that
+    # the CPU runs its flash kernel (it wants one head dim; a GPU's memory-efficient kernel takes narrower values)
+    "mla": ["--multi-latent-attention", "--q-lora-rank", "96", "--kv-lora-rank", "64", "--qk-head-dim", "32",
+            "--qk-pos-emb-head-dim", "16", "--v-head-dim", "48", "--position-embedding-type", "rope", "--swiglu",
+            "--ffn-hidden-size", "688", "--disable-bias-linear", "--hidden-dropout", "0", "--no-bias-swiglu-fusion"],
 }
 
 

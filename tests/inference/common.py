@@ -40,7 +40,15 @@ def open_model_config(**over) -> ModelConfig:
                         **over)
 
 
-CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "open": open_model_config}
+def mla_config(**over) -> ModelConfig:
+    """Llama-style with DeepSeek's multi-latent attention: a query latent, values narrower than keys (the cache
+    keeps both), YaRN x40 with DeepSeek-V2's mscale."""
+    return llama_config(multi_latent_attention=True, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=10,
+                        qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=6, rotary_scaling_factor=40.0, mscale=0.707,
+                        mscale_all_dim=0.707, **over)
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "open": open_model_config, "mla": mla_config}
 
 
 def random_weights(cfg: ModelConfig, seed: int = 7) -> ModelWeights:

@@ -18,6 +18,8 @@ Two targets, chosen by the model's shape:
 - ``Qwen3ForCausalLM``: Llama's layers with a per-head RMSNorm of head size on queries and keys
   before the rotary embedding (--qk-layernorm: ``self_attention.q_layernorm`` / ``k_layernorm`` ->
   ``self_attn.q_norm`` / ``k_norm``), ``head_dim`` free of hidden / heads (--kv-channels).
+- ``DeepseekV3ForCausalLM`` with dense layers only: --multi-latent-attention and Llama's MLP
+  (``megatron_ds.families.gpt.deepseek_hf``).
 - ``MistralForCausalLM``: Llama's layers without biases, with ``sliding_window`` W: transformers'
   ``masking_utils.sliding_window_overlay`` lets query q see keys kv with ``kv > q - W``, i.e. W - 1
   keys back, Megatron-LM's --window-size (W - 1, 0). Qwen2/Qwen3 slide on the layers
@@ -26,8 +28,8 @@ Two targets, chosen by the model's shape:
 
 Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
 --architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
-metadata) when it can express the model, else by the model's features: MoE -> Mixtral, learned
-positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
+metadata) when it can express the model, else by the model's features: MoE -> Mixtral, multi-latent
+attention -> DeepSeek-V3, learned positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
 --window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 
 Our fused QKV weight is laid out per key/value group (``model/transformer.py``): for group g,
@@ -46,11 +48,14 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt import deepseek_hf as deepseek
 from megatron_ds.families.gpt import mixtral_hf as mixtral
 
 GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
+DEEPSEEK_V3 = "deepseek_v3"
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
-                 QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM"}
+                 QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM",
+                 DEEPSEEK_V3: deepseek.CLASS}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -89,6 +94,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         arch = architecture_key(asked)
     elif is_moe(m):
         arch = MIXTRAL
+    elif m.multi_latent_attention:
+        arch = DEEPSEEK_V3
     elif m.position_embedding_type == "learned_absolute":
         arch = GPT2
     elif recorded is not None and recorded in ARCHITECTURES.values() \
@@ -106,7 +113,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
                           f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
     if arch == MIXTRAL:
-        mixtral.check_expressible(m, rope_scaling_problems(m))
+        mla = ["--multi-latent-attention (MixtralForCausalLM has Llama's attention)"] if m.multi_latent_attention else []
+        mixtral.check_expressible(m, rope_scaling_problems(m) + mla)
         return MIXTRAL
     if m.apply_residual_connection_post_layernorm:
         raise ConfigError("--apply-residual-connection-post-layernorm: neither GPT2LMHeadModel nor the Llama-style "
@@ -124,6 +132,10 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
 def _problems(arch: str, m: ModelConfig) -> list[str]:
     """What ``arch`` (a dense class) cannot express of ``m``, by flag."""
     name = ARCHITECTURES[arch]
+    if arch == DEEPSEEK_V3:
+        return deepseek.problems(m)
+    if m.multi_latent_attention:
+        return [f"--multi-latent-attention ({name} has no multi-latent attention; DeepseekV3ForCausalLM has)"]
     if arch == GPT2:
         problems = []
         if m.position_embedding_type != "learned_absolute":
@@ -233,7 +245,7 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
     if arch == MIXTRAL:  # Llama's attention and norms, Mixtral's MoE block in place of the MLP
         out.update(mixtral.moe_to_hf(i, t))
         t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
-    names = _transformer_layer_names(arch, i)
+    names = deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)
     fused = {f"{a}.{s}" for a in ("self_attention.query_key_value", "mlp.dense_h_to_4h") for s in ("weight", "bias")}
     unknown = sorted(set(t) - set(names) - fused)
     if unknown:  # would be dropped from the export: the model is not the one the class computes
@@ -276,13 +288,13 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
         return t
     if arch == MIXTRAL:
         t.update(mixtral.moe_from_hf(i, m.num_experts[0], get))
-    for ours, theirs in _transformer_layer_names(arch, i).items():
+    for ours, theirs in (deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)).items():
         x = get(theirs)
         if x is not None:
             t[ours] = x
     p = f"model.layers.{i}."
     for suffix in ("weight", "bias"):
-        q = get(f"{p}self_attn.q_proj.{suffix}")
+        q = get(f"{p}self_attn.q_proj.{suffix}") if arch != DEEPSEEK_V3 else None  # (DeepSeek's: deepseek_hf)
         if q is not None:
             t[f"self_attention.query_key_value.{suffix}"] = fuse_qkv(
                 q, get(f"{p}self_attn.k_proj.{suffix}"), get(f"{p}self_attn.v_proj.{suffix}"), m)
@@ -323,6 +335,8 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
         head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
+    if arch == DEEPSEEK_V3:
+        return deepseek.hf_config(m, common)
     window = sliding_window(m)
     if arch == MIXTRAL:
         return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
@@ -348,6 +362,8 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         return kind, resolve_model_config(_llama_config(d, kind))
     if kind == "mixtral":
         return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d, kind), d))
+    if kind == DEEPSEEK_V3:
+        return DEEPSEEK_V3, resolve_model_config(deepseek.model_config(d))
     raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
 
 
@@ -450,6 +466,8 @@ def model_flags(m: ModelConfig) -> list[str]:
         f += [f"--{k.replace('_', '-')} {getattr(m, k):g}" for k, v in _LLAMA3_FIXED.items() if getattr(m, k) != v]
     if m.rotary_seq_len_interpolation_factor is not None:
         f.append(f"--rotary-seq-len-interpolation-factor {m.rotary_seq_len_interpolation_factor:g}")
+    if m.multi_latent_attention:
+        f += deepseek.model_flags(m)
     if m.normalization == "rmsnorm":
         f.append("--normalization rmsnorm")
     f.append(f"--norm-epsilon {m.layernorm_epsilon:g}")

@@ -32,6 +32,12 @@ SHAPES = {
     "open_model": ("--use-rotary-position-embeddings --swiglu --ffn-hidden-size 48 --normalization rmsnorm "
                    "--num-key-value-heads 2 --disable-bias-linear --untie-embeddings-and-output-weights "
                    "--kv-channels 12 --add-qkv-bias --qk-layernorm --use-rope-scaling").split(),
+    # DeepSeek's multi-latent attention: down and up projections, query heads of 8 + 4 channels, values of 6
+    "mla": ("--multi-latent-attention --q-lora-rank 12 --kv-lora-rank 10 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+            "--v-head-dim 6 --position-embedding-type rope --swiglu --ffn-hidden-size 48 --normalization rmsnorm "
+            "--disable-bias-linear").split(),
+    "mla_plain_query": ("--multi-latent-attention --kv-lora-rank 10 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+                        "--v-head-dim 6 --position-embedding-type rope").split(),
 }
 
 
