@@ -99,10 +99,10 @@ def drop_tokens(probs, routing_map, topk: int, capacity_factor: float, policy: s
     return probs * final, final
 
 
-def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, coeff: float) -> torch.Tensor:
+def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, experts: int,
+                    coeff: float = 1.0) -> torch.Tensor:
     """Megatron-LM's switch_load_balancing_loss_func: E x sum_i f_i P_i x coeff (Switch Transformer eq. 4,
     f_i over the k routes of each token)."""
-    experts = scores.shape[-1]
     return (scores.sum(0) * tokens_per_expert).sum() * (experts * coeff / (topk * total_tokens * total_tokens))
 
 
@@ -170,13 +170,14 @@ class TopKRouter(nn.Module):
             scores, aux_map = aux_scores(logits, self.topk, self.score_function)
             if self.aux.get("aux_loss"):
                 terms["load_balancing_loss"] = switch_aux_loss(scores, aux_map.sum(0).float(), x.shape[0], self.topk,
-                                                               1.0)
+                                                               self.experts)
                 loss = loss + terms["load_balancing_loss"] * self.aux["aux_loss"]
             if self.aux.get("seq_aux_loss"):
                 # Megatron-LM's _apply_seq_aux_loss: tokens are [seq, batch]-ordered; folding the batch into the
                 # expert dimension makes the switch loss a sum of per-sequence losses, averaged over the batch
                 s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-                terms["seq_load_balancing_loss"] = switch_aux_loss(s, m.sum(0).float(), seq, self.topk, 1.0) / batch
+                terms["seq_load_balancing_loss"] = switch_aux_loss(s, m.sum(0).float(), seq, self.topk,
+                                                                   self.experts) / batch
                 loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
         counts = routing_map.sum(0)
         if self.local_tokens_per_expert is not None and train and torch.is_grad_enabled():
