@@ -147,7 +147,8 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, own_schedule: bool) -> None:
+          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32",
+          checkpoints: bool = False) -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
@@ -171,11 +172,14 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           "sqrtsoftplus): the bias is added to the scores the top-k is taken from")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if ep > 1:
-        raise ConfigError(f"--expert-model-parallel-size {ep}: Megatron-LM's MoE runs at EP 1 here for now (its "
-                          f"expert gradients' reduction over expert data parallel ranks inside DeepSpeed's engine "
-                          f"is not wired yet); use EP 1, or DeepSpeed-MoE's --moe-expert-parallel-size")
-
+    if ep > 1 and (zero_stage or precision != "fp32"):
+        raise ConfigError(f"--expert-model-parallel-size {ep} with Megatron-LM's MoE runs in fp32 without ZeRO here "
+                          f"for now (DeepSpeed's bf16/fp16 and ZeRO optimizers group expert parameters with "
+                          f"DeepSpeed-MoE's param groups, not wired for this layer); use EP 1 or fp32 at ZeRO 0")
+    if ep > 1 and checkpoints:
+        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
+                          f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
+                          f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")
 
 def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
     """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ds import ds_compat
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
 from megatron_ds.parallel.mappings import all_gather_along_first_dim, reduce_scatter_along_first_dim
@@ -347,19 +348,21 @@ class _ScatterFirst(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Router, this rank's ``experts / ep`` experts, shared experts (module docstring).
 
-    ``ep_group``: the expert parallel group (None: EP 1), ``ep_rank`` this rank's place in it; ``dispatcher``:
+    ``ep_size``: the expert parallel size (its group: DeepSpeed's, ``ds_compat.create_expert_groups``), ``ep_rank``
+    this rank's place in it; ``dispatcher``:
     "alltoall" or "allgather" (Megatron-LM's --moe-token-dispatcher-type). ``router`` holds the TopKRouter's
     keyword arguments."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
-                 shared_gate: bool = False, ep_group=None, ep_rank: int = 0, dispatcher: str = "alltoall",
+                 shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
                  params_dtype=torch.float32, device=None):
         super().__init__()
-        ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        ep = ep_size
         if experts % ep:
             raise ValueError(f"{experts} experts do not divide over expert parallel size {ep}")
-        self.num_experts, self.ep, self.ep_rank, self.ep_group, self.dispatcher = (experts, ep, ep_rank, ep_group,
-                                                                                    dispatcher)
+        self.num_experts, self.ep, self.ep_rank, self.dispatcher = experts, ep, ep_rank, dispatcher
+        self._ep_group = None  # DeepSpeed's expert parallel group, looked up at the first forward (a build on
+        # the meta device, --dry-run's, has no process groups)
         self.local = experts // ep
         self.router = TopKRouter(cfg.hidden_size, experts, init_std=cfg.init_method_std, params_dtype=params_dtype,
                                  device=device, **router)
@@ -370,6 +373,15 @@ class MoELayer(nn.Module):
                                       params_dtype=params_dtype, device=device)
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
+        if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
+            ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
+            self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
+
+    @property
+    def ep_group(self):
+        if self._ep_group is None:
+            self._ep_group = ds_compat.expert_parallel_group(self.ep)
+        return self._ep_group
 
     def forward(self, x: torch.Tensor):
         seq, batch, hidden = x.shape
@@ -449,7 +461,7 @@ def report_routing(report, layer: MoELayer) -> None:
     layer.router.last = {}
 
 
-def build_mlm_moe(cfg, experts: int, *, ep_group=None, ep_rank: int = 0, params_dtype=torch.float32,
+def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, params_dtype=torch.float32,
                   device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/mlm_moe.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
@@ -461,5 +473,5 @@ def build_mlm_moe(cfg, experts: int, *, ep_group=None, ep_rank: int = 0, params_
                   drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
-                    ep_group=ep_group, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
+                    ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
                     params_dtype=params_dtype, device=device)

@@ -388,7 +388,8 @@ class ParallelTransformerLayer(nn.Module):
                                                    **norm)
         self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
         if self.mlm_moe:
-            self.mlp = build_mlm_moe(cfg, num_experts, ep_rank=ep_rank, params_dtype=params_dtype, device=device)
+            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype,
+                                     device=device)
         elif num_experts > 1:
             self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
             self.drops = DropCounter(self.mlp)

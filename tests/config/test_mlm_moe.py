@@ -13,7 +13,6 @@ import torch
 from megatron_ds.config import mlm_moe
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig, ParallelConfig
-from megatron_ds.errors import ConfigError
 from megatron_ds.model.mlm_moe import build_mlm_moe
 from tests.config.test_moe import SMALL, dry_run
 
@@ -54,7 +53,11 @@ def test_dry_run_describes_megatron_lms_layers():
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
     ("--num-experts 4 --moe-layer-freq [1,0]", 1, "gives 2 values for --num-layers 4"),
     ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "neither an integer nor a list expression"),
-    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2", 2, "EP 1 here for now"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --bf16", 2, "fp32 without ZeRO here"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --use-distributed-optimizer", 2,
+     "fp32 without ZeRO here"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --save ckpt", 2,
+     "checkpoints of Megatron-LM's MoE split over expert parallel ranks are not written here yet"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2", 2, "TP 1"),
