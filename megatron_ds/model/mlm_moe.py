@@ -299,9 +299,24 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     return tokens[token_ids], probs[token_ids, expert_ids], token_ids, routing_map.sum(0)
 
 
+class _Unpermute(torch.autograd.Function):
+    """index_add of the routes into their tokens; its backward needs the token ids only (torch's index_add
+    keeps the routes' outputs for backward too, a [routes, hidden] tensor per layer)."""
+
+    @staticmethod
+    def forward(ctx, routed, token_ids, tokens: int):
+        ctx.save_for_backward(token_ids)
+        return routed.new_zeros(tokens, routed.shape[-1]).index_add_(0, token_ids, routed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_ids,) = ctx.saved_tensors
+        return grad.index_select(0, token_ids), None, None
+
+
 def unpermute(routed: torch.Tensor, token_ids: torch.Tensor, tokens: int) -> torch.Tensor:
     """Megatron-LM's moe_utils.unpermute: each token's routes summed back (their outputs are weighted)."""
-    return routed.new_zeros(tokens, routed.shape[-1]).index_add(0, token_ids, routed)
+    return _Unpermute.apply(routed, token_ids, tokens)
 
 
 class _AllToAll(torch.autograd.Function):
