@@ -20,6 +20,7 @@ import json
 import os
 import re
 
+from megatron_ds.config.mlm_moe import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.errors import ConfigError
 
@@ -42,6 +43,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_val
 
 # With MoE layers also: the parameters each layer has and how experts split over TP ranks.
 MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
+MLM_MOE_SHAPE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                        "moe_shared_expert_gate", "moe_layer_freq", "moe_router_enable_expert_bias")
 EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
 
 
@@ -125,7 +128,10 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     A mixture-of-experts model adds its experts' shape and the expert parallel size (a dense
     model's signature is what it was before MoE existed, so older checkpoints still match)."""
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
-    if is_moe(model):
+    if is_moe(model) and is_mlm_moe(model):  # Megatron-LM's MoE layers (model/mlm_moe.py): their own shape
+        sig.update({name: getattr(model, name) for name in MLM_MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
+        sig[EXPERT_PARALLEL_SIZE] = ep
+    elif is_moe(model):
         sig.update({name: getattr(model, name) for name in MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
         sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":

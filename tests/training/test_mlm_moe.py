@@ -61,3 +61,20 @@ def test_pp2_equals_one_process(reference):
     """PP 2: one MoE layer per stage; stage 0's auxiliary loss crosses to stage 1 in the activation tuple."""
     losses, _ = _run(2, ["--pipeline-model-parallel-size", "2"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+def test_resume_is_bitwise_with_the_expert_bias(tmp_path):
+    """DP 2 at EP 1, auxiliary-loss-free balancing on: the routers' expert biases (persistent buffers, moved
+    after every step) are saved and loaded with the weights, so a run stopped at step 3 and resumed equals the
+    uninterrupted run bit for bit; the bias moves routing, so the runs with and without it differ."""
+    extra = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.05"]
+    straight, _ = _run(2, extra)
+    ckpt = str(tmp_path / "ckpt")
+    first = run_distributed(_train, 2, SMALL_GPT + MOE + extra + ["--save", ckpt, "--save-interval", "100",
+                                                                  "--exit-interval", "3"], timeout=600)[-1][0]
+    second = run_distributed(_train, 2, SMALL_GPT + MOE + extra + ["--load", ckpt], timeout=600)[-1][0]
+    assert [it for it, _ in first] == [1, 2, 3] and [it for it, _ in second] == [4, 5]
+    assert [loss for _, loss in first + second] == straight
+    no_bias, _ = _run(2, extra[:2])
+    assert no_bias[:1] == straight[:1] and no_bias[1:] != straight[1:]  # step 1 runs before any update
