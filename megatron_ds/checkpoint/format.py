@@ -20,7 +20,7 @@ import json
 import os
 import re
 
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.errors import ConfigError
 

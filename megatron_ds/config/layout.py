@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
-from megatron_ds.config import dialect, mlm_moe
+from megatron_ds.config import dialect, moe_selection
 from megatron_ds.config.attention import check_attention, describe_attention
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import build_ds_config, check_cpu_optimizer, keeps_fp32_grads, uses_bf16_optimizer
@@ -70,7 +70,7 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     )
     # Megatron-LM's MoE defaults where its model flags chose its layer (build_layout resolves once more with
     # the parallel flags, of which --expert-model-parallel-size chooses it too)
-    return mlm_moe.resolve(resolved, ParallelConfig())[0]
+    return moe_selection.resolve(resolved, ParallelConfig())[0]
 
 
 def activation_name(m: ModelConfig) -> str:
@@ -170,7 +170,7 @@ class Layout:
             experts = model_experts(m)
             moe = [n for n in experts if n > 1]
             counts = "/".join(map(str, sorted(set(moe))))
-            if mlm_moe.is_mlm_moe(m):
+            if moe_selection.is_mlm_moe(m):
                 shared = m.moe_shared_expert_intermediate_size
                 lines[2] += (f"; mixture of experts (Megatron-LM's): {len(moe)} of {m.num_layers} layers, {counts} "
                              f"experts of ffn {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}"
@@ -416,7 +416,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_data(flags.data)
     check_profile(flags.logging)
-    m, ep, _ = mlm_moe.resolve(m, par, create_moe_param_group=o.create_moe_param_group)
+    m, ep, _ = moe_selection.resolve(m, par, create_moe_param_group=o.create_moe_param_group)
     moe = is_moe(m)
     notes: list[str] = check_moe(
         m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
@@ -443,7 +443,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
-    if moe and not mlm_moe.is_mlm_moe(m):  # DeepSpeed-MoE's constraints
+    if moe and not moe_selection.is_mlm_moe(m):  # DeepSpeed-MoE's constraints
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)
         check_moe_stages(stages, bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.chunked_cross_entropy import CHUNK_ELEMENTS

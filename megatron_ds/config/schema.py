@@ -202,7 +202,7 @@ class ModelConfig:
     """Split each expert's MLP across the tensor parallel ranks like the dense MLP (default: every tensor
     parallel rank holds whole experts and DeepSpeed's expert groups span tensor parallel ranks)."""
     # -- mixture of experts, Megatron-LM's (NVIDIA/Megatron-LM core_v0.19.0 megatron/training/arguments.py,
-    # transformer_config.py); any of these selects its layer (model/mlm_moe.py, config/mlm_moe.py)
+    # transformer_config.py); any of these selects its layer (model/mlm_moe.py, config/moe_selection.py)
     moe_router_topk: Optional[int] = None
     """Megatron-LM's MoE: experts each token is routed to (default 2)."""
     moe_ffn_hidden_size: Optional[int] = None

@@ -1,5 +1,5 @@
 """Megatron-LM's mixture-of-experts layer (Megatron Core ``transformer/moe``), beside DeepSpeed-MoE
-(``model/moe_layer.py``); ``config/mlm_moe.py`` says which one a command line builds.
+(``model/moe_layer.py``); ``config/moe_selection.py`` says which one a command line builds.
 
 ``MoELayer(x)`` -> ``(output, auxiliary loss)``: the router picks each token's top-k experts, the tokens
 are permuted into one run per expert (``permute``: a sort, no Python loop over experts), each expert's run
@@ -478,7 +478,7 @@ def report_routing(report, layer: MoELayer) -> None:
 
 def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, params_dtype=torch.float32,
                   device=None) -> MoELayer:
-    """The MoE layer of a model resolved for Megatron-LM's MoE (``config/mlm_moe.py``)."""
+    """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
                   expert_bias=cfg.moe_router_enable_expert_bias,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
 from megatron_ds import ds_compat
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 
 DROP_FRACTION = "moe drop fraction"
 """The loss report's name of the fraction of (token, expert) routes dropped beyond capacity."""

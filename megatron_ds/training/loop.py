@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.checkpoint.health import NonFiniteState
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport

@@ -1,4 +1,4 @@
-"""Which MoE layer a command line builds (megatron_ds/config/mlm_moe.py), Megatron-LM's MoE flags resolved and
+"""Which MoE layer a command line builds (megatron_ds/config/moe_selection.py), Megatron-LM's MoE flags resolved and
 refused in one line, and its parameter count against a built layer.
 
 --moe-layer-freq follows Megatron-LM's moe_freq_type (megatron/training/arguments.py) and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ds.config import mlm_moe
+from megatron_ds.config import moe_selection
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig, ParallelConfig
 from megatron_ds.model.mlm_moe import build_mlm_moe
@@ -74,11 +74,11 @@ def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     ("([0]+[1]*2)*2", [0, 1, 1, 0, 1, 1]), ("[0,1,0,1,1,1]", [0, 1, 0, 1, 1, 1]),
 ])
 def test_layer_freq_is_megatron_lms(spec, expected):
-    assert list(mlm_moe.layer_freq(spec, 6)) == [bool(v) for v in expected]
+    assert list(moe_selection.layer_freq(spec, 6)) == [bool(v) for v in expected]
 
 
 def test_resolved_defaults_are_megatron_lms():
-    m, ep, _ = mlm_moe.resolve(ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+    m, ep, _ = moe_selection.resolve(ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
                                            ffn_hidden_size=24, num_experts=(4,), moe_grouped_gemm=True),
                                ParallelConfig())
     # transformer_config.py: moe_router_topk 2, aux_loss with coefficient 0, softmax, bias update rate 1e-3,
@@ -95,7 +95,7 @@ def test_parameter_count_is_the_built_layers(over):
                                          ffn_hidden_size=24, num_experts=(4,), moe_router_topk=2,
                                          moe_ffn_hidden_size=10, **over))
     layer = build_mlm_moe(m, 4, device=torch.device("meta"))
-    per_rank, experts, total, active = mlm_moe.layer_params(m, 4, ep=1)
+    per_rank, experts, total, active = moe_selection.layer_params(m, 4, ep=1)
     assert per_rank == total == sum(p.numel() for p in layer.parameters())
     assert experts == sum(p.numel() for p in layer.experts.parameters())
     one_expert = experts // 4

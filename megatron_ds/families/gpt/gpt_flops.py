@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import model_experts
 from megatron_ds.planner.flops import dense_layer_flops
 

@@ -43,7 +43,7 @@ import torch
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from megatron_ds.config.mlm_moe import is_mlm_moe
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import model_experts
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.language_model import (Z_LOSS_COEFF, FinalNorm, LanguageModelEmbedding, OutputLayer,
@@ -93,7 +93,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         raise ValueError(f"vocab_size {vocab_size} must be in (0, padded_vocab_size {padded_vocab_size}]")
     tied = not m.untie_embeddings_and_output_weights
 
-    experts = model_experts(m)  # DeepSpeed-MoE's or Megatron-LM's placement (config/mlm_moe.py)
+    experts = model_experts(m)  # DeepSpeed-MoE's or Megatron-LM's placement (config/moe_selection.py)
     moe = any(n > 1 for n in experts)
     if moe and tp_world_size(sp_group) > 1:
         raise ValueError("MoE layers do not combine with DeepSpeed-Ulysses sequence parallelism here")
