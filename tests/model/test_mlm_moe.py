@@ -255,3 +255,19 @@ def test_experts_do_not_depend_on_the_expert_parallel_rank():
                                       device=None)
         assert torch.equal(half.linear_fc1.weight, whole.linear_fc1.weight[2 * r:2 * r + 2])
         assert torch.equal(half.linear_fc2.weight, whole.linear_fc2.weight[2 * r:2 * r + 2])
+
+
+def test_grouped_gemm_path_equals_the_loop(monkeypatch):
+    """The torch._grouped_mm call (what CUDA runs in bf16) on the CPU in fp32, forward only (torch's CPU kernel
+    has no backward): the same products as the loop over experts, with experts that get no token."""
+    torch.manual_seed(2)
+    layer = mlm_moe._Stacked([1, 2, 3, 4], 16, 48, bias=True, std=0.5, params_dtype=torch.float32, device=None)
+    with torch.no_grad():
+        layer.bias.normal_()
+    counts = [5, 0, 7, 4]
+    x = torch.randn(sum(counts), 16)
+    loop = mlm_moe.grouped_linear(x, counts, layer)
+    monkeypatch.setattr(mlm_moe, "_grouped_mm_ok", lambda x, w: True)
+    with torch.no_grad():
+        grouped = mlm_moe.grouped_linear(x, counts, layer)
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
