@@ -443,7 +443,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
-    if moe and not moe_selection.is_mlm_moe(m):  # DeepSpeed-MoE's constraints
+    mlm = moe_selection.is_mlm_moe(m)
+    if moe and (not mlm or ep > 1):  # DeepSpeed's optimizers' constraints on expert parameters
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)
         check_moe_stages(stages, bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage,

@@ -172,10 +172,9 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           "sqrtsoftplus): the bias is added to the scores the top-k is taken from")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if ep > 1 and (zero_stage or precision != "fp32"):
-        raise ConfigError(f"--expert-model-parallel-size {ep} with Megatron-LM's MoE runs in fp32 without ZeRO here "
-                          f"for now (DeepSpeed's bf16/fp16 and ZeRO optimizers group expert parameters with "
-                          f"DeepSpeed-MoE's param groups, not wired for this layer); use EP 1 or fp32 at ZeRO 0")
+    if ep > 1 and zero_stage == 3:
+        raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
+                          f"refuses expert parameters there; use ZeRO stage 1 or 2")
     if ep > 1 and checkpoints:
         raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
                           f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
