@@ -94,3 +94,18 @@ def test_bf16_ep2_equals_bf16_ep1():
     ep1, _ = _run(2, ["--bf16"])
     ep2, _ = _run(2, ["--bf16", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
     assert ep2 == pytest.approx(ep1, rel=3e-4)
+
+
+def test_full_recompute_equals_no_recompute(reference):
+    """--recompute-granularity full reruns each layer's forward inside backward: the auxiliary losses still
+    count once (the reported moe loss too)."""
+    losses, stdout = _run(1, ["--recompute-granularity", "full", "--recompute-method", "uniform"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    assert _field(stdout, "moe loss") == pytest.approx(_field(reference[1], "moe loss"), rel=1e-5)
+
+
+def test_pp2_ep2_equals_one_process(reference):
+    """4 processes: PP 2 x DP 2 with each stage's experts split over its 2 data parallel ranks (EP 2)."""
+    losses, _ = _run(4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                         "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
