@@ -63,7 +63,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active '
       '--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec '
       '--log-memory-interval= --log-device-memory-used --log-energy --log-max-attention-logit '
-      '--config-logger-dir= --moe-per-layer-logging --moe-routing-trace-path= '
+      '--config-logger-dir= --moe-routing-trace-path= '
       '--moe-routing-trace-max-training-iters= --moe-routing-trace-capture-logits '
       '--moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights '
       '--dump-param-to-param-group-map= --result-rejected-tracker-filename= '

@@ -32,7 +32,8 @@ _MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_inter
               "moe_z_loss_coeff", "moe_router_score_function", "moe_router_pre_softmax",
               "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
               "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
-              "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type")
+              "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
+              "moe_per_layer_logging")
 _BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
 
@@ -101,6 +102,22 @@ def _list_expr(node):
 def layer_experts(m: ModelConfig) -> tuple[int, ...]:
     """A resolved Megatron-LM MoE model's experts per layer (1: a dense MLP)."""
     return tuple(m.num_experts[0] if moe else 1 for moe in layer_freq(m.moe_layer_freq, m.num_layers))
+
+
+def reported_losses(m: ModelConfig) -> tuple[str, ...]:
+    """Megatron-LM's names of the losses a resolved Megatron-LM MoE model's routers compute (track_moe_metrics)."""
+    types = balancing(m)
+    return tuple(name for name, on in (("load_balancing_loss", types.get("aux_loss")),
+                                       ("seq_load_balancing_loss", types.get("seq_aux_loss")),
+                                       ("z_loss", m.moe_z_loss_coeff)) if on)
+
+
+def per_layer_names(m: ModelConfig) -> tuple[str, ...]:
+    """--moe-per-layer-logging: "<loss> layer <n>" for each MoE layer n (1-based, as Megatron-LM counts)."""
+    if not m.moe_per_layer_logging:
+        return ()
+    layers = [n + 1 for n, e in enumerate(layer_experts(m)) if e > 1]
+    return tuple(f"{name} layer {n}" for n in layers for name in reported_losses(m))
 
 
 def balancing(m: ModelConfig) -> dict[str, float]:

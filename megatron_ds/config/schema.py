@@ -245,6 +245,8 @@ class ModelConfig:
     bf16, one GEMM per expert elsewhere)."""
     moe_token_dispatcher_type: Optional[str] = meta(None, choices=("allgather", "alltoall"))
     """Megatron-LM's MoE: how tokens reach the expert parallel ranks holding their experts (default allgather)."""
+    moe_per_layer_logging: bool = False
+    """Megatron-LM's MoE: log each MoE layer's balancing and z losses too ("load_balancing_loss layer N" ...)."""
     # -- FP8 (Megatron-DeepSpeed's _add_transformer_engine_args, Megatron-LM's --fp8-format/--fp8-recipe);
     # resolved and checked by config/fp8_flags.py, whose docstring maps each flag to torchao's recipe
     fp8_e4m3: bool = False

@@ -457,16 +457,19 @@ ROUTING_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "to
                  "tokens per expert cv")
 
 
-def report_routing(report, layer: MoELayer) -> None:
+def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> None:
     """The last training forward's routing statistics of ``layer`` to the loss report (nothing in evaluation):
     its losses, the busiest expert's tokens over the mean and the coefficient of variation of the tokens per
-    expert (this rank's tokens), and the dropped fraction of routes with a capacity factor."""
+    expert (this rank's tokens), and the dropped fraction of routes with a capacity factor. ``layer_number``
+    (--moe-per-layer-logging): its losses also as "<loss> layer <n>"."""
     last = layer.router.last
     if not layer.training or not last:
         return
     for name in ROUTING_NAMES[:3]:
         if name in last:
             report.add(name, last[name])
+            if layer_number is not None:
+                report.add(f"{name} layer {layer_number}", last[name])
     counts = last["counts"].float()
     mean = counts.mean().clamp(min=1e-9)
     report.add("tokens per expert max/mean", counts.max() / mean)

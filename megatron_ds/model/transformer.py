@@ -387,6 +387,7 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
+        self.moe_per_layer_logging = cfg.moe_per_layer_logging
         if self.mlm_moe:
             self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype,
                                      device=device)
@@ -455,7 +456,7 @@ class ParallelTransformerLayer(nn.Module):
         if self.mlm_moe:
             out, l_aux = self.mlp(normed)
             if self.loss_report:
-                report_routing(self.loss_report, self.mlp)
+                report_routing(self.loss_report, self.mlp, self.layer_number if self.moe_per_layer_logging else None)
             return out, l_aux
         out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
         if self.loss_report:

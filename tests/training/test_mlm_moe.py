@@ -109,3 +109,13 @@ def test_pp2_ep2_equals_one_process(reference):
     losses, _ = _run(4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                          "--moe-token-dispatcher-type", "alltoall"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+def test_per_layer_logging(reference):
+    """--moe-per-layer-logging: each MoE layer's losses on the line too; the totals are their mean."""
+    losses, stdout = _run(1, ["--moe-per-layer-logging"])
+    assert losses == reference[0]
+    for name in ("load_balancing_loss", "z_loss"):
+        one, two = _field(stdout, f"{name} layer 1"), _field(stdout, f"{name} layer 2")
+        assert len(one) == len(two) == 5 and one != two
+        assert _field(stdout, name) == pytest.approx([(a + b) / 2 for a, b in zip(one, two)], rel=1e-5)
