@@ -153,6 +153,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: int, batch: int):
         """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor)."""
+        self._fp32_buffers()
         dtype = self.router_dtype or x.dtype
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -191,6 +192,14 @@ class TopKRouter(nn.Module):
         return probs, routing_map, loss
 
 
+    def _fp32_buffers(self) -> None:
+        """Keep the bias and the counts in fp32 after a cast of the model (a bf16 engine casts the buffers too:
+        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias."""
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+            self.local_tokens_per_expert.data = self.local_tokens_per_expert.data.float()
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
     """Auxiliary-loss-free balancing after an optimizer step (DeepSeek-V3 section 2.1.2; Megatron-LM's
@@ -198,6 +207,7 @@ def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
     the experts that got fewer tokens than the mean over the step (summed over ``group``), then the counts
     restart."""
     for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
+        router._fp32_buffers()
         counts = router.local_tokens_per_expert
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)

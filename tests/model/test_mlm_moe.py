@@ -229,6 +229,12 @@ def test_expert_bias_update_follows_deepseek_v3():
     with torch.no_grad():  # a forward without grad (evaluation, recompute's first pass) counts nothing
         router(x, 40, 1)
     assert router.local_tokens_per_expert.sum() == 0
+    router.to(torch.bfloat16)  # a bf16 engine casts buffers too: the bias returns to fp32, its small steps count
+    router(x.to(torch.bfloat16), 40, 1)
+    before = router.expert_bias.clone()
+    update_expert_bias(model, 1e-4)
+    assert router.expert_bias.dtype == torch.float32
+    assert (router.expert_bias - before).abs().max().item() == pytest.approx(1e-4, rel=1e-3)
 
 
 def test_parameter_names_are_megatron_lms():
