@@ -59,7 +59,10 @@ def test_dry_run_describes_megatron_lms_layers():
      "checkpoints of Megatron-LM's MoE split over expert parallel ranks are not written here yet"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2", 2, "TP 1"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
+     "at TP > 1, at EP 1 here"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel", 2,
+     "without sequence parallelism"),
     ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--global-batch-size 4", 2, "interleaved or ZB-H1"),
 ])

@@ -119,3 +119,9 @@ def test_per_layer_logging(reference):
         one, two = _field(stdout, f"{name} layer 1"), _field(stdout, f"{name} layer 2")
         assert len(one) == len(two) == 5 and one != two
         assert _field(stdout, name) == pytest.approx([(a + b) / 2 for a, b in zip(one, two)], rel=1e-5)
+
+
+def test_tp2_equals_one_process(reference):
+    """TP 2 at EP 1: both tensor parallel ranks hold whole experts and the same tokens, and compute them alike."""
+    losses, _ = _run(2, ["--tensor-model-parallel-size", "2"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
