@@ -55,7 +55,8 @@ def _layers(values: tuple, num_layers: int, expert_interval: int) -> tuple[int, 
 
 
 def model_experts(m: ModelConfig) -> tuple[int, ...]:
-    """Experts of each layer of a resolved model, DeepSpeed-MoE's placement or Megatron-LM's (config/moe_selection.py)."""
+    """Experts of each layer of a resolved model: DeepSpeed-MoE's placement, or Megatron-LM's
+    (config/moe_selection.py)."""
     if moe_selection.is_mlm_moe(m):
         return moe_selection.layer_experts(m)
     return experts_per_layer(m.num_experts, m.num_layers, m.expert_interval)
@@ -116,7 +117,7 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
               checkpoints: bool = False) -> list[str]:
     """Refuse (ConfigError, one line) what an MoE run cannot do; returns notes (flags without effect).
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
-    if moe_selection.is_mlm_moe(m):  # Megatron-LM's layer: none of DeepSpeed-MoE's constraints (config/moe_selection.py)
+    if moe_selection.is_mlm_moe(m):  # Megatron-LM's layer: its own constraints, none of DeepSpeed-MoE's
         moe_selection.check(m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, expert_tp=expert_tensor_parallel_size,
                       sequence_parallel=sequence_parallel, own_schedule=own_schedule, zero_stage=zero_stage,
                       precision=precision, checkpoints=checkpoints)

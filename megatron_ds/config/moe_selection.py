@@ -180,9 +180,9 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if sp > 1 or sequence_parallel or (tp > 1 and ep > 1):
         # at TP > 1 every tensor parallel rank holds the same tokens and whole experts, and computes them all (EP 1);
         # splitting experts or tokens over TP ranks is Megatron-LM's TP x EP token dispatch, not built here
-        raise ConfigError("Megatron-LM's MoE runs without sequence parallelism (--sequence-parallel, DeepSpeed-Ulysses) "
-                          "and, at TP > 1, at EP 1 here (its token dispatch over tensor parallel ranks is not built "
-                          "yet); drop one of them")
+        raise ConfigError("Megatron-LM's MoE runs without sequence parallelism (--sequence-parallel, "
+                          "DeepSpeed-Ulysses) and, at TP > 1, at EP 1 here (its token dispatch over tensor parallel "
+                          "ranks is not built yet); drop one of them")
     if own_schedule:
         raise ConfigError("Megatron-LM's MoE cannot run on the interleaved or ZB-H1 pipeline schedules yet: their "
                           "executor passes only the hidden state between stages, not the auxiliary loss; use 1F1B")

@@ -38,10 +38,10 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa
-from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
@@ -350,8 +350,8 @@ class ParallelTransformerLayer(nn.Module):
     (``megatron_ds.model.pipeline_model.PARTITION_METHOD``); keep the two in sync.
 
     ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``), or Megatron-LM's
-    (``model/mlm_moe.py``) where ``config/moe_selection.py`` resolved the model for it, holding this rank's share of the
-    experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
+    (``model/mlm_moe.py``) where ``config/moe_selection.py`` resolved the model for it, holding this rank's
+    share of the experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
     ``fp8``: the run's FP8 recipe (``Layout.fp8``, resolved once from the flags), which every linear layer

@@ -66,7 +66,8 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     check_load_vocabulary(run, tokenizer, family)
     print(run.describe())
     print("flags read as {}'s: {}".format(*dialect(flags)))
-    moe = moe_selection.resolve(flags.model, flags.parallel, create_moe_param_group=flags.optimizer.create_moe_param_group)[2]
+    moe = moe_selection.resolve(flags.model, flags.parallel,
+                                create_moe_param_group=flags.optimizer.create_moe_param_group)[2]
     if moe:
         print(moe)
     for note in run.notes:

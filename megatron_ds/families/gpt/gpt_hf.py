@@ -87,9 +87,9 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     ``recorded``: the class the checkpoint was imported from, taken where it can express ``m``);
     ConfigError naming what cannot."""
     if is_mlm_moe(m) and is_moe(m):
-        raise ConfigError("Hugging Face conversion of Megatron-LM's MoE layers (--moe-router-topk ..., model/mlm_moe.py) "
-                          "is not supported yet; MixtralForCausalLM converts to and from DeepSpeed-MoE's (--num-experts "
-                          "N --topk 2 --expert-interval 1)")
+        raise ConfigError("Hugging Face conversion of Megatron-LM's MoE layers (--moe-router-topk ..., "
+                          "model/mlm_moe.py) is not supported yet; MixtralForCausalLM converts to and from "
+                          "DeepSpeed-MoE's (--num-experts N --topk 2 --expert-interval 1)")
     if asked is not None:
         arch = architecture_key(asked)
     elif is_moe(m):
