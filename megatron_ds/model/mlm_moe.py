@@ -183,12 +183,15 @@ class TopKRouter(nn.Module):
                 loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
         counts = routing_map.sum(0)
         if self.local_tokens_per_expert is not None and train and torch.is_grad_enabled():
-            # not under no_grad: a recomputed forward (activation checkpointing) counts once
+            # after dropping, as Megatron-LM's _apply_expert_bias; not under no_grad: a recomputed forward
+            # (activation checkpointing) counts once
             self.local_tokens_per_expert += counts.float()
         if train:
             dropped = (chosen & ~routing_map).sum().float() / chosen.sum().float() \
                 if self.capacity_factor is not None else None
-            self.last = {"counts": counts.detach(), "dropped": dropped, **{k: v.detach() for k, v in terms.items()}}
+            # the load the router asked for (before capacity: padded experts would all read as balanced)
+            self.last = {"counts": chosen.sum(0).detach(), "dropped": dropped,
+                         **{k: v.detach() for k, v in terms.items()}}
         return probs, routing_map, loss
 
 
@@ -470,7 +473,8 @@ ROUTING_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "to
 def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> None:
     """The last training forward's routing statistics of ``layer`` to the loss report (nothing in evaluation):
     its losses, the busiest expert's tokens over the mean and the coefficient of variation of the tokens per
-    expert (this rank's tokens), and the dropped fraction of routes with a capacity factor. ``layer_number``
+    expert (this rank's tokens, as routed before capacity), and the dropped fraction of routes with a capacity
+    factor. ``layer_number``
     (--moe-per-layer-logging): its losses also as "<loss> layer <n>"."""
     last = layer.router.last
     if not layer.training or not last:

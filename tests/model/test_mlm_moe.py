@@ -277,3 +277,26 @@ def test_grouped_gemm_path_equals_the_loop(monkeypatch):
     with torch.no_grad():
         grouped = mlm_moe.grouped_linear(x, counts, layer)
     torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_report_reads_the_routers_choice():
+    """The reported load is what the router chose (before capacity, which padding would make look balanced):
+    max/mean and coefficient of variation of the top-k choices' counts; the dropped fraction of those routes."""
+    from megatron_ds.model.loss_report import LossReport
+    from megatron_ds.model.moe_layer import DROP_FRACTION
+
+    layer = _layer(swiglu=True, moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)
+    x = torch.randn(S, B, H)
+    layer(x)
+    report = LossReport(mlm_moe.ROUTING_NAMES + (DROP_FRACTION,))
+    mlm_moe.report_routing(report, layer)
+    got = report.reduce(torch.device("cpu"))
+    _, chosen = mlm_moe.topk_routing(x.reshape(-1, H) @ layer.router.weight.t(), 2)
+    counts = [float(c) for c in chosen.sum(0)]
+    mean = sum(counts) / E
+    cv = math.sqrt(sum((c - mean) ** 2 for c in counts) / E) / mean
+    assert got["tokens per expert max/mean"] == pytest.approx(max(counts) / mean)
+    assert got["tokens per expert cv"] == pytest.approx(cv, rel=1e-5)
+    cap = math.ceil(S * B * 2 / E * 0.5)
+    kept = sum(min(c, cap) for c in counts)  # padding keeps each expert's routed tokens up to its capacity
+    assert got[DROP_FRACTION] == pytest.approx(1 - kept / sum(counts), rel=1e-5)
