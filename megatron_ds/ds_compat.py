@@ -55,6 +55,7 @@ _INTERNAL_NAMES = {
     "_release_process_group_references": "deepspeed.utils.groups",
     "_get_expert_parallel_group_ranks": "deepspeed.utils.groups",
     "_get_expert_data_parallel_group_ranks": "deepspeed.utils.groups",
+    "_get_expert_parallel_group": "deepspeed.utils.groups",
     "get_norm_with_moe_layers": "deepspeed.runtime.utils",
 }
 
@@ -675,6 +676,45 @@ def checkpoint_safe_globals() -> list:
         except (ImportError, AttributeError):
             pass
     return allowed
+
+
+def expert_parallel_group(ep_size: int):
+    """The expert parallel group ``create_expert_groups`` made for ``ep_size`` (Megatron-LM's MoE layer's
+    token dispatch, model/mlm_moe.py)."""
+    return _internal("_get_expert_parallel_group")(moe_group_name(ep_size))
+
+
+def mark_expert_parameters(params, ep_size: int) -> None:
+    """Mark parameters that differ across an expert parallel group as DeepSpeed marks its experts'
+    (deepspeed/moe/experts.py Experts.__init__: ``allreduce = False``, ``group_name``): its engine then averages
+    their gradients over the expert data parallel group only, broadcasts them from that group's first rank, and
+    its optimizers keep them in their expert groups."""
+    for p in params:
+        p.allreduce = False
+        p.group_name = moe_group_name(ep_size)
+
+
+def moe_engine_marker(num_experts: int, ep_size: int) -> torch.nn.Module:
+    """A parameter-free ``deepspeed.moe.layer.MoE`` for a model whose MoE layer is not DeepSpeed's: DeepSpeed's
+    engine looks for instances of that class to set ``has_moe_layers`` (runtime/engine.py
+    _configure_distributed_model), without which it reduces no gradient marked by ``mark_expert_parameters``.
+    The expert groups exist already (``create_expert_groups``, before the engine); it never runs."""
+    from deepspeed.moe.layer import MoE  # noqa: PLC0415
+
+    class _EngineMarker(MoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)  # no gate, no experts: nothing of MoE.__init__ but its names
+            self.num_experts, self.ep_size = num_experts, ep_size
+            self.num_local_experts, self.expert_group_name = num_experts // ep_size, moe_group_name(ep_size)
+            self.enable_expert_tensor_parallelism, self.use_residual = False, False
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("DeepSpeed's MoE marker does not run")
+
+    return _EngineMarker()
 
 
 def moe_group_name(ep_size: int) -> str:

@@ -20,6 +20,7 @@ import json
 import os
 import re
 
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.errors import ConfigError
 
@@ -44,6 +45,8 @@ MLA_SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_he
 
 # With MoE layers also: the parameters each layer has and how experts split over TP ranks.
 MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert_tensor_parallelism")
+MLM_MOE_SHAPE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                        "moe_shared_expert_gate", "moe_layer_freq", "moe_router_enable_expert_bias")
 EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
 # Transformer layers of each pipeline stage (of each virtual stage under interleaving) where they are uneven: a
 # layout field, since at the same sizes another split gives each stage the optimizer state of other layers.
@@ -131,7 +134,10 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     A mixture-of-experts model adds its experts' shape and the expert parallel size (a dense
     model's signature is what it was before MoE existed, so older checkpoints still match)."""
     sig = {name: getattr(model, name) for name in SHAPE_FIELDS}
-    if is_moe(model):
+    if is_moe(model) and is_mlm_moe(model):  # Megatron-LM's MoE layers (model/mlm_moe.py): their own shape
+        sig.update({name: getattr(model, name) for name in MLM_MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
+        sig[EXPERT_PARALLEL_SIZE] = ep
+    elif is_moe(model):
         sig.update({name: getattr(model, name) for name in MOE_SHAPE_FIELDS}, num_experts=list(model.num_experts))
         sig[EXPERT_PARALLEL_SIZE] = ep
     if model.position_embedding_type == "learned_absolute":

@@ -1,6 +1,6 @@
 """Configuration: the flags (schema, arguments), their resolution into one ``Run`` (run, layout,
-run_length, curriculum, moe, validation, megatron_overrides, deepspeed_json), and the per-GPU memory
-estimate (memory) that refuses a layout before it reaches the queue.
+run_length, curriculum, moe_params, moe_selection (which MoE layer), validation, megatron_overrides,
+deepspeed_json), and the per-GPU memory estimate (memory) that refuses a layout before it reaches the queue.
 
     argv --parse_args--> Config (frozen flags) --resolve--> Run (layout + runtime sections)
 

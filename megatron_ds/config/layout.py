@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ds import accelerator
-from megatron_ds.config import dialect
+from megatron_ds.config import dialect, moe_selection
 from megatron_ds.config.attention import check_attention, check_mla, describe_attention
 from megatron_ds.config.curriculum import SeqlenCurriculum, legacy_curriculum
 from megatron_ds.config.deepspeed_json import (build_ds_config, check_cpu_optimizer, describe_gradients, keeps_fp32_grads,
@@ -60,7 +60,7 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     if m.kv_channels is None and h % heads:
         raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or pass --kv-channels")
-    return dataclasses.replace(
+    resolved = dataclasses.replace(
         m,
         num_key_value_heads=kv_heads or heads,
         ffn_hidden_size=ffn,
@@ -70,6 +70,9 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
         use_rotary_position_embeddings=pos_type == "rope",
         normalization=m.normalization.lower(),
     )
+    # Megatron-LM's MoE defaults where its model flags chose its layer (build_layout resolves once more with
+    # the parallel flags, of which --expert-model-parallel-size chooses it too)
+    return moe_selection.resolve(resolved, ParallelConfig())[0]
 
 
 def activation_name(m: ModelConfig) -> str:
@@ -172,10 +175,17 @@ class Layout:
             experts = model_experts(m)
             moe = [n for n in experts if n > 1]
             counts = "/".join(map(str, sorted(set(moe))))
-            lines[2] += (f"; mixture of experts: {len(moe)} of {m.num_layers} layers (every {m.expert_interval}), "
-                         f"{counts} experts, top-{m.topk}{', residual' if m.mlp_type == 'residual' else ''}, "
-                         f"EP {self.ep} ({'/'.join(str(n // self.ep) for n in sorted(set(moe)))} per rank"
-                         f"{', split over TP' if m.enable_expert_tensor_parallelism and self.tp > 1 else ''})")
+            if moe_selection.is_mlm_moe(m):
+                shared = m.moe_shared_expert_intermediate_size
+                lines[2] += (f"; mixture of experts (Megatron-LM's): {len(moe)} of {m.num_layers} layers, {counts} "
+                             f"experts of ffn {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}"
+                             f"{f', shared ffn {shared}' if shared else ''}, EP {self.ep} "
+                             f"({moe[0] // self.ep} per rank)")
+            else:
+                lines[2] += (f"; mixture of experts: {len(moe)} of {m.num_layers} layers (every {m.expert_interval}), "
+                             f"{counts} experts, top-{m.topk}{', residual' if m.mlp_type == 'residual' else ''}, "
+                             f"EP {self.ep} ({'/'.join(str(n // self.ep) for n in sorted(set(moe)))} per rank"
+                             f"{', split over TP' if m.enable_expert_tensor_parallelism and self.tp > 1 else ''})")
             lines[3] += f", {self.active_params / 1e6:,.1f}M active per token"
         r = self.schedule
         if isinstance(r.rampup, StepSchedule):
@@ -511,9 +521,12 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
     check_data(flags.data)
     check_profile(flags.logging)
-    ep, moe = par.moe_expert_parallel_size, is_moe(m)
+    m, ep, _ = moe_selection.resolve(m, par, create_moe_param_group=o.create_moe_param_group)
+    moe = is_moe(m)
     notes: list[str] = check_moe(
         m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        checkpoints=bool(flags.checkpoint.save or flags.checkpoint.load),
         own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
@@ -541,7 +554,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                      f"--qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim channels)")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
-    if moe:
+    mlm = moe_selection.is_mlm_moe(m)
+    if moe and (not mlm or ep > 1):  # DeepSpeed's optimizers' constraints on expert parameters
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)
         check_moe_stages(stages, bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage,

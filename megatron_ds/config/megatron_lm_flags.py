@@ -23,7 +23,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--use-te-activation-func --disable-jit-fuser --te-rng-tracker --flash-attention-version= '
       '--use-kitchen-attention --kitchen-attention-backend= --moe-permute-fusion --moe-router-fusion '
       '--mla-down-proj-fusion --no-clone-scatter-output-in-embedding '
-      '--disable-clone-scatter-output-in-embedding --keep-fp8-transpose-cache --moe-grouped-gemm '
+      '--disable-clone-scatter-output-in-embedding --keep-fp8-transpose-cache '
       '--use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert'),
     (IGNORED,
       "a communication-overlap or placement knob of Megatron-LM's own tensor/pipeline/data parallel code; "
@@ -33,6 +33,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag '
       '--disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs --tp-comm-bootstrap-backend= '
       '--tp-comm-overlap-cfg= --pipeline-model-parallel-comm-backend= --overlap-moe-expert-parallel-comm '
+      '--moe-shared-expert-overlap '
       '--delay-wgrad-compute --overlap-dispatch-backward-with-experts-wgrad '
       '--ep-overlap-early-attn-memory-release --defer-embedding-wgrad-compute --wgrad-deferral-limit= '
       '--overlap-p2p-communication-warmup-flush --high-priority-a2a-comm-stream --no-overlap-p2p-communication '
@@ -62,7 +63,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active '
       '--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec '
       '--log-memory-interval= --log-device-memory-used --log-energy --log-max-attention-logit '
-      '--config-logger-dir= --moe-per-layer-logging --moe-routing-trace-path= '
+      '--config-logger-dir= --moe-routing-trace-path= '
       '--moe-routing-trace-max-training-iters= --moe-routing-trace-capture-logits '
       '--moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights '
       '--dump-param-to-param-group-map= --result-rejected-tracker-filename= '
@@ -197,27 +198,21 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'a Megatron-LM experimental-feature gate; the features it gates are answered flag by flag',
       '--mamba-training-ssm-states-dtype='),
     (REFUSED,
-      "Megatron-LM's MoE is not supported yet; use Megatron-DeepSpeed's (DeepSpeed-MoE): --num-experts N "
-      '--topk K --moe-expert-parallel-size E (docs/moe.md)',
-      '--expert-tensor-parallel-size= --expert-tensor-parallel-num-weight-shards= '
-      '--moe-shared-expert-intermediate-size= --moe-shared-expert-gate --moe-shared-expert-overlap '
-      '--moe-shared-expert-glu-interleave-size= --moe-ffn-hidden-size= --moe-router-topk= '
+      "an option of Megatron-LM's MoE that megatron_ds's implementation of it (model/mlm_moe.py, docs/moe.md) "
+      'does not have; drop it',
+      '--expert-tensor-parallel-num-weight-shards= --moe-shared-expert-glu-interleave-size= '
       '--moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8 '
-      '--moe-router-num-groups= --moe-router-group-topk= --moe-router-pre-softmax '
-      '--moe-router-topk-scaling-factor= --moe-router-score-function= --moe-router-dtype= '
-      '--moe-router-enable-expert-bias --moe-router-bias-update-rate= --moe-router-quantile-balancing-ema= '
+      '--moe-router-num-groups= --moe-router-group-topk= --moe-router-quantile-balancing-ema= '
       '--moe-router-force-load-balancing --moe-router-force-biased= --moe-single-grouped-weight '
-      '--moe-single-grouped-bias --moe-z-loss-coeff= --moe-input-jitter-eps= --moe-token-dispatcher-type= '
+      '--moe-single-grouped-bias --moe-input-jitter-eps= '
       '--moe-enable-deepep --moe-flex-dispatcher-backend= --moe-permute-fusion-into-hybridep '
-      '--moe-hybridep-pad-uneven-dispatch-inputs --moe-expert-capacity-factor= '
-      '--moe-pad-expert-input-to-capacity --moe-token-drop-policy= --moe-layer-recompute '
+      '--moe-hybridep-pad-uneven-dispatch-inputs --moe-layer-recompute '
       '--moe-apply-probs-on-input --moe-latent-size= --moe-flex-dispatcher-num-sms= --moe-deepep-num-sms= '
       '--moe-hybridep-num-sms= --moe-hybridep-num-blocks-permute= --moe-hybridep-num-blocks-unpermute= '
       '--moe-hybridep-num-sms-preprocessing= --moe-ncclep-static-shape --moe-ncclep-zero-copy '
       '--moe-mlp-glu-interleave-size= --moe-expert-rank-capacity-factor= --moe-paged-stash '
       '--moe-paged-stash-page-size= --moe-paged-stash-buffer-size-factor-cuda= '
-      '--moe-paged-stash-buffer-size-factor-cpu= --moe-layer-freq= --moe-use-upcycling '
-      '--moe-router-load-balancing-type=+ --moe-aux-loss-coeff=+ --moe-upcycling-granularity='),
+      '--moe-paged-stash-buffer-size-factor-cpu= --moe-use-upcycling --moe-upcycling-granularity='),
     (REFUSED,
       'multi-token prediction is not supported; drop it',
       '--mtp-standalone --mtp-num-layers= --mtp-loss-scaling-factor= --mtp-use-repeated-layer '
@@ -466,8 +461,6 @@ VALUES: dict[str, tuple[int | str, tuple[str, ...], str | None, str]] = {
                            "or transformer_engine"),
     "--context-parallel-size": (1, ("1",), None, "context parallelism is not supported yet; use "
                                                  "--ds-sequence-parallel-size N (DeepSpeed-Ulysses)"),
-    "--expert-model-parallel-size": (1, ("1",), None, "Megatron-LM's MoE is not supported yet; use Megatron-DeepSpeed's "
-                                                      "--num-experts N --moe-expert-parallel-size E (docs/moe.md)"),
     "--softmax-type": (1, ("vanilla",), None, "only the standard softmax is supported"),
     "--glu-linear-offset": (1, ("0", "0.0"), None, "an offset in the gated linear unit is not supported"),
     "--mlp-chunks-for-training": (1, ("1",), None, "chunking the MLP is not supported (the same values); drop it"),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.deepspeed_json import grad_accum_bytes
 from megatron_ds.config.layout import Layout
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import expert_data_parallel_size, model_experts
 from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
@@ -238,7 +239,10 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
         mlp = (4 + 2) * f / h  # the fused SwiGLU keeps its input and recomputes SiLU(gate) in backward
     else:
         mlp = (4 + 2 + 2) * f / h if m.swiglu or m.geglu else (2 + 2) * f / h
-    if experts > 1:
+    if experts > 1 and is_mlm_moe(m):
+        replicated += 4 * experts / h  # the router's fp32 logits (and scores)
+        mlp = _mlm_moe_mlp_bytes(m, experts, s * b)
+    elif experts > 1:
         factor = m.moe_train_capacity_factor * m.topk
         tokens = s * b
         capacity = max(math.ceil(tokens / experts * factor), m.moe_min_capacity)
@@ -254,6 +258,22 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     split = qkv + rope + core + mlp
     per_layer = s * b * h * ((replicated / t if layout.sequence_parallel else replicated) + split / t)
     return per_layer * (2 if layout.precision == "fp32" else 1)
+
+
+def _mlm_moe_mlp_bytes(m, experts: int, tokens: int) -> float:
+    """Megatron-LM's MoE layer's MLP side (model/mlm_moe.py), bytes per token over h: per route (tokens x k,
+    or each expert's capacity with a capacity factor) the permuted input and the unfused expert MLP's tensors
+    (fc1 output, activation, its probability-scaled copy), plus the shared experts' MLP per token."""
+    def unfused(f):
+        return (4 + 2 + 2) * f / m.hidden_size if m.swiglu or m.geglu else (2 + 2) * f / m.hidden_size
+
+    routes = tokens * m.moe_router_topk
+    if m.moe_expert_capacity_factor is not None:
+        cap = experts * math.ceil(routes / experts * m.moe_expert_capacity_factor)
+        routes = cap if m.moe_pad_expert_input_to_capacity else min(routes, cap)
+    per_route = 2 + unfused(m.moe_ffn_hidden_size) + 2 * m.moe_ffn_hidden_size / m.hidden_size
+    shared = unfused(m.moe_shared_expert_intermediate_size) if m.moe_shared_expert_intermediate_size else 0.0
+    return per_route * routes / tokens + shared
 
 
 @dataclass(frozen=True)

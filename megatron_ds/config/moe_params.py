@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_ds.config import moe_selection
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
@@ -54,6 +55,10 @@ def _layers(values: tuple, num_layers: int, expert_interval: int) -> tuple[int, 
 
 
 def model_experts(m: ModelConfig) -> tuple[int, ...]:
+    """Experts of each layer of a resolved model: DeepSpeed-MoE's placement, or Megatron-LM's
+    (config/moe_selection.py)."""
+    if moe_selection.is_mlm_moe(m):
+        return moe_selection.layer_experts(m)
     return experts_per_layer(m.num_experts, m.num_layers, m.expert_interval)
 
 
@@ -93,6 +98,8 @@ class MoELayerParams:
 
 
 def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELayerParams:
+    if moe_selection.is_mlm_moe(m):
+        return MoELayerParams(*moe_selection.layer_params(m, experts, ep=ep))
     h, tp_e = m.hidden_size, expert_tp(m, tp)
     split, whole = mlp_params(m, tp_e)
     expert_rank, expert_full = split + whole, split * tp_e + whole
@@ -106,9 +113,15 @@ def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELa
 
 def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, precision: str,
               bf16_optimizer: bool, own_schedule: bool, sequence_parallel: bool,
-              create_moe_param_group: bool) -> list[str]:
+              create_moe_param_group: bool, expert_tensor_parallel_size: int | None = None,
+              checkpoints: bool = False) -> list[str]:
     """Refuse (ConfigError, one line) what an MoE run cannot do; returns notes (flags without effect).
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
+    if moe_selection.is_mlm_moe(m):  # Megatron-LM's layer: its own constraints, none of DeepSpeed-MoE's
+        moe_selection.check(m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, expert_tp=expert_tensor_parallel_size,
+                      sequence_parallel=sequence_parallel, own_schedule=own_schedule, zero_stage=zero_stage,
+                      precision=precision, checkpoints=checkpoints)
+        return []
     for n in m.num_experts:
         if n < 1:
             raise ConfigError(f"--num-experts {' '.join(map(str, m.num_experts))}: every value must be >= 1")
@@ -193,7 +206,7 @@ def check_moe_tensor_parallel(m: ModelConfig, *, tp: int, tokens: int) -> None:
     """At TP > 1 DeepSpeed's MOELayer.forward splits each expert's capacity slots over the tensor parallel
     ranks (sharded_moe.py: ``drop_tokens(dispatched_input, dim=1)``, which asserts the split is even), so
     the capacity must be a multiple of TP. ``tokens``: a micro-batch's tokens (every TP rank routes all)."""
-    if tp == 1 or not is_moe(m):
+    if tp == 1 or not is_moe(m) or moe_selection.is_mlm_moe(m):
         return
     if m.disable_moe_token_dropping:
         # top1gating / top2gating pad the no-drop capacity to TP only when experts are not split over TP

@@ -229,6 +229,52 @@ class ModelConfig:
     enable_expert_tensor_parallelism: bool = False
     """Split each expert's MLP across the tensor parallel ranks like the dense MLP (default: every tensor
     parallel rank holds whole experts and DeepSpeed's expert groups span tensor parallel ranks)."""
+    # -- mixture of experts, Megatron-LM's (NVIDIA/Megatron-LM core_v0.19.0 megatron/training/arguments.py,
+    # transformer_config.py); any of these selects its layer (model/mlm_moe.py, config/moe_selection.py)
+    moe_router_topk: Optional[int] = None
+    """Megatron-LM's MoE: experts each token is routed to (default 2)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Megatron-LM's MoE: each routed expert's MLP size (default --ffn-hidden-size)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Megatron-LM's MoE: the shared experts' MLP size (all shared experts together), every token goes through."""
+    moe_shared_expert_gate: bool = False
+    """Megatron-LM's MoE: scale the shared experts' output by sigmoid(gate_weight . x)."""
+    moe_layer_freq: Optional[str] = None
+    """Megatron-LM's MoE: which layers are MoE layers: N (layers 0, N, 2N, ... counting from 0; default 1, all) or
+    a list expression of 0/1 per layer such as "([1]*3+[0]*1)*3"."""
+    moe_router_load_balancing_type: Optional[list] = meta(None, nargs="+")
+    """Megatron-LM's MoE: aux_loss (Switch/GShard, the default), seq_aux_loss (per sequence, DeepSeek-V2) or none;
+    several with one --moe-aux-loss-coeff each."""
+    moe_aux_loss_coeff: Optional[list] = meta(None, nargs="+")
+    """Megatron-LM's MoE: the load-balancing loss coefficient(s) (default 0: none)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Megatron-LM's MoE: the router z-loss coefficient (ST-MoE; default none)."""
+    moe_router_score_function: Optional[str] = meta(None, choices=("softmax", "sigmoid", "sqrtsoftplus"))
+    """Megatron-LM's MoE: the router's score function (default softmax)."""
+    moe_router_pre_softmax: bool = False
+    """Megatron-LM's MoE: softmax over all experts before the top-k (default: softmax over the chosen k)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Megatron-LM's MoE: multiply the chosen experts' weights by this."""
+    moe_router_enable_expert_bias: bool = False
+    """Megatron-LM's MoE: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing scores,
+    moved after each step towards the experts that got fewer tokens; needs a sigmoid/sqrtsoftplus score."""
+    moe_router_bias_update_rate: Optional[float] = None
+    """Megatron-LM's MoE: the expert bias's step per iteration (default 1e-3)."""
+    moe_router_dtype: Optional[str] = meta(None, choices=("fp32", "fp64"))
+    """Megatron-LM's MoE: compute the router's logits and routing in this precision (default the activations')."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Megatron-LM's MoE: each expert takes at most this x tokens x k / experts tokens (default: dropless)."""
+    moe_token_drop_policy: Optional[str] = meta(None, choices=("probs", "position"))
+    """Megatron-LM's MoE: beyond capacity drop the tokens of lowest probability (probs, the default) or the last."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Megatron-LM's MoE: with a capacity factor, every expert computes exactly its capacity (padded)."""
+    moe_grouped_gemm: bool = False
+    """Megatron-LM's MoE: the experts as one grouped GEMM; here they always are (torch._grouped_mm on CUDA in
+    bf16, one GEMM per expert elsewhere)."""
+    moe_token_dispatcher_type: Optional[str] = meta(None, choices=("allgather", "alltoall"))
+    """Megatron-LM's MoE: how tokens reach the expert parallel ranks holding their experts (default allgather)."""
+    moe_per_layer_logging: bool = False
+    """Megatron-LM's MoE: log each MoE layer's balancing and z losses too ("load_balancing_loss layer N" ...)."""
     # -- FP8 (Megatron-DeepSpeed's _add_transformer_engine_args, Megatron-LM's --fp8-format/--fp8-recipe);
     # resolved and checked by config/fp8_flags.py, whose docstring maps each flag to torchao's recipe
     fp8_e4m3: bool = False
@@ -299,6 +345,10 @@ class ParallelConfig:
     """Mixture of experts: ranks that split each MoE layer's experts (--num-experts / this experts per rank);
     it divides the data parallel size, and the ranks holding the same experts average their gradients
     (DeepSpeed's expert and expert-data parallel groups)."""
+    expert_model_parallel_size: Optional[int] = None
+    """Megatron-LM's MoE: data parallel ranks that split each MoE layer's experts (default 1)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Megatron-LM's MoE: tensor parallel ranks each expert is split over (only 1: whole experts)."""
     # --pp-partition-method: BigScience's Megatron-DeepSpeed (megatron/arguments.py; GPTModelPipe hands it to
     # PipelineModule as partition_method, default "type:transformer"), the flag of the BLOOM runs
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",

@@ -9,6 +9,7 @@ families' own models (the GPT, BERT, T5) are in ``megatron_ds.families``.
                     rotary.py       rotary position embeddings (Megatron/Llama "rotate half")
                     norms.py        LayerNorm / RMSNorm, apex's kernels when importable
                     moe_layer.py    DeepSpeed's MoE layer around the expert MLP, which layers hold experts
+                    mlm_moe.py      Megatron-LM's MoE layer: router, grouped experts, token dispatch
     kernels         kernels.py      kernel choice: optional apex norms, SDPA; describe_kernels() for the log
                     fusions.py      compiled bias-GeLU / bias-SwiGLU / bias-dropout-add / RoPE
                     liger.py        liger-kernel's fused linear + cross entropy (optional extra)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
 from megatron_ds import ds_compat
+from megatron_ds.config.moe_selection import is_mlm_moe
 
 DROP_FRACTION = "moe drop fraction"
 """The loss report's name of the fraction of (token, expert) routes dropped beyond capacity."""
@@ -53,8 +54,10 @@ def experts_per_layer(num_experts, num_layers: int, expert_interval: int) -> lis
 
 
 def is_moe_model(cfg) -> bool:
-    """Whether any layer of the model (a resolved ``ModelConfig``) is an MoE layer."""
-    return any(n > 1 for n in experts_per_layer(cfg.num_experts, cfg.num_layers, cfg.expert_interval))
+    """Whether any layer of the model (a resolved ``ModelConfig``) is a DeepSpeed-MoE layer (Megatron-LM's
+    layers, ``model/mlm_moe.py``, need none of DeepSpeed's expert groups)."""
+    return not is_mlm_moe(cfg) and any(n > 1 for n in experts_per_layer(cfg.num_experts, cfg.num_layers,
+                                                                         cfg.expert_interval))
 
 
 def _seeded(seed: int, build):

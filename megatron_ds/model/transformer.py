@@ -38,10 +38,12 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa, sdpa_with_dropout
 from megatron_ds.model.mla import MLASelfAttention
+from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.param_groups import DECAY
@@ -338,8 +340,9 @@ class ParallelTransformerLayer(nn.Module):
     The class name is what the pipeline partitioner balances on
     (``megatron_ds.model.pipeline_model.PARTITION_METHOD``); keep the two in sync.
 
-    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``) holding this rank's share of the
-    experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
+    ``num_experts > 1``: the MLP is DeepSpeed's MoE (``model/moe_layer.py``), or Megatron-LM's
+    (``model/mlm_moe.py``) where ``config/moe_selection.py`` resolved the model for it, holding this rank's
+    share of the experts (``ep_size``, ``ep_rank``); its auxiliary loss is added to the one the input carries.
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
     ``fp8``: the run's FP8 recipe (``Layout.fp8``, resolved once from the flags), which every linear layer
@@ -380,7 +383,12 @@ class ParallelTransformerLayer(nn.Module):
                                                     causal=not self.padding, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
-        if num_experts > 1:
+        self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
+        self.moe_per_layer_logging = cfg.moe_per_layer_logging
+        if self.mlm_moe:
+            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype,
+                                     device=device)
+        elif num_experts > 1:
             self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
             self.drops = DropCounter(self.mlp)
         else:
@@ -438,10 +446,15 @@ class ParallelTransformerLayer(nn.Module):
 
     @torch.compiler.disable
     def _moe(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSpeed's MoE: (output, auxiliary loss); reports the dropped routes. Its gate reads
-        ``.item()`` and sizes its buffers by the values, which would split a compiled layer into many
-        graphs recompiled per value: in a layer compiled with --compile-layers it runs eagerly, one
-        graph break (``model/compile_layers.py``)."""
+        """DeepSpeed's MoE or Megatron-LM's: (output, auxiliary loss); reports the dropped routes. Both size
+        their buffers by the routing's values (DeepSpeed's gate reads ``.item()``), which would split a compiled
+        layer into many graphs recompiled per value: in a layer compiled with --compile-layers it runs eagerly,
+        one graph break (``model/compile_layers.py``)."""
+        if self.mlm_moe:
+            out, l_aux = self.mlp(normed)
+            if self.loss_report:
+                report_routing(self.loss_report, self.mlp, self.layer_number if self.moe_per_layer_logging else None)
+            return out, l_aux
         out, l_aux, _ = self.mlp(normed)  # (output, auxiliary loss, expert counts)
         if self.loss_report:
             self.loss_report.add(DROP_FRACTION, self.drops.last)

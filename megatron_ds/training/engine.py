@@ -15,6 +15,7 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import Layout
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.run import Run
 from megatron_ds.model.compile_layers import compile_layers, describe_compiled_layers
 from megatron_ds.model.kernels import describe_kernels
@@ -140,7 +141,9 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     inside ``deepspeed.initialize``'s engine (the interleaved executor around it where asked).
     ``family``: the model family (its builder and the terms its loss reports)."""
     layout = run.layout
-    moe = is_moe_model(layout.model)
+    # DeepSpeed-MoE, or Megatron-LM's MoE split over expert parallel ranks (config/moe_selection.py), whose experts'
+    # gradients DeepSpeed reduces over their expert data parallel groups
+    moe = is_moe_model(layout.model) or (is_mlm_moe(layout.model) and layout.ep > 1)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
     # the family's reported terms (BERT: lm loss, sop loss; an MoE GPT: lm loss, moe loss, ...)

@@ -19,9 +19,11 @@ import torch.distributed as dist
 from megatron_ds import ds_compat
 from megatron_ds.accelerator import cuda_runtime
 from megatron_ds.checkpoint.health import NonFiniteState
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.run import Run
 from megatron_ds.errors import TrainingStopped
 from megatron_ds.model.loss_report import EVAL, LossReport
+from megatron_ds.model.mlm_moe import update_expert_bias
 from megatron_ds.parallel.fp8_delayed import update_delayed_scaling
 from megatron_ds.progress import print_rank0
 from megatron_ds.training import log as mlog
@@ -119,11 +121,15 @@ def train_step(engine, data_iter, layout, loss_fn, dp_group, token_scale=None) -
     losses are parts of one sequence's (``model/language_model.py`` ``language_model_loss``) and are summed, not averaged.
     ``token_scale``: --calculate-per-token-loss's (``model/token_loss.py``): the loss is then the global
     batch's token mean, in the gradients and the value returned. FP8 delayed scaling's amax histories and
-    scales are updated after the step (``parallel/fp8_delayed.py``)."""
+    scales are updated after the step (``parallel/fp8_delayed.py``), and so are the expert biases of Megatron-LM's
+    MoE routers (--moe-router-enable-expert-bias; Megatron-LM updates them in finalize_model_grads, before its
+    optimizer step: the bias is no parameter, so the step's weights are the same either way)."""
     with _per_token(token_scale, engine, data_iter, layout, dp_group) as it:
         loss = _train_step(engine, it, layout, loss_fn, dp_group)
     if layout.fp8 is not None and layout.fp8.granularity == "delayed":
         update_delayed_scaling(engine.module, dp_group)
+    if is_mlm_moe(layout.model) and layout.model.moe_router_enable_expert_bias:  # from the step's tokens per expert
+        update_expert_bias(engine.module, layout.model.moe_router_bias_update_rate, dp_group)
     return loss
 
 

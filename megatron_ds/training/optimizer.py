@@ -12,6 +12,7 @@ import torch
 from deepspeed.moe.utils import is_moe_param
 
 from megatron_ds import ds_compat
+from megatron_ds.model.mlm_moe import MoELayer
 from megatron_ds.model.param_groups import param_groups
 
 
@@ -25,8 +26,10 @@ def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     # --decoupled-lr: the embedding and output layer weights' groups carry their own peak and floor LR
     decoupled = None if settings.decoupled_lr is None else (
         settings.decoupled_lr, settings.min_lr if settings.decoupled_min_lr is None else settings.decoupled_min_lr)
-    groups = param_groups(model, settings.weight_decay, moe_groups=settings.create_moe_param_group,
-                          decoupled_lr=decoupled)
+    # Megatron-LM's MoE split over expert parallel ranks (model/mlm_moe.py) always gets DeepSpeed's expert
+    # optimizer groups: its bf16 and ZeRO optimizers reduce, partition and clip marked experts by them
+    moe_groups = settings.create_moe_param_group or any(isinstance(m, MoELayer) and m.ep > 1 for m in model.modules())
+    groups = param_groups(model, settings.weight_decay, moe_groups=moe_groups, decoupled_lr=decoupled)
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), SGD
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)

@@ -20,6 +20,7 @@ from megatron_ds.checkpoint.checkpointing import pretrained_start, saved_flags
 from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
+from megatron_ds.config import moe_selection
 from megatron_ds.config.dialect import dialect
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import describe_fp8, fp8_format
@@ -65,6 +66,10 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     check_load_vocabulary(run, tokenizer, family)
     print(run.describe())
     print("flags read as {}'s: {}".format(*dialect(flags)))
+    moe = moe_selection.resolve(flags.model, flags.parallel,
+                                create_moe_param_group=flags.optimizer.create_moe_param_group)[2]
+    if moe:
+        print(moe)
     for note in run.notes:
         print(f"WARNING: {note}")
     print(f"micro-batches per step per data parallel rank: {run.layout.grad_accum_steps}")

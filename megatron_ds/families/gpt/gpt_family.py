@@ -88,10 +88,13 @@ def gpt_checkpoint_specs(model, padded_vocab_size: int, **kwargs) -> list:
 def _loss_names(layout) -> tuple[str, ...]:
     """What the GPT's loss reports: nothing beyond the loss, or with MoE layers the language-model and
     auxiliary losses and the dropped routes (Megatron-DeepSpeed's log names)."""
+    from megatron_ds.config.moe_selection import is_mlm_moe, per_layer_names  # noqa: PLC0415
+    from megatron_ds.config.moe_params import is_moe  # noqa: PLC0415
     from megatron_ds.model.language_model import reported_names  # noqa: PLC0415
-    from megatron_ds.model.moe_layer import is_moe_model  # noqa: PLC0415
+    from megatron_ds.model.mlm_moe import ROUTING_NAMES  # noqa: PLC0415
 
-    return reported_names(is_moe_model(layout.model))
+    m = layout.model
+    return reported_names(is_moe(m)) + (ROUTING_NAMES + per_layer_names(m) if is_mlm_moe(m) and is_moe(m) else ())
 
 
 def _import_hf(hf_dir: str, save_dir: str, log=print) -> None:

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import model_experts
 from megatron_ds.planner.flops import dense_layer_flops
 
 
 def moe_mlp_forward_flops_per_token(m, experts: int) -> int:
-    """An MoE layer's MLP side per token, forward: the gate, top-k experts, a residual MLP and its coefficient."""
+    """An MoE layer's MLP side per token, forward: the gate, top-k experts, a residual MLP and its coefficient
+    (DeepSpeed-MoE); the router, top-k experts of --moe-ffn-hidden-size and the shared experts (Megatron-LM's)."""
     h = m.hidden_size
+    if is_mlm_moe(m):
+        matrices = 3 if m.swiglu or m.geglu else 2
+        shared = 2 * h * (m.moe_shared_expert_intermediate_size or 0) * matrices
+        gate = 2 * h if m.moe_shared_expert_gate else 0
+        return 2 * h * experts + m.moe_router_topk * 2 * h * m.moe_ffn_hidden_size * matrices + shared + gate
     mlp = 2 * h * m.ffn_hidden_size * (3 if m.swiglu or m.geglu else 2)
     residual = mlp + 2 * h * 2 if m.mlp_type == "residual" else 0
     return 2 * h * experts + min(m.topk, experts) * mlp + residual

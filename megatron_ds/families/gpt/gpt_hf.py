@@ -45,6 +45,7 @@ import torch
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
@@ -90,6 +91,10 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     """The transformers class that can express ``m`` exactly (``asked``: to_hf.py --architecture;
     ``recorded``: the class the checkpoint was imported from, taken where it can express ``m``);
     ConfigError naming what cannot."""
+    if is_mlm_moe(m) and is_moe(m):
+        raise ConfigError("Hugging Face conversion of Megatron-LM's MoE layers (--moe-router-topk ..., "
+                          "model/mlm_moe.py) is not supported yet; MixtralForCausalLM converts to and from "
+                          "DeepSpeed-MoE's (--num-experts N --topk 2 --expert-interval 1)")
     if asked is not None:
         arch = architecture_key(asked)
     elif is_moe(m):

@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from megatron_ds.config.moe_selection import is_mlm_moe
+from megatron_ds.config.moe_params import model_experts
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.language_model import (Z_LOSS_COEFF, FinalNorm, LanguageModelEmbedding, OutputLayer,
                                               language_model_loss_fn, tied_output_logits)
-from megatron_ds.model.moe_layer import experts_per_layer
 from megatron_ds.model.pipeline_model import (PARTITION_METHOD, TIED_EMBEDDING_KEY, PipelineModel, SequentialModel,
                                               stage_of_specs)
 from megatron_ds.model.transformer import ParallelTransformerLayer
@@ -92,7 +93,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         raise ValueError(f"vocab_size {vocab_size} must be in (0, padded_vocab_size {padded_vocab_size}]")
     tied = not m.untie_embeddings_and_output_weights
 
-    experts = experts_per_layer(m.num_experts, m.num_layers, m.expert_interval)
+    experts = model_experts(m)  # DeepSpeed-MoE's or Megatron-LM's placement (config/moe_selection.py)
     moe = any(n > 1 for n in experts)
     if moe and tp_world_size(sp_group) > 1:
         raise ValueError("MoE layers do not combine with DeepSpeed-Ulysses sequence parallelism here")
@@ -133,7 +134,9 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
 def gpt_loss(model_cfg: ModelConfig, tp_group, sp_group=None, loss_report=None):
     """The GPT's loss function: the language-model loss (with --use-z-loss's z-loss), plus the MoE layers'
     weighted auxiliary loss."""
-    return language_model_loss_fn(tp_group, sp_group, loss_report, model_cfg.moe_loss_coeff,
+    # Megatron-LM's MoE layers return their losses already weighted by their own coefficients
+    coeff = 1.0 if is_mlm_moe(model_cfg) else model_cfg.moe_loss_coeff
+    return language_model_loss_fn(tp_group, sp_group, loss_report, coeff,
                                   Z_LOSS_COEFF if model_cfg.use_z_loss else 0.0)
 
 

@@ -175,3 +175,19 @@ def test_moe_flops_are_the_active_experts_matmuls(shape):
     recomputed = _moe_counts(layout, batch, True)[0]
     assert model_flops_per_iteration(m, batch, layout.padded_vocab_size, True) == \
         recomputed - routing - routing_forward
+
+
+@pytest.mark.parametrize("extra", [
+    "--num-experts 4 --moe-router-topk 2".split(),
+    # fine-grained SwiGLU experts with their own ffn size, top-3, a gated shared expert, MoE on layer 1 of 2
+    ("--num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 24 --swiglu --disable-bias-linear "
+     "--moe-shared-expert-intermediate-size 40 --moe-shared-expert-gate --moe-layer-freq 2").split(),
+])
+def test_megatron_lm_moe_flops_are_the_models_matmuls(extra):
+    """Megatron-LM's MoE layer (model/mlm_moe.py, dropless) computes no routing matmul: every matmul FlopCounterMode
+    counts on the real model (router, the top-k experts of each token, shared experts and their gate) is model
+    work, so the formula equals the count, with and without full recompute."""
+    layout = _layout(extra)
+    for recompute in (False, True):
+        total = _moe_counts(layout, 2, recompute)[0]
+        assert model_flops_per_iteration(layout.model, 2, layout.padded_vocab_size, recompute) == total

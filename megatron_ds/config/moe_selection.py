@@ -1,0 +1,217 @@
+"""Which mixture-of-experts layer a command line builds, and Megatron-LM's MoE flags resolved.
+
+--num-experts is a flag of both dialects. Megatron-DeepSpeed's scripts pair it with DeepSpeed-MoE's flags
+(--topk, --expert-interval, --moe-expert-parallel-size, --moe-*-capacity-factor, --moe-loss-coeff, ...) and
+get DeepSpeed-MoE (``model/moe_layer.py``); upstream Megatron-LM's pair it with its own (--moe-router-topk,
+--expert-model-parallel-size, --moe-token-dispatcher-type, ...) and get Megatron-LM's layer
+(``model/mlm_moe.py``). A line naming flags of both families is refused; --num-experts alone keeps
+DeepSpeed-MoE, as before this layer existed (--dry-run says which layer and why). Which of a family's flags a
+line names is read from the values differing from their defaults: a flag given with its default value
+changes nothing either way.
+
+Resolved, a Megatron-LM MoE model has ``moe_router_topk`` set (2 unless given), the balancing types and their
+coefficients as tuples, and its MoE layers where --moe-layer-freq puts them (every layer by default, as
+Megatron-LM; DeepSpeed-MoE's --expert-interval defaults to every second layer).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+from megatron_ds.config.schema import ModelConfig, ParallelConfig
+from megatron_ds.errors import ConfigError
+
+DEEPSPEED_MOE, MEGATRON_LM_MOE = "DeepSpeed-MoE", "Megatron-LM's MoE"
+
+# ModelConfig fields of Megatron-DeepSpeed's MoE flags (their defaults: schema.py)
+_DS_MODEL = ("expert_interval", "topk", "mlp_type", "moe_train_capacity_factor", "moe_eval_capacity_factor",
+             "moe_min_capacity", "moe_loss_coeff", "disable_moe_token_dropping",
+             "disable_moe_top2_2nd_expert_sampling", "enable_expert_tensor_parallelism")
+_MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_router_score_function", "moe_router_pre_softmax",
+              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+              "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
+              "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
+              "moe_per_layer_logging")
+_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given(obj, names) -> list[str]:
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    return [_flag(n) for n in names if getattr(obj, n) != defaults[n]]
+
+
+def is_mlm_moe(m: ModelConfig) -> bool:
+    """Whether a resolved model's MoE layers are Megatron-LM's (``resolve`` sets its top-k)."""
+    return m.moe_router_topk is not None
+
+
+def select(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False) -> tuple[str, str]:
+    """(the MoE implementation, why) of a command line with --num-experts > 1; refuses a mix of the families."""
+    ds = _given(m, _DS_MODEL) + _given(par, ("moe_expert_parallel_size",)) + (
+        ["--create-moe-param-group"] if create_moe_param_group else [])
+    mlm = _given(m, _MLM_MODEL) + _given(par, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
+    if ds and mlm:
+        raise ConfigError(f"{' '.join(mlm)} (Megatron-LM's MoE) and {' '.join(ds)} (Megatron-DeepSpeed's "
+                          f"DeepSpeed-MoE) name two different MoE layers; use one family's flags (docs/moe.md)")
+    if mlm:
+        return MEGATRON_LM_MOE, f"Megatron-LM's MoE flags ({' '.join(mlm)})"
+    if ds:
+        return DEEPSPEED_MOE, f"Megatron-DeepSpeed's MoE flags ({' '.join(ds)})"
+    return DEEPSPEED_MOE, ("--num-experts without either family's MoE flags keeps Megatron-DeepSpeed's layer; any "
+                           "Megatron-LM MoE flag (e.g. --moe-router-topk 2) selects Megatron-LM's")
+
+
+def layer_freq(spec: str | None, num_layers: int) -> tuple[bool, ...]:
+    """--moe-layer-freq: N (layer i, from 0, is an MoE layer when i % N == 0) or a list expression of 0/1 per
+    layer (Megatron-LM's moe_freq_type / TransformerConfig.moe_layer_freq), read without eval: only integer
+    lists, + and *."""
+    if spec is None:
+        return (True,) * num_layers
+    try:
+        value = _list_expr(ast.parse(spec, mode="eval").body)
+    except (SyntaxError, ValueError) as e:
+        raise ConfigError(f"--moe-layer-freq {spec!r} is neither an integer nor a list expression such as "
+                          f"\"([1]*3+[0]*1)*3\" ({e})") from None
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"--moe-layer-freq {spec}: must be >= 1")
+        return tuple(i % value == 0 for i in range(num_layers))
+    if len(value) != num_layers or any(v not in (0, 1) for v in value):
+        raise ConfigError(f"--moe-layer-freq {spec!r} gives {len(value)} values for --num-layers {num_layers}: give "
+                          f"one 0 or 1 per layer")
+    return tuple(bool(v) for v in value)
+
+
+def _list_expr(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expr(node.left), _list_expr(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unexpected {ast.dump(node)[:40]}")
+
+
+def layer_experts(m: ModelConfig) -> tuple[int, ...]:
+    """A resolved Megatron-LM MoE model's experts per layer (1: a dense MLP)."""
+    return tuple(m.num_experts[0] if moe else 1 for moe in layer_freq(m.moe_layer_freq, m.num_layers))
+
+
+def reported_losses(m: ModelConfig) -> tuple[str, ...]:
+    """Megatron-LM's names of the losses a resolved Megatron-LM MoE model's routers compute (track_moe_metrics)."""
+    types = balancing(m)
+    return tuple(name for name, on in (("load_balancing_loss", types.get("aux_loss")),
+                                       ("seq_load_balancing_loss", types.get("seq_aux_loss")),
+                                       ("z_loss", m.moe_z_loss_coeff)) if on)
+
+
+def per_layer_names(m: ModelConfig) -> tuple[str, ...]:
+    """--moe-per-layer-logging: "<loss> layer <n>" for each MoE layer n (1-based, as Megatron-LM counts)."""
+    if not m.moe_per_layer_logging:
+        return ()
+    layers = [n + 1 for n, e in enumerate(layer_experts(m)) if e > 1]
+    return tuple(f"{name} layer {n}" for n in layers for name in reported_losses(m))
+
+
+def balancing(m: ModelConfig) -> dict[str, float]:
+    """{balancing type: coefficient}, as Megatron-LM's TopKRouter.get_aux_loss_coeff pairs them."""
+    return dict(zip(m.moe_router_load_balancing_type, m.moe_aux_loss_coeff))
+
+
+def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False
+            ) -> tuple[ModelConfig, int, str | None]:
+    """(the model with Megatron-LM's MoE defaults filled in when that layer is chosen, the expert parallel
+    size, the line --dry-run prints about the MoE layer or None for a dense model)."""
+    if max(m.num_experts) <= 1:
+        if _given(m, _MLM_MODEL) or _given(par, ("expert_model_parallel_size",)):
+            raise ConfigError(f"{' '.join(_given(m, _MLM_MODEL) + _given(par, ('expert_model_parallel_size',)))} "
+                              f"without --num-experts: Megatron-LM's MoE flags need --num-experts N (N > 1)")
+        return m, par.moe_expert_parallel_size, None
+    impl, why = select(m, par, create_moe_param_group=create_moe_param_group)
+    if impl == DEEPSPEED_MOE:
+        return m, par.moe_expert_parallel_size, f"mixture of experts: {impl} (model/moe_layer.py), because {why}"
+    if len(m.num_experts) != 1:
+        raise ConfigError(f"--num-experts {' '.join(map(str, m.num_experts))}: Megatron-LM's MoE takes one expert "
+                          f"count for every MoE layer")
+    types = tuple(m.moe_router_load_balancing_type or ("aux_loss",))
+    coeffs = tuple(float(c) for c in (m.moe_aux_loss_coeff or (0.0,)))
+    if len(coeffs) == 1:
+        coeffs *= len(types)
+    bad = [t for t in types if t not in _BALANCING]
+    if bad:
+        raise ConfigError(f"--moe-router-load-balancing-type {bad[0]} is not supported here (sinkhorn, global_aux_loss "
+                          f"and quantile_balancing are not); use {', '.join(_BALANCING)}")
+    if len(coeffs) != len(types):
+        raise ConfigError(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} balancing types: give "
+                          f"one, or one per --moe-router-load-balancing-type")
+    resolved = dataclasses.replace(
+        m, moe_router_topk=m.moe_router_topk or 2, moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs,
+        moe_router_score_function=m.moe_router_score_function or "softmax",
+        moe_router_bias_update_rate=1e-3 if m.moe_router_bias_update_rate is None else m.moe_router_bias_update_rate,
+        moe_token_drop_policy=m.moe_token_drop_policy or "probs",
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type or "allgather")
+    ep = par.expert_model_parallel_size or 1
+    return resolved, ep, (f"mixture of experts: {impl} (model/mlm_moe.py; {resolved.moe_token_dispatcher_type} "
+                          f"dispatch, EP {ep}), because {why}")
+
+
+def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
+          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32",
+          checkpoints: bool = False) -> None:
+    """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
+    experts = m.num_experts[0]
+    k = m.moe_router_topk
+    if not 1 <= k <= experts:
+        raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
+    if ep < 1 or experts % ep or dp % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and the data "
+                          f"parallel size {dp}: each of EP data parallel ranks holds num_experts / EP experts")
+    if (expert_tp or 1) != 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {expert_tp}: experts split over "
+                          f"tensor parallel ranks are not supported yet; use 1 (whole experts on every TP rank)")
+    if sp > 1 or sequence_parallel or (tp > 1 and ep > 1):
+        # at TP > 1 every tensor parallel rank holds the same tokens and whole experts, and computes them all (EP 1);
+        # splitting experts or tokens over TP ranks is Megatron-LM's TP x EP token dispatch, not built here
+        raise ConfigError("Megatron-LM's MoE runs without sequence parallelism (--sequence-parallel, "
+                          "DeepSpeed-Ulysses) and, at TP > 1, at EP 1 here (its token dispatch over tensor parallel "
+                          "ranks is not built yet); drop one of them")
+    if own_schedule:
+        raise ConfigError("Megatron-LM's MoE cannot run on the interleaved or ZB-H1 pipeline schedules yet: their "
+                          "executor passes only the hidden state between stages, not the auxiliary loss; use 1F1B")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function == "softmax":
+        # Megatron-LM's TransformerConfig.__post_init__ asserts the same
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "
+                          "sqrtsoftplus): the bias is added to the scores the top-k is taken from")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if ep > 1 and zero_stage == 3:
+        raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
+                          f"refuses expert parameters there; use ZeRO stage 1 or 2")
+    if ep > 1 and checkpoints:
+        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
+                          f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
+                          f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")
+
+def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
+    """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP
+    side: router, routed experts, shared experts and their gate."""
+    h, f = m.hidden_size, m.moe_ffn_hidden_size
+    gated = 2 if (m.swiglu or m.geglu) else 1
+    bias = m.add_bias_linear
+    expert = h * f * gated + f * h + ((f * gated + h) if bias else 0)
+    shared = 0
+    if m.moe_shared_expert_intermediate_size:
+        s = m.moe_shared_expert_intermediate_size
+        shared = h * s * gated + s * h + ((s * gated + h) if bias else 0) + (h if m.moe_shared_expert_gate else 0)
+    router = h * experts
+    local = experts // ep
+    return (router + shared + local * expert, local * expert, router + shared + experts * expert,
+            router + shared + m.moe_router_topk * expert)

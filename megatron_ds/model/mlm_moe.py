@@ -1,0 +1,509 @@
+"""Megatron-LM's mixture-of-experts layer (Megatron Core ``transformer/moe``), beside DeepSpeed-MoE
+(``model/moe_layer.py``); ``config/moe_selection.py`` says which one a command line builds.
+
+``MoELayer(x)`` -> ``(output, auxiliary loss)``: the router picks each token's top-k experts, the tokens
+are permuted into one run per expert (``permute``: a sort, no Python loop over experts), each expert's run
+goes through its MLP (``grouped_mlp``), the outputs are weighted by the routing probabilities and summed
+back per token (``unpermute``), and the shared experts' output is added. With expert parallelism the
+permuted tokens travel to the ranks holding their experts (``dispatch``: all-to-all or all-gather, as
+Megatron-LM's MoEAlltoAllTokenDispatcher / MoEAllGatherTokenDispatcher).
+
+Parameters, as Megatron-LM names them: ``router.weight`` ``[experts, hidden]`` (and the ``router.expert_bias``
+buffer), ``experts.linear_fc1.weight`` ``[local experts, ffn (x2 gated), hidden]``,
+``experts.linear_fc2.weight`` ``[local experts, hidden, ffn]`` (biases ``[local experts, out]`` with
+--add-bias-linear), ``shared_experts.linear_fc1/fc2.weight`` and ``shared_experts.gate_weight``. The expert
+weights of a layer are one tensor whose first dimension is the local expert: expert parallel rank ``r`` holds
+global experts ``r * local .. (r + 1) * local - 1``, so the EP 1 tensor is the EP ranks' tensors concatenated
+in rank order (checkpoints reshard across EP by concatenating or splitting dimension 0). Megatron-LM's
+legacy GroupedMLP holds the same values transposed and flattened (``weight1 [hidden, local x ffn]``).
+
+The auxiliary losses (--moe-aux-loss-coeff aux_loss / seq_aux_loss, --moe-z-loss-coeff) are returned already
+weighted by their coefficients; the transformer layer adds them to the MoE loss its activation carries to the
+loss function (``model/transformer.py``), which adds them to the language-model loss. Their gradient is what
+Megatron-LM's MoEAuxLossAutoScaler injects in backward: d(aux)/d(theta) scaled like the main loss (by
+1/micro-batches, and the loss scale), since here it is part of the loss DeepSpeed scales.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ds import ds_compat
+from megatron_ds.model.moe_layer import DROP_FRACTION
+from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
+from megatron_ds.parallel.mappings import all_gather_along_first_dim, reduce_scatter_along_first_dim
+
+
+def _activation(cfg):
+    if cfg.swiglu:
+        return lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:]
+    if cfg.geglu:
+        return lambda x: F.gelu(x[..., : x.shape[-1] // 2], approximate="tanh") * x[..., x.shape[-1] // 2:]
+    if cfg.openai_gelu:
+        return lambda x: F.gelu(x, approximate="tanh")
+    if cfg.squared_relu:
+        return lambda x: F.relu(x).square()
+    return F.relu if cfg.relu else F.gelu
+
+
+def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
+    """``[tokens, experts]`` logits -> (probs ``[tokens, experts]``, zero off the chosen experts; routing map,
+    bool), Megatron-LM's moe_utils.topk_routing_with_score_function (fp32 scores, probs in the logits' dtype).
+    The expert bias (auxiliary-loss-free balancing) changes which experts are chosen, never their weights."""
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, top = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, dim=1)
+        else:
+            scores, top = torch.topk(logits, topk, dim=1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float()) if score_function == "sigmoid" else F.softplus(logits.float()).sqrt()
+        if expert_bias is not None:
+            top = torch.topk(scores + expert_bias.float(), topk, dim=1).indices
+            scores = scores.gather(1, top)
+        else:
+            scores, top = torch.topk(scores, topk, dim=1)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    if scaling_factor:
+        probs = probs * scaling_factor
+    probs = probs.type_as(logits)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return torch.zeros_like(logits).scatter(1, top, probs), routing_map
+
+
+def capacity(tokens: int, experts: int, capacity_factor: float) -> int:
+    """Megatron-LM's moe_utils.get_capacity: ceil(tokens / experts x factor)."""
+    return math.ceil(tokens / experts * capacity_factor)
+
+
+def drop_tokens(probs, routing_map, topk: int, capacity_factor: float, policy: str = "probs", pad: bool = False):
+    """Megatron-LM's moe_utils.apply_router_token_dropping: each expert keeps at most ``capacity(tokens x k)``
+    of its tokens, those of highest probability ("probs") or the first ones ("position"); ``pad``: every expert
+    takes exactly that many (the padding tokens with probability 0)."""
+    tokens, experts = probs.shape
+    cap = capacity(tokens * topk, experts, capacity_factor)
+    if cap > tokens:
+        keep = torch.ones_like(routing_map)
+    else:
+        # "position": a stable sort of the 0/1 map puts each expert's first tokens first (torch.topk's order
+        # among equal values is not specified; Megatron-LM's own topk on the int map means the same)
+        key = probs if policy == "probs" else routing_map.float()
+        top = torch.sort(key, dim=0, descending=True, stable=True).indices[:cap]
+        keep = torch.zeros_like(routing_map).scatter(0, top, True)
+    final = keep if pad else routing_map & keep
+    return probs * final, final
+
+
+def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, experts: int,
+                    coeff: float = 1.0) -> torch.Tensor:
+    """Megatron-LM's switch_load_balancing_loss_func: E x sum_i f_i P_i x coeff (Switch Transformer eq. 4,
+    f_i over the k routes of each token)."""
+    return (scores.sum(0) * tokens_per_expert).sum() * (experts * coeff / (topk * total_tokens * total_tokens))
+
+
+def z_loss(logits, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss (Megatron-LM's z_loss_func): mean of logsumexp(logits)^2, times coeff."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+def aux_scores(logits, topk: int, score_function: str):
+    """Megatron-LM's compute_routing_scores_for_aux_loss: the scores the balancing loss reads (softmax; sigmoid
+    normalised per token) and the top-k map of those scores (no expert bias, no dropping)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float()) if score_function == "sigmoid" else F.softplus(logits.float()).sqrt()
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top = torch.topk(scores, topk, dim=1).indices
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+
+
+class TopKRouter(nn.Module):
+    """Megatron-LM's TopKRouter (router.py): gating linear (in --moe-router-dtype), z-loss, top-k routing,
+    token dropping with a capacity factor, the aux_loss / seq_aux_loss balancing losses in training, and the
+    tokens each expert got for the expert bias's update (``update_expert_bias``) when it is enabled."""
+
+    def __init__(self, hidden: int, experts: int, *, topk: int, init_std: float, score_function: str = "softmax",
+                 pre_softmax: bool = False, scaling_factor: float | None = None, expert_bias: bool = False,
+                 router_dtype: torch.dtype | None = None, aux: dict | None = None, z_loss_coeff: float | None = None,
+                 capacity_factor: float | None = None, drop_policy: str = "probs", pad_to_capacity: bool = False,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.topk, self.experts, self.score_function, self.pre_softmax = topk, experts, score_function, pre_softmax
+        self.scaling_factor, self.router_dtype, self.aux, self.z_loss_coeff = (scaling_factor, router_dtype,
+                                                                             dict(aux or {}), z_loss_coeff)
+        self.capacity_factor, self.drop_policy, self.pad = capacity_factor, drop_policy, pad_to_capacity
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32, device=device))
+        if self.weight.device.type != "meta":
+            init_method_normal(init_std)(self.weight)
+        self.weight.data = self.weight.data.to(params_dtype)
+        if expert_bias:  # fp32 whatever the weights' dtype (Megatron-LM's _maintain_float32_expert_bias)
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(experts, dtype=torch.float32, device=device),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
+        self.last: dict = {}  # the last training forward's statistics, for the loss report
+
+    def forward(self, x: torch.Tensor, seq: int, batch: int):
+        """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor)."""
+        self._fp32_buffers()
+        dtype = self.router_dtype or x.dtype
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        train, terms = self.training, {}
+        if train and self.z_loss_coeff:
+            terms["z_loss"] = z_loss(logits.float(), 1.0)
+            loss = loss + terms["z_loss"] * self.z_loss_coeff
+        probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
+                                          pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
+                                          expert_bias=self.expert_bias)
+        chosen = routing_map
+        if self.capacity_factor is not None:
+            probs, routing_map = drop_tokens(probs, routing_map, self.topk, self.capacity_factor, self.drop_policy,
+                                             self.pad)
+        if train and any(self.aux.values()):
+            scores, aux_map = aux_scores(logits, self.topk, self.score_function)
+            if self.aux.get("aux_loss"):
+                terms["load_balancing_loss"] = switch_aux_loss(scores, aux_map.sum(0).float(), x.shape[0], self.topk,
+                                                               self.experts)
+                loss = loss + terms["load_balancing_loss"] * self.aux["aux_loss"]
+            if self.aux.get("seq_aux_loss"):
+                # Megatron-LM's _apply_seq_aux_loss: tokens are [seq, batch]-ordered; folding the batch into the
+                # expert dimension makes the switch loss a sum of per-sequence losses, averaged over the batch
+                s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
+                terms["seq_load_balancing_loss"] = switch_aux_loss(s, m.sum(0).float(), seq, self.topk,
+                                                                   self.experts) / batch
+                loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
+        counts = routing_map.sum(0)
+        if self.local_tokens_per_expert is not None and train and torch.is_grad_enabled():
+            # after dropping, as Megatron-LM's _apply_expert_bias; not under no_grad: a recomputed forward
+            # (activation checkpointing) counts once
+            self.local_tokens_per_expert += counts.float()
+        if train:
+            dropped = (chosen & ~routing_map).sum().float() / chosen.sum().float() \
+                if self.capacity_factor is not None else None
+            # the load the router asked for (before capacity: padded experts would all read as balanced)
+            self.last = {"counts": chosen.sum(0).detach(), "dropped": dropped,
+                         **{k: v.detach() for k, v in terms.items()}}
+        return probs, routing_map, loss
+
+
+    def _fp32_buffers(self) -> None:
+        """Keep the bias and the counts in fp32 after a cast of the model (a bf16 engine casts the buffers too:
+        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias."""
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+            self.local_tokens_per_expert.data = self.local_tokens_per_expert.data.float()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
+    """Auxiliary-loss-free balancing after an optimizer step (DeepSeek-V3 section 2.1.2; Megatron-LM's
+    get_updated_expert_bias, called from finalize_model_grads): each router's bias moves by ``rate`` towards
+    the experts that got fewer tokens than the mean over the step (summed over ``group``), then the counts
+    restart."""
+    for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
+        router._fp32_buffers()
+        counts = router.local_tokens_per_expert
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        router.expert_bias += torch.sign(counts.mean() - counts) * rate
+        counts.zero_()
+
+
+class _Stacked(nn.Module):
+    """One linear per local expert as one ``[experts, out, in]`` weight (and ``[experts, out]`` bias).
+    Global expert ``g`` draws its N(0, ``std``) weight from its own generator, seeded ``seeds[g]``, so an
+    expert's initial weights do not depend on the expert parallel size."""
+
+    def __init__(self, seeds: list[int], n_in: int, n_out: int, *, bias: bool, std: float, params_dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(len(seeds), n_out, n_in, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(len(seeds), n_out, dtype=params_dtype, device=device)) if bias else None
+        if self.weight.device.type != "meta":
+            with torch.no_grad():
+                for w, seed in zip(self.weight, seeds):
+                    drawn = torch.empty(n_out, n_in).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+                    w.copy_(drawn)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm (torch >= 2.8) runs on CUDA for bf16 operands whose rows are 16-byte aligned; its CPU
+    version (torch 2.13) has no backward."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+
+
+def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked) -> torch.Tensor:
+    """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
+    one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products)."""
+    w = layer.weight
+    if _grouped_mm_ok(x, w):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    else:
+        y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
+            x.new_zeros(0, w.shape[1])
+    if layer.bias is not None:
+        y = y + layer.bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0, output_size=y.shape[0])
+    return y
+
+
+class GroupedExperts(nn.Module):
+    """A rank's local experts: ``p * fc2(act(fc1(x)))`` for each routed (token, probability) pair, the
+    probability scaling the activation as Megatron-LM's grouped MLPs do (so a bias of fc2 is scaled too:
+    p * (fc2(x) + b))."""
+
+    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device):
+        super().__init__()
+        gated = cfg.swiglu or cfg.geglu
+        common = dict(bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
+        std = cfg.init_method_std
+        self.linear_fc1 = _Stacked([seed + 2 * g for g in experts], cfg.hidden_size, 2 * ffn if gated else ffn,
+                                   std=std, **common)
+        self.linear_fc2 = _Stacked([seed + 2 * g + 1 for g in experts], ffn, cfg.hidden_size,
+                                   std=std / math.sqrt(2.0 * cfg.num_layers), **common)
+        self.act = _activation(cfg)
+
+    def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        h = self.act(grouped_linear(x, counts, self.linear_fc1))
+        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2)
+
+
+class SharedExperts(nn.Module):
+    """Megatron-LM's SharedExpertMLP: a dense MLP every token goes through (--moe-shared-expert-intermediate-size),
+    with --moe-shared-expert-gate its output scaled by sigmoid(gate_weight . x)."""
+
+    def __init__(self, cfg, ffn: int, *, gate: bool, params_dtype, device):
+        super().__init__()
+        gated = cfg.swiglu or cfg.geglu
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=cfg.add_bias_linear,
+                                    device=device, dtype=params_dtype)
+        self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear, device=device, dtype=params_dtype)
+        self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, device=device, dtype=params_dtype)) \
+            if gate else None
+        if self.linear_fc1.weight.device.type != "meta":
+            with torch.no_grad():
+                init_method_normal(cfg.init_method_std)(self.linear_fc1.weight)
+                scaled_init_method_normal(cfg.init_method_std, cfg.num_layers)(self.linear_fc2.weight)
+                for b in (self.linear_fc1.bias, self.linear_fc2.bias):
+                    if b is not None:
+                        b.zero_()
+                if gate:
+                    init_method_normal(cfg.init_method_std)(self.gate_weight)
+        self.act = _activation(cfg)
+
+    def forward(self, x):
+        y = self.linear_fc2(self.act(self.linear_fc1(x)))
+        return y * torch.sigmoid(F.linear(x, self.gate_weight)) if self.gate_weight is not None else y
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """Megatron-LM's moe_utils.permute: the (token, expert) routes in expert order, then token order ->
+    (the routes' tokens, their probabilities, their token ids, routes per expert)."""
+    expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)
+    return tokens[token_ids], probs[token_ids, expert_ids], token_ids, routing_map.sum(0)
+
+
+class _Unpermute(torch.autograd.Function):
+    """index_add of the routes into their tokens; its backward needs the token ids only (torch's index_add
+    keeps the routes' outputs for backward too, a [routes, hidden] tensor per layer)."""
+
+    @staticmethod
+    def forward(ctx, routed, token_ids, tokens: int):
+        ctx.save_for_backward(token_ids)
+        return routed.new_zeros(tokens, routed.shape[-1]).index_add_(0, token_ids, routed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_ids,) = ctx.saved_tensors
+        return grad.index_select(0, token_ids), None, None
+
+
+def unpermute(routed: torch.Tensor, token_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Megatron-LM's moe_utils.unpermute: each token's routes summed back (their outputs are weighted)."""
+    return _Unpermute.apply(routed, token_ids, tokens)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with row splits; its backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
+
+
+class _GatherFirst(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward: reduce-scatter (sum), each rank its rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along_first_dim(grad.contiguous(), ctx.group), None
+
+
+class _ScatterFirst(torch.autograd.Function):
+    """Reduce-scatter (sum) along dim 0 over ``group``; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_along_first_dim(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along_first_dim(grad, ctx.group), None
+
+
+class MoELayer(nn.Module):
+    """Router, this rank's ``experts / ep`` experts, shared experts (module docstring).
+
+    ``ep_size``: the expert parallel size (its group: DeepSpeed's, ``ds_compat.create_expert_groups``), ``ep_rank``
+    this rank's place in it; ``dispatcher``:
+    "alltoall" or "allgather" (Megatron-LM's --moe-token-dispatcher-type). ``router`` holds the TopKRouter's
+    keyword arguments."""
+
+    def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
+                 shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        ep = ep_size
+        if experts % ep:
+            raise ValueError(f"{experts} experts do not divide over expert parallel size {ep}")
+        self.num_experts, self.ep, self.ep_rank, self.dispatcher = experts, ep, ep_rank, dispatcher
+        self._ep_group = None  # DeepSpeed's expert parallel group, looked up at the first forward (a build on
+        # the meta device, --dry-run's, has no process groups)
+        self.local = experts // ep
+        self.router = TopKRouter(cfg.hidden_size, experts, init_std=cfg.init_method_std, params_dtype=params_dtype,
+                                 device=device, **router)
+        # the experts' seeds follow this layer's (the generators are seeded just before each layer is built,
+        # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
+        seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
+        self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
+                                      params_dtype=params_dtype, device=device)
+        self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
+                                            device=device) if shared_ffn else None
+        if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
+            ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
+            self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
+
+    @property
+    def ep_group(self):
+        if self._ep_group is None:
+            self._ep_group = ds_compat.expert_parallel_group(self.ep)
+        return self._ep_group
+
+    def forward(self, x: torch.Tensor):
+        seq, batch, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        probs, routing_map, aux = self.router(tokens, seq, batch)
+        if self.ep == 1:
+            routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
+            out = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, tokens.shape[0])
+        elif self.dispatcher == "allgather":
+            out = self._allgather(tokens, probs, routing_map)
+        else:
+            out = self._alltoall(tokens, probs, routing_map)
+        out = out.to(x.dtype).view(seq, batch, hidden)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, aux
+
+    def _allgather(self, tokens, probs, routing_map):
+        """MoEAllGatherTokenDispatcher: every EP rank's tokens and routing gathered, this rank's experts run on
+        the routes to them, the partial outputs reduce-scattered back to the ranks that own the tokens."""
+        all_tokens = _GatherFirst.apply(tokens, self.ep_group)
+        all_probs = _GatherFirst.apply(probs, self.ep_group)
+        all_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.ep_group).bool()  # gloo: no bool
+        mine = slice(self.ep_rank * self.local, (self.ep_rank + 1) * self.local)
+        routed, route_probs, token_ids, counts = permute(all_tokens, all_map[:, mine], all_probs[:, mine])
+        partial = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, all_tokens.shape[0])
+        return _ScatterFirst.apply(partial, self.ep_group)
+
+    def _alltoall(self, tokens, probs, routing_map):
+        """MoEAlltoAllTokenDispatcher: the routes, in global expert order, go to the ranks holding their experts
+        (one all-to-all), are regrouped there by local expert (Megatron-LM's sort_chunks_by_idxs), computed, put
+        back in arrival order and returned (a second all-to-all), then summed per token."""
+        routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
+        counts = counts.to(torch.int64)
+        received = torch.empty(self.ep * self.local, dtype=counts.dtype, device=counts.device)
+        dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        send = counts.view(self.ep, self.local).sum(1).tolist()
+        recv_counts = received.view(self.ep, self.local)
+        recv = recv_counts.sum(1).tolist()
+        x = _AllToAll.apply(routed, recv, send, self.ep_group)
+        p = _AllToAll.apply(route_probs.unsqueeze(-1), recv, send, self.ep_group).squeeze(-1)
+        # arrival order is (source, expert); the experts want (expert, source)
+        chunks = torch.arange(x.shape[0], device=x.device).split(recv_counts.flatten().tolist())
+        order = torch.cat([chunks[s * self.local + e] for e in range(self.local) for s in range(self.ep)]) \
+            if x.shape[0] else torch.zeros(0, dtype=torch.int64, device=x.device)
+        y = self.experts(x[order], recv_counts.sum(0).tolist(), p[order])
+        back = torch.empty_like(y).index_copy(0, order, y)
+        y = _AllToAll.apply(back, send, recv, self.ep_group)
+        return unpermute(y, token_ids, tokens.shape[0])
+
+    def expert_parameters(self):
+        return list(self.experts.parameters())
+
+
+# what an MoE GPT of Megatron-LM's layer reports beside "lm loss" and "moe loss" (Megatron-LM's log names; the
+# losses unweighted, as its track_moe_metrics prints them), per micro-batch averaged over its MoE layers
+ROUTING_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "tokens per expert max/mean",
+                 "tokens per expert cv")
+
+
+def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> None:
+    """The last training forward's routing statistics of ``layer`` to the loss report (nothing in evaluation):
+    its losses, the busiest expert's tokens over the mean and the coefficient of variation of the tokens per
+    expert (this rank's tokens, as routed before capacity), and the dropped fraction of routes with a capacity
+    factor. ``layer_number``
+    (--moe-per-layer-logging): its losses also as "<loss> layer <n>"."""
+    last = layer.router.last
+    if not layer.training or not last:
+        return
+    for name in ROUTING_NAMES[:3]:
+        if name in last:
+            report.add(name, last[name])
+            if layer_number is not None:
+                report.add(f"{name} layer {layer_number}", last[name])
+    counts = last["counts"].float()
+    mean = counts.mean().clamp(min=1e-9)
+    report.add("tokens per expert max/mean", counts.max() / mean)
+    report.add("tokens per expert cv", counts.std(unbiased=False) / mean)
+    if last["dropped"] is not None:
+        report.add(DROP_FRACTION, last["dropped"])
+    layer.router.last = {}
+
+
+def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, params_dtype=torch.float32,
+                  device=None) -> MoELayer:
+    """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
+    router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
+                  pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
+                  expert_bias=cfg.moe_router_enable_expert_bias,
+                  router_dtype={"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype),
+                  aux=dict(zip(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff)),
+                  z_loss_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
+                  drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+    return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
+                    shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
+                    ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
+                    params_dtype=params_dtype, device=device)

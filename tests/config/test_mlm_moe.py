@@ -1,0 +1,104 @@
+"""Which MoE layer a command line builds (megatron_ds/config/moe_selection.py), Megatron-LM's MoE flags resolved and
+refused in one line, and its parameter count against a built layer.
+
+--moe-layer-freq follows Megatron-LM's moe_freq_type (megatron/training/arguments.py) and
+TransformerConfig.moe_layer_freq: an int N makes layer i (from 0) an MoE layer when i % N == 0; a list expression
+gives one 0/1 per layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ds.config import moe_selection
+from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.schema import ModelConfig, ParallelConfig
+from megatron_ds.model.mlm_moe import build_mlm_moe
+from tests.config.test_moe import SMALL, dry_run
+
+
+@pytest.mark.parametrize("extra, says", [
+    ("--num-experts 4", "DeepSpeed-MoE (model/moe_layer.py), because --num-experts without either family's"),
+    ("--num-experts 4 --topk 2 --moe-expert-parallel-size 2", "DeepSpeed-MoE (model/moe_layer.py), because "
+                                                               "Megatron-DeepSpeed's MoE flags (--topk "
+                                                               "--moe-expert-parallel-size)"),
+    ("--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall",
+     "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1), because Megatron-LM's MoE flags "
+     "(--moe-router-topk --moe-token-dispatcher-type)"),
+    ("--num-experts 4 --expert-model-parallel-size 1", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch"),
+])
+def test_dry_run_says_which_moe_layer_and_why(extra, says):
+    rc, out, err = dry_run(SMALL + extra.split(), 2)
+    assert rc == 0, err
+    assert f"mixture of experts: {says}" in out, out
+
+
+def test_dry_run_describes_megatron_lms_layers():
+    rc, out, err = dry_run(SMALL + "--num-experts 8 --moe-router-topk 3 --moe-ffn-hidden-size 32 --moe-layer-freq 2 "
+                                   "--moe-shared-expert-intermediate-size 48".split(), 2)
+    assert rc == 0, err
+    assert ("mixture of experts (Megatron-LM's): 2 of 4 layers, 8 experts of ffn 32, top-3, shared ffn 48, EP 1 "
+            "(8 per rank)") in out, out
+
+
+@pytest.mark.parametrize("extra, world, says", [
+    ("--num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
+    ("--num-experts 4 --moe-grouped-gemm --create-moe-param-group", 1, "--create-moe-param-group (Megatron-DeepSpeed"),
+    ("--moe-router-topk 2", 1, "without --num-experts"),
+    ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk 5"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, "sinkhorn is not supported"),
+    ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1 2 3", 1,
+     "gives 3 values for 2 balancing types"),
+    ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs --moe-router-score-function sigmoid"),
+    ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
+    ("--num-experts 4 --moe-layer-freq [1,0]", 1, "gives 2 values for --num-layers 4"),
+    ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "neither an integer nor a list expression"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --zero-stage 3 --deepspeed "
+     "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --save ckpt", 2,
+     "checkpoints of Megatron-LM's MoE split over expert parallel ranks are not written here yet"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
+     "at TP > 1, at EP 1 here"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel", 2,
+     "without sequence parallelism"),
+    ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 4", 2, "interleaved or ZB-H1"),
+])
+def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
+    rc, _, err = dry_run(SMALL + extra.split(), world)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (None, [1, 1, 1, 1, 1, 1]), ("1", [1, 1, 1, 1, 1, 1]), ("2", [1, 0, 1, 0, 1, 0]), ("4", [1, 0, 0, 0, 1, 0]),
+    ("([0]+[1]*2)*2", [0, 1, 1, 0, 1, 1]), ("[0,1,0,1,1,1]", [0, 1, 0, 1, 1, 1]),
+])
+def test_layer_freq_is_megatron_lms(spec, expected):
+    assert list(moe_selection.layer_freq(spec, 6)) == [bool(v) for v in expected]
+
+
+def test_resolved_defaults_are_megatron_lms():
+    m, ep, _ = moe_selection.resolve(ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                                           ffn_hidden_size=24, num_experts=(4,), moe_grouped_gemm=True),
+                               ParallelConfig())
+    # transformer_config.py: moe_router_topk 2, aux_loss with coefficient 0, softmax, bias update rate 1e-3,
+    # drop policy probs, allgather dispatch; the expert ffn is --ffn-hidden-size
+    assert (m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_score_function,
+            m.moe_router_bias_update_rate, m.moe_token_drop_policy, m.moe_token_dispatcher_type,
+            m.moe_ffn_hidden_size, ep) == (2, ("aux_loss",), (0.0,), "softmax", 1e-3, "probs", "allgather", 24, 1)
+
+
+@pytest.mark.parametrize("over", [dict(swiglu=True), dict(moe_shared_expert_intermediate_size=12,
+                                                           moe_shared_expert_gate=True)])
+def test_parameter_count_is_the_built_layers(over):
+    m = resolve_model_config(ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                                         ffn_hidden_size=24, num_experts=(4,), moe_router_topk=2,
+                                         moe_ffn_hidden_size=10, **over))
+    layer = build_mlm_moe(m, 4, device=torch.device("meta"))
+    per_rank, experts, total, active = moe_selection.layer_params(m, 4, ep=1)
+    assert per_rank == total == sum(p.numel() for p in layer.parameters())
+    assert experts == sum(p.numel() for p in layer.experts.parameters())
+    one_expert = experts // 4
+    assert active == total - 2 * one_expert
