@@ -1,0 +1,175 @@
+"""Context parallelism (Megatron-LM's --context-parallel-size N): every layer's sequence split over N ranks.
+
+Placement (Megatron-LM megatron/core/utils.py ``_get_batch_on_this_cp_rank_per_sequence_balancing``): each
+sequence is cut into 2N equal chunks and CP rank i holds chunks i and 2N-1-i, so under the causal mask every
+rank has the same amount of attention work. Everything outside attention is per token, so only attention
+talks: each rank's queries must see the keys and values of the earlier chunks, wherever they live.
+
+Attention (Transformer Engine's ``AttnFuncWithCPAndKVP2P`` / ``AttnFuncWithCPAndKVAllGather`` semantics):
+- ``p2p``: the K/V of a rank travel around the ring, one hop per step; after N-1 hops every rank has seen
+  every rank's K/V. Each step's block (this rank's query chunks against the K/V it holds now) is merged
+  into the running output with the online softmax: outputs weighted by exp(block LSE - total LSE), in fp32.
+- ``all_gather``: the K/V of all CP ranks are all-gathered, then each query chunk attends to the key chunks
+  it may see in one block.
+Per (query chunk, key chunk) pair the causal mask leaves three cases: a key chunk after the query chunk is
+skipped, one before it is fully visible, the same chunk is the causal diagonal. Document masks
+(--reset-attention-mask) come from the whole sequence's document ids, which every CP rank holds.
+
+Backward is autograd through the ring (the K/V hop is a differentiable send/receive) or through the
+all-gather (reduce-scatter of the K/V gradients). That keeps every step's received K/V for backward, i.e.
+the memory of the all-gather variant; Transformer Engine recomputes the blocks in backward instead.
+
+The block kernel (``attention_block``) is the explicit math path (scores, log-sum-exp, softmax, product) on
+every device: torch's SDPA does not return the log-sum-exp the merge needs, and its CUDA flash kernel that
+does (``aten._scaled_dot_product_flash_attention``) takes no mask. A faster CUDA block is a change of this
+one function.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region
+
+COMM_TYPES = ("p2p", "all_gather")
+_MASKED = -1e30  # a finite "minus infinity": fully masked rows keep finite LSEs and gradients (no NaN)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's context parallel group and how attention communicates over it (``comm_type``)."""
+    group: object
+    comm_type: str = "p2p"
+    size: int = field(init=False)
+    rank: int = field(init=False)
+
+    def __post_init__(self):
+        if self.comm_type not in COMM_TYPES:
+            raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {self.comm_type!r}")
+        object.__setattr__(self, "size", dist.get_world_size(self.group))
+        object.__setattr__(self, "rank", dist.get_rank(self.group))
+
+    def chunks_of(self, rank: int) -> tuple[int, int]:
+        """The two of the sequence's 2N chunks CP rank ``rank`` holds."""
+        return rank, 2 * self.size - 1 - rank
+
+    def positions(self, seq_length: int, device=None) -> torch.Tensor:
+        """This rank's global positions in a sequence of ``seq_length`` (its two chunks, in order)."""
+        c = seq_length // (2 * self.size)
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in self.chunks_of(self.rank)])
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of ``t`` along ``dim`` (the whole sequence there)."""
+        return t.index_select(dim, self.positions(t.shape[dim], t.device))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's ``[b, heads, s, d]`` queries over the whole sequence's keys
+        (``k``, ``v``: this rank's ``[b, groups, s, d]``; GQA when groups < heads); ``document_ids``:
+        ``[b, S]`` of the whole sequence, or None. Returns ``[b, heads, s, d]``."""
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:  # query head h uses key/value group h // repeat (model/transformer.py's layout)
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+        c = q.shape[2] // 2
+        kv = torch.cat([k, v], dim=1)
+        if self.comm_type == "all_gather":
+            everyone = gather_from_sequence_parallel_region(kv.unsqueeze(0), self.group).unbind(0)
+            sources = list(enumerate(everyone))
+        else:
+            sources = _ring(kv, self)
+        return _attend_chunks(q, sources, self, c, document_ids)
+
+
+def _ring(kv: torch.Tensor, cp: ContextParallel):
+    """(source rank, its K/V) for this rank's own K/V and then N-1 hops around the ring, each received
+    from the previous rank (lazily: a step's hop happens when the step is reached)."""
+    ranks = dist.get_process_group_ranks(cp.group)
+    send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
+    for step in range(cp.size):
+        if step:
+            kv = _RingHop.apply(kv, cp.group, send_to, recv_from)
+        yield (cp.rank - step) % cp.size, kv
+
+
+def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids) -> torch.Tensor:
+    """Run the visible blocks of each source's K/V against this rank's two query chunks and merge them."""
+    q_chunks = cp.chunks_of(cp.rank)
+    acc = [None, None]  # per query chunk: (output fp32, LSE fp32)
+    for src, kv in sources:
+        k, v = kv.chunk(2, dim=1)
+        k_chunks = cp.chunks_of(src)
+        for i, qc in enumerate(q_chunks):
+            visible = [j for j, kc in enumerate(k_chunks) if kc <= qc]  # later chunks: skipped
+            if not visible:
+                continue
+            cols = torch.cat([torch.arange(j * c, (j + 1) * c, device=q.device) for j in visible])
+            mask = _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, q.device)
+            block = attention_block(q[:, :, i * c:(i + 1) * c], k.index_select(2, cols), v.index_select(2, cols),
+                                    mask)
+            acc[i] = block if acc[i] is None else merge(*acc[i], *block)
+    # every query chunk sees at least its own diagonal block, so both accumulators exist
+    return torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
+
+
+def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> torch.Tensor | None:
+    """[b or 1, 1, c, len(k_chunks) * c] bool where a query may attend to a key: causal on the diagonal chunk
+    (fully visible elsewhere) and within the document; None where everything is visible."""
+    q_pos = torch.arange(qc * c, (qc + 1) * c, device=device)
+    k_pos = torch.cat([torch.arange(kc * c, (kc + 1) * c, device=device) for kc in k_chunks])
+    mask = None
+    if qc in k_chunks:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if document_ids is not None:
+        same = document_ids[:, q_pos][:, None, :, None] == document_ids[:, k_pos][:, None, None, :]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``[b, h, sq, d]`` q over ``[b, h, sk, d]`` k, v (``mask``: True = visible,
+    broadcastable to ``[b, h, sq, sk]``); returns (output fp32 ``[b, h, sq, d]``, log-sum-exp fp32
+    ``[b, h, sq]``). A row with nothing visible gets output 0 and an LSE of about -1e30, so merging it
+    changes nothing. The scale is SDPA's default, 1/sqrt(d)."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 stays fp64: the tests' references)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, _MASKED)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if mask is not None:
+        probs = probs * mask
+    return torch.matmul(probs, v.to(acc)), lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax: two blocks' attention over disjoint keys -> the attention over their union (fp32)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
+    return out, lse
+
+
+class _RingHop(torch.autograd.Function):
+    """Forward: send ``x`` to the next CP rank and receive the previous rank's. Backward: the gradient goes
+    the other way (to the rank the tensor came from)."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_to: int, recv_from: int):
+        ctx.group, ctx.send_to, ctx.recv_from = group, send_to, recv_from
+        return _exchange(x.contiguous(), group, send_to, recv_from)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to), None, None, None
+
+
+def _exchange(x: torch.Tensor, group, send_to: int, recv_from: int) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
