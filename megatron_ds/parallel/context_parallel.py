@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region
 
@@ -66,10 +67,11 @@ class ContextParallel:
         return t.index_select(dim, self.positions(t.shape[dim], t.device))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                  document_ids: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
         """Causal attention of this rank's ``[b, heads, s, d]`` queries over the whole sequence's keys
         (``k``, ``v``: this rank's ``[b, groups, s, d]``; GQA when groups < heads); ``document_ids``:
-        ``[b, S]`` of the whole sequence, or None. Returns ``[b, heads, s, d]``."""
+        ``[b, S]`` of the whole sequence, or None; ``dropout_p``: attention dropout (drawn from the current
+        generator). Returns ``[b, heads, s, d]``."""
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # query head h uses key/value group h // repeat (model/transformer.py's layout)
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
@@ -80,7 +82,7 @@ class ContextParallel:
             sources = list(enumerate(everyone))
         else:
             sources = _ring(kv, self)
-        return _attend_chunks(q, sources, self, c, document_ids)
+        return _attend_chunks(q, sources, self, c, document_ids, dropout_p)
 
 
 def _ring(kv: torch.Tensor, cp: ContextParallel):
@@ -94,7 +96,7 @@ def _ring(kv: torch.Tensor, cp: ContextParallel):
         yield (cp.rank - step) % cp.size, kv
 
 
-def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids) -> torch.Tensor:
+def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids, dropout_p: float) -> torch.Tensor:
     """Run the visible blocks of each source's K/V against this rank's two query chunks and merge them."""
     q_chunks = cp.chunks_of(cp.rank)
     acc = [None, None]  # per query chunk: (output fp32, LSE fp32)
@@ -108,7 +110,7 @@ def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids) -> tor
             cols = torch.cat([torch.arange(j * c, (j + 1) * c, device=q.device) for j in visible])
             mask = _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, q.device)
             block = attention_block(q[:, :, i * c:(i + 1) * c], k.index_select(2, cols), v.index_select(2, cols),
-                                    mask)
+                                    mask, dropout_p)
             acc[i] = block if acc[i] is None else merge(*acc[i], *block)
     # every query chunk sees at least its own diagonal block, so both accumulators exist
     return torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
@@ -128,12 +130,14 @@ def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> t
     return mask
 
 
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``[b, h, sq, d]`` q over ``[b, h, sk, d]`` k, v (``mask``: True = visible,
     broadcastable to ``[b, h, sq, sk]``); returns (output fp32 ``[b, h, sq, d]``, log-sum-exp fp32
     ``[b, h, sq]``). A row with nothing visible gets output 0 and an LSE of about -1e30, so merging it
-    changes nothing. The scale is SDPA's default, 1/sqrt(d)."""
+    changes nothing. The scale is SDPA's default, 1/sqrt(d). Dropout drops (and rescales) the block's
+    probabilities after the LSE is taken: the merge only rescales whole blocks, so that is dropout of the
+    final softmax, as SDPA's."""
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 stays fp64: the tests' references)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
@@ -142,6 +146,8 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     probs = torch.exp(scores - lse.unsqueeze(-1))
     if mask is not None:
         probs = probs * mask
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v.to(acc)), lse
 
 

@@ -57,6 +57,7 @@ class TrainPlan:
 
     def __init__(self, layout):
         self.schedule, self.train_iters, self.curriculum = layout.schedule, layout.train_iters, layout.curriculum
+        self.cp = layout.cp
         self.seqlen = layout.model.seq_length  # tokens per sample of the coming step
 
     def keep_going(self, state) -> bool:
@@ -69,8 +70,9 @@ class TrainPlan:
         """Set the engine's global batch for the next step (ramp-up, as Megatron-DeepSpeed's train loop
         calls ``model[0].set_train_batch_size``); returns it."""
         batch = self.schedule.global_batch_at(state.consumed_train_samples)
-        if self.schedule.rampup is not None and engine.train_batch_size() != batch:
-            engine.set_train_batch_size(batch)  # DeepSpeed keeps the micro batch, changes accumulation steps
+        # DeepSpeed's data parallel ranks are DP x CP: its batch counts a sample once per CP rank (config/layout.py)
+        if self.schedule.rampup is not None and engine.train_batch_size() != batch * self.cp:
+            engine.set_train_batch_size(batch * self.cp)  # DeepSpeed keeps the micro batch, changes accumulation steps
         if isinstance(engine.lr_scheduler, ConsumedLRSchedule):
             engine.lr_scheduler.begin_iteration(batch, state.consumed_train_tokens)
         if self.curriculum is not None:  # megatron/training.py: update_difficulty(iteration + 1)

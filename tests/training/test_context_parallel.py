@@ -1,0 +1,54 @@
+"""Context parallelism (--context-parallel-size, parallel/context_parallel.py): the same data, seed and global
+batch trained for 5 steps with every sequence split into 2 x CP chunks over CP ranks gives the losses of the
+same model trained at CP 1, for a GPT (learned positions, document-reset masks, DeepSpeed's pipeline engine)
+and a Llama-style model (RoPE at the chunks' global positions, GQA, document resets, the plain engine), with
+the ring (p2p) and the all-gather exchange, with TP 2 and with PP 2; a checkpoint saved at CP 2 continues at
+CP 1 as the uninterrupted CP 1 run.
+
+Dropout is off (its stream depends on the layout). Tolerance rtol 2e-5 as test_ulysses.py's (fp32 sums in
+another order: attention merged block by block with the online softmax, the loss a sum of per-chunk sums,
+gradients averaged over DP x CP); a wrong chunk, position or mask moves the loss by 1e-3 or more
+(``test_the_comparisons_can_fail``).
+"""
+import pytest
+
+from tests.distributed import run_distributed
+from tests.training.common import LLAMA_FLAGS, TINY_GPT, train_losses
+
+STEPS = ["--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--num-layers", "2", "--lr-warmup-iters", "0"]
+RTOL = 2e-5
+# document resets: mock tokens are uniform over the vocabulary and the last id ends a document
+# (vocabulary 16, EOD 15: about two documents end in every 33-token sample)
+RESET = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--vocab-size", "16"]
+LLAMA = LLAMA_FLAGS + ["--num-attention-heads", "4", "--num-key-value-heads", "2", "--no-pipeline-parallel"] + RESET
+
+
+def _losses(cp, extra=(), tp=1, pp=1, steps=STEPS):
+    argv = TINY_GPT + steps + ["--context-parallel-size", str(cp), "--tensor-model-parallel-size", str(tp),
+                               "--pipeline-model-parallel-size", str(pp), *extra]
+    results = run_distributed(train_losses, tp * pp * cp, argv, timeout=300)
+    last = results[-1]  # the last pipeline stage's ranks
+    assert [it for it, _ in last] == list(range(1, 6))
+    for other in results[-tp * cp:]:  # every CP rank reports the whole sequence's loss
+        assert other == last
+    return [loss for _, loss in last]
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return _losses(1, LLAMA)
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _losses(1, RESET)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_llama_cp2_matches_cp1(llama_reference, comm):
+    assert _losses(2, LLAMA + ["--cp-comm-type", comm]) == pytest.approx(llama_reference, rel=RTOL)
+
+
+def test_gpt_cp2_on_the_pipeline_engine_matches_cp1(gpt_reference):
+    assert _losses(2, RESET) == pytest.approx(gpt_reference, rel=RTOL)
