@@ -52,3 +52,27 @@ def test_llama_cp2_matches_cp1(llama_reference, comm):
 
 def test_gpt_cp2_on_the_pipeline_engine_matches_cp1(gpt_reference):
     assert _losses(2, RESET) == pytest.approx(gpt_reference, rel=RTOL)
+
+
+def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
+    """4 ranks: TP 2 (each holding one key/value group, its activations split over TP outside attention)
+    x CP 2 (Megatron's order: the TP ranks adjacent, then CP)."""
+    assert _losses(2, LLAMA + ["--sequence-parallel"], tp=2) == pytest.approx(llama_reference, rel=RTOL)
+
+
+def test_gpt_cp2_pp2_matches_cp1(gpt_reference):
+    """4 ranks: PP 2 on DeepSpeed's pipeline engine (the document ids cross the stage boundary whole) x CP 2."""
+    assert _losses(2, RESET, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
+    """The weights do not depend on CP: 2 steps at CP 2 with ZeRO 1 (the optimizer state sharded over the
+    DP x CP ranks), saved, continue at CP 1 (resharded) with the uninterrupted CP 1 run's losses."""
+    argv = TINY_GPT + STEPS + LLAMA + ["--zero-stage", "1"]
+    straight = run_distributed(train_losses, 1, argv, timeout=300)[0]
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_losses, 2, argv + ["--context-parallel-size", "2", "--save", ckpt, "--save-interval", "100",
+                                             "--exit-interval", "2"], timeout=300)
+    second = run_distributed(train_losses, 1, argv + ["--load", ckpt], timeout=300)[0]
+    assert [it for it, _ in second] == [3, 4, 5]
+    assert [loss for _, loss in second] == pytest.approx([loss for _, loss in straight[2:]], rel=RTOL)
