@@ -267,7 +267,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Megatron-LM's context parallelism: ranks that each hold 2 of the sequence's 2N chunks (chunks i and
     2N-1-i) in every layer; attention exchanges keys and values over them (docs/context-parallel.md)."""
-    cp_comm_type: Optional[list] = meta(None, nargs="+")
+    cp_comm_type: Optional[list] = meta(None, nargs="+", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
     """How context parallel attention exchanges keys and values: p2p (a ring, Megatron-LM's default) or
     all_gather; one value, or one per layer (all equal here). a2a and a2a+p2p are refused."""
     hierarchical_context_parallel_sizes: Optional[list] = meta(None, nargs="+")

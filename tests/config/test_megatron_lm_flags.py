@@ -68,6 +68,7 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
         "--mlp-chunks-for-training", "--rope-type", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
         "--exp-avg-sq-dtype", "--error-injection-rate", "--recompute-modules",
         # fields of megatron_ds's own, passed at their default
+        "--context-parallel-size",
         "--norm-epsilon", "--position-embedding-type", "--relative-attention-num-buckets",
         "--relative-attention-max-distance", "--rotary-base", "--rope-scaling-factor", "--profile-step-start", "--profile-step-end",
         "--straggler-ctrlr-port", "--straggler-minmax-count", "--tiktoken-num-special-tokens",

@@ -1,0 +1,66 @@
+"""--context-parallel-size / --cp-comm-type: the layout they resolve to, --dry-run's report, the memory
+estimate's share of the sequence, and every combination refused in one line (config/validation.py
+``check_context_parallel``; Megatron-LM's own conditions: megatron/training/arguments.py validate_args)."""
+import pytest
+
+from megatron_ds.families import main
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.config.memory import activation_bytes_per_layer, logits_bytes
+from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3").split()
+
+
+def make(*extra, world=1):
+    cfg, _ = parse_args(BASE + list(extra))
+    return resolve(cfg, world_size=world, vocab_size=1000, ds_template=None, device_type="cpu", family=GPT)
+
+
+def test_cp_splits_the_world_and_deepspeed_counts_dp_times_cp_ranks():
+    layout = make("--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                  world=8).layout
+    assert (layout.tp, layout.cp, layout.dp, layout.grad_accum_steps) == (2, 2, 2, 2)
+    # DeepSpeed's data parallel ranks are DP x CP = 4: it checks train_batch_size = micro 2 x 2 steps x 4
+    assert layout.ds_config["train_batch_size"] == 16 and layout.global_batch_size == 8
+    assert "TP 2 x PP 1 x CP 2 (context parallel, p2p) x DP 2" in layout.summary()
+    assert make("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=2).layout.cp_comm_type == \
+        "all_gather"
+
+
+def test_dry_run_prints_the_cp_layout(capsys):
+    rc = main(BASE + ["--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "8",
+                      "--context-parallel-size", "4", "--global-batch-size", "4"])
+    assert rc == 0
+    assert "world size 8 = TP 1 x PP 1 x CP 4 (context parallel, p2p) x DP 2" in capsys.readouterr().out
+
+
+def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
+    """Each CP rank keeps the activations of seq / CP tokens: the per-layer term and the logits at CP 4 are
+    those of a CP 1 run at a quarter of the sequence (the same tokens per rank)."""
+    cp4 = make("--context-parallel-size", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+               world=4).layout
+    cp1 = make("--seq-length", "16", world=1).layout
+    assert activation_bytes_per_layer(cp4, recompute=None) == activation_bytes_per_layer(cp1, recompute=None)
+    assert logits_bytes(cp4) == logits_bytes(cp1)
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--seq-length", "30", "--max-position-embeddings", "32"], "--seq-length 30 is not a multiple of 2 x"),
+    (["--cp-comm-type", "a2a"], "use --ds-sequence-parallel-size N instead"),
+    (["--cp-comm-type", "a2a+p2p"], "hierarchical context parallelism is not built"),
+    (["--hierarchical-context-parallel-sizes", "1", "2"], "hierarchical context parallelism is not built"),
+    (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
+    (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "4"], "interleaved or ZB-H1"),
+    (["--num-experts", "2"], "mixture-of-experts"),
+    (["--compile-layers"], "--compile-layers"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
+])
+def test_refused_in_one_line(extra, says):
+    world = 4 if "--pipeline-model-parallel-size" in extra or "--ds-sequence-parallel-size" in extra else 2
+    with pytest.raises(ConfigError, match="context") as err:
+        make("--context-parallel-size", "2", *extra, world=world)
+    assert says in str(err.value) and "\n" not in str(err.value)
