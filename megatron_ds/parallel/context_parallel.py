@@ -15,7 +15,8 @@ Per (query chunk, key chunk) pair the causal mask leaves three cases: a key chun
 skipped, one before it is fully visible, the same chunk is the causal diagonal. Document masks
 (--reset-attention-mask) come from the whole sequence's document ids, which every CP rank holds.
 
-Backward is autograd through the ring (the K/V hop is a differentiable send/receive) or through the
+Backward is autograd through the ring (the K/V hop is a differentiable send/receive; in forward each hop is
+in flight while the previous step's blocks compute) or through the
 all-gather (reduce-scatter of the K/V gradients). That keeps every step's received K/V for backward, i.e.
 the memory of the all-gather variant; Transformer Engine recomputes the blocks in backward instead.
 
@@ -87,13 +88,19 @@ class ContextParallel:
 
 def _ring(kv: torch.Tensor, cp: ContextParallel):
     """(source rank, its K/V) for this rank's own K/V and then N-1 hops around the ring, each received
-    from the previous rank (lazily: a step's hop happens when the step is reached)."""
+    from the previous rank. The next hop is in flight while the caller computes the current step's blocks
+    (Transformer Engine's overlap); it is waited for when the next step is asked for."""
     ranks = dist.get_process_group_ranks(cp.group)
     send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
     for step in range(cp.size):
-        if step:
-            kv = _RingHop.apply(kv, cp.group, send_to, recv_from)
+        pending = []
+        if step + 1 < cp.size:
+            received = _RingHop.apply(kv, cp.group, send_to, recv_from, pending)
         yield (cp.rank - step) % cp.size, kv
+        for work in pending:
+            work.wait()
+        if step + 1 < cp.size:
+            kv = received
 
 
 def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids, dropout_p: float) -> torch.Tensor:
@@ -160,22 +167,28 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 class _RingHop(torch.autograd.Function):
-    """Forward: send ``x`` to the next CP rank and receive the previous rank's. Backward: the gradient goes
-    the other way (to the rank the tensor came from)."""
+    """Forward: send ``x`` to the next CP rank and receive the previous rank's into the returned tensor,
+    asynchronously: the exchange's handles go to ``pending``, which the caller waits for before reading it.
+    Backward: the gradient goes the other way (to the rank the tensor came from), synchronously."""
 
     @staticmethod
-    def forward(ctx, x, group, send_to: int, recv_from: int):
+    def forward(ctx, x, group, send_to: int, recv_from: int, pending: list):
         ctx.group, ctx.send_to, ctx.recv_from = group, send_to, recv_from
-        return _exchange(x.contiguous(), group, send_to, recv_from)
+        out, works = _start_exchange(x.contiguous(), group, send_to, recv_from)
+        pending.extend(works)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to), None, None, None
+        out, works = _start_exchange(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to)
+        for work in works:
+            work.wait()
+        return out, None, None, None, None
 
 
-def _exchange(x: torch.Tensor, group, send_to: int, recv_from: int) -> torch.Tensor:
+def _start_exchange(x: torch.Tensor, group, send_to: int, recv_from: int):
+    """Start sending ``x`` to ``send_to`` and receiving a tensor like it from ``recv_from`` (global ranks);
+    returns (the receive buffer, the handles). ``x`` must stay unchanged until they complete."""
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return out
+    return out, dist.batch_isend_irecv(ops)

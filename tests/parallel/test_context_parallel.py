@@ -45,11 +45,13 @@ def _sharded(rank, world_size, comm_type, with_docs):
     return cp.positions(S), out.detach(), *(t.grad for t in local)
 
 
-@pytest.mark.parametrize("comm_type,with_docs", [("p2p", True), ("all_gather", True), ("p2p", False)])
-def test_context_parallel_attention_equals_full_attention(comm_type, with_docs):
+@pytest.mark.parametrize("comm_type,with_docs,cp", [("p2p", True, 2), ("all_gather", True, 2), ("p2p", False, 2),
+                                                    ("p2p", True, 4), ("all_gather", False, 4)])
+def test_context_parallel_attention_equals_full_attention(comm_type, with_docs, cp):
+    """CP 4: three hops around the ring, chunks of 2 positions."""
     docs = _inputs()[3] if with_docs else torch.zeros(B, S, dtype=torch.long)
     ref = _reference(docs)
-    ranks = run_distributed(_sharded, 2, comm_type, with_docs, timeout=60)
+    ranks = run_distributed(_sharded, cp, comm_type, with_docs, timeout=60)
     assert sorted(torch.cat([r[0] for r in ranks]).tolist()) == list(range(S))  # every position once
     for positions, *got in ranks:
         for name, mine, full in zip(("out", "dq", "dk", "dv"), got, ref):

@@ -45,9 +45,10 @@ def gpt_reference():
     return _losses(1, RESET)
 
 
-@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-def test_llama_cp2_matches_cp1(llama_reference, comm):
-    assert _losses(2, LLAMA + ["--cp-comm-type", comm]) == pytest.approx(llama_reference, rel=RTOL)
+@pytest.mark.parametrize("comm,recompute", [("p2p", []), ("all_gather", ["--recompute-activations"])])
+def test_llama_cp2_matches_cp1(llama_reference, comm, recompute):
+    """all_gather with selective recompute: the attention core (its all-gather) reruns in backward."""
+    assert _losses(2, LLAMA + ["--cp-comm-type", comm, *recompute]) == pytest.approx(llama_reference, rel=RTOL)
 
 
 def test_gpt_cp2_on_the_pipeline_engine_matches_cp1(gpt_reference):
@@ -61,8 +62,9 @@ def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
 
 
 def test_gpt_cp2_pp2_matches_cp1(gpt_reference):
-    """4 ranks: PP 2 on DeepSpeed's pipeline engine (the document ids cross the stage boundary whole) x CP 2."""
-    assert _losses(2, RESET, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
+    """4 ranks: PP 2 on DeepSpeed's pipeline engine (the document ids cross the stage boundary whole) x CP 2,
+    with full recompute (each layer's forward, ring included, reruns in backward)."""
+    assert _losses(2, RESET + ["--checkpoint-activations"], pp=2) == pytest.approx(gpt_reference, rel=RTOL)
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
