@@ -392,7 +392,6 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, own_schedule: boo
         "mixture-of-experts layers (--num-experts > 1)": moe,
         "FP8 (--fp8-format)": fp8,
         "--compile-layers (the ring's point-to-point exchange runs eagerly; drop it)": m.compile_layers is True,
-        "--calculate-per-token-loss (the loss is the sequence's token mean)": bool(flags.training.calculate_per_token_loss),
         "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
     }
     refused = [what for what, on in refusals.items() if on]

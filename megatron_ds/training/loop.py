@@ -93,8 +93,8 @@ def _plain_loss(engine, batch, loss_fn):
 
 def _global_tokens(micro_batches, group, sp: int, device) -> float:
     """Loss tokens of the global batch: this rank's micro-batches' loss masks (none on a middle pipeline
-    stage, which reads no data) summed over ``group`` (data x sequence parallel ranks; each of a sample's
-    ``sp`` sequence parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
+    stage, which reads no data) summed over ``group`` (data x sequence or context parallel ranks; each of a
+    sample's ``sp`` sequence or context parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
     local = sum(float(labels[1].float().sum()) for _, labels in micro_batches)
     total = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
@@ -110,7 +110,7 @@ def _per_token(token_scale, engine, data_iter, layout, dp_group):
         return
     steps = engine.gradient_accumulation_steps()  # changes during a batch-size ramp-up
     batches = list(itertools.islice(data_iter, steps))
-    tokens = _global_tokens(batches, dp_group, layout.sp, engine.device)
+    tokens = _global_tokens(batches, dp_group, layout.sp * layout.cp, engine.device)
     with token_scale.scaled(layout.dp * steps, tokens):
         yield iter(batches)
 
@@ -154,7 +154,7 @@ def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int, toke
         total = tokens = 0.0
         for _ in range(eval_iters):
             batches = list(itertools.islice(data_iter, layout.grad_accum_steps))
-            n = _global_tokens(batches, dp_group, layout.sp, engine.device)
+            n = _global_tokens(batches, dp_group, layout.sp * layout.cp, engine.device)
             with token_scale.scaled(layout.dp * layout.grad_accum_steps, n):
                 total += _evaluate(engine, iter(batches), layout, loss_fn, dp_group, 1) * n
             tokens += n

@@ -21,7 +21,10 @@ RTOL = 2e-5
 # document resets: mock tokens are uniform over the vocabulary and the last id ends a document
 # (vocabulary 16, EOD 15: about two documents end in every 33-token sample)
 RESET = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--vocab-size", "16"]
-LLAMA = LLAMA_FLAGS + ["--num-attention-heads", "4", "--num-key-value-heads", "2", "--no-pipeline-parallel"] + RESET
+# --calculate-per-token-loss: the loss tokens of the whole global batch divide the summed token losses (with
+# --eod-mask-loss the micro-batches keep different counts, so it differs from the mean of their means)
+LLAMA = LLAMA_FLAGS + ["--num-attention-heads", "4", "--num-key-value-heads", "2", "--no-pipeline-parallel",
+                       "--calculate-per-token-loss"] + RESET
 
 
 def _losses(cp, extra=(), tp=1, pp=1, steps=STEPS):
