@@ -16,9 +16,10 @@ skipped, one before it is fully visible, the same chunk is the causal diagonal. 
 (--reset-attention-mask) come from the whole sequence's document ids, which every CP rank holds.
 
 Backward is autograd through the ring (the K/V hop is a differentiable send/receive; in forward each hop is
-in flight while the previous step's blocks compute) or through the
-all-gather (reduce-scatter of the K/V gradients). That keeps every step's received K/V for backward, i.e.
-the memory of the all-gather variant; Transformer Engine recomputes the blocks in backward instead.
+in flight while the previous step's blocks compute) or through the all-gather (reduce-scatter of the K/V
+gradients). Each block keeps only its inputs, output and LSE and recomputes its probabilities in backward
+(``_Block``), but every step's received K/V is kept for backward (the whole sequence's K/V per rank, the
+all-gather variant's memory), where Transformer Engine sends them around the ring again.
 
 The block kernel (``attention_block``) is the explicit math path (scores, log-sum-exp, softmax, product) on
 every device: torch's SDPA does not return the log-sum-exp the merge needs, and its CUDA flash kernel that
@@ -139,6 +140,45 @@ def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> t
 
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_math_block``, keeping for backward only its inputs, output and LSE (``_Block``: the scores and
+    probabilities are recomputed there, as flash attention does), so a rank keeps no [queries, keys] tensor
+    per block. With dropout, autograd through ``_math_block`` (its mask would have to be redrawn)."""
+    if dropout_p > 0.0 and torch.is_grad_enabled():
+        return _math_block(q, k, v, mask, dropout_p)
+    return _Block.apply(q, k, v, mask)
+
+
+class _Block(torch.autograd.Function):
+    """``_math_block`` without dropout, its backward recomputing the probabilities from the LSE. With
+    P = exp(S - lse) and the block's output O: dV = P^T dO, dP = dO V^T, and dS = P (dP - rowsum(dO O) + dlse)
+    (the LSE's own gradient, which the merge gives it, adds dlse x P since d lse / dS = P)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out, lse = _math_block(q, k, v, mask, 0.0)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        acc, scale = out.dtype, 1.0 / math.sqrt(q.shape[-1])
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, _MASKED)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        if mask is not None:
+            probs = probs * mask
+        d_v = torch.matmul(probs.transpose(-1, -2), d_out)
+        d_probs = torch.matmul(d_out, va.transpose(-1, -2))
+        d_scores = probs * (d_probs - (d_out * out).sum(-1, keepdim=True) + d_lse.unsqueeze(-1)) * scale
+        d_q, d_k = torch.matmul(d_scores, ka), torch.matmul(d_scores.transpose(-1, -2), qa)
+        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
+
+
+def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``[b, h, sq, d]`` q over ``[b, h, sk, d]`` k, v (``mask``: True = visible,
     broadcastable to ``[b, h, sq, sk]``); returns (output fp32 ``[b, h, sq, d]``, log-sum-exp fp32
     ``[b, h, sq]``). A row with nothing visible gets output 0 and an LSE of about -1e30, so merging it
