@@ -15,11 +15,13 @@ Per (query chunk, key chunk) pair the causal mask leaves three cases: a key chun
 skipped, one before it is fully visible, the same chunk is the causal diagonal. Document masks
 (--reset-attention-mask) come from the whole sequence's document ids, which every CP rank holds.
 
-Backward is autograd through the ring (the K/V hop is a differentiable send/receive; in forward each hop is
-in flight while the previous step's blocks compute) or through the all-gather (reduce-scatter of the K/V
-gradients). Each block keeps only its inputs, output and LSE and recomputes its probabilities in backward
-(``_Block``), but every step's received K/V is kept for backward (the whole sequence's K/V per rank, the
-all-gather variant's memory), where Transformer Engine sends them around the ring again.
+In forward each ring hop is in flight while the previous step's blocks compute. Backward of the ring
+(``_RingAttention``, Transformer Engine's design) keeps only this rank's q, k, v, output and LSE, sends the
+K/V around the ring again and the K/V gradients along with them back to their owners, recomputing each
+block's probabilities. With attention dropout (whose masks would have to be redrawn) and for the
+all-gather, backward is autograd through the hops (a differentiable send/receive) or the all-gather
+(reduce-scatter of the K/V gradients) and the blocks (``_Block``, which also recomputes its probabilities):
+every step's received K/V (the whole sequence's, per rank) is then kept for backward.
 
 The block kernel (``attention_block``) is the explicit math path (scores, log-sum-exp, softmax, product) on
 every device: torch's SDPA does not return the log-sum-exp the merge needs, and its CUDA flash kernel that
@@ -78,13 +80,15 @@ class ContextParallel:
         if repeat > 1:  # query head h uses key/value group h // repeat (model/transformer.py's layout)
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         c = q.shape[2] // 2
+        if self.comm_type == "p2p" and not (dropout_p > 0.0 and torch.is_grad_enabled()):
+            return _RingAttention.apply(q, k, v, self, document_ids)
         kv = torch.cat([k, v], dim=1)
         if self.comm_type == "all_gather":
             everyone = gather_from_sequence_parallel_region(kv.unsqueeze(0), self.group).unbind(0)
             sources = list(enumerate(everyone))
         else:
             sources = _ring(kv, self)
-        return _attend_chunks(q, sources, self, c, document_ids, dropout_p)
+        return _attend_chunks(q, sources, self, c, document_ids, dropout_p)[0].to(q.dtype)
 
 
 def _ring(kv: torch.Tensor, cp: ContextParallel):
@@ -104,24 +108,99 @@ def _ring(kv: torch.Tensor, cp: ContextParallel):
             kv = received
 
 
-def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids, dropout_p: float) -> torch.Tensor:
-    """Run the visible blocks of each source's K/V against this rank's two query chunks and merge them."""
-    q_chunks = cp.chunks_of(cp.rank)
+def _visible_blocks(cp: ContextParallel, src: int, c: int, document_ids, device):
+    """(query chunk index i of this rank, key/value columns of ``src``'s two chunks it sees, their mask) for
+    each of this rank's query chunks that sees any of them: a later key chunk is skipped."""
+    k_chunks = cp.chunks_of(src)
+    for i, qc in enumerate(cp.chunks_of(cp.rank)):
+        visible = [j for j, kc in enumerate(k_chunks) if kc <= qc]
+        if visible:
+            cols = torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in visible])
+            yield i, cols, _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, device)
+
+
+def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids,
+                   dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the visible blocks of each source's K/V against this rank's two query chunks and merge them;
+    returns (output, LSE), fp32."""
     acc = [None, None]  # per query chunk: (output fp32, LSE fp32)
     for src, kv in sources:
         k, v = kv.chunk(2, dim=1)
-        k_chunks = cp.chunks_of(src)
-        for i, qc in enumerate(q_chunks):
-            visible = [j for j, kc in enumerate(k_chunks) if kc <= qc]  # later chunks: skipped
-            if not visible:
-                continue
-            cols = torch.cat([torch.arange(j * c, (j + 1) * c, device=q.device) for j in visible])
-            mask = _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, q.device)
+        for i, cols, mask in _visible_blocks(cp, src, c, document_ids, q.device):
             block = attention_block(q[:, :, i * c:(i + 1) * c], k.index_select(2, cols), v.index_select(2, cols),
                                     mask, dropout_p)
             acc[i] = block if acc[i] is None else merge(*acc[i], *block)
     # every query chunk sees at least its own diagonal block, so both accumulators exist
-    return torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
+    return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The p2p ring without dropout, as Transformer Engine's ``AttnFuncWithCPAndKVP2P``: forward keeps only
+    this rank's q, k, v, the merged output and LSE; backward sends the K/V around the ring again, each rank
+    adding its queries' share of the K/V gradient to an accumulator that travels with them and arrives back
+    at the K/V's owner after N hops. Each block's gradient is flash attention's, from the final output and
+    LSE: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q (scaled)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, document_ids):
+        out, lse = _attend_chunks(q, _ring(torch.cat([k, v], dim=1), cp), cp, q.shape[2] // 2, document_ids, 0.0)
+        ctx.cp, ctx.document_ids = cp, document_ids
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, c, acc = ctx.cp, q.shape[2] // 2, out.dtype
+        d_out = d_out.to(acc)
+        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(dO O)
+        qa, d_q = q.to(acc), torch.zeros_like(out)
+        ranks = dist.get_process_group_ranks(cp.group)
+        send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
+        kv = torch.cat([k, v], dim=1).to(acc)
+        d_kv = torch.zeros_like(kv)  # the gradient of the K/V this rank holds now, from the ranks it has visited
+        for step in range(cp.size):
+            src = (cp.rank - step) % cp.size
+            _block_grads(qa, kv, d_kv, d_q, d_out, delta, lse, _visible_blocks(cp, src, c, ctx.document_ids, q.device))
+            if step + 1 < cp.size:  # both move on
+                kv, d_kv = _exchange([kv, d_kv], cp.group, send_to, recv_from)
+            else:  # the gradient takes one more hop, to the K/V's owner
+                (d_kv,) = _exchange([d_kv], cp.group, send_to, recv_from)
+        d_k, d_v = d_kv.chunk(2, dim=1)
+        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None
+
+
+def _block_grads(q, kv, d_kv, d_q, d_out, delta, lse, blocks) -> None:
+    """Add each block's gradients (``_RingAttention``) into ``d_q`` and ``d_kv`` (in place, fp32)."""
+    k, v = kv.chunk(2, dim=1)
+    d_k, d_v = d_kv.chunk(2, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    c = q.shape[2] // 2
+    for i, cols, mask in blocks:
+        rows = slice(i * c, (i + 1) * c)
+        k_b, v_b = k.index_select(2, cols), v.index_select(2, cols)
+        scores = torch.matmul(q[:, :, rows], k_b.transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, _MASKED)
+        probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
+        if mask is not None:
+            probs = probs * mask
+        d_v.index_add_(2, cols, torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]))
+        d_scores = probs * (torch.matmul(d_out[:, :, rows], v_b.transpose(-1, -2)) - delta[:, :, rows]) * scale
+        d_q[:, :, rows] += torch.matmul(d_scores, k_b)
+        d_k.index_add_(2, cols, torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]))
+
+
+def _exchange(tensors: list, group, send_to: int, recv_from: int) -> list:
+    """Send ``tensors`` to ``send_to`` and receive tensors like them from ``recv_from``, synchronously."""
+    ops, received = [], []
+    for t in tensors:
+        out = torch.empty_like(t)
+        ops += [dist.P2POp(dist.isend, t.contiguous(), send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
+        received.append(out)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
 
 
 def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.parallel.context_parallel import ContextParallel, attention_block, merge
+from megatron_ds.parallel.context_parallel import ContextParallel, _attend_chunks, _ring, attention_block, merge
 from tests.distributed import run_distributed
 
 B, H, G, S, D = 2, 4, 2, 16, 8  # GQA: 2 query heads per key/value group
@@ -36,17 +36,22 @@ def _grad_out():
 
 
 def _sharded(rank, world_size, comm_type, with_docs):
-    cp = ContextParallel(torch.distributed.group.WORLD, comm_type)
+    cp = ContextParallel(torch.distributed.group.WORLD, comm_type.removesuffix("_autograd"))
     q, k, v, docs = _inputs()
     docs = docs if with_docs else None
     local = [cp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = cp.attention(*local, document_ids=docs)
+    if comm_type == "p2p_autograd":  # the ring attention dropout runs: autograd through the hops and blocks
+        kv = torch.cat([t.repeat_interleave(H // G, 1) for t in local[1:]], dim=1)
+        out = _attend_chunks(local[0], _ring(kv, cp), cp, S // (2 * cp.size), docs, 0.0)[0]
+    else:
+        out = cp.attention(*local, document_ids=docs)
     out.backward(cp.shard(_grad_out(), dim=2))
     return cp.positions(S), out.detach(), *(t.grad for t in local)
 
 
 @pytest.mark.parametrize("comm_type,with_docs,cp", [("p2p", True, 2), ("all_gather", True, 2), ("p2p", False, 2),
-                                                    ("p2p", True, 4), ("all_gather", False, 4)])
+                                                    ("p2p", True, 4), ("all_gather", False, 4),
+                                                    ("p2p_autograd", True, 4)])
 def test_context_parallel_attention_equals_full_attention(comm_type, with_docs, cp):
     """CP 4: three hops around the ring, chunks of 2 positions."""
     docs = _inputs()[3] if with_docs else torch.zeros(B, S, dtype=torch.long)
