@@ -76,10 +76,7 @@ class ContextParallel:
         (``k``, ``v``: this rank's ``[b, groups, s, d]``; GQA when groups < heads); ``document_ids``:
         ``[b, S]`` of the whole sequence, or None; ``dropout_p``: attention dropout (drawn from the current
         generator). Returns ``[b, heads, s, d]``."""
-        repeat = q.shape[1] // k.shape[1]
-        if repeat > 1:  # query head h uses key/value group h // repeat (model/transformer.py's layout)
-            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
-        c = q.shape[2] // 2
+        c = q.shape[2] // 2  # the K/V travel as groups; each block expands them to the query heads
         if self.comm_type == "p2p" and not (dropout_p > 0.0 and torch.is_grad_enabled()):
             return _RingAttention.apply(q, k, v, self, document_ids)
         kv = torch.cat([k, v], dim=1)
@@ -125,7 +122,7 @@ def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids,
     returns (output, LSE), fp32."""
     acc = [None, None]  # per query chunk: (output fp32, LSE fp32)
     for src, kv in sources:
-        k, v = kv.chunk(2, dim=1)
+        k, v = (_expand(t, q.shape[1]) for t in kv.chunk(2, dim=1))
         for i, cols, mask in _visible_blocks(cp, src, c, document_ids, q.device):
             block = attention_block(q[:, :, i * c:(i + 1) * c], k.index_select(2, cols), v.index_select(2, cols),
                                     mask, dropout_p)
@@ -145,16 +142,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: ContextParallel, document_ids):
         out, lse = _attend_chunks(q, _ring(torch.cat([k, v], dim=1), cp), cp, q.shape[2] // 2, document_ids, 0.0)
         ctx.cp, ctx.document_ids = cp, document_ids
+        out = out.to(q.dtype)  # kept in the compute dtype, as flash attention keeps its output
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, c, acc = ctx.cp, q.shape[2] // 2, out.dtype
+        cp, c, acc = ctx.cp, q.shape[2] // 2, lse.dtype
         d_out = d_out.to(acc)
-        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(dO O)
-        qa, d_q = q.to(acc), torch.zeros_like(out)
+        delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO O)
+        qa, d_q = q.to(acc), torch.zeros_like(d_out)
         ranks = dist.get_process_group_ranks(cp.group)
         send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
         kv = torch.cat([k, v], dim=1).to(acc)
@@ -172,7 +170,8 @@ class _RingAttention(torch.autograd.Function):
 
 def _block_grads(q, kv, d_kv, d_q, d_out, delta, lse, blocks) -> None:
     """Add each block's gradients (``_RingAttention``) into ``d_q`` and ``d_kv`` (in place, fp32)."""
-    k, v = kv.chunk(2, dim=1)
+    heads = q.shape[1]
+    k, v = (_expand(t, heads) for t in kv.chunk(2, dim=1))
     d_k, d_v = d_kv.chunk(2, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1])
     c = q.shape[2] // 2
@@ -185,10 +184,23 @@ def _block_grads(q, kv, d_kv, d_q, d_out, delta, lse, blocks) -> None:
         probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
         if mask is not None:
             probs = probs * mask
-        d_v.index_add_(2, cols, torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]))
+        d_v.index_add_(2, cols, _reduce(torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]), d_v.shape[1]))
         d_scores = probs * (torch.matmul(d_out[:, :, rows], v_b.transpose(-1, -2)) - delta[:, :, rows]) * scale
         d_q[:, :, rows] += torch.matmul(d_scores, k_b)
-        d_k.index_add_(2, cols, torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]))
+        d_k.index_add_(2, cols, _reduce(torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]), d_k.shape[1]))
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, groups, s, d]`` keys or values for ``heads`` query heads: query head h uses group h // (heads /
+    groups), model/transformer.py's layout (GQA; a no-op for multi-head attention)."""
+    repeat = heads // t.shape[1]
+    return t if repeat == 1 else t.repeat_interleave(repeat, dim=1)
+
+
+def _reduce(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``_expand``'s gradient: ``[b, heads, s, d]`` summed over each group's query heads."""
+    b, heads, s, d = t.shape
+    return t if heads == groups else t.view(b, groups, heads // groups, s, d).sum(2)
 
 
 def _exchange(tensors: list, group, send_to: int, recv_from: int) -> list:

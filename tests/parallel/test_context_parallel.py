@@ -41,7 +41,7 @@ def _sharded(rank, world_size, comm_type, with_docs):
     docs = docs if with_docs else None
     local = [cp.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
     if comm_type == "p2p_autograd":  # the ring attention dropout runs: autograd through the hops and blocks
-        kv = torch.cat([t.repeat_interleave(H // G, 1) for t in local[1:]], dim=1)
+        kv = torch.cat(local[1:], dim=1)
         out = _attend_chunks(local[0], _ring(kv, cp), cp, S // (2 * cp.size), docs, 0.0)[0]
     else:
         out = cp.attention(*local, document_ids=docs)
