@@ -142,7 +142,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: ContextParallel, document_ids):
         out, lse = _attend_chunks(q, _ring(torch.cat([k, v], dim=1), cp), cp, q.shape[2] // 2, document_ids, 0.0)
         ctx.cp, ctx.document_ids = cp, document_ids
-        out = out.to(q.dtype)  # kept in the compute dtype, as flash attention keeps its output
+        # kept in the compute dtype, as flash attention keeps its output, and laid out [s, b, heads, d] in memory:
+        # the layer's [s, b, heads x d] view of it (model/transformer.py) is then the same storage, kept once
+        out = out.to(q.dtype).permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 

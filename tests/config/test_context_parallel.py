@@ -81,3 +81,41 @@ def test_upstream_llama3_script_at_cp2_passes_dry_run(tmp_path):
     rc, out, err = dry_run(type(script)(script.name, script.world, argv), _files(tmp_path, write_data=False))
     assert rc == 0, out[-2000:] + err[-2000:]
     assert "TP 1 x PP 1 x CP 2 (context parallel, p2p) x DP 4" in out
+
+
+def _saved_by_a_cp_layer(rank, world_size, flags):
+    """(bytes one bf16 transformer layer keeps for backward on this CP rank, the estimate's per-layer term)."""
+    import torch
+
+    from megatron_ds.model.transformer import ParallelTransformerLayer
+    from megatron_ds.parallel.context_parallel import ContextParallel
+    from megatron_ds.parallel.random import set_parallel_seeds
+    from tests.config.test_memory import _layout, saved_bytes
+
+    _, layout = _layout(flags, world_size)
+    set_parallel_seeds(1, 0)
+    m = layout.model
+    cp = ContextParallel(torch.distributed.group.WORLD, "p2p") if world_size > 1 else None
+    layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cpu", cp=cp)
+    x = torch.randn(m.seq_length // world_size, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    return saved_bytes(layer, x), activation_bytes_per_layer(layout, recompute=None)
+
+
+@pytest.mark.parametrize("case,cp", [("gpt", 4), ("llama_like", 2)])
+def test_a_cp_layer_keeps_its_share_of_the_activations(case, cp):
+    """What autograd keeps of one bf16 layer (saved-tensor hooks, tests/config/test_memory.py's measurement)
+    on each CP rank: 1/CP of the CP 1 layer's (the ring keeps only its own q, k, v, output and LSE), and what
+    the estimate says, within test_memory.py's 1.5% (norm statistics and RoPE tables it leaves out)."""
+    from tests.config.test_memory import LAYER_CASES, _gpt_flags
+    from tests.distributed import run_distributed
+
+    s, b, h, a = 256, 2, 256, 8
+    got = {}
+    for n in (1, cp):
+        flags = _gpt_flags(2, h, a, s, b, 2 * n) + ["--bf16", "--attention-dropout", "0",
+                                                    "--context-parallel-size", str(n)] + LAYER_CASES[case]
+        got[n] = run_distributed(_saved_by_a_cp_layer, n, flags, timeout=120)
+    (whole, _), = got[1]
+    for measured, estimate in got[cp]:
+        assert measured == pytest.approx(estimate, rel=0.015)
+        assert measured == pytest.approx(whole / cp, rel=0.02)
