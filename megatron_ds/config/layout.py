@@ -500,8 +500,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     cp_comm_type = check_context_parallel(flags, cp=cp, seq_length=m.seq_length, fp8=fp8 is not None,
-                                          own_schedule=virtual_pp > 1 or zbh1 is not None, moe=is_moe(m),
-                                          curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
+                                          moe=is_moe(m), curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
                                                                  virtual_pp=virtual_pp) is not None)
     if cp > 1:  # its ring exchanges run eagerly (check_context_parallel refuses --compile-layers)
         m = dataclasses.replace(m, compile_layers=False)

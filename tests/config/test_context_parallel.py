@@ -53,9 +53,8 @@ def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
     (["--hierarchical-context-parallel-sizes", "1", "2"], "hierarchical context parallelism is not built"),
     (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
     (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--global-batch-size", "4"], "interleaved or ZB-H1"),
     (["--num-experts", "2"], "mixture-of-experts"),
+    (["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline"], "--enable-zbh1-pipeline"),
     (["--compile-layers"], "--compile-layers"),
 ])
 def test_refused_in_one_line(extra, says):

@@ -64,10 +64,13 @@ def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
     assert _losses(2, LLAMA + ["--sequence-parallel"], tp=2) == pytest.approx(llama_reference, rel=RTOL)
 
 
-def test_gpt_cp2_pp2_matches_cp1(gpt_reference):
-    """4 ranks: PP 2 on DeepSpeed's pipeline engine (the document ids cross the stage boundary whole) x CP 2,
-    with full recompute (each layer's forward, ring included, reruns in backward)."""
-    assert _losses(2, RESET + ["--checkpoint-activations"], pp=2) == pytest.approx(gpt_reference, rel=RTOL)
+@pytest.mark.parametrize("schedule", [["--checkpoint-activations"], ["--num-layers-per-virtual-pipeline-stage", "1"]],
+                         ids=["1f1b_recompute", "interleaved"])
+def test_gpt_cp2_pp2_matches_cp1(gpt_reference, schedule):
+    """4 ranks: PP 2 x CP 2 (the document ids cross the stage boundaries whole): DeepSpeed's 1F1B engine with
+    full recompute (each layer's forward, ring included, reruns in backward), and our executor's interleaved
+    schedule."""
+    assert _losses(2, RESET + schedule, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
 
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):

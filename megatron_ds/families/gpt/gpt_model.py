@@ -201,5 +201,5 @@ def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: i
                             loss_report=loss_report, **spec_kwargs)
     indices = [chunk_spec_indices(model_cfg.num_layers, pp, v, pp_rank, c, chunk_layers) for c in range(v)]
     return ModelChunks(specs, layer_indices=indices, pp=pp, pp_rank=pp_rank, seed=seed, tie_group=tie_group,
-                       loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report),
+                       loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report, cp=spec_kwargs.get("cp")),
                        activation_checkpoint_interval=activation_checkpoint_interval)
