@@ -55,6 +55,14 @@ def make_topology(tp: int, pp: int, dp: int, sp: int = 1):
     return ProcessTopology(axes=["pipe", "data", "sequence", "model"], dims=[pp, dp, sp, tp])
 
 
+def context_parallel_groups(topology, cp: int) -> list[list[int]]:
+    """The context parallel groups of a topology whose data axis is DP x CP: CP consecutive data coordinates
+    of one pipeline stage and TP rank (module docstring)."""
+    dims = dict(zip(topology.get_axis_names(), topology.dims))
+    return [[topology.get_rank(pipe=p, data=d * cp + i, model=t) for i in range(cp)]
+            for p in range(dims["pipe"]) for d in range(dims["data"] // cp) for t in range(dims["model"])]
+
+
 class ParallelState:
     """This rank's groups and coordinates. Every rank must construct it (group creation is collective)."""
 
@@ -79,7 +87,8 @@ class ParallelState:
         # which share of the global batch this rank reads: the CP ranks of a data parallel rank read the same
         self.cp_size, self.cp_rank = cp, coord.data % cp
         self.loader_rank, self.loader_size = coord.data // cp, dp
-        self.cp_group, self.cp_ranks = self._make_groups(self._cp_lists()) if cp > 1 else (None, [self.rank])
+        self.cp_group, self.cp_ranks = (self._make_groups(context_parallel_groups(self.topology, cp)) if cp > 1
+                                        else (None, [self.rank]))
         self.tp_group, self.tp_ranks = self._axis_group("model")
         self.dp_group, self.dp_ranks = self._axis_group("data")
         self.pp_group, self.pp_ranks = self._axis_group("pipe")
@@ -93,12 +102,6 @@ class ParallelState:
         else:
             self.sp_group, self.sp_ranks = None, [self.rank]
             self.sp_dp_group, self.sp_dp_ranks = self.dp_group, self.dp_ranks
-
-    def _cp_lists(self) -> list[list[int]]:
-        """The context parallel groups: CP consecutive data coordinates of one pipeline stage and TP rank."""
-        topo, cp = self.topology, self.cp_size
-        return [[topo.get_rank(pipe=p, data=d * cp + i, model=t) for i in range(cp)]
-                for p in range(self.pp_size) for d in range(self.loader_size) for t in range(self.tp_size)]
 
     def _replica_axes(self) -> tuple[str, ...]:
         return ("data", "sequence") if self.sp_size > 1 else ("data",)
