@@ -2,8 +2,8 @@
 batch trained for 5 steps with every sequence split into 2 x CP chunks over CP ranks gives the losses of the
 same model trained at CP 1, for a GPT (learned positions, document-reset masks, DeepSpeed's pipeline engine)
 and a Llama-style model (RoPE at the chunks' global positions, GQA, document resets, the plain engine), with
-the ring (p2p) and the all-gather exchange, with TP 2 and with PP 2; a checkpoint saved at CP 2 continues at
-CP 1 as the uninterrupted CP 1 run.
+the ring (p2p) and the all-gather exchange, with TP 2 and with PP 2 (1F1B and interleaved); a checkpoint saved
+at one CP size continues at another as the uninterrupted CP 1 run.
 
 Dropout is off (its stream depends on the layout). Tolerance rtol 2e-5 as test_ulysses.py's (fp32 sums in
 another order: attention merged block by block with the online softmax, the loss a sum of per-chunk sums,
@@ -73,14 +73,23 @@ def test_gpt_cp2_pp2_matches_cp1(gpt_reference, schedule):
     assert _losses(2, RESET + schedule, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
 
 
-def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
-    """The weights do not depend on CP: 2 steps at CP 2 with ZeRO 1 (the optimizer state sharded over the
-    DP x CP ranks), saved, continue at CP 1 (resharded) with the uninterrupted CP 1 run's losses."""
-    argv = TINY_GPT + STEPS + LLAMA + ["--zero-stage", "1"]
-    straight = run_distributed(train_losses, 1, argv, timeout=300)[0]
+RESUME = TINY_GPT + STEPS + LLAMA + ["--zero-stage", "1"]
+
+
+@pytest.fixture(scope="module")
+def zero1_reference():
+    return run_distributed(train_losses, 1, RESUME, timeout=300)[0]
+
+
+@pytest.mark.parametrize("saved_at,resumed_at", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_at_another_cp_size(tmp_path, zero1_reference, saved_at, resumed_at):
+    """The weights do not depend on CP: 2 steps with ZeRO 1 (the optimizer state sharded over the DP x CP
+    ranks), saved, continue at the other CP size (resharded as a data parallel change) with the uninterrupted
+    CP 1 run's losses."""
     ckpt = str(tmp_path / "ckpt")
-    run_distributed(train_losses, 2, argv + ["--context-parallel-size", "2", "--save", ckpt, "--save-interval", "100",
-                                             "--exit-interval", "2"], timeout=300)
-    second = run_distributed(train_losses, 1, argv + ["--load", ckpt], timeout=300)[0]
+    run_distributed(train_losses, saved_at, RESUME + ["--context-parallel-size", str(saved_at), "--save", ckpt,
+                                                      "--save-interval", "100", "--exit-interval", "2"], timeout=300)
+    second = run_distributed(train_losses, resumed_at, RESUME + ["--context-parallel-size", str(resumed_at),
+                                                                 "--load", ckpt], timeout=300)[-1]
     assert [it for it, _ in second] == [3, 4, 5]
-    assert [loss for _, loss in second] == pytest.approx([loss for _, loss in straight[2:]], rel=RTOL)
+    assert [loss for _, loss in second] == pytest.approx([loss for _, loss in zero1_reference[2:]], rel=RTOL)
