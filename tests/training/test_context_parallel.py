@@ -58,6 +58,11 @@ def test_gpt_cp2_on_the_pipeline_engine_matches_cp1(gpt_reference):
     assert _losses(2, RESET) == pytest.approx(gpt_reference, rel=RTOL)
 
 
+def test_llama_cp4_matches_cp1(llama_reference):
+    """4 ranks, 8 chunks of 4 positions: three hops around the ring."""
+    assert _losses(4, LLAMA) == pytest.approx(llama_reference, rel=RTOL)
+
+
 def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
     """4 ranks: TP 2 (each holding one key/value group, its activations split over TP outside attention)
     x CP 2 (Megatron's order: the TP ranks adjacent, then CP)."""
