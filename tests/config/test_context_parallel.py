@@ -118,3 +118,15 @@ def test_a_cp_layer_keeps_its_share_of_the_activations(case, cp):
     for measured, estimate in got[cp]:
         assert measured == pytest.approx(estimate, rel=0.015)
         assert measured == pytest.approx(whole / cp, rel=0.02)
+
+
+def test_the_planner_refuses_context_parallelism_in_one_line():
+    """The planner does not model CP layouts (planner/time_model.py): a CP command line is refused, not planned
+    as if CP were 1."""
+    from megatron_ds.families import get_family
+    from megatron_ds.planner import plan_cli
+
+    with pytest.raises(ConfigError, match="does not enumerate context parallelism yet") as err:
+        plan_cli.request_of(BASE + ["--vocab-size", "1000", "--context-parallel-size", "2", "--world-size", "8"],
+                            get_family("gpt"), "plan.py")
+    assert "\n" not in str(err.value)
