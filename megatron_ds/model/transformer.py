@@ -431,8 +431,10 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, inputs, kv_cache=None):
         # the integer tensor: document ids, or the padding mask of a bidirectional layer (self.padding)
         hidden, document_ids, moe_loss = split_activation(inputs)
-        if document_ids is None or self.self_attention.cp is not None:
-            mask = document_ids  # context parallel attention builds its blocks' masks from the ids
+        # context parallel attention builds its blocks' masks from the ids (an attention module without a
+        # ``cp`` attribute runs without context parallelism)
+        if document_ids is None or getattr(self.self_attention, "cp", None) is not None:
+            mask = document_ids
         else:
             mask = padding_attention_mask(document_ids) if self.padding else document_causal_mask(document_ids)
         if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too
