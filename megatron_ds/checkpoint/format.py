@@ -164,11 +164,12 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
 def layout_signature(layout) -> dict:
     """The signature of a training run's ``Layout``. Its data parallel size counts the ranks holding
     the same weights, over which ZeRO shards the optimizer state: under DeepSpeed-Ulysses the SP x DP
-    ranks of the sequence data parallel group (the weights themselves do not depend on SP). The model
+    ranks of the sequence data parallel group, under context parallelism the DP x CP ranks of DeepSpeed's data
+    parallel group (the weights themselves depend on neither SP nor CP). The model
     family is recorded as ``model_family``, but for the one whose checkpoints predate the field
     (``ModelFamily.recorded_name``: the GPT's stay as they were)."""
     sig = signature(layout.model, padded_vocab_size=layout.padded_vocab_size, tp=layout.tp, pp=layout.pp,
-                    dp=layout.dp * layout.sp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
+                    dp=layout.dp * layout.sp * layout.cp, virtual_pp=layout.virtual_pp, zero_stage=layout.zero_stage,
                     precision=layout.precision, use_pipeline=layout.use_pipeline, ep=layout.ep)
     if layout.family.recorded_name is not None:
         sig["model_family"] = layout.family.recorded_name

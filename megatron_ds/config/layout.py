@@ -25,8 +25,8 @@ from megatron_ds.config.run_length import RunSchedule, StepSchedule, parse_step_
 from megatron_ds.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ds.config.validation import (check_activation, check_data, check_divisible, check_engine,
                                            check_fp32_residual, check_learning_rate, check_parallel_sizes,
-                                           check_per_token_loss, check_precision, check_profile, check_weight_decay,
-                                           require)
+                                           check_context_parallel, check_per_token_loss, check_precision,
+                                           check_profile, check_weight_decay, require)
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.partition import EXPLICIT, megatron_stage_layers, megatron_virtual_stage_layers
@@ -135,6 +135,10 @@ class Layout:
     # transformer layers of each virtual stage (chunk c of rank r: c * pp + r) of the interleaved and ZB-H1
     # schedules where Megatron-LM's uneven-stage flags set them; None: Megatron's equal chunks
     chunk_layers: tuple[int, ...] | None = None
+    # --context-parallel-size: ranks that each hold 2 of every sequence's 2 x cp chunks (parallel/context_parallel.py);
+    # DeepSpeed's data parallel axis is DP x CP (parallel/groups.py), and its attention's --cp-comm-type
+    cp: int = 1
+    cp_comm_type: str = "p2p"
 
     @property
     def own_schedule(self) -> bool:
@@ -156,7 +160,8 @@ class Layout:
         m = self.model
         lines = [
             f"world size {self.world_size} = TP {self.tp} x PP {self.pp}"
-            f"{f' x SP {self.sp} (DeepSpeed-Ulysses)' if self.sp > 1 else ''} x DP {self.dp}"
+            f"{f' x SP {self.sp} (DeepSpeed-Ulysses)' if self.sp > 1 else ''}"
+            f"{f' x CP {self.cp} (context parallel, {self.cp_comm_type})' if self.cp > 1 else ''} x DP {self.dp}"
             f" ({self._engine_name()}, ZeRO {self.zero_stage},"
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
@@ -461,6 +466,7 @@ def gpt_only_refusals(flags: Config) -> dict[str, bool]:
         "--enable-zbh1-pipeline (its executor runs GPT chunks)": bool(par.enable_zbh1_pipeline),
         "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses shards the GPT's sequence)":
             par.ds_sequence_parallel_size > 1,
+        "--context-parallel-size > 1 (context parallelism shards the GPT's sequence)": par.context_parallel_size > 1,
         "--curriculum-learning-legacy (the warm-up cuts GPT samples)": bool(flags.training.curriculum_learning_legacy),
         "--num-experts > 1 (MoE layers are the GPT's)": any(n > 1 for n in (m.num_experts or (1,))),
         "--use-z-loss (the GPT's loss function adds it)": bool(m.use_z_loss),
@@ -484,8 +490,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     m = resolve_model_config(flags.model)
     check_attention(m)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
-    check_parallel_sizes(m, world_size, tp, pp, sp)
-    dp = world_size // (tp * pp * sp)
+    cp = par.context_parallel_size
+    check_parallel_sizes(m, world_size, tp, pp, sp, cp)
+    dp = world_size // (tp * pp * sp * cp)
     micro = require(t.micro_batch_size, "--micro-batch-size")
     global_batch = t.global_batch_size or micro * dp
     if t.step_batch_size_schedule:  # its last batch size is the run's (Megatron-LM refuses both flags too)
@@ -519,6 +526,14 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
+    cp_comm_type = check_context_parallel(flags, cp=cp, seq_length=m.seq_length, fp8=fp8 is not None,
+                                          moe=is_moe(m), curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
+                                                                 virtual_pp=virtual_pp) is not None)
+    if cp > 1 and m.multi_latent_attention:
+        raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
+                          "attention runs the standard attention only; use --context-parallel-size 1")
+    if cp > 1:  # its ring exchanges run eagerly (check_context_parallel refuses --compile-layers)
+        m = dataclasses.replace(m, compile_layers=False)
     check_data(flags.data)
     check_profile(flags.logging)
     m, ep, _ = moe_selection.resolve(m, par, create_moe_param_group=o.create_moe_param_group)
@@ -546,6 +561,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                          zero_stage=zero_stage, clip_grad=o.clip_grad, sequence_parallel=par.sequence_parallel,
                          notes=notes, moe=moe,
                          partition_activations=family.partition_activations and par.scatter_gather_tensors_in_pipeline)
+    # DeepSpeed's data parallel ranks are DP x CP (parallel/groups.py): its batch counts each sample once per CP rank
+    ds["train_batch_size"] = global_batch * cp
     dialect.apply_data_parallel_flags(flags, ds, use_pipeline=use_pipeline, notes=engine_notes)
     notes += engine_notes
     notes += check_cpu_optimizer(ds, cpu_optimizer=o.cpu_optimizer, torch_adam=o.cpu_torch_adam, optimizer=o.optimizer)
@@ -572,5 +589,5 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     decoder_seq_length=family.decoder_seq_length(flags) if family.decoder_seq_length else None,
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1
                                         and not par.sequence_parallel and not moe),
-                    grad_accum_fusion=bool(t.gradient_accumulation_fusion), fp8=fp8)
+                    grad_accum_fusion=bool(t.gradient_accumulation_fusion), fp8=fp8, cp=cp, cp_comm_type=cp_comm_type)
     return layout, notes

@@ -137,8 +137,8 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       '--muon-coefficient-type= --muon-num-ns-steps= --muon-tp-mode= --muon-extra-scale-factor= '
       '--muon-scalar-optimizer= --lion-beta1= --lion-beta2='),
     (IGNORED,
-      'read only with --context-parallel-size > 1, which is refused',
-      '--hierarchical-context-parallel-sizes=+ --max-seqlen-per-dp-cp-rank= --cp-comm-type=+'),
+      'read only with --hybrid-context-parallel (per-sequence context parallel sizes), which is refused',
+      '--max-seqlen-per-dp-cp-rank='),
     (IGNORED,
       'read only with --use-megatron-fsdp / --use-torch-fsdp2; DeepSpeed ZeRO keeps its own buffers',
       '--outer-dp-sharding-strategy= --enable-full-sharding-in-hsdp --torch-fsdp2-no-reshard-after-forward '
@@ -271,8 +271,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       "is not supported: the interleaved schedule here runs Megatron's default grouping (the pipeline size)",
       '--microbatch-group-size-per-virtual-pipeline-stage='),
     (REFUSED,
-      'context parallelism beyond size 1 is not supported yet; use --ds-sequence-parallel-size '
-      '(DeepSpeed-Ulysses)',
+      'per-sequence (hybrid) context parallel sizes are not supported; use --context-parallel-size N',
       '--hybrid-context-parallel'),
     (REFUSED,
       'tensor parallel weight sharding beyond --tensor-model-parallel-size is not supported; drop it',
@@ -459,8 +458,6 @@ VALUES: dict[str, tuple[int | str, tuple[str, ...], str | None, str]] = {
                            "local ones do; FP8 follows --fp8-format / --fp8-recipe (docs/fp8.md)",
                            "the inference-optimized layers are Megatron-LM's inference engine's; train with local "
                            "or transformer_engine"),
-    "--context-parallel-size": (1, ("1",), None, "context parallelism is not supported yet; use "
-                                                 "--ds-sequence-parallel-size N (DeepSpeed-Ulysses)"),
     "--softmax-type": (1, ("vanilla",), None, "only the standard softmax is supported"),
     "--glu-linear-offset": (1, ("0", "0.0"), None, "an offset in the gated linear unit is not supported"),
     "--mlp-chunks-for-training": (1, ("1",), None, "chunking the MLP is not supported (the same values); drop it"),

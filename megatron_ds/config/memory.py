@@ -75,7 +75,7 @@ def logits_bytes(layout: Layout) -> float:
     time (bf16, upcast to fp32 inside), keeping the input's gradient and the weight's (model dtype)."""
     m = layout.model
     # the output layer's length: the decoder's for T5
-    tokens = (layout.decoder_seq_length or m.seq_length) // layout.sp * layout.micro_batch_size
+    tokens = (layout.decoder_seq_length or m.seq_length) // (layout.sp * layout.cp) * layout.micro_batch_size
     vocab = layout.padded_vocab_size / layout.tp
     if layout.tp == 1 and m.liger_kernel and layout.zero_stage != 3 and _liger_installed():
         act_bytes = 4 if layout.precision == "fp32" else 2
@@ -86,7 +86,7 @@ def logits_bytes(layout: Layout) -> float:
 def unfused_logits_bytes(layout: Layout) -> float:
     """``logits_bytes`` of the logits + vocab-parallel cross entropy path: the [tokens, vocab / TP]
     logits and their gradient (and the fp32 chunks or copies the cross entropy adds)."""
-    tokens = (layout.decoder_seq_length or layout.model.seq_length) // layout.sp * layout.micro_batch_size
+    tokens = (layout.decoder_seq_length or layout.model.seq_length) // (layout.sp * layout.cp) * layout.micro_batch_size
     vocab = layout.padded_vocab_size / layout.tp
     if layout.precision == "fp32":
         return tokens * vocab * LOGIT_BYTES_FP32
@@ -217,7 +217,8 @@ def activation_bytes_per_layer(layout: Layout, *, recompute: str | None, experts
     with saved-tensor hooks, fused and unfused.
     """
     m = layout.model
-    s, b, h, a, t = m.seq_length // layout.sp, layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
+    # context parallelism (CP): each rank holds seq / CP of every sequence's tokens
+    s, b, h, a, t = m.seq_length // (layout.sp * layout.cp), layout.micro_batch_size, m.hidden_size, m.num_attention_heads, \
         layout.tp
     d = m.kv_channels or h // a
     g = m.num_key_value_heads or a
@@ -292,7 +293,7 @@ def stack_activations(layout: Layout, stage) -> tuple[list[list[LayerActivations
     # the hidden state kept per recomputed chunk and crossing stages: the residual stream
     act_bytes = 4 if layout.precision == "fp32" or m.fp32_residual_connection else 2
     shard = layout.tp if layout.sequence_parallel else 1
-    sbh = m.seq_length // layout.sp * layout.micro_batch_size * m.hidden_size
+    sbh = m.seq_length // (layout.sp * layout.cp) * layout.micro_batch_size * m.hidden_size
     experts = model_experts(m)[stage.layers[0]:stage.layers[1]]
     kept = {e: activation_bytes_per_layer(layout, recompute=layout.recompute, experts=e) for e in set(experts)}
     working = {e: activation_bytes_per_layer(layout, recompute=None, experts=e) for e in set(experts)}
@@ -382,7 +383,7 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     hands ZeRO ``seq_data_parallel_group``). ``expert_params`` of the ``params`` are MoE experts', which ZeRO
     splits over the expert data parallel group instead (config/moe_params.py)."""
     sb = sb or state_bytes(layout)
-    dp = layout.dp * layout.sp
+    dp = layout.dp * layout.sp * layout.cp  # CP ranks hold the same weights too (parallel/groups.py)
     if expert_params:
         edp = expert_data_parallel_size(layout.model, tp=layout.tp, dp=layout.dp, ep=layout.ep)
         dense_bytes = expert_bytes = None
@@ -490,7 +491,7 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
     tp = tp or layout.tp
     pp = pp or layout.pp
     micro = micro_batch_size or layout.micro_batch_size
-    dp = layout.world_size // (tp * pp * layout.sp)
+    dp = layout.world_size // (tp * pp * layout.sp * layout.cp)
     padded = pad_vocab_size(layout.vocab_size, layout.model.make_vocab_size_divisible_by, tp)
     use_pipeline = layout.use_pipeline if use_pipeline is None else use_pipeline
     partition = layout.pipeline_partition if use_pipeline else None
@@ -525,7 +526,7 @@ def _single_changes(layout: Layout, m, world: int):
     if layout.recompute != "full":
         yield "--checkpoint-activations", relayout(layout, recompute="full")
     for stage in range(layout.zero_stage + 1, 4):
-        if layout.dp * layout.sp == 1:
+        if layout.dp * layout.sp * layout.cp == 1:
             break
         if stage >= 2 and layout.pp > 1:
             break
@@ -533,7 +534,7 @@ def _single_changes(layout: Layout, m, world: int):
         yield f"--zero-stage {stage}{extra}", relayout(layout, zero_stage=stage, use_pipeline=(
             False if stage >= 2 else None))
     tp, sp = layout.tp * 2, layout.sp  # Ulysses' heads split over TP x SP (config/validation.py)
-    while world % (tp * layout.pp * sp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
+    while world % (tp * layout.pp * sp * layout.cp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
             m.num_key_value_heads % (tp * sp) == 0 and m.ffn_hidden_size % tp == 0:
         yield f"--tensor-model-parallel-size {tp}", relayout(layout, tp=tp)
         tp *= 2

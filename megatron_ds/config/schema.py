@@ -338,6 +338,14 @@ class ParallelConfig:
     ds_sequence_parallel_size: int = 1
     """DeepSpeed-Ulysses: ranks that each hold 1/N of every sequence; attention all-to-alls heads for
     sequence (deepspeed.sequence.layer.DistributedAttention). Needs --no-pipeline-parallel."""
+    context_parallel_size: int = 1
+    """Megatron-LM's context parallelism: ranks that each hold 2 of the sequence's 2N chunks (chunks i and
+    2N-1-i) in every layer; attention exchanges keys and values over them (docs/context-parallel.md)."""
+    cp_comm_type: Optional[list] = meta(None, nargs="+", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
+    """How context parallel attention exchanges keys and values: p2p (a ring, Megatron-LM's default) or
+    all_gather; one value, or one per layer (all equal here). a2a and a2a+p2p are refused."""
+    hierarchical_context_parallel_sizes: Optional[list] = meta(None, nargs="+")
+    """Megatron-LM: the sizes of a2a+p2p's two context parallel levels (refused with context parallelism)."""
     no_pipeline_parallel: bool = False
     """Run the model in DeepSpeed's plain engine instead of its pipeline engine (requires PP = 1;
     allows ZeRO 2 and 3)."""

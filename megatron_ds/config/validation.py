@@ -188,18 +188,20 @@ def check_divisible(a: int, b: int, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1) -> None:
-    """The world splits into TP x PP x SP x DP, and the model's heads and MLP split over TP;
+def check_parallel_sizes(m: ModelConfig, world_size: int, tp: int, pp: int, sp: int = 1, cp: int = 1) -> None:
+    """The world splits into TP x PP x SP x CP x DP, and the model's heads and MLP split over TP;
     under DeepSpeed-Ulysses (SP) each rank attends with 1/(TP x SP) of the (query and key/value) heads.
     The layers need not divide over PP: the partition places them (config/layout.py ``_placement``;
     T5 checks its own split in its ``check``)."""
-    if tp < 1 or pp < 1 or sp < 1 or world_size < 1:
-        raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}, SP {sp}")
-    names, sizes = ("TP x PP", f"{tp} x {pp}") if sp == 1 else ("TP x PP x SP", f"{tp} x {pp} x {sp}")
-    check_divisible(world_size, tp * pp * sp,
-                    f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * sp}; "
-                    f"launch a multiple of {tp * pp * sp} processes or change --tensor-model-parallel-size/"
-                    f"--pipeline-model-parallel-size{'/--ds-sequence-parallel-size' if sp > 1 else ''}")
+    if tp < 1 or pp < 1 or sp < 1 or cp < 1 or world_size < 1:
+        raise ConfigError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}, SP {sp}, CP {cp}")
+    axes = [("TP", tp, "--tensor-model-parallel-size"), ("PP", pp, "--pipeline-model-parallel-size")] + \
+        [(n, v, f) for n, v, f in (("SP", sp, "--ds-sequence-parallel-size"), ("CP", cp, "--context-parallel-size"))
+         if v > 1]
+    names, sizes, product = " x ".join(a[0] for a in axes), " x ".join(str(a[1]) for a in axes), tp * pp * sp * cp
+    check_divisible(world_size, product,
+                    f"world size {world_size} is not divisible by {names} = {sizes} = {product}; "
+                    f"launch a multiple of {product} processes or change {'/'.join(a[2] for a in axes)}")
     for heads, flag in ((m.num_attention_heads, "--num-attention-heads"), (m.num_key_value_heads,
                                                                           "--num-key-value-heads")):
         check_divisible(heads, tp, f"{flag} {heads} is not divisible by --tensor-model-parallel-size {tp}; "
@@ -361,3 +363,37 @@ def check_async_save(ckpt, template: dict | None) -> list[str]:
     if ckpt.use_persistent_ckpt_worker and not ckpt.async_save:
         return ["--use-persistent-ckpt-worker has no effect without --async-save (as in Megatron-LM)"]
     return []
+
+
+def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, fp8: bool, curriculum: bool) -> str:
+    """--context-parallel-size N (parallel/context_parallel.py): Megatron-LM's conditions (megatron/training/
+    arguments.py: ``seq_length % (2 * context_parallel_size) == 0``; a2a+p2p needs the hierarchical sizes)
+    and what is not built with it here. Returns the attention's communication, "p2p" or "all_gather"."""
+    par, m = flags.parallel, flags.model
+    kinds = set(par.cp_comm_type or ("p2p",))  # Megatron-LM's default: ["p2p"]
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
+    if cp == 1:
+        return "p2p"
+    if seq_length % (2 * cp):
+        raise ConfigError(f"--seq-length {seq_length} is not a multiple of 2 x --context-parallel-size {cp} "
+                          f"(each sequence splits into {2 * cp} equal chunks)")
+    refusals = {
+        "--cp-comm-type a2a (all-to-all over heads is DeepSpeed-Ulysses here: use --ds-sequence-parallel-size N "
+        "instead of --context-parallel-size)": "a2a" in kinds,
+        "--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes (hierarchical context parallelism is not "
+        "built; use --cp-comm-type p2p)": "a2a+p2p" in kinds or bool(par.hierarchical_context_parallel_sizes),
+        "different --cp-comm-type values per layer (one kind runs in every layer here)": len(kinds) > 1,
+        "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses and context parallelism split the same sequence; "
+        "choose one)": par.ds_sequence_parallel_size > 1,
+        "--enable-zbh1-pipeline (not built for context parallelism; use 1F1B or the interleaved schedule)":
+            bool(par.enable_zbh1_pipeline),
+        "mixture-of-experts layers (--num-experts > 1)": moe,
+        "FP8 (--fp8-format)": fp8,
+        "--compile-layers (the ring's point-to-point exchange runs eagerly; drop it)": m.compile_layers is True,
+        "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
+    }
+    refused = [what for what, on in refusals.items() if on]
+    if refused:
+        raise ConfigError(f"--context-parallel-size {cp} is not supported with {refused[0]}")
+    return kinds.pop()

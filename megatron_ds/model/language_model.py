@@ -82,18 +82,19 @@ class LanguageModelEmbedding(nn.Module):
 
     DeepSpeed-Ulysses (``sp_group``): every rank of the group gets the whole samples and embeds its
     own ``seq / SP`` positions (the position ids of those, so learned positions are the global
-    ones); the document ids stay whole, since attention sees the whole sequence.
+    ones); the document ids stay whole, since attention sees the whole sequence. Context parallelism
+    (``cp``, a ``parallel.context_parallel.ContextParallel``): the same with this rank's two chunks.
     """
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, *, max_position_embeddings: int | None,
                  init_method_std: float, dropout: float, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, eod_token: int | None = None,
                  vocab_size: int | None = None, fused_loss: bool = False, fp32_residual: bool = False,
-                 sp_group=None, async_grad_comm: bool = False):
+                 sp_group=None, async_grad_comm: bool = False, cp=None):
         """``async_grad_comm``: the output layer's (``ColumnParallelLinear``)."""
         super().__init__()
         self.vocab_size, self.fused_loss, self.fp32_residual = vocab_size, fused_loss, fp32_residual
-        self.sp_group = sp_group
+        self.sp_group, self.cp = sp_group, cp
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dropout = dropout
@@ -119,7 +120,11 @@ class LanguageModelEmbedding(nn.Module):
     def forward(self, inputs):
         tokens, position_ids = inputs
         documents = None if self.eod_token is None else document_ids(tokens, self.eod_token)
-        local_tokens, position_ids = sequence_shard(tokens, self.sp_group), sequence_shard(position_ids, self.sp_group)
+        if self.cp is not None:  # RoPE reads its positions from the chunks too (model/transformer.py)
+            local_tokens, position_ids = self.cp.shard(tokens), self.cp.shard(position_ids)
+        else:
+            local_tokens = sequence_shard(tokens, self.sp_group)
+            position_ids = sequence_shard(position_ids, self.sp_group)
         x = self.word_embeddings(local_tokens)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
@@ -207,7 +212,8 @@ per token, before the loss mask's mean; the flag: megatron/training/arguments.py
 
 
 def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None, vocab_size: int | None = None,
-                sp_group=None, report=None, moe_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0) -> torch.Tensor:
+                sp_group=None, report=None, moe_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                cp=None) -> torch.Tensor:
     """Language-model loss: vocab-parallel cross entropy (fp32) averaged over ``loss_mask``.
 
     ``output``: logits ``[b, s, V/tp]``; ``labels_and_mask``: ``(labels [b, s], loss_mask [b, s])``;
@@ -217,6 +223,12 @@ def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None,
     is their sum over the whole sequence's mask count, so the SP ranks' losses add up to the mean
     (Megatron-DeepSpeed's loss_func divides the shard's sum by the unsliced ``loss_mask.sum()``), which
     is what DeepSpeed's gradient reduction expects: a sum over SP x DP divided by DP.
+
+    Context parallelism (``cp``): ``output`` covers this rank's two chunks; the loss is their sum over the
+    whole sequence's mask count times CP, since DeepSpeed averages the gradients over DP x CP ranks
+    (parallel/groups.py). Its gradient is Megatron-LM's (pretrain_gpt.py's loss_func sums the shard's losses and
+    the schedule multiplies by the CP size, megatron/core/pipeline_parallel/schedules.py forward_step), and the
+    CP ranks' values average to the sequence's mean, the number DeepSpeed's loss average over DP x CP logs.
 
     ``report``: the ``megatron_ds.model.loss_report.LossReport`` of the run (the engine builder's), to
     which the loss reports the named scalars it declares; None reports nothing.
@@ -233,7 +245,7 @@ def language_model_loss(output: torch.Tensor, labels_and_mask, *, tp_group=None,
     the mean over ``loss_mask`` and the reported "lm loss", as the fork that defines the flag does.
     """
     output, moe_loss = split_moe_loss(output)
-    lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff)
+    lm = _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff, cp)
     if report is not None and report.token_scale is not None:  # --calculate-per-token-loss (model/token_loss.py)
         lm = report.token_scale.apply(lm, labels_and_mask[1])
     if moe_loss is None:
@@ -250,8 +262,12 @@ def reported_names(moe: bool) -> tuple[str, ...]:
     return ("lm loss", "moe loss", DROP_FRACTION) if moe else ()
 
 
-def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff) -> torch.Tensor:
+def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff, cp=None) -> torch.Tensor:
     labels, loss_mask = labels_and_mask
+    if cp is not None:
+        labels, full_mask, loss_mask = cp.shard(labels), loss_mask, cp.shard(loss_mask)
+        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
+            cp.size * loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
     if tp_world_size(sp_group) > 1:
         labels, full_mask, loss_mask = sequence_shard(labels, sp_group), loss_mask, sequence_shard(loss_mask, sp_group)
         return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
@@ -276,10 +292,10 @@ def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coe
 
 
 def language_model_loss_fn(tp_group, sp_group=None, loss_report=None, moe_loss_coeff: float = 0.0,
-                           z_loss_coeff: float = 0.0):
+                           z_loss_coeff: float = 0.0, cp=None):
     """``language_model_loss`` bound to a model's groups and report: the ``loss_fn`` a pipeline or
     sequential model of a decoder (the GPT, T5) is given."""
     return functools.update_wrapper(functools.partial(language_model_loss, tp_group=tp_group, sp_group=sp_group,
                                                       report=loss_report, moe_loss_coeff=moe_loss_coeff,
-                                                      z_loss_coeff=z_loss_coeff),
+                                                      z_loss_coeff=z_loss_coeff, cp=cp),
                                     language_model_loss)

@@ -123,9 +123,12 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False,
-                 sp_group=None, causal: bool = True, fp8: Fp8Recipe | None = None):
+                 sp_group=None, causal: bool = True, fp8: Fp8Recipe | None = None, cp=None):
         super().__init__()
         tp = tp_world_size(tp_group)
+        # context parallelism (parallel/context_parallel.py): this rank's two chunks of every sequence; the
+        # layer hands _core the whole sequence's document ids instead of a mask
+        self.cp = cp
         d = cfg.kv_channels
         self.causal = causal  # without a mask: causal (GPT) or every position (bidirectional, unpadded)
         self.kv_channels = d
@@ -212,6 +215,10 @@ class ParallelAttention(nn.Module):
                            self.rope_scaling)
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache is None and self.cp is not None:  # the chunks' global positions
+            cos, sin = rotary_cos_sin(s * self.cp.size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
+            positions = self.cp.positions(s * self.cp.size, cos.device)
+            return cos[positions], sin[positions]
         if kv_cache is None:
             # under Ulysses this rank holds positions [rank * s, (rank + 1) * s) of the sequence
             cos, sin = rotary_cos_sin(s * self.sp_size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
@@ -223,6 +230,8 @@ class ParallelAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``[s, b, heads, d]`` q (k, v: key/value groups) -> the context ``[s, b, heads, d]``."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.cp is not None:  # ``mask``: the document ids (ParallelTransformerLayer.forward) or None
+            return _context_parallel_core(self.cp, q, k, v, mask, self.attention_dropout if self.training else 0.0)
         extra = {}
         if self.heads_per_group > 1:
             if self.native_gqa:
@@ -249,6 +258,13 @@ def _qk_norm(cfg: ModelConfig, *, partial_grads: bool, params_dtype: torch.dtype
     for p in norm.parameters():
         setattr(p, DECAY, cfg.apply_wd_to_qk_layernorm)
     return norm
+
+
+def _context_parallel_core(cp, q, k, v, document_ids, p: float) -> torch.Tensor:
+    """``ParallelAttention._core`` under context parallelism; attention dropout draws from the tensor parallel
+    stream, as ``sdpa_with_dropout``."""
+    with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
+        return cp.attention(q, k, v, document_ids, dropout_p=p).permute(2, 0, 1, 3)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -353,7 +369,7 @@ class ParallelTransformerLayer(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
                  sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
                  carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal",
-                 fp8: Fp8Recipe | None = None):
+                 fp8: Fp8Recipe | None = None, cp=None):
         super().__init__()
         if self_attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")
@@ -380,7 +396,7 @@ class ParallelTransformerLayer(nn.Module):
                                                    **{k: v for k, v in parallel.items() if k != "fp8"})
         else:
             self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
-                                                    causal=not self.padding, **parallel)
+                                                    causal=not self.padding, cp=cp, **parallel)
         self.post_attention_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon,
                                                    **norm)
         self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
@@ -420,8 +436,10 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, inputs, kv_cache=None):
         # the integer tensor: document ids, or the padding mask of a bidirectional layer (self.padding)
         hidden, document_ids, moe_loss = split_activation(inputs)
-        if document_ids is None:
-            mask = None
+        # context parallel attention builds its blocks' masks from the ids (an attention module without a
+        # ``cp`` attribute runs without context parallelism)
+        if document_ids is None or getattr(self.self_attention, "cp", None) is not None:
+            mask = document_ids
         else:
             mask = padding_attention_mask(document_ids) if self.padding else document_causal_mask(document_ids)
         if kv_cache is not None:  # inference (megatron_ds.model.kv_cache): its mask covers padding too

@@ -14,6 +14,16 @@ weights, so they belong to the "sequence data parallel" group DeepSpeed's engine
 gradients over (sum over SP x DP, divided by DP: runtime/engine.py ``_reduce_non_expert_gradients``),
 and not to the model parallel group (TP x PP: checkpoint ranks, gradient norms).
 
+Context parallelism (Megatron-LM's --context-parallel-size CP, parallel/context_parallel.py): CP ranks hold
+the same weights and split every sequence, so Megatron reduces gradients over data x context parallel ranks
+(megatron/core/parallel_state.py ``get_data_parallel_group(with_context_parallel=True)``; its rank order
+"tp-cp-ep-dp-pp": TP fastest, then CP, then DP, then PP). Here DeepSpeed's topology gets a data axis of
+DP x CP ranks, and the CP groups are runs of CP consecutive data coordinates: rank = ((pp x DP + dp) x CP + cp)
+x TP + tp, Megatron's order. DeepSpeed's engine then averages gradients over DP x CP and ZeRO shards over them,
+as Megatron's distributed optimizer shards over dp-cp; the loss each CP rank returns is scaled for that
+(model/language_model.py). The CP ranks of one data parallel rank read the same micro-batches
+(``loader_rank``), as TP ranks do.
+
 Mixture of experts: the expert parallel groups (ranks that split one MoE layer's experts and
 all-to-all tokens) and expert data parallel groups (ranks holding the same experts, which average
 their gradients) are DeepSpeed's own (deepspeed/utils/groups.py), created by ``expert_groups`` on every
@@ -45,23 +55,40 @@ def make_topology(tp: int, pp: int, dp: int, sp: int = 1):
     return ProcessTopology(axes=["pipe", "data", "sequence", "model"], dims=[pp, dp, sp, tp])
 
 
+def context_parallel_groups(topology, cp: int) -> list[list[int]]:
+    """The context parallel groups of a topology whose data axis is DP x CP: CP consecutive data coordinates
+    of one pipeline stage and TP rank (module docstring)."""
+    dims = dict(zip(topology.get_axis_names(), topology.dims))
+    return [[topology.get_rank(pipe=p, data=d * cp + i, model=t) for i in range(cp)]
+            for p in range(dims["pipe"]) for d in range(dims["data"] // cp) for t in range(dims["model"])]
+
+
 class ParallelState:
     """This rank's groups and coordinates. Every rank must construct it (group creation is collective)."""
 
-    def __init__(self, tp: int, pp: int, dp: int | None = None, sp: int = 1):
+    def __init__(self, tp: int, pp: int, dp: int | None = None, sp: int = 1, cp: int = 1):
+        """``dp``: the data parallel ranks reading different samples (without CP); DeepSpeed's data parallel
+        axis (``dp_rank``, ``dp_size``, ``dp_group``) is DP x CP ranks (module docstring)."""
         world = dist.get_world_size()
         if dp is None:
-            dp = world // (tp * pp * sp)
-        if tp * pp * sp * dp != world:
-            raise ValueError(f"TP {tp} x PP {pp} x SP {sp} x DP {dp} = {tp * pp * sp * dp} does not match the "
-                             f"world size {world}")
-        self.topology = make_topology(tp, pp, dp, sp)
+            dp = world // (tp * pp * sp * cp)
+        if tp * pp * sp * cp * dp != world:
+            raise ValueError(f"TP {tp} x PP {pp} x SP {sp} x CP {cp} x DP {dp} = {tp * pp * sp * cp * dp} does "
+                             f"not match the world size {world}")
+        if cp > 1 and sp > 1:
+            raise ValueError("context parallelism and DeepSpeed-Ulysses cannot be combined")
+        self.topology = make_topology(tp, pp, dp * cp, sp)
         self.rank = dist.get_rank()
         self.world_size = world
         coord = self.topology.get_coord(self.rank)
         self.tp_rank, self.pp_rank, self.dp_rank = coord.model, coord.pipe, coord.data
         self.sp_rank = coord.sequence if sp > 1 else 0
-        self.tp_size, self.pp_size, self.dp_size, self.sp_size = tp, pp, dp, sp
+        self.tp_size, self.pp_size, self.dp_size, self.sp_size = tp, pp, dp * cp, sp
+        # which share of the global batch this rank reads: the CP ranks of a data parallel rank read the same
+        self.cp_size, self.cp_rank = cp, coord.data % cp
+        self.loader_rank, self.loader_size = coord.data // cp, dp
+        self.cp_group, self.cp_ranks = (self._make_groups(context_parallel_groups(self.topology, cp)) if cp > 1
+                                        else (None, [self.rank]))
         self.tp_group, self.tp_ranks = self._axis_group("model")
         self.dp_group, self.dp_ranks = self._axis_group("data")
         self.pp_group, self.pp_ranks = self._axis_group("pipe")
@@ -138,6 +165,7 @@ class ParallelState:
         return (f"rank {self.rank}: TP rank {self.tp_rank}/{self.tp_size} {self.tp_ranks}, "
                 f"PP stage {self.pp_rank}/{self.pp_size} {self.pp_ranks}, "
                 f"SP rank {self.sp_rank}/{self.sp_size} {self.sp_ranks}, "
+                f"CP rank {self.cp_rank}/{self.cp_size} {self.cp_ranks}, "
                 f"DP rank {self.dp_rank}/{self.dp_size} {self.dp_ranks}")
 
     # --- the `mpu` interface DeepSpeed's engine calls (names are DeepSpeed's) -------------------

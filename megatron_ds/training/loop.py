@@ -59,6 +59,7 @@ class TrainPlan:
 
     def __init__(self, layout):
         self.schedule, self.train_iters, self.curriculum = layout.schedule, layout.train_iters, layout.curriculum
+        self.cp = layout.cp
         self.seqlen = layout.model.seq_length  # tokens per sample of the coming step
 
     def keep_going(self, state) -> bool:
@@ -71,8 +72,9 @@ class TrainPlan:
         """Set the engine's global batch for the next step (ramp-up, as Megatron-DeepSpeed's train loop
         calls ``model[0].set_train_batch_size``); returns it."""
         batch = self.schedule.global_batch_at(state.consumed_train_samples)
-        if self.schedule.rampup is not None and engine.train_batch_size() != batch:
-            engine.set_train_batch_size(batch)  # DeepSpeed keeps the micro batch, changes accumulation steps
+        # DeepSpeed's data parallel ranks are DP x CP: its batch counts a sample once per CP rank (config/layout.py)
+        if self.schedule.rampup is not None and engine.train_batch_size() != batch * self.cp:
+            engine.set_train_batch_size(batch * self.cp)  # DeepSpeed keeps the micro batch, changes accumulation steps
         if isinstance(engine.lr_scheduler, ConsumedLRSchedule):
             engine.lr_scheduler.begin_iteration(batch, state.consumed_train_tokens)
         if self.curriculum is not None:  # megatron/training.py: update_difficulty(iteration + 1)
@@ -93,8 +95,8 @@ def _plain_loss(engine, batch, loss_fn):
 
 def _global_tokens(micro_batches, group, sp: int, device) -> float:
     """Loss tokens of the global batch: this rank's micro-batches' loss masks (none on a middle pipeline
-    stage, which reads no data) summed over ``group`` (data x sequence parallel ranks; each of a sample's
-    ``sp`` sequence parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
+    stage, which reads no data) summed over ``group`` (data x sequence or context parallel ranks; each of a
+    sample's ``sp`` sequence or context parallel ranks holds its whole mask, so it is counted ``sp`` times)."""
     local = sum(float(labels[1].float().sum()) for _, labels in micro_batches)
     total = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
@@ -110,7 +112,7 @@ def _per_token(token_scale, engine, data_iter, layout, dp_group):
         return
     steps = engine.gradient_accumulation_steps()  # changes during a batch-size ramp-up
     batches = list(itertools.islice(data_iter, steps))
-    tokens = _global_tokens(batches, dp_group, layout.sp, engine.device)
+    tokens = _global_tokens(batches, dp_group, layout.sp * layout.cp, engine.device)
     with token_scale.scaled(layout.dp * steps, tokens):
         yield iter(batches)
 
@@ -158,7 +160,7 @@ def evaluate(engine, data_iter, layout, loss_fn, dp_group, eval_iters: int, toke
         total = tokens = 0.0
         for _ in range(eval_iters):
             batches = list(itertools.islice(data_iter, layout.grad_accum_steps))
-            n = _global_tokens(batches, dp_group, layout.sp, engine.device)
+            n = _global_tokens(batches, dp_group, layout.sp * layout.cp, engine.device)
             with token_scale.scaled(layout.dp * layout.grad_accum_steps, n):
                 total += _evaluate(engine, iter(batches), layout, loss_fn, dp_group, 1) * n
             tokens += n

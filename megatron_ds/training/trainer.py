@@ -80,7 +80,7 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     """Build, resume, train, and evaluate at the end (validation and test sets)."""
     layout = run.layout
     progress = _progress_log(run, start_time)
-    ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp)
+    ps = ParallelState(layout.tp, layout.pp, layout.dp, layout.sp, layout.cp)
     rt = build_engine(run, ps, device, family.eod_token(tokenizer), family=family)
     log_startup(run, rt)
     signature = layout_signature(layout)  # what checkpoints record of this run, compared on load
@@ -210,7 +210,7 @@ def _data_iterators(run: Run, ps, tokenizer, state: TrainState, family: ModelFam
 
     def iterator(dataset, consumed, repeat):
         make = functools.partial(build_loader, dataset, data, collator, micro_batch_size=layout.micro_batch_size,
-                                 dp_rank=ps.dp_rank, dp_size=ps.dp_size)
+                                 dp_rank=ps.loader_rank, dp_size=ps.loader_size)
         # Only the first stage (tokens) and the last stage (labels) read data.
         return stage_iterator(dataset, lambda c: make(consumed_samples=c), consumed,
                               reads_data=ps.is_first_stage or ps.is_last_stage, repeat=repeat,

@@ -529,7 +529,7 @@ FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ('distributed init', ('--enable-full-sharding-in-hsdp',), ()),
     ('distributed init', ('--num-distributed-optimizer-instances',), ('1',)),
     ('distributed init', ('--torch-fsdp2-no-reshard-after-forward',), ()),
-    ('distributed init', ('--cp-comm-type',), ('x',)),
+    ('distributed init', ('--cp-comm-type',), ('all_gather',)),
     ('distributed init', ('--fake-process-group',), ()),
     ('validation', ('--eval-iters',), ('100',)),
     ('validation', ('--eval-interval',), ('2',)),

@@ -64,10 +64,11 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
     # "accepted, no change": the value passed is megatron_ds's default already (Megatron-LM's too)
     same = sorted(s for s, v, got, _ in _outcomes() if got == "accepted, no change")
     assert [s for s in same if s not in MEGATRON_DEEPSPEED_NAMES and s not in {
-        "--context-parallel-size", "--expert-model-parallel-size", "--softmax-type", "--glu-linear-offset",
+        "--expert-model-parallel-size", "--softmax-type", "--glu-linear-offset",
         "--mlp-chunks-for-training", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
         "--exp-avg-sq-dtype", "--error-injection-rate", "--recompute-modules",
         # fields of megatron_ds's own, passed at their default
+        "--context-parallel-size",
         "--norm-epsilon", "--position-embedding-type", "--relative-attention-num-buckets",
         "--relative-attention-max-distance", "--rotary-base", "--rope-scaling-factor", "--profile-step-start", "--profile-step-end",
         "--straggler-ctrlr-port", "--straggler-minmax-count", "--tiktoken-num-special-tokens",
@@ -78,7 +79,6 @@ def test_accepted_flags_change_the_config_unless_given_at_our_default():
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--context-parallel-size", "2"], "context parallelism is not supported yet; use --ds-sequence-parallel-size"),
     (["--ckpt-format", "torch_dcp"], "the torch_dcp and fsdp_dtensor formats are not supported"),
     (["--recompute-modules", "core_attn", "mlp"], "use --recompute-granularity full"),
     (["--exit-signal", "SIGINT"], "only SIGTERM and SIGUSR1 save and exit here"),

@@ -1,5 +1,6 @@
 """Process groups from DeepSpeed's topology: membership checked against the layout rule
 (TP ranks adjacent, then DP, then PP) computed by hand, and each group really communicates."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -65,3 +66,20 @@ def test_ulysses_layout_tp2_sp2():
         assert r["sp_dp"] == (sp_rank, sp_ranks)
         assert r["mp"] == r["tp"]
         assert r["sizes"] == (sp, sp, 1, tp)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(2, 2, 2, 1), (2, 2, 1, 2), (1, 4, 2, 2)])
+def test_context_parallel_ranks_follow_megatron_lm_order(tp, cp, dp, pp):
+    """Megatron-LM's rank order "tp-cp-ep-dp-pp" (megatron/core/parallel_state.py RankGenerator and
+    generate_masked_orthogonal_rank_groups: rank = tp + cp x TP + dp x TP x CP + pp x TP x CP x DP): our topology
+    (data axis DP x CP) places every rank there, and a CP group is the ranks differing only in cp."""
+    from megatron_ds.parallel.groups import context_parallel_groups, make_topology
+
+    topo = make_topology(tp, pp, dp * cp)
+    for rank in range(tp * cp * dp * pp):
+        c = topo.get_coord(rank)
+        t, cp_rank, dp_rank, p = c.model, c.data % cp, c.data // cp, c.pipe
+        assert rank == t + cp_rank * tp + dp_rank * tp * cp + p * tp * cp * dp
+    expected = sorted([t + i * tp + d * tp * cp + p * tp * cp * dp for i in range(cp)]
+                      for t in range(tp) for d in range(dp) for p in range(pp))
+    assert sorted(context_parallel_groups(topo, cp)) == expected

@@ -31,9 +31,13 @@ def build_gpt_model(run, ps, eod_token: int, device, loss_report):
                                                      build_sequential_gpt)
     from megatron_ds.pipeline.p2p import tied_embedding_group  # noqa: PLC0415
 
+    from megatron_ds.parallel.context_parallel import ContextParallel  # noqa: PLC0415
+
     layout = run.layout
     common = dict(_model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
                   ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
+    if layout.cp > 1:
+        common["cp"] = ContextParallel(ps.cp_group, layout.cp_comm_type)
     if layout.own_schedule:
         return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=ps.pp_rank, v=layout.virtual_pp,
                                      tie_group=tied_embedding_group(ps), chunk_layers=layout.chunk_layers, **common)

@@ -67,7 +67,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                     reset_attention_mask: bool = False, eod_token: int | None = None,
                     recompute_granularity: str | None = None, vocab_size: int | None = None,
                     sp_group=None, ep_size: int = 1, ep_rank: int = 0, loss_report=None,
-                    fp8: Fp8Recipe | None = None) -> list:
+                    fp8: Fp8Recipe | None = None, cp=None) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
@@ -79,12 +79,14 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     ``experts_per_layer`` names hold this rank's share of their experts (``ep_size``, ``ep_rank``:
     ``ParallelState.expert_parallel_rank``); ``loss_report`` gets their dropped-route fractions.
     ``fp8``: the run's FP8 recipe (``Layout.fp8``), which the transformer layers' GEMMs run with.
+    ``cp``: context parallelism (``parallel.context_parallel.ContextParallel``): the embedding keeps this
+    rank's chunks of every sequence and attention runs over the CP ranks.
     """
     m = model_cfg
     _check(m, tp_world_size(tp_group), padded_vocab_size, reset_attention_mask, eod_token, recompute_granularity)
     common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
     embedding = dict(init_method_std=m.init_method_std, dropout=m.hidden_dropout,
-                     fp32_residual=m.fp32_residual_connection, sp_group=sp_group,
+                     fp32_residual=m.fp32_residual_connection, sp_group=sp_group, cp=cp,
                      async_grad_comm=m.async_tensor_model_parallel_allreduce, **common)
     fused_loss = m.liger_kernel  # liger's fused linear + cross entropy where it applies (model/liger.py)
     positions = m.max_position_embeddings if m.position_embedding_type == "learned_absolute" else None
@@ -111,7 +113,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,
                                recompute_attention=recompute_granularity == "selective", sp_group=sp_group,
                                num_experts=experts[i], ep_size=ep_size, ep_rank=ep_rank, carry_moe_loss=moe,
-                               loss_report=loss_report, fp8=fp8, **common))
+                               loss_report=loss_report, fp8=fp8, cp=cp, **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
                            one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))
@@ -131,13 +133,13 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
 
 
 
-def gpt_loss(model_cfg: ModelConfig, tp_group, sp_group=None, loss_report=None):
+def gpt_loss(model_cfg: ModelConfig, tp_group, sp_group=None, loss_report=None, cp=None):
     """The GPT's loss function: the language-model loss (with --use-z-loss's z-loss), plus the MoE layers'
     weighted auxiliary loss."""
     # Megatron-LM's MoE layers return their losses already weighted by their own coefficients
     coeff = 1.0 if is_mlm_moe(model_cfg) else model_cfg.moe_loss_coeff
     return language_model_loss_fn(tp_group, sp_group, loss_report, coeff,
-                                  Z_LOSS_COEFF if model_cfg.use_z_loss else 0.0)
+                                  Z_LOSS_COEFF if model_cfg.use_z_loss else 0.0, cp)
 
 
 def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: int, tp_group, seed: int,
@@ -152,7 +154,7 @@ def build_pipeline_gpt(model_cfg: ModelConfig, topology, *, padded_vocab_size: i
                             loss_report=loss_report, **spec_kwargs)
     return PipelineModel(specs, topology=topology, seed=seed, partition_method=partition_method,
                          activation_checkpoint_interval=activation_checkpoint_interval,
-                         loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report))
+                         loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report, cp=spec_kwargs.get("cp")))
 
 
 def build_stage_gpt(model_cfg: ModelConfig, *, num_stages: int, stage: int, padded_vocab_size: int, tp_group=None,
@@ -175,7 +177,7 @@ def build_sequential_gpt(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_g
     specs = gpt_layer_specs(model_cfg, padded_vocab_size=padded_vocab_size, tp_group=tp_group, sp_group=sp_group,
                             loss_report=loss_report, **spec_kwargs)
     return SequentialModel(specs, seed=seed, activation_checkpoint_interval=activation_checkpoint_interval,
-                           loss_fn=gpt_loss(model_cfg, tp_group, sp_group, loss_report))
+                           loss_fn=gpt_loss(model_cfg, tp_group, sp_group, loss_report, spec_kwargs.get("cp")))
 
 
 def chunk_spec_indices(num_layers: int, pp: int, v: int, rank: int, chunk: int, counts=None) -> list[int]:
@@ -202,5 +204,5 @@ def build_interleaved_gpt(model_cfg: ModelConfig, *, pp: int, pp_rank: int, v: i
                             loss_report=loss_report, **spec_kwargs)
     indices = [chunk_spec_indices(model_cfg.num_layers, pp, v, pp_rank, c, chunk_layers) for c in range(v)]
     return ModelChunks(specs, layer_indices=indices, pp=pp, pp_rank=pp_rank, seed=seed, tie_group=tie_group,
-                       loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report),
+                       loss_fn=gpt_loss(model_cfg, tp_group, loss_report=loss_report, cp=spec_kwargs.get("cp")),
                        activation_checkpoint_interval=activation_checkpoint_interval)

@@ -1,0 +1,132 @@
+"""--context-parallel-size / --cp-comm-type: the layout they resolve to, --dry-run's report, the memory
+estimate's share of the sequence, and every combination refused in one line (config/validation.py
+``check_context_parallel``; Megatron-LM's own conditions: megatron/training/arguments.py validate_args)."""
+import pytest
+
+from megatron_ds.families import main
+from megatron_ds.config import parse_args, resolve
+from megatron_ds.config.memory import activation_bytes_per_layer, logits_bytes
+from megatron_ds.errors import ConfigError
+from megatron_ds.families.gpt.gpt_family import GPT
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3").split()
+
+
+def make(*extra, world=1):
+    cfg, _ = parse_args(BASE + list(extra))
+    return resolve(cfg, world_size=world, vocab_size=1000, ds_template=None, device_type="cpu", family=GPT)
+
+
+def test_cp_splits_the_world_and_deepspeed_counts_dp_times_cp_ranks():
+    layout = make("--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                  world=8).layout
+    assert (layout.tp, layout.cp, layout.dp, layout.grad_accum_steps) == (2, 2, 2, 2)
+    # DeepSpeed's data parallel ranks are DP x CP = 4: it checks train_batch_size = micro 2 x 2 steps x 4
+    assert layout.ds_config["train_batch_size"] == 16 and layout.global_batch_size == 8
+    assert "TP 2 x PP 1 x CP 2 (context parallel, p2p) x DP 2" in layout.summary()
+    assert make("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=2).layout.cp_comm_type == \
+        "all_gather"
+
+
+def test_dry_run_prints_the_cp_layout(capsys):
+    rc = main(BASE + ["--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "8",
+                      "--context-parallel-size", "4", "--global-batch-size", "4"])
+    assert rc == 0
+    assert "world size 8 = TP 1 x PP 1 x CP 4 (context parallel, p2p) x DP 2" in capsys.readouterr().out
+
+
+def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
+    """Each CP rank keeps the activations of seq / CP tokens: the per-layer term and the logits at CP 4 are
+    those of a CP 1 run at a quarter of the sequence (the same tokens per rank)."""
+    cp4 = make("--context-parallel-size", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+               world=4).layout
+    cp1 = make("--seq-length", "16", world=1).layout
+    assert activation_bytes_per_layer(cp4, recompute=None) == activation_bytes_per_layer(cp1, recompute=None)
+    assert logits_bytes(cp4) == logits_bytes(cp1)
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--seq-length", "30", "--max-position-embeddings", "32"], "--seq-length 30 is not a multiple of 2 x"),
+    (["--cp-comm-type", "a2a"], "use --ds-sequence-parallel-size N instead"),
+    (["--cp-comm-type", "a2a+p2p"], "hierarchical context parallelism is not built"),
+    (["--hierarchical-context-parallel-sizes", "1", "2"], "hierarchical context parallelism is not built"),
+    (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
+    (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
+    (["--num-experts", "2"], "mixture-of-experts"),
+    (["--pipeline-model-parallel-size", "2", "--enable-zbh1-pipeline"], "--enable-zbh1-pipeline"),
+    (["--compile-layers"], "--compile-layers"),
+])
+def test_refused_in_one_line(extra, says):
+    world = 4 if "--pipeline-model-parallel-size" in extra or "--ds-sequence-parallel-size" in extra else 2
+    with pytest.raises(ConfigError, match="context") as err:
+        make("--context-parallel-size", "2", *extra, world=world)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_upstream_llama3_script_at_cp2_passes_dry_run(tmp_path):
+    """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (tests/config/megatron_lm_scripts.py) with
+    --context-parallel-size 2 instead of its 1: refused in one line for its FP8 (not built with CP here), and
+    without the FP8 flags it passes with the CP layout (8 GPUs: TP 1 x CP 2 x DP 4)."""
+    from tests.config.test_megatron_lm_scripts import _script, _without
+    from tests.config.test_megatron_scripts import _files, dry_run
+
+    script = _script(tmp_path, "llama3_8b_h100_fp8")
+    argv = list(script.argv)
+    argv[argv.index("--context-parallel-size") + 1] = "2"
+    rc, out, err = dry_run(type(script)(script.name, script.world, argv), _files(tmp_path, write_data=False))
+    assert rc != 0 and "--context-parallel-size 2 is not supported with FP8" in out + err
+    argv = _without(argv, "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")
+    rc, out, err = dry_run(type(script)(script.name, script.world, argv), _files(tmp_path, write_data=False))
+    assert rc == 0, out[-2000:] + err[-2000:]
+    assert "TP 1 x PP 1 x CP 2 (context parallel, p2p) x DP 4" in out
+
+
+def _saved_by_a_cp_layer(rank, world_size, flags):
+    """(bytes one bf16 transformer layer keeps for backward on this CP rank, the estimate's per-layer term)."""
+    import torch
+
+    from megatron_ds.model.transformer import ParallelTransformerLayer
+    from megatron_ds.parallel.context_parallel import ContextParallel
+    from megatron_ds.parallel.random import set_parallel_seeds
+    from tests.config.test_memory import _layout, saved_bytes
+
+    _, layout = _layout(flags, world_size)
+    set_parallel_seeds(1, 0)
+    m = layout.model
+    cp = ContextParallel(torch.distributed.group.WORLD, "p2p") if world_size > 1 else None
+    layer = ParallelTransformerLayer(m, 1, params_dtype=torch.bfloat16, device="cpu", cp=cp)
+    x = torch.randn(m.seq_length // world_size, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    return saved_bytes(layer, x), activation_bytes_per_layer(layout, recompute=None)
+
+
+@pytest.mark.parametrize("case,cp", [("gpt", 4), ("llama_like", 2)])
+def test_a_cp_layer_keeps_its_share_of_the_activations(case, cp):
+    """What autograd keeps of one bf16 layer (saved-tensor hooks, tests/config/test_memory.py's measurement)
+    on each CP rank: 1/CP of the CP 1 layer's (the ring keeps only its own q, k, v, output and LSE), and what
+    the estimate says, within test_memory.py's 1.5% (norm statistics and RoPE tables it leaves out)."""
+    from tests.config.test_memory import LAYER_CASES, _gpt_flags
+    from tests.distributed import run_distributed
+
+    s, b, h, a = 256, 2, 256, 8
+    got = {}
+    for n in (1, cp):
+        flags = _gpt_flags(2, h, a, s, b, 2 * n) + ["--bf16", "--attention-dropout", "0",
+                                                    "--context-parallel-size", str(n)] + LAYER_CASES[case]
+        got[n] = run_distributed(_saved_by_a_cp_layer, n, flags, timeout=120)
+    (whole, _), = got[1]
+    for measured, estimate in got[cp]:
+        assert measured == pytest.approx(estimate, rel=0.015)
+        assert measured == pytest.approx(whole / cp, rel=0.02)
+
+
+def test_the_planner_refuses_context_parallelism_in_one_line():
+    """The planner does not model CP layouts (planner/time_model.py): a CP command line is refused, not planned
+    as if CP were 1."""
+    from megatron_ds.families import get_family
+    from megatron_ds.planner import plan_cli
+
+    with pytest.raises(ConfigError, match="does not enumerate context parallelism yet") as err:
+        plan_cli.request_of(BASE + ["--vocab-size", "1000", "--context-parallel-size", "2", "--world-size", "8"],
+                            get_family("gpt"), "plan.py")
+    assert "\n" not in str(err.value)
