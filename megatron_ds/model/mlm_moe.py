@@ -36,7 +36,8 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
-from megatron_ds.parallel.mappings import all_gather_along_first_dim, reduce_scatter_along_first_dim
+from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region)
 
 
 def _activation(cfg):
@@ -347,32 +348,6 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
 
 
-class _GatherFirst(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward: reduce-scatter (sum), each rank its rows' gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along_first_dim(grad.contiguous(), ctx.group), None
-
-
-class _ScatterFirst(torch.autograd.Function):
-    """Reduce-scatter (sum) along dim 0 over ``group``; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along_first_dim(x.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along_first_dim(grad, ctx.group), None
-
-
 class MoELayer(nn.Module):
     """Router, this rank's ``experts / ep`` experts, shared experts (module docstring).
 
@@ -430,13 +405,13 @@ class MoELayer(nn.Module):
     def _allgather(self, tokens, probs, routing_map):
         """MoEAllGatherTokenDispatcher: every EP rank's tokens and routing gathered, this rank's experts run on
         the routes to them, the partial outputs reduce-scattered back to the ranks that own the tokens."""
-        all_tokens = _GatherFirst.apply(tokens, self.ep_group)
-        all_probs = _GatherFirst.apply(probs, self.ep_group)
+        all_tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
+        all_probs = gather_from_sequence_parallel_region(probs, self.ep_group)
         all_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.ep_group).bool()  # gloo: no bool
         mine = slice(self.ep_rank * self.local, (self.ep_rank + 1) * self.local)
         routed, route_probs, token_ids, counts = permute(all_tokens, all_map[:, mine], all_probs[:, mine])
         partial = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, all_tokens.shape[0])
-        return _ScatterFirst.apply(partial, self.ep_group)
+        return reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)
 
     def _alltoall(self, tokens, probs, routing_map):
         """MoEAlltoAllTokenDispatcher: the routes, in global expert order, go to the ranks holding their experts
