@@ -127,6 +127,26 @@ def read_meta(ckpt_dir: str) -> dict:
         return json.load(f)
 
 
+# What a checkpoint's record carries into the checkpoints of a run that loaded it: the Hugging Face class
+# an imported model came from (gpt_hf_import writes it, to_hf.py exports to it where it can)
+CARRIED = ("hf_architecture",)
+
+
+def carried_meta(load_dir: str | None, step: int | None = None) -> dict:
+    """The ``CARRIED`` entries of the record of --load's checkpoint (``step``, else the one its tracker
+    names); {} where there is none or it cannot be read (every checkpoint of a run carries the same)."""
+    if not load_dir:
+        return {}
+    iteration = step if step is not None else read_tracker(load_dir)[0]
+    if iteration is None:
+        return {}
+    try:
+        meta = read_meta(step_dir(load_dir, iteration))
+    except (OSError, ValueError):
+        return {}
+    return {k: meta[k] for k in CARRIED if k in meta}
+
+
 def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: int = 1, virtual_pp: int | None = None,
               zero_stage: int = 0, precision: str = "fp32", use_pipeline: bool = True, ep: int = 1) -> dict:
     """What a checkpoint records about the run that wrote it (compared on load): the resolved

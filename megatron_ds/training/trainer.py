@@ -10,7 +10,7 @@ import torch
 from megatron_ds.checkpoint.async_save import AsyncSaver
 from megatron_ds.checkpoint.background import PersistentWriter
 from megatron_ds.checkpoint.checkpointing import load_checkpoint, save_checkpoint
-from megatron_ds.checkpoint.format import layout_signature, step_dir
+from megatron_ds.checkpoint.format import carried_meta, layout_signature, step_dir
 from megatron_ds.checkpoint.integrity import protect_newer, prune as prune_checkpoints
 from megatron_ds.checkpoint.room import checkpoint_room
 from megatron_ds.checkpoint.vocabulary import TOKENIZER, tokenizer_record
@@ -98,7 +98,8 @@ def _train(run: Run, device, tokenizer, start_time: float, watch, family: ModelF
     straggler = _straggler_detector(run, rt.engine, device) if training else None
     try:
         with StopSignals(run.training.exit_signal_handler) as stop_signals:
-            save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family, background)
+            save, prune = _saver(run, rt.engine, tokenizer, signature, ps.dp_group, family, background,
+                                 carried=carried_meta(run.checkpoint.load, run.checkpoint.ckpt_step))
             loop = Loop(run, rt.engine, rt.loss_fn, ps.sp_dp_group, device, tb, save=save, prune=prune,
                         start_time=start_time,
                         stop_signals=stop_signals, loss_report=rt.loss_report,
@@ -254,16 +255,17 @@ def _room(run: Run, signature: dict):
 
 
 def _saver(run: Run, engine, tokenizer, signature: dict, dp_group, family: ModelFamily,
-           background: AsyncSaver | None = None):
+           background: AsyncSaver | None = None, carried: dict | None = None):
     """The loop's save and prune functions: DeepSpeed's checkpoint with the run's counters, RNG states
     and record (written by ``background`` under --async-save); --keep-last's deletions once the newest
-    checkpoint's weights gave a finite loss."""
+    checkpoint's weights gave a finite loss. ``carried``: what the loaded checkpoint's record passes on
+    (``format.carried_meta``)."""
     ckpt = run.checkpoint
     # vocab_size: the real vocabulary, so conversions can drop the padding rows;
     # model_family: which entry point's model the weights are (conversions and tools read it)
     meta = {"signature": signature, "config": run.record, "argv": sys.argv[1:],
             "vocab_size": tokenizer.vocab_size, "model_family": family.name,
-            TOKENIZER: _tokenizer_record(run, tokenizer, family)}  # compared when loaded
+            TOKENIZER: _tokenizer_record(run, tokenizer, family), **(carried or {})}  # tokenizer: compared when loaded
     rank0 = torch.distributed.get_rank() == 0
     unpruned = []  # the iteration saved last, until prune() has run for it
 

@@ -181,8 +181,10 @@ def test_imported_model_trains_alike_at_tp2_pp2(imported, name, tmp_path):
     save = str(tmp_path / "trained")
     assert layout_losses(train_losses, base, 2, 2, 1, ["--save", save], timeout=600) == pytest.approx(single,
                                                                                                        rel=2e-5)
-    # a trained checkpoint no longer records where it came from: its features choose the class, whose
-    # logits are those of our model with the trained (TP x PP consolidated) weights
+    # the trained checkpoint carries the class it was imported from, which exports it with the logits of
+    # our model with the trained (TP x PP consolidated) weights
+    (step,) = [d for d in os.listdir(save) if d.startswith("global_step")]
+    assert json.load(open(os.path.join(save, step, "megatron_ds_config.json")))["hf_architecture"] == CLASSES[name]
     assert to_hf.main(["--load", save, "--out", str(tmp_path / "out")]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert type(theirs).__name__ == CLASSES[name]
