@@ -36,60 +36,17 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import use_compiled
 from megatron_ds.model.kernels import sdpa_with_dropout
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.rotary import apply_rotary, rotary_cos_sin
+from megatron_ds.model.rotary import RopeScaling, apply_rotary, rotary_cos_sin, yarn_mscale
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
 from megatron_ds.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from megatron_ds.parallel.random import checkpoint
 from megatron_ds.parallel.utils import divide, tp_world_size
 
-# MLATransformerConfig's YaRN fields that no Megatron-LM flag sets for MLA (module docstring)
-YARN_ORIGINAL_MAX_POSITIONS, YARN_BETA_FAST, YARN_BETA_SLOW = 4096, 32.0, 1.0
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """Megatron-LM's ``_yarn_get_mscale`` (DeepSeek's ``yarn_get_mscale``)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def softmax_scale(m: ModelConfig) -> float:
     """``MultiLatentAttention.__init__``'s: mscale(factor, mscale_all_dim)^2 / sqrt(query head dim), whatever
     the --rope-type."""
     return yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim) ** 2 / math.sqrt(m.qk_head_dim + m.qk_pos_emb_head_dim)
-
-
-def yarn_inverse_frequencies(dim: int, base: float, factor: float, device=None) -> torch.Tensor:
-    """``YarnRotaryEmbedding.get_emb``'s frequencies: extrapolated (``base``'s) below the correction range,
-    interpolated (divided by ``factor``) above it, linearly blended across it."""
-    def correction_dim(rotations: float) -> float:  # _yarn_find_correction_dim
-        return dim * math.log(YARN_ORIGINAL_MAX_POSITIONS / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
-    high = min(math.ceil(correction_dim(YARN_BETA_SLOW)), dim - 1)
-    if low == high:
-        high += 0.001  # _yarn_linear_ramp_mask's guard
-    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    keep = 1.0 - ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    return extra / factor * (1 - keep) + extra * keep
-
-
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def yarn_cos_sin(seq_len: int, dim: int, base: float, factor: float, mscale: float, mscale_all_dim: float,
-                 device) -> tuple[torch.Tensor, torch.Tensor]:
-    """YaRN's cos/sin tables ``[seq, 1, 1, dim]``, fp32, scaled by the concentration factor; cached in a plain
-    dict for the reasons ``rotary.rotary_cos_sin`` gives."""
-    key = (seq_len, dim, float(base), float(factor), float(mscale), float(mscale_all_dim), str(torch.device(device)))
-    if key not in _TABLES:
-        if len(_TABLES) >= 16:
-            _TABLES.pop(next(iter(_TABLES)))
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device),
-                             yarn_inverse_frequencies(dim, base, factor, device))
-        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-        concentration = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        _TABLES[key] = angles.cos() * concentration, angles.sin() * concentration
-    return _TABLES[key]
 
 
 def deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -112,8 +69,10 @@ class MLASelfAttention(nn.Module):
         self.qk_head_dim, self.rope_dim, self.v_head_dim = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.causal, self.recompute_core = cfg.kv_lora_rank, causal, recompute_core
         self.attention_dropout, self.scale = cfg.attention_dropout, softmax_scale(cfg)
-        self.yarn = (cfg.rope_type or "yarn") == "yarn"
-        self.rope = (cfg.rope_theta, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim)
+        self.rope_theta = cfg.rope_theta
+        self.rope_scaling = RopeScaling(yarn_factor=float(cfg.rotary_scaling_factor), mscale=float(cfg.mscale),
+                                        mscale_all_dim=float(cfg.mscale_all_dim)) \
+            if (cfg.rope_type or "yarn") == "yarn" else None
         self.seq_length = cfg.seq_length
         self.bias_dropout_fusion, self.fusions_on_cpu = cfg.bias_dropout_fusion, cfg.fusions_on_cpu
         q_head_dim = self.qk_head_dim + self.rope_dim
@@ -183,11 +142,7 @@ class MLASelfAttention(nn.Module):
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         length, start = (s, 0) if kv_cache is None else (kv_cache.max_length, kv_cache.offset)
-        base, factor, mscale, mscale_all_dim = self.rope
-        if self.yarn:
-            cos, sin = yarn_cos_sin(length, self.rope_dim, base, factor, mscale, mscale_all_dim, device)
-        else:
-            cos, sin = rotary_cos_sin(length, self.rope_dim, base, device)
+        cos, sin = rotary_cos_sin(length, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         return cos[start:start + s], sin[start:start + s]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds import ds_compat
+from megatron_ds.config import moe_selection
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
 from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
@@ -101,16 +102,15 @@ def drop_tokens(probs, routing_map, topk: int, capacity_factor: float, policy: s
     return probs * final, final
 
 
-def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, experts: int,
-                    coeff: float = 1.0) -> torch.Tensor:
-    """Megatron-LM's switch_load_balancing_loss_func: E x sum_i f_i P_i x coeff (Switch Transformer eq. 4,
-    f_i over the k routes of each token)."""
-    return (scores.sum(0) * tokens_per_expert).sum() * (experts * coeff / (topk * total_tokens * total_tokens))
+def switch_aux_loss(scores, tokens_per_expert, total_tokens: int, topk: int, experts: int) -> torch.Tensor:
+    """Megatron-LM's switch_load_balancing_loss_func, unweighted (the router applies the coefficient): E x sum_i
+    f_i P_i (Switch Transformer eq. 4, f_i over the k routes of each token)."""
+    return (scores.sum(0) * tokens_per_expert).sum() * (experts / (topk * total_tokens * total_tokens))
 
 
-def z_loss(logits, coeff: float) -> torch.Tensor:
-    """ST-MoE's router z-loss (Megatron-LM's z_loss_func): mean of logsumexp(logits)^2, times coeff."""
-    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+def z_loss(logits) -> torch.Tensor:
+    """ST-MoE's router z-loss (Megatron-LM's z_loss_func), unweighted: mean of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def aux_scores(logits, topk: int, score_function: str):
@@ -160,7 +160,7 @@ class TopKRouter(nn.Module):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         train, terms = self.training, {}
         if train and self.z_loss_coeff:
-            terms["z_loss"] = z_loss(logits.float(), 1.0)
+            terms["z_loss"] = z_loss(logits.float())
             loss = loss + terms["z_loss"] * self.z_loss_coeff
         probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
                                           pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
@@ -242,18 +242,22 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
-def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
+                   device_counts: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
-    one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products)."""
+    one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products). ``device_counts``:
+    ``counts`` on ``x``'s device, copied there once for all of an MLP's linears (else here)."""
     w = layer.weight
+    if device_counts is None and (layer.bias is not None or _grouped_mm_ok(x, w)):
+        device_counts = torch.tensor(counts, device=x.device)
     if _grouped_mm_ok(x, w):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        offs = device_counts.cumsum(0).to(torch.int32)
         y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     else:
         y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
             x.new_zeros(0, w.shape[1])
     if layer.bias is not None:
-        y = y + layer.bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0, output_size=y.shape[0])
+        y = y + layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
     return y
 
 
@@ -274,8 +278,9 @@ class GroupedExperts(nn.Module):
         self.act = _activation(cfg)
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        h = self.act(grouped_linear(x, counts, self.linear_fc1))
-        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2)
+        on_device = torch.tensor(counts, device=x.device)
+        h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device))
+        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2, on_device)
 
 
 class SharedExperts(nn.Module):
@@ -435,10 +440,6 @@ class MoELayer(nn.Module):
         y = _AllToAll.apply(back, send, recv, self.ep_group)
         return unpermute(y, token_ids, tokens.shape[0])
 
-    def expert_parameters(self):
-        return list(self.experts.parameters())
-
-
 # what an MoE GPT of Megatron-LM's layer reports beside "lm loss" and "moe loss" (Megatron-LM's log names; the
 # losses unweighted, as its track_moe_metrics prints them), per micro-batch averaged over its MoE layers
 ROUTING_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "tokens per expert max/mean",
@@ -475,7 +476,7 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, para
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
                   expert_bias=cfg.moe_router_enable_expert_bias,
                   router_dtype={"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype),
-                  aux=dict(zip(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff)),
+                  aux=moe_selection.balancing(cfg),
                   z_loss_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
                   drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,

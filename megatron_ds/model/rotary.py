@@ -23,12 +23,41 @@ import torch
 
 class RopeScaling(NamedTuple):
     """What changes the tables besides (length, dim, base): part of their cache key. ``factor`` None:
-    no Llama 3.1 scaling; ``linear`` None: positions as they are."""
+    no Llama 3.1 scaling; ``linear`` None: positions as they are; ``yarn_factor`` None: no YaRN (multi-latent
+    attention's, ``model/mla.py``: its frequencies and its concentration factor from ``mscale`` /
+    ``mscale_all_dim``)."""
     factor: float | None = None
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
     linear: float | None = None
+    yarn_factor: float | None = None
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+# MLATransformerConfig's YaRN fields that no Megatron-LM flag sets for multi-latent attention (model/mla.py)
+YARN_ORIGINAL_MAX_POSITIONS, YARN_BETA_FAST, YARN_BETA_SLOW = 4096, 32.0, 1.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """Megatron-LM's ``_yarn_get_mscale`` (DeepSeek's ``yarn_get_mscale``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, dim: int, base: float, factor: float) -> torch.Tensor:
+    """``YarnRotaryEmbedding.get_emb``'s frequencies: extrapolated (``base``'s) below the correction range,
+    interpolated (divided by ``factor``) above it, linearly blended across it."""
+    def correction_dim(rotations: float) -> float:  # _yarn_find_correction_dim
+        return dim * math.log(YARN_ORIGINAL_MAX_POSITIONS / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
+    high = min(math.ceil(correction_dim(YARN_BETA_SLOW)), dim - 1)
+    if low == high:
+        high += 0.001  # _yarn_linear_ramp_mask's guard
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device)
+    keep = 1.0 - ((ramp - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def rope_scaling(cfg) -> RopeScaling | None:
@@ -86,6 +115,8 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None = No
     wavelengths above ``original / low_freq_factor`` slow down by ``factor``, those under ``original /
     high_freq_factor`` stay, those between blend the two by ``original / wavelength``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if scaling is not None and scaling.yarn_factor is not None:
+        return _yarn_inverse_frequencies(inv_freq, dim, theta, scaling.yarn_factor)
     if scaling is None or scaling.factor is None:
         return inv_freq
     factor, low, high, original = (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
@@ -111,6 +142,9 @@ def _cos_sin(seq_len: int, dim: int, theta: float, device: torch.device,
              scaling: RopeScaling | None) -> tuple[torch.Tensor, torch.Tensor]:
     angles = torch.outer(rotary_positions(seq_len, scaling, device), inverse_frequencies(dim, theta, scaling, device))
     angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    if scaling is not None and scaling.yarn_factor is not None:  # YaRN's concentration factor
+        c = yarn_mscale(scaling.yarn_factor, scaling.mscale) / yarn_mscale(scaling.yarn_factor, scaling.mscale_all_dim)
+        return angles.cos() * c, angles.sin() * c
     return angles.cos(), angles.sin()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.model.mla import YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_MAX_POSITIONS
+from megatron_ds.model.rotary import YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_MAX_POSITIONS
 
 CLASS = "DeepseekV3ForCausalLM"
 
