@@ -215,7 +215,6 @@ class Llama3Tokenizer(_TiktokenFile):
         specials = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
         self._build("llama3", ranks, specials, LLAMA3_PATTERN)
         self.bos, self._eod = specials["<|begin_of_text|>"], specials["<|end_of_text|>"]
-        self.eot = specials["<|eot_id|>"]
         self.adds_bos = True
 
     @property

@@ -423,11 +423,11 @@ class HFTokenizer(_MappedTokenizer):
         self.include_special_tokens = include_special_tokens
 
         path = _find_hf_tokenizer_json(tokenizer_model, spelled)
-        self.source_dir = os.path.dirname(path)
+        source_dir = os.path.dirname(path)
         self.bos = self._auto = None
         if os.path.basename(path) == "tokenizer.json" and \
-                os.path.isfile(os.path.join(self.source_dir, "tokenizer_config.json")):
-            self._tok = self._from_auto_tokenizer(self.source_dir)
+                os.path.isfile(os.path.join(source_dir, "tokenizer_config.json")):
+            self._tok = self._from_auto_tokenizer(source_dir)
         if self._auto is None:
             try:
                 self._tok = Tokenizer.from_file(path)

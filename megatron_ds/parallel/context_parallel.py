@@ -50,12 +50,17 @@ class ContextParallel:
     comm_type: str = "p2p"
     size: int = field(init=False)
     rank: int = field(init=False)
+    send_to: int = field(init=False)  # the ring's next and previous ranks (global ranks)
+    recv_from: int = field(init=False)
 
     def __post_init__(self):
         if self.comm_type not in COMM_TYPES:
             raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {self.comm_type!r}")
         object.__setattr__(self, "size", dist.get_world_size(self.group))
         object.__setattr__(self, "rank", dist.get_rank(self.group))
+        ranks = dist.get_process_group_ranks(self.group)
+        object.__setattr__(self, "send_to", ranks[(self.rank + 1) % self.size])
+        object.__setattr__(self, "recv_from", ranks[(self.rank - 1) % self.size])
 
     def chunks_of(self, rank: int) -> tuple[int, int]:
         """The two of the sequence's 2N chunks CP rank ``rank`` holds."""
@@ -92,8 +97,7 @@ def _ring(kv: torch.Tensor, cp: ContextParallel):
     """(source rank, its K/V) for this rank's own K/V and then N-1 hops around the ring, each received
     from the previous rank. The next hop is in flight while the caller computes the current step's blocks
     (Transformer Engine's overlap); it is waited for when the next step is asked for."""
-    ranks = dist.get_process_group_ranks(cp.group)
-    send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
+    send_to, recv_from = cp.send_to, cp.recv_from
     for step in range(cp.size):
         pending = []
         if step + 1 < cp.size:
@@ -155,8 +159,7 @@ class _RingAttention(torch.autograd.Function):
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO O)
         qa, d_q = q.to(acc), torch.zeros_like(d_out)
-        ranks = dist.get_process_group_ranks(cp.group)
-        send_to, recv_from = ranks[(cp.rank + 1) % cp.size], ranks[(cp.rank - 1) % cp.size]
+        send_to, recv_from = cp.send_to, cp.recv_from
         kv = torch.cat([k, v], dim=1).to(acc)
         d_kv = torch.zeros_like(kv)  # the gradient of the K/V this rank holds now, from the ranks it has visited
         for step in range(cp.size):
@@ -207,14 +210,11 @@ def _reduce(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _exchange(tensors: list, group, send_to: int, recv_from: int) -> list:
     """Send ``tensors`` to ``send_to`` and receive tensors like them from ``recv_from``, synchronously."""
-    ops, received = [], []
-    for t in tensors:
-        out = torch.empty_like(t)
-        ops += [dist.P2POp(dist.isend, t.contiguous(), send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
-        received.append(out)
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    started = [_start_exchange(t.contiguous(), group, send_to, recv_from) for t in tensors]
+    for _, works in started:
+        for work in works:
+            work.wait()
+    return [out for out, _ in started]
 
 
 def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> torch.Tensor | None:
@@ -313,10 +313,7 @@ class _RingHop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, works = _start_exchange(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to)
-        for work in works:
-            work.wait()
-        return out, None, None, None, None
+        return _exchange([grad], ctx.group, ctx.recv_from, ctx.send_to)[0], None, None, None, None
 
 
 def _start_exchange(x: torch.Tensor, group, send_to: int, recv_from: int):

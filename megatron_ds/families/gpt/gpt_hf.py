@@ -63,8 +63,8 @@ _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorc
                      "relu2": {"squared_relu": True}}
 # Megatron-LM's Llama 3.1 constants (rotary_pos_embedding.py, RotaryEmbedding._apply_scaling): its flags
 # set only the factor, so the others are printed only where a checkpoint differs
-_LLAMA3_FIXED = dict(rope_scaling_low_freq_factor=1.0, rope_scaling_high_freq_factor=4.0,
-                     rope_scaling_original_max_position_embeddings=8192)
+_LLAMA3_FIXED = {name: ModelConfig.__dataclass_fields__[name].default for name in (
+    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings")}
 
 
 def architecture_key(name: str) -> str:
@@ -333,6 +333,8 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
+    if arch == DEEPSEEK_V3:
+        return deepseek.hf_config(m, common)
     # what Llama, Qwen2/3, Mistral and Mixtral describe alike (Llama's layers)
     llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
@@ -340,8 +342,6 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
         head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
-    if arch == DEEPSEEK_V3:
-        return deepseek.hf_config(m, common)
     window = sliding_window(m)
     if arch == MIXTRAL:
         return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
