@@ -164,8 +164,7 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32",
-          checkpoints: bool = False) -> None:
+          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
@@ -195,10 +194,6 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if ep > 1 and zero_stage == 3:
         raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
                           f"refuses expert parameters there; use ZeRO stage 1 or 2")
-    if ep > 1 and checkpoints:
-        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
-                          f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
-                          f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")
 
 def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
     """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP

@@ -55,8 +55,6 @@ def test_dry_run_describes_megatron_lms_layers():
     ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "neither an integer nor a list expression"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --zero-stage 3 --deepspeed "
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
-    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --save ckpt", 2,
-     "checkpoints of Megatron-LM's MoE split over expert parallel ranks are not written here yet"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
