@@ -170,18 +170,27 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     k = m.moe_router_topk
     if not 1 <= k <= experts:
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
-    if ep < 1 or experts % ep or dp % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and the data "
-                          f"parallel size {dp}: each of EP data parallel ranks holds num_experts / EP experts")
     if (expert_tp or 1) != 1:
         raise ConfigError(f"--expert-tensor-parallel-size {expert_tp}: experts split over "
                           f"tensor parallel ranks are not supported yet; use 1 (whole experts on every TP rank)")
-    if sp > 1 or sequence_parallel or (tp > 1 and ep > 1):
-        # at TP > 1 every tensor parallel rank holds the same tokens and whole experts, and computes them all (EP 1);
-        # splitting experts or tokens over TP ranks is Megatron-LM's TP x EP token dispatch, not built here
-        raise ConfigError("Megatron-LM's MoE runs without sequence parallelism (--sequence-parallel, "
-                          "DeepSpeed-Ulysses) and, at TP > 1, at EP 1 here (its token dispatch over tensor parallel "
-                          "ranks is not built yet); drop one of them")
+    if sp > 1:
+        raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
+                          "Megatron sequence parallelism (--sequence-parallel) or context parallelism")
+    if tp > 1 and ep > 1 and not sequence_parallel:
+        # Megatron-LM's MoELayer.forward refuses TP > 1 without sequence parallelism in training; here the tensor
+        # parallel ranks would hold the same tokens, which the expert parallel dispatch (over TP and DP ranks,
+        # model/mlm_moe.py) needs distinct
+        raise ConfigError(f"--expert-model-parallel-size {ep} at --tensor-model-parallel-size {tp} needs "
+                          f"--sequence-parallel (as Megatron-LM): the experts take tokens from distinct sequence parts")
+    # the ranks holding distinct tokens, over which the experts split: with sequence parallelism TP x DP, whole
+    # tensor parallel groups (DeepSpeed's expert groups run along TP first, parallel/groups.py)
+    sp_tp = sequence_parallel and tp > 1
+    ranks = tp * dp if sp_tp else dp
+    if ep < 1 or experts % ep or ranks % ep or (sp_tp and ep > 1 and ep % tp):
+        where = (f"the {ranks} tensor x data parallel ranks, and be 1 or a multiple of --tensor-model-parallel-size "
+                 f"{tp}" if sp_tp else f"the data parallel size {dp}")
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
+                          f"of EP ranks holds num_experts / EP experts")
     if own_schedule:
         raise ConfigError("Megatron-LM's MoE cannot run on the interleaved or ZB-H1 pipeline schedules yet: their "
                           "executor passes only the hidden state between stages, not the auxiliary loss; use 1F1B")

@@ -42,15 +42,10 @@ from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_fr
 
 
 def _activation(cfg):
-    if cfg.swiglu:
-        return lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:]
-    if cfg.geglu:
-        return lambda x: F.gelu(x[..., : x.shape[-1] // 2], approximate="tanh") * x[..., x.shape[-1] // 2:]
-    if cfg.openai_gelu:
-        return lambda x: F.gelu(x, approximate="tanh")
-    if cfg.squared_relu:
-        return lambda x: F.relu(x).square()
-    return F.relu if cfg.relu else F.gelu
+    """The dense MLP's activation (model/transformer.py, which imports this module: read when a layer is built)."""
+    from megatron_ds.model.transformer import mlp_activation  # noqa: PLC0415
+
+    return mlp_activation(cfg)
 
 
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
@@ -151,16 +146,24 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         self.last: dict = {}  # the last training forward's statistics, for the loss report
+        # Megatron sequence parallelism at TP > 1: the tensor parallel group, whose ranks route the parts of one
+        # sequence (Megatron-LM's tp_cp_group in router.py); set by MoELayer
+        self.tp_group = None
 
     def forward(self, x: torch.Tensor, seq: int, batch: int):
-        """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor)."""
-        self._fp32_buffers()
+        """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor).
+
+        Under sequence parallelism (``tp_group``) ``x`` is this rank's part of the sequences: each loss is
+        computed as Megatron-LM's router does, from the tokens per expert summed over the group and this rank's
+        scores, so that the ranks' losses sum to the loss of the whole sequences (their gradients too: the
+        router's weight gradient is summed over the group); the value returned is that sum, on every rank."""
         dtype = self.router_dtype or x.dtype
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         train, terms = self.training, {}
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         if train and self.z_loss_coeff:
-            terms["z_loss"] = z_loss(logits.float())
+            terms["z_loss"] = z_loss(logits.float()) / tp  # a mean over all the sequences' tokens
             loss = loss + terms["z_loss"] * self.z_loss_coeff
         probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
                                           pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
@@ -172,21 +175,25 @@ class TopKRouter(nn.Module):
         if train and any(self.aux.values()):
             scores, aux_map = aux_scores(logits, self.topk, self.score_function)
             if self.aux.get("aux_loss"):
-                terms["load_balancing_loss"] = switch_aux_loss(scores, aux_map.sum(0).float(), x.shape[0], self.topk,
-                                                               self.experts)
+                terms["load_balancing_loss"] = switch_aux_loss(scores, self._over_tp(aux_map.sum(0).float()),
+                                                               x.shape[0] * tp, self.topk, self.experts)
                 loss = loss + terms["load_balancing_loss"] * self.aux["aux_loss"]
             if self.aux.get("seq_aux_loss"):
                 # Megatron-LM's _apply_seq_aux_loss: tokens are [seq, batch]-ordered; folding the batch into the
                 # expert dimension makes the switch loss a sum of per-sequence losses, averaged over the batch
                 s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-                terms["seq_load_balancing_loss"] = switch_aux_loss(s, m.sum(0).float(), seq, self.topk,
-                                                                   self.experts) / batch
+                terms["seq_load_balancing_loss"] = switch_aux_loss(s, self._over_tp(m.sum(0).float()), seq * tp,
+                                                                   self.topk, self.experts) / batch
                 loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
         counts = routing_map.sum(0)
         if self.local_tokens_per_expert is not None and train and torch.is_grad_enabled():
             # after dropping, as Megatron-LM's _apply_expert_bias; not under no_grad: a recomputed forward
             # (activation checkpointing) counts once
             self.local_tokens_per_expert += counts.float()
+        if tp > 1 and terms:  # the sums over the group: the value of the loss (its gradient stays this rank's part)
+            total = self._over_tp(torch.stack([loss.detach(), *terms.values()]).detach())
+            loss = loss + (total[0] - loss.detach())
+            terms = dict(zip(terms, total[1:]))
         if train:
             dropped = (chosen & ~routing_map).sum().float() / chosen.sum().float() \
                 if self.capacity_factor is not None else None
@@ -195,13 +202,23 @@ class TopKRouter(nn.Module):
                          **{k: v.detach() for k, v in terms.items()}}
         return probs, routing_map, loss
 
+    def _over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the sequence parallel group (a new tensor; ``t`` itself without one)."""
+        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=self.tp_group)
+        return t
 
-    def _fp32_buffers(self) -> None:
-        """Keep the bias and the counts in fp32 after a cast of the model (a bf16 engine casts the buffers too:
-        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias."""
+    def _apply(self, fn, recurse=True):
+        """Keep the bias and the counts in fp32 through a cast of the model (a bf16 engine casts the buffers too:
+        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias: restored once
+        after each cast, not checked at every forward."""
+        super()._apply(fn, recurse)
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
             self.expert_bias.data = self.expert_bias.data.float()
             self.local_tokens_per_expert.data = self.local_tokens_per_expert.data.float()
+        return self
 
 
 @torch.no_grad()
@@ -211,10 +228,10 @@ def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
     the experts that got fewer tokens than the mean over the step (summed over ``group``), then the counts
     restart."""
     for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
-        router._fp32_buffers()
         counts = router.local_tokens_per_expert
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
+        counts.copy_(router._over_tp(counts))  # sequence parallelism: each rank counted its part of the tokens
         router.expert_bias += torch.sign(counts.mean() - counts) * rate
         counts.zero_()
 
@@ -359,11 +376,20 @@ class MoELayer(nn.Module):
     ``ep_size``: the expert parallel size (its group: DeepSpeed's, ``ds_compat.create_expert_groups``), ``ep_rank``
     this rank's place in it; ``dispatcher``:
     "alltoall" or "allgather" (Megatron-LM's --moe-token-dispatcher-type). ``router`` holds the TopKRouter's
-    keyword arguments."""
+    keyword arguments.
+
+    ``sequence_parallel`` (Megatron sequence parallelism, with ``tp_group``): the input is this tensor parallel
+    rank's part of the sequences, so every rank routes distinct tokens, as data parallel ranks do. The router
+    and the shared experts are replicated over the tensor parallel group and see only that part: their
+    gradients are summed over it (``sequence_parallel`` parameters, ``parallel.layers``), and so are the
+    experts' at EP 1. At EP > 1 DeepSpeed's expert parallel groups take whole tensor parallel groups
+    (``parallel/groups.py``; ``config/moe_selection.check`` asks EP to be a multiple of TP): the routes travel to
+    the experts over tensor and data parallel ranks alike (Megatron-LM's dispatch over its tp_ep group), each
+    expert on one rank of the group."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 params_dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, tp_group=None, params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -384,6 +410,11 @@ class MoELayer(nn.Module):
         if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
             ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
             self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
+        if sequence_parallel:  # partial gradients of replicated parameters (class docstring)
+            self.router.tp_group = tp_group
+            replicated = [self.router, self.shared_experts] + ([self.experts] if ep == 1 else [])
+            for p in (p for m in replicated if m is not None for p in m.parameters()):
+                p.sequence_parallel = True
 
     @property
     def ep_group(self):
@@ -424,18 +455,20 @@ class MoELayer(nn.Module):
         back in arrival order and returned (a second all-to-all), then summed per token."""
         routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
         counts = counts.to(torch.int64)
-        received = torch.empty(self.ep * self.local, dtype=counts.dtype, device=counts.device)
+        received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
-        send = counts.view(self.ep, self.local).sum(1).tolist()
-        recv_counts = received.view(self.ep, self.local)
-        recv = recv_counts.sum(1).tolist()
+        # the layer's one device-to-host copy: the routes sent per global expert, received per (source, expert)
+        both = torch.cat([counts, received]).tolist()
+        sent, got, n = both[:self.num_experts], both[self.num_experts:], self.local
+        send = [sum(sent[r * n:(r + 1) * n]) for r in range(self.ep)]
+        recv = [sum(got[r * n:(r + 1) * n]) for r in range(self.ep)]
         x = _AllToAll.apply(routed, recv, send, self.ep_group)
         p = _AllToAll.apply(route_probs.unsqueeze(-1), recv, send, self.ep_group).squeeze(-1)
         # arrival order is (source, expert); the experts want (expert, source)
-        chunks = torch.arange(x.shape[0], device=x.device).split(recv_counts.flatten().tolist())
-        order = torch.cat([chunks[s * self.local + e] for e in range(self.local) for s in range(self.ep)]) \
+        chunks = torch.arange(x.shape[0], device=x.device).split(got)
+        order = torch.cat([chunks[s * n + e] for e in range(n) for s in range(self.ep)]) \
             if x.shape[0] else torch.zeros(0, dtype=torch.int64, device=x.device)
-        y = self.experts(x[order], recv_counts.sum(0).tolist(), p[order])
+        y = self.experts(x[order], [sum(got[s * n + e] for s in range(self.ep)) for e in range(n)], p[order])
         back = torch.empty_like(y).index_copy(0, order, y)
         y = _AllToAll.apply(back, send, recv, self.ep_group)
         return unpermute(y, token_ids, tokens.shape[0])
@@ -469,8 +502,8 @@ def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> 
     layer.router.last = {}
 
 
-def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, params_dtype=torch.float32,
-                  device=None) -> MoELayer:
+def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequence_parallel: bool = False,
+                  tp_group=None, params_dtype=torch.float32, device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
@@ -482,4 +515,4 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, para
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
-                    params_dtype=params_dtype, device=device)
+                    sequence_parallel=sequence_parallel, tp_group=tp_group, params_dtype=params_dtype, device=device)

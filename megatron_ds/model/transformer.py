@@ -277,6 +277,19 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def mlp_activation(cfg: ModelConfig):
+    """The MLP's activation of its first projection's output (gated, --swiglu / --geglu: of its [gate; up]
+    halves), unfused: the dense MLP's and Megatron-LM's MoE experts' (``model/mlm_moe.py``)."""
+    if cfg.swiglu or cfg.geglu:
+        gate_activation = F.silu if cfg.swiglu else openai_gelu
+
+        def gated(x: torch.Tensor) -> torch.Tensor:
+            gate, up = x.chunk(2, dim=-1)
+            return gate_activation(gate) * up
+        return gated
+    return openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.relu if cfg.relu else F.gelu
+
+
 class ParallelMLP(nn.Module):
     """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden.
 
@@ -292,8 +305,7 @@ class ParallelMLP(nn.Module):
         # gated MLPs: --swiglu (silu gate) or T5's --geglu (tanh-GeLU gate, HF T5's "gated-gelu")
         self.gated = cfg.swiglu or cfg.geglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
-        self.activation = (openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu
-                           else F.relu if cfg.relu else F.gelu)
+        self.activation = mlp_activation(cfg)
         # (Megatron-DeepSpeed never fuses --openai-gelu / --squared-relu either: ParallelMLP.__init__)
         self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else \
             cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu and not cfg.geglu
@@ -320,9 +332,6 @@ class ParallelMLP(nn.Module):
         x, bias = self.dense_h_to_4h(x, skip_bias_add=fuse)
         if fuse:
             x = bias_swiglu(True, x, bias) if self.swiglu else bias_gelu(True, x, bias)
-        elif self.gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = (F.silu(gate) if self.swiglu else openai_gelu(gate)) * up
         else:
             x = self.activation(x)
         return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled and not self.expert)
@@ -402,8 +411,9 @@ class ParallelTransformerLayer(nn.Module):
         self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
         self.moe_per_layer_logging = cfg.moe_per_layer_logging
         if self.mlm_moe:
-            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype,
-                                     device=device)
+            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank,
+                                     sequence_parallel=sequence_parallel, tp_group=tp_group,
+                                     params_dtype=params_dtype, device=device)
         elif num_experts > 1:
             self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
             self.drops = DropCounter(self.mlp)

@@ -58,9 +58,9 @@ def test_dry_run_describes_megatron_lms_layers():
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
-     "at TP > 1, at EP 1 here"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel", 2,
-     "without sequence parallelism"),
+     "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
     ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--global-batch-size 4", 2, "interleaved or ZB-H1"),
 ])

@@ -125,3 +125,39 @@ def test_tp2_equals_one_process(reference):
     """TP 2 at EP 1: both tensor parallel ranks hold whole experts and the same tokens, and compute them alike."""
     losses, _ = _run(2, ["--tensor-model-parallel-size", "2"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+     "--moe-token-dispatcher-type", "alltoall"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+     "--moe-token-dispatcher-type", "allgather"],
+], ids=["tp2_sp", "tp2_sp_ep2_alltoall", "tp2_sp_ep2_allgather"])
+def test_sequence_parallel_equals_one_process(reference, extra):
+    """Megatron sequence parallelism at TP 2 (one data parallel rank): each tensor parallel rank routes its half
+    of every sequence. At EP 1 both hold all experts; at EP 2 the two tensor parallel ranks are the expert
+    parallel group, the routes crossing between them. The balancing and z losses are those of the whole
+    sequences (tokens per expert summed over the two ranks, as Megatron-LM's router), and the router's, shared
+    experts' (and at EP 1 experts') gradients are summed over them: the losses, the reported MoE losses and the
+    clipped gradient norm equal one process's."""
+    losses, stdout = _run(2, extra)
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(reference[1], name), rel=1e-5), name
+
+
+def test_sequence_parallel_seq_aux_loss_and_expert_bias():
+    """The sequence-level balancing loss (each sequence's tokens per expert, summed over the ranks holding its
+    parts) and the auxiliary-loss-free expert bias (its tokens per expert summed over them too) under sequence
+    parallelism at TP 2 x EP 2 equal one process's."""
+    extra = ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    one, one_out = _run(1, extra)
+    losses, stdout = _run(2, extra + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert len(_field(stdout, "seq_load_balancing_loss")) == 5
+    assert _field(stdout, "seq_load_balancing_loss") == pytest.approx(_field(one_out, "seq_load_balancing_loss"),
+                                                                      rel=1e-5)
