@@ -7,7 +7,9 @@ continue as the uninterrupted run: losses of steps 3-4, and the step-4 weights (
 ``load_consolidated``: every expert under the EP 1 name and shape, the ranks' stacked tensors joined along the
 expert dimension) and optimizer state (fp32 masters, Adam moments, step) equal the uninterrupted run's:
 
-- EP 2 -> EP 2 and EP 2 -> EP 1 under ZeRO-0 (DeepSpeed's per expert parallel rank optimizer files);
+- EP 2 -> EP 2, EP 2 -> EP 1 and DP 2 x EP 2 -> TP 2 x EP 2 with sequence parallelism (the expert parallel
+  group then spans the tensor parallel ranks, whose files each hold one rank's experts) under ZeRO-0
+  (DeepSpeed's per expert parallel rank optimizer files);
 - EP 1 -> EP 2 under ZeRO 1 (--use-distributed-optimizer: each rank's experts' slice written into DeepSpeed's
   partitioned optimizer), whose own step-4 checkpoint at EP 2 is then read back from ZeRO shards partitioned
   over the expert data parallel groups.
@@ -42,6 +44,7 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-lo
 LOSS = dict(rel=2e-5)
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 ZERO1 = ["--use-distributed-optimizer"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _ep(n):
@@ -97,9 +100,9 @@ def test_ep2_checkpoint_holds_every_ranks_experts(saved):
     assert all(f in json.dumps(manifest) for f in files)
 
 
-@pytest.mark.parametrize("ep", [2, 1])
-def test_ep2_resumes_at(saved, tmp_path, ep):
-    ckpt, out = _resume(saved["ep2"], _ep(ep), tmp_path)
+@pytest.mark.parametrize("flags", [_ep(2), _ep(1), TP2_SP + _ep(2)], ids=["ep2", "ep1", "tp2_sp_ep2"])
+def test_ep2_resumes_at(saved, tmp_path, flags):
+    ckpt, out = _resume(saved["ep2"], flags, tmp_path)
     _same_weights(ckpt, out)
     _same_optimizer_state(ckpt, out)
 
