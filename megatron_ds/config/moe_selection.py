@@ -164,7 +164,7 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
@@ -191,9 +191,6 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                  f"{tp}" if sp_tp else f"the data parallel size {dp}")
         raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
                           f"of EP ranks holds num_experts / EP experts")
-    if own_schedule:
-        raise ConfigError("Megatron-LM's MoE cannot run on the interleaved or ZB-H1 pipeline schedules yet: their "
-                          "executor passes only the hidden state between stages, not the auxiliary loss; use 1F1B")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function == "softmax":
         # Megatron-LM's TransformerConfig.__post_init__ asserts the same
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "

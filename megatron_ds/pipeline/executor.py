@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
+from megatron_ds.config.moe_params import is_moe
 from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
                                        pipeline_schedule, zbh1_schedule)
 from megatron_ds.parallel.utils import PRECISION_DTYPES
@@ -237,12 +238,17 @@ def _as_tuple(x):
 
 def activation_specs(layout, *, reset_attention_mask: bool, dtype: torch.dtype) -> list:
     """(shape, dtype) of each tensor crossing a stage boundary: the hidden state ``[s(/tp), b, h]``,
-    plus the ``[b, s]`` int64 document ids with ``--reset-attention-mask``."""
+    plus the ``[b, s]`` int64 document ids with ``--reset-attention-mask``, plus in an MoE model the ``[1]``
+    fp32 sum of the auxiliary losses of the layers so far (``model/transformer.py`` ``pack_activation``): it
+    reaches the loss on the last stage, and its gradient comes back with the hidden state's, as on DeepSpeed's
+    pipeline engine."""
     m = layout.model
     seq = m.seq_length // layout.tp if layout.sequence_parallel else m.seq_length
     specs = [((seq, layout.micro_batch_size, m.hidden_size), dtype)]
     if reset_attention_mask:
         specs.append(((layout.micro_batch_size, m.seq_length), torch.int64))
+    if is_moe(m):
+        specs.append(((1,), torch.float32))
     return specs
 
 

@@ -61,8 +61,6 @@ def test_dry_run_describes_megatron_lms_layers():
      "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
      "--expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
-    ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-     "--global-batch-size 4", 2, "interleaved or ZB-H1"),
 ])
 def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)

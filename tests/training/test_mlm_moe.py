@@ -161,3 +161,20 @@ def test_sequence_parallel_seq_aux_loss_and_expert_bias():
     assert len(_field(stdout, "seq_load_balancing_loss")) == 5
     assert _field(stdout, "seq_load_balancing_loss") == pytest.approx(_field(one_out, "seq_load_balancing_loss"),
                                                                       rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers():
+    return _run(1, ["--num-layers", "4"])
+
+
+@pytest.mark.parametrize("schedule", [["--num-layers-per-virtual-pipeline-stage", "1"], ["--enable-zbh1-pipeline"]],
+                         ids=["interleaved", "zbh1"])
+def test_pp2_schedules_equal_one_process(reference_4_layers, schedule):
+    """4 layers on 2 pipeline ranks, interleaved (2 chunks of one layer each) or ZB-H1: the executor
+    (pipeline/executor.py) carries the layers' summed auxiliary loss between stages beside the hidden state, and
+    its gradient back, so the losses (the balancing and z losses included) equal one process's."""
+    losses, stdout = _run(2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2", *schedule])
+    assert losses == pytest.approx(reference_4_layers[0], rel=RTOL)
+    assert len(_field(stdout, "moe loss")) == 5
+    assert _field(stdout, "moe loss") == pytest.approx(_field(reference_4_layers[1], "moe loss"), rel=1e-5)
