@@ -34,7 +34,7 @@ _MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_inter
               "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
               "moe_per_layer_logging")
-_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 
 
 def _flag(name: str) -> str:
@@ -146,8 +146,17 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
         coeffs *= len(types)
     bad = [t for t in types if t not in _BALANCING]
     if bad:
-        raise ConfigError(f"--moe-router-load-balancing-type {bad[0]} is not supported here (sinkhorn, global_aux_loss "
+        raise ConfigError(f"--moe-router-load-balancing-type {bad[0]} is not supported here (global_aux_loss "
                           f"and quantile_balancing are not); use {', '.join(_BALANCING)}")
+    if "sinkhorn" in types and (len(types) > 1 or any(coeffs)):
+        # Megatron-LM routes by Sinkhorn only when it is the one type (TopKRouter.routing), and asserts a zero
+        # --moe-aux-loss-coeff with it (sinkhorn_load_balancing)
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} --moe-aux-loss-coeff "
+                          f"{' '.join(f'{c:g}' for c in coeffs)}: sinkhorn balances by routing, alone and with "
+                          f"--moe-aux-loss-coeff 0 (as Megatron-LM); use sinkhorn alone, or aux_loss / seq_aux_loss")
+    if "sinkhorn" in types and m.moe_router_enable_expert_bias:
+        raise ConfigError("--moe-router-enable-expert-bias with --moe-router-load-balancing-type sinkhorn: the bias "
+                          "moves a top-k of scores, which Sinkhorn routing does not take; use one of them")
     if len(coeffs) != len(types):
         raise ConfigError(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} balancing types: give "
                           f"one, or one per --moe-router-load-balancing-type")

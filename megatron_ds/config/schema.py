@@ -244,7 +244,7 @@ class ModelConfig:
     a list expression of 0/1 per layer such as "([1]*3+[0]*1)*3"."""
     moe_router_load_balancing_type: Optional[list] = meta(None, nargs="+")
     """Megatron-LM's MoE: aux_loss (Switch/GShard, the default), seq_aux_loss (per sequence, DeepSeek-V2) or none;
-    several with one --moe-aux-loss-coeff each."""
+    several with one --moe-aux-loss-coeff each; or sinkhorn (S-BASE routing) alone."""
     moe_aux_loss_coeff: Optional[list] = meta(None, nargs="+")
     """Megatron-LM's MoE: the load-balancing loss coefficient(s) (default 0: none)."""
     moe_z_loss_coeff: Optional[float] = None

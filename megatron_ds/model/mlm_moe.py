@@ -74,6 +74,34 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
     return torch.zeros_like(logits).scatter(1, top, probs), routing_map
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Megatron-LM's moe_utils.sinkhorn: exp(cost) scaled by row and column factors until its rows sum to
+    1 / tokens and its columns to 1 / experts (Sinkhorn-Knopp; the column factors moving less than ``tol`` on
+    average)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool):
+    """--moe-router-load-balancing-type sinkhorn (S-BASE), Megatron-LM's TopKRouter.sinkhorn_load_balancing:
+    in training each token's experts are the top-k of the Sinkhorn-balanced fp32 logits (no gradient), else
+    of the scores; the weights are the scores there: sigmoid of the logits for top-1, their softmax otherwise.
+    -> (probs, routing map) as ``topk_routing``."""
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    with torch.no_grad():
+        top = torch.topk(sinkhorn(logits.float()) if training else scores, topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return scores * routing_map, routing_map
+
+
 def capacity(tokens: int, experts: int, capacity_factor: float) -> int:
     """Megatron-LM's moe_utils.get_capacity: ceil(tokens / experts x factor)."""
     return math.ceil(tokens / experts * capacity_factor)
@@ -165,9 +193,12 @@ class TopKRouter(nn.Module):
         if train and self.z_loss_coeff:
             terms["z_loss"] = z_loss(logits.float()) / tp  # a mean over all the sequences' tokens
             loss = loss + terms["z_loss"] * self.z_loss_coeff
-        probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
-                                          pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
-                                          expert_bias=self.expert_bias)
+        if "sinkhorn" in self.aux:
+            probs, routing_map = sinkhorn_routing(logits, self.topk, train)
+        else:
+            probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
+                                              pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
+                                              expert_bias=self.expert_bias)
         chosen = routing_map
         if self.capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, self.capacity_factor, self.drop_policy,

@@ -41,12 +41,20 @@ def test_dry_run_describes_megatron_lms_layers():
             "(8 per rank)") in out, out
 
 
+def test_sinkhorn_is_accepted():
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-load-balancing-type sinkhorn".split(), 1)
+    assert rc == 0 and "Megatron-LM's MoE" in out, err
+
+
 @pytest.mark.parametrize("extra, world, says", [
     ("--num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
     ("--num-experts 4 --moe-grouped-gemm --create-moe-param-group", 1, "--create-moe-param-group (Megatron-DeepSpeed"),
     ("--moe-router-topk 2", 1, "without --num-experts"),
     ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk 5"),
-    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, "sinkhorn is not supported"),
+    ("--num-experts 4 --moe-router-load-balancing-type quantile_balancing", 1, "quantile_balancing is not supported"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01", 1,
+     "sinkhorn balances by routing, alone and with --moe-aux-loss-coeff 0"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn aux_loss", 1, "sinkhorn balances by routing"),
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1 2 3", 1,
      "gives 3 values for 2 balancing types"),
     ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs --moe-router-score-function sigmoid"),

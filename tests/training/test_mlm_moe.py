@@ -178,3 +178,13 @@ def test_pp2_schedules_equal_one_process(reference_4_layers, schedule):
     assert losses == pytest.approx(reference_4_layers[0], rel=RTOL)
     assert len(_field(stdout, "moe loss")) == 5
     assert _field(stdout, "moe loss") == pytest.approx(_field(reference_4_layers[1], "moe loss"), rel=1e-5)
+
+
+def test_sinkhorn_ep2_equals_ep1():
+    """Sinkhorn routing balances each micro-batch's tokens on the rank that routes them (Megatron-LM's router:
+    the tokens it sees), so the experts split over 2 expert parallel ranks train as one process holding all."""
+    extra = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+    one, _ = _run(1, extra)
+    losses, stdout = _run(2, extra + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert "load_balancing_loss" not in stdout  # no balancing loss: the routing balances
