@@ -173,15 +173,23 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", checkpoints: bool = False) -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
     if not 1 <= k <= experts:
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
-    if (expert_tp or 1) != 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {expert_tp}: experts split over "
-                          f"tensor parallel ranks are not supported yet; use 1 (whole experts on every TP rank)")
+    etp = expert_tp or 1
+    if etp not in (1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts split over other than the tensor parallel "
+                          f"ranks are not supported here; use 1 (whole experts) or --tensor-model-parallel-size {tp}")
+    if etp > 1 and not sequence_parallel:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
+                          f"refuses TP without it in training): the split experts take the sequence parts' tokens")
+    if etp > 1 and checkpoints:
+        raise ConfigError(f"--save/--load with --expert-tensor-parallel-size {etp}: checkpoints of experts split over "
+                          f"tensor parallel ranks are not written here yet; use --expert-tensor-parallel-size 1 "
+                          f"(the same model, whole experts) to save and load")
     if sp > 1:
         raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
                           "Megatron sequence parallelism (--sequence-parallel) or context parallelism")
@@ -193,7 +201,7 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           f"--sequence-parallel (as Megatron-LM): the experts take tokens from distinct sequence parts")
     # the ranks holding distinct tokens, over which the experts split: with sequence parallelism TP x DP, whole
     # tensor parallel groups (DeepSpeed's expert groups run along TP first, parallel/groups.py)
-    sp_tp = sequence_parallel and tp > 1
+    sp_tp = sequence_parallel and tp > 1 and etp == 1
     ranks = tp * dp if sp_tp else dp
     if ep < 1 or experts % ep or ranks % ep or (sp_tp and ep > 1 and ep % tp):
         where = (f"the {ranks} tensor x data parallel ranks, and be 1 or a multiple of --tensor-model-parallel-size "

@@ -36,9 +36,10 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.config import moe_selection
 from megatron_ds.model.moe_layer import DROP_FRACTION
-from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
+from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal, set_tensor_parallel_attributes
 from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
+from megatron_ds.parallel.utils import tp_rank, tp_world_size
 
 
 def _activation(cfg):
@@ -267,20 +268,38 @@ def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
         counts.zero_()
 
 
+def _shard(full: torch.Tensor, dim: int, world: int, rank: int, stride: int) -> torch.Tensor:
+    """Tensor parallel rank ``rank``'s part of ``full`` split along ``dim`` (with ``stride`` interleaved blocks,
+    the [gate; up] of a gated MLP: its part of each), as ``parallel.layers`` splits the dense MLP."""
+    blocks = torch.split(full, full.shape[dim] // (world * stride), dim=dim)
+    return torch.cat(blocks[rank::world], dim=dim)
+
+
 class _Stacked(nn.Module):
     """One linear per local expert as one ``[experts, out, in]`` weight (and ``[experts, out]`` bias).
     Global expert ``g`` draws its N(0, ``std``) weight from its own generator, seeded ``seeds[g]``, so an
-    expert's initial weights do not depend on the expert parallel size."""
+    expert's initial weights do not depend on the expert parallel size. ``split`` (dim of ``[out, in]``,
+    expert tensor parallel size, rank, stride): this rank keeps its part of each drawn weight (of the bias
+    too when the output dimension is split), so neither do they depend on the expert tensor parallel size."""
 
-    def __init__(self, seeds: list[int], n_in: int, n_out: int, *, bias: bool, std: float, params_dtype, device):
+    def __init__(self, seeds: list[int], n_in: int, n_out: int, *, bias: bool, std: float, params_dtype, device,
+                 split: tuple[int, int, int, int] | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(len(seeds), n_out, n_in, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(len(seeds), n_out, dtype=params_dtype, device=device)) if bias else None
+        dim, world, rank, stride = split or (0, 1, 0, 1)
+        shape = [n_out, n_in]
+        shape[dim] //= world
+        self.weight = nn.Parameter(torch.empty(len(seeds), *shape, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(len(seeds), shape[0], dtype=params_dtype, device=device)) \
+            if bias else None
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 for w, seed in zip(self.weight, seeds):
                     drawn = torch.empty(n_out, n_in).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
-                    w.copy_(drawn)
+                    w.copy_(_shard(drawn, dim, world, rank, stride))
+        if world > 1:
+            for p in (self.weight, *([self.bias] if dim == 0 and bias else [])):
+                # its gradient norm counted on every tensor parallel rank (parallel/layers.py)
+                set_tensor_parallel_attributes(p, dim + 1, stride)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -291,10 +310,11 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
-                   device_counts: torch.Tensor | None = None) -> torch.Tensor:
+                   device_counts: torch.Tensor | None = None, bias_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
     one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products). ``device_counts``:
-    ``counts`` on ``x``'s device, copied there once for all of an MLP's linears (else here)."""
+    ``counts`` on ``x``'s device, copied there once for all of an MLP's linears (else here). ``bias_scale``: what
+    the layer's bias (if it has one) is multiplied by: a number, or one per row (``[rows, 1]``)."""
     w = layer.weight
     if device_counts is None and (layer.bias is not None or _grouped_mm_ok(x, w)):
         device_counts = torch.tensor(counts, device=x.device)
@@ -305,7 +325,8 @@ def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
         y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
             x.new_zeros(0, w.shape[1])
     if layer.bias is not None:
-        y = y + layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
+        b = layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
+        y = y + (b if isinstance(bias_scale, float) and bias_scale == 1.0 else b * bias_scale)
     return y
 
 
@@ -314,21 +335,34 @@ class GroupedExperts(nn.Module):
     probability scaling the activation as Megatron-LM's grouped MLPs do (so a bias of fc2 is scaled too:
     p * (fc2(x) + b))."""
 
-    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device):
+    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, etp: int = 1,
+                 etp_rank: int = 0):
         super().__init__()
         gated = cfg.swiglu or cfg.geglu
         common = dict(bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
         std = cfg.init_method_std
+        if ffn % etp:
+            raise ValueError(f"--moe-ffn-hidden-size {ffn} does not split over expert tensor parallel size {etp}")
+        # expert tensor parallelism: fc1's output rows (gate and up alike) and fc2's input columns split, as the
+        # dense MLP's column and row parallel linears (Megatron-LM's experts at --expert-tensor-parallel-size)
         self.linear_fc1 = _Stacked([seed + 2 * g for g in experts], cfg.hidden_size, 2 * ffn if gated else ffn,
-                                   std=std, **common)
+                                   std=std, split=(0, etp, etp_rank, 2 if gated else 1), **common)
         self.linear_fc2 = _Stacked([seed + 2 * g + 1 for g in experts], ffn, cfg.hidden_size,
-                                   std=std / math.sqrt(2.0 * cfg.num_layers), **common)
+                                   std=std / math.sqrt(2.0 * cfg.num_layers), split=(1, etp, etp_rank, 1), **common)
+        # split experts' outputs are partial sums over the expert tensor parallel ranks: fc2's bias counts on the
+        # first only (x 0 on the others, whose zero gradient keeps the sum of its gradient over them, as a
+        # sequence_parallel parameter's, matched on every rank)
+        self.fc2_bias_scale = 1.0 if etp_rank == 0 else 0.0
+        if etp > 1 and self.linear_fc2.bias is not None:
+            self.linear_fc2.bias.sequence_parallel = True
         self.act = _activation(cfg)
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         on_device = torch.tensor(counts, device=x.device)
         h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device))
-        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2, on_device)
+        p = probs.unsqueeze(-1).to(h.dtype)
+        # fc2's bias weighted by the route's probability too (Megatron-LM's GroupedMLP._apply_bias: t + b * p)
+        return grouped_linear(h * p, counts, self.linear_fc2, on_device, bias_scale=p * self.fc2_bias_scale)
 
 
 class SharedExperts(nn.Module):
@@ -416,11 +450,19 @@ class MoELayer(nn.Module):
     experts' at EP 1. At EP > 1 DeepSpeed's expert parallel groups take whole tensor parallel groups
     (``parallel/groups.py``; ``config/moe_selection.check`` asks EP to be a multiple of TP): the routes travel to
     the experts over tensor and data parallel ranks alike (Megatron-LM's dispatch over its tp_ep group), each
-    expert on one rank of the group."""
+    expert on one rank of the group.
+
+    ``expert_tp`` (--expert-tensor-parallel-size = TP, with sequence parallelism): each expert's MLP is split over
+    the tensor parallel ranks as the dense MLP is (``GroupedExperts``). The group's tokens and routing are
+    gathered first, every rank runs its part of the experts on all of them, and the partial outputs are
+    reduce-scattered back to the sequence parts (Megatron-LM's gather over its tp_ep group, whose ETP part is the
+    tensor parallel group here); at EP > 1 the expert parallel groups then run along data parallel ranks of one
+    tensor parallel rank (DeepSpeed's expert tensor parallel groups)."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 sequence_parallel: bool = False, tp_group=None, params_dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, params_dtype=torch.float32,
+                 device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -434,8 +476,11 @@ class MoELayer(nn.Module):
         # the experts' seeds follow this layer's (the generators are seeded just before each layer is built,
         # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
+        self.tp_group = tp_group
+        self.etp = tp_world_size(tp_group) if expert_tp and sequence_parallel else 1
         self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
-                                      params_dtype=params_dtype, device=device)
+                                      params_dtype=params_dtype, device=device, etp=self.etp,
+                                      etp_rank=tp_rank(tp_group) if self.etp > 1 else 0)
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
         if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
@@ -443,7 +488,7 @@ class MoELayer(nn.Module):
             self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
         if sequence_parallel:  # partial gradients of replicated parameters (class docstring)
             self.router.tp_group = tp_group
-            replicated = [self.router, self.shared_experts] + ([self.experts] if ep == 1 else [])
+            replicated = [self.router, self.shared_experts] + ([self.experts] if ep == self.etp == 1 else [])
             for p in (p for m in replicated if m is not None for p in m.parameters()):
                 p.sequence_parallel = True
 
@@ -457,6 +502,10 @@ class MoELayer(nn.Module):
         seq, batch, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         probs, routing_map, aux = self.router(tokens, seq, batch)
+        if self.etp > 1:  # the tensor parallel group's tokens, for every rank's part of the experts (docstring)
+            tokens = gather_from_sequence_parallel_region(tokens, self.tp_group)
+            probs = gather_from_sequence_parallel_region(probs, self.tp_group)
+            routing_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.tp_group).bool()
         if self.ep == 1:
             routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
             out = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, tokens.shape[0])
@@ -464,6 +513,8 @@ class MoELayer(nn.Module):
             out = self._allgather(tokens, probs, routing_map)
         else:
             out = self._alltoall(tokens, probs, routing_map)
+        if self.etp > 1:  # the partial sums of the split experts, summed and back to this rank's sequence part
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         out = out.to(x.dtype).view(seq, batch, hidden)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -534,7 +585,7 @@ def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> 
 
 
 def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequence_parallel: bool = False,
-                  tp_group=None, params_dtype=torch.float32, device=None) -> MoELayer:
+                  tp_group=None, expert_tp: bool = False, params_dtype=torch.float32, device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
@@ -546,4 +597,5 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequ
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
-                    sequence_parallel=sequence_parallel, tp_group=tp_group, params_dtype=params_dtype, device=device)
+                    sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
+                    params_dtype=params_dtype, device=device)

@@ -64,7 +64,12 @@ def test_sinkhorn_is_accepted():
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --zero-stage 3 --deepspeed "
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
-    ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
+     "--expert-tensor-parallel-size 2: experts split over other than the tensor parallel ranks"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
+     "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --save ckpt", 2, "checkpoints of experts split over tensor parallel ranks"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
      "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "

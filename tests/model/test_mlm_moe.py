@@ -75,11 +75,14 @@ def _reference(layer, cfg, x):
             weights = [torch.exp(logits[e]) / z for e in top]
         y = torch.zeros(H)
         for e, p in zip(top, weights):
-            fc1, fc2 = layer.experts.linear_fc1.weight[e], layer.experts.linear_fc2.weight[e]
-            y = y + p * (cfg.moe_router_topk_scaling_factor or 1.0) * (fc2 @ _act(cfg, fc1 @ t))
+            fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
+            b1, b2 = (0.0, 0.0) if fc1.bias is None else (fc1.bias[e], fc2.bias[e])
+            # Megatron-LM's grouped MLPs: the probability scales fc2's bias too (GroupedMLP._apply_bias)
+            y = y + p * (cfg.moe_router_topk_scaling_factor or 1.0) * (
+                fc2.weight[e] @ _act(cfg, fc1.weight[e] @ t + b1) + b2)
         if layer.shared_experts is not None:
             se = layer.shared_experts
-            s = se.linear_fc2.weight @ _act(cfg, se.linear_fc1.weight @ t)
+            s = se.linear_fc2(_act(cfg, se.linear_fc1(t)))
             if se.gate_weight is not None:
                 s = s * torch.sigmoid(se.gate_weight[0] @ t)
             y = y + s
@@ -93,6 +96,7 @@ def _reference(layer, cfg, x):
     dict(swiglu=True, add_bias_linear=False, moe_router_score_function="sigmoid",
          moe_router_topk_scaling_factor=2.5),
     dict(swiglu=True, add_bias_linear=False, moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True),
+    dict(moe_shared_expert_intermediate_size=20),  # GeLU, with linear biases
 ])
 def test_dropless_layer_equals_dense_per_token_reference(over):
     layer = _layer(**over)
