@@ -23,7 +23,7 @@ import torch
 
 from megatron_ds.checkpoint import expert_files, plain_optim, stacked_experts
 from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file
-from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_ds.checkpoint.moe_sources import MoEModuleSource, expert_optimizer_files
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
@@ -65,6 +65,8 @@ class SavedOptimizer:
         # Megatron-LM's stacked experts: name -> mp rank -> {expert parallel rank: ZeRO pieces or plain tensors}
         self.stacked = collections.defaultdict(lambda: collections.defaultdict(dict))
         self.ep = ckpt.meta["signature"].get(EXPERT_PARALLEL_SIZE, 1)
+        # experts split over TP: DeepSpeed's expert groups ran along data parallel ranks (parallel/groups.py)
+        self.expert_tp = ckpt.meta["signature"].get(EXPERT_TENSOR_PARALLEL_SIZE, 1) > 1
         self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
         files = ckpt.optimizer_files()
         if ckpt.zero_stage == 3:
@@ -95,7 +97,7 @@ class SavedOptimizer:
                     name = self.experts.global_name(name, dp, mp)
                 if self.ep > 1 and stacked_experts.is_stacked(name):
                     r = expert_files.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
-                                                          expert_tp=False)
+                                                          expert_tp=self.expert_tp)
                     self.stacked[name][mp].setdefault(r, []).append((dp, flat, frag.start, frag.numel))
                     continue
                 self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))

@@ -68,17 +68,44 @@ def save(engine, save_dir: str, tag: str) -> None:
     ds_compat.checkpoint_engine(engine).save(state, path)
 
 
-def local_slice(name: str, tensor: torch.Tensor, module_params: dict) -> torch.Tensor:
-    """This rank's part of the EP 1 (all experts) ``tensor`` of parameter ``name``: ``module_params`` is
-    ``expert_parameters`` of this rank's module (a parameter not in it is whole: EP 1, or not an expert)."""
+def stacked_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Every stacked expert parameter of this rank's module, split over EP or ETP ranks or whole."""
+    return {n: p for n, p in module.named_parameters() if is_stacked(n)}
+
+
+def local_part(name: str, tensor: torch.Tensor, module_params: dict, tp_rank: int) -> torch.Tensor:
+    """This rank's part of the full (all experts, whole) ``tensor`` of parameter ``name``: ``module_params`` is
+    ``stacked_parameters`` of this rank's module (another parameter is returned whole). Its experts' slice at
+    EP > 1 (marked as DeepSpeed's experts), then with expert tensor parallelism (``tensor_model_parallel``:
+    ``model/mlm_moe.py`` ``_Stacked``) tensor parallel rank ``tp_rank``'s part of each expert."""
     param = module_params.get(name)
     if param is None:
         return tensor
-    ep_rank, _ = ds_compat.expert_ranks(param.group_name)
-    n = param.shape[0]
-    if tensor.shape[0] % n:
-        raise ValueError(f"{name}: {tensor.shape[0]} saved experts do not divide into parts of {n}")
-    return tensor.narrow(0, ep_rank * n, n)
+    if getattr(param, "allreduce", True) is False:
+        ep_rank, _ = ds_compat.expert_ranks(param.group_name)
+        n = param.shape[0]
+        if tensor.shape[0] % n:
+            raise ValueError(f"{name}: {tensor.shape[0]} saved experts do not divide into parts of {n}")
+        tensor = tensor.narrow(0, ep_rank * n, n)
+    if getattr(param, "tensor_model_parallel", False):
+        dim, stride = param.partition_dim, param.partition_stride
+        world = tensor.shape[dim] // param.shape[dim]
+        blocks = torch.split(tensor, param.shape[dim] // stride, dim=dim)
+        tensor = torch.cat(blocks[tp_rank::world], dim=dim)
+    return tensor
+
+
+def etp_split(name: str, shard_shape: torch.Size, model) -> tuple[int, int] | None:
+    """(dim, stride) along which saved tensor parallel shards of stacked expert ``name`` are parts of the whole
+    (experts split over TP: smaller than ``model``'s experts there), None when each shard is whole."""
+    gated = 2 if (model.swiglu or model.geglu) else 1
+    if ".linear_fc1." in name:
+        dim, stride, full = 1, gated, gated * model.moe_ffn_hidden_size
+    elif name.endswith("linear_fc2.weight"):
+        dim, stride, full = 2, 1, model.moe_ffn_hidden_size
+    else:  # fc2's bias: whole on every rank
+        return None
+    return (dim, stride) if shard_shape[dim] < full else None
 
 
 def join(parts: dict[int, torch.Tensor]) -> torch.Tensor:

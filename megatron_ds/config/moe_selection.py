@@ -173,7 +173,7 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", checkpoints: bool = False) -> None:
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
@@ -186,10 +186,6 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if etp > 1 and not sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
                           f"refuses TP without it in training): the split experts take the sequence parts' tokens")
-    if etp > 1 and checkpoints:
-        raise ConfigError(f"--save/--load with --expert-tensor-parallel-size {etp}: checkpoints of experts split over "
-                          f"tensor parallel ranks are not written here yet; use --expert-tensor-parallel-size 1 "
-                          f"(the same model, whole experts) to save and load")
     if sp > 1:
         raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
                           "Megatron sequence parallelism (--sequence-parallel) or context parallelism")

@@ -10,6 +10,9 @@ expert dimension) and optimizer state (fp32 masters, Adam moments, step) equal t
 - EP 2 -> EP 2, EP 2 -> EP 1 and DP 2 x EP 2 -> TP 2 x EP 2 with sequence parallelism (the expert parallel
   group then spans the tensor parallel ranks, whose files each hold one rank's experts) under ZeRO-0
   (DeepSpeed's per expert parallel rank optimizer files);
+- EP 2 -> TP 2 x ETP 2 (each expert's MLP split over the tensor parallel ranks), at EP 1 and, on 4 processes,
+  at EP 2 (each (expert parallel, tensor parallel) rank's stacked experts file holds its part of its experts);
+  their own step-4 checkpoints are read back merging the tensor parallel parts;
 - EP 1 -> EP 2 under ZeRO 1 (--use-distributed-optimizer: each rank's experts' slice written into DeepSpeed's
   partitioned optimizer), whose own step-4 checkpoint at EP 2 is then read back from ZeRO shards partitioned
   over the expert data parallel groups.
@@ -45,14 +48,15 @@ LOSS = dict(rel=2e-5)
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 ZERO1 = ["--use-distributed-optimizer"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ETP2 = ["--expert-tensor-parallel-size", "2"]
 
 
 def _ep(n):
     return ["--expert-model-parallel-size", str(n)]
 
 
-def _run(argv):
-    return run_distributed(train_losses, 2, SMALL_GPT + MOE + argv, timeout=600)[-1]
+def _run(argv, world=2):
+    return run_distributed(train_losses, world, SMALL_GPT + MOE + argv, timeout=600)[-1]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +69,10 @@ def saved(tmp_path_factory):
     return out
 
 
-def _resume(saved_run, flags, tmp_path):
+def _resume(saved_run, flags, tmp_path, world=2):
     straight, ckpt = saved_run
     out = str(tmp_path / "resumed")
-    got = _run(flags + ["--load", ckpt, "--ckpt-step", "2", "--save", out])
+    got = _run(flags + ["--load", ckpt, "--ckpt-step", "2", "--save", out], world)
     assert [it for it, _ in got] == [3, 4]
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in straight[2:]], **LOSS)
     return ckpt, out
@@ -100,9 +104,11 @@ def test_ep2_checkpoint_holds_every_ranks_experts(saved):
     assert all(f in json.dumps(manifest) for f in files)
 
 
-@pytest.mark.parametrize("flags", [_ep(2), _ep(1), TP2_SP + _ep(2)], ids=["ep2", "ep1", "tp2_sp_ep2"])
-def test_ep2_resumes_at(saved, tmp_path, flags):
-    ckpt, out = _resume(saved["ep2"], flags, tmp_path)
+@pytest.mark.parametrize("flags,world", [
+    (_ep(2), 2), (_ep(1), 2), (TP2_SP + _ep(2), 2), (TP2_SP + ETP2, 2), (TP2_SP + ETP2 + _ep(2), 4),
+], ids=["ep2", "ep1", "tp2_sp_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
+def test_ep2_resumes_at(saved, tmp_path, flags, world):
+    ckpt, out = _resume(saved["ep2"], flags, tmp_path, world)
     _same_weights(ckpt, out)
     _same_optimizer_state(ckpt, out)
 

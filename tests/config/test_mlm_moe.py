@@ -68,8 +68,6 @@ def test_sinkhorn_is_accepted():
      "--expert-tensor-parallel-size 2: experts split over other than the tensor parallel ranks"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
-     "--expert-tensor-parallel-size 2 --save ckpt", 2, "checkpoints of experts split over tensor parallel ranks"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
      "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
