@@ -192,7 +192,7 @@ class Layout:
                 lines[2] += (f"; mixture of experts (Megatron-LM's): {len(moe)} of {m.num_layers} layers, {counts} "
                              f"experts of ffn {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}"
                              f"{f', shared ffn {shared}' if shared else ''}, EP {self.ep} "
-                             f"({moe[0] // self.ep} per rank)")
+                             f"({moe[0] // self.ep} per rank{f', split over ETP {self.etp}' if self.etp > 1 else ''})")
             else:
                 lines[2] += (f"; mixture of experts: {len(moe)} of {m.num_layers} layers (every {m.expert_interval}), "
                              f"{counts} experts, top-{m.topk}{', residual' if m.mlp_type == 'residual' else ''}, "

@@ -41,6 +41,13 @@ def test_dry_run_describes_megatron_lms_layers():
             "(8 per rank)") in out, out
 
 
+def test_dry_run_describes_expert_tensor_parallelism():
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 "
+                                   "--sequence-parallel --expert-tensor-parallel-size 2".split(), 2)
+    assert rc == 0, err
+    assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+
+
 def test_sinkhorn_is_accepted():
     rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-load-balancing-type sinkhorn".split(), 1)
     assert rc == 0 and "Megatron-LM's MoE" in out, err
