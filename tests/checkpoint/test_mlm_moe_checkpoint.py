@@ -117,3 +117,4 @@ def test_ep1_zero1_resumes_at_ep2(saved, tmp_path):
     ckpt, out = _resume(saved["ep1_zero1"], _ep(2) + ZERO1, tmp_path)
     _same_weights(ckpt, out)
     _same_optimizer_state(ckpt, out)
+
