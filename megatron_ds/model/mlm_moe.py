@@ -324,10 +324,31 @@ def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
     else:
         y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
             x.new_zeros(0, w.shape[1])
-    if layer.bias is not None:
+    if layer.bias is not None and isinstance(bias_scale, torch.Tensor):
+        y = y + _RowScaledBias.apply(layer.bias, bias_scale, device_counts)
+    elif layer.bias is not None:
         b = layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
-        y = y + (b if isinstance(bias_scale, float) and bias_scale == 1.0 else b * bias_scale)
+        y = y + (b if bias_scale == 1.0 else b * bias_scale)
     return y
+
+
+class _RowScaledBias(torch.autograd.Function):
+    """Each row's expert bias times the row's scale (``[rows, 1]``), keeping for backward only the bias and the
+    scales: autograd's ``repeat_interleave(bias) * scale`` would keep a ``[rows, out]`` copy of the biases."""
+
+    @staticmethod
+    def forward(ctx, bias, scale, counts):
+        ctx.save_for_backward(bias, scale, counts)
+        return bias.repeat_interleave(counts, dim=0, output_size=scale.shape[0]) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias, scale, counts = ctx.saved_tensors
+        rows = scale.shape[0]
+        grad_scale = (grad * bias.repeat_interleave(counts, dim=0, output_size=rows)).sum(-1, keepdim=True)
+        expert = torch.arange(bias.shape[0], device=grad.device).repeat_interleave(counts, output_size=rows)
+        grad_bias = torch.zeros_like(bias).index_add_(0, expert, (grad * scale).to(bias.dtype))
+        return grad_bias, grad_scale.to(scale.dtype), None
 
 
 class GroupedExperts(nn.Module):
