@@ -212,19 +212,3 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
                           f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
                           f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")
-
-def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
-    """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP
-    side: router, routed experts, shared experts and their gate."""
-    h, f = m.hidden_size, m.moe_ffn_hidden_size
-    gated = 2 if (m.swiglu or m.geglu) else 1
-    bias = m.add_bias_linear
-    expert = h * f * gated + f * h + ((f * gated + h) if bias else 0)
-    shared = 0
-    if m.moe_shared_expert_intermediate_size:
-        s = m.moe_shared_expert_intermediate_size
-        shared = h * s * gated + s * h + ((s * gated + h) if bias else 0) + (h if m.moe_shared_expert_gate else 0)
-    router = h * experts
-    local = experts // ep
-    return (router + shared + local * expert, local * expert, router + shared + experts * expert,
-            router + shared + m.moe_router_topk * expert)

@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_ds.data.tiktoken_tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
+
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
          nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
@@ -602,7 +604,7 @@ class DataConfig:
     tiktoken tokenizer.model."""
     tiktoken_pattern: Optional[str] = meta(None, choices=("v1", "v2"))
     """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 (default v2)."""
-    tiktoken_num_special_tokens: int = 1000
+    tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS
     """TikTokenizer's special-token ids 0..N-1 (--tokenizer-special-tokens, then `<SPECIAL_i>` fillers)."""
     tokenizer_special_tokens: Optional[list] = meta(None, nargs="+")
     """TikTokenizer's special tokens (ids in order); must include `<unk> <s> </s> <mask> <pad> <cls>

@@ -53,7 +53,8 @@ from tests.training.common import TINY_GPT, train_losses
 from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(1500)
-MOE = ["--num-experts", "4", "--global-batch-size", "8"]
+# Megatron-DeepSpeed's lines, whose --num-experts is DeepSpeed-MoE (an upstream line's is Megatron-LM's MoE)
+MOE = ["--deepspeed", "--num-experts", "4", "--global-batch-size", "8"]
 RESUME = TINY_GPT + MOE + ["--train-iters", "10", "--topk", "2", "--hidden-dropout", "0.1",
                            "--attention-dropout", "0.1"]
 RESHAPE = TINY_GPT + MOE + ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -7,6 +7,7 @@ gives one 0/1 per layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from megatron_ds.config import moe_selection
 from megatron_ds.config.layout import resolve_model_config
-from megatron_ds.config.moe_params import model_experts
+from megatron_ds.config.moe_params import model_experts, moe_layer_params
 from megatron_ds.config.schema import ModelConfig, ParallelConfig
 from megatron_ds.model.mlm_moe import build_mlm_moe
 from tests.config.test_moe import SMALL, _layout, dry_run
@@ -134,7 +135,7 @@ def test_parameter_count_is_the_built_layers(over):
                                          ffn_hidden_size=24, num_experts=(4,), moe_router_topk=2,
                                          moe_ffn_hidden_size=10, **over))
     layer = build_mlm_moe(m, 4, device=torch.device("meta"))
-    per_rank, experts, total, active = moe_selection.layer_params(m, 4, ep=1)
+    per_rank, experts, total, active = dataclasses.astuple(moe_layer_params(m, 4, tp=1, ep=1))
     assert per_rank == total == sum(p.numel() for p in layer.parameters())
     assert experts == sum(p.numel() for p in layer.experts.parameters())
     one_expert = experts // 4
