@@ -206,7 +206,8 @@ class ModelConfig:
     # _add_distributed_args); megatron/model/transformer.py builds deepspeed.moe.layer.MoE from them.
     num_experts: tuple = meta((1,), nargs="+")
     """Experts per MoE layer: one value for every MoE layer, or one per MoE layer (num_layers / --expert-interval
-    values); 1 is a dense model (transformer.py get_num_experts_per_layer)."""
+    values); 1 is a dense model (transformer.py get_num_experts_per_layer). Without either family's MoE flags:
+    DeepSpeed-MoE with --deepspeed, else Megatron-LM's MoE (top-2 on every layer, docs/moe.md)."""
     expert_interval: int = 2
     """With --num-experts > 1: the MoE layers are those whose 1-based number is a multiple of this (2: every
     second layer, as upstream's default; 1: every layer); the others keep a dense MLP."""

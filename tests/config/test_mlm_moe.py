@@ -78,6 +78,21 @@ def test_num_experts_alone_builds_the_dialects_layer(tmp_path):
     assert "mixture of experts (Megatron-LM's): 4 of 4 layers, 8 experts of ffn 256, top-2, EP 1" in out, out
 
 
+def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
+    """An upstream line's --num-experts alone: the estimate's single changes name no DeepSpeed-MoE flag (a ZeRO
+    change without --create-moe-param-group), so each one resolves to the same layer."""
+    from megatron_ds.config.memory import estimate_memory, suggestions
+
+    argv = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 "
+            "--global-batch-size 32 --mock-data --train-iters 10 --lr 1e-4 --bf16 --num-experts 16").split()
+    lay = _layout(argv, 8)
+    fixes = suggestions(lay, estimate_memory(lay).total * 0.99, limit=100)  # ZeRO saves ~2% (BF16_Optimizer)
+    assert any(f.startswith("--zero-stage") for f in fixes), fixes
+    for fix in fixes:
+        assert "--create-moe-param-group" not in fix, fix
+        assert moe_selection.is_mlm_moe(_layout(argv + fix.split(" (~")[0].split(), 8).model), fix
+
+
 @pytest.mark.parametrize("extra, world, says", [
     ("--num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
     ("--deepspeed --num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
