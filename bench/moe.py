@@ -149,6 +149,8 @@ def layer_worker(rank: int, world: int, port: int, rows, args) -> list[dict] | N
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
+    else:  # one thread per process, as torchrun's children run (OMP_NUM_THREADS=1): 2 processes on 2 cores
+        torch.set_num_threads(1)
     deepspeed.init_distributed("nccl" if cuda else "gloo", verbose=False)
     ep = world
     ps = ParallelState(1, 1)
