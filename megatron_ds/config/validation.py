@@ -386,8 +386,6 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, fp8: b
         "different --cp-comm-type values per layer (one kind runs in every layer here)": len(kinds) > 1,
         "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses and context parallelism split the same sequence; "
         "choose one)": par.ds_sequence_parallel_size > 1,
-        "--enable-zbh1-pipeline (not built for context parallelism; use 1F1B or the interleaved schedule)":
-            bool(par.enable_zbh1_pipeline),
         "mixture-of-experts layers (--num-experts > 1)": moe,
         "FP8 (--fp8-format)": fp8,
         "--compile-layers (the ring's point-to-point exchange runs eagerly; drop it)": m.compile_layers is True,

@@ -69,13 +69,16 @@ def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
     assert _losses(2, LLAMA + ["--sequence-parallel"], tp=2) == pytest.approx(llama_reference, rel=RTOL)
 
 
-@pytest.mark.parametrize("schedule", [["--checkpoint-activations"], ["--num-layers-per-virtual-pipeline-stage", "1"]],
-                         ids=["1f1b_recompute", "interleaved"])
+@pytest.mark.parametrize("schedule", [["--checkpoint-activations"],
+                                      ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+                                      ["--enable-zbh1-pipeline"]], ids=["1f1b_recompute", "interleaved", "zbh1"])
 def test_gpt_cp2_pp2_matches_cp1(gpt_reference, schedule):
-    """4 ranks: PP 2 x CP 2 (the document ids cross the stage boundaries whole): DeepSpeed's 1F1B engine with
-    full recompute (each layer's forward, ring included, reruns in backward), and our executor's interleaved
-    schedule."""
-    assert _losses(2, RESET + schedule, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
+    """4 ranks: PP 2 x CP 2 (the document ids cross the stage boundaries whole, the hidden state as each CP rank's
+    two chunks): DeepSpeed's 1F1B engine with full recompute (each layer's forward, ring included, reruns in
+    backward), and our executor's interleaved (4 layers: two model chunks per stage) and ZB-H1 schedules (the
+    linear layers' weight gradients deferred; the ring's backward exchange runs in the input-gradient pass)."""
+    reference = _losses(1, RESET + schedule[:2]) if "--num-layers" in schedule else gpt_reference
+    assert _losses(2, RESET + schedule, pp=2) == pytest.approx(reference, rel=RTOL)
 
 
 RESUME = TINY_GPT + STEPS + LLAMA + ["--zero-stage", "1"]
