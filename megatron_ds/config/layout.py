@@ -526,9 +526,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
-    cp_comm_type = check_context_parallel(flags, cp=cp, seq_length=m.seq_length, fp8=fp8 is not None,
-                                          moe=is_moe(m), curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
-                                                                 virtual_pp=virtual_pp) is not None)
+    cp_comm_type = check_context_parallel(
+        flags, cp=cp, seq_length=m.seq_length, moe=is_moe(m),
+        curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
     if cp > 1 and m.multi_latent_attention:
         raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
                           "attention runs the standard attention only; use --context-parallel-size 1")

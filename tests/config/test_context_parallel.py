@@ -65,17 +65,14 @@ def test_refused_in_one_line(extra, says):
 
 def test_upstream_llama3_script_at_cp2_passes_dry_run(tmp_path):
     """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (tests/config/megatron_lm_scripts.py) with
-    --context-parallel-size 2 instead of its 1: refused in one line for its FP8 (not built with CP here), and
-    without the FP8 flags it passes with the CP layout (8 GPUs: TP 1 x CP 2 x DP 4)."""
-    from tests.config.test_megatron_lm_scripts import _script, _without
+    --context-parallel-size 2 instead of its 1 passes with the CP layout (8 GPUs: TP 1 x CP 2 x DP 4), its FP8
+    flags included."""
+    from tests.config.test_megatron_lm_scripts import _script
     from tests.config.test_megatron_scripts import _files, dry_run
 
     script = _script(tmp_path, "llama3_8b_h100_fp8")
     argv = list(script.argv)
     argv[argv.index("--context-parallel-size") + 1] = "2"
-    rc, out, err = dry_run(type(script)(script.name, script.world, argv), _files(tmp_path, write_data=False))
-    assert rc != 0 and "--context-parallel-size 2 is not supported with FP8" in out + err
-    argv = _without(argv, "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")
     rc, out, err = dry_run(type(script)(script.name, script.world, argv), _files(tmp_path, write_data=False))
     assert rc == 0, out[-2000:] + err[-2000:]
     assert "TP 1 x PP 1 x CP 2 (context parallel, p2p) x DP 4" in out
