@@ -532,7 +532,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if cp > 1 and m.multi_latent_attention:
         raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
                           "attention runs the standard attention only; use --context-parallel-size 1")
-    if cp > 1:  # its ring exchanges run eagerly (check_context_parallel refuses --compile-layers)
+    if cp > 1 and flags.model.compile_layers is not True:
+        # the ring runs eagerly inside a compiled layer (a graph break, model/transformer.py); regional
+        # compilation's default was measured without that break, so under CP it compiles only when asked
         m = dataclasses.replace(m, compile_layers=False)
     check_data(flags.data)
     check_profile(flags.logging)

@@ -369,7 +369,7 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, curric
     """--context-parallel-size N (parallel/context_parallel.py): Megatron-LM's conditions (megatron/training/
     arguments.py: ``seq_length % (2 * context_parallel_size) == 0``; a2a+p2p needs the hierarchical sizes)
     and what is not built with it here. Returns the attention's communication, "p2p" or "all_gather"."""
-    par, m = flags.parallel, flags.model
+    par = flags.parallel
     kinds = set(par.cp_comm_type or ("p2p",))  # Megatron-LM's default: ["p2p"]
     if cp < 1:
         raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
@@ -387,7 +387,6 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, curric
         "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses and context parallelism split the same sequence; "
         "choose one)": par.ds_sequence_parallel_size > 1,
         "mixture-of-experts layers (--num-experts > 1)": moe,
-        "--compile-layers (the ring's point-to-point exchange runs eagerly; drop it)": m.compile_layers is True,
         "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
     }
     refused = [what for what, on in refusals.items() if on]

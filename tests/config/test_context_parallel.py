@@ -54,7 +54,6 @@ def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
     (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
     (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
     (["--num-experts", "2"], "mixture-of-experts"),
-    (["--compile-layers"], "--compile-layers"),
 ])
 def test_refused_in_one_line(extra, says):
     world = 4 if "--pipeline-model-parallel-size" in extra or "--ds-sequence-parallel-size" in extra else 2
