@@ -536,13 +536,15 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
-    cp_comm_type = check_context_parallel(flags, cp=cp, seq_length=m.seq_length, fp8=fp8 is not None,
-                                          moe=is_moe(m), curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
-                                                                 virtual_pp=virtual_pp) is not None)
+    cp_comm_type = check_context_parallel(
+        flags, cp=cp, seq_length=m.seq_length, moe=is_moe(m),
+        curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
     if cp > 1 and m.multi_latent_attention:
         raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
                           "attention runs the standard attention only; use --context-parallel-size 1")
-    if cp > 1:  # its ring exchanges run eagerly (check_context_parallel refuses --compile-layers)
+    if cp > 1 and flags.model.compile_layers is not True:
+        # the ring runs eagerly inside a compiled layer (a graph break, model/transformer.py); regional
+        # compilation's default was measured without that break, so under CP it compiles only when asked
         m = dataclasses.replace(m, compile_layers=False)
     check_data(flags.data)
     check_profile(flags.logging)

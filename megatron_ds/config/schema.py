@@ -272,8 +272,8 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """Megatron-LM's MoE: with a capacity factor, every expert computes exactly its capacity (padded)."""
     moe_grouped_gemm: bool = False
-    """Megatron-LM's MoE: the experts as one grouped GEMM; here they always are (torch._grouped_mm on CUDA in
-    bf16, one GEMM per expert elsewhere)."""
+    """Megatron-LM's MoE: the experts as one grouped GEMM (torch._grouped_mm on CUDA in bf16); without it, or
+    elsewhere, one GEMM per expert, the same products (upstream's SequentialMLP)."""
     moe_token_dispatcher_type: Optional[str] = meta(None, choices=("allgather", "alltoall"))
     """Megatron-LM's MoE: how tokens reach the expert parallel ranks holding their experts (default allgather)."""
     moe_per_layer_logging: bool = False
