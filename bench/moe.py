@@ -102,28 +102,25 @@ def _bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _config(fields: dict, tokens: int):
-    from megatron_ds.config import moe_selection
+def _config(fields: dict):
+    """The layer's model configuration, resolved as a command line's (Megatron-LM's layer: top-2 by default)."""
     from megatron_ds.config.layout import resolve_model_config
-    from megatron_ds.config.schema import ModelConfig, ParallelConfig
+    from megatron_ds.config.schema import ModelConfig
 
     s = LAYER
-    m = ModelConfig(num_layers=2, hidden_size=s["hidden"], ffn_hidden_size=s["ffn"], num_attention_heads=4,
-                    seq_length=s["seq"], max_position_embeddings=s["seq"], num_experts=(s["experts"],), **fields)
-    m, _, _ = moe_selection.resolve(m, ParallelConfig())
-    if moe_selection.is_mlm_moe(m):
-        m = dataclasses.replace(m, moe_router_topk=s["topk"])
-    return resolve_model_config(m)
+    return resolve_model_config(ModelConfig(
+        num_layers=2, hidden_size=s["hidden"], ffn_hidden_size=s["ffn"], num_attention_heads=4, seq_length=s["seq"],
+        max_position_embeddings=s["seq"], num_experts=(s["experts"],), **fields))
 
 
-def _build(fields: dict, tokens: int, ep: int, ep_rank: int, dtype, device):
+def _build(fields: dict, ep: int, ep_rank: int, dtype, device):
     import torch
 
     from megatron_ds.config import moe_selection
     from megatron_ds.model.mlm_moe import build_mlm_moe
     from megatron_ds.model.transformer import ParallelTransformerLayer
 
-    cfg = _config(fields, tokens)
+    cfg = _config(fields)
     torch.manual_seed(1234)
     if moe_selection.is_mlm_moe(cfg):
         layer = build_mlm_moe(cfg, LAYER["experts"], ep_size=ep, ep_rank=ep_rank, params_dtype=dtype, device=device)
@@ -159,7 +156,7 @@ def layer_worker(rank: int, world: int, port: int, rows, args) -> list[dict] | N
     device, dtype = (torch.device("cuda", rank), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     out = []
     for label, fields in rows:
-        layer, step = _build(fields, args.tokens, ep, ps.expert_parallel_rank(ep, False), dtype, device)
+        layer, step = _build(fields, ep, ps.expert_parallel_rank(ep, False), dtype, device)
         gen = torch.Generator(device=device).manual_seed(rank)
         x = torch.randn(LAYER["seq"], args.tokens // LAYER["seq"], LAYER["hidden"], generator=gen, device=device,
                         dtype=dtype, requires_grad=True)
