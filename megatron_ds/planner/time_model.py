@@ -120,6 +120,13 @@ ELEMENTWISE_F = 2
 LOGIT_PASSES = 6
 ADAM_BYTES = 4 + 4 + 8 + 8 + 4 + 2  # fp32 master read + write, moments read + write, grad read, 16-bit copy
 HBM_EFF = 0.8  # share of HBM bandwidth element-wise kernels reach
+# Fitted to published runs (docs/planner.md, tests/planner/test_published_runs.py): the share of the node
+# network's bandwidth DeepSpeed ZeRO-3's per-layer gathers and reduce-scatters reach, and the share of the
+# shorter of its traffic and the compute that hides behind the other (SC21 Table 2); the share a data parallel
+# gradient all-reduce across nodes reaches (Korthikanti et al. 2022 section 6.3: 8-way DP cost the 530B run 3%)
+ZERO3_NET_EFF = 0.14
+ZERO3_OVERLAP = 0.55
+DP_NET_EFF = 0.4
 
 
 def find_gpu(name: str) -> GPU:
@@ -160,15 +167,15 @@ def gemm_seconds(gpu: GPU, m: float, n: float, k: float) -> float:
     return 2 * m * n * k / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, m, n, k))
 
 
-def ring_seconds(nbytes: float, ranks: int, gbs: float, *, all_reduce: bool = True) -> float:
+def ring_seconds(nbytes: float, ranks: int, gbs: float, *, all_reduce: bool = True, eff: float = LINK_EFF) -> float:
     """A ring all-reduce (or, ``all_reduce`` False, one all-gather / reduce-scatter) of ``nbytes``
-    per rank over links of ``gbs``: 2 (n - 1) / n of the bytes cross each link (half that)."""
+    per rank over links of ``gbs`` reaching ``eff`` of it: 2 (n - 1) / n of the bytes cross each link (half that)."""
     if ranks <= 1 or nbytes == 0:
         return 0.0
     if gbs <= 0:
         raise ConfigError("a collective across nodes needs a network: give --network-gbs")
     share = (2 if all_reduce else 1) * (ranks - 1) / ranks
-    return share * nbytes / (gbs * 1e9 * LINK_EFF) + (2 if all_reduce else 1) * (ranks - 1) * LATENCY_S
+    return share * nbytes / (gbs * 1e9 * eff) + (2 if all_reduce else 1) * (ranks - 1) * LATENCY_S
 
 
 @dataclass(frozen=True)
@@ -197,9 +204,9 @@ def _gated(m) -> bool:
 
 def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = True, flash: bool = True,
                   gpus_per_node: int = 8, network_gbs: float = 0.0) -> tuple[
-        MicroBatchTimes, MicroBatchTimes]:
+        MicroBatchTimes, MicroBatchTimes, float]:
     """(the forward of one transformer layer for one micro-batch, the part selective recompute
-    re-runs: the attention core). TP shards every GEMM's N (column parallel) or K (row parallel);
+    re-runs: the attention core, the seconds of its TP rings among ``tp_comm``). TP shards every GEMM's N (column parallel) or K (row parallel);
     DeepSpeed-Ulysses gives a rank s / SP positions outside attention and a / SP heads inside;
     ``network_gbs`` is a GPU's share of its node's network (MoE all-to-alls across nodes)."""
     m, t, sp = layout.model, layout.tp, layout.sp
@@ -223,7 +230,7 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
     mem = 2 * elements / (gpu.hbm_gbs * 1e9 * HBM_EFF)
     activation = 2 * tokens * h  # bytes of one [s, b, h] 16-bit tensor
     # two all-reduces (attention and MLP outputs), or their reduce-scatter + all-gather pairs
-    comm = 2 * ring_seconds(activation, t, gpu.nvlink_gbs)
+    rings = comm = 2 * ring_seconds(activation, t, gpu.nvlink_gbs)
     if sp > 1:  # Ulysses: four all-to-alls (q, k, v and the output), each moving (SP - 1) / SP of its tensor
         comm += 4 * activation * (sp - 1) / sp / (gpu.nvlink_gbs * 1e9 * LINK_EFF)
     if experts > 1 and layout.ep > 1:
@@ -232,7 +239,22 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
         slots = activation * active * m.moe_train_capacity_factor
         link = gpu.nvlink_gbs if layout.tp * layout.ep <= gpus_per_node else network_gbs
         comm += 2 * slots * (layout.ep - 1) / layout.ep / (link * 1e9 * LINK_EFF)
-    return MicroBatchTimes(gemm, attention, mem, comm), MicroBatchTimes(attention=attention)
+    return MicroBatchTimes(gemm, attention, mem, comm), MicroBatchTimes(attention=attention), rings
+
+
+def backward_tp_rings(layout: Layout, rings: float) -> float:
+    """Exposed seconds of a layer's backward TP collectives, its forward's rings taking ``rings``.
+    Synchronous (this project's default, the SC21 runs' Megatron of 2021): the two column-parallel
+    layers' input-gradient all-reduces, as long as the forward's. Overlapped with the weight-gradient
+    GEMM (``--async-tensor-model-parallel-allreduce``, Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` in core/tensor_parallel/layers.py, on in
+    Korthikanti et al.'s 2022 runs): nothing left exposed, except under sequence parallelism the
+    all-gathers of the row-parallel outputs' gradients (half the forward's bytes), which come before
+    any GEMM they could hide behind. Korthikanti et al. Table 4 (tests/planner) measures exactly this:
+    the 22B layer's backward 11.9 ms without SP, 11.8 with it."""
+    if not layout.model.async_tensor_model_parallel_allreduce:
+        return rings
+    return rings / 2 if layout.sequence_parallel else 0.0
 
 
 def unfused_attention_seconds(gpu: GPU, heads: float, s: int, d: int) -> float:
@@ -262,10 +284,13 @@ def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_ca
     fwd = bwd = rec = MicroBatchTimes()
     for e, n in counts.items():
         if e not in cache:
-            f, selective = layer_forward(layout, gpu, e, causal=causal, flash=flash, gpus_per_node=node[0],
-                                         network_gbs=node[1])
-            # backward: two GEMMs per forward GEMM, flash attention's backward 2.5 forwards, twice the bytes
-            b = MicroBatchTimes(2 * f.matmul, 2.5 * f.attention, 2 * f.memory, f.tp_comm)
+            f, selective, rings = layer_forward(layout, gpu, e, causal=causal, flash=flash, gpus_per_node=node[0],
+                                                network_gbs=node[1])
+            # backward: two GEMMs per forward GEMM (unfused attention's two batched GEMMs too), flash attention's
+            # backward 2.5 forwards (it recomputes the scores), twice the bytes; the all-to-alls of Ulysses and
+            # MoE as in the forward, the TP rings as ``backward_tp_rings`` says
+            b = MicroBatchTimes(2 * f.matmul, (2.5 if flash else 2.0) * f.attention, 2 * f.memory,
+                                f.tp_comm - rings + backward_tp_rings(layout, rings))
             r = f if layout.recompute == "full" else selective if layout.recompute == "selective" else MicroBatchTimes()
             cache[e] = (f, b, r)
         f, b, r = cache[e]
@@ -342,25 +367,34 @@ def _uses_split_optimizer(layout: Layout) -> bool:
                                                          layout.use_pipeline)
 
 
-def data_parallel_seconds(layout: Layout, cluster: Cluster, params: int, backward_s: float) -> float:
-    """Exposed seconds of the gradient reduction (and ZeRO's gathers) over the DP (x Ulysses SP) group."""
+def data_parallel_seconds(layout: Layout, cluster: Cluster, params: int, backward_s: float,
+                          compute_s: float = 0.0) -> float:
+    """Exposed seconds of the gradient reduction (and ZeRO's gathers) over the DP (x Ulysses SP) group;
+    ``backward_s`` one micro-batch's backward (and recompute), ``compute_s`` the step's compute."""
     place = placement(layout, cluster)
     gpu, gpn = cluster.gpu, cluster.gpus_per_node
     nbytes = params * grad_accum_bytes(layout.ds_config, layout.precision)
     # the node's network is shared by the DP groups with members in the node
     net = cluster.network_gbs * place.dp_per_node / gpn
 
-    def ring(size: float, *, all_reduce: bool = True) -> float:
+    def ring(size: float, *, all_reduce: bool = True, eff: float = DP_NET_EFF) -> float:
         return (ring_seconds(size, place.dp_per_node, gpu.nvlink_gbs, all_reduce=all_reduce)
-                + ring_seconds(size, place.dp_nodes, net, all_reduce=all_reduce))
+                + ring_seconds(size, place.dp_nodes, net, all_reduce=all_reduce, eff=eff))
 
-    reduce = ring(nbytes)  # ZeRO 1/2: reduce-scatter + all-gather of the weights: the same bytes
     m = layout.grad_accum_steps
+    if layout.zero_stage == 3:
+        # every micro-batch gathers the weights for its forward, again for its backward and for full recompute's
+        # second forward (DeepSpeed's checkpointed layers fetch their partitions again), and reduce-scatters the
+        # gradients; DeepSpeed prefetches the gathers and reduces on a side stream, but only ZERO3_OVERLAP of the
+        # shorter of compute and traffic hides behind the other (both fitted to SC21 Table 2, docs/planner.md)
+        weights = params * (4 if layout.precision == "fp32" else 2)
+        gathers = 3 if layout.recompute == "full" else 2
+        traffic = m * (gathers * ring(weights, all_reduce=False, eff=ZERO3_NET_EFF)
+                       + ring(nbytes, all_reduce=False, eff=ZERO3_NET_EFF))
+        return max(0.0, traffic - compute_s) + (1 - ZERO3_OVERLAP) * min(traffic, compute_s)
+    reduce = ring(nbytes)  # ZeRO 1/2: reduce-scatter + all-gather of the weights: the same bytes
     if layout.zero_stage == 2 and m > 1:  # stage 2 reduce-scatters its buckets in every micro-batch's backward
         reduce += (m - 1) * ring(nbytes, all_reduce=False)
-    if layout.zero_stage == 3:  # the weights gathered for every micro-batch's forward and backward
-        weights = params * (4 if layout.precision == "fp32" else 2)
-        reduce += 2 * m * ring(weights, all_reduce=False)
     overlap = (layout.ds_config.get("zero_optimization") or {}).get("overlap_comm")
     if layout.use_pipeline or not overlap or layout.zero_stage == 0:
         return reduce  # DeepSpeed's pipeline engine reduces after the last backward
@@ -376,6 +410,15 @@ def optimizer_seconds(layout: Layout, gpu: GPU, params: int) -> float:
     return (stepped * ADAM_BYTES + grads) / (gpu.hbm_gbs * 1e9 * HBM_EFF)
 
 
+def split_stage_messages(layout: Layout) -> bool:
+    """Whether each TP rank sends 1/TP of a stage's message (``Layout._describe_stage_messages`` says which)."""
+    if layout.sequence_parallel:
+        return True
+    if layout.own_schedule:
+        return layout.scatter_gather_p2p
+    return bool((layout.ds_config.get("pipeline") or {}).get("pipe_partitioned"))
+
+
 def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: float | None = None) -> StepTime:
     """The predicted time of one optimizer step of ``layout`` on ``cluster`` (module docstring);
     ``flash`` False: attention as unfused kernels ran it (the published runs this is checked on);
@@ -385,8 +428,13 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     m_cfg = layout.model
     message = 2 * m_cfg.seq_length // layout.sp * layout.micro_batch_size * m_cfg.hidden_size
     link = cluster.network_gbs / cluster.gpus_per_node if place.pp_inter_node else gpu.nvlink_gbs
-    # a forward activation out and its gradient back per micro-batch and model chunk
-    p2p = 0.0 if pp == 1 else 2 * v * (message / (link * 1e9 * LINK_EFF) + LATENCY_S)
+    # a forward activation out and its gradient back per micro-batch and model chunk; split into 1/TP per GPU under
+    # sequence parallelism (each rank's own shard) or scatter/gather (SC21's, the receiving stage all-gathers it)
+    split = split_stage_messages(layout)
+    gather = ring_seconds(message, layout.tp, gpu.nvlink_gbs, all_reduce=False) if split and not (
+        layout.sequence_parallel) else 0.0
+    sent = message / layout.tp if split else message
+    p2p = 0.0 if pp == 1 else 2 * v * (sent / (link * 1e9 * LINK_EFF) + LATENCY_S + gather)
     cache: dict = {}
     by_shape: dict = {}  # a dense model's stages of as many layers (the last apart) cost the same
     dense = max(model_experts(m_cfg)) == 1
@@ -410,7 +458,7 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     compute = m * (f.matmul + f.attention + f.memory + b.matmul + b.attention + b.memory)
     tp_comm = m * (f.tp_comm + b.tp_comm + r.tp_comm)
     params = max(s.params_per_tp_rank for s in layout.stages)
-    dp = data_parallel_seconds(layout, cluster, params, b.total + r.total)
+    dp = data_parallel_seconds(layout, cluster, params, b.total + r.total, m * (f.total + b.total + r.total))
     opt = optimizer_seconds(layout, gpu, params)
     if flops is None:
         flops = layout.family.flops(layout, m_cfg.seq_length)

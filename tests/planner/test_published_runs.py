@@ -1,0 +1,135 @@
+"""The time model against published A100 runs, row by row, each with its source (paper, table, row).
+
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC21):
+Table 1 is Megatron-LM's README table (tests/planner/test_planner.py, MEGATRON_TABLE), Table 2 (ZeRO-3 against
+tensor + pipeline + data parallelism, PTD-P) below. Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv 2205.05198): Table 3's configurations, Table 4's per-layer times, Table 5's
+iteration times and section 6.3's 8-way data parallel 530B run. All on Selene's DGX A100 80 GB nodes (8 GPUs, 8 x
+HDR 200 Gb/s), seq 2048, GPT-2's vocabulary (51,200 padded), attention as unfused kernels (scores in memory);
+SC21's Megatron (2021) waits for the backward TP all-reduces, Korthikanti et al.'s (2022) overlaps them with the
+weight-gradient GEMMs (--async-tensor-model-parallel-allreduce). Every row must be within the regime's
+``EXPECTED_ERROR`` (planner/evaluate.py), which docs/planner.md prints; pure arithmetic, ~5 s in all.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ds.planner.evaluate import EXPECTED_ERROR, evaluate_layout, regime
+from megatron_ds.planner.time_model import stage_times
+
+SHAPES = {"22B": (48, 6144, 64), "175B": (96, 12288, 96), "530B": (105, 20480, 128), "1T": (128, 25600, 160)}
+ASYNC_TP = "--async-tensor-model-parallel-allreduce"
+
+
+def argv(model: str, gpus: int, batch: int, *extra: str) -> list[str]:
+    layers, hidden, heads = SHAPES[model]
+    return [*f"--gpu-type a100-80 --gpus {gpus} --num-layers {layers} --hidden-size {hidden} --num-attention-heads "
+            f"{heads} --seq-length 2048 --max-position-embeddings 2048 --global-batch-size {batch} --fp16 "
+            "--unfused-attention".split(), *extra]
+
+
+def megatron_model_flops(model: str, batch: int) -> float:
+    """Model FLOPs of an iteration as Korthikanti et al. count them for MFU (their section 6.3, without recompute):
+    72 B s l h^2 (1 + s / 6h + V / 12 l h), computed here apart from the family's count."""
+    layers, h, _ = SHAPES[model]
+    s, v = 2048, 51200
+    return 72 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+
+
+# SC21 Table 2: (model, GPUs, global batch, micro batch, TFLOP/s per GPU); ZeRO-3 without model parallelism, and
+# PTD-P at (TP 8, PP 12) for 175B, (TP 8, PP 35) for 530B, micro batch 1, all with activation recompute. The 530B
+# ZeRO-3 run did not fit 560 GPUs at micro batch 4, so it ran on 640 GPUs at global batch 2560 (the paper's note);
+# the others at 2240.
+ZERO3 = [("175B", 384, 1536, 4, 144), ("175B", 768, 1536, 2, 88), ("175B", 1536, 1536, 1, 44),
+         ("530B", 640, 2560, 4, 138), ("530B", 1120, 2240, 2, 98), ("530B", 2240, 2240, 1, 48)]
+PTDP = [("175B", 384, 1536, 153), ("175B", 768, 1536, 149), ("175B", 1536, 1536, 140), ("530B", 560, 2240, 171)]
+PTDP_LAYOUT = {"175B": (8, 12), "530B": (8, 35)}
+# The 530B PTD-P rows at 1,120 and 2,240 GPUs as this project's issue 45 brief quotes them (149 and 126 TFLOP/s):
+# not found in a copy of the paper here, and 126 at 2,240 GPUs (DP 8, 280 micro-batches per pipeline) contradicts
+# SC21 Table 1's 163 at 2,520 GPUs with the same 280 micro-batches per pipeline and Korthikanti et al.'s 2,240-GPU
+# run (section 6.3: 42.1% MFU with full recompute, ~175 TFLOP/s counted as SC21 counts). Only their ordering
+# against ZeRO-3 is asserted.
+PTDP_UNVERIFIED = [("530B", 1120, 2240, 149), ("530B", 2240, 2240, 126)]
+
+
+def ptdp(model, gpus, batch, extra=()):
+    tp, pp = PTDP_LAYOUT[model]
+    return evaluate_layout(argv(model, gpus, batch, *extra), tp=tp, pp=pp, mb=1, zero=0, recompute="full")
+
+
+@pytest.mark.parametrize("row", ZERO3, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_sc21_table2_zero3(row):
+    model, gpus, batch, mb, measured = row
+    ev = evaluate_layout(argv(model, gpus, batch), tp=1, pp=1, mb=mb, zero=3, recompute="full")
+    assert regime(ev.layout) == "zero-3"
+    assert ev.time.tflops_per_gpu == pytest.approx(measured, rel=EXPECTED_ERROR["zero-3"])
+
+
+@pytest.mark.parametrize("row", PTDP, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_sc21_table2_ptdp(row):
+    model, gpus, batch, measured = row
+    ev = ptdp(model, gpus, batch)
+    assert regime(ev.layout) == "ptd-p"
+    assert ev.time.tflops_per_gpu == pytest.approx(measured, rel=EXPECTED_ERROR["ptd-p"])
+
+
+def test_sc21_table2_ptdp_ahead_of_zero3():
+    """Wherever the paper measured PTD-P ahead of ZeRO-3 (every GPU count of both models), so does the model."""
+    ptdp_rows = {(m, g): row for m, g, *row in PTDP + PTDP_UNVERIFIED}
+    for model, gpus, batch, mb, _ in ZERO3:
+        near = min((g for m, g in ptdp_rows if m == model), key=lambda g: abs(g - gpus))  # 640 against 560
+        zero3 = evaluate_layout(argv(model, gpus, batch), tp=1, pp=1, mb=mb, zero=3, recompute="full")
+        assert ptdp(model, near, ptdp_rows[(model, near)][0]).time.tflops_per_gpu > zero3.time.tflops_per_gpu
+
+
+# Korthikanti et al. Table 3: (model, TP, PP, GPUs, global batch, micro batch); Table 5: iteration seconds with full
+# recompute (no sequence parallelism) and with selective recompute + sequence parallelism.
+KORTHIKANTI = [("22B", 8, 1, 8, 4, 4, 1.42, 1.10), ("175B", 8, 8, 64, 64, 1, 18.13, 13.75),
+               ("530B", 8, 35, 280, 280, 1, 49.05, 37.83), ("1T", 8, 64, 512, 512, 1, 94.42, 71.49)]
+
+
+def korthikanti(model, tp, pp, gpus, batch, mb, recompute):
+    return evaluate_layout(argv(model, gpus, batch, ASYNC_TP), tp=tp, pp=pp, mb=mb, zero=0, recompute=recompute,
+                           seq_par=recompute == "selective")
+
+
+@pytest.mark.parametrize("row", KORTHIKANTI, ids=lambda r: r[0])
+def test_korthikanti_table5(row):
+    model, tp, pp, gpus, batch, mb, full_s, selective_s = row
+    for recompute, measured in (("full", full_s), ("selective", selective_s)):
+        ev = korthikanti(model, tp, pp, gpus, batch, mb, recompute)
+        assert ev.time.step_s == pytest.approx(measured, rel=EXPECTED_ERROR[regime(ev.layout)])
+        # the MFU the paper prints for the selective runs (41.5 / 51.4 / 56.0 / 56.3%) is this FLOP count's
+        if recompute == "selective":
+            mfu = megatron_model_flops(model, batch) / measured / gpus / 312e12
+            assert mfu == pytest.approx({"22B": 0.415, "175B": 0.514, "530B": 0.560, "1T": 0.563}[model], abs=0.002)
+
+
+def test_korthikanti_section_6_3_data_parallel():
+    """530B on 2,240 GPUs (8-way data parallelism, 280 micro-batches per pipeline as on 280 GPUs): 54.2% MFU with
+    selective recompute + SP, 42.1% with full recompute, against 56.0% and 43.2% on 280 GPUs (Table 5): the data
+    parallel reduction costs ~3% of the step. DP_NET_EFF charges it 1.4-1.9%: the same constant must keep SC21
+    Table 1's 32-way data parallel rows (7.5B, 18B) within their error, which a full 3% here would break."""
+    for recompute, mfu in (("selective", 0.542), ("full", 0.421)):
+        ev = korthikanti("530B", 8, 35, 2240, 2240, 1, recompute)
+        measured = megatron_model_flops("530B", 2240) / mfu / 2240 / 312e12
+        assert ev.time.step_s == pytest.approx(measured, rel=EXPECTED_ERROR[regime(ev.layout)])
+        assert 0.01 <= ev.time.dp_comm_s / ev.time.step_s <= 0.04
+
+
+# Korthikanti et al. Table 4: one transformer layer of the 22B model (TP 8, micro batch 4), forward and backward ms.
+TABLE4 = [("baseline, no recompute", None, False, 7.7, 11.9), ("sequence parallelism", None, True, 7.2, 11.8),
+          ("full recompute", "full", False, 7.7, 19.5), ("selective recompute", "selective", False, 7.7, 13.2),
+          ("selective recompute + sequence parallelism", "selective", True, 7.2, 13.1)]
+
+
+@pytest.mark.parametrize("row", TABLE4, ids=lambda r: r[0])
+def test_korthikanti_table4_layer(row):
+    _, recompute, seq_par, forward_ms, backward_ms = row
+    ev = evaluate_layout(argv("22B", 8, 4, ASYNC_TP), tp=8, pp=1, mb=4, recompute=recompute, seq_par=seq_par)
+    cache: dict = {}  # stage_times leaves one layer's (forward, backward, recompute) under its expert count, 1
+    stage_times(ev.layout, ev.gpu, ev.layout.stages[0], flash=False, layer_cache=cache)
+    f, b, r = cache[1]
+    err = EXPECTED_ERROR["no-recompute" if recompute != "full" else "ptd-p"]
+    assert 1e3 * f.total == pytest.approx(forward_ms, rel=err)
+    assert 1e3 * (b.total + r.total) == pytest.approx(backward_ms, rel=err)
