@@ -16,49 +16,10 @@ from dataclasses import dataclass
 from megatron_ds.errors import ConfigError
 from megatron_ds.planner import plan_cli
 from megatron_ds.planner import search as planner
+from megatron_ds.planner.time_model import EXPECTED_ERROR, error_text, expected_error, regime, tie_groups
 
-# Largest |predicted / measured - 1| on the published A100 runs of each regime (tests/planner/test_published_runs.py
-# asserts every row within it; docs/planner.md lists the rows):
-#   ptd-p         tensor + pipeline + data parallel with full recompute: SC21 Table 1, Table 2 (PTD-P),
-#                 Korthikanti et al. 2022 Table 5 (full recompute)
-#   no-recompute  selective or no recompute: Korthikanti et al. Table 4 (per layer), Table 5 (selective + SP)
-#   zero-3        ZeRO-3 without model parallelism: SC21 Table 2
-EXPECTED_ERROR = {"ptd-p": 0.09, "no-recompute": 0.09, "zero-3": 0.11}
-MEASURED_GPUS = ("a100-40", "a100-80")  # the GPUs the published runs ran on
-
-
-def regime(layout) -> str:
-    """Which published comparison a layout's prediction is judged by."""
-    if layout.zero_stage == 3:
-        return "zero-3"
-    return "ptd-p" if layout.recompute == "full" else "no-recompute"
-
-
-def expected_error(layout, gpu) -> float | None:
-    """The relative error to expect of a prediction (None: unknown, no published run on this GPU)."""
-    return EXPECTED_ERROR[regime(layout)] if gpu.name in MEASURED_GPUS else None
-
-
-def tie_groups(ranked) -> list[int]:
-    """A group number per candidate (sorted fastest first): a candidate joins the current group while its
-    step, less its expected error, is within the group's fastest step plus that one's error -- predictions
-    overlapping within the error are ties, not a ranking. An unknown error counts as the A100's."""
-    groups, group, lead_high = [], 0, None
-    for cand in ranked:
-        err = EXPECTED_ERROR[regime(cand.layout)]
-        low, high = cand.time.step_s * (1 - err), cand.time.step_s * (1 + err)
-        if lead_high is None or low > lead_high:
-            group, lead_high = group + 1, high
-        groups.append(group)
-    return groups
-
-
-def error_text(layout, gpu) -> str:
-    err = expected_error(layout, gpu)
-    if err is None:
-        return (f"expected error unknown on {gpu.name} until measured (on A100 runs of this regime, "
-                f"{regime(layout)}: +-{100 * EXPECTED_ERROR[regime(layout)]:.0f}%)")
-    return f"expected error +-{100 * err:.0f}% ({regime(layout)} regime, published A100 runs)"
+__all__ = ["EXPECTED_ERROR", "Evaluation", "error_text", "evaluate_layout", "expected_error", "parse_layout", "regime",
+           "tie_groups"]
 
 
 @dataclass(frozen=True)

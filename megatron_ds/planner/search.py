@@ -24,7 +24,7 @@ from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, est
 from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import check_schedule
-from megatron_ds.planner.time_model import Cluster, StepTime, step_time
+from megatron_ds.planner.time_model import Cluster, StepTime, expected_error, step_time, tie_groups
 
 RECOMPUTE = (None, "selective", "full")
 FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel", "uneven-stages")
@@ -322,17 +322,22 @@ def knobs_of(flags: Config, layout: Layout) -> Knobs:
                  layout.zero_stage, layout.micro_batch_size, layout.recompute)
 
 
-def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int) -> list[str]:
-    """The top layouts, one line each (the columns docs/planner.md explains)."""
-    head = (f"{'#':>2} {'TP':>3} {'PP':>3} {'v':>2} {'DP':>5} {'SP':>3} {'ZeRO':>4} {'mb':>3} {'recompute':>9} "
-            f"{'GB/GPU':>7} {'TFLOP/s':>8} {'MFU':>6} {'step s':>8} {'bubble':>7} {'comm':>6}"
+def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int, gpu) -> list[str]:
+    """The top layouts, one line each (the columns docs/planner.md explains): ``#`` is the tie group (``tie_groups``,
+    ``=`` where it holds more than one layout), ``err`` the expected error (``?``: unknown on this GPU)."""
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'v':>2} {'DP':>5} {'SP':>3} {'ZeRO':>4} {'mb':>3} {'recompute':>9} "
+            f"{'GB/GPU':>7} {'TFLOP/s':>8} {'MFU':>6} {'err':>4} {'step s':>8} {'bubble':>7} {'comm':>6}"
             + (f" {'days':>7}" if train_tokens else ""))
     lines = [head]
-    for i, c in enumerate(ranked[:top], 1):
+    groups = tie_groups(ranked)
+    for g, c in zip(groups, ranked[:top]):
         k, t, lay = c.knobs, c.time, c.layout
         sp = "Uly" + str(k.sp) if k.sp > 1 else ("yes" if k.seq_par else "-")
-        line = (f"{i:>2} {k.tp:>3} {k.pp:>3} {'zb' if k.zbh1 else k.v:>2} {lay.dp:>5} {sp:>3} {k.zero:>4} {k.mb:>3} "
+        tied = f"{g}{'=' if groups.count(g) > 1 else ''}"
+        err = expected_error(lay, gpu)
+        line = (f"{tied:>3} {k.tp:>3} {k.pp:>3} {'zb' if k.zbh1 else k.v:>2} {lay.dp:>5} {sp:>3} {k.zero:>4} {k.mb:>3} "
                 f"{k.recompute or 'none':>9} {c.memory.total / GB:>7.1f} {t.tflops_per_gpu:>8.1f} {100 * t.mfu:>5.1f}% "
+                f"{'?' if err is None else f'{100 * err:.0f}%':>4} "
                 f"{t.step_s:>8.3f} {100 * t.bubble_s / t.step_s:>6.1f}% {100 * t.comm_share:>5.1f}%")
         if train_tokens:
             line += f" {train_tokens / tokens_per_step * t.step_s / 86400:>7.1f}"

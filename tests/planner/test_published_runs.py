@@ -12,9 +12,14 @@ weight-gradient GEMMs (--async-tensor-model-parallel-allreduce). Every row must 
 """
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
-from megatron_ds.planner.evaluate import EXPECTED_ERROR, evaluate_layout, regime
+from megatron_ds.errors import ConfigError
+
+from megatron_ds.planner.evaluate import EXPECTED_ERROR, error_text, evaluate_layout, parse_layout, regime, tie_groups
 from megatron_ds.planner.time_model import stage_times
 
 SHAPES = {"22B": (48, 6144, 64), "175B": (96, 12288, 96), "530B": (105, 20480, 128), "1T": (128, 25600, 160)}
@@ -133,3 +138,38 @@ def test_korthikanti_table4_layer(row):
     err = EXPECTED_ERROR["no-recompute" if recompute != "full" else "ptd-p"]
     assert 1e3 * f.total == pytest.approx(forward_ms, rel=err)
     assert 1e3 * (b.total + r.total) == pytest.approx(backward_ms, rel=err)
+
+
+def test_layout_breakdown_cli(capsys):
+    """tools/plan.py --layout prints one layout's terms; they and the library's add up to the predicted step."""
+    from megatron_ds.families import get_family  # noqa: PLC0415
+    from megatron_ds.planner import plan_cli  # noqa: PLC0415
+
+    args = argv("175B", 384, 1536)
+    assert plan_cli.main(args + ["--layout", "tp=8,pp=12,mb=1,zero=0,recompute=full"], family=get_family("gpt")) == 0
+    out = capsys.readouterr().out
+    assert "DP 4, 384 micro-batches per step" in out and "expected error +-9% (ptd-p regime" in out
+    ev = ptdp("175B", 384, 1536)
+    t = ev.time
+    # the critical path: every micro-batch's work on the slowest stage, the bubble, then what is exposed after it
+    assert sum(ev.terms().values()) == pytest.approx(t.step_s, rel=1e-9)
+    for name, seconds in ev.terms().items():
+        assert re.search(rf"{re.escape(name)}\s+{seconds:.3f}", out)
+    with pytest.raises(ConfigError, match="cannot read 'tq=8'"):
+        parse_layout("tq=8")
+    with pytest.raises(ConfigError, match="leave DP 4"):
+        evaluate_layout(args, tp=8, pp=12, dp=8, recompute="full")
+
+
+def test_hopper_error_is_unknown_and_ties_group():
+    """On H200 no published multi-GPU run was measured: the error is said to be unknown. Predictions within the
+    expected error of the group's fastest are one tie group; one beyond it starts the next."""
+    ev = evaluate_layout(["--gpu-type", "h200", "--gpus", "64", *argv("175B", 64, 64)[4:]], tp=8, pp=8,
+                         recompute="full")
+    assert ev.expected_error is None and "unknown on h200 until measured" in error_text(ev.layout, ev.gpu)
+    base = ptdp("175B", 384, 1536).candidate
+    err = EXPECTED_ERROR["ptd-p"]
+
+    def at(step):
+        return dataclasses.replace(base, time=dataclasses.replace(base.time, step_s=step))
+    assert tie_groups([at(1.0), at(1.0 + err), at((1 + err) / (1 - err) * 1.01), at(1.3)]) == [1, 1, 2, 2]
