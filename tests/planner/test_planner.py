@@ -70,7 +70,8 @@ MEGATRON_TABLE = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE, ids=lambda r: f"{r[0]}B")
 def test_megatron_published_runs(row):
-    """Each published layout's fastest variant (micro batch, chunks) within the PTD-P regime's expected error. Where
+    """Each published layout's fastest variant (micro batch, chunks; SC21 section 5.1: interleaved with scatter/gather)
+    within 5%, inside the PTD-P regime's expected error. Where
     it ranks is not asserted: the published layouts were chosen by heuristics, not searched (SC21 says so), and the
     alternatives the model prefers are mostly ties within that error (``evaluate.tie_groups``)."""
     size, heads, hidden, layers, tp, pp, gpus, batch, achieved = row
@@ -82,6 +83,7 @@ def test_megatron_published_runs(row):
     published = next(c for c in result.ranked if (c.knobs.tp, c.knobs.pp) == (tp, pp))
     assert regime(published.layout) == "ptd-p"
     assert published.time.tflops_per_gpu == pytest.approx(achieved, rel=EXPECTED_ERROR["ptd-p"])
+    assert published.time.tflops_per_gpu == pytest.approx(achieved, rel=0.05)  # issue 45's bound for this table
     assert result.seconds < 60  # the 1T, 3,072-GPU question included (~4 s on a laptop core)
 
 

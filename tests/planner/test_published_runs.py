@@ -13,6 +13,7 @@ weight-gradient GEMMs (--async-tensor-model-parallel-allreduce). Every row must 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -41,31 +42,36 @@ def megatron_model_flops(model: str, batch: int) -> float:
     return 72 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
 
 
-# SC21 Table 2: (model, GPUs, global batch, micro batch, TFLOP/s per GPU); ZeRO-3 without model parallelism, and
-# PTD-P at (TP 8, PP 12) for 175B, (TP 8, PP 35) for 530B, micro batch 1, all with activation recompute. The 530B
-# ZeRO-3 run did not fit 560 GPUs at micro batch 4, so it ran on 640 GPUs at global batch 2560 (the paper's note);
-# the others at 2240.
+# SC21 Table 2 (section 5.2): (model, GPUs, global batch, micro batch, TFLOP/s per GPU); ZeRO-3 without model
+# parallelism, and PTD-P at model-parallel size 96 (TP 8 x PP 12) for 175B and 280 (TP 8 x PP 35) for 530B, micro
+# batch 1, all with activation recompute. The 530B ZeRO-3 run did not fit 560 GPUs at micro batch 4, so it ran on
+# 640 GPUs at global batch 2560 (the table's starred row); the other 530B runs at 2240.
 ZERO3 = [("175B", 384, 1536, 4, 144), ("175B", 768, 1536, 2, 88), ("175B", 1536, 1536, 1, 44),
          ("530B", 640, 2560, 4, 138), ("530B", 1120, 2240, 2, 98), ("530B", 2240, 2240, 1, 48)]
-PTDP = [("175B", 384, 1536, 153), ("175B", 768, 1536, 149), ("175B", 1536, 1536, 140), ("530B", 560, 2240, 171)]
+PTDP = [("175B", 384, 1536, 153), ("175B", 768, 1536, 149), ("175B", 1536, 1536, 141),
+        ("530B", 560, 2240, 171), ("530B", 1120, 2240, 167), ("530B", 2240, 2240, 159)]
 PTDP_LAYOUT = {"175B": (8, 12), "530B": (8, 35)}
-# The 530B PTD-P rows at 1,120 and 2,240 GPUs as this project's issue 45 brief quotes them (149 and 126 TFLOP/s):
-# not found in a copy of the paper here, and 126 at 2,240 GPUs (DP 8, 280 micro-batches per pipeline) contradicts
-# SC21 Table 1's 163 at 2,520 GPUs with the same 280 micro-batches per pipeline and Korthikanti et al.'s 2,240-GPU
-# run (section 6.3: 42.1% MFU with full recompute, ~175 TFLOP/s counted as SC21 counts). Only their ordering
-# against ZeRO-3 is asserted.
-PTDP_UNVERIFIED = [("530B", 1120, 2240, 149), ("530B", 2240, 2240, 126)]
 
 
-def ptdp(model, gpus, batch, extra=()):
+@functools.cache
+def zero3(model, gpus, batch, mb):
+    return evaluate_layout(argv(model, gpus, batch), tp=1, pp=1, mb=mb, zero=3, recompute="full")
+
+
+@functools.cache
+def ptdp(model, gpus, batch):
+    """The PTD-P run's fastest interleaving (the table does not give it; section 5.1: SC21's runs use the interleaved
+    schedule with the scatter/gather optimization), as the Table 1 test takes each layout's fastest variant."""
     tp, pp = PTDP_LAYOUT[model]
-    return evaluate_layout(argv(model, gpus, batch, *extra), tp=tp, pp=pp, mb=1, zero=0, recompute="full")
+    per_rank = SHAPES[model][0] // pp
+    return max((evaluate_layout(argv(model, gpus, batch), tp=tp, pp=pp, mb=1, zero=0, recompute="full", v=v)
+                for v in (1, 2, 3, 4) if per_rank % v == 0), key=lambda ev: ev.time.tflops_per_gpu)
 
 
 @pytest.mark.parametrize("row", ZERO3, ids=lambda r: f"{r[0]}-{r[1]}")
 def test_sc21_table2_zero3(row):
     model, gpus, batch, mb, measured = row
-    ev = evaluate_layout(argv(model, gpus, batch), tp=1, pp=1, mb=mb, zero=3, recompute="full")
+    ev = zero3(model, gpus, batch, mb)
     assert regime(ev.layout) == "zero-3"
     assert ev.time.tflops_per_gpu == pytest.approx(measured, rel=EXPECTED_ERROR["zero-3"])
 
@@ -80,22 +86,25 @@ def test_sc21_table2_ptdp(row):
 
 def test_sc21_table2_ptdp_ahead_of_zero3():
     """Wherever the paper measured PTD-P ahead of ZeRO-3 (every GPU count of both models), so does the model."""
-    ptdp_rows = {(m, g): row for m, g, *row in PTDP + PTDP_UNVERIFIED}
+    ptdp_rows = {(m, g): row for m, g, *row in PTDP}
     for model, gpus, batch, mb, _ in ZERO3:
         near = min((g for m, g in ptdp_rows if m == model), key=lambda g: abs(g - gpus))  # 640 against 560
-        zero3 = evaluate_layout(argv(model, gpus, batch), tp=1, pp=1, mb=mb, zero=3, recompute="full")
-        assert ptdp(model, near, ptdp_rows[(model, near)][0]).time.tflops_per_gpu > zero3.time.tflops_per_gpu
+        assert ptdp(model, near, ptdp_rows[(model, near)][0]).time.tflops_per_gpu > zero3(
+            model, gpus, batch, mb).time.tflops_per_gpu
 
 
-# Korthikanti et al. Table 3: (model, TP, PP, GPUs, global batch, micro batch); Table 5: iteration seconds with full
-# recompute (no sequence parallelism) and with selective recompute + sequence parallelism.
+# Korthikanti et al. Table 3: (model, TP, PP, GPUs, global batch, micro batch); section 6: the 175B and 530B runs
+# use the interleaved schedule with three model chunks per rank; Table 5: iteration seconds with full recompute (no
+# sequence parallelism) and with selective recompute + sequence parallelism.
 KORTHIKANTI = [("22B", 8, 1, 8, 4, 4, 1.42, 1.10), ("175B", 8, 8, 64, 64, 1, 18.13, 13.75),
                ("530B", 8, 35, 280, 280, 1, 49.05, 37.83), ("1T", 8, 64, 512, 512, 1, 94.42, 71.49)]
+CHUNKS = {"175B": 3, "530B": 3}
 
 
+@functools.cache
 def korthikanti(model, tp, pp, gpus, batch, mb, recompute):
     return evaluate_layout(argv(model, gpus, batch, ASYNC_TP), tp=tp, pp=pp, mb=mb, zero=0, recompute=recompute,
-                           seq_par=recompute == "selective")
+                           seq_par=recompute == "selective", v=CHUNKS.get(model, 1))
 
 
 @pytest.mark.parametrize("row", KORTHIKANTI, ids=lambda r: r[0])
@@ -110,16 +119,18 @@ def test_korthikanti_table5(row):
             assert mfu == pytest.approx({"22B": 0.415, "175B": 0.514, "530B": 0.560, "1T": 0.563}[model], abs=0.002)
 
 
+SECTION_6_3 = (("selective", 39.15), ("full", megatron_model_flops("530B", 2240) / 0.421 / 2240 / 312e12))
+
+
 def test_korthikanti_section_6_3_data_parallel():
-    """530B on 2,240 GPUs (8-way data parallelism, 280 micro-batches per pipeline as on 280 GPUs): 54.2% MFU with
-    selective recompute + SP, 42.1% with full recompute, against 56.0% and 43.2% on 280 GPUs (Table 5): the data
-    parallel reduction costs ~3% of the step. DP_NET_EFF charges it 1.4-1.9%: the same constant must keep SC21
-    Table 1's 32-way data parallel rows (7.5B, 18B) within their error, which a full 3% here would break."""
-    for recompute, mfu in (("selective", 0.542), ("full", 0.421)):
+    """530B on 2,240 GPUs (8-way data parallelism, the batch per model instance kept): 39.15 s per iteration with
+    selective recompute + SP against Table 5's 37.83 on 280 GPUs (section 6.3, gradients all-reduced after the
+    backward, not overlapped), and 42.1% MFU with full recompute (the abstract)."""
+    for recompute, measured in SECTION_6_3:
         ev = korthikanti("530B", 8, 35, 2240, 2240, 1, recompute)
-        measured = megatron_model_flops("530B", 2240) / mfu / 2240 / 312e12
         assert ev.time.step_s == pytest.approx(measured, rel=EXPECTED_ERROR[regime(ev.layout)])
-        assert 0.01 <= ev.time.dp_comm_s / ev.time.step_s <= 0.04
+    # the data parallel reduction's share: 1.32 of 39.15 s measured
+    assert 0.01 <= ev.time.dp_comm_s / ev.time.step_s <= 0.05
 
 
 # Korthikanti et al. Table 4: one transformer layer of the 22B model (TP 8, micro batch 4), forward and backward ms.
@@ -128,16 +139,45 @@ TABLE4 = [("baseline, no recompute", None, False, 7.7, 11.9), ("sequence paralle
           ("selective recompute + sequence parallelism", "selective", True, 7.2, 13.1)]
 
 
-@pytest.mark.parametrize("row", TABLE4, ids=lambda r: r[0])
-def test_korthikanti_table4_layer(row):
-    _, recompute, seq_par, forward_ms, backward_ms = row
+@functools.cache
+def table4_layer(recompute, seq_par):
+    """(forward ms, backward + recompute ms) of one 22B layer."""
     ev = evaluate_layout(argv("22B", 8, 4, ASYNC_TP), tp=8, pp=1, mb=4, recompute=recompute, seq_par=seq_par)
     cache: dict = {}  # stage_times leaves one layer's (forward, backward, recompute) under its expert count, 1
     stage_times(ev.layout, ev.gpu, ev.layout.stages[0], flash=False, layer_cache=cache)
     f, b, r = cache[1]
+    return 1e3 * f.total, 1e3 * (b.total + r.total)
+
+
+@pytest.mark.parametrize("row", TABLE4, ids=lambda r: r[0])
+def test_korthikanti_table4_layer(row):
+    _, recompute, seq_par, forward_ms, backward_ms = row
     err = EXPECTED_ERROR["no-recompute" if recompute != "full" else "ptd-p"]
-    assert 1e3 * f.total == pytest.approx(forward_ms, rel=err)
-    assert 1e3 * (b.total + r.total) == pytest.approx(backward_ms, rel=err)
+    forward, backward = table4_layer(recompute, seq_par)
+    assert forward == pytest.approx(forward_ms, rel=err)
+    assert backward == pytest.approx(backward_ms, rel=err)
+
+
+def test_expected_errors_are_the_largest_published():
+    """The error each prediction is printed with is the largest error of its regime over these tables (rounded up to
+    the next percent or so), not a number picked apart from them; SC21 Table 1 (test_planner.py) stays within 5%."""
+    errors: dict = {"ptd-p": [], "no-recompute": [], "zero-3": []}
+    for model, gpus, batch, mb, measured in ZERO3:
+        errors["zero-3"].append(zero3(model, gpus, batch, mb).time.tflops_per_gpu / measured - 1)
+    for model, gpus, batch, measured in PTDP:
+        errors["ptd-p"].append(ptdp(model, gpus, batch).time.tflops_per_gpu / measured - 1)
+    runs = [(row[:6], recompute, measured) for row in KORTHIKANTI for recompute, measured in zip(
+        ("full", "selective"), row[6:])] + [(("530B", 8, 35, 2240, 2240, 1), r, m) for r, m in SECTION_6_3]
+    for config, recompute, measured in runs:
+        ev = korthikanti(*config, recompute)
+        errors[regime(ev.layout)].append(ev.time.step_s / measured - 1)
+    for _, recompute, seq_par, forward_ms, backward_ms in TABLE4:
+        forward, backward = table4_layer(recompute, seq_par)
+        errors["ptd-p" if recompute == "full" else "no-recompute"] += [forward / forward_ms - 1,
+                                                                       backward / backward_ms - 1]
+    for name, errs in errors.items():
+        largest = max(map(abs, errs))
+        assert largest <= EXPECTED_ERROR[name] <= largest + 0.015, (name, largest)
 
 
 def test_layout_breakdown_cli(capsys):
@@ -148,8 +188,8 @@ def test_layout_breakdown_cli(capsys):
     args = argv("175B", 384, 1536)
     assert plan_cli.main(args + ["--layout", "tp=8,pp=12,mb=1,zero=0,recompute=full"], family=get_family("gpt")) == 0
     out = capsys.readouterr().out
-    assert "DP 4, 384 micro-batches per step" in out and "expected error +-9% (ptd-p regime" in out
-    ev = ptdp("175B", 384, 1536)
+    assert "DP 4, 384 micro-batches per step" in out and "expected error +-8% (ptd-p regime" in out
+    ev = evaluate_layout(args, tp=8, pp=12, mb=1, zero=0, recompute="full")
     t = ev.time
     # the critical path: every micro-batch's work on the slowest stage, the bubble, then what is exposed after it
     assert sum(ev.terms().values()) == pytest.approx(t.step_s, rel=1e-9)
