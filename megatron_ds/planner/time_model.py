@@ -11,21 +11,26 @@ here and in docs/planner.md; nothing is fitted per layout. Per micro-batch and p
 - memory-bound work (norms, bias + activation, dropout + residual adds, the loss over the logits):
   bytes over HBM bandwidth;
 - tensor parallel all-reduces (or sequence parallel's reduce-scatter + all-gather, the same bytes)
-  over NVLink, not overlapped (Megatron's TP layers wait for them);
+  over NVLink; the forward's exposed, the backward's hidden behind the weight-gradient GEMMs under
+  --async-tensor-model-parallel-allreduce (``backward_tp_rings``);
 - full recompute re-runs the forward (matmuls, attention, memory-bound work and TP collectives).
 
 Per step: the pipeline runs ``m`` micro-batches through ``p`` stages; 1F1B and the interleaved
 schedule take ``(m - 1) max_s t_s + (1 + (p - 1) / v) mean_s t_s`` (``pipeline_time``: the
 bottleneck stage's steady state plus the fill and drain, which for equal stages is the
 ``(m + (p - 1) / v)`` of ``parallel.schedules.bubble_fraction``, and what ``parallel.schedules.simulate_step_time``
-gives for 1F1B's step lists), each micro-batch's point-to-point messages exposed. Then the data
+gives for 1F1B's step lists), each micro-batch's point-to-point messages exposed (1/TP of them per GPU under
+scatter/gather or sequence parallelism, plus a fixed cost each). Then the data
 parallel gradient reduction (a ring over NVLink inside a node and the node's network between
 nodes, shared by the node's GPUs), exposed after the pipeline as DeepSpeed's pipeline engine runs it
 (``ReduceGrads`` after the last backward), overlapped with the last micro-batch's backward by the
-plain engine's ZeRO ``overlap_comm``; ZeRO-3's weight all-gathers in every forward and backward;
+plain engine's ZeRO ``overlap_comm``; ZeRO-3's weight all-gathers in every forward, backward and recompute and
+its gradient reduce-scatters over the node network, partly hidden behind the compute;
 and the optimizer step, memory-bound: the bytes Adam reads and writes per parameter it steps.
 
-Model FLOPs are the family's count (``ModelFamily.flops``, docs/flops.md), so TFLOP/s per GPU and
+The constants fitted to published runs (SC21, Korthikanti et al. 2022) are named below (``ZERO3_*``,
+``DP_NET_EFF``, ``P2P_MESSAGE_S``), with the expected error of a prediction per regime (``EXPECTED_ERROR``);
+docs/planner.md says which came from where. Model FLOPs are the family's count (``ModelFamily.flops``, docs/flops.md), so TFLOP/s per GPU and
 MFU mean what the iteration line's mean.
 """
 from __future__ import annotations
