@@ -30,8 +30,8 @@ and the optimizer step, memory-bound: the bytes Adam reads and writes per parame
 
 The constants fitted to published runs (SC21, Korthikanti et al. 2022) are named below (``ZERO3_*``,
 ``DP_NET_EFF``, ``P2P_MESSAGE_S``), with the expected error of a prediction per regime (``EXPECTED_ERROR``);
-docs/planner.md says which came from where. Model FLOPs are the family's count (``ModelFamily.flops``, docs/flops.md), so TFLOP/s per GPU and
-MFU mean what the iteration line's mean.
+docs/planner.md says which came from where. Model FLOPs are the family's count (``ModelFamily.flops``,
+docs/flops.md), so TFLOP/s per GPU and MFU mean what the iteration line's mean.
 """
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ class GPU:
     matmul_half: float
     attention_eff: float  # the fused attention kernel's share of peak on its (causal) FLOPs
     bf16: bool = True
+    # the largest share of peak a published end-to-end run on this GPU kind reached, its FLOPs counted as the
+    # iteration line counts them (recompute included): no prediction is faster (None: no such run known)
+    measured_share: float | None = None
 
 
 # Sources: NVIDIA's data sheets. V100 SXM2: 125 TFLOP/s fp16 tensor, 900 GB/s HBM2, NVLink 2 300 GB/s
@@ -70,13 +73,18 @@ class GPU:
 # cuBLAS fp16 GEMMs reaching ~80% of peak only at large sizes (the same shape as A100's).
 # attention_eff: flash attention's forward + backward at about 50% of peak on A100 and ~40% on
 # Hopper with FlashAttention-2 (Dao 2023, Fig. 5-7); V100 runs the memory-efficient SDPA kernel.
+# measured_share: A100 57.0%, the hardware FLOPs utilisation of Korthikanti et al. 2022's 530B and 1T runs (Table 5;
+# their MFU 56.0 / 56.3%), the most a published A100 run reached; Hopper 49%, Megatron-LM's H100 benchmarks reaching
+# "up to 47-48% MFU" (its README, core_v0.19) with selective recompute, whose hardware FLOPs are ~1.03x the model's
+# (Korthikanti et al.'s 1 + s / 6h at seq 4096); V100: no published end-to-end share of that kind, no bound.
+A100_SHARE, HOPPER_SHARE = 0.57, 0.49
 GPUS = {
     "v100-16": GPU("v100-16", 16, 125, 900, 150, 0.70, 1200, 0.30, bf16=False),
     "v100-32": GPU("v100-32", 32, 125, 900, 150, 0.70, 1200, 0.30, bf16=False),
-    "a100-40": GPU("a100-40", 40, 312, 1555, 300, 0.80, 400, 0.50),
-    "a100-80": GPU("a100-80", 80, 312, 2039, 300, 0.80, 400, 0.50),
-    "h100": GPU("h100", 80, 989, 3350, 450, 0.75, 2200, 0.40),
-    "h200": GPU("h200", 141, 989, 4800, 450, 0.75, 2200, 0.40),
+    "a100-40": GPU("a100-40", 40, 312, 1555, 300, 0.80, 400, 0.50, measured_share=A100_SHARE),
+    "a100-80": GPU("a100-80", 80, 312, 2039, 300, 0.80, 400, 0.50, measured_share=A100_SHARE),
+    "h100": GPU("h100", 80, 989, 3350, 450, 0.75, 2200, 0.40, measured_share=HOPPER_SHARE),
+    "h200": GPU("h200", 141, 989, 4800, 450, 0.75, 2200, 0.40, measured_share=HOPPER_SHARE),
 }
 GPU_ALIASES = {"v100": "v100-16", "a100": "a100-40", "a100-80gb": "a100-80", "a100-40gb": "a100-40",
                "v100-16gb": "v100-16", "v100-32gb": "v100-32"}
@@ -359,6 +367,7 @@ class StepTime:
     flops: float  # model FLOPs of the step (docs/flops.md)
     world_size: int
     peak_tflops: float
+    bound_s: float = 0.0  # what the measured-efficiency bound adds: the terms predicted a faster step than any run reached
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -473,10 +482,13 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     opt = optimizer_seconds(layout, gpu, params)
     if flops is None:
         flops = layout.family.flops(layout, m_cfg.seq_length)
-    return StepTime(step_s=pipe + dp + opt, compute_s=compute, recompute_s=m * (r.total - r.tp_comm),
+    step = pipe + dp + opt
+    # compute efficiency bounded by what the GPU kind has been measured to reach (``GPU.measured_share``)
+    floor = 0.0 if gpu.measured_share is None else flops / (layout.world_size * gpu.peak_tflops * 1e12 * gpu.measured_share)
+    return StepTime(step_s=max(step, floor), compute_s=compute, recompute_s=m * (r.total - r.tp_comm),
                     tp_comm_s=tp_comm, pp_comm_s=m * p2p,
                     bubble_s=pipe - m * seconds[worst], dp_comm_s=dp, optimizer_s=opt, flops=flops,
-                    world_size=layout.world_size, peak_tflops=gpu.peak_tflops)
+                    world_size=layout.world_size, peak_tflops=gpu.peak_tflops, bound_s=max(0.0, floor - step))
 
 
 # Largest |predicted / measured - 1| on the published A100 runs of each regime (tests/planner/test_published_runs.py

@@ -213,3 +213,15 @@ def test_hopper_error_is_unknown_and_ties_group():
     def at(step):
         return dataclasses.replace(base, time=dataclasses.replace(base.time, step_s=step))
     assert tie_groups([at(1.0), at(1.0 + err), at((1 + err) / (1 - err) * 1.01), at(1.3)]) == [1, 1, 2, 2]
+
+
+def test_efficiency_bounded_by_what_the_gpu_reached():
+    """Issue 45's case: a 176B model (BLOOM's shape, GPT layers) on 512 A100 80 GB without recompute. The terms
+    alone predict ~59% of peak for TP 8 x PP 2 with SP; no published A100 run passed 57% (Korthikanti et al. Table 5,
+    hardware FLOPs), so the step is held to that and the difference shown as its own term."""
+    args = ("--gpu-type a100-80 --gpus 512 --num-layers 70 --hidden-size 14336 --num-attention-heads 112 "
+            "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 2048 --bf16").split()
+    ev = evaluate_layout(args, tp=8, pp=2, mb=2, seq_par=True)
+    t = ev.time
+    assert t.mfu == pytest.approx(0.57) and t.bound_s > 0.01 * t.step_s
+    assert sum(ev.terms().values()) == pytest.approx(t.step_s, rel=1e-9)
