@@ -50,14 +50,15 @@ class Evaluation:
                f"predicted: {t.step_s:.3f} s per step, {t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU "
                f"{100 * t.mfu:.1f}%; {error_text(lay, self.gpu)}",
                "seconds per step on the critical path (the slowest stage's work; the rest of its terms as exposed):"]
-        out += [f"  {name:<52} {seconds:>9.3f}  {100 * seconds / t.step_s:5.1f}%" for name, seconds in self.terms().items()]
+        out += [f"  {name:<56} {seconds:>9.3f}  {100 * seconds / t.step_s:5.1f}%" for name, seconds in self.terms().items()]
         return out
 
 
 def parse_layout(text: str) -> planner.Knobs:
     """``tp=8,pp=12,mb=1,zero=0,recompute=full,sp,v=2`` (``sp``: Megatron's sequence parallelism; ``v``: model
-    chunks per pipeline rank; ``ulysses=N``; ``recompute=none|selective|full``) as the planner's knobs."""
-    ints = {"tp": "tp", "pp": "pp", "mb": "mb", "zero": "zero", "v": "v", "ulysses": "sp", "ep": "ep"}
+    chunks per pipeline rank; ``ulysses=N``; ``cp=N`` context parallelism; ``recompute=none|selective|full``) as the
+    planner's knobs."""
+    ints = {"tp": "tp", "pp": "pp", "mb": "mb", "zero": "zero", "v": "v", "ulysses": "sp", "ep": "ep", "cp": "cp"}
     kw: dict = {"tp": 1, "pp": 1}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -69,13 +70,13 @@ def parse_layout(text: str) -> planner.Knobs:
             kw["seq_par"] = True
         else:
             raise ConfigError(f"--layout: cannot read {item!r}; give tp=N,pp=N,mb=N,zero=N,"
-                              "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N]")
+                              "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N][,cp=N]")
     return planner.Knobs(**kw)
 
 
 def evaluate_layout(argv: list[str], *, family=None, knobs: planner.Knobs | None = None, dp: int | None = None,
                     **layout) -> Evaluation:
-    """One layout (``knobs``, or its fields as keywords: tp, pp, mb, zero, recompute, seq_par, v, sp, ep) of the
+    """One layout (``knobs``, or its fields as keywords: tp, pp, mb, zero, recompute, seq_par, v, sp, ep, cp) of the
     run ``argv`` describes (tools/plan.py's flags), evaluated; ``dp``, where given, must be what the GPUs leave."""
     from megatron_ds.families import get_family  # noqa: PLC0415 (the families import the planner's FLOPs)
 

@@ -56,7 +56,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help=f"features not to enumerate: {','.join(planner.FEATURES)}")
     p.add_argument("--layout", metavar="tp=N,pp=N,...",
                    help="evaluate this one layout instead of searching: tp=N,pp=N,mb=N,zero=N,"
-                        "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N]; prints its per-term breakdown")
+                        "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N][,cp=N]; prints its per-term breakdown")
     p.add_argument("--unfused-attention", action="store_true",
                    help="time attention as unfused kernels (scores in memory), as runs before flash attention")
     return p
@@ -99,9 +99,6 @@ def _with_defaults(argv: list[str], opts) -> list[str]:
 def request_of(argv: list[str], family, prog: str) -> tuple[planner.Request, Config, argparse.Namespace]:
     opts, rest = build_parser(prog).parse_known_args(argv)
     flags, _ = parse_args(_with_defaults(rest, opts), prog)
-    if flags.parallel.context_parallel_size > 1:  # its layouts and step times are not modelled (time_model.py)
-        raise ConfigError(f"the planner does not enumerate context parallelism yet: drop --context-parallel-size "
-                          f"{flags.parallel.context_parallel_size} to plan, then check a CP layout with --dry-run")
     # the model's shape is needed; the tokenizer's files are not (--vocab-size, or the family's default)
     missing = [flag for flag in missing_flags(flags, with_data=False) if "(for " not in flag]
     if missing:

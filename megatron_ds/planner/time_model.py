@@ -13,6 +13,8 @@ here and in docs/planner.md; nothing is fitted per layout. Per micro-batch and p
 - tensor parallel all-reduces (or sequence parallel's reduce-scatter + all-gather, the same bytes)
   over NVLink; the forward's exposed, the backward's hidden behind the weight-gradient GEMMs under
   --async-tensor-model-parallel-allreduce (``backward_tp_rings``);
+- context parallelism (``context_parallel_seconds``): s / CP tokens a rank, its share of the attention blocks,
+  the K/V ring partly hidden behind them;
 - full recompute re-runs the forward (matmuls, attention, memory-bound work and TP collectives).
 
 Per step: the pipeline runs ``m`` micro-batches through ``p`` stages; 1F1B and the interleaved
@@ -228,18 +230,20 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
     re-runs: the attention core, the seconds of its TP rings among ``tp_comm``). TP shards every GEMM's N (column parallel) or K (row parallel);
     DeepSpeed-Ulysses gives a rank s / SP positions outside attention and a / SP heads inside;
     ``network_gbs`` is a GPU's share of its node's network (MoE all-to-alls across nodes)."""
-    m, t, sp = layout.model, layout.tp, layout.sp
+    m, t, sp, cp = layout.model, layout.tp, layout.sp, layout.cp
     h, a, s, b = m.hidden_size, m.num_attention_heads, m.seq_length, layout.micro_batch_size
     d = m.kv_channels or h // a
     g = m.num_key_value_heads or a
     f = m.ffn_hidden_size or 4 * h
-    tokens = s // sp * b
+    tokens = s // (sp * cp) * b
     active = min(m.topk, experts) if experts > 1 else 1  # the experts a token runs (MoE: top-k MLPs)
     gemm = (gemm_seconds(gpu, tokens, (a + 2 * g) * d / t, h) + gemm_seconds(gpu, tokens, h, a * d / t)
             + active * (gemm_seconds(gpu, tokens, f * (2 if _gated(m) else 1) / t, h)
                         + gemm_seconds(gpu, tokens, h, f / t)))
     heads = a / t / sp
-    if flash:  # the fused kernel: every query of a sequence against its keys, causal half of them
+    if cp > 1:  # context parallelism's blocks: the explicit math path, over the key chunks the mask leaves visible
+        attention = unfused_attention_seconds(gpu, b * heads, s, d, share=cp_attention_share(cp, causal))
+    elif flash:  # the fused kernel: every query of a sequence against its keys, causal half of them
         flops = 2 * 2 * b * s * s * heads * d * (0.5 if causal else 1.0)
         attention = flops / (gpu.peak_tflops * 1e12 * gpu.attention_eff)
     else:
@@ -258,7 +262,41 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
         slots = activation * active * m.moe_train_capacity_factor
         link = gpu.nvlink_gbs if layout.tp * layout.ep <= gpus_per_node else network_gbs
         comm += 2 * slots * (layout.ep - 1) / layout.ep / (link * 1e9 * LINK_EFF)
-    return MicroBatchTimes(gemm, attention, mem, comm), MicroBatchTimes(attention=attention), rings
+    ring_fwd, ring_bwd = context_parallel_seconds(layout, gpu, attention, gpus_per_node, network_gbs)
+    comm += ring_fwd
+    return (MicroBatchTimes(gemm, attention, mem, comm), MicroBatchTimes(attention=attention, tp_comm=ring_fwd), rings,
+            ring_bwd - ring_fwd)
+
+
+def cp_attention_share(cp: int, causal: bool) -> float:
+    """The share of a sequence's s x s scores one of ``cp`` ranks computes: rank r holds chunks r and 2 cp - 1 - r
+    of the 2 cp (load-balanced, parallel/context_parallel.py) and under the causal mask computes each query chunk
+    against the key chunks at or below it, (r + 1) + (2 cp - r) = 2 cp + 1 blocks of (s / 2 cp)^2, the diagonal
+    ones whole; without the mask all its 2 chunks' rows."""
+    return (2 * cp + 1) / (4 * cp * cp) if causal else 1 / cp
+
+
+def context_parallel_seconds(layout: Layout, gpu: GPU, attention: float, gpus_per_node: int,
+                             network_gbs: float) -> tuple[float, float]:
+    """Exposed seconds of a layer's context parallel exchange (forward, backward). ``p2p``: cp - 1 ring hops of
+    this rank's K and V, each in flight while the previous blocks compute (hidden behind the attention up to its
+    time); backward sends the K/V around again with their gradients (twice the bytes, behind the backward's twice
+    the attention). ``all_gather``: the K/V all-gathered before the blocks, their gradients reduce-scattered
+    after, nothing to hide behind. CP groups are TP ranks apart (parallel/groups.py): NVLink while TP x CP fits
+    a node, else the GPU's share of the node's network."""
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    m = layout.model
+    kv_heads = (m.num_key_value_heads or m.num_attention_heads) / layout.tp
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    kv = 2 * 2 * layout.micro_batch_size * m.seq_length / cp * kv_heads * d  # this rank's K and V, 16-bit
+    link = gpu.nvlink_gbs if layout.tp * cp <= gpus_per_node else network_gbs
+    if layout.cp_comm_type == "all_gather":
+        gather = ring_seconds(kv * cp, cp, link, all_reduce=False)
+        return gather, gather
+    hops = (cp - 1) * (kv / (link * 1e9 * LINK_EFF) + LATENCY_S)
+    return max(0.0, hops - attention), max(0.0, 2 * hops - 2 * attention)
 
 
 def backward_tp_rings(layout: Layout, rings: float) -> float:
@@ -276,14 +314,14 @@ def backward_tp_rings(layout: Layout, rings: float) -> float:
     return rings / 2 if layout.sequence_parallel else 0.0
 
 
-def unfused_attention_seconds(gpu: GPU, heads: float, s: int, d: int) -> float:
+def unfused_attention_seconds(gpu: GPU, heads: float, s: int, d: int, share: float = 1.0) -> float:
     """Forward attention as Megatron-LM ran it before fused kernels (the published runs of 2021-22):
-    batched GEMMs for the scores and over the values, all s x s of them, and the ``[heads, s, s]``
-    16-bit scores written by the first, read and written by the fused scale-mask-softmax, read by
-    dropout, which writes its output and a 1-byte mask, read by the second GEMM."""
-    gemms = 2 * gemm_seconds(gpu, heads * s, s, d)  # a batched GEMM fills the GPU as one of heads x s rows
+    batched GEMMs for the scores and over the values, all s x s of them (``share`` of them: a context parallel
+    rank's blocks), and the ``[heads, s, s]`` 16-bit scores written by the first, read and written by the fused
+    scale-mask-softmax, read by dropout, which writes its output and a 1-byte mask, read by the second GEMM."""
+    gemms = 2 * gemm_seconds(gpu, heads * s * share, s, d)  # a batched GEMM fills the GPU as one of heads x s rows
     passes = 2 + 2 + 2 + 2 + 1 + 2
-    return gemms + passes * heads * s * s / (gpu.hbm_gbs * 1e9 * HBM_EFF)
+    return gemms + passes * heads * s * s * share / (gpu.hbm_gbs * 1e9 * HBM_EFF)
 
 
 def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_cache: dict | None = None,
@@ -303,20 +341,20 @@ def stage_times(layout: Layout, gpu: GPU, stage, *, flash: bool = True, layer_ca
     fwd = bwd = rec = MicroBatchTimes()
     for e, n in counts.items():
         if e not in cache:
-            f, selective, rings = layer_forward(layout, gpu, e, causal=causal, flash=flash, gpus_per_node=node[0],
-                                                network_gbs=node[1])
+            f, selective, rings, ring_extra = layer_forward(layout, gpu, e, causal=causal, flash=flash,
+                                                            gpus_per_node=node[0], network_gbs=node[1])
             # backward: two GEMMs per forward GEMM (unfused attention's two batched GEMMs too), flash attention's
             # backward 2.5 forwards (it recomputes the scores), twice the bytes; the all-to-alls of Ulysses and
             # MoE as in the forward, the TP rings as ``backward_tp_rings`` says
             b = MicroBatchTimes(2 * f.matmul, (2.5 if flash else 2.0) * f.attention, 2 * f.memory,
-                                f.tp_comm - rings + backward_tp_rings(layout, rings))
+                                f.tp_comm - rings + backward_tp_rings(layout, rings) + ring_extra)
             r = f if layout.recompute == "full" else selective if layout.recompute == "selective" else MicroBatchTimes()
             cache[e] = (f, b, r)
         f, b, r = cache[e]
         fwd, bwd, rec = fwd + f.scale(n), bwd + b.scale(n), rec + r.scale(n)
     if stage.stage == layout.pp - 1:
         m = layout.model
-        tokens = m.seq_length // layout.sp * layout.micro_batch_size
+        tokens = m.seq_length // (layout.sp * layout.cp) * layout.micro_batch_size
         out = gemm_seconds(gpu, tokens, layout.padded_vocab_size / layout.tp, m.hidden_size)
         loss = LOGIT_PASSES * 2 * tokens * layout.padded_vocab_size / layout.tp / (gpu.hbm_gbs * 1e9 * HBM_EFF)
         fwd = fwd + MicroBatchTimes(matmul=out, memory=loss / 2)
@@ -334,7 +372,7 @@ class Placement:
 
 
 def placement(layout: Layout, cluster: Cluster) -> Placement:
-    gpn, tp, dp = cluster.gpus_per_node, layout.tp, layout.dp * layout.sp
+    gpn, tp, dp = cluster.gpus_per_node, layout.tp, layout.dp * layout.sp * layout.cp  # CP ranks share the weights
     per_node = max(1, min(dp, gpn // tp))
     return Placement(per_node, math.ceil(dp / per_node), tp * dp * layout.pp > gpn)
 
@@ -425,7 +463,7 @@ def data_parallel_seconds(layout: Layout, cluster: Cluster, params: int, backwar
 def optimizer_seconds(layout: Layout, gpu: GPU, params: int) -> float:
     """Adam over the parameters this GPU steps (1/DP of them when split), plus one read of every gradient
     (the norm for clipping, the overflow check)."""
-    stepped = params / (layout.dp * layout.sp) if _uses_split_optimizer(layout) else params
+    stepped = params / (layout.dp * layout.sp * layout.cp) if _uses_split_optimizer(layout) else params
     grads = params * grad_accum_bytes(layout.ds_config, layout.precision)
     return (stepped * ADAM_BYTES + grads) / (gpu.hbm_gbs * 1e9 * HBM_EFF)
 
@@ -446,7 +484,7 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
     gpu, m, pp, v = cluster.gpu, layout.grad_accum_steps, layout.pp, max(1, layout.virtual_pp)
     place = placement(layout, cluster)
     m_cfg = layout.model
-    message = 2 * m_cfg.seq_length // layout.sp * layout.micro_batch_size * m_cfg.hidden_size
+    message = 2 * m_cfg.seq_length // (layout.sp * layout.cp) * layout.micro_batch_size * m_cfg.hidden_size
     link = cluster.network_gbs / cluster.gpus_per_node if place.pp_inter_node else gpu.nvlink_gbs
     # a forward activation out and its gradient back per micro-batch and model chunk; split into 1/TP per GPU under
     # sequence parallelism (each rank's own shard) or scatter/gather (SC21's, the receiving stage all-gathers it)

@@ -78,7 +78,7 @@ def test_megatron_published_runs(row):
     argv = (f"--gpu-type a100-80 --gpus {gpus} --num-layers {layers} --hidden-size {hidden} "
             f"--num-attention-heads {heads} --seq-length 2048 --max-position-embeddings 2048 "
             f"--global-batch-size {batch} --fp16 --plan-zero 0 --plan-recompute full --unfused-attention "
-            "--plan-without zbh1,sequence-parallel,ulysses,uneven-stages").split()
+            "--plan-without zbh1,sequence-parallel,ulysses,uneven-stages,context-parallel").split()
     _, _, _, result = _plan(argv)
     published = next(c for c in result.ranked if (c.knobs.tp, c.knobs.pp) == (tp, pp))
     assert regime(published.layout) == "ptd-p"
