@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ds.config.memory import GB
 from megatron_ds.errors import ConfigError
 from megatron_ds.planner import plan_cli
 from megatron_ds.planner import search as planner
@@ -44,7 +45,7 @@ class Evaluation:
         return {name: getattr(self.time, attr) for name, attr in planner.TERMS}
 
     def lines(self) -> list[str]:
-        t, lay, gb = self.time, self.layout, self.candidate.memory.total / 1e9
+        t, lay, gb = self.time, self.layout, self.candidate.memory.total / GB
         out = [f"layout: {self.candidate.knobs.describe()}, DP {lay.dp}, {lay.grad_accum_steps} micro-batches per step: "
                f"{gb:.1f} of {self.gpu.memory_gb:.0f} GB per GPU ({'fits' if gb <= self.gpu.memory_gb else 'DOES NOT FIT'})",
                f"predicted: {t.step_s:.3f} s per step, {t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU "

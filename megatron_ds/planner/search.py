@@ -2,14 +2,16 @@
 
 ``plan(request)`` enumerates layouts of the request's model on its cluster -- TP (inside a node),
 PP with interleaving (model chunks per rank), Megatron's sequence parallelism, DeepSpeed-Ulysses
-(plain engine), ZeRO stage (2 and 3 on the plain engine), micro batch, recompute (none, selective,
-full) -- resolves each through the same ``config.resolve`` a ``--dry-run`` runs (a layout it
-refuses is not a candidate), keeps those whose memory estimate (``config.memory.estimate_memory``,
-the one ``--dry-run`` prints) fits the GPU, and ranks them by ``time_model.step_time``. Layouts
-differing only in micro batch, recompute, ZeRO and the like are derived from one resolution per
-(TP, PP, chunks, sequence parallelism, Ulysses, ZeRO) and evaluated fastest first, so a 1T model on
-thousands of GPUs is planned in seconds. The ranking is of (TP, PP) pairs, each with its fastest
-fitting variant: what a user chooses first. docs/planner.md has the output and the model.
+(plain engine), Megatron-LM's context parallelism, ZeRO stage (2 and 3 on the plain engine), micro
+batch, recompute (none, selective, full) -- resolves each through the same ``config.resolve`` a
+``--dry-run`` runs (a layout it refuses is not a candidate), keeps those whose memory estimate
+(``config.memory.estimate_memory``, the one ``--dry-run`` prints) fits the GPU, and ranks them by
+``time_model.step_time`` (layouts within its expected error of each other are ties:
+``time_model.tie_groups``). Layouts differing only in micro batch, recompute, ZeRO and the like are
+derived from one resolution per (TP, PP, chunks, sequence parallelism, Ulysses, CP, ZeRO) and
+evaluated fastest first, so a 1T model on thousands of GPUs is planned in seconds. The ranking is of
+(TP, PP) pairs, each with its fastest fitting variant: what a user chooses first. docs/planner.md has
+the output and the model.
 """
 from __future__ import annotations
 
