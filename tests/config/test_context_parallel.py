@@ -138,13 +138,13 @@ def test_at_32k_tokens_a_cp4_rank_keeps_a_quarter_of_the_activations():
     assert whole == pytest.approx(whole_estimate, rel=0.015)
 
 
-def test_the_planner_refuses_context_parallelism_in_one_line():
-    """The planner does not model CP layouts (planner/time_model.py): a CP command line is refused, not planned
-    as if CP were 1."""
+def test_the_planner_evaluates_a_context_parallel_command_line():
+    """The planner models CP layouts (issue 46, planner/time_model.py): a CP command line is planned as its own
+    layout, CP included, not refused and not as if CP were 1."""
     from megatron_ds.families import get_family
     from megatron_ds.planner import plan_cli
 
-    with pytest.raises(ConfigError, match="does not enumerate context parallelism yet") as err:
-        plan_cli.request_of(BASE + ["--vocab-size", "1000", "--context-parallel-size", "2", "--world-size", "8"],
-                            get_family("gpt"), "plan.py")
-    assert "\n" not in str(err.value)
+    argv = BASE + ["--vocab-size", "1000", "--context-parallel-size", "2", "--gpu-type", "h100", "--gpus", "8"]
+    request, flags, _ = plan_cli.request_of(argv, get_family("gpt"), "plan.py")
+    yours, line = plan_cli.your_layout(request, flags)
+    assert yours.knobs.cp == 2 and yours.layout.cp == 2 and " CP 2," in line
