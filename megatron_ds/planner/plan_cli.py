@@ -22,6 +22,7 @@ from megatron_ds.config.validation import missing_flags
 from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
 from megatron_ds.errors import ConfigError
 from megatron_ds.planner import search as planner
+from megatron_ds.planner.one_layout import Evaluation, parse_layout
 from megatron_ds.planner.time_model import GPUS, RESOURCES, expected_error, make_cluster, tie_groups
 
 # --model-size: GPT-3's shapes (Brown et al. 2020, Table 2.1: layers, hidden size, heads) and
@@ -206,7 +207,6 @@ def ties_note(ranked, gpu) -> str:
 
 def print_layout(request: planner.Request, text: str) -> list[str]:
     """``--layout``: one layout's memory and predicted step, term by term (``planner.evaluate``)."""
-    from megatron_ds.planner.evaluate import Evaluation, parse_layout  # noqa: PLC0415 (it imports this module)
 
     return Evaluation(planner.evaluate(request, parse_layout(text)), request.cluster.gpu).lines()
 
@@ -237,3 +237,17 @@ def main(argv=None, *, family, prog: str = "plan.py") -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def evaluate_layout(argv: list[str], *, family, knobs: planner.Knobs | None = None, dp: int | None = None,
+                    **layout) -> Evaluation:
+    """One layout (``knobs``, or its fields as keywords: tp, pp, mb, zero, recompute, seq_par, v, sp, ep, cp) of the
+    run ``argv`` describes (tools/plan.py's flags) for the model ``family`` (``families.get_family("gpt")``: the
+    planner stands below the families), evaluated; ``dp``, where given, must be what the GPUs leave."""
+    request, _, _ = request_of(list(argv), family, "plan.py")
+    knobs = knobs or planner.Knobs(**{"tp": 1, "pp": 1, **layout})
+    cand = planner.evaluate(request, knobs)
+    if dp is not None and dp != cand.layout.dp:
+        raise ConfigError(f"DP {dp} does not follow: {request.cluster.world_size} GPUs / (TP {knobs.tp} x PP "
+                          f"{knobs.pp}) leave DP {cand.layout.dp}")
+    return Evaluation(cand, request.cluster.gpu)

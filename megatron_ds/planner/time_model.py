@@ -140,8 +140,8 @@ HBM_EFF = 0.8  # share of HBM bandwidth element-wise kernels reach
 # network's bandwidth DeepSpeed ZeRO-3's per-layer gathers and reduce-scatters reach, and the share of the
 # shorter of its traffic and the compute that hides behind the other (SC21 Table 2); the share a data parallel
 # gradient all-reduce across nodes reaches (Korthikanti et al. 2022 section 6.3: 8-way DP cost the 530B run 3%)
-ZERO3_NET_EFF = 0.14
-ZERO3_OVERLAP = 0.55
+ZERO3_NET_EFF = 0.1405
+ZERO3_OVERLAP = 0.555
 DP_NET_EFF = 0.4
 # Each pipeline message's fixed cost beyond its bytes: Megatron's point-to-point exchange synchronises the device
 # after every batch_isend_irecv (Megatron-DeepSpeed's megatron/p2p_communication.py ``_communicate``, "to protect
@@ -535,7 +535,7 @@ def step_time(layout: Layout, cluster: Cluster, *, flash: bool = True, flops: fl
 #                 Korthikanti et al. 2022 Table 5 (full recompute)
 #   no-recompute  selective or no recompute: Korthikanti et al. Table 4 (per layer), Table 5 (selective + SP)
 #   zero-3        ZeRO-3 without model parallelism: SC21 Table 2
-EXPECTED_ERROR = {"ptd-p": 0.08, "no-recompute": 0.09, "zero-3": 0.11}
+EXPECTED_ERROR = {"ptd-p": 0.08, "no-recompute": 0.09, "zero-3": 0.10}
 MEASURED_GPUS = ("a100-40", "a100-80")  # the GPUs the published runs ran on
 
 

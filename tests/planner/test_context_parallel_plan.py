@@ -12,9 +12,14 @@ from megatron_ds.config.memory import estimate_memory
 from megatron_ds.families import get_family
 from megatron_ds.planner import plan_cli
 from megatron_ds.planner import search as planner
-from megatron_ds.planner.evaluate import evaluate_layout
+from megatron_ds.planner.plan_cli import evaluate_layout as one_layout
 from megatron_ds.planner.time_model import (LATENCY_S, LINK_EFF, context_parallel_seconds, cp_attention_share,
                                             data_parallel_seconds, find_gpu, make_cluster)
+
+
+def evaluate_layout(argv, **layout):
+    """A GPT layout evaluated (the planner takes its model family from the caller)."""
+    return one_layout(argv, family=get_family("gpt"), **layout)
 
 ROOT = Path(__file__).resolve().parents[2]
 # a 7B-shaped GPT at 32k tokens on 4 H100 nodes: the sequence is what fills the memory

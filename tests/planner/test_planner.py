@@ -19,7 +19,7 @@ from megatron_ds.config.memory import estimate_memory
 from megatron_ds.families import get_family, main as pretrain_main
 from megatron_ds.parallel.schedules import pipeline_schedule, simulate_step_time, zbh1_schedule
 from megatron_ds.planner import plan_cli
-from megatron_ds.planner.evaluate import EXPECTED_ERROR, regime
+from megatron_ds.planner.one_layout import EXPECTED_ERROR, regime
 from megatron_ds.planner import search as planner
 from megatron_ds.planner.job_script import write_job_script
 from megatron_ds.planner.time_model import make_cluster, pipeline_time, zbh1_time

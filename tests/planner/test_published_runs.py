@@ -8,7 +8,7 @@ iteration times and section 6.3's 8-way data parallel 530B run. All on Selene's 
 HDR 200 Gb/s), seq 2048, GPT-2's vocabulary (51,200 padded), attention as unfused kernels (scores in memory);
 SC21's Megatron (2021) waits for the backward TP all-reduces, Korthikanti et al.'s (2022) overlaps them with the
 weight-gradient GEMMs (--async-tensor-model-parallel-allreduce). Every row must be within the regime's
-``EXPECTED_ERROR`` (planner/evaluate.py), which docs/planner.md prints; pure arithmetic, ~5 s in all.
+``EXPECTED_ERROR`` (planner/one_layout.py), which docs/planner.md prints; pure arithmetic, ~5 s in all.
 """
 from __future__ import annotations
 
@@ -19,9 +19,15 @@ import re
 import pytest
 
 from megatron_ds.errors import ConfigError
-
-from megatron_ds.planner.evaluate import EXPECTED_ERROR, error_text, evaluate_layout, parse_layout, regime, tie_groups
+from megatron_ds.families import get_family
+from megatron_ds.planner.one_layout import EXPECTED_ERROR, error_text, parse_layout, regime, tie_groups
+from megatron_ds.planner.plan_cli import evaluate_layout as one_layout
 from megatron_ds.planner.time_model import stage_times
+
+
+def evaluate_layout(argv, **layout):
+    """A GPT layout evaluated (the planner takes its model family from the caller)."""
+    return one_layout(argv, family=get_family("gpt"), **layout)
 
 SHAPES = {"22B": (48, 6144, 64), "175B": (96, 12288, 96), "530B": (105, 20480, 128), "1T": (128, 25600, 160)}
 ASYNC_TP = "--async-tensor-model-parallel-allreduce"

@@ -1,7 +1,7 @@
 """The planner as a library: one given layout's predicted step, term by term, with the error to expect.
 
-``evaluate_layout(argv, tp=8, pp=12, ...)`` takes the flags ``tools/plan.py`` takes (model, batch, precision,
-GPUs) and a layout, resolves it as ``--dry-run`` would (a ConfigError where that refuses it), and returns an
+``plan_cli.evaluate_layout(argv, family=..., tp=8, pp=12, ...)`` takes the flags ``tools/plan.py`` takes (model,
+batch, precision, GPUs) and a layout, resolves it as ``--dry-run`` would (a ConfigError where that refuses it), and returns an
 ``Evaluation``: the memory estimate, the step time split into the time model's terms (``TERMS``), and the
 expected error of the prediction for the layout's regime on its GPU. ``tools/plan.py --layout tp=8,pp=12,...``
 prints it. The expected errors are the largest errors the model makes on the published runs of each regime
@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 from megatron_ds.config.memory import GB
 from megatron_ds.errors import ConfigError
-from megatron_ds.planner import plan_cli
 from megatron_ds.planner import search as planner
 from megatron_ds.planner.time_model import EXPECTED_ERROR, error_text, expected_error, regime, tie_groups
 
-__all__ = ["EXPECTED_ERROR", "Evaluation", "error_text", "evaluate_layout", "expected_error", "parse_layout", "regime",
-           "tie_groups"]
+__all__ = ["EXPECTED_ERROR", "Evaluation", "error_text", "expected_error", "parse_layout", "regime", "tie_groups"]
 
 
 @dataclass(frozen=True)
@@ -73,19 +71,3 @@ def parse_layout(text: str) -> planner.Knobs:
             raise ConfigError(f"--layout: cannot read {item!r}; give tp=N,pp=N,mb=N,zero=N,"
                               "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N][,cp=N]")
     return planner.Knobs(**kw)
-
-
-def evaluate_layout(argv: list[str], *, family=None, knobs: planner.Knobs | None = None, dp: int | None = None,
-                    **layout) -> Evaluation:
-    """One layout (``knobs``, or its fields as keywords: tp, pp, mb, zero, recompute, seq_par, v, sp, ep, cp) of the
-    run ``argv`` describes (tools/plan.py's flags), evaluated; ``dp``, where given, must be what the GPUs leave."""
-    from megatron_ds.families import get_family  # noqa: PLC0415 (the families import the planner's FLOPs)
-
-    family = family or get_family("gpt")
-    request, _, _ = plan_cli.request_of(list(argv), family, "plan.py")
-    knobs = knobs or planner.Knobs(**{"tp": 1, "pp": 1, **layout})
-    cand = planner.evaluate(request, knobs)
-    if dp is not None and dp != cand.layout.dp:
-        raise ConfigError(f"DP {dp} does not follow: {request.cluster.world_size} GPUs / (TP {knobs.tp} x PP "
-                          f"{knobs.pp}) leave DP {cand.layout.dp}")
-    return Evaluation(cand, request.cluster.gpu)
