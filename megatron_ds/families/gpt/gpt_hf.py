@@ -40,23 +40,31 @@ The padding rows of the vocabulary are dropped on export (HF's vocabulary is the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config import moe_selection
 from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import deepseek_hf as deepseek
 from megatron_ds.families.gpt import mixtral_hf as mixtral
+from megatron_ds.families.gpt import moe_hf
 
 GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
 DEEPSEEK_V3 = "deepseek_v3"
+QWEN2_MOE, QWEN3_MOE = moe_hf.QWEN2_MOE, moe_hf.QWEN3_MOE
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
                  QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM",
-                 DEEPSEEK_V3: deepseek.CLASS}
+                 DEEPSEEK_V3: deepseek.CLASS, **moe_hf.CLASSES}
+# the classes a Megatron-LM MoE model exports to, with the dense class whose attention and norms each has
+# (Mixtral's are Mistral's: no biases, an optional sliding window; Qwen2-MoE's q/k/v biases are optional: Llama's)
+_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -92,9 +100,7 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     ``recorded``: the class the checkpoint was imported from, taken where it can express ``m``);
     ConfigError naming what cannot."""
     if is_mlm_moe(m) and is_moe(m):
-        raise ConfigError("Hugging Face conversion of Megatron-LM's MoE layers (--moe-router-topk ..., "
-                          "model/mlm_moe.py) is not supported yet; MixtralForCausalLM converts to and from "
-                          "DeepSpeed-MoE's (--num-experts N --topk 2 --expert-interval 1)")
+        return _choose_mlm_moe(m, asked, recorded)
     if asked is not None:
         arch = architecture_key(asked)
     elif is_moe(m):
@@ -114,6 +120,9 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         arch = MISTRAL
     else:
         arch = LLAMA
+    if arch in moe_hf.CLASSES:
+        raise ConfigError(f"{ARCHITECTURES[arch]} needs Megatron-LM's MoE layers (--num-experts N --moe-router-topk K"
+                          f" ..., docs/moe.md)")
     if (arch == MIXTRAL) != is_moe(m):
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
                           f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
@@ -134,9 +143,39 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     return arch
 
 
-def _problems(arch: str, m: ModelConfig) -> list[str]:
-    """What ``arch`` (a dense class) cannot express of ``m``, by flag."""
-    name = ARCHITECTURES[arch]
+def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> str:
+    """choose_architecture for Megatron-LM's MoE layers: the class asked for, else the recorded one where it can
+    express ``m``, else by features (a shared expert: Qwen2-MoE; --qk-layernorm: Qwen3-MoE; else Mixtral)."""
+    if asked is not None:
+        arch = architecture_key(asked)
+    elif recorded in ARCHITECTURES.values() and architecture_key(recorded) in _MOE_ATTENTION \
+            and not _moe_problems(architecture_key(recorded), m):
+        arch = architecture_key(recorded)
+    elif m.moe_shared_expert_intermediate_size:
+        arch = QWEN2_MOE
+    else:
+        arch = QWEN3_MOE if m.qk_layernorm else MIXTRAL
+    if arch not in _MOE_ATTENTION:
+        raise ConfigError(f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts "
+                          f"({', '.join(ARCHITECTURES[a] for a in _MOE_ATTENTION)} have)")
+    problems = _moe_problems(arch, m)
+    if problems:
+        raise ConfigError(f"a mixture-of-experts model exports as {ARCHITECTURES[arch]}, which cannot express "
+                          + "; ".join(problems))
+    return arch
+
+
+def _moe_problems(arch: str, m: ModelConfig) -> list[str]:
+    base = _MOE_ATTENTION[arch]
+    if arch == QWEN2_MOE and not m.add_qkv_bias:
+        base = LLAMA  # Qwen2MoeConfig's qkv_bias false: no biases at all
+    return _problems(base, m, name=ARCHITECTURES[arch]) + moe_hf.problems(arch, m)
+
+
+def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
+    """What ``arch`` (a dense class; ``name``: the class named in the reasons, else ``arch``'s) cannot express
+    of ``m``, by flag."""
+    name = name or ARCHITECTURES[arch]
     if arch == DEEPSEEK_V3:
         return deepseek.problems(m)
     if m.multi_latent_attention:
@@ -247,7 +286,10 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
             out[p + theirs + ".weight"] = t[ours + ".weight"].t()  # Conv1D: [in, out]
             out[p + theirs + ".bias"] = t[ours + ".bias"]
         return one_plus(m, out)
-    if arch == MIXTRAL:  # Llama's attention and norms, Mixtral's MoE block in place of the MLP
+    if moe_hf.ROUTER in t:  # Megatron-LM's MoE layer: the class's MoE block in place of the MLP
+        out.update(moe_hf.moe_to_hf(arch, i, t))
+        t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
+    elif arch == MIXTRAL:  # DeepSpeed-MoE: Llama's attention and norms, Mixtral's MoE block in place of the MLP
         out.update(mixtral.moe_to_hf(i, t))
         t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
     names = deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)
@@ -291,8 +333,8 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
             t[ours + ".weight"] = get(p + theirs + ".weight").t()
             t[ours + ".bias"] = get(p + theirs + ".bias")
         return t
-    if arch == MIXTRAL:
-        t.update(mixtral.moe_from_hf(i, m.num_experts[0], get))
+    if is_mlm_moe(m) and moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)[i]:
+        t.update(moe_hf.moe_from_hf(arch, i, m.num_experts[0], get))
     for ours, theirs in (deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)).items():
         x = get(theirs)
         if x is not None:
@@ -343,6 +385,15 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
     window = sliding_window(m)
+    if is_mlm_moe(m) and arch in _MOE_ATTENTION:
+        llama.update(moe_hf.config_kwargs(arch, m))
+        if arch == MIXTRAL:
+            return transformers.MixtralConfig(**llama, sliding_window=window)
+        if arch == QWEN3_MOE:
+            return transformers.Qwen3MoeConfig(**llama, attention_bias=False)
+        if m.kv_channels * m.num_attention_heads == m.hidden_size:  # as Qwen2Config below
+            del llama["head_dim"]
+        return transformers.Qwen2MoeConfig(**llama)
     if arch == MIXTRAL:
         return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
     if arch == MISTRAL:
@@ -365,11 +416,23 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         return GPT2, resolve_model_config(_gpt2_config(d))
     if kind in (LLAMA, QWEN2, QWEN3, MISTRAL):
         return kind, resolve_model_config(_llama_config(d, kind))
-    if kind == "mixtral":
-        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d, kind), d))
+    if kind in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, moe_hf.OLMOE):
+        moe_hf.check_importable(d, kind)
+        return kind, resolve_model_config(moe_hf.model_config(kind, _moe_attention(d, kind), d))
     if kind == DEEPSEEK_V3:
         return DEEPSEEK_V3, resolve_model_config(deepseek.model_config(d))
     raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
+
+
+def _moe_attention(d: dict, kind: str) -> ModelConfig:
+    """The Llama-like part of an MoE class's config: Mixtral's is Mistral's; Qwen2-MoE's and Qwen3-MoE's are
+    Qwen2's and Qwen3's, with head_dim hidden / heads unless given (``Qwen3MoeAttention``) and Qwen2-MoE's
+    q/k/v biases only with qkv_bias (default true)."""
+    if kind == MIXTRAL:
+        return _llama_config(d, kind)
+    d = {**d, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
+    base = _llama_config(d, QWEN2 if kind == QWEN2_MOE else QWEN3)
+    return dataclasses.replace(base, add_qkv_bias=False) if not d.get("qkv_bias", True) else base
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -490,7 +553,9 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append(f"--window-size {m.window_size.strip('()')}")
     if m.untie_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
-    if is_moe(m):
+    if is_moe(m) and is_mlm_moe(m):
+        f += moe_hf.model_flags(m)
+    elif is_moe(m):
         f += [f"--num-experts {' '.join(map(str, m.num_experts))}", f"--expert-interval {m.expert_interval}",
               f"--topk {m.topk}", f"--moe-loss-coeff {m.moe_loss_coeff:g}"]
         f += [flag for flag, on in (("--disable-moe-token-dropping", m.disable_moe_token_dropping),
