@@ -214,7 +214,10 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
         assert got == want
 
 
-def test_mixtral_config_imports_as_deepspeed_moe():
+def test_mixtral_config_imports_as_megatron_lm_moe():
+    """Mixtral's router (softmax, top k, renormalized) is Megatron-LM's softmax over the top-k logits: its layer
+    without --moe-router-pre-softmax, on every layer; a top-1 Mixtral (weight 1) is the same routing."""
+    from megatron_ds.config.moe_selection import is_mlm_moe
     from megatron_ds.families.gpt import gpt_hf as hf
 
     transformers = pytest.importorskip("transformers")
@@ -222,8 +225,9 @@ def test_mixtral_config_imports_as_deepspeed_moe():
                                    num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
                                    num_experts_per_tok=2).to_dict()
     arch, m = hf.model_config_from_hf(d)
-    assert arch == hf.MIXTRAL and m.num_experts == (E,) and m.expert_interval == 1 and m.topk == 2
-    assert m.disable_moe_token_dropping and m.disable_moe_top2_2nd_expert_sampling and not m.add_bias_linear
-    hf.choose_architecture(m)  # exports back as Mixtral
-    with pytest.raises(ConfigError, match="num_experts_per_tok 1"):
-        hf.model_config_from_hf({**d, "num_experts_per_tok": 1})
+    assert arch == hf.MIXTRAL and is_mlm_moe(m) and m.num_experts == (E,) and m.moe_router_topk == 2
+    assert m.moe_layer_freq is None and not m.moe_router_pre_softmax and m.moe_ffn_hidden_size == F
+    assert m.moe_expert_capacity_factor is None and not m.add_bias_linear
+    assert hf.choose_architecture(m) == hf.MIXTRAL  # exports back as Mixtral
+    arch, m = hf.model_config_from_hf({**d, "num_experts_per_tok": 1})
+    assert m.moe_router_topk == 1 and hf.choose_architecture(m) == hf.MIXTRAL

@@ -5,7 +5,9 @@ Two targets, chosen by the model's shape:
 - ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied embeddings,
   multi-head attention with ``kv_channels * heads == hidden``. GPT-2's ``Conv1D`` layers store
   their weights transposed (``[in, out]``), and its ``c_attn`` is ``[Q(all heads); K; V]``.
-- ``MixtralForCausalLM``: a Llama-style model with DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
+- ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: Mistral's, Qwen2's and Qwen3's
+  layers with Megatron-LM's MoE layer in place of the MLP (``megatron_ds.families.gpt.moe_hf``, both ways);
+  Mixtral also exports from DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
   SwiGLU, optional grouped-query attention, tied or untied output layer; biases map to Llama's
@@ -28,7 +30,8 @@ Two targets, chosen by the model's shape:
 
 Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
 --architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
-metadata) when it can express the model, else by the model's features: MoE -> Mixtral, multi-latent
+metadata) when it can express the model, else by the model's features: Megatron-LM's MoE -> Qwen2-MoE
+(shared expert), Qwen3-MoE (--qk-layernorm) or Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
 attention -> DeepSeek-V3, learned positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
 --window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 

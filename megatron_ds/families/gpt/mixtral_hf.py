@@ -34,8 +34,6 @@ fused ``mlp.experts.gate_up_proj`` / ``down_proj`` when loading, see its ``conve
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megatron_ds.checkpoint.expert_files import expert_id
@@ -144,19 +142,6 @@ def _complete(i: int, out: dict) -> dict[str, torch.Tensor]:
     if missing:
         raise ConfigError(f"the model has no tensor for layer {i + 1}'s {missing[0]} (Mixtral's MoE block)")
     return out
-
-
-def model_config(llama: ModelConfig, d: dict) -> ModelConfig:
-    """Our ModelConfig of a transformers Mixtral config (``d``), given its Llama part: DeepSpeed-MoE
-    on every layer, top-k without token dropping or second-expert sampling (what Mixtral computes)."""
-    k = d.get("num_experts_per_tok", 2)
-    if k < 2:
-        raise ConfigError("num_experts_per_tok 1: DeepSpeed's top-1 gate scales the expert by its probability, "
-                          "Mixtral's router renormalizes it to 1; no equivalent here")
-    return dataclasses.replace(llama, num_experts=(d.get("num_local_experts", 8),), expert_interval=1, topk=k,
-                               mlp_type="standard", disable_moe_token_dropping=True,
-                               disable_moe_top2_2nd_expert_sampling=True,
-                               moe_loss_coeff=float(d.get("router_aux_loss_coef", 0.001)))
 
 
 def config_kwargs(m: ModelConfig) -> dict:
