@@ -216,7 +216,8 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
 
 def test_mixtral_config_imports_as_megatron_lm_moe():
     """Mixtral's router (softmax, top k, renormalized) is Megatron-LM's softmax over the top-k logits: its layer
-    without --moe-router-pre-softmax, on every layer; a top-1 Mixtral (weight 1) is the same routing."""
+    without --moe-router-pre-softmax, on every layer. A top-1 Mixtral (weight 1) is refused: Megatron-LM's
+    TransformerConfig refuses top-1 softmax routing without pre-softmax (its router would get no gradient)."""
     from megatron_ds.config.moe_selection import is_mlm_moe
     from megatron_ds.families.gpt import gpt_hf as hf
 
@@ -229,5 +230,5 @@ def test_mixtral_config_imports_as_megatron_lm_moe():
     assert m.moe_layer_freq is None and not m.moe_router_pre_softmax and m.moe_ffn_hidden_size == F
     assert m.moe_expert_capacity_factor is None and not m.add_bias_linear
     assert hf.choose_architecture(m) == hf.MIXTRAL  # exports back as Mixtral
-    arch, m = hf.model_config_from_hf({**d, "num_experts_per_tok": 1})
-    assert m.moe_router_topk == 1 and hf.choose_architecture(m) == hf.MIXTRAL
+    with pytest.raises(ConfigError, match="num_experts_per_tok 1 with renormalized weights"):
+        hf.model_config_from_hf({**d, "num_experts_per_tok": 1})

@@ -1,7 +1,6 @@
-"""``DeepseekV3ForCausalLM`` (transformers models/deepseek_v3) whose layers are all dense
-(``first_k_dense_replace`` >= ``num_hidden_layers``): its multi-latent attention is ours (``model/mla.py``), its
-MLP Llama's SwiGLU. DeepSeek's released models put MoE layers after the first few; those need Megatron-LM's MoE
-layer (shared, fine-grained experts) and are refused here by name.
+"""``DeepseekV3ForCausalLM`` (transformers models/deepseek_v3): its multi-latent attention is ours (``model/mla.py``),
+its dense MLP Llama's SwiGLU; its MoE layers (after the first ``first_k_dense_replace``) are Megatron-LM's MoE layer
+with sigmoid routing, expert bias, group-limited top-k and shared experts (``moe_hf``).
 
 Tensor names: ``self_attn.q_proj`` (``q_lora_rank`` None) or ``q_a_proj`` + ``q_a_layernorm`` + ``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; same rows and columns as Megatron-LM's
@@ -63,12 +62,13 @@ def _rope_parameters(m: ModelConfig) -> dict:
             "beta_slow": YARN_BETA_SLOW, "mscale": m.mscale, "mscale_all_dim": m.mscale_all_dim}
 
 
-def hf_config(m: ModelConfig, common: dict):
+def hf_config(m: ModelConfig, common: dict, moe: dict | None = None):
+    """``moe``: the MoE layers' fields (``moe_hf.config_kwargs``); without, every layer is dense."""
     import transformers  # noqa: PLC0415 - optional dependency, needed only here
 
     return transformers.DeepseekV3Config(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-        first_k_dense_replace=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads, **(moe or {"first_k_dense_replace": m.num_layers}),
         num_key_value_heads=m.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
         hidden_act="silu", max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.layernorm_epsilon,
@@ -101,10 +101,6 @@ def _rope_config(d: dict) -> dict:
 def model_config(d: dict) -> ModelConfig:
     """Our ModelConfig (unresolved) from a deepseek_v3 config.json dict; ConfigError for what has no equivalent."""
     n = d["num_hidden_layers"]
-    if d.get("n_routed_experts") and d.get("first_k_dense_replace", 3) < n:
-        raise ConfigError(f"first_k_dense_replace {d.get('first_k_dense_replace', 3)} < num_hidden_layers {n}: "
-                          f"DeepSeek's MoE layers (shared and fine-grained experts) do not import yet; only "
-                          f"all-dense DeepSeek models do")
     if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias"):
         raise ConfigError("hidden_act other than silu or attention_bias true: no equivalent here")
     if not d.get("rope_interleave", True):

@@ -67,7 +67,7 @@ ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "M
                  DEEPSEEK_V3: deepseek.CLASS, **moe_hf.CLASSES}
 # the classes a Megatron-LM MoE model exports to, with the dense class whose attention and norms each has
 # (Mixtral's are Mistral's: no biases, an optional sliding window; Qwen2-MoE's q/k/v biases are optional: Llama's)
-_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3}
+_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3, DEEPSEEK_V3: DEEPSEEK_V3}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -154,6 +154,8 @@ def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> 
     elif recorded in ARCHITECTURES.values() and architecture_key(recorded) in _MOE_ATTENTION \
             and not _moe_problems(architecture_key(recorded), m):
         arch = architecture_key(recorded)
+    elif m.multi_latent_attention:
+        arch = DEEPSEEK_V3
     elif m.moe_shared_expert_intermediate_size:
         arch = QWEN2_MOE
     else:
@@ -379,7 +381,7 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
     if arch == DEEPSEEK_V3:
-        return deepseek.hf_config(m, common)
+        return deepseek.hf_config(m, common, moe_hf.config_kwargs(arch, m) if is_mlm_moe(m) and is_moe(m) else None)
     # what Llama, Qwen2/3, Mistral and Mixtral describe alike (Llama's layers)
     llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
@@ -423,7 +425,10 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         moe_hf.check_importable(d, kind)
         return kind, resolve_model_config(moe_hf.model_config(kind, _moe_attention(d, kind), d))
     if kind == DEEPSEEK_V3:
-        return DEEPSEEK_V3, resolve_model_config(deepseek.model_config(d))
+        m = deepseek.model_config(d)
+        if d.get("n_routed_experts") and d.get("first_k_dense_replace", 3) < d["num_hidden_layers"]:
+            m = moe_hf.model_config(kind, m, d)
+        return DEEPSEEK_V3, resolve_model_config(m)
     raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
 
 

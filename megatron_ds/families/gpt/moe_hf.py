@@ -1,9 +1,10 @@
 """Hugging Face mixture-of-experts classes on Megatron-LM's MoE layer (``model/mlm_moe.py``), both ways.
 
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` (transformers ``models/mixtral``,
-``models/qwen2_moe``, ``models/qwen3_moe``) import onto Megatron-LM's layer; a checkpoint trained with it exports
-to the class that can express it (``gpt_hf.choose_architecture``). Mixtral checkpoints trained on the older
-DeepSpeed-MoE layer still export through ``mixtral_hf``.
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` (transformers ``models/mixtral``,
+``models/qwen2_moe``, ``models/qwen3_moe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
+sigmoid scores, expert bias, group-limited top-k, scaling, shared experts) import onto Megatron-LM's layer; a
+checkpoint trained with it exports to the class that can express it (``gpt_hf.choose_architecture``). Mixtral
+checkpoints trained on the older DeepSpeed-MoE layer still export through ``mixtral_hf``.
 
 Routing, transformers -> Megatron-LM (moe_utils.topk_routing_with_score_function):
 
@@ -35,7 +36,8 @@ Tensors (ours inside transformer layer i -> the hub's layout, which transformers
   ``up_proj`` (Mixtral: ``block_sparse_moe.experts.e.w1`` / ``w3``); ``linear_fc2`` [E, H, F] -> ``down_proj``
   (``w2``);
 - ``mlp.shared_experts.linear_fc1/fc2.weight`` -> ``mlp.shared_expert.gate_proj/up_proj/down_proj``,
-  ``mlp.shared_experts.gate_weight`` -> ``mlp.shared_expert_gate.weight``.
+  ``mlp.shared_experts.gate_weight`` -> ``mlp.shared_expert_gate.weight`` (DeepSeek: ``mlp.shared_experts.*``);
+- DeepSeek's ``mlp.router.expert_bias`` -> ``mlp.gate.e_score_correction_bias``.
 """
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ from megatron_ds.config import moe_selection
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
-MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3 = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"
 CLASSES = {QWEN2_MOE: "Qwen2MoeForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM"}
-_NAMES = {MIXTRAL: "MixtralForCausalLM", **CLASSES}
+_NAMES = {MIXTRAL: "MixtralForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM", **CLASSES}
 
 ROUTER, EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
 FC1, FC2 = "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"
@@ -77,8 +79,10 @@ def hf_names(arch: str, i: int) -> HFNames:
         p = f"model.layers.{i}.block_sparse_moe."
         return HFNames(p + "gate.weight", p + "experts.", ("w1", "w3", "w2"))
     p = f"model.layers.{i}.mlp."
-    shared = {QWEN2_MOE: (p + "shared_expert.", p + "shared_expert_gate.weight")}.get(arch, (None, None))
-    return HFNames(p + "gate.weight", p + "experts.", ("gate_proj", "up_proj", "down_proj"), *shared)
+    shared = {QWEN2_MOE: (p + "shared_expert.", p + "shared_expert_gate.weight"),
+              DEEPSEEK_V3: (p + "shared_experts.", None)}.get(arch, (None, None))
+    bias = p + "gate.e_score_correction_bias" if arch == DEEPSEEK_V3 else None
+    return HFNames(p + "gate.weight", p + "experts.", ("gate_proj", "up_proj", "down_proj"), *shared, bias)
 
 
 def moe_to_hf(arch: str, i: int, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,8 +100,10 @@ def moe_to_hf(arch: str, i: int, t: dict[str, torch.Tensor]) -> dict[str, torch.
             out[f"{n.shared}{name}.weight"] = x
         if SHARED_GATE in t and n.shared_gate is not None:
             out[n.shared_gate] = t[SHARED_GATE]
+    if n.bias is not None:  # DeepSeek's router always adds its bias: zeros for a model trained without one
+        out[n.bias] = t[EXPERT_BIAS] if EXPERT_BIAS in t else torch.zeros(t[ROUTER].shape[0], dtype=torch.float32)
     placed = {ROUTER, FC1, FC2} | ({SHARED_FC1, SHARED_FC2} if n.shared else set()) | (
-        {SHARED_GATE} if n.shared_gate else set())
+        {SHARED_GATE} if n.shared_gate else set()) | ({EXPERT_BIAS} if n.bias else set())
     left = sorted(k for k in t if k.startswith("mlp.") and k not in placed)
     if left:
         raise ConfigError(f"layer {i + 1}: {left[0]} has no place in {_NAMES[arch]}")
@@ -125,6 +131,8 @@ def moe_from_hf(arch: str, i: int, experts: int, get) -> dict[str, torch.Tensor]
         out[SHARED_FC1], out[SHARED_FC2] = torch.cat([gate, up]), down
         if n.shared_gate is not None:
             out[SHARED_GATE] = get(n.shared_gate)
+    if n.bias is not None:
+        out[EXPERT_BIAS] = get(n.bias)
     missing = [k for k, v in out.items() if v is None]
     if missing:
         raise ConfigError(f"the model has no tensor for layer {i + 1}'s {missing[0]} ({_NAMES[arch]}'s MoE block)")
@@ -154,6 +162,8 @@ def layer_pattern(d: dict, kind: str) -> tuple[bool, ...]:
     n = d["num_hidden_layers"]
     if kind == MIXTRAL:
         return (True,) * n
+    if kind == DEEPSEEK_V3:  # DeepseekV3DecoderLayer: dense below first_k_dense_replace
+        return tuple(i >= d.get("first_k_dense_replace", 3) for i in range(n))
     step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
 
@@ -171,8 +181,14 @@ def freq_spec(pattern: tuple[bool, ...]) -> str | None:
 def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
     """Our (unresolved) ModelConfig of an HF MoE config ``d`` given its attention and norms (``base``):
     Megatron-LM's MoE layer with the routing the class computes (module docstring)."""
+    if kind == DEEPSEEK_V3:
+        return _deepseek_config(base, d)
     experts = d.get("num_experts") or d["num_local_experts"]  # (transformers 5.x saves Qwen3-MoE's as the latter)
     norm_topk = True if kind == MIXTRAL else bool(d.get("norm_topk_prob", False))
+    if d.get("num_experts_per_tok", 2) == 1 and norm_topk:
+        # Megatron-LM's TransformerConfig.__post_init__: a softmax over one chosen logit has no gradient
+        raise ConfigError("num_experts_per_tok 1 with renormalized weights (always 1): Megatron-LM refuses top-1 "
+                          "softmax routing without --moe-router-pre-softmax (the router would get no gradient)")
     moe = dict(num_experts=(experts,), moe_router_topk=d.get("num_experts_per_tok", 2),
                moe_router_pre_softmax=not norm_topk, moe_layer_freq=freq_spec(layer_pattern(d, kind)),
                moe_router_load_balancing_type=("aux_loss",),
@@ -187,10 +203,78 @@ def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
     return dataclasses.replace(base, **moe)
 
 
+def _deepseek_groups(d: dict, k: int) -> tuple[int, int] | None:
+    """DeepSeek's group-limited routing as (--moe-router-num-groups, --moe-router-group-topk), None where it
+    chooses every group. transformers scores a group by the sum of its top 2 experts (``DeepseekV3TopkRouter``),
+    Megatron-LM by its top k / group_topk (``group_limited_topk``): the same where k / group_topk is 2, as in
+    DeepSeek-V3 (k 8 of 4 groups)."""
+    groups, group_k = d.get("n_group") or 1, d.get("topk_group") or 1
+    if groups == 1 or group_k >= groups:
+        return None
+    if k // group_k != 2:
+        raise ConfigError(f"n_group {groups}, topk_group {group_k} with num_experts_per_tok {k}: transformers scores "
+                          f"a group by its top 2 experts, Megatron-LM's --moe-router-group-topk by its top "
+                          f"num_experts_per_tok / topk_group ({k // group_k}); no equivalent here")
+    return groups, group_k
+
+
+def _deepseek_config(base: ModelConfig, d: dict) -> ModelConfig:
+    """DeepSeek-V3's MoE (``DeepseekV3TopkRouter``, ``DeepseekV3MoE``): sigmoid scores in fp32, the top k chosen
+    on scores + ``e_score_correction_bias`` within the chosen groups, weighted by their scores renormalized
+    (``norm_topk_prob``) times ``routed_scaling_factor``; ``n_shared_experts`` shared experts of
+    ``moe_intermediate_size`` each, ungated. Megatron-LM: --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias (auxiliary-loss-free balancing, the bias the router adds) --moe-router-dtype
+    fp32 --moe-router-topk-scaling-factor, which always renormalizes a top k > 1 and never a top 1."""
+    k, ffn = d.get("num_experts_per_tok") or 8, d["moe_intermediate_size"]
+    if bool(d.get("norm_topk_prob", True)) != (k > 1):
+        raise ConfigError(f"norm_topk_prob {d.get('norm_topk_prob', True)} with num_experts_per_tok {k}: Megatron-LM's "
+                          f"sigmoid router renormalizes exactly the top k > 1; no equivalent here")
+    if not d.get("n_shared_experts"):
+        raise ConfigError("n_shared_experts 0: DeepseekV3MoE always adds its shared experts (of moe_intermediate_size "
+                          "x n_shared_experts); give it 1 or more")
+    groups = _deepseek_groups(d, k)
+    scale = float(d.get("routed_scaling_factor", 2.5))
+    return dataclasses.replace(
+        base, num_experts=(d["n_routed_experts"],), moe_router_topk=k, moe_ffn_hidden_size=ffn,
+        moe_layer_freq=freq_spec(layer_pattern(d, DEEPSEEK_V3)),
+        moe_shared_expert_intermediate_size=ffn * d["n_shared_experts"], moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+        moe_router_num_groups=groups[0] if groups else None, moe_router_group_topk=groups[1] if groups else None,
+        moe_router_load_balancing_type=("none",), moe_aux_loss_coeff=(0.0,))
+
+
+def _deepseek_problems(m: ModelConfig) -> list[str]:
+    name, out = _NAMES[DEEPSEEK_V3], []
+    pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
+    first = pattern.index(True)
+    if not all(pattern[first:]):
+        out.append(f"--moe-layer-freq {m.moe_layer_freq} ({name} has dense layers first, then experts on every "
+                   f"layer: first_k_dense_replace)")
+    if m.moe_router_score_function != "sigmoid":
+        out.append(f"--moe-router-score-function {m.moe_router_score_function} ({name}'s router is a sigmoid)")
+    if m.moe_router_group_topk and m.moe_router_topk // m.moe_router_group_topk != 2:
+        out.append(f"--moe-router-group-topk {m.moe_router_group_topk} with --moe-router-topk {m.moe_router_topk} "
+                   f"({name} scores a group by its top 2 experts)")
+    shared = m.moe_shared_expert_intermediate_size
+    if not shared or shared % m.moe_ffn_hidden_size:
+        out.append(f"--moe-shared-expert-intermediate-size {shared} ({name} has n_shared_experts >= 1 shared "
+                   f"experts of --moe-ffn-hidden-size {m.moe_ffn_hidden_size})")
+    if m.moe_shared_expert_gate:
+        out.append(f"--moe-shared-expert-gate ({name}'s shared experts have no gate)")
+    return out
+
+
 def problems(arch: str, m: ModelConfig) -> list[str]:
     """What ``arch`` cannot express of a resolved Megatron-LM MoE model's MoE side, by flag (its attention and
     norms are checked as its dense sibling's: ``gpt_hf``)."""
     name, out = _NAMES[arch], []
+    if m.moe_expert_capacity_factor is not None:
+        out.append(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor:g} ({name} never drops tokens)")
+    if m.add_bias_linear:
+        out.append(f"biases (no --disable-bias-linear; {name}'s experts have none)")
+    if arch == DEEPSEEK_V3:
+        return out + _deepseek_problems(m)
     pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
     if arch == MIXTRAL and not all(pattern):
         out.append(f"--moe-layer-freq {m.moe_layer_freq} ({name} has experts on every layer; "
@@ -205,8 +289,6 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
                    f"scale the routing weights)")
     if m.moe_router_enable_expert_bias:
         out.append(f"--moe-router-enable-expert-bias ({name}'s router has no expert bias)")
-    if m.moe_expert_capacity_factor is not None:
-        out.append(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor:g} ({name} never drops tokens)")
     shared = m.moe_shared_expert_intermediate_size
     if arch == QWEN2_MOE and not (shared and m.moe_shared_expert_gate):
         out.append(f"{'no --moe-shared-expert-gate' if shared else 'no --moe-shared-expert-intermediate-size'} "
@@ -217,8 +299,6 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
     if arch == MIXTRAL and m.moe_ffn_hidden_size != m.ffn_hidden_size and not all(pattern):
         out.append(f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} with dense layers of --ffn-hidden-size "
                    f"{m.ffn_hidden_size} ({name} has one intermediate_size)")
-    if m.add_bias_linear:
-        out.append(f"biases (no --disable-bias-linear; {name}'s experts have none)")
     if arch != MIXTRAL and m.window_size is not None:
         out.append(f"--window-size {m.window_size} (imported and exported without {name}'s sliding window)")
     return out
@@ -232,6 +312,13 @@ def config_kwargs(arch: str, m: ModelConfig) -> dict:
         return dict(common, num_local_experts=m.num_experts[0], intermediate_size=m.moe_ffn_hidden_size,
                     router_jitter_noise=0.0)
     pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
+    if arch == DEEPSEEK_V3:
+        groups = (m.moe_router_num_groups, m.moe_router_group_topk) if m.moe_router_group_topk else (1, 1)
+        return dict(n_routed_experts=m.num_experts[0], num_experts_per_tok=m.moe_router_topk,
+                    moe_intermediate_size=m.moe_ffn_hidden_size, first_k_dense_replace=pattern.index(True),
+                    n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+                    routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, n_group=groups[0],
+                    topk_group=groups[1], norm_topk_prob=m.moe_router_topk > 1, output_router_logits=False)
     out = dict(common, num_experts=m.num_experts[0], moe_intermediate_size=m.moe_ffn_hidden_size,
                norm_topk_prob=not m.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe], use_sliding_window=False)
@@ -256,6 +343,8 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append("--moe-router-pre-softmax")
     if m.moe_router_topk_scaling_factor is not None:
         f.append(f"--moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor:g}")
+    if m.moe_router_group_topk:
+        f += [f"--moe-router-num-groups {m.moe_router_num_groups}", f"--moe-router-group-topk {m.moe_router_group_topk}"]
     if m.moe_router_enable_expert_bias:
         f.append("--moe-router-enable-expert-bias")
     if m.moe_router_dtype is not None:

@@ -26,6 +26,7 @@ from megatron_ds.cli import to_hf  # noqa: E402
 from megatron_ds.errors import ConfigError  # noqa: E402
 from megatron_ds.families.gpt.gpt_family import GPT  # noqa: E402
 from megatron_ds.families.gpt.gpt_hf_import import import_hf  # noqa: E402
+from tests.families.gpt.test_hf_models import _ours, _printed_flags, hf_import_cache  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 VOCAB, SEQ = 128, 16
@@ -40,15 +41,26 @@ MODELS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_SMALL, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
         mlp_only_layers=[0]),
+    # group-limited (4 groups of 2, top 2 groups: k / topk_group = 2, transformers' and Megatron-LM's group score
+    # agree), sigmoid scores with a random e_score_correction_bias, scaled by 2.5, one shared expert, a dense layer
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**_SMALL, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5),
 }
-CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
 FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden-size 48"],
          "qwen2_moe": ["--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 40", "--moe-shared-expert-gate",
                        "--moe-layer-freq '[0,1]'", "--add-qkv-bias", "--moe-aux-loss-coeff 0.01"],
          "qwen3_moe": ["--num-experts 8", "--moe-router-topk 3", "--qk-layernorm", "--moe-layer-freq '[0,1]'",
-                       "--kv-channels 16"]}
+                       "--kv-channels 16"],
+         "deepseek_v3": ["--multi-latent-attention", "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
+                         "--moe-router-num-groups 4", "--moe-router-group-topk 2", "--moe-router-topk-scaling-factor 2.5",
+                         "--moe-shared-expert-intermediate-size 16", "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"]}
 MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "shared_expert_intermediate_size", "intermediate_size", "qkv_bias")
+              "shared_expert_intermediate_size", "intermediate_size", "qkv_bias", "n_routed_experts", "n_group",
+              "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace")
 
 
 def _hf_model(name):
@@ -62,40 +74,19 @@ def _hf_model(name):
                 p.copy_((1.0 if pname.endswith("norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
             elif pname.endswith("gate.weight") or "gate_up_proj" in pname or "down_proj" in pname:
                 p.normal_(0.0, 0.3)
+        for bname, b in model.named_buffers():  # DeepSeek's expert bias: moves the choice, not the weights
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     return model
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            root = tmp_path_factory.mktemp(name)
-            _hf_model(name).save_pretrained(str(root / "hf"))
-            lines = []
-            import_hf(str(root / "hf"), str(root / "ckpt"), family=GPT, log=lines.append)
-            cache[name] = str(root / "ckpt"), "\n".join(lines)
-        return cache[name]
-    return get
+    return hf_import_cache(tmp_path_factory, _hf_model)
 
 
 def _tokens():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
-
-
-def _ours(ckpt):
-    from megatron_ds.checkpoint import load_consolidated
-    from megatron_ds.families.gpt.gpt_model import build_sequential_gpt
-
-    c = load_consolidated(ckpt, log=lambda *a: None, family=GPT)
-    model = build_sequential_gpt(c.model, padded_vocab_size=c.padded_vocab_size, vocab_size=c.vocab_size, seed=0)
-    model.load_state_dict(c.state_dict)
-    return c, model.eval()
-
-
-def _printed_flags(text):
-    return text.split("train it with\n  ")[1].split("\n")[0]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -104,7 +95,7 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
     from megatron_ds.config.layout import resolve_model_config
     from megatron_ds.model.language_model import split_moe_loss
 
-    ckpt, text = imported(name)
+    _, ckpt, text = imported(name)
     c, ours = _ours(ckpt)
     with torch.no_grad():
         want = _hf_model(name)(input_ids=_tokens()).logits
@@ -118,13 +109,15 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
     for field in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function",
                   "moe_aux_loss_coeff", "moe_router_load_balancing_type", "qk_layernorm", "add_qkv_bias",
+                  "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+                  "moe_router_topk_scaling_factor", "moe_router_dtype", "multi_latent_attention",
                   "kv_channels", "ffn_hidden_size"):
         assert getattr(printed, field) == getattr(c.model, field), field
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_export_loads_as_the_same_class_with_the_same_tensors(imported, name, tmp_path):
-    ckpt, _ = imported(name)
+    _, ckpt, _ = imported(name)
     out = str(tmp_path / "out")
     assert to_hf.main(["--load", ckpt, "--out", out]) == 0
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -151,7 +144,7 @@ TRAIN = ("--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 3 -
 
 
 def test_imported_qwen2_moe_trains_alike_at_tp2(imported):
-    ckpt, text = imported("qwen2_moe")
+    _, ckpt, text = imported("qwen2_moe")
     base = shlex.split(_printed_flags(text)) + TRAIN + ["--load", ckpt]
     losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp)], timeout=600)
               for tp in (1, 2)}
