@@ -60,14 +60,16 @@ from megatron_ds.families.gpt import mixtral_hf as mixtral
 from megatron_ds.families.gpt import moe_hf
 
 GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
-DEEPSEEK_V3 = "deepseek_v3"
+DEEPSEEK_V3, DEEPSEEK_V2 = "deepseek_v3", "deepseek_v2"
+_DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)  # the same multi-latent attention and MLP; their MoE routers differ
 QWEN2_MOE, QWEN3_MOE = moe_hf.QWEN2_MOE, moe_hf.QWEN3_MOE
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
                  QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM",
-                 DEEPSEEK_V3: deepseek.CLASS, **moe_hf.CLASSES}
+                 DEEPSEEK_V3: deepseek.CLASS, DEEPSEEK_V2: deepseek.V2_CLASS, **moe_hf.CLASSES}
 # the classes a Megatron-LM MoE model exports to, with the dense class whose attention and norms each has
 # (Mixtral's are Mistral's: no biases, an optional sliding window; Qwen2-MoE's q/k/v biases are optional: Llama's)
-_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3, DEEPSEEK_V3: DEEPSEEK_V3}
+_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3, DEEPSEEK_V3: DEEPSEEK_V3,
+                  DEEPSEEK_V2: DEEPSEEK_V2}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -154,8 +156,8 @@ def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> 
     elif recorded in ARCHITECTURES.values() and architecture_key(recorded) in _MOE_ATTENTION \
             and not _moe_problems(architecture_key(recorded), m):
         arch = architecture_key(recorded)
-    elif m.multi_latent_attention:
-        arch = DEEPSEEK_V3
+    elif m.multi_latent_attention:  # DeepSeek-V2's router is a softmax, V3's a sigmoid
+        arch = DEEPSEEK_V2 if m.moe_router_score_function == "softmax" else DEEPSEEK_V3
     elif m.moe_shared_expert_intermediate_size:
         arch = QWEN2_MOE
     else:
@@ -181,8 +183,8 @@ def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
     """What ``arch`` (a dense class; ``name``: the class named in the reasons, else ``arch``'s) cannot express
     of ``m``, by flag."""
     name = name or ARCHITECTURES[arch]
-    if arch == DEEPSEEK_V3:
-        return deepseek.problems(m)
+    if arch in _DEEPSEEK:
+        return deepseek.problems(m, name)
     if m.multi_latent_attention:
         return [f"--multi-latent-attention ({name} has no multi-latent attention; DeepseekV3ForCausalLM has)"]
     if arch == GPT2:
@@ -297,7 +299,7 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
     elif arch == MIXTRAL:  # DeepSpeed-MoE: Llama's attention and norms, Mixtral's MoE block in place of the MLP
         out.update(mixtral.moe_to_hf(i, t))
         t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
-    names = deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)
+    names = deepseek.layer_names(i) if arch in _DEEPSEEK else _transformer_layer_names(arch, i)
     fused = {f"{a}.{s}" for a in ("self_attention.query_key_value", "mlp.dense_h_to_4h") for s in ("weight", "bias")}
     unknown = sorted(set(t) - set(names) - fused)
     if unknown:  # would be dropped from the export: the model is not the one the class computes
@@ -340,13 +342,13 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
         return t
     if is_mlm_moe(m) and moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)[i]:
         t.update(moe_hf.moe_from_hf(arch, i, m.num_experts[0], get))
-    for ours, theirs in (deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)).items():
+    for ours, theirs in (deepseek.layer_names(i) if arch in _DEEPSEEK else _transformer_layer_names(arch, i)).items():
         x = get(theirs)
         if x is not None:
             t[ours] = x
     p = f"model.layers.{i}."
     for suffix in ("weight", "bias"):
-        q = get(f"{p}self_attn.q_proj.{suffix}") if arch != DEEPSEEK_V3 else None  # (DeepSeek's: deepseek_hf)
+        q = get(f"{p}self_attn.q_proj.{suffix}") if arch not in _DEEPSEEK else None  # (DeepSeek's: deepseek_hf)
         if q is not None:
             t[f"self_attention.query_key_value.{suffix}"] = fuse_qkv(
                 q, get(f"{p}self_attn.k_proj.{suffix}"), get(f"{p}self_attn.v_proj.{suffix}"), m)
@@ -380,8 +382,9 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
-    if arch == DEEPSEEK_V3:
-        return deepseek.hf_config(m, common, moe_hf.config_kwargs(arch, m) if is_mlm_moe(m) and is_moe(m) else None)
+    if arch in _DEEPSEEK:
+        return deepseek.hf_config(m, common, moe_hf.config_kwargs(arch, m) if is_mlm_moe(m) and is_moe(m) else None,
+                                  v2=arch == DEEPSEEK_V2)
     # what Llama, Qwen2/3, Mistral and Mixtral describe alike (Llama's layers)
     llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
@@ -424,11 +427,11 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
     if kind in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, moe_hf.OLMOE):
         moe_hf.check_importable(d, kind)
         return kind, resolve_model_config(moe_hf.model_config(kind, _moe_attention(d, kind), d))
-    if kind == DEEPSEEK_V3:
+    if kind in _DEEPSEEK:
         m = deepseek.model_config(d)
-        if d.get("n_routed_experts") and d.get("first_k_dense_replace", 3) < d["num_hidden_layers"]:
+        if any(moe_hf.layer_pattern(d, kind)):
             m = moe_hf.model_config(kind, m, d)
-        return DEEPSEEK_V3, resolve_model_config(m)
+        return kind, resolve_model_config(m)
     raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
 
 

@@ -2,7 +2,8 @@
 
 ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` (transformers ``models/mixtral``,
 ``models/qwen2_moe``, ``models/qwen3_moe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
-sigmoid scores, expert bias, group-limited top-k, scaling, shared experts) import onto Megatron-LM's layer; a
+sigmoid scores, expert bias, group-limited top-k, scaling, shared experts) and ``DeepseekV2ForCausalLM``
+(``_deepseek_v2_config``: softmax scores, group-limited greedy top-k) import onto Megatron-LM's layer; a
 checkpoint trained with it exports to the class that can express it (``gpt_hf.choose_architecture``). Mixtral
 checkpoints trained on the older DeepSpeed-MoE layer still export through ``mixtral_hf``.
 
@@ -50,9 +51,11 @@ from megatron_ds.config import moe_selection
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 
-MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V3 = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
+DEEPSEEK_V3, DEEPSEEK_V2 = "deepseek_v3", "deepseek_v2"
 CLASSES = {QWEN2_MOE: "Qwen2MoeForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM"}
-_NAMES = {MIXTRAL: "MixtralForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM", **CLASSES}
+_NAMES = {MIXTRAL: "MixtralForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM", DEEPSEEK_V2: "DeepseekV2ForCausalLM",
+          **CLASSES}
 
 ROUTER, EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
 FC1, FC2 = "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"
@@ -80,7 +83,7 @@ def hf_names(arch: str, i: int) -> HFNames:
         return HFNames(p + "gate.weight", p + "experts.", ("w1", "w3", "w2"))
     p = f"model.layers.{i}.mlp."
     shared = {QWEN2_MOE: (p + "shared_expert.", p + "shared_expert_gate.weight"),
-              DEEPSEEK_V3: (p + "shared_experts.", None)}.get(arch, (None, None))
+              DEEPSEEK_V3: (p + "shared_experts.", None), DEEPSEEK_V2: (p + "shared_experts.", None)}.get(arch, (None, None))
     bias = p + "gate.e_score_correction_bias" if arch == DEEPSEEK_V3 else None
     return HFNames(p + "gate.weight", p + "experts.", ("gate_proj", "up_proj", "down_proj"), *shared, bias)
 
@@ -162,8 +165,9 @@ def layer_pattern(d: dict, kind: str) -> tuple[bool, ...]:
     n = d["num_hidden_layers"]
     if kind == MIXTRAL:
         return (True,) * n
-    if kind == DEEPSEEK_V3:  # DeepseekV3DecoderLayer: dense below first_k_dense_replace
-        return tuple(i >= d.get("first_k_dense_replace", 3) for i in range(n))
+    if kind in (DEEPSEEK_V3, DEEPSEEK_V2):  # DeepseekV3/V2DecoderLayer: dense below first_k_dense_replace
+        first = d.get("first_k_dense_replace", 3 if kind == DEEPSEEK_V3 else 0)
+        return tuple(bool(d.get("n_routed_experts")) and i >= first for i in range(n))
     step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
 
@@ -183,6 +187,8 @@ def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
     Megatron-LM's MoE layer with the routing the class computes (module docstring)."""
     if kind == DEEPSEEK_V3:
         return _deepseek_config(base, d)
+    if kind == DEEPSEEK_V2:
+        return _deepseek_v2_config(base, d)
     experts = d.get("num_experts") or d["num_local_experts"]  # (transformers 5.x saves Qwen3-MoE's as the latter)
     norm_topk = True if kind == MIXTRAL else bool(d.get("norm_topk_prob", False))
     if d.get("num_experts_per_tok", 2) == 1 and norm_topk:
@@ -244,18 +250,52 @@ def _deepseek_config(base: ModelConfig, d: dict) -> ModelConfig:
         moe_router_load_balancing_type=("none",), moe_aux_loss_coeff=(0.0,))
 
 
-def _deepseek_problems(m: ModelConfig) -> list[str]:
-    name, out = _NAMES[DEEPSEEK_V3], []
+def _deepseek_v2_config(base: ModelConfig, d: dict) -> ModelConfig:
+    """DeepSeek-V2's MoE (``DeepseekV2TopkRouter``): softmax over all experts in fp32, the top k of those
+    probabilities (``norm_topk_prob`` is not read: never renormalized) times ``routed_scaling_factor``:
+    --moe-router-pre-softmax; ``topk_method`` "group_limited_greedy" keeps the ``topk_group`` groups with the
+    largest single probability, Megatron-LM's group_limited_topk where topk / group_topk is 1 (its group score is
+    the sum of the top topk / group_topk)."""
+    k, ffn = d.get("num_experts_per_tok") or 1, d["moe_intermediate_size"]
+    method, groups = d.get("topk_method", "greedy"), None
+    if method == "group_limited_greedy" and d.get("topk_group") and d["topk_group"] < d["n_group"]:
+        if k // d["topk_group"] != 1:
+            raise ConfigError(f"topk_method group_limited_greedy with num_experts_per_tok {k}, topk_group "
+                              f"{d['topk_group']}: transformers scores a group by its largest probability, Megatron-LM's"
+                              f" --moe-router-group-topk by the sum of its top {k // d['topk_group']}; no equivalent here")
+        groups = (d["n_group"], d["topk_group"])
+    elif method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"topk_method {method!r}: DeepSeek-V2 imports with greedy or group_limited_greedy")
+    if not d.get("n_shared_experts"):
+        raise ConfigError("n_shared_experts 0: DeepseekV2Moe always adds its shared experts; give it 1 or more")
+    scale = float(d.get("routed_scaling_factor", 1.0))
+    return dataclasses.replace(
+        base, num_experts=(d["n_routed_experts"],), moe_router_topk=k, moe_ffn_hidden_size=ffn,
+        moe_layer_freq=freq_spec(layer_pattern(d, DEEPSEEK_V2)), moe_router_pre_softmax=True,
+        moe_shared_expert_intermediate_size=ffn * d["n_shared_experts"], moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+        moe_router_num_groups=groups[0] if groups else None, moe_router_group_topk=groups[1] if groups else None,
+        moe_router_load_balancing_type=("aux_loss",), moe_aux_loss_coeff=(float(d.get("aux_loss_alpha", 0.001)),))
+    # (aux_loss_alpha: the hub's DeepSeek-V2 config.json; transformers' class computes no such loss)
+
+
+def _deepseek_problems(m: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
+    name, out = _NAMES[arch], []
     pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
     first = pattern.index(True)
     if not all(pattern[first:]):
         out.append(f"--moe-layer-freq {m.moe_layer_freq} ({name} has dense layers first, then experts on every "
                    f"layer: first_k_dense_replace)")
-    if m.moe_router_score_function != "sigmoid":
-        out.append(f"--moe-router-score-function {m.moe_router_score_function} ({name}'s router is a sigmoid)")
-    if m.moe_router_group_topk and m.moe_router_topk // m.moe_router_group_topk != 2:
+    score, per_group = ("sigmoid", 2) if arch == DEEPSEEK_V3 else ("softmax", 1)
+    if m.moe_router_score_function != score:
+        out.append(f"--moe-router-score-function {m.moe_router_score_function} ({name}'s router is a {score})")
+    if arch == DEEPSEEK_V2 and not m.moe_router_pre_softmax and m.moe_router_topk > 1:
+        out.append(f"no --moe-router-pre-softmax ({name} takes the top-k softmax probabilities as they are)")
+    if arch == DEEPSEEK_V2 and m.moe_router_enable_expert_bias:
+        out.append(f"--moe-router-enable-expert-bias ({name}'s router has no expert bias)")
+    if m.moe_router_group_topk and m.moe_router_topk // m.moe_router_group_topk != per_group:
         out.append(f"--moe-router-group-topk {m.moe_router_group_topk} with --moe-router-topk {m.moe_router_topk} "
-                   f"({name} scores a group by its top 2 experts)")
+                   f"({name} scores a group by its top {per_group} expert{'s' if per_group > 1 else ''})")
     shared = m.moe_shared_expert_intermediate_size
     if not shared or shared % m.moe_ffn_hidden_size:
         out.append(f"--moe-shared-expert-intermediate-size {shared} ({name} has n_shared_experts >= 1 shared "
@@ -273,8 +313,8 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
         out.append(f"--moe-expert-capacity-factor {m.moe_expert_capacity_factor:g} ({name} never drops tokens)")
     if m.add_bias_linear:
         out.append(f"biases (no --disable-bias-linear; {name}'s experts have none)")
-    if arch == DEEPSEEK_V3:
-        return out + _deepseek_problems(m)
+    if arch in (DEEPSEEK_V3, DEEPSEEK_V2):
+        return out + _deepseek_problems(m, arch)
     pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
     if arch == MIXTRAL and not all(pattern):
         out.append(f"--moe-layer-freq {m.moe_layer_freq} ({name} has experts on every layer; "
@@ -319,6 +359,16 @@ def config_kwargs(arch: str, m: ModelConfig) -> dict:
                     n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
                     routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, n_group=groups[0],
                     topk_group=groups[1], norm_topk_prob=m.moe_router_topk > 1, output_router_logits=False)
+    if arch == DEEPSEEK_V2:
+        grouped = bool(m.moe_router_group_topk)
+        return dict(n_routed_experts=m.num_experts[0], num_experts_per_tok=m.moe_router_topk,
+                    moe_intermediate_size=m.moe_ffn_hidden_size, first_k_dense_replace=pattern.index(True),
+                    n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+                    routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
+                    topk_method="group_limited_greedy" if grouped else "greedy",
+                    n_group=m.moe_router_num_groups if grouped else None,
+                    topk_group=m.moe_router_group_topk if grouped else None, norm_topk_prob=False,
+                    output_router_logits=False)
     out = dict(common, num_experts=m.num_experts[0], moe_intermediate_size=m.moe_ffn_hidden_size,
                norm_topk_prob=not m.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe], use_sliding_window=False)

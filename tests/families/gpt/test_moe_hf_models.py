@@ -1,14 +1,17 @@
 """Hugging Face MoE classes both ways on Megatron-LM's MoE layer (``families/gpt/moe_hf.py``): Mixtral (top-2,
 renormalized), Qwen2-MoE (shared expert with its sigmoid gate, norm_topk_prob false = --moe-router-pre-softmax,
-q/k/v biases, a dense layer by decoder_sparse_step) and Qwen3-MoE (per-head q/k norms, norm_topk_prob true, a
-dense layer by mlp_only_layers). Tiny random transformers models built here.
+q/k/v biases, a dense layer by decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob true, a
+dense layer by mlp_only_layers), DeepSeek-V3 (sigmoid scores with a random e_score_correction_bias, group-limited
+top-k, scaling, a shared expert, first_k_dense_replace) and DeepSeek-V2 (softmax top-k probabilities,
+group_limited_greedy, YaRN). Tiny random transformers models built here.
 
 - import (from_hf's import_hf): our logits equal transformers' at every position; the printed flags, parsed as
   pretrain_gpt.py parses them, give the imported model config (Megatron-LM's MoE flags);
 - export (to_hf) of the imported checkpoint: transformers loads the same class with the same MoE config fields
   and the same tensors (bitwise), hence the same logits;
 - Qwen2-MoE's imported checkpoint trains 3 steps at TP 2 with the losses of one process;
-- OLMoE (q/k norms over the whole projection) and fields without an equivalent are refused in one line.
+- OLMoE (q/k norms over the whole projection) and fields without an equivalent are refused in one line;
+- group-limited routing itself: tests/model/test_mlm_moe_groups.py.
 
 Logits: fp32 both, the same routing (the same fp32 softmax over the same logits: a different choice of expert
 would move a logit by ~1e-1), other summation orders: atol 1e-5 as tests/families/gpt/test_hf_models.py.
@@ -33,6 +36,8 @@ VOCAB, SEQ = 128, 16
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-6, initializer_range=0.2,
               tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+             beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 MODELS = {
     "mixtral": lambda: transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
@@ -47,9 +52,17 @@ MODELS = {
         **{**_SMALL, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
         first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5),
+    # softmax probabilities as they are (--moe-router-pre-softmax), group_limited_greedy (a group scored by its
+    # largest probability: Megatron-LM's top k / group_topk = 1), two shared experts, no query latent, YaRN as
+    # DeepSeek-V2-Lite's (tests/families/gpt/test_deepseek_hf.py)
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**_SMALL, "num_key_value_heads": 4, "rope_parameters": _YARN}, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=3,
+        topk_method="group_limited_greedy", n_group=4, topk_group=3, first_k_dense_replace=1, n_shared_experts=2,
+        moe_intermediate_size=12, routed_scaling_factor=1.5),
 }
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden-size 48"],
          "qwen2_moe": ["--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 40", "--moe-shared-expert-gate",
                        "--moe-layer-freq '[0,1]'", "--add-qkv-bias", "--moe-aux-loss-coeff 0.01"],
@@ -57,10 +70,14 @@ FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden
                        "--kv-channels 16"],
          "deepseek_v3": ["--multi-latent-attention", "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
                          "--moe-router-num-groups 4", "--moe-router-group-topk 2", "--moe-router-topk-scaling-factor 2.5",
-                         "--moe-shared-expert-intermediate-size 16", "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"]}
+                         "--moe-shared-expert-intermediate-size 16", "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"],
+         "deepseek_v2": ["--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-num-groups 4",
+                         "--moe-router-group-topk 3", "--moe-router-topk-scaling-factor 1.5",
+                         "--moe-shared-expert-intermediate-size 24", "--moe-layer-freq '[0,1]'", "--rope-type yarn",
+                         "--rotary-scaling-factor 40"]}
 MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "shared_expert_intermediate_size", "intermediate_size", "qkv_bias", "n_routed_experts", "n_group",
-              "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace")
+              "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "topk_method")
 
 
 def _hf_model(name):
@@ -153,17 +170,19 @@ def test_imported_qwen2_moe_trains_alike_at_tp2(imported):
     assert [x for _, x in losses[2][0]] == pytest.approx([x for _, x in losses[1][0]], rel=2e-5)
 
 
-@pytest.mark.parametrize("over,says", [
-    ("olmoe", "OlmoeForCausalLM: its q_norm/k_norm normalize the whole query/key projection"),
-    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), "use_sliding_window True"),
+@pytest.mark.parametrize("name,over,says", [
+    ("olmoe", {}, "OlmoeForCausalLM: its q_norm/k_norm normalize the whole query/key projection"),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), "use_sliding_window True"),
+    ("deepseek_v2", dict(topk_group=1, n_group=4), "transformers scores a group by its largest probability"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
 ])
-def test_what_has_no_equivalent_is_refused_in_one_line(tmp_path, over, says):
-    if over == "olmoe":
+def test_what_has_no_equivalent_is_refused_in_one_line(tmp_path, name, over, says):
+    if name == "olmoe":
         torch.manual_seed(0)
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
     else:
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**MODELS["qwen2_moe"]().to_dict(),
-                                                                                  **over}))
+        config = MODELS[name]()
+        model = getattr(transformers, CLASSES[name])(type(config)(**{**config.to_dict(), **over}))
     model.save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match=says) as e:
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), family=GPT, log=lambda *a: None)
