@@ -110,8 +110,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         arch = architecture_key(asked)
     elif is_moe(m):
         arch = MIXTRAL
-    elif m.multi_latent_attention:
-        arch = DEEPSEEK_V3
+    elif m.multi_latent_attention:  # V2's and V3's dense layers are alike: the class imported from
+        arch = DEEPSEEK_V2 if recorded == deepseek.V2_CLASS else DEEPSEEK_V3
     elif m.position_embedding_type == "learned_absolute":
         arch = GPT2
     elif recorded is not None and recorded in ARCHITECTURES.values() \

@@ -170,6 +170,24 @@ def test_imported_qwen2_moe_trains_alike_at_tp2(imported):
     assert [x for _, x in losses[2][0]] == pytest.approx([x for _, x in losses[1][0]], rel=2e-5)
 
 
+def test_dense_deepseek_v2_both_ways(tmp_path):
+    """All layers dense (first_k_dense_replace = layers): V2's attention is V3's; it exports back as V2."""
+    from megatron_ds.model.language_model import split_moe_loss
+
+    torch.manual_seed(0)
+    config = MODELS["deepseek_v2"]()
+    want = transformers.DeepseekV2ForCausalLM(type(config)(**{**config.to_dict(), "first_k_dense_replace": 2})).eval()
+    want.save_pretrained(str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), family=GPT, log=lambda *a: None)
+    _, ours = _ours(str(tmp_path / "ckpt"))
+    with torch.no_grad():
+        got, _ = split_moe_loss(ours((_tokens(), torch.arange(SEQ).expand_as(_tokens()))))
+        torch.testing.assert_close(got, want(input_ids=_tokens()).logits, **LOGIT_TOL)
+    assert to_hf.main(["--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))).__name__ == \
+        "DeepseekV2ForCausalLM"
+
+
 @pytest.mark.parametrize("name,over,says", [
     ("olmoe", {}, "OlmoeForCausalLM: its q_norm/k_norm normalize the whole query/key projection"),
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), "use_sliding_window True"),
