@@ -9,7 +9,7 @@ group_limited_greedy, YaRN). Tiny random transformers models built here.
   pretrain_gpt.py parses them, give the imported model config (Megatron-LM's MoE flags);
 - export (to_hf) of the imported checkpoint: transformers loads the same class with the same MoE config fields
   and the same tensors (bitwise), hence the same logits;
-- Qwen2-MoE's imported checkpoint trains 3 steps at TP 2 with the losses of one process;
+- Qwen2-MoE's and DeepSeek-V3's imported checkpoints train 3 steps at TP 2 with the losses of one process;
 - OLMoE (q/k norms over the whole projection) and fields without an equivalent are refused in one line;
 - group-limited routing itself: tests/model/test_mlm_moe_groups.py.
 
@@ -160,8 +160,11 @@ TRAIN = ("--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 3 -
          "--log-interval 1 --eval-interval 1000 --eval-iters 1 --num-workers 0 --seed 1234").split()
 
 
-def test_imported_qwen2_moe_trains_alike_at_tp2(imported):
-    _, ckpt, text = imported("qwen2_moe")
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
+def test_imported_moe_trains_alike_at_tp2(imported, name):
+    """DeepSeek-V3's: with group-limited routing and the expert bias moving after every step (auxiliary-loss-free
+    balancing)."""
+    _, ckpt, text = imported(name)
     base = shlex.split(_printed_flags(text)) + TRAIN + ["--load", ckpt]
     losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp)], timeout=600)
               for tp in (1, 2)}
