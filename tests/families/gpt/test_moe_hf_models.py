@@ -29,6 +29,7 @@ from megatron_ds.cli import to_hf  # noqa: E402
 from megatron_ds.errors import ConfigError  # noqa: E402
 from megatron_ds.families.gpt.gpt_family import GPT  # noqa: E402
 from megatron_ds.families.gpt.gpt_hf_import import import_hf  # noqa: E402
+from tests.config.test_moe import dry_run  # noqa: E402
 from tests.families.gpt.test_hf_models import _ours, _printed_flags, hf_import_cache  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -130,6 +131,10 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
                   "moe_router_topk_scaling_factor", "moe_router_dtype", "multi_latent_attention",
                   "kv_channels", "ffn_hidden_size"):
         assert getattr(printed, field) == getattr(c.model, field), field
+    # and pretrain_gpt.py takes them at EP 2 (the experts split over two data parallel ranks)
+    rc, _, err = dry_run(shlex.split(flags) + ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                                               "--vocab-size", str(VOCAB), "--expert-model-parallel-size", "2"], 2)
+    assert rc == 0, err
 
 
 @pytest.mark.parametrize("name", list(MODELS))
