@@ -83,7 +83,8 @@ def hf_names(arch: str, i: int) -> HFNames:
         return HFNames(p + "gate.weight", p + "experts.", ("w1", "w3", "w2"))
     p = f"model.layers.{i}.mlp."
     shared = {QWEN2_MOE: (p + "shared_expert.", p + "shared_expert_gate.weight"),
-              DEEPSEEK_V3: (p + "shared_experts.", None), DEEPSEEK_V2: (p + "shared_experts.", None)}.get(arch, (None, None))
+              DEEPSEEK_V3: (p + "shared_experts.", None), DEEPSEEK_V2: (p + "shared_experts.", None)
+              }.get(arch, (None, None))
     bias = p + "gate.e_score_correction_bias" if arch == DEEPSEEK_V3 else None
     return HFNames(p + "gate.weight", p + "experts.", ("gate_proj", "up_proj", "down_proj"), *shared, bias)
 
@@ -261,8 +262,9 @@ def _deepseek_v2_config(base: ModelConfig, d: dict) -> ModelConfig:
     if method == "group_limited_greedy" and d.get("topk_group") and d["topk_group"] < d["n_group"]:
         if k // d["topk_group"] != 1:
             raise ConfigError(f"topk_method group_limited_greedy with num_experts_per_tok {k}, topk_group "
-                              f"{d['topk_group']}: transformers scores a group by its largest probability, Megatron-LM's"
-                              f" --moe-router-group-topk by the sum of its top {k // d['topk_group']}; no equivalent here")
+                              f"{d['topk_group']}: transformers scores a group by its largest probability, "
+                              f"Megatron-LM's --moe-router-group-topk by the sum of its top {k // d['topk_group']}; no "
+                              f"equivalent here")
         groups = (d["n_group"], d["topk_group"])
     elif method not in ("greedy", "group_limited_greedy"):
         raise ConfigError(f"topk_method {method!r}: DeepSeek-V2 imports with greedy or group_limited_greedy")
@@ -394,7 +396,8 @@ def model_flags(m: ModelConfig) -> list[str]:
     if m.moe_router_topk_scaling_factor is not None:
         f.append(f"--moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor:g}")
     if m.moe_router_group_topk:
-        f += [f"--moe-router-num-groups {m.moe_router_num_groups}", f"--moe-router-group-topk {m.moe_router_group_topk}"]
+        f += [f"--moe-router-num-groups {m.moe_router_num_groups}",
+              f"--moe-router-group-topk {m.moe_router_group_topk}"]
     if m.moe_router_enable_expert_bias:
         f.append("--moe-router-enable-expert-bias")
     if m.moe_router_dtype is not None:

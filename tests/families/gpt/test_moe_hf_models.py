@@ -57,7 +57,8 @@ MODELS = {
     # largest probability: Megatron-LM's top k / group_topk = 1), two shared experts, no query latent, YaRN as
     # DeepSeek-V2-Lite's (tests/families/gpt/test_deepseek_hf.py)
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
-        **{**_SMALL, "num_key_value_heads": 4, "rope_parameters": _YARN}, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
+        **{**_SMALL, "num_key_value_heads": 4, "rope_parameters": _YARN}, q_lora_rank=None, kv_lora_rank=12,
+        qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=3,
         topk_method="group_limited_greedy", n_group=4, topk_group=3, first_k_dense_replace=1, n_shared_experts=2,
         moe_intermediate_size=12, routed_scaling_factor=1.5),
@@ -65,13 +66,15 @@ MODELS = {
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden-size 48"],
-         "qwen2_moe": ["--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 40", "--moe-shared-expert-gate",
+         "qwen2_moe": ["--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 40",
+                       "--moe-shared-expert-gate",
                        "--moe-layer-freq '[0,1]'", "--add-qkv-bias", "--moe-aux-loss-coeff 0.01"],
          "qwen3_moe": ["--num-experts 8", "--moe-router-topk 3", "--qk-layernorm", "--moe-layer-freq '[0,1]'",
                        "--kv-channels 16"],
-         "deepseek_v3": ["--multi-latent-attention", "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
-                         "--moe-router-num-groups 4", "--moe-router-group-topk 2", "--moe-router-topk-scaling-factor 2.5",
-                         "--moe-shared-expert-intermediate-size 16", "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"],
+         "deepseek_v3": ["--multi-latent-attention", "--moe-router-score-function sigmoid",
+                         "--moe-router-enable-expert-bias", "--moe-router-num-groups 4", "--moe-router-group-topk 2",
+                         "--moe-router-topk-scaling-factor 2.5", "--moe-shared-expert-intermediate-size 16",
+                         "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"],
          "deepseek_v2": ["--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-num-groups 4",
                          "--moe-router-group-topk 3", "--moe-router-topk-scaling-factor 1.5",
                          "--moe-shared-expert-intermediate-size 24", "--moe-layer-freq '[0,1]'", "--rope-type yarn",
@@ -132,8 +135,9 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
                   "kv_channels", "ffn_hidden_size"):
         assert getattr(printed, field) == getattr(c.model, field), field
     # and pretrain_gpt.py takes them at EP 2 (the experts split over two data parallel ranks)
-    rc, _, err = dry_run(shlex.split(flags) + ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
-                                               "--vocab-size", str(VOCAB), "--expert-model-parallel-size", "2"], 2)
+    rc, _, err = dry_run(shlex.split(flags) + ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1",
+                                               "--lr", "1e-4", "--vocab-size", str(VOCAB),
+                                               "--expert-model-parallel-size", "2"], 2)
     assert rc == 0, err
 
 
