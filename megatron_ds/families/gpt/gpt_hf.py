@@ -218,7 +218,7 @@ def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
     problems += rope_scaling_problems(m)
     if m.qk_layernorm != (arch == QWEN3):
         problems.append(f"--qk-layernorm ({name} has no query/key norms)" if m.qk_layernorm else
-                        "no --qk-layernorm (Qwen3ForCausalLM normalizes every head's queries and keys)")
+                        f"no --qk-layernorm ({name} normalizes every head's queries and keys)")
     qkv_only = m.add_qkv_bias and not m.add_bias_linear
     if arch == LLAMA and qkv_only:
         problems.append("--add-qkv-bias without --add-bias-linear (LlamaForCausalLM's attention_bias puts a bias "

@@ -291,7 +291,7 @@ def _deepseek_problems(m: ModelConfig, arch: str = DEEPSEEK_V3) -> list[str]:
     score, per_group = ("sigmoid", 2) if arch == DEEPSEEK_V3 else ("softmax", 1)
     if m.moe_router_score_function != score:
         out.append(f"--moe-router-score-function {m.moe_router_score_function} ({name}'s router is a {score})")
-    if arch == DEEPSEEK_V2 and not m.moe_router_pre_softmax and m.moe_router_topk > 1:
+    if arch == DEEPSEEK_V2 and not m.moe_router_pre_softmax:  # (at top-1 too: V2 weighs it p, ours 1)
         out.append(f"no --moe-router-pre-softmax ({name} takes the top-k softmax probabilities as they are)")
     if arch == DEEPSEEK_V2 and m.moe_router_enable_expert_bias:
         out.append(f"--moe-router-enable-expert-bias ({name}'s router has no expert bias)")
@@ -323,7 +323,7 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
                    f"Qwen2MoeForCausalLM/Qwen3MoeForCausalLM have dense layers)")
     if m.moe_router_score_function != "softmax":
         out.append(f"--moe-router-score-function {m.moe_router_score_function} ({name}'s router is a softmax)")
-    if arch == MIXTRAL and m.moe_router_pre_softmax and m.moe_router_topk > 1:
+    if arch == MIXTRAL and m.moe_router_pre_softmax:  # (at top-1 too: Mixtral weighs it 1, ours p)
         out.append(f"--moe-router-pre-softmax ({name} renormalizes the top-k probabilities; Qwen2Moe/Qwen3Moe "
                    f"ForCausalLM with norm_topk_prob false do not)")
     if m.moe_router_topk_scaling_factor not in (None, 1.0):

@@ -239,6 +239,10 @@ def test_export_refuses_what_the_class_cannot_express():
         hf.choose_architecture(bad)
     for reason in ("--moe-router-score-function sigmoid", "--moe-layer-freq [0,1]", "--moe-expert-capacity-factor 1"):
         assert reason in str(e.value)
+    top1 = dataclasses.replace(m, moe_router_topk=1, moe_router_pre_softmax=True)  # weighted p: Mixtral's is 1
+    with pytest.raises(ConfigError, match="--moe-router-pre-softmax"):
+        hf.choose_architecture(top1)
+    assert hf.choose_architecture(dataclasses.replace(top1, qk_layernorm=True)) == hf.QWEN3_MOE  # norm_topk_prob false
     with pytest.raises(ConfigError, match="no --moe-shared-expert-intermediate-size"):
         hf.choose_architecture(m, asked="Qwen2MoeForCausalLM")
     with pytest.raises(ConfigError, match="LlamaForCausalLM has no mixture of experts"):
