@@ -130,7 +130,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
                           f" ..., docs/moe.md)")
     if (arch == MIXTRAL) != is_moe(m):
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
-                          f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
+                          f"--num-experts: DeepSpeed-MoE layers export as MixtralForCausalLM only, not as "
+                          f"{ARCHITECTURES[arch]}")
     if arch == MIXTRAL:
         mla = ["--multi-latent-attention (MixtralForCausalLM has Llama's attention)"] if m.multi_latent_attention else []
         mixtral.check_expressible(m, rope_scaling_problems(m) + mla)
