@@ -20,8 +20,8 @@ Two targets, chosen by the model's shape:
 - ``Qwen3ForCausalLM``: Llama's layers with a per-head RMSNorm of head size on queries and keys
   before the rotary embedding (--qk-layernorm: ``self_attention.q_layernorm`` / ``k_layernorm`` ->
   ``self_attn.q_norm`` / ``k_norm``), ``head_dim`` free of hidden / heads (--kv-channels).
-- ``DeepseekV3ForCausalLM`` with dense layers only: --multi-latent-attention and Llama's MLP
-  (``megatron_ds.families.gpt.deepseek_hf``).
+- ``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``: --multi-latent-attention and Llama's MLP
+  (``megatron_ds.families.gpt.deepseek_hf``), their MoE layers Megatron-LM's (``moe_hf``).
 - ``MistralForCausalLM``: Llama's layers without biases, with ``sliding_window`` W: transformers'
   ``masking_utils.sliding_window_overlay`` lets query q see keys kv with ``kv > q - W``, i.e. W - 1
   keys back, Megatron-LM's --window-size (W - 1, 0). Qwen2/Qwen3 slide on the layers
@@ -30,8 +30,9 @@ Two targets, chosen by the model's shape:
 
 Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
 --architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
-metadata) when it can express the model, else by the model's features: Megatron-LM's MoE -> Qwen2-MoE
-(shared expert), Qwen3-MoE (--qk-layernorm) or Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
+metadata) when it can express the model, else by the model's features: Megatron-LM's MoE -> DeepSeek-V2/V3
+(--multi-latent-attention: softmax / sigmoid router), Qwen2-MoE (shared expert), Qwen3-MoE (--qk-layernorm) or
+Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
 attention -> DeepSeek-V3, learned positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
 --window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 
@@ -151,7 +152,8 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
 
 def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> str:
     """choose_architecture for Megatron-LM's MoE layers: the class asked for, else the recorded one where it can
-    express ``m``, else by features (a shared expert: Qwen2-MoE; --qk-layernorm: Qwen3-MoE; else Mixtral)."""
+    express ``m``, else by features (multi-latent attention: DeepSeek-V2 or V3 by the router's score function; a
+    shared expert: Qwen2-MoE; --qk-layernorm: Qwen3-MoE; else Mixtral)."""
     if asked is not None:
         arch = architecture_key(asked)
     elif recorded in ARCHITECTURES.values() and architecture_key(recorded) in _MOE_ATTENTION \
