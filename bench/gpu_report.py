@@ -32,7 +32,11 @@ item from the items of its kind that already ran, so a smaller item after a skip
    the GPT: ZeRO 1 with fp32 gradient accumulation (``ds_configs/zero1_bf16.json``, where DeepSpeed keeps
    the fp32 gradients the fusion adds into) without and with it; --smoke skips them
    (tests/training/test_grad_accum_fusion.py runs the flags);
-8. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
+8. mixture of experts on one GPU, a Llama-style MoE (8 experts of 1376, top-2, every layer): DeepSpeed-MoE,
+   Megatron-LM's layer with a GEMM per expert, and with ``--moe-grouped-gemm`` (off by default until measured):
+   which layer Megatron-LM-style flags should build, and whether the grouped kernel pays; --smoke skips them
+   (bench/moe.py compares the layers, tests/model/test_mlm_moe.py runs the flag);
+9. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
    refinements, run as far as the budget goes.
@@ -91,6 +95,7 @@ class Item:
     note: str = ""
     result: dict = dataclasses.field(default_factory=dict)
     wall_s: float = 0.0
+    new_model: bool = False  # ours: the flags change the model (its FLOPs are the flags', no HF baseline)
 
 
 def parse(argv=None):
@@ -176,6 +181,26 @@ def fusion_items(model: str, smoke: bool) -> list[Item]:
     return items
 
 
+# A Llama-style MoE of the 1.3B's attention: 8 experts of a quarter of its SwiGLU width (5504) on every layer, top-2
+# (half the dense MLP's FLOPs per token, ~2.3B parameters): Mixtral's routing at a size one GPU trains
+MOE_EXPERTS = ("--ffn-hidden-size", "1376", "--num-experts", "8")
+MOE_ROWS = {"DeepSpeed-MoE, top-2, capacity factor 1": ("--topk", "2", "--expert-interval", "1",
+                                                       "--create-moe-param-group"),
+            "Megatron-LM MoE, top-2 dropless, a GEMM per expert": ("--moe-router-topk", "2"),
+            "Megatron-LM MoE, top-2 dropless, --moe-grouped-gemm": ("--moe-router-topk", "2", "--moe-grouped-gemm")}
+
+
+def moe_items(model: str, smoke: bool) -> list[Item]:
+    """The MoE layers on one GPU: DeepSpeed-MoE against Megatron-LM's layer (which one Megatron-LM-style flags
+    should build by default), and that layer's experts as one grouped GEMM against one GEMM per expert
+    (--moe-grouped-gemm, off by default until measured). --smoke leaves them to bench/moe.py and the tests."""
+    items = [Item("ours", model, label, (*MOE_EXPERTS, *flags), new_model=True) for label, flags in MOE_ROWS.items()]
+    if smoke:
+        for item in items:
+            item.status, item.note = "skipped", "--smoke leaves MoE to bench/moe.py and tests/model/test_mlm_moe.py"
+    return items
+
+
 def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> list[Item]:
     """The work in the order of the module docstring; --smoke runs the variants on GPT only."""
     gpt, llama = models
@@ -193,7 +218,8 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-    return head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + fusion_items(gpt, smoke) + later + llama_rows
+    return (head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + fusion_items(gpt, smoke) + moe_items(llama, smoke)
+            + later + llama_rows)
 
 
 # --------------------------------------------------------------------------- measurements (children)
@@ -419,7 +445,7 @@ def throughput_rows(args, ctx, items: list[Item]) -> list[str]:
 
 def _flops(args, item: Item) -> float:
     """Model FLOPs of one iteration of the item's shape (HF: the unpadded vocabulary, as it runs)."""
-    shape_only = our_run_argv(args, Item("ours", item.model, "", micro=item.micro))
+    shape_only = our_run_argv(args, item if item.new_model else Item("ours", item.model, "", micro=item.micro))
     return gpu_mfu.model_flops(shape_only, item.micro or args.micro, vocab=gpu_mfu.VOCAB if item.kind == "hf" else None)
 
 
@@ -434,7 +460,7 @@ def _row(args, ctx, item: Item, hf_rate) -> str:
     rate = flops / sec / item.gpus  # per GPU
     mfu = 100 * rate / 1e12 / ctx["peak"]
     # vs HF: one GPU against one GPU (a TP row's per-GPU rate against HF's whole one would mislead)
-    ratio = (f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" and item.gpus == 1
+    ratio = (f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" and item.gpus == 1 and not item.new_model
              else "1.00x" if item.kind == "hf" else "-")
     est = "-"
     err = "-"

@@ -226,3 +226,31 @@ def test_smoke_report_end_to_end(tmp_path):
     # the TP 2 row: two gloo processes under torchrun, the last rank's answer read back
     assert "skipped: --smoke runs one TP 2 row, the sequence-parallel one" in rows[("gpt-tiny", TP_ROWS[0])]
     assert " TP 2 rows: one process per GPU (torchrun" in text
+
+
+def test_moe_rows_compare_the_layers_and_the_grouped_gemm(report, monkeypatch):
+    """Three rows of one Llama-style MoE shape on one GPU, after the fusion rows: DeepSpeed-MoE, Megatron-LM's
+    layer with a GEMM per expert and with --moe-grouped-gemm; each line builds the layer its label names (as
+    --dry-run resolves it) with top-2 of 8 experts, and its FLOPs are the MoE's, not the dense model's
+    (with top-2 of 8 experts of a quarter width, each token's expert FLOPs are half the dense MLP's)."""
+    from megatron_ds.config import moe_selection, parse_args, resolve
+    from megatron_ds.families import get_family
+
+    _gpus(monkeypatch, 1)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    rows = [i for i in items if i.new_model]
+    assert [i.label for i in rows] == list(report.MOE_ROWS) and {i.model for i in rows} == {"llama-1.3b"}
+    assert labels.index("ZeRO 1, fp32 gradients") < labels.index(rows[0].label) < labels.index("micro batch 8")
+    args = type("Args", (), dict(seq=2048, micro=4, iters=10))
+    dense = report._flops(args, report.Item("ours", "llama-1.3b", "default"))
+    for item, layer in zip(rows, ("DeepSpeed-MoE", "Megatron-LM", "Megatron-LM")):
+        cfg, _ = parse_args(report.our_run_argv(args, item))
+        m = resolve(cfg, world_size=1, vocab_size=50257, family=get_family("gpt"), device_type="cpu").layout.model
+        assert m.num_experts == (8,) and m.ffn_hidden_size == 1376
+        assert (m.moe_router_topk if moe_selection.is_mlm_moe(m) else m.topk) == 2
+        assert moe_selection.is_mlm_moe(m) == (layer == "Megatron-LM")
+        assert m.moe_grouped_gemm == item.label.endswith("--moe-grouped-gemm")
+        assert 0.6 < report._flops(args, item) / dense < 0.8
+    smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True) if i.new_model]
+    assert [i.status for i in smoke] == ["skipped"] * 3

@@ -4,10 +4,14 @@
 (--topk, --expert-interval, --moe-expert-parallel-size, --moe-*-capacity-factor, --moe-loss-coeff, ...) and
 get DeepSpeed-MoE (``model/moe_layer.py``); upstream Megatron-LM's pair it with its own (--moe-router-topk,
 --expert-model-parallel-size, --moe-token-dispatcher-type, ...) and get Megatron-LM's layer
-(``model/mlm_moe.py``). A line naming flags of both families is refused; --num-experts alone keeps
-DeepSpeed-MoE, as before this layer existed (--dry-run says which layer and why). Which of a family's flags a
-line names is read from the values differing from their defaults: a flag given with its default value
-changes nothing either way.
+(``model/mlm_moe.py``). A line naming flags of both families is refused. --num-experts alone means what it
+means in the dialect of the line (config/dialect.py): on a Megatron-DeepSpeed line (--deepspeed /
+--deepspeed_config, which its scripts always pass) DeepSpeed-MoE, with --topk 1 on every --expert-interval'th
+layer; on an upstream Megatron-LM line (no DeepSpeed) Megatron-LM's MoE as upstream builds it from
+--num-experts alone (megatron/core/transformer/transformer_config.py, core_v0.19.0: moe_router_topk = 2,
+moe_layer_freq = 1, i.e. every layer, moe_expert_capacity_factor = None, i.e. dropless). --dry-run says which
+layer and why. Which of a family's flags a line names is read from the values differing from their defaults:
+a flag given with its default value changes nothing either way.
 
 Resolved, a Megatron-LM MoE model has ``moe_router_topk`` set (2 unless given), the balancing types and their
 coefficients as tuples, and its MoE layers where --moe-layer-freq puts them (every layer by default, as
@@ -52,8 +56,11 @@ def is_mlm_moe(m: ModelConfig) -> bool:
     return m.moe_router_topk is not None
 
 
-def select(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False) -> tuple[str, str]:
-    """(the MoE implementation, why) of a command line with --num-experts > 1; refuses a mix of the families."""
+def select(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_param_group: bool = False
+           ) -> tuple[str, str]:
+    """(the MoE implementation, why) of a command line with --num-experts > 1; refuses a mix of the families.
+    ``deepspeed``: the line names DeepSpeed (a Megatron-DeepSpeed line, config/dialect.py), which decides what
+    --num-experts alone builds."""
     ds = _given(m, _DS_MODEL) + _given(par, ("moe_expert_parallel_size",)) + (
         ["--create-moe-param-group"] if create_moe_param_group else [])
     mlm = _given(m, _MLM_MODEL) + _given(par, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
@@ -64,8 +71,14 @@ def select(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool 
         return MEGATRON_LM_MOE, f"Megatron-LM's MoE flags ({' '.join(mlm)})"
     if ds:
         return DEEPSPEED_MOE, f"Megatron-DeepSpeed's MoE flags ({' '.join(ds)})"
-    return DEEPSPEED_MOE, ("--num-experts without either family's MoE flags keeps Megatron-DeepSpeed's layer; any "
-                           "Megatron-LM MoE flag (e.g. --moe-router-topk 2) selects Megatron-LM's")
+    if deepspeed:
+        return DEEPSPEED_MOE, ("--num-experts without either family's MoE flags, on a Megatron-DeepSpeed command line "
+                               "(it names DeepSpeed): its layer, top-1 on every --expert-interval'th layer; any "
+                               "Megatron-LM MoE flag (e.g. --moe-router-topk 2) selects Megatron-LM's")
+    return MEGATRON_LM_MOE, ("--num-experts without either family's MoE flags, on an upstream Megatron-LM command line "
+                             "(it names no DeepSpeed): its layer as upstream's defaults build it, top-2 on every layer, "
+                             "dropless; --deepspeed or a Megatron-DeepSpeed MoE flag (e.g. --expert-interval 1) "
+                             "selects DeepSpeed-MoE")
 
 
 def layer_freq(spec: str | None, num_layers: int) -> tuple[bool, ...]:
@@ -126,16 +139,16 @@ def balancing(m: ModelConfig) -> dict[str, float]:
     return dict(zip(m.moe_router_load_balancing_type, m.moe_aux_loss_coeff))
 
 
-def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False
+def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_param_group: bool = False
             ) -> tuple[ModelConfig, int, str | None]:
     """(the model with Megatron-LM's MoE defaults filled in when that layer is chosen, the expert parallel
-    size, the line --dry-run prints about the MoE layer or None for a dense model)."""
+    size, the line --dry-run prints about the MoE layer or None for a dense model). ``deepspeed``: as ``select``."""
     if max(m.num_experts) <= 1:
         if _given(m, _MLM_MODEL) or _given(par, ("expert_model_parallel_size",)):
             raise ConfigError(f"{' '.join(_given(m, _MLM_MODEL) + _given(par, ('expert_model_parallel_size',)))} "
                               f"without --num-experts: Megatron-LM's MoE flags need --num-experts N (N > 1)")
         return m, par.moe_expert_parallel_size, None
-    impl, why = select(m, par, create_moe_param_group=create_moe_param_group)
+    impl, why = select(m, par, deepspeed=deepspeed, create_moe_param_group=create_moe_param_group)
     if impl == DEEPSPEED_MOE:
         return m, par.moe_expert_parallel_size, f"mixture of experts: {impl} (model/moe_layer.py), because {why}"
     if len(m.num_experts) != 1:
@@ -206,19 +219,3 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
                           f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
                           f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")
-
-def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
-    """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP
-    side: router, routed experts, shared experts and their gate."""
-    h, f = m.hidden_size, m.moe_ffn_hidden_size
-    gated = 2 if (m.swiglu or m.geglu) else 1
-    bias = m.add_bias_linear
-    expert = h * f * gated + f * h + ((f * gated + h) if bias else 0)
-    shared = 0
-    if m.moe_shared_expert_intermediate_size:
-        s = m.moe_shared_expert_intermediate_size
-        shared = h * s * gated + s * h + ((s * gated + h) if bias else 0) + (h if m.moe_shared_expert_gate else 0)
-    router = h * experts
-    local = experts // ep
-    return (router + shared + local * expert, local * expert, router + shared + experts * expert,
-            router + shared + m.moe_router_topk * expert)

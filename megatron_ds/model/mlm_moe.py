@@ -261,14 +261,16 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
-                   device_counts: torch.Tensor | None = None) -> torch.Tensor:
+                   device_counts: torch.Tensor | None = None, *, grouped: bool = False) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
-    one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products). ``device_counts``:
-    ``counts`` on ``x``'s device, copied there once for all of an MLP's linears (else here)."""
+    with ``grouped`` (--moe-grouped-gemm) one grouped GEMM where ``_grouped_mm_ok``, else a loop over the
+    experts (the same products; Megatron-LM's SequentialMLP without the flag). ``device_counts``: ``counts`` on
+    ``x``'s device, copied there once for all of an MLP's linears (else here)."""
     w = layer.weight
-    if device_counts is None and (layer.bias is not None or _grouped_mm_ok(x, w)):
+    grouped = grouped and _grouped_mm_ok(x, w)
+    if device_counts is None and (layer.bias is not None or grouped):
         device_counts = torch.tensor(counts, device=x.device)
-    if _grouped_mm_ok(x, w):
+    if grouped:
         offs = device_counts.cumsum(0).to(torch.int32)
         y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     else:
@@ -282,10 +284,13 @@ def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
 class GroupedExperts(nn.Module):
     """A rank's local experts: ``p * fc2(act(fc1(x)))`` for each routed (token, probability) pair, the
     probability scaling the activation as Megatron-LM's grouped MLPs do (so a bias of fc2 is scaled too:
-    p * (fc2(x) + b))."""
+    p * (fc2(x) + b)). ``grouped``: --moe-grouped-gemm, one torch._grouped_mm per linear on CUDA in bf16 instead of
+    a GEMM per expert. Off by default, as upstream's flag is: a speed choice not on by default here until a GPU
+    measurement in bench/RESULTS.md shows it pays (the GPU report times both, bench/gpu_report.py)."""
 
-    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device):
+    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, grouped: bool = False):
         super().__init__()
+        self.grouped = grouped
         gated = cfg.swiglu or cfg.geglu
         common = dict(bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
         std = cfg.init_method_std
@@ -297,8 +302,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         on_device = torch.tensor(counts, device=x.device)
-        h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device))
-        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2, on_device)
+        h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device, grouped=self.grouped))
+        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2, on_device,
+                              grouped=self.grouped)
 
 
 class SharedExperts(nn.Module):
@@ -381,7 +387,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 params_dtype=torch.float32, device=None):
+                 grouped_gemm: bool = False, params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -396,7 +402,7 @@ class MoELayer(nn.Module):
         # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
         self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
-                                      params_dtype=params_dtype, device=device)
+                                      params_dtype=params_dtype, device=device, grouped=grouped_gemm)
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
         if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
@@ -501,4 +507,4 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, para
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
-                    params_dtype=params_dtype, device=device)
+                    grouped_gemm=cfg.moe_grouped_gemm, params_dtype=params_dtype, device=device)
