@@ -34,7 +34,8 @@ _DS_MODEL = ("expert_interval", "topk", "mlp_type", "moe_train_capacity_factor",
 _MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
               "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
               "moe_z_loss_coeff", "moe_router_score_function", "moe_router_pre_softmax",
-              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+              "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
               "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
               "moe_per_layer_logging")
@@ -203,6 +204,12 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         # Megatron-LM's TransformerConfig.__post_init__ asserts the same
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "
                           "sqrtsoftplus): the bias is added to the scores the top-k is taken from")
+    groups, group_k = m.moe_router_num_groups, m.moe_router_group_topk
+    if group_k and not (groups and experts % groups == 0 and group_k <= groups and k >= group_k):
+        # Megatron-LM's TransformerConfig.__post_init__ asserts the first three; group_limited_topk takes the top
+        # k / group_topk of each group
+        raise ConfigError(f"--moe-router-group-topk {group_k} needs --moe-router-num-groups G dividing --num-experts "
+                          f"{experts} with {group_k} <= G, and --moe-router-topk {k} >= {group_k}")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if ep > 1 and zero_stage == 3:

@@ -258,6 +258,11 @@ class ModelConfig:
     """Megatron-LM's MoE: softmax over all experts before the top-k (default: softmax over the chosen k)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Megatron-LM's MoE: multiply the chosen experts' weights by this."""
+    moe_router_num_groups: Optional[int] = None
+    """Megatron-LM's MoE: group-limited routing (DeepSeek-V2/V3): the experts split into this many equal groups."""
+    moe_router_group_topk: Optional[int] = None
+    """Megatron-LM's MoE: group-limited routing: each token's experts come from this many groups, those with the
+    largest sums of their top (topk / this) scores."""
     moe_router_enable_expert_bias: bool = False
     """Megatron-LM's MoE: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing scores,
     moved after each step towards the experts that got fewer tokens; needs a sigmoid/sqrtsoftplus score."""

@@ -53,24 +53,41 @@ def _activation(cfg):
     return F.relu if cfg.relu else F.gelu
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """Megatron-LM's moe_utils.group_limited_topk (DeepSeek-V2/V3's device- or node-limited routing): the
+    ``group_topk`` groups of experts whose top ``topk // group_topk`` scores sum highest, then the top ``topk``
+    experts among them -> (values, indices)."""
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    mask = mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, experts)
+    return torch.topk(scores.masked_fill(~mask, float("-inf")), k=topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
-                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
+                 groups: tuple[int, int] | None = None):
     """``[tokens, experts]`` logits -> (probs ``[tokens, experts]``, zero off the chosen experts; routing map,
     bool), Megatron-LM's moe_utils.topk_routing_with_score_function (fp32 scores, probs in the logits' dtype).
-    The expert bias (auxiliary-loss-free balancing) changes which experts are chosen, never their weights."""
+    The expert bias (auxiliary-loss-free balancing) changes which experts are chosen, never their weights.
+    ``groups``: (--moe-router-num-groups, --moe-router-group-topk) for group-limited routing."""
+    def top_k(scores):
+        return group_limited_topk(scores, topk, *groups) if groups else torch.topk(scores, topk, dim=1)
+
     if score_function == "softmax":
         if pre_softmax:
-            probs, top = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, dim=1)
+            probs, top = top_k(torch.softmax(logits, dim=-1, dtype=torch.float32))
         else:
-            scores, top = torch.topk(logits, topk, dim=1)
+            scores, top = top_k(logits)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:
         scores = torch.sigmoid(logits.float()) if score_function == "sigmoid" else F.softplus(logits.float()).sqrt()
         if expert_bias is not None:
-            top = torch.topk(scores + expert_bias.float(), topk, dim=1).indices
+            top = top_k(scores + expert_bias.float())[1]
             scores = scores.gather(1, top)
         else:
-            scores, top = torch.topk(scores, topk, dim=1)
+            scores, top = top_k(scores)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
     if scaling_factor:
         probs = probs * scaling_factor
@@ -134,9 +151,10 @@ class TopKRouter(nn.Module):
                  pre_softmax: bool = False, scaling_factor: float | None = None, expert_bias: bool = False,
                  router_dtype: torch.dtype | None = None, aux: dict | None = None, z_loss_coeff: float | None = None,
                  capacity_factor: float | None = None, drop_policy: str = "probs", pad_to_capacity: bool = False,
-                 params_dtype=torch.float32, device=None):
+                 groups: tuple[int, int] | None = None, params_dtype=torch.float32, device=None):
         super().__init__()
         self.topk, self.experts, self.score_function, self.pre_softmax = topk, experts, score_function, pre_softmax
+        self.groups = groups
         self.scaling_factor, self.router_dtype, self.aux, self.z_loss_coeff = (scaling_factor, router_dtype,
                                                                              dict(aux or {}), z_loss_coeff)
         self.capacity_factor, self.drop_policy, self.pad = capacity_factor, drop_policy, pad_to_capacity
@@ -164,7 +182,7 @@ class TopKRouter(nn.Module):
             loss = loss + terms["z_loss"] * self.z_loss_coeff
         probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
                                           pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
-                                          expert_bias=self.expert_bias)
+                                          expert_bias=self.expert_bias, groups=self.groups)
         chosen = routing_map
         if self.capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, self.capacity_factor, self.drop_policy,
@@ -484,7 +502,8 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, para
                   router_dtype={"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype),
                   aux=moe_selection.balancing(cfg),
                   z_loss_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
-                  drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+                  drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                  groups=(cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_group_topk else None)
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
