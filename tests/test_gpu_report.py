@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("# GPU report", "- device: ", "- versions: torch ", "deepspeed ", "liger-kernel ", "transformers ",
             "- date: ", "; commit: ", "## Throughput and memory", "## Kernel time: gpt-tiny",
-            "## Kernel time: llama-tiny", "## gpu tests", "## Time spent")
+            "## Kernel time: llama-tiny", "## Context parallel attention", "## gpu tests", "## Time spent")
 
 
 @pytest.fixture
@@ -225,7 +225,9 @@ def test_smoke_report_end_to_end(tmp_path):
     assert "--smoke runs the variants and the profile on GPT only" in text
     # the TP 2 row: two gloo processes under torchrun, the last rank's answer read back
     assert "skipped: --smoke runs one TP 2 row, the sequence-parallel one" in rows[("gpt-tiny", TP_ROWS[0])]
-    assert " TP 2 rows: one process per GPU (torchrun" in text
+    assert " TP 2 and CP 2 rows: one process per GPU (torchrun" in text
+    # the context parallel attention row ran (bench/cp_attention.py on the CPU)
+    assert "| SDPA ms | blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |" in text
 
 
 def test_moe_rows_compare_the_layers_and_the_grouped_gemm(report, monkeypatch):
@@ -254,3 +256,20 @@ def test_moe_rows_compare_the_layers_and_the_grouped_gemm(report, monkeypatch):
         assert 0.6 < report._flops(args, item) / dense < 0.8
     smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True) if i.new_model]
     assert [i.status for i in smoke] == ["skipped"] * 3
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cp_rows_time_the_blocks_on_one_gpu_and_cp2_on_two(report, monkeypatch, n):
+    """After the TP rows: the attention blocks against SDPA (one GPU, sequence 8192) and the GPT at CP 2, which
+    needs two GPUs; --smoke times the blocks at 256 tokens on the CPU and skips CP 2."""
+    _gpus(monkeypatch, n)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    attention, cp2 = (i for i in items if i.kind == "attention" or "--context-parallel-size" in i.flags)
+    assert attention.micro == 8192 and attention.status == "not reached"
+    assert cp2.flags == ("--context-parallel-size", "2") and cp2.gpus == 2 and cp2.model == "gpt-1.3b"
+    assert cp2.status == ("not reached" if n == 2 else "not available")
+    assert labels.index(TP_ROWS[2]) < labels.index(attention.label) < labels.index("ZeRO 1, fp32 gradients")
+    smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True)
+             if i.kind == "attention" or "--context-parallel-size" in i.flags]
+    assert [(i.micro, i.status) for i in smoke] == [(256, "not reached"), (None, "skipped")]
