@@ -495,9 +495,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     family.check(flags, par.pipeline_model_parallel_size)
     # the MoE layer: from the model, parallel (--expert-model-parallel-size, --moe-expert-parallel-size) and
     # optimizer (--create-moe-param-group) flags and the line's dialect together, before anything reads the model
-    m, ep, _ = moe_selection.resolve(
-        _resolve_shape(flags.model), par, deepspeed=dialect.dialect(flags)[0] == dialect.MEGATRON_DEEPSPEED,
-        create_moe_param_group=o.create_moe_param_group)
+    m, ep, _ = moe_selection.resolve(_resolve_shape(flags.model), par, **moe_selection.line_context(flags))
     check_attention(m)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     cp = par.context_parallel_size

@@ -22,7 +22,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from megatron_ds.config.schema import ModelConfig, ParallelConfig
+from megatron_ds.config import dialect
+from megatron_ds.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ds.errors import ConfigError
 
 DEEPSPEED_MOE, MEGATRON_LM_MOE = "DeepSpeed-MoE", "Megatron-LM's MoE"
@@ -79,6 +80,13 @@ def select(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_p
                              "(it names no DeepSpeed): its layer as upstream's defaults build it, top-2 on every layer, "
                              "dropless; --deepspeed or a Megatron-DeepSpeed MoE flag (e.g. --expert-interval 1) "
                              "selects DeepSpeed-MoE")
+
+
+def line_context(flags: Config) -> dict:
+    """What besides the model and parallel flags decides a command line's MoE layer (``select``'s and
+    ``resolve``'s keywords): whether it names DeepSpeed, and Megatron-DeepSpeed's --create-moe-param-group."""
+    return dict(deepspeed=dialect.dialect(flags)[0] == dialect.MEGATRON_DEEPSPEED,
+                create_moe_param_group=flags.optimizer.create_moe_param_group)
 
 
 def layer_freq(spec: str | None, num_layers: int) -> tuple[bool, ...]:

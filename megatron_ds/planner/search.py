@@ -20,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from megatron_ds.config import Config, resolve
+from megatron_ds.config import Config, moe_selection, resolve
 from megatron_ds.config.layout import Layout, uneven_flags
 from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, estimate_memory
 from megatron_ds.config.schema import ParallelConfig
@@ -47,6 +47,7 @@ class Knobs:
     recompute: str | None = None
     zbh1: bool = False  # the ZB-H1 zero-bubble schedule
     ep: int = 1  # MoE expert parallel ranks
+    mlm_moe: bool = False  # the line builds Megatron-LM's MoE layer: EP is --expert-model-parallel-size
     partition: str | None = None  # --pipeline-partition-method (None: the command line's)
     cp: int = 1  # Megatron-LM's context parallel ranks (--context-parallel-size)
 
@@ -66,7 +67,7 @@ class Knobs:
         if self.zbh1:
             out.append("--enable-zbh1-pipeline")
         if self.ep > 1:
-            out += ["--moe-expert-parallel-size", str(self.ep)]
+            out += ["--expert-model-parallel-size" if self.mlm_moe else "--moe-expert-parallel-size", str(self.ep)]
         if self.partition:
             out += ["--pipeline-partition-method", self.partition]
         if self.cp > 1:
@@ -79,7 +80,10 @@ class Knobs:
             virtual_pipeline_model_parallel_size=self.v if self.v > 1 else None,
             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.seq_par,
             ds_sequence_parallel_size=self.sp, no_pipeline_parallel=self.zero >= 2 or self.sp > 1,
-            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False, moe_expert_parallel_size=self.ep,
+            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False,
+            # the EP flag of the line's MoE layer (config/moe_selection.py); the other family's at its default
+            moe_expert_parallel_size=1 if self.mlm_moe else self.ep,
+            expert_model_parallel_size=(self.ep if self.ep > 1 else None) if self.mlm_moe else None,
             context_parallel_size=self.cp,
             **({"pipeline_partition_method": self.partition} if self.partition else {}))
         tr = dataclasses.replace(cfg.training, micro_batch_size=self.mb, recompute_granularity=self.recompute,
@@ -177,6 +181,7 @@ def structures(request: Request):
     heads = m.num_attention_heads
     kv = m.num_key_value_heads or heads
     experts = max(m.num_experts or (1,))
+    mlm = uses_mlm_moe(request.flags)
     off = request.without
     par = request.flags.parallel
     own_placement = par.pipeline_partition_method != ParallelConfig.pipeline_partition_method or bool(
@@ -207,7 +212,8 @@ def structures(request: Request):
                 for sp in sps:
                     for ep in _divisors_pow2(min(experts, dp_world // sp) if "expert-parallel" not in off else 1):
                         if experts % ep == 0 and (dp_world // sp) % ep == 0:
-                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, partition=partition)
+                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, mlm_moe=mlm,
+                                        partition=partition)
                 # context parallelism: a power of two of the DP ranks whose 2 x CP chunks split the sequence (the
                 # resolution refuses it with Ulysses, ZB-H1, MoE and what else it does not run)
                 cps = [] if "context-parallel" in off or zbh1 else [
@@ -325,7 +331,9 @@ def _least(cand: Candidate, order: dict) -> tuple[int, int]:
 
 
 def evaluate(request: Request, knobs: Knobs) -> Candidate:
-    """One given layout, as the plan would see it (ConfigError where ``--dry-run`` would refuse it)."""
+    """One given layout, as the plan would see it (ConfigError where ``--dry-run`` would refuse it); its expert
+    parallel size goes to the flag of the line's MoE layer."""
+    knobs = dataclasses.replace(knobs, mlm_moe=uses_mlm_moe(request.flags))
     layout = resolve_knobs(request, knobs)
     return Candidate(knobs, layout, step_time(layout, request.cluster, flash=request.flash), estimate_memory(layout))
 
@@ -333,7 +341,17 @@ def evaluate(request: Request, knobs: Knobs) -> Candidate:
 def knobs_of(flags: Config, layout: Layout) -> Knobs:
     """The choices a command line made (its resolved layout)."""
     return Knobs(layout.tp, layout.pp, max(1, layout.virtual_pp), layout.sequence_parallel, layout.sp,
-                 layout.zero_stage, layout.micro_batch_size, layout.recompute, cp=layout.cp)
+                 layout.zero_stage, layout.micro_batch_size, layout.recompute, ep=layout.ep,
+                 mlm_moe=moe_selection.is_mlm_moe(layout.model), cp=layout.cp)
+
+
+def uses_mlm_moe(flags: Config) -> bool:
+    """Whether the command line builds Megatron-LM's MoE layer (its EP flag is --expert-model-parallel-size)
+    rather than DeepSpeed-MoE (--moe-expert-parallel-size), as ``--dry-run`` decides (config/moe_selection.py)."""
+    if max(flags.model.num_experts or (1,)) <= 1:
+        return False
+    return moe_selection.select(flags.model, flags.parallel, **moe_selection.line_context(flags)
+                                )[0] == moe_selection.MEGATRON_LM_MOE
 
 
 def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int, gpu) -> list[str]:

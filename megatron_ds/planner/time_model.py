@@ -236,7 +236,8 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
     g = m.num_key_value_heads or a
     f = m.ffn_hidden_size or 4 * h
     tokens = s // (sp * cp) * b
-    active = min(m.topk, experts) if experts > 1 else 1  # the experts a token runs (MoE: top-k MLPs)
+    # the experts a token runs (MoE: top-k MLPs; Megatron-LM's layer: --moe-router-topk, DeepSpeed-MoE's: --topk)
+    active = min(m.moe_router_topk or m.topk, experts) if experts > 1 else 1
     gemm = (gemm_seconds(gpu, tokens, (a + 2 * g) * d / t, h) + gemm_seconds(gpu, tokens, h, a * d / t)
             + active * (gemm_seconds(gpu, tokens, f * (2 if _gated(m) else 1) / t, h)
                         + gemm_seconds(gpu, tokens, h, f / t)))
@@ -257,9 +258,11 @@ def layer_forward(layout: Layout, gpu: GPU, experts: int = 1, *, causal: bool = 
     if sp > 1:  # Ulysses: four all-to-alls (q, k, v and the output), each moving (SP - 1) / SP of its tensor
         comm += 4 * activation * (sp - 1) / sp / (gpu.nvlink_gbs * 1e9 * LINK_EFF)
     if experts > 1 and layout.ep > 1:
-        # MoE: the dispatch and combine all-to-alls of the tokens' k capacity slots, (EP - 1) / EP of them
-        # leaving the rank; the EP group is DP ranks TP apart, over NVLink while it fits in a node
-        slots = activation * active * m.moe_train_capacity_factor
+        # MoE: the dispatch and combine all-to-alls of the tokens' k capacity slots (Megatron-LM's dropless layer:
+        # the k routes themselves, or its --moe-expert-capacity-factor), (EP - 1) / EP of them leaving the rank;
+        # the EP group is DP ranks TP apart, over NVLink while it fits in a node
+        capacity = (m.moe_expert_capacity_factor or 1.0) if m.moe_router_topk else m.moe_train_capacity_factor
+        slots = activation * active * capacity
         link = gpu.nvlink_gbs if layout.tp * layout.ep <= gpus_per_node else network_gbs
         comm += 2 * slots * (layout.ep - 1) / layout.ep / (link * 1e9 * LINK_EFF)
     ring_fwd, ring_bwd = context_parallel_seconds(layout, gpu, attention, gpus_per_node, network_gbs)

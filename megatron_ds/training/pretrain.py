@@ -21,7 +21,7 @@ from megatron_ds.config import Config, Run, memory, parse_args, resolve
 from megatron_ds.config.arguments import build_parser, describe_ignored
 from megatron_ds.config.deepspeed_json import validate_with_deepspeed
 from megatron_ds.config import moe_selection
-from megatron_ds.config.dialect import MEGATRON_DEEPSPEED, dialect
+from megatron_ds.config.dialect import dialect
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.fp8_flags import describe_fp8, fp8_format
 from megatron_ds.config.megatron_overrides import apply_checkpoint_args
@@ -67,8 +67,7 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     print(run.describe())
     read_as = dialect(flags)
     print("flags read as {}'s: {}".format(*read_as))
-    moe = moe_selection.resolve(flags.model, flags.parallel, deepspeed=read_as[0] == MEGATRON_DEEPSPEED,
-                                create_moe_param_group=flags.optimizer.create_moe_param_group)[2]
+    moe = moe_selection.resolve(flags.model, flags.parallel, **moe_selection.line_context(flags))[2]
     if moe:
         print(moe)
     for note in run.notes:

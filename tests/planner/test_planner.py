@@ -107,6 +107,33 @@ def test_moe_plan_splits_experts():
         found = planner.candidates(request)
     assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
     assert all(c.layout.ep == c.knobs.ep for c in found)
+    assert "--moe-expert-parallel-size" in next(c for c in found if c.knobs.ep > 1).knobs.flags()
+
+
+def test_upstream_moe_plan_splits_experts_by_its_own_flag():
+    """An upstream Megatron-LM MoE line (no --deepspeed: --num-experts builds Megatron-LM's layer, top-2): its
+    layouts split the experts by --expert-model-parallel-size (DeepSpeed-MoE's flag would be a second MoE layer's,
+    refused), and the time model runs each token through top-2 experts, not DeepSpeed-MoE's top-1: the MLP GEMMs
+    of the top-2 line take twice those of the same line at top-1."""
+    base = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 "
+            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --plan-recompute none "
+            "--plan-micro-batch 1").split()
+    with contextlib.chdir(ROOT):
+        request, _, _ = plan_cli.request_of(base, GPT, "plan.py")
+        found = planner.candidates(request)
+        assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
+        assert all(c.layout.ep == c.knobs.ep and c.layout.model.moe_router_topk == 2 for c in found)
+        wide = next(c for c in found if c.knobs.ep == 2 and c.knobs.tp == 1 and c.knobs.pp == 1)
+        assert wide.knobs.flags()[-2:] == ["--expert-model-parallel-size", "2"]
+        top1 = planner.evaluate(plan_cli.request_of(base + ["--moe-router-topk", "1"], GPT, "plan.py")[0], wide.knobs)
+    from megatron_ds.planner.time_model import gemm_seconds, layer_forward  # noqa: PLC0415
+
+    assert top1.layout.model.moe_router_topk == 1
+    gpu = request.cluster.gpu
+    two, one = (layer_forward(c.layout, gpu, 8)[0].matmul for c in (wide, top1))
+    # one expert MLP of a micro-batch's 1024 tokens: 1024 -> 4096 -> 1024 (GeLU, 4h)
+    expert = gemm_seconds(gpu, 1024, 4096, 1024) + gemm_seconds(gpu, 1024, 1024, 4096)
+    assert two - one == pytest.approx(expert, rel=1e-9)
 
 
 @pytest.fixture(scope="module")
