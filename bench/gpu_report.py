@@ -28,11 +28,19 @@ item from the items of its kind that already ran, so a smaller item after a skip
    and overlapped under ``--sequence-parallel``; the layers run eagerly in all three on CUDA (a compiled
    layer keeps its collectives synchronous), so the rows differ by the overlap alone. --smoke runs the
    sequence-parallel one on the tiny GPT with 2 gloo processes on the CPU;
-7. gradient accumulation fusion (``--gradient-accumulation-fusion``, off by default until measured) on
+7. context parallelism: its attention blocks (the math path every CP rank runs) against SDPA's flash kernel at
+   sequence 8192 on one GPU (bench/cp_attention.py: what a faster block kernel would save), and the GPT at
+   ``--context-parallel-size 2`` on two GPUs (not available with fewer); --smoke runs the first at 256 tokens
+   on the CPU;
+8. gradient accumulation fusion (``--gradient-accumulation-fusion``, off by default until measured) on
    the GPT: ZeRO 1 with fp32 gradient accumulation (``ds_configs/zero1_bf16.json``, where DeepSpeed keeps
    the fp32 gradients the fusion adds into) without and with it; --smoke skips them
    (tests/training/test_grad_accum_fusion.py runs the flags);
-8. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
+9. mixture of experts on one GPU, a Llama-style MoE (8 experts of 1376, top-2, every layer): DeepSpeed-MoE,
+   Megatron-LM's layer with a GEMM per expert, and with ``--moe-grouped-gemm`` (off by default until measured):
+   which layer Megatron-LM-style flags should build, and whether the grouped kernel pays; --smoke skips them
+   (bench/moe.py compares the layers, tests/model/test_mlm_moe.py runs the flag);
+10. GPT with micro batch 8, the plain engine (``--no-pipeline-parallel``), liger-kernel's fused loss
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
    refinements, run as far as the budget goes.
@@ -69,8 +77,8 @@ RESULT = "gpu_report result: "  # how a worker's answer line starts (libraries p
 REGIONAL_COMPILE_FLAGS = ("--no-compile-layers", "--compile-layers")  # CUDA default first
 # Seconds an item of each kind is assumed to take until one has run (an H200: ~10 s of DeepSpeed
 # start-up plus compiled fusions for ours, 40-60 s of torch.compile for HF, ~160 s for the tests).
-FIRST_GUESS = {"ours": 45.0, "hf": 90.0, "profile": 60.0, "tests": 180.0}
-SMOKE_GUESS = {"ours": 40.0, "hf": 30.0, "profile": 45.0, "tests": 0.0}
+FIRST_GUESS = {"ours": 45.0, "hf": 90.0, "profile": 60.0, "tests": 180.0, "attention": 30.0}
+SMOKE_GUESS = {"ours": 40.0, "hf": 30.0, "profile": 45.0, "tests": 0.0, "attention": 10.0}
 # Llama-7B's widths (hidden 4096, SwiGLU 11008, 32 heads) at 8 layers: GEMMs large enough for FP8 to pay,
 # ~1.9B parameters, which train on one 80 GB GPU at micro batch 4, seq 2048
 FP8_SHAPES = {"llama-h4096": (8, 4096, 32, 11008, True)}
@@ -81,16 +89,17 @@ ASYNC_TP = "--async-tensor-model-parallel-allreduce"
 
 @dataclasses.dataclass
 class Item:
-    kind: str  # ours | hf | profile | tests
+    kind: str  # ours | hf | profile | tests | attention
     model: str  # a gpu_mfu shape name ("" for the tests)
     label: str
     flags: tuple = ()  # ours: extra pretrain_gpt.py flags
-    micro: int | None = None  # None: the run's micro batch
+    micro: int | None = None  # None: the run's micro batch (attention: the sequence length)
     gpus: int = 1  # ours: processes (one GPU each) of a tensor-parallel run
     status: str = "not reached"  # not reached | ok | failed | skipped | not available
     note: str = ""
     result: dict = dataclasses.field(default_factory=dict)
     wall_s: float = 0.0
+    new_model: bool = False  # ours: the flags change the model (its FLOPs are the flags', no HF baseline)
 
 
 def parse(argv=None):
@@ -176,6 +185,46 @@ def fusion_items(model: str, smoke: bool) -> list[Item]:
     return items
 
 
+# A Llama-style MoE of the 1.3B's attention: 8 experts of a quarter of its SwiGLU width (5504) on every layer, top-2
+# (half the dense MLP's FLOPs per token, ~2.3B parameters): Mixtral's routing at a size one GPU trains
+MOE_EXPERTS = ("--ffn-hidden-size", "1376", "--num-experts", "8")
+MOE_ROWS = {"DeepSpeed-MoE, top-2, capacity factor 1": ("--topk", "2", "--expert-interval", "1",
+                                                       "--create-moe-param-group"),
+            "Megatron-LM MoE, top-2 dropless, a GEMM per expert": ("--moe-router-topk", "2"),
+            "Megatron-LM MoE, top-2 dropless, --moe-grouped-gemm": ("--moe-router-topk", "2", "--moe-grouped-gemm")}
+
+
+def moe_items(model: str, smoke: bool) -> list[Item]:
+    """The MoE layers on one GPU: DeepSpeed-MoE against Megatron-LM's layer (which one Megatron-LM-style flags
+    should build by default), and that layer's experts as one grouped GEMM against one GEMM per expert
+    (--moe-grouped-gemm, off by default until measured). --smoke leaves them to bench/moe.py and the tests."""
+    items = [Item("ours", model, label, (*MOE_EXPERTS, *flags), new_model=True) for label, flags in MOE_ROWS.items()]
+    if smoke:
+        for item in items:
+            item.status, item.note = "skipped", "--smoke leaves MoE to bench/moe.py and tests/model/test_mlm_moe.py"
+    return items
+
+
+CP = 2  # the context parallel row: one process per GPU
+CP_SEQ = {"cuda": 8192, "smoke": 256}  # the attention row's length: CUDA, --smoke on the CPU
+
+
+def cp_items(model: str, smoke: bool) -> list[Item]:
+    """Context parallelism: its attention blocks against SDPA on one GPU at one length (bench/cp_attention.py;
+    --smoke: a short one on the CPU), and the GPT at CP 2 on two GPUs (not available with fewer; --smoke
+    leaves it to tests/training/test_context_parallel.py)."""
+    seq = CP_SEQ["smoke" if smoke else "cuda"]
+    items = [Item("attention", "", f"context parallel blocks against SDPA, seq {seq}", micro=seq),
+             Item("ours", model, f"CP {CP} (--context-parallel-size {CP})", ("--context-parallel-size", str(CP)),
+                  gpus=CP)]
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if smoke:
+        items[1].status, items[1].note = "skipped", "--smoke leaves CP to tests/training/test_context_parallel.py"
+    elif have < CP:
+        items[1].status, items[1].note = "not available", f"needs {CP} GPUs; this machine has {have}"
+    return items
+
+
 def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> list[Item]:
     """The work in the order of the module docstring; --smoke runs the variants on GPT only."""
     gpt, llama = models
@@ -193,7 +242,8 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-    return head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + fusion_items(gpt, smoke) + later + llama_rows
+    return (head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + cp_items(gpt, smoke) + fusion_items(gpt, smoke)
+            + moe_items(llama, smoke) + later + llama_rows)
 
 
 # --------------------------------------------------------------------------- measurements (children)
@@ -209,6 +259,12 @@ def worker(spec: dict) -> dict | None:
         shape = {**gpu_mfu.SHAPES, **gpu_mfu.SMOKE_SHAPES}[spec["model"]]
         seconds, mem = gpu_mfu.run_hf(shape, spec["seq"], spec["micro"], spec["iters"], spec["compile"], "bf16")
         return {"seconds": seconds, "memory_gib": mem}
+    if spec["kind"] == "attention":
+        import cp_attention  # bench/cp_attention.py, beside this script
+
+        cuda = torch.cuda.is_available() and not spec["smoke"]
+        return cp_attention.measure(spec["micro"], device="cuda" if cuda else "cpu", heads=16 if cuda else 2,
+                                    iters=5 if cuda else 2, warmup=2 if cuda else 1)
     if spec["kind"] == "ours":
         seconds, mem = gpu_mfu.run_ours(spec["argv"])
         # a TP run's ranks but the last print no iteration lines (NaNs): the last one answers
@@ -243,7 +299,7 @@ def kernel_times(trace_dir: str) -> dict:
 def measure(args, item: Item, timeout: float) -> None:
     """Run ``item`` in a fresh process with ``timeout``; fills its status, result and wall time."""
     spec = {"kind": item.kind, "model": item.model, "seq": args.seq, "micro": item.micro or args.micro,
-            "iters": args.iters, "compile": not args.smoke}
+            "iters": args.iters, "compile": not args.smoke, "smoke": args.smoke}
     if item.kind in ("ours", "profile"):
         spec["argv"] = our_run_argv(args, item)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
@@ -419,7 +475,7 @@ def throughput_rows(args, ctx, items: list[Item]) -> list[str]:
 
 def _flops(args, item: Item) -> float:
     """Model FLOPs of one iteration of the item's shape (HF: the unpadded vocabulary, as it runs)."""
-    shape_only = our_run_argv(args, Item("ours", item.model, "", micro=item.micro))
+    shape_only = our_run_argv(args, item if item.new_model else Item("ours", item.model, "", micro=item.micro))
     return gpu_mfu.model_flops(shape_only, item.micro or args.micro, vocab=gpu_mfu.VOCAB if item.kind == "hf" else None)
 
 
@@ -434,7 +490,7 @@ def _row(args, ctx, item: Item, hf_rate) -> str:
     rate = flops / sec / item.gpus  # per GPU
     mfu = 100 * rate / 1e12 / ctx["peak"]
     # vs HF: one GPU against one GPU (a TP row's per-GPU rate against HF's whole one would mislead)
-    ratio = (f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" and item.gpus == 1
+    ratio = (f"{rate / hf_rate:.2f}x" if hf_rate and item.kind == "ours" and item.gpus == 1 and not item.new_model
              else "1.00x" if item.kind == "hf" else "-")
     est = "-"
     err = "-"
@@ -468,6 +524,7 @@ def render(args, ctx, items: list[Item], finished: bool) -> str:
             lines += profile_tables(item.result) if item.status == "ok" else [_status_line(item)]
         except Exception as exc:  # noqa: BLE001 - an unexpected trace must not lose the report
             lines.append(f"profile not tabulated ({type(exc).__name__}: {exc})")
+    lines += attention_section(items)
     tests = next(i for i in items if i.kind == "tests")
     lines += ["", "## gpu tests (python -m pytest -q -m gpu -n 8 tests)", ""]
     if tests.result:
@@ -484,16 +541,34 @@ def render(args, ctx, items: list[Item], finished: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def attention_section(items: list[Item]) -> list[str]:
+    """The context parallel attention row: the blocks' forward + backward against SDPA's at one length."""
+    lines = []
+    for item in (i for i in items if i.kind == "attention"):
+        lines += ["", f"## Context parallel attention: {item.label}", "",
+                  "bench/cp_attention.py: one process runs a whole causal sequence as context parallelism's blocks "
+                  "(CP 1, the math path each block runs, fp32 softmax) and as SDPA (flash attention on CUDA), "
+                  "forward + backward, median ms; GiB: CUDA's peak above the inputs.", ""]
+        if item.status == "ok":
+            r = item.result
+            lines += ["| SDPA ms | blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |", "|---:|---:|---:|---:|---:|",
+                      f"| {r['sdpa_ms']:.1f} | {r['blocks_ms']:.1f} | {r['blocks_ms'] / r['sdpa_ms']:.2f} | "
+                      f"{r['sdpa_gib']:.2f} | {r['blocks_gib']:.2f} |"]
+        else:
+            lines.append(_status_line(item))
+    return lines
+
+
 def tp_note(items: list[Item]) -> str:
     """What the TP rows' columns mean, after the throughput section's explanation."""
     tp = [i for i in items if i.gpus > 1]
     if not tp:
         return ""
     eager = any(REGIONAL_COMPILE_FLAGS[0] in i.flags for i in tp)
-    return (f" TP {TP} rows: one process per GPU (torchrun, CUDA_DEVICE_MAX_CONNECTIONS=1), "
+    return (f" TP {TP} and CP {CP} rows: one process per GPU (torchrun, CUDA_DEVICE_MAX_CONNECTIONS=1), "
             + (f"layers eager ({REGIONAL_COMPILE_FLAGS[0]}: a compiled layer's collectives stay synchronous), "
                if eager else "")
-            + f"TFLOP/s and MFU per GPU (the same model FLOPs as the other rows over {TP} GPUs' time), "
+            + "TFLOP/s and MFU per GPU (the same model FLOPs as the other rows over the GPUs' time), "
             "peak and estimate of the last rank.")
 
 

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("# GPU report", "- device: ", "- versions: torch ", "deepspeed ", "liger-kernel ", "transformers ",
             "- date: ", "; commit: ", "## Throughput and memory", "## Kernel time: gpt-tiny",
-            "## Kernel time: llama-tiny", "## gpu tests", "## Time spent")
+            "## Kernel time: llama-tiny", "## Context parallel attention", "## gpu tests", "## Time spent")
 
 
 @pytest.fixture
@@ -225,4 +225,51 @@ def test_smoke_report_end_to_end(tmp_path):
     assert "--smoke runs the variants and the profile on GPT only" in text
     # the TP 2 row: two gloo processes under torchrun, the last rank's answer read back
     assert "skipped: --smoke runs one TP 2 row, the sequence-parallel one" in rows[("gpt-tiny", TP_ROWS[0])]
-    assert " TP 2 rows: one process per GPU (torchrun" in text
+    assert " TP 2 and CP 2 rows: one process per GPU (torchrun" in text
+    # the context parallel attention row ran (bench/cp_attention.py on the CPU)
+    assert "| SDPA ms | blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |" in text
+
+
+def test_moe_rows_compare_the_layers_and_the_grouped_gemm(report, monkeypatch):
+    """Three rows of one Llama-style MoE shape on one GPU, after the fusion rows: DeepSpeed-MoE, Megatron-LM's
+    layer with a GEMM per expert and with --moe-grouped-gemm; each line builds the layer its label names (as
+    --dry-run resolves it) with top-2 of 8 experts, and its FLOPs are the MoE's, not the dense model's
+    (with top-2 of 8 experts of a quarter width, each token's expert FLOPs are half the dense MLP's)."""
+    from megatron_ds.config import moe_selection, parse_args, resolve
+    from megatron_ds.families import get_family
+
+    _gpus(monkeypatch, 1)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    rows = [i for i in items if i.new_model]
+    assert [i.label for i in rows] == list(report.MOE_ROWS) and {i.model for i in rows} == {"llama-1.3b"}
+    assert labels.index("ZeRO 1, fp32 gradients") < labels.index(rows[0].label) < labels.index("micro batch 8")
+    args = type("Args", (), dict(seq=2048, micro=4, iters=10))
+    dense = report._flops(args, report.Item("ours", "llama-1.3b", "default"))
+    for item, layer in zip(rows, ("DeepSpeed-MoE", "Megatron-LM", "Megatron-LM")):
+        cfg, _ = parse_args(report.our_run_argv(args, item))
+        m = resolve(cfg, world_size=1, vocab_size=50257, family=get_family("gpt"), device_type="cpu").layout.model
+        assert m.num_experts == (8,) and m.ffn_hidden_size == 1376
+        assert (m.moe_router_topk if moe_selection.is_mlm_moe(m) else m.topk) == 2
+        assert moe_selection.is_mlm_moe(m) == (layer == "Megatron-LM")
+        assert m.moe_grouped_gemm == item.label.endswith("--moe-grouped-gemm")
+        assert 0.6 < report._flops(args, item) / dense < 0.8
+    smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True) if i.new_model]
+    assert [i.status for i in smoke] == ["skipped"] * 3
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cp_rows_time_the_blocks_on_one_gpu_and_cp2_on_two(report, monkeypatch, n):
+    """After the TP rows: the attention blocks against SDPA (one GPU, sequence 8192) and the GPT at CP 2, which
+    needs two GPUs; --smoke times the blocks at 256 tokens on the CPU and skips CP 2."""
+    _gpus(monkeypatch, n)
+    items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
+    labels = [i.label for i in items]
+    attention, cp2 = (i for i in items if i.kind == "attention" or "--context-parallel-size" in i.flags)
+    assert attention.micro == 8192 and attention.status == "not reached"
+    assert cp2.flags == ("--context-parallel-size", "2") and cp2.gpus == 2 and cp2.model == "gpt-1.3b"
+    assert cp2.status == ("not reached" if n == 2 else "not available")
+    assert labels.index(TP_ROWS[2]) < labels.index(attention.label) < labels.index("ZeRO 1, fp32 gradients")
+    smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True)
+             if i.kind == "attention" or "--context-parallel-size" in i.flags]
+    assert [(i.micro, i.status) for i in smoke] == [(256, "not reached"), (None, "skipped")]

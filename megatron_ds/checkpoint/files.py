@@ -160,7 +160,10 @@ def open_checkpoint(load_dir: str, iteration: int | None, family: ModelFamily) -
                           f"this reads")
     sig = meta["signature"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}))
+    # the saved flags are the command line's; which MoE layer they built is in the signature (Megatron-LM's records
+    # its top-k), which also holds for checkpoints written before --num-experts alone followed the line's dialect
+    model = resolve_model_config(ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in known}),
+                                 deepspeed="moe_router_topk" not in sig)
     # --fusions-on-cpu was where the saving run compiled its kernels, not a property of the model:
     # a CPU tool reading this checkpoint should not spend minutes compiling them for no gain
     model = dataclasses.replace(model, fusions_on_cpu=False)

@@ -3,7 +3,9 @@ directory, by the model family that wrote it (``ModelFamily.hf``): GPT2LMHeadMod
 models; for RoPE + SwiGLU + RMSNorm the class the checkpoint was imported from where it can express the
 model, else Qwen3ForCausalLM with --qk-layernorm, Qwen2ForCausalLM with --add-qkv-bias alone,
 MistralForCausalLM with --window-size, LlamaForCausalLM otherwise (--architecture chooses);
-MixtralForCausalLM with MoE layers; DeepseekV3ForCausalLM with --multi-latent-attention (dense layers);
+Megatron-LM's MoE layers as DeepseekV2/V3ForCausalLM (with --multi-latent-attention), Qwen2MoeForCausalLM (a
+shared expert), Qwen3MoeForCausalLM (--qk-layernorm) or MixtralForCausalLM, DeepSpeed-MoE's as MixtralForCausalLM;
+DeepseekV3ForCausalLM with --multi-latent-attention (dense layers);
 pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
 --apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the
 variant HF's T5 computes: no absolute positions, RMS norms, no biases; others are refused). Options a

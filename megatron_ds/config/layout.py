@@ -34,8 +34,17 @@ from megatron_ds.parallel.schedules import check_schedule, describe_assignment, 
 from megatron_ds.parallel.utils import pad_vocab_size
 
 
-def resolve_model_config(m: ModelConfig) -> ModelConfig:
-    """A copy of the model config with every optional shape filled in, as Megatron resolves them."""
+def resolve_model_config(m: ModelConfig, *, deepspeed: bool = True) -> ModelConfig:
+    """A copy of the model config with every optional shape filled in, as Megatron resolves them.
+    ``deepspeed``: whether the command line named DeepSpeed (config/moe_selection.py: what --num-experts alone
+    builds). A model config made in code or read back from a checkpoint keeps the default: its fields' defaults
+    are DeepSpeed-MoE's (--topk 1, --expert-interval 2), and a resolved Megatron-LM MoE model has its top-k set.
+    A command line's model is resolved by ``build_layout``, which sees its parallel and optimizer MoE flags too."""
+    # Megatron-LM's MoE defaults where its model flags chose its layer
+    return moe_selection.resolve(_resolve_shape(m), ParallelConfig(), deepspeed=deepspeed)[0]
+
+
+def _resolve_shape(m: ModelConfig) -> ModelConfig:
     require(m.num_layers, "--num-layers")
     h = require(m.hidden_size, "--hidden-size")
     heads = require(m.num_attention_heads, "--num-attention-heads")
@@ -60,7 +69,7 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     if m.kv_channels is None and h % heads:
         raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or pass --kv-channels")
-    resolved = dataclasses.replace(
+    return dataclasses.replace(
         m,
         num_key_value_heads=kv_heads or heads,
         ffn_hidden_size=ffn,
@@ -70,9 +79,6 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
         use_rotary_position_embeddings=pos_type == "rope",
         normalization=m.normalization.lower(),
     )
-    # Megatron-LM's MoE defaults where its model flags chose its layer (build_layout resolves once more with
-    # the parallel flags, of which --expert-model-parallel-size chooses it too)
-    return moe_selection.resolve(resolved, ParallelConfig())[0]
 
 
 def activation_name(m: ModelConfig) -> str:
@@ -494,7 +500,9 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     the model family (its checks and parameter count)."""
     par, t, o = flags.parallel, flags.training, flags.optimizer
     family.check(flags, par.pipeline_model_parallel_size)
-    m = resolve_model_config(flags.model)
+    # the MoE layer: from the model, parallel (--expert-model-parallel-size, --moe-expert-parallel-size) and
+    # optimizer (--create-moe-param-group) flags and the line's dialect together, before anything reads the model
+    m, ep, _ = moe_selection.resolve(_resolve_shape(flags.model), par, **moe_selection.line_context(flags))
     check_attention(m)
     tp, pp, sp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.ds_sequence_parallel_size
     cp = par.context_parallel_size
@@ -533,17 +541,18 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_fp32_residual(flags.model, precision)
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
-    cp_comm_type = check_context_parallel(flags, cp=cp, seq_length=m.seq_length, fp8=fp8 is not None,
-                                          moe=is_moe(m), curriculum=_curriculum(flags, template, m.seq_length, tp=tp,
-                                                                 virtual_pp=virtual_pp) is not None)
+    cp_comm_type = check_context_parallel(
+        flags, cp=cp, seq_length=m.seq_length, moe=is_moe(m),
+        curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
     if cp > 1 and m.multi_latent_attention:
         raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
                           "attention runs the standard attention only; use --context-parallel-size 1")
-    if cp > 1:  # its ring exchanges run eagerly (check_context_parallel refuses --compile-layers)
+    if cp > 1 and flags.model.compile_layers is not True:
+        # the ring runs eagerly inside a compiled layer (a graph break, model/transformer.py); regional
+        # compilation's default was measured without that break, so under CP it compiles only when asked
         m = dataclasses.replace(m, compile_layers=False)
     check_data(flags.data)
     check_profile(flags.logging)
-    m, ep, _ = moe_selection.resolve(m, par, create_moe_param_group=o.create_moe_param_group)
     moe = is_moe(m)
     notes: list[str] = check_moe(
         m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,

@@ -202,7 +202,7 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
       'does not have; drop it',
       '--expert-tensor-parallel-num-weight-shards= --moe-shared-expert-glu-interleave-size= '
       '--moe-enable-routing-replay --moe-router-padding-for-quantization --moe-router-padding-for-fp8 '
-      '--moe-router-num-groups= --moe-router-group-topk= --moe-router-quantile-balancing-ema= '
+      '--moe-router-quantile-balancing-ema= '
       '--moe-router-force-load-balancing --moe-router-force-biased= --moe-single-grouped-weight '
       '--moe-single-grouped-bias --moe-input-jitter-eps= '
       '--moe-enable-deepep --moe-flex-dispatcher-backend= --moe-permute-fusion-into-hybridep '

@@ -517,7 +517,7 @@ def _candidates(layout: Layout):
         # MoE (config/moe_params.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
         if moe and (candidate.zero_stage == 3 or candidate.dp % layout.ep):
             continue
-        if moe and candidate.zero_stage != layout.zero_stage:
+        if moe and candidate.zero_stage != layout.zero_stage and not is_mlm_moe(m):  # Megatron-LM's needs none
             text += " --create-moe-param-group"
         yield text, candidate
 

@@ -78,10 +78,11 @@ def expert_data_parallel_size(m: ModelConfig, *, tp: int, dp: int, ep: int) -> i
     return tp * dp // (ep * expert_tp(m, tp))
 
 
-def mlp_params(m: ModelConfig, tp: int) -> tuple[int, int]:
-    """(parameters split over ``tp``, parameters whole on each rank) of one MLP: the first linear (with SwiGLU
-    gate and up) and the second; its column-parallel bias splits, the row-parallel one does not."""
-    h, f = m.hidden_size, m.ffn_hidden_size
+def mlp_params(m: ModelConfig, tp: int, ffn: int | None = None) -> tuple[int, int]:
+    """(parameters split over ``tp``, parameters whole on each rank) of one MLP of ``ffn`` (default
+    --ffn-hidden-size): the first linear (with SwiGLU gate and up) and the second; its column-parallel bias
+    splits, the row-parallel one does not."""
+    h, f = m.hidden_size, ffn or m.ffn_hidden_size
     ffn_in = 2 * f if m.swiglu or m.geglu else f
     split = h * ffn_in + f * h + (ffn_in if m.add_bias_linear else 0)
     return split // tp, h if m.add_bias_linear else 0
@@ -91,24 +92,29 @@ def mlp_params(m: ModelConfig, tp: int) -> tuple[int, int]:
 class MoELayerParams:
     """One MoE layer's MLP side on one rank and in the whole model (the attention and norms are the dense
     layer's)."""
-    per_rank: int  # gate, this rank's experts, residual MLP and coefficient
+    per_rank: int  # gate, this rank's experts, residual MLP and coefficient (Megatron-LM's: shared experts)
     experts_per_rank: int  # of which expert parameters (DeepSpeed's allreduce=False ones)
     total: int  # every expert whole, once
     active: int  # what one token goes through: gate, k experts, residual MLP and coefficient
 
 
 def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELayerParams:
-    if moe_selection.is_mlm_moe(m):
-        return MoELayerParams(*moe_selection.layer_params(m, experts, ep=ep))
-    h, tp_e = m.hidden_size, expert_tp(m, tp)
-    split, whole = mlp_params(m, tp_e)
+    """The gate (router), ``experts`` expert MLPs and what sits beside them, of DeepSpeed-MoE's layer or, for a
+    resolved Megatron-LM MoE model (config/moe_selection.py), of Megatron-LM's."""
+    h, mlm = m.hidden_size, moe_selection.is_mlm_moe(m)
+    tp_e = 1 if mlm else expert_tp(m, tp)  # Megatron-LM's experts are whole here (--expert-tensor-parallel-size 1)
+    split, whole = mlp_params(m, tp_e, m.moe_ffn_hidden_size if mlm else None)
     expert_rank, expert_full = split + whole, split * tp_e + whole
-    gate = h * experts
-    residual = (expert_rank + 2 * h + 2, expert_full + 2 * h + 2) if m.mlp_type == "residual" else (0, 0)
-    local = experts // ep
-    return MoELayerParams(per_rank=gate + local * expert_rank + residual[0], experts_per_rank=local * expert_rank,
-                          total=gate + experts * expert_full + residual[1],
-                          active=gate + min(m.topk, experts) * expert_full + residual[1])
+    if mlm:  # the shared experts (one MLP every token goes through) and their gate, whole on every rank
+        s = m.moe_shared_expert_intermediate_size
+        shared = sum(mlp_params(m, 1, s)) + (h if m.moe_shared_expert_gate else 0) if s else 0
+        beside, k = (shared, shared), m.moe_router_topk
+    else:  # PR-MoE's residual MLP (split as the experts are) and its hidden x 2 coefficient linear
+        beside = (expert_rank + 2 * h + 2, expert_full + 2 * h + 2) if m.mlp_type == "residual" else (0, 0)
+        k = min(m.topk, experts)
+    gate, local = h * experts, experts // ep
+    return MoELayerParams(per_rank=gate + local * expert_rank + beside[0], experts_per_rank=local * expert_rank,
+                          total=gate + experts * expert_full + beside[1], active=gate + k * expert_full + beside[1])
 
 
 def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, precision: str,

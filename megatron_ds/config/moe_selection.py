@@ -4,10 +4,14 @@
 (--topk, --expert-interval, --moe-expert-parallel-size, --moe-*-capacity-factor, --moe-loss-coeff, ...) and
 get DeepSpeed-MoE (``model/moe_layer.py``); upstream Megatron-LM's pair it with its own (--moe-router-topk,
 --expert-model-parallel-size, --moe-token-dispatcher-type, ...) and get Megatron-LM's layer
-(``model/mlm_moe.py``). A line naming flags of both families is refused; --num-experts alone keeps
-DeepSpeed-MoE, as before this layer existed (--dry-run says which layer and why). Which of a family's flags a
-line names is read from the values differing from their defaults: a flag given with its default value
-changes nothing either way.
+(``model/mlm_moe.py``). A line naming flags of both families is refused. --num-experts alone means what it
+means in the dialect of the line (config/dialect.py): on a Megatron-DeepSpeed line (--deepspeed /
+--deepspeed_config, which its scripts always pass) DeepSpeed-MoE, with --topk 1 on every --expert-interval'th
+layer; on an upstream Megatron-LM line (no DeepSpeed) Megatron-LM's MoE as upstream builds it from
+--num-experts alone (megatron/core/transformer/transformer_config.py, core_v0.19.0: moe_router_topk = 2,
+moe_layer_freq = 1, i.e. every layer, moe_expert_capacity_factor = None, i.e. dropless). --dry-run says which
+layer and why. Which of a family's flags a line names is read from the values differing from their defaults:
+a flag given with its default value changes nothing either way.
 
 Resolved, a Megatron-LM MoE model has ``moe_router_topk`` set (2 unless given), the balancing types and their
 coefficients as tuples, and its MoE layers where --moe-layer-freq puts them (every layer by default, as
@@ -18,7 +22,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from megatron_ds.config.schema import ModelConfig, ParallelConfig
+from megatron_ds.config import dialect
+from megatron_ds.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ds.errors import ConfigError
 
 DEEPSPEED_MOE, MEGATRON_LM_MOE = "DeepSpeed-MoE", "Megatron-LM's MoE"
@@ -30,7 +35,8 @@ _DS_MODEL = ("expert_interval", "topk", "mlp_type", "moe_train_capacity_factor",
 _MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
               "moe_shared_expert_gate", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
               "moe_z_loss_coeff", "moe_router_score_function", "moe_router_pre_softmax",
-              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+              "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
               "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
               "moe_per_layer_logging")
@@ -51,8 +57,11 @@ def is_mlm_moe(m: ModelConfig) -> bool:
     return m.moe_router_topk is not None
 
 
-def select(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False) -> tuple[str, str]:
-    """(the MoE implementation, why) of a command line with --num-experts > 1; refuses a mix of the families."""
+def select(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_param_group: bool = False
+           ) -> tuple[str, str]:
+    """(the MoE implementation, why) of a command line with --num-experts > 1; refuses a mix of the families.
+    ``deepspeed``: the line names DeepSpeed (a Megatron-DeepSpeed line, config/dialect.py), which decides what
+    --num-experts alone builds."""
     ds = _given(m, _DS_MODEL) + _given(par, ("moe_expert_parallel_size",)) + (
         ["--create-moe-param-group"] if create_moe_param_group else [])
     mlm = _given(m, _MLM_MODEL) + _given(par, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
@@ -63,8 +72,21 @@ def select(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool 
         return MEGATRON_LM_MOE, f"Megatron-LM's MoE flags ({' '.join(mlm)})"
     if ds:
         return DEEPSPEED_MOE, f"Megatron-DeepSpeed's MoE flags ({' '.join(ds)})"
-    return DEEPSPEED_MOE, ("--num-experts without either family's MoE flags keeps Megatron-DeepSpeed's layer; any "
-                           "Megatron-LM MoE flag (e.g. --moe-router-topk 2) selects Megatron-LM's")
+    if deepspeed:
+        return DEEPSPEED_MOE, ("--num-experts without either family's MoE flags, on a Megatron-DeepSpeed command line "
+                               "(it names DeepSpeed): its layer, top-1 on every --expert-interval'th layer; any "
+                               "Megatron-LM MoE flag (e.g. --moe-router-topk 2) selects Megatron-LM's")
+    return MEGATRON_LM_MOE, ("--num-experts without either family's MoE flags, on an upstream Megatron-LM command line "
+                             "(it names no DeepSpeed): its layer as upstream's defaults build it, top-2 on every layer, "
+                             "dropless; --deepspeed or a Megatron-DeepSpeed MoE flag (e.g. --expert-interval 1) "
+                             "selects DeepSpeed-MoE")
+
+
+def line_context(flags: Config) -> dict:
+    """What besides the model and parallel flags decides a command line's MoE layer (``select``'s and
+    ``resolve``'s keywords): whether it names DeepSpeed, and Megatron-DeepSpeed's --create-moe-param-group."""
+    return dict(deepspeed=dialect.dialect(flags)[0] == dialect.MEGATRON_DEEPSPEED,
+                create_moe_param_group=flags.optimizer.create_moe_param_group)
 
 
 def layer_freq(spec: str | None, num_layers: int) -> tuple[bool, ...]:
@@ -125,16 +147,16 @@ def balancing(m: ModelConfig) -> dict[str, float]:
     return dict(zip(m.moe_router_load_balancing_type, m.moe_aux_loss_coeff))
 
 
-def resolve(m: ModelConfig, par: ParallelConfig, *, create_moe_param_group: bool = False
+def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_param_group: bool = False
             ) -> tuple[ModelConfig, int, str | None]:
     """(the model with Megatron-LM's MoE defaults filled in when that layer is chosen, the expert parallel
-    size, the line --dry-run prints about the MoE layer or None for a dense model)."""
+    size, the line --dry-run prints about the MoE layer or None for a dense model). ``deepspeed``: as ``select``."""
     if max(m.num_experts) <= 1:
         if _given(m, _MLM_MODEL) or _given(par, ("expert_model_parallel_size",)):
             raise ConfigError(f"{' '.join(_given(m, _MLM_MODEL) + _given(par, ('expert_model_parallel_size',)))} "
                               f"without --num-experts: Megatron-LM's MoE flags need --num-experts N (N > 1)")
         return m, par.moe_expert_parallel_size, None
-    impl, why = select(m, par, create_moe_param_group=create_moe_param_group)
+    impl, why = select(m, par, deepspeed=deepspeed, create_moe_param_group=create_moe_param_group)
     if impl == DEEPSPEED_MOE:
         return m, par.moe_expert_parallel_size, f"mixture of experts: {impl} (model/moe_layer.py), because {why}"
     if len(m.num_experts) != 1:
@@ -209,6 +231,12 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         # Megatron-LM's TransformerConfig.__post_init__ asserts the same
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "
                           "sqrtsoftplus): the bias is added to the scores the top-k is taken from")
+    groups, group_k = m.moe_router_num_groups, m.moe_router_group_topk
+    if group_k and not (groups and experts % groups == 0 and group_k <= groups and k >= group_k):
+        # Megatron-LM's TransformerConfig.__post_init__ asserts the first three; group_limited_topk takes the top
+        # k / group_topk of each group
+        raise ConfigError(f"--moe-router-group-topk {group_k} needs --moe-router-num-groups G dividing --num-experts "
+                          f"{experts} with {group_k} <= G, and --moe-router-topk {k} >= {group_k}")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if (ep > 1 or etp > 1) and own_schedule and checkpoints:
@@ -220,19 +248,3 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if ep > 1 and zero_stage == 3:
         raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
                           f"refuses expert parameters there; use ZeRO stage 1 or 2")
-
-def layer_params(m: ModelConfig, experts: int, *, ep: int) -> tuple[int, int, int, int]:
-    """(parameters on one rank, of which expert ones, all, active per token) of one Megatron-LM MoE layer's MLP
-    side: router, routed experts, shared experts and their gate."""
-    h, f = m.hidden_size, m.moe_ffn_hidden_size
-    gated = 2 if (m.swiglu or m.geglu) else 1
-    bias = m.add_bias_linear
-    expert = h * f * gated + f * h + ((f * gated + h) if bias else 0)
-    shared = 0
-    if m.moe_shared_expert_intermediate_size:
-        s = m.moe_shared_expert_intermediate_size
-        shared = h * s * gated + s * h + ((s * gated + h) if bias else 0) + (h if m.moe_shared_expert_gate else 0)
-    router = h * experts
-    local = experts // ep
-    return (router + shared + local * expert, local * expert, router + shared + experts * expert,
-            router + shared + m.moe_router_topk * expert)

@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_ds.data.tiktoken_tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
+
 
 def meta(default: Any = None, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
          nargs: str | None = None, invert: bool = False, off_flags: tuple[str, ...] = (),
@@ -204,7 +206,8 @@ class ModelConfig:
     # _add_distributed_args); megatron/model/transformer.py builds deepspeed.moe.layer.MoE from them.
     num_experts: tuple = meta((1,), nargs="+")
     """Experts per MoE layer: one value for every MoE layer, or one per MoE layer (num_layers / --expert-interval
-    values); 1 is a dense model (transformer.py get_num_experts_per_layer)."""
+    values); 1 is a dense model (transformer.py get_num_experts_per_layer). Without either family's MoE flags:
+    DeepSpeed-MoE with --deepspeed, else Megatron-LM's MoE (top-2 on every layer, docs/moe.md)."""
     expert_interval: int = 2
     """With --num-experts > 1: the MoE layers are those whose 1-based number is a multiple of this (2: every
     second layer, as upstream's default; 1: every layer); the others keep a dense MLP."""
@@ -255,6 +258,11 @@ class ModelConfig:
     """Megatron-LM's MoE: softmax over all experts before the top-k (default: softmax over the chosen k)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Megatron-LM's MoE: multiply the chosen experts' weights by this."""
+    moe_router_num_groups: Optional[int] = None
+    """Megatron-LM's MoE: group-limited routing (DeepSeek-V2/V3): the experts split into this many equal groups."""
+    moe_router_group_topk: Optional[int] = None
+    """Megatron-LM's MoE: group-limited routing: each token's experts come from this many groups, those with the
+    largest sums of their top (topk / this) scores."""
     moe_router_enable_expert_bias: bool = False
     """Megatron-LM's MoE: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing scores,
     moved after each step towards the experts that got fewer tokens; needs a sigmoid/sqrtsoftplus score."""
@@ -269,8 +277,8 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """Megatron-LM's MoE: with a capacity factor, every expert computes exactly its capacity (padded)."""
     moe_grouped_gemm: bool = False
-    """Megatron-LM's MoE: the experts as one grouped GEMM; here they always are (torch._grouped_mm on CUDA in
-    bf16, one GEMM per expert elsewhere)."""
+    """Megatron-LM's MoE: the experts as one grouped GEMM (torch._grouped_mm on CUDA in bf16); without it, or
+    elsewhere, one GEMM per expert, the same products (upstream's SequentialMLP)."""
     moe_token_dispatcher_type: Optional[str] = meta(None, choices=("allgather", "alltoall"))
     """Megatron-LM's MoE: how tokens reach the expert parallel ranks holding their experts (default allgather)."""
     moe_per_layer_logging: bool = False
@@ -603,7 +611,7 @@ class DataConfig:
     tiktoken tokenizer.model."""
     tiktoken_pattern: Optional[str] = meta(None, choices=("v1", "v2"))
     """TikTokenizer's pre-tokenization regex: Megatron-LM's v1 or v2 (default v2)."""
-    tiktoken_num_special_tokens: int = 1000
+    tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS
     """TikTokenizer's special-token ids 0..N-1 (--tokenizer-special-tokens, then `<SPECIAL_i>` fillers)."""
     tokenizer_special_tokens: Optional[list] = meta(None, nargs="+")
     """TikTokenizer's special tokens (ids in order); must include `<unk> <s> </s> <mask> <pad> <cls>

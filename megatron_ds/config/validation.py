@@ -365,11 +365,11 @@ def check_async_save(ckpt, template: dict | None) -> list[str]:
     return []
 
 
-def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, fp8: bool, curriculum: bool) -> str:
+def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, curriculum: bool) -> str:
     """--context-parallel-size N (parallel/context_parallel.py): Megatron-LM's conditions (megatron/training/
     arguments.py: ``seq_length % (2 * context_parallel_size) == 0``; a2a+p2p needs the hierarchical sizes)
     and what is not built with it here. Returns the attention's communication, "p2p" or "all_gather"."""
-    par, m = flags.parallel, flags.model
+    par = flags.parallel
     kinds = set(par.cp_comm_type or ("p2p",))  # Megatron-LM's default: ["p2p"]
     if cp < 1:
         raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
@@ -386,11 +386,7 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, fp8: b
         "different --cp-comm-type values per layer (one kind runs in every layer here)": len(kinds) > 1,
         "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses and context parallelism split the same sequence; "
         "choose one)": par.ds_sequence_parallel_size > 1,
-        "--enable-zbh1-pipeline (not built for context parallelism; use 1F1B or the interleaved schedule)":
-            bool(par.enable_zbh1_pipeline),
         "mixture-of-experts layers (--num-experts > 1)": moe,
-        "FP8 (--fp8-format)": fp8,
-        "--compile-layers (the ring's point-to-point exchange runs eagerly; drop it)": m.compile_layers is True,
         "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
     }
     refused = [what for what, on in refusals.items() if on]

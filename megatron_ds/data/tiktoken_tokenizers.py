@@ -24,6 +24,8 @@ TIKTOKEN_PATTERNS = {
 }
 TIKTOKEN_DEFAULT_VOCAB = 2**17
 TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+# --tiktoken-num-special-tokens' default (megatron/training/config/training_config.py)
+TIKTOKEN_NUM_SPECIAL_TOKENS = 1000
 
 # Meta's llama3 repository, llama/tokenizer.py (Tokenizer.pat_str, num_reserved_special_tokens and
 # the special-token list; ids follow the ranks: <|begin_of_text|> = 128000 in the released file).
@@ -146,7 +148,8 @@ class TikTokenizer(_TiktokenFile):
 
     name = "TikTokenizer"
 
-    def __init__(self, path, pattern="v2", num_special_tokens=1000, special_tokens=None, vocab_size=None):
+    def __init__(self, path, pattern="v2", num_special_tokens=TIKTOKEN_NUM_SPECIAL_TOKENS, special_tokens=None,
+                 vocab_size=None):
         if pattern not in TIKTOKEN_PATTERNS:
             raise TokenizerError(f"--tiktoken-pattern {pattern!r}: expected v1 or v2")
         special_tokens = list(special_tokens or TIKTOKEN_SPECIAL_TOKENS)

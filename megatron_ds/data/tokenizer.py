@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_ds.data.tiktoken_tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
 from megatron_ds.data.tokenizer_base import AbstractTokenizer, TokenizerError, clean_text
 
 VALID_TYPES = (
@@ -529,8 +530,9 @@ class NullTokenizer(AbstractTokenizer):
 
 
 def build_tokenizer(tokenizer_type, *, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, vocab_extra_ids=0, tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
-                    tokenizer_special_tokens=None, hf_include_special_tokens=True, log=print):
+                    vocab_size=None, vocab_extra_ids=0, tiktoken_pattern=None,
+                    tiktoken_num_special_tokens=TIKTOKEN_NUM_SPECIAL_TOKENS, tokenizer_special_tokens=None,
+                    hf_include_special_tokens=True, log=print):
     """The tokenizer for `--tokenizer-type`, checking that the flags it needs were given.
     `vocab_extra_ids` (--vocab-extra-ids, T5's sentinels) applies to the BERT WordPiece types;
     the tiktoken_* flags, --tokenizer-special-tokens and --vocab-size shape TikTokenizer;
@@ -622,6 +624,6 @@ def tokenizer_options(data) -> dict:
     checkpoints' configs lack them: Megatron-LM's defaults)."""
     get = data.get if isinstance(data, dict) else lambda k: getattr(data, k, None)
     return {"tiktoken_pattern": get("tiktoken_pattern"),
-            "tiktoken_num_special_tokens": get("tiktoken_num_special_tokens") or 1000,
+            "tiktoken_num_special_tokens": get("tiktoken_num_special_tokens") or TIKTOKEN_NUM_SPECIAL_TOKENS,
             "tokenizer_special_tokens": get("tokenizer_special_tokens"),
             "hf_include_special_tokens": not get("tokenizer_hf_no_include_special_tokens")}

@@ -264,15 +264,15 @@ def reported_names(moe: bool) -> tuple[str, ...]:
 
 def _lm_loss(output, labels_and_mask, tp_group, vocab_size, sp_group, z_loss_coeff, cp=None) -> torch.Tensor:
     labels, loss_mask = labels_and_mask
-    if cp is not None:
-        labels, full_mask, loss_mask = cp.shard(labels), loss_mask, cp.shard(loss_mask)
-        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
-            cp.size * loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
-    if tp_world_size(sp_group) > 1:
-        labels, full_mask, loss_mask = sequence_shard(labels, sp_group), loss_mask, sequence_shard(loss_mask, sp_group)
-        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
-            loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
-    return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff)
+    if cp is None and tp_world_size(sp_group) == 1:
+        return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff)
+    # a rank holding part of the sequence (context parallel chunks, or DeepSpeed-Ulysses' consecutive shard):
+    # its mean weighted by its share of the sequence's loss tokens. The training loop sums the Ulysses ranks'
+    # losses; DeepSpeed averages the CP ranks' (its data parallel axis is DP x CP), hence CP x the share
+    shard, ranks = (cp.shard, cp.size) if cp is not None else (functools.partial(sequence_shard, sp_group=sp_group), 1)
+    full_mask, labels, loss_mask = loss_mask, shard(labels), shard(loss_mask)
+    return _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) * (
+        ranks * loss_mask.float().sum().clamp(min=1.0) / full_mask.float().sum().clamp(min=1.0))
 
 
 def _mean_token_loss(output, labels, loss_mask, tp_group, vocab_size, z_loss_coeff) -> torch.Tensor:

@@ -49,24 +49,41 @@ def _activation(cfg):
     return mlp_activation(cfg)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """Megatron-LM's moe_utils.group_limited_topk (DeepSeek-V2/V3's device- or node-limited routing): the
+    ``group_topk`` groups of experts whose top ``topk // group_topk`` scores sum highest, then the top ``topk``
+    experts among them -> (values, indices)."""
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    mask = mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, experts)
+    return torch.topk(scores.masked_fill(~mask, float("-inf")), k=topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
-                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
+                 groups: tuple[int, int] | None = None):
     """``[tokens, experts]`` logits -> (probs ``[tokens, experts]``, zero off the chosen experts; routing map,
     bool), Megatron-LM's moe_utils.topk_routing_with_score_function (fp32 scores, probs in the logits' dtype).
-    The expert bias (auxiliary-loss-free balancing) changes which experts are chosen, never their weights."""
+    The expert bias (auxiliary-loss-free balancing) changes which experts are chosen, never their weights.
+    ``groups``: (--moe-router-num-groups, --moe-router-group-topk) for group-limited routing."""
+    def top_k(scores):
+        return group_limited_topk(scores, topk, *groups) if groups else torch.topk(scores, topk, dim=1)
+
     if score_function == "softmax":
         if pre_softmax:
-            probs, top = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, dim=1)
+            probs, top = top_k(torch.softmax(logits, dim=-1, dtype=torch.float32))
         else:
-            scores, top = torch.topk(logits, topk, dim=1)
+            scores, top = top_k(logits)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:
         scores = torch.sigmoid(logits.float()) if score_function == "sigmoid" else F.softplus(logits.float()).sqrt()
         if expert_bias is not None:
-            top = torch.topk(scores + expert_bias.float(), topk, dim=1).indices
+            top = top_k(scores + expert_bias.float())[1]
             scores = scores.gather(1, top)
         else:
-            scores, top = torch.topk(scores, topk, dim=1)
+            scores, top = top_k(scores)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
     if scaling_factor:
         probs = probs * scaling_factor
@@ -158,9 +175,10 @@ class TopKRouter(nn.Module):
                  pre_softmax: bool = False, scaling_factor: float | None = None, expert_bias: bool = False,
                  router_dtype: torch.dtype | None = None, aux: dict | None = None, z_loss_coeff: float | None = None,
                  capacity_factor: float | None = None, drop_policy: str = "probs", pad_to_capacity: bool = False,
-                 params_dtype=torch.float32, device=None):
+                 groups: tuple[int, int] | None = None, params_dtype=torch.float32, device=None):
         super().__init__()
         self.topk, self.experts, self.score_function, self.pre_softmax = topk, experts, score_function, pre_softmax
+        self.groups = groups
         self.scaling_factor, self.router_dtype, self.aux, self.z_loss_coeff = (scaling_factor, router_dtype,
                                                                              dict(aux or {}), z_loss_coeff)
         self.capacity_factor, self.drop_policy, self.pad = capacity_factor, drop_policy, pad_to_capacity
@@ -199,7 +217,7 @@ class TopKRouter(nn.Module):
         else:
             probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
                                               pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
-                                              expert_bias=self.expert_bias)
+                                              expert_bias=self.expert_bias, groups=self.groups)
         chosen = routing_map
         if self.capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, self.capacity_factor, self.drop_policy,
@@ -310,15 +328,18 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
-                   device_counts: torch.Tensor | None = None, bias_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                   device_counts: torch.Tensor | None = None, bias_scale: float | torch.Tensor = 1.0, *,
+                   grouped: bool = False) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
-    one grouped GEMM on CUDA, a loop over the experts elsewhere (the same products). ``device_counts``:
-    ``counts`` on ``x``'s device, copied there once for all of an MLP's linears (else here). ``bias_scale``: what
-    the layer's bias (if it has one) is multiplied by: a number, or one per row (``[rows, 1]``)."""
+    with ``grouped`` (--moe-grouped-gemm) one grouped GEMM where ``_grouped_mm_ok``, else a loop over the
+    experts (the same products; Megatron-LM's SequentialMLP without the flag). ``device_counts``: ``counts`` on
+    ``x``'s device, copied there once for all of an MLP's linears (else here). ``bias_scale``: what the layer's
+    bias (if it has one) is multiplied by: a number, or one per row (``[rows, 1]``)."""
     w = layer.weight
-    if device_counts is None and (layer.bias is not None or _grouped_mm_ok(x, w)):
+    grouped = grouped and _grouped_mm_ok(x, w)
+    if device_counts is None and (layer.bias is not None or grouped):
         device_counts = torch.tensor(counts, device=x.device)
-    if _grouped_mm_ok(x, w):
+    if grouped:
         offs = device_counts.cumsum(0).to(torch.int32)
         y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     else:
@@ -354,11 +375,14 @@ class _RowScaledBias(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """A rank's local experts: ``p * fc2(act(fc1(x)))`` for each routed (token, probability) pair, the
     probability scaling the activation as Megatron-LM's grouped MLPs do (so a bias of fc2 is scaled too:
-    p * (fc2(x) + b))."""
+    p * (fc2(x) + b)). ``grouped``: --moe-grouped-gemm, one torch._grouped_mm per linear on CUDA in bf16 instead of
+    a GEMM per expert. Off by default, as upstream's flag is: a speed choice not on by default here until a GPU
+    measurement in bench/RESULTS.md shows it pays (the GPU report times both, bench/gpu_report.py)."""
 
-    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, etp: int = 1,
-                 etp_rank: int = 0):
+    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, grouped: bool = False,
+                 etp: int = 1, etp_rank: int = 0):
         super().__init__()
+        self.grouped = grouped
         gated = cfg.swiglu or cfg.geglu
         common = dict(bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
         std = cfg.init_method_std
@@ -380,10 +404,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         on_device = torch.tensor(counts, device=x.device)
-        h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device))
+        h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device, grouped=self.grouped))
         p = probs.unsqueeze(-1).to(h.dtype)
         # fc2's bias weighted by the route's probability too (Megatron-LM's GroupedMLP._apply_bias: t + b * p)
-        return grouped_linear(h * p, counts, self.linear_fc2, on_device, bias_scale=p * self.fc2_bias_scale)
+        return grouped_linear(h * p, counts, self.linear_fc2, on_device, bias_scale=p * self.fc2_bias_scale,
+                              grouped=self.grouped)
 
 
 class SharedExperts(nn.Module):
@@ -482,8 +507,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, params_dtype=torch.float32,
-                 device=None):
+                 sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, grouped_gemm: bool = False,
+                 params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -500,7 +525,7 @@ class MoELayer(nn.Module):
         self.tp_group = tp_group
         self.etp = tp_world_size(tp_group) if expert_tp and sequence_parallel else 1
         self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
-                                      params_dtype=params_dtype, device=device, etp=self.etp,
+                                      params_dtype=params_dtype, device=device, grouped=grouped_gemm, etp=self.etp,
                                       etp_rank=tp_rank(tp_group) if self.etp > 1 else 0)
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
@@ -614,9 +639,10 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequ
                   router_dtype={"fp32": torch.float32, "fp64": torch.float64}.get(cfg.moe_router_dtype),
                   aux=moe_selection.balancing(cfg),
                   z_loss_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
-                  drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+                  drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                  groups=(cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_group_topk else None)
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
                     sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
-                    params_dtype=params_dtype, device=device)
+                    grouped_gemm=cfg.moe_grouped_gemm, params_dtype=params_dtype, device=device)

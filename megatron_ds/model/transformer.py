@@ -260,9 +260,11 @@ def _qk_norm(cfg: ModelConfig, *, partial_grads: bool, params_dtype: torch.dtype
     return norm
 
 
+@torch.compiler.disable
 def _context_parallel_core(cp, q, k, v, document_ids, p: float) -> torch.Tensor:
     """``ParallelAttention._core`` under context parallelism; attention dropout draws from the tensor parallel
-    stream, as ``sdpa_with_dropout``."""
+    stream, as ``sdpa_with_dropout``. In a layer compiled with --compile-layers it runs eagerly (one graph break):
+    the ring's asynchronous point-to-point exchanges and its autograd Function stay out of the graph."""
     with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
         return cp.attention(q, k, v, document_ids, dropout_p=p).permute(2, 0, 1, 3)
 

@@ -110,13 +110,14 @@ def _ring(kv: torch.Tensor, cp: ContextParallel):
 
 
 def _visible_blocks(cp: ContextParallel, src: int, c: int, document_ids, device):
-    """(query chunk index i of this rank, key/value columns of ``src``'s two chunks it sees, their mask) for
-    each of this rank's query chunks that sees any of them: a later key chunk is skipped."""
+    """(query chunk index i of this rank, the slice of ``src``'s two chunks' key/value columns it sees, their
+    mask) for each of this rank's query chunks that sees any of them: a later key chunk is skipped. The visible
+    chunks are the first, the second or both: always one contiguous slice (a view, no gather)."""
     k_chunks = cp.chunks_of(src)
     for i, qc in enumerate(cp.chunks_of(cp.rank)):
         visible = [j for j, kc in enumerate(k_chunks) if kc <= qc]
         if visible:
-            cols = torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in visible])
+            cols = slice(visible[0] * c, (visible[-1] + 1) * c)
             yield i, cols, _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, device)
 
 
@@ -128,8 +129,7 @@ def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids,
     for src, kv in sources:
         k, v = (_expand(t, q.shape[1]) for t in kv.chunk(2, dim=1))
         for i, cols, mask in _visible_blocks(cp, src, c, document_ids, q.device):
-            block = attention_block(q[:, :, i * c:(i + 1) * c], k.index_select(2, cols), v.index_select(2, cols),
-                                    mask, dropout_p)
+            block = attention_block(q[:, :, i * c:(i + 1) * c], k[:, :, cols], v[:, :, cols], mask, dropout_p)
             acc[i] = block if acc[i] is None else merge(*acc[i], *block)
     # every query chunk sees at least its own diagonal block, so both accumulators exist
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
@@ -182,17 +182,17 @@ def _block_grads(q, kv, d_kv, d_q, d_out, delta, lse, blocks) -> None:
     c = q.shape[2] // 2
     for i, cols, mask in blocks:
         rows = slice(i * c, (i + 1) * c)
-        k_b, v_b = k.index_select(2, cols), v.index_select(2, cols)
+        k_b, v_b = k[:, :, cols], v[:, :, cols]
         scores = torch.matmul(q[:, :, rows], k_b.transpose(-1, -2)) * scale
         if mask is not None:
             scores = scores.masked_fill(~mask, _MASKED)
         probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
         if mask is not None:
             probs = probs * mask
-        d_v.index_add_(2, cols, _reduce(torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]), d_v.shape[1]))
+        d_v[:, :, cols] += _reduce(torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]), d_v.shape[1])
         d_scores = probs * (torch.matmul(d_out[:, :, rows], v_b.transpose(-1, -2)) - delta[:, :, rows]) * scale
         d_q[:, :, rows] += torch.matmul(d_scores, k_b)
-        d_k.index_add_(2, cols, _reduce(torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]), d_k.shape[1]))
+        d_k[:, :, cols] += _reduce(torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]), d_k.shape[1])
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ the pipeline schedules (``parallel.schedules``) and a model family's FLOPs, noth
                     through each family's count)
     time_model.py   the predicted step time of one resolved layout on a cluster
     search.py       the layouts the memory estimate fits, ranked by predicted step time
+    evaluate.py     one given layout's predicted step, term by term, with its expected error (tools/plan.py --layout)
     plan_cli.py     tools/plan.py and --dry-run --plan
     job_script.py   the ABCI job script of a chosen layout
 """

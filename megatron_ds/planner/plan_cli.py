@@ -22,7 +22,8 @@ from megatron_ds.config.validation import missing_flags
 from megatron_ds.data.tokenizer import GPT2_VOCAB_SIZE
 from megatron_ds.errors import ConfigError
 from megatron_ds.planner import search as planner
-from megatron_ds.planner.time_model import GPUS, RESOURCES, make_cluster
+from megatron_ds.planner.one_layout import Evaluation, parse_layout
+from megatron_ds.planner.time_model import GPUS, RESOURCES, expected_error, make_cluster, tie_groups
 
 # --model-size: GPT-3's shapes (Brown et al. 2020, Table 2.1: layers, hidden size, heads) and
 # Megatron-LM's 530B and 1T (its README's throughput table).
@@ -54,6 +55,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--plan-zero", type=_ints, help="ZeRO stages to try (comma-separated)")
     p.add_argument("--plan-without", type=_features, default=frozenset(),
                    help=f"features not to enumerate: {','.join(planner.FEATURES)}")
+    p.add_argument("--layout", metavar="tp=N,pp=N,...",
+                   help="evaluate this one layout instead of searching: tp=N,pp=N,mb=N,zero=N,"
+                        "recompute=none|selective|full[,sp][,v=N][,ulysses=N][,ep=N][,cp=N]; prints its per-term breakdown")
     p.add_argument("--unfused-attention", action="store_true",
                    help="time attention as unfused kernels (scores in memory), as runs before flash attention")
     return p
@@ -96,9 +100,6 @@ def _with_defaults(argv: list[str], opts) -> list[str]:
 def request_of(argv: list[str], family, prog: str) -> tuple[planner.Request, Config, argparse.Namespace]:
     opts, rest = build_parser(prog).parse_known_args(argv)
     flags, _ = parse_args(_with_defaults(rest, opts), prog)
-    if flags.parallel.context_parallel_size > 1:  # its layouts and step times are not modelled (time_model.py)
-        raise ConfigError(f"the planner does not enumerate context parallelism yet: drop --context-parallel-size "
-                          f"{flags.parallel.context_parallel_size} to plan, then check a CP layout with --dry-run")
     # the model's shape is needed; the tokenizer's files are not (--vocab-size, or the family's default)
     missing = [flag for flag in missing_flags(flags, with_data=False) if "(for " not in flag]
     if missing:
@@ -181,14 +182,33 @@ def report(request: planner.Request, flags: Config, opts, argv: list[str]) -> tu
     if tokens is None and "--train-iters" in {a.split("=", 1)[0] for a in argv}:
         tokens = float(flags.training.train_iters * flags.training.global_batch_size * m.seq_length)
     lines += planner.table(result.ranked, top=opts.top, train_tokens=tokens,
-                           tokens_per_step=flags.training.global_batch_size * m.seq_length)
+                           tokens_per_step=flags.training.global_batch_size * m.seq_length, gpu=c.gpu)
+    lines.append(ties_note(result.ranked, c.gpu))
     best = result.ranked[0]
     lines.append(f"best: {shlex.join(planner.flags_of(request, best.knobs))}")  # a partition may hold "|"
     yours, line = your_layout(request, flags)
     lines.append(line)
     if yours is not None and yours.knobs != best.knobs:
-        lines.append(planner.explain(best, yours))
+        tie = yours.memory.total <= request.cluster.gpu.memory_gb * GB and tie_groups([best, yours])[1] == 1
+        lines.append(planner.explain(best, yours) + (" -- a tie: the two predictions overlap within their expected "
+                                                     "error" if tie else ""))
     return lines, result
+
+
+def ties_note(ranked, gpu) -> str:
+    """What the ``#`` and ``err`` columns mean for this plan."""
+    note = ("rows sharing a # are ties: their predictions overlap within the expected error (err: the largest error "
+            "of the time model on published A100 runs of the regime, docs/planner.md)")
+    if expected_error(ranked[0].layout, gpu) is None:
+        note += (f"; on {gpu.name} the error is unknown until measured (no published multi-GPU run; ties judged "
+                 "by the A100 errors)")
+    return note
+
+
+def print_layout(request: planner.Request, text: str) -> list[str]:
+    """``--layout``: one layout's memory and predicted step, term by term (``planner.evaluate``)."""
+
+    return Evaluation(planner.evaluate(request, parse_layout(text)), request.cluster.gpu).lines()
 
 
 def main(argv=None, *, family, prog: str = "plan.py") -> int:
@@ -201,6 +221,12 @@ def main(argv=None, *, family, prog: str = "plan.py") -> int:
         return 0
     try:
         request, flags, opts = request_of(argv, family, prog)
+        if opts.layout:
+            if opts.write_script:
+                raise ConfigError("--layout prints one layout's breakdown; --write-script writes the plan's best: "
+                                  "give one of them")
+            print("\n".join(print_layout(request, opts.layout)))
+            return 0
         lines, result = report(request, flags, opts, argv)
         print("\n".join(lines))
         if opts.write_script:
@@ -211,3 +237,17 @@ def main(argv=None, *, family, prog: str = "plan.py") -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def evaluate_layout(argv: list[str], *, family, knobs: planner.Knobs | None = None, dp: int | None = None,
+                    **layout) -> Evaluation:
+    """One layout (``knobs``, or its fields as keywords: tp, pp, mb, zero, recompute, seq_par, v, sp, ep, cp) of the
+    run ``argv`` describes (tools/plan.py's flags) for the model ``family`` (``families.get_family("gpt")``: the
+    planner stands below the families), evaluated; ``dp``, where given, must be what the GPUs leave."""
+    request, _, _ = request_of(list(argv), family, "plan.py")
+    knobs = knobs or planner.Knobs(**{"tp": 1, "pp": 1, **layout})
+    cand = planner.evaluate(request, knobs)
+    if dp is not None and dp != cand.layout.dp:
+        raise ConfigError(f"DP {dp} does not follow: {request.cluster.world_size} GPUs / (TP {knobs.tp} x PP "
+                          f"{knobs.pp}) leave DP {cand.layout.dp}")
+    return Evaluation(cand, request.cluster.gpu)

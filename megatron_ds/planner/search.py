@@ -2,14 +2,16 @@
 
 ``plan(request)`` enumerates layouts of the request's model on its cluster -- TP (inside a node),
 PP with interleaving (model chunks per rank), Megatron's sequence parallelism, DeepSpeed-Ulysses
-(plain engine), ZeRO stage (2 and 3 on the plain engine), micro batch, recompute (none, selective,
-full) -- resolves each through the same ``config.resolve`` a ``--dry-run`` runs (a layout it
-refuses is not a candidate), keeps those whose memory estimate (``config.memory.estimate_memory``,
-the one ``--dry-run`` prints) fits the GPU, and ranks them by ``time_model.step_time``. Layouts
-differing only in micro batch, recompute, ZeRO and the like are derived from one resolution per
-(TP, PP, chunks, sequence parallelism, Ulysses, ZeRO) and evaluated fastest first, so a 1T model on
-thousands of GPUs is planned in seconds. The ranking is of (TP, PP) pairs, each with its fastest
-fitting variant: what a user chooses first. docs/planner.md has the output and the model.
+(plain engine), Megatron-LM's context parallelism, ZeRO stage (2 and 3 on the plain engine), micro
+batch, recompute (none, selective, full) -- resolves each through the same ``config.resolve`` a
+``--dry-run`` runs (a layout it refuses is not a candidate), keeps those whose memory estimate
+(``config.memory.estimate_memory``, the one ``--dry-run`` prints) fits the GPU, and ranks them by
+``time_model.step_time`` (layouts within its expected error of each other are ties:
+``time_model.tie_groups``). Layouts differing only in micro batch, recompute, ZeRO and the like are
+derived from one resolution per (TP, PP, chunks, sequence parallelism, Ulysses, CP, ZeRO) and
+evaluated fastest first, so a 1T model on thousands of GPUs is planned in seconds. The ranking is of
+(TP, PP) pairs, each with its fastest fitting variant: what a user chooses first. docs/planner.md has
+the output and the model.
 """
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from megatron_ds.config import Config, resolve
+from megatron_ds.config import Config, moe_selection, resolve
 from megatron_ds.config.layout import Layout, uneven_flags
 from megatron_ds.config.memory import GB, MemoryEstimate, choose_fused_loss, estimate_memory
 from megatron_ds.config.schema import ParallelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.schedules import check_schedule
-from megatron_ds.planner.time_model import Cluster, StepTime, step_time
+from megatron_ds.planner.time_model import Cluster, StepTime, expected_error, step_time, tie_groups
 
 RECOMPUTE = (None, "selective", "full")
-FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel", "uneven-stages")
+FEATURES = ("interleaved", "zbh1", "sequence-parallel", "ulysses", "expert-parallel", "uneven-stages",
+            "context-parallel")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -44,7 +47,9 @@ class Knobs:
     recompute: str | None = None
     zbh1: bool = False  # the ZB-H1 zero-bubble schedule
     ep: int = 1  # MoE expert parallel ranks
+    mlm_moe: bool = False  # the line builds Megatron-LM's MoE layer: EP is --expert-model-parallel-size
     partition: str | None = None  # --pipeline-partition-method (None: the command line's)
+    cp: int = 1  # Megatron-LM's context parallel ranks (--context-parallel-size)
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
@@ -62,9 +67,11 @@ class Knobs:
         if self.zbh1:
             out.append("--enable-zbh1-pipeline")
         if self.ep > 1:
-            out += ["--moe-expert-parallel-size", str(self.ep)]
+            out += ["--expert-model-parallel-size" if self.mlm_moe else "--moe-expert-parallel-size", str(self.ep)]
         if self.partition:
             out += ["--pipeline-partition-method", self.partition]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
         return out
 
     def apply(self, cfg: Config) -> Config:
@@ -73,7 +80,11 @@ class Knobs:
             virtual_pipeline_model_parallel_size=self.v if self.v > 1 else None,
             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.seq_par,
             ds_sequence_parallel_size=self.sp, no_pipeline_parallel=self.zero >= 2 or self.sp > 1,
-            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False, moe_expert_parallel_size=self.ep,
+            enable_zbh1_pipeline=self.zbh1, enable_zbh1_exact_semantics=False,
+            # the EP flag of the line's MoE layer (config/moe_selection.py); the other family's at its default
+            moe_expert_parallel_size=1 if self.mlm_moe else self.ep,
+            expert_model_parallel_size=(self.ep if self.ep > 1 else None) if self.mlm_moe else None,
+            context_parallel_size=self.cp,
             **({"pipeline_partition_method": self.partition} if self.partition else {}))
         tr = dataclasses.replace(cfg.training, micro_batch_size=self.mb, recompute_granularity=self.recompute,
                                  checkpoint_activations=False, deepspeed_activation_checkpointing=False,
@@ -84,7 +95,7 @@ class Knobs:
     def describe(self) -> str:
         extra = (f" x {self.v} chunks" if self.v > 1 else "") + (" ZB-H1" if self.zbh1 else "") + (
             " +SP" if self.seq_par else "") + (f" Ulysses {self.sp}" if self.sp > 1 else "") + (
-            f" EP {self.ep}" if self.ep > 1 else "")
+            f" EP {self.ep}" if self.ep > 1 else "") + (f" CP {self.cp}" if self.cp > 1 else "")
         return (f"TP {self.tp} x PP {self.pp}{extra}, micro batch {self.mb}, recompute {self.recompute or 'none'}, "
                 f"ZeRO {self.zero}")
 
@@ -94,7 +105,7 @@ KNOB_FLAGS_WITH_VALUE = ("--tensor-model-parallel-size", "--pipeline-model-paral
                          "--zero-stage", "--virtual-pipeline-model-parallel-size",
                          "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity",
                          "--ds-sequence-parallel-size", "--recompute-method", "--activations-checkpoint-method",
-                         "--moe-expert-parallel-size")
+                         "--moe-expert-parallel-size", "--context-parallel-size")
 KNOB_SWITCHES = ("--checkpoint-activations", "--deepspeed-activation-checkpointing", "--recompute-activations",
                  "--sequence-parallel", "--no-pipeline-parallel", "--enable-zbh1-pipeline",
                  "--enable-zbh1-exact-semantics")
@@ -170,6 +181,7 @@ def structures(request: Request):
     heads = m.num_attention_heads
     kv = m.num_key_value_heads or heads
     experts = max(m.num_experts or (1,))
+    mlm = uses_mlm_moe(request.flags)
     off = request.without
     par = request.flags.parallel
     own_placement = par.pipeline_partition_method != ParallelConfig.pipeline_partition_method or bool(
@@ -200,7 +212,14 @@ def structures(request: Request):
                 for sp in sps:
                     for ep in _divisors_pow2(min(experts, dp_world // sp) if "expert-parallel" not in off else 1):
                         if experts % ep == 0 and (dp_world // sp) % ep == 0:
-                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, partition=partition)
+                            yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, mlm_moe=mlm,
+                                        partition=partition)
+                # context parallelism: a power of two of the DP ranks whose 2 x CP chunks split the sequence (the
+                # resolution refuses it with Ulysses, ZB-H1, MoE and what else it does not run)
+                cps = [] if "context-parallel" in off or zbh1 else [
+                    c for c in _divisors_pow2(dp_world)[1:] if m.seq_length % (2 * c) == 0]
+                for cp in cps:
+                    yield Knobs(tp, pp, v, seq_par, 1, zero, partition=partition, cp=cp)
 
 
 def resolve_knobs(request: Request, knobs: Knobs) -> Layout:
@@ -274,7 +293,8 @@ def plan(request: Request) -> Plan:
     start = time.perf_counter()
     if request.flags.training.bf16 and not request.cluster.gpu.bf16:
         raise ConfigError(f"{request.cluster.gpu.name} has no bf16 tensor cores: plan with --fp16")
-    found = sorted(candidates(request), key=lambda c: c.time.step_s)
+    # (held to the measured-efficiency bound, equal steps are ordered by what their terms alone predict)
+    found = sorted(candidates(request), key=lambda c: (c.time.step_s, c.time.step_s - c.time.bound_s))
     budget = request.cluster.gpu.memory_gb * GB
     order = {r: i for i, r in enumerate(("full", "selective", None))}
     smallest: dict[Knobs, Candidate] = {}
@@ -311,7 +331,9 @@ def _least(cand: Candidate, order: dict) -> tuple[int, int]:
 
 
 def evaluate(request: Request, knobs: Knobs) -> Candidate:
-    """One given layout, as the plan would see it (ConfigError where ``--dry-run`` would refuse it)."""
+    """One given layout, as the plan would see it (ConfigError where ``--dry-run`` would refuse it); its expert
+    parallel size goes to the flag of the line's MoE layer."""
+    knobs = dataclasses.replace(knobs, mlm_moe=uses_mlm_moe(request.flags))
     layout = resolve_knobs(request, knobs)
     return Candidate(knobs, layout, step_time(layout, request.cluster, flash=request.flash), estimate_memory(layout))
 
@@ -319,20 +341,35 @@ def evaluate(request: Request, knobs: Knobs) -> Candidate:
 def knobs_of(flags: Config, layout: Layout) -> Knobs:
     """The choices a command line made (its resolved layout)."""
     return Knobs(layout.tp, layout.pp, max(1, layout.virtual_pp), layout.sequence_parallel, layout.sp,
-                 layout.zero_stage, layout.micro_batch_size, layout.recompute)
+                 layout.zero_stage, layout.micro_batch_size, layout.recompute, ep=layout.ep,
+                 mlm_moe=moe_selection.is_mlm_moe(layout.model), cp=layout.cp)
 
 
-def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int) -> list[str]:
-    """The top layouts, one line each (the columns docs/planner.md explains)."""
-    head = (f"{'#':>2} {'TP':>3} {'PP':>3} {'v':>2} {'DP':>5} {'SP':>3} {'ZeRO':>4} {'mb':>3} {'recompute':>9} "
-            f"{'GB/GPU':>7} {'TFLOP/s':>8} {'MFU':>6} {'step s':>8} {'bubble':>7} {'comm':>6}"
+def uses_mlm_moe(flags: Config) -> bool:
+    """Whether the command line builds Megatron-LM's MoE layer (its EP flag is --expert-model-parallel-size)
+    rather than DeepSpeed-MoE (--moe-expert-parallel-size), as ``--dry-run`` decides (config/moe_selection.py)."""
+    if max(flags.model.num_experts or (1,)) <= 1:
+        return False
+    return moe_selection.select(flags.model, flags.parallel, **moe_selection.line_context(flags)
+                                )[0] == moe_selection.MEGATRON_LM_MOE
+
+
+def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int, gpu) -> list[str]:
+    """The top layouts, one line each (the columns docs/planner.md explains): ``#`` is the tie group (``tie_groups``,
+    ``=`` where it holds more than one layout), ``err`` the expected error (``?``: unknown on this GPU)."""
+    head = (f"{'#':>3} {'TP':>3} {'PP':>3} {'v':>2} {'DP':>5} {'SP':>3} {'CP':>3} {'ZeRO':>4} {'mb':>3} {'recompute':>9} "
+            f"{'GB/GPU':>7} {'TFLOP/s':>8} {'MFU':>6} {'err':>4} {'step s':>8} {'bubble':>7} {'comm':>6}"
             + (f" {'days':>7}" if train_tokens else ""))
     lines = [head]
-    for i, c in enumerate(ranked[:top], 1):
+    groups = tie_groups(ranked)
+    for g, c in zip(groups, ranked[:top]):
         k, t, lay = c.knobs, c.time, c.layout
         sp = "Uly" + str(k.sp) if k.sp > 1 else ("yes" if k.seq_par else "-")
-        line = (f"{i:>2} {k.tp:>3} {k.pp:>3} {'zb' if k.zbh1 else k.v:>2} {lay.dp:>5} {sp:>3} {k.zero:>4} {k.mb:>3} "
+        tied = f"{g}{'=' if groups.count(g) > 1 else ''}"
+        err = expected_error(lay, gpu)
+        line = (f"{tied:>3} {k.tp:>3} {k.pp:>3} {'zb' if k.zbh1 else k.v:>2} {lay.dp:>5} {sp:>3} {k.cp:>3} {k.zero:>4} {k.mb:>3} "
                 f"{k.recompute or 'none':>9} {c.memory.total / GB:>7.1f} {t.tflops_per_gpu:>8.1f} {100 * t.mfu:>5.1f}% "
+                f"{'?' if err is None else f'{100 * err:.0f}%':>4} "
                 f"{t.step_s:>8.3f} {100 * t.bubble_s / t.step_s:>6.1f}% {100 * t.comm_share:>5.1f}%")
         if train_tokens:
             line += f" {train_tokens / tokens_per_step * t.step_s / 86400:>7.1f}"
@@ -341,9 +378,10 @@ def table(ranked, *, top: int, train_tokens: float | None, tokens_per_step: int)
 
 
 TERMS = (("compute (matmuls, attention, memory-bound work)", "compute_s"), ("recompute", "recompute_s"),
-         ("tensor parallel communication", "tp_comm_s"),
+         ("TP, Ulysses, context and expert parallel communication", "tp_comm_s"),
          ("pipeline messages", "pp_comm_s"), ("pipeline bubble", "bubble_s"),
-         ("data parallel reduction and ZeRO traffic", "dp_comm_s"), ("optimizer step", "optimizer_s"))
+         ("data parallel reduction and ZeRO traffic", "dp_comm_s"), ("optimizer step", "optimizer_s"),
+         ("up to the most a published run of this GPU reached", "bound_s"))
 
 
 def explain(a: Candidate, b: Candidate) -> str:

@@ -65,9 +65,9 @@ def dry_run(flags: Config, ignored: list[str], family: ModelFamily) -> int:
     check_run_files(run)  # data, --load, --save: found now rather than at start-up after the queue
     check_load_vocabulary(run, tokenizer, family)
     print(run.describe())
-    print("flags read as {}'s: {}".format(*dialect(flags)))
-    moe = moe_selection.resolve(flags.model, flags.parallel,
-                                create_moe_param_group=flags.optimizer.create_moe_param_group)[2]
+    read_as = dialect(flags)
+    print("flags read as {}'s: {}".format(*read_as))
+    moe = moe_selection.resolve(flags.model, flags.parallel, **moe_selection.line_context(flags))[2]
     if moe:
         print(moe)
     for note in run.notes:

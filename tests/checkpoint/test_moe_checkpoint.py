@@ -53,7 +53,8 @@ from tests.training.common import TINY_GPT, train_losses
 from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(1500)
-MOE = ["--num-experts", "4", "--global-batch-size", "8"]
+# Megatron-DeepSpeed's lines, whose --num-experts is DeepSpeed-MoE (an upstream line's is Megatron-LM's MoE)
+MOE = ["--deepspeed", "--num-experts", "4", "--global-batch-size", "8"]
 RESUME = TINY_GPT + MOE + ["--train-iters", "10", "--topk", "2", "--hidden-dropout", "0.1",
                            "--attention-dropout", "0.1"]
 RESHAPE = TINY_GPT + MOE + ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -141,3 +142,20 @@ def test_bf16_reshape_carries_masters_and_moments(tmp_path):
         for key, tensor in want[name].items():
             moved = (tensor - at3[name][key]).abs().max().item()
             assert (have[name][key] - tensor).abs().max().item() <= moved, (name, key)  # see the docstring
+
+
+def test_each_layer_reopens_as_the_line_that_saved_it(tmp_path):
+    """--num-experts 4 alone, saved from an upstream line (Megatron-LM's MoE: top-2 on every layer) and from a
+    Megatron-DeepSpeed line (DeepSpeed-MoE on every second layer): the saved flags are the same but for --deepspeed,
+    and each checkpoint reopens (tools, inference, export) as the layer that wrote it."""
+    from megatron_ds.checkpoint.files import open_checkpoint
+    from megatron_ds.config.moe_params import model_experts
+    from megatron_ds.config.moe_selection import is_mlm_moe
+    from tests.checkpoint.common import train
+
+    for line, mlm, experts in (([], True, (4, 4, 4, 4)), (["--deepspeed"], False, (1, 4, 1, 4))):
+        ckpt = str(tmp_path / ("mlm" if mlm else "ds"))
+        train("gpt2", 1, 1, 1, 1, ["--save", ckpt, "--num-experts", "4", *line])
+        m = open_checkpoint(ckpt, None, GPT).model
+        assert (is_mlm_moe(m), model_experts(m)) == (mlm, experts)
+        assert m.moe_router_topk == (2 if mlm else None) and m.topk == 1

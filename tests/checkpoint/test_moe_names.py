@@ -7,7 +7,8 @@
   ``expert_files.to_local`` says the rank holds; regrouping between EP sizes through them agrees with it;
 - tensor parallel rules: experts are whole on every TP rank unless
   --enable-expert-tensor-parallelism, then split like the dense MLP;
-- the Mixtral name map round-trips and refuses what Mixtral cannot express, one line each.
+- DeepSpeed-MoE's Mixtral export names, and refusals of what Mixtral cannot express, one line each; Megatron-LM's
+  MoE names round-trip through every HF MoE class's layout (the hub's and transformers 5's fused one).
 """
 from __future__ import annotations
 
@@ -155,24 +156,52 @@ def test_expert_tensor_parallel_rule(expert_tp):
     assert tp_rules.partition("3.mlp.mlp.dense_h_to_4h.weight", m, GPT) == (0, 2)
 
 
-def test_mixtral_names_round_trip():
+def test_mixtral_export_names():
+    """DeepSpeed-MoE's experts as the hub's Mixtral layout (block_sparse_moe.experts.E.w1/w3 = the SwiGLU gate/up
+    halves of dense_h_to_4h, w2 = dense_4h_to_h), every tensor placed."""
     local = {k.split(".", 1)[1]: v for k, v in _global_state().items()}  # without the layer prefix
     hf = mixtral.moe_to_hf(0, local)
     p = "model.layers.0.block_sparse_moe."
     assert set(hf) == {p + "gate.weight"} | {f"{p}experts.{e}.w{j}.weight" for e in range(E) for j in (1, 2, 3)}
-    assert torch.equal(hf[p + "experts.2.w1.weight"], _expert(2)["dense_h_to_4h.weight"][:F])  # gate half
-    assert torch.equal(hf[p + "experts.2.w3.weight"], _expert(2)["dense_h_to_4h.weight"][F:])  # up half
-    back = mixtral.moe_from_hf(0, E, hf.get)
-    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
-    # transformers 5's own fused layout (MixtralExperts: gate_up_proj [E, 2F, H] = [w1; w3], down_proj [E, H, F])
-    fused = {"model.layers.0.mlp.gate.weight": hf[p + "gate.weight"],
-             "model.layers.0.mlp.experts.gate_up_proj": torch.stack(
-                 [torch.cat([hf[f"{p}experts.{e}.w1.weight"], hf[f"{p}experts.{e}.w3.weight"]]) for e in range(E)]),
-             "model.layers.0.mlp.experts.down_proj": torch.stack([hf[f"{p}experts.{e}.w2.weight"] for e in range(E)])}
-    back = mixtral.moe_from_hf(0, E, fused.get)
-    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    assert torch.equal(hf[p + "gate.weight"], local["mlp.deepspeed_moe.gate.wg.weight"])
+    for e in range(E):
+        assert torch.equal(hf[f"{p}experts.{e}.w1.weight"], _expert(e)["dense_h_to_4h.weight"][:F])  # gate half
+        assert torch.equal(hf[f"{p}experts.{e}.w3.weight"], _expert(e)["dense_h_to_4h.weight"][F:])  # up half
+        assert torch.equal(hf[f"{p}experts.{e}.w2.weight"], _expert(e)["dense_4h_to_h.weight"])
     with pytest.raises(ConfigError, match="mlp.coefficient.weight has no place in MixtralForCausalLM"):
         mixtral.moe_to_hf(0, {**local, "mlp.coefficient.weight": torch.zeros(2, H)})
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_megatron_lm_moe_names_round_trip(arch):
+    """Megatron-LM's stacked experts ([E, 2F, H] of [gate; up], [E, H, F]) to the hub's per-expert layout and back,
+    and from transformers 5's fused layout (gate_up_proj [E, 2F, H] with the gate rows first, down_proj [E, H, F]:
+    Qwen2MoeExperts / MixtralExperts), which is ours as it is."""
+    from megatron_ds.families.gpt import moe_hf
+
+    g = torch.Generator().manual_seed(0)
+    ours = {moe_hf.ROUTER: torch.randn(E, H, generator=g), moe_hf.FC1: torch.randn(E, 2 * F, H, generator=g),
+            moe_hf.FC2: torch.randn(E, H, F, generator=g)}
+    if arch in ("qwen2_moe", "deepseek_v3"):
+        ours.update({moe_hf.SHARED_FC1: torch.randn(2 * F, H, generator=g), moe_hf.SHARED_FC2: torch.randn(H, F,
+                                                                                                          generator=g)})
+    if arch == "qwen2_moe":
+        ours[moe_hf.SHARED_GATE] = torch.randn(1, H, generator=g)
+    if arch == "deepseek_v3":
+        ours[moe_hf.EXPERT_BIAS] = torch.randn(E, generator=g)
+    hub, names = moe_hf.moe_to_hf(arch, 3, ours), moe_hf.hf_names(arch, 3)
+    up = "w3" if arch == "mixtral" else "up_proj"
+    assert torch.equal(hub[f"{names.experts}2.{up}.weight"], ours[moe_hf.FC1][2, F:])
+    back = moe_hf.moe_from_hf(arch, 3, E, hub.get)
+    assert sorted(back) == sorted(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
+    p = "model.layers.3.mlp."
+    fused = {p + "gate.weight": ours[moe_hf.ROUTER], p + "experts.gate_up_proj": ours[moe_hf.FC1],
+             p + "experts.down_proj": ours[moe_hf.FC2],
+             **{k: v for k, v in hub.items() if not k.startswith(names.experts) and k != names.router}}
+    back = moe_hf.moe_from_hf(arch, 3, E, fused.get)
+    assert sorted(back) == sorted(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
+    with pytest.raises(ConfigError, match="has no place in"):
+        moe_hf.moe_to_hf(arch, 3, {**ours, "mlp.linear_fc3.weight": torch.zeros(1)})
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -214,7 +243,11 @@ def test_expert_parallel_rank_of_other_ranks(tp, dp, ep, expert_tp):
         assert got == want
 
 
-def test_mixtral_config_imports_as_deepspeed_moe():
+def test_mixtral_config_imports_as_megatron_lm_moe():
+    """Mixtral's router (softmax, top k, renormalized) is Megatron-LM's softmax over the top-k logits: its layer
+    without --moe-router-pre-softmax, on every layer. A top-1 Mixtral (weight 1) is refused: Megatron-LM's
+    TransformerConfig refuses top-1 softmax routing without pre-softmax (its router would get no gradient)."""
+    from megatron_ds.config.moe_selection import is_mlm_moe
     from megatron_ds.families.gpt import gpt_hf as hf
 
     transformers = pytest.importorskip("transformers")
@@ -222,8 +255,9 @@ def test_mixtral_config_imports_as_deepspeed_moe():
                                    num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
                                    num_experts_per_tok=2).to_dict()
     arch, m = hf.model_config_from_hf(d)
-    assert arch == hf.MIXTRAL and m.num_experts == (E,) and m.expert_interval == 1 and m.topk == 2
-    assert m.disable_moe_token_dropping and m.disable_moe_top2_2nd_expert_sampling and not m.add_bias_linear
-    hf.choose_architecture(m)  # exports back as Mixtral
-    with pytest.raises(ConfigError, match="num_experts_per_tok 1"):
+    assert arch == hf.MIXTRAL and is_mlm_moe(m) and m.num_experts == (E,) and m.moe_router_topk == 2
+    assert m.moe_layer_freq is None and not m.moe_router_pre_softmax and m.moe_ffn_hidden_size == F
+    assert m.moe_expert_capacity_factor is None and not m.add_bias_linear
+    assert hf.choose_architecture(m) == hf.MIXTRAL  # exports back as Mixtral
+    with pytest.raises(ConfigError, match="num_experts_per_tok 1 with renormalized weights"):
         hf.model_config_from_hf({**d, "num_experts_per_tok": 1})

@@ -7,25 +7,35 @@ gives one 0/1 per layer.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 from megatron_ds.config import moe_selection
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config.moe_params import model_experts, moe_layer_params
 from megatron_ds.config.schema import ModelConfig, ParallelConfig
 from megatron_ds.model.mlm_moe import build_mlm_moe
-from tests.config.test_moe import SMALL, dry_run
+from tests.config.test_moe import SMALL, _layout, dry_run
 
 
 @pytest.mark.parametrize("extra, says", [
-    ("--num-experts 4", "DeepSpeed-MoE (model/moe_layer.py), because --num-experts without either family's"),
+    # --num-experts alone: the line's dialect decides (--deepspeed or not)
+    ("--deepspeed --num-experts 4", "DeepSpeed-MoE (model/moe_layer.py), because --num-experts without either "
+                                    "family's MoE flags, on a Megatron-DeepSpeed command line"),
+    ("--num-experts 4", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch, EP 1), because --num-experts "
+                        "without either family's MoE flags, on an upstream Megatron-LM command line"),
+    # a family's flags decide whatever the dialect
     ("--num-experts 4 --topk 2 --moe-expert-parallel-size 2", "DeepSpeed-MoE (model/moe_layer.py), because "
                                                                "Megatron-DeepSpeed's MoE flags (--topk "
                                                                "--moe-expert-parallel-size)"),
-    ("--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall",
+    ("--deepspeed --num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall",
      "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1), because Megatron-LM's MoE flags "
      "(--moe-router-topk --moe-token-dispatcher-type)"),
-    ("--num-experts 4 --expert-model-parallel-size 1", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch"),
+    ("--deepspeed --num-experts 4 --expert-model-parallel-size 1",
+     "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch"),
 ])
 def test_dry_run_says_which_moe_layer_and_why(extra, says):
     rc, out, err = dry_run(SMALL + extra.split(), 2)
@@ -53,8 +63,51 @@ def test_sinkhorn_is_accepted():
     assert rc == 0 and "Megatron-LM's MoE" in out, err
 
 
+def test_num_experts_alone_builds_the_dialects_layer(tmp_path):
+    """Upstream Megatron-LM's --num-experts 8 alone (no DeepSpeed on the line) is its MoE as TransformerConfig's
+    defaults make it (core_v0.19.0 megatron/core/transformer/transformer_config.py: moe_router_topk 2,
+    moe_layer_freq 1, moe_expert_capacity_factor None = dropless); Megatron-DeepSpeed's scripts always pass
+    --deepspeed --deepspeed_config, and their --num-experts 8 is DeepSpeed-MoE on every --expert-interval'th layer
+    (default 2, megatron/arguments.py), top-1."""
+    upstream = _layout(SMALL + ["--num-experts", "8"], 2)
+    m = upstream.model
+    assert moe_selection.is_mlm_moe(m)
+    assert (m.moe_router_topk, m.moe_expert_capacity_factor) == (2, None)
+    assert model_experts(m) == (8, 8, 8, 8)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    ds = _layout(SMALL + ["--deepspeed", "--deepspeed_config", str(config), "--num-experts", "8"], 2)
+    assert not moe_selection.is_mlm_moe(ds.model)
+    assert (ds.model.topk, ds.model.expert_interval) == (1, 2)
+    assert model_experts(ds.model) == (1, 8, 1, 8)
+    rc, out, err = dry_run(SMALL + ["--deepspeed", "--deepspeed_config", str(config), "--num-experts", "8"], 2)
+    assert rc == 0, err
+    assert "flags read as Megatron-DeepSpeed's" in out and "mixture of experts: DeepSpeed-MoE" in out, out
+    assert "mixture of experts: 2 of 4 layers (every 2), 8 experts, top-1, EP 1" in out, out
+    rc, out, err = dry_run(SMALL + ["--num-experts", "8"], 2)
+    assert rc == 0, err
+    assert "flags read as Megatron-LM's" in out and "mixture of experts: Megatron-LM's MoE" in out, out
+    assert "mixture of experts (Megatron-LM's): 4 of 4 layers, 8 experts of ffn 256, top-2, EP 1" in out, out
+
+
+def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
+    """An upstream line's --num-experts alone: the estimate's single changes name no DeepSpeed-MoE flag (a ZeRO
+    change without --create-moe-param-group), so each one resolves to the same layer."""
+    from megatron_ds.config.memory import estimate_memory, suggestions
+
+    argv = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 "
+            "--global-batch-size 32 --mock-data --train-iters 10 --lr 1e-4 --bf16 --num-experts 16").split()
+    lay = _layout(argv, 8)
+    fixes = suggestions(lay, estimate_memory(lay).total * 0.99, limit=100)  # ZeRO saves ~2% (BF16_Optimizer)
+    assert any(f.startswith("--zero-stage") for f in fixes), fixes
+    for fix in fixes:
+        assert "--create-moe-param-group" not in fix, fix
+        assert moe_selection.is_mlm_moe(_layout(argv + fix.split(" (~")[0].split(), 8).model), fix
+
+
 @pytest.mark.parametrize("extra, world, says", [
     ("--num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
+    ("--deepspeed --num-experts 4 --topk 2 --moe-router-topk 2", 1, "--moe-router-topk (Megatron-LM's MoE) and --topk"),
     ("--num-experts 4 --moe-grouped-gemm --create-moe-param-group", 1, "--create-moe-param-group (Megatron-DeepSpeed"),
     ("--moe-router-topk 2", 1, "without --num-experts"),
     ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk 5"),
@@ -99,7 +152,7 @@ def test_layer_freq_is_megatron_lms(spec, expected):
 def test_resolved_defaults_are_megatron_lms():
     m, ep, _ = moe_selection.resolve(ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
                                            ffn_hidden_size=24, num_experts=(4,), moe_grouped_gemm=True),
-                               ParallelConfig())
+                               ParallelConfig(), deepspeed=True)  # a Megatron-LM MoE flag chooses, whatever the line
     # transformer_config.py: moe_router_topk 2, aux_loss with coefficient 0, softmax, bias update rate 1e-3,
     # drop policy probs, allgather dispatch; the expert ffn is --ffn-hidden-size
     assert (m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, m.moe_router_score_function,
@@ -114,7 +167,7 @@ def test_parameter_count_is_the_built_layers(over):
                                          ffn_hidden_size=24, num_experts=(4,), moe_router_topk=2,
                                          moe_ffn_hidden_size=10, **over))
     layer = build_mlm_moe(m, 4, device=torch.device("meta"))
-    per_rank, experts, total, active = moe_selection.layer_params(m, 4, ep=1)
+    per_rank, experts, total, active = dataclasses.astuple(moe_layer_params(m, 4, tp=1, ep=1))
     assert per_rank == total == sum(p.numel() for p in layer.parameters())
     assert experts == sum(p.numel() for p in layer.experts.parameters())
     one_expert = experts // 4

@@ -146,7 +146,8 @@ def dry_run(argv, world) -> tuple[int, str, str]:
      "stage(s) 0 would hold no MoE layer"),
 ])
 def test_bad_moe_input_is_one_line_at_dry_run(extra, world, says):
-    rc, _, err = dry_run(SMALL + extra.split(), world)
+    # DeepSpeed-MoE's refusals: on a Megatron-DeepSpeed line, where --num-experts alone builds that layer
+    rc, _, err = dry_run(SMALL + ["--deepspeed"] + extra.split(), world)
     assert rc == 1 and len(err.strip().splitlines()) == 1 and says in err, err
 
 

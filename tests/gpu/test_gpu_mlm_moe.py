@@ -21,7 +21,7 @@ def test_grouped_mm_equals_the_loop_forward_and_backward():
     counts = [40, 0, 17, 64, 3, 0, 100, 32]
     x = torch.randn(sum(counts), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     assert mlm_moe._grouped_mm_ok(x, layer.weight)
-    grouped = mlm_moe.grouped_linear(x, counts, layer)
+    grouped = mlm_moe.grouped_linear(x, counts, layer, grouped=True)
     g = torch.randn_like(grouped)
     gx, gw = torch.autograd.grad(grouped, [x, layer.weight], g)
     loop = torch.cat([part @ layer.weight[e].t() for e, part in enumerate(x.split(counts))])

@@ -102,12 +102,14 @@ def test_evaluate_perplexity_equals_mixtral(llama_moe, tmp_path):
     assert got["scored_tokens"] == count == len(ids) - 1
     assert got["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
     # The Mixtral export imported back (--hf-model: import_hf, the hub's block_sparse_moe names) is the
-    # same model: fp32 export and import only move tensors, so the perplexity is the same number.
+    # same model on Megatron-LM's MoE layer (families/gpt/moe_hf.py): the same fp32 routing and experts,
+    # summed in another order (~1e-7 relative on the NLL sum), so rel 1e-6.
     hf_out = tmp_path / "eval_hf.json"
     assert main(["--hf-model", llama_moe[2], "--tokenizer-type", "NullTokenizer", "--ppl-data", str(text),
                  "--window", "32", "--stride", "12", "--output", str(hf_out), "--no-progress"]) == 0
     (imported,) = json.load(open(hf_out))["perplexity"].values()
-    assert imported == got
+    assert imported["scored_tokens"] == got["scored_tokens"]
+    assert imported["perplexity"] == pytest.approx(got["perplexity"], rel=1e-6)
 
 
 def test_deepspeed_default_routing_generates_and_evaluates(tmp_path):

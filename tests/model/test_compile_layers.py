@@ -296,3 +296,32 @@ def test_pipeline_interleaved_full_recompute_with_compiled_layers():
     assert [float(x) for _, x in compiled] == pytest.approx([float(x) for _, x in eager], rel=1e-5)
     assert "transformer layers: each compiled with torch.compile (--no-compile-layers: eager)" in outputs[1]
     assert "transformer layers: eager" in outputs[0]
+
+
+# Context parallelism: the ring attention runs eagerly inside the compiled layer (torch.compiler.disable on its
+# core): the break propagates through layer -> attention -> _attend -> _core, as attention dropout's does;
+# five graphs, shared by the layers.
+CP2_GRAPHS_AND_BREAKS = (5, 4)
+
+
+def _cp2_compiled_vs_eager(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_ds.parallel.context_parallel import ContextParallel
+
+    kw = dict(padded_vocab_size=VOCAB, seed=7, cp=ContextParallel(dist.group.WORLD, "p2p"))
+    ref_loss, ref_grads = one_step(build_sequential_gpt(model_config("llama"), **kw))
+    model = build_sequential_gpt(model_config("llama"), **kw)
+    counted = graphs_and_breaks(model, steps=1)  # dynamo with the eager backend: eager's numbers
+    loss, grads = one_step(model)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **TOL, msg=lambda m: f"rank {rank} grad {n}: {m}")
+    return counted
+
+
+def test_cp2_compiled_layers_run_the_ring_eagerly():
+    """--compile-layers with --context-parallel-size 2 (gloo): each layer compiles around the ring attention,
+    which runs eagerly (a fixed count of graphs and breaks, the same on both CP ranks), and a step through the
+    traced layers gives eager's loss and gradients."""
+    assert run_distributed(_cp2_compiled_vs_eager, 2, timeout=600) == [CP2_GRAPHS_AND_BREAKS] * 2

@@ -279,8 +279,31 @@ def test_grouped_gemm_path_equals_the_loop(monkeypatch):
     loop = mlm_moe.grouped_linear(x, counts, layer)
     monkeypatch.setattr(mlm_moe, "_grouped_mm_ok", lambda x, w: True)
     with torch.no_grad():
-        grouped = mlm_moe.grouped_linear(x, counts, layer)
+        grouped = mlm_moe.grouped_linear(x, counts, layer, grouped=True)
     torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_only_moe_grouped_gemm_selects_the_grouped_kernel(monkeypatch, flag):
+    """--moe-grouped-gemm is a speed choice, off by default (upstream's default too: SequentialMLP): where the
+    grouped kernel could run (``_grouped_mm_ok`` forced, as on CUDA in bf16) the layer calls it only with the
+    flag, and gives the loop's output either way."""
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    layer = _layer(moe_grouped_gemm=flag)
+    x = torch.randn(S, B, H)
+    with torch.no_grad():
+        loop, _ = layer(x)
+        monkeypatch.setattr(mlm_moe, "_grouped_mm_ok", lambda x, w: True)
+        monkeypatch.setattr(torch, "_grouped_mm", spy)
+        out, _ = layer(x)
+    assert len(calls) == (2 if flag else 0)  # fc1 and fc2
+    torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-6)
 
 
 def test_routing_report_reads_the_routers_choice():

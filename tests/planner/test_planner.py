@@ -19,6 +19,7 @@ from megatron_ds.config.memory import estimate_memory
 from megatron_ds.families import get_family, main as pretrain_main
 from megatron_ds.parallel.schedules import pipeline_schedule, simulate_step_time, zbh1_schedule
 from megatron_ds.planner import plan_cli
+from megatron_ds.planner.one_layout import EXPECTED_ERROR, regime
 from megatron_ds.planner import search as planner
 from megatron_ds.planner.job_script import write_job_script
 from megatron_ds.planner.time_model import make_cluster, pipeline_time, zbh1_time
@@ -65,25 +66,24 @@ MEGATRON_TABLE = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2
                   (39, 64, 8192, 48, 8, 2, 512, 1536, 138), (76, 80, 10240, 60, 8, 4, 1024, 1792, 140),
                   (145, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310, 128, 16384, 96, 8, 16, 1920, 2160, 155),
                   (530, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1000, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
-# where the model ranks the published (TP, PP) lower than third: 7.5B, 18B and 39B, whose published
-# TP 4-8 pays 15-20% of the step in TP all-reduces by the model, which prefers TP 2 with an
-# interleaved pipeline there (docs/planner.md, "How good is it")
-RANK_BELOW_THIRD = {7.5: 4, 18: 7, 39: 7}
 
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE, ids=lambda r: f"{r[0]}B")
 def test_megatron_published_runs(row):
+    """Each published layout's fastest variant (micro batch, chunks; SC21 section 5.1: interleaved with scatter/gather)
+    within 5%, inside the PTD-P regime's expected error. Where
+    it ranks is not asserted: the published layouts were chosen by heuristics, not searched (SC21 says so), and the
+    alternatives the model prefers are mostly ties within that error (``evaluate.tie_groups``)."""
     size, heads, hidden, layers, tp, pp, gpus, batch, achieved = row
     argv = (f"--gpu-type a100-80 --gpus {gpus} --num-layers {layers} --hidden-size {hidden} "
             f"--num-attention-heads {heads} --seq-length 2048 --max-position-embeddings 2048 "
             f"--global-batch-size {batch} --fp16 --plan-zero 0 --plan-recompute full --unfused-attention "
-            "--plan-without zbh1,sequence-parallel,ulysses,uneven-stages").split()
+            "--plan-without zbh1,sequence-parallel,ulysses,uneven-stages,context-parallel").split()
     _, _, _, result = _plan(argv)
-    pairs = [(c.knobs.tp, c.knobs.pp) for c in result.ranked]
-    assert (tp, pp) in pairs
-    rank = pairs.index((tp, pp)) + 1
-    assert rank <= RANK_BELOW_THIRD.get(size, 3)
-    assert result.ranked[rank - 1].time.tflops_per_gpu == pytest.approx(achieved, rel=0.20)
+    published = next(c for c in result.ranked if (c.knobs.tp, c.knobs.pp) == (tp, pp))
+    assert regime(published.layout) == "ptd-p"
+    assert published.time.tflops_per_gpu == pytest.approx(achieved, rel=EXPECTED_ERROR["ptd-p"])
+    assert published.time.tflops_per_gpu == pytest.approx(achieved, rel=0.05)  # issue 45's bound for this table
     assert result.seconds < 60  # the 1T, 3,072-GPU question included (~4 s on a laptop core)
 
 
@@ -107,6 +107,33 @@ def test_moe_plan_splits_experts():
         found = planner.candidates(request)
     assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
     assert all(c.layout.ep == c.knobs.ep for c in found)
+    assert "--moe-expert-parallel-size" in next(c for c in found if c.knobs.ep > 1).knobs.flags()
+
+
+def test_upstream_moe_plan_splits_experts_by_its_own_flag():
+    """An upstream Megatron-LM MoE line (no --deepspeed: --num-experts builds Megatron-LM's layer, top-2): its
+    layouts split the experts by --expert-model-parallel-size (DeepSpeed-MoE's flag would be a second MoE layer's,
+    refused), and the time model runs each token through top-2 experts, not DeepSpeed-MoE's top-1: the MLP GEMMs
+    of the top-2 line take twice those of the same line at top-1."""
+    base = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 "
+            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --plan-recompute none "
+            "--plan-micro-batch 1").split()
+    with contextlib.chdir(ROOT):
+        request, _, _ = plan_cli.request_of(base, GPT, "plan.py")
+        found = planner.candidates(request)
+        assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
+        assert all(c.layout.ep == c.knobs.ep and c.layout.model.moe_router_topk == 2 for c in found)
+        wide = next(c for c in found if c.knobs.ep == 2 and c.knobs.tp == 1 and c.knobs.pp == 1)
+        assert wide.knobs.flags()[-2:] == ["--expert-model-parallel-size", "2"]
+        top1 = planner.evaluate(plan_cli.request_of(base + ["--moe-router-topk", "1"], GPT, "plan.py")[0], wide.knobs)
+    from megatron_ds.planner.time_model import gemm_seconds, layer_forward  # noqa: PLC0415
+
+    assert top1.layout.model.moe_router_topk == 1
+    gpu = request.cluster.gpu
+    two, one = (layer_forward(c.layout, gpu, 8)[0].matmul for c in (wide, top1))
+    # one expert MLP of a micro-batch's 1024 tokens: 1024 -> 4096 -> 1024 (GeLU, 4h)
+    expert = gemm_seconds(gpu, 1024, 4096, 1024) + gemm_seconds(gpu, 1024, 1024, 4096)
+    assert two - one == pytest.approx(expert, rel=1e-9)
 
 
 @pytest.fixture(scope="module")

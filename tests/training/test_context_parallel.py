@@ -69,13 +69,16 @@ def test_llama_cp2_tp2_with_sequence_parallel_matches_cp1(llama_reference):
     assert _losses(2, LLAMA + ["--sequence-parallel"], tp=2) == pytest.approx(llama_reference, rel=RTOL)
 
 
-@pytest.mark.parametrize("schedule", [["--checkpoint-activations"], ["--num-layers-per-virtual-pipeline-stage", "1"]],
-                         ids=["1f1b_recompute", "interleaved"])
+@pytest.mark.parametrize("schedule", [["--checkpoint-activations"],
+                                      ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+                                      ["--enable-zbh1-pipeline"]], ids=["1f1b_recompute", "interleaved", "zbh1"])
 def test_gpt_cp2_pp2_matches_cp1(gpt_reference, schedule):
-    """4 ranks: PP 2 x CP 2 (the document ids cross the stage boundaries whole): DeepSpeed's 1F1B engine with
-    full recompute (each layer's forward, ring included, reruns in backward), and our executor's interleaved
-    schedule."""
-    assert _losses(2, RESET + schedule, pp=2) == pytest.approx(gpt_reference, rel=RTOL)
+    """4 ranks: PP 2 x CP 2 (the document ids cross the stage boundaries whole, the hidden state as each CP rank's
+    two chunks): DeepSpeed's 1F1B engine with full recompute (each layer's forward, ring included, reruns in
+    backward), and our executor's interleaved (4 layers: two model chunks per stage) and ZB-H1 schedules (the
+    linear layers' weight gradients deferred; the ring's backward exchange runs in the input-gradient pass)."""
+    reference = _losses(1, RESET + schedule[:2]) if "--num-layers" in schedule else gpt_reference
+    assert _losses(2, RESET + schedule, pp=2) == pytest.approx(reference, rel=RTOL)
 
 
 RESUME = TINY_GPT + STEPS + LLAMA + ["--zero-stage", "1"]
@@ -98,3 +101,35 @@ def test_checkpoint_resumes_at_another_cp_size(tmp_path, zero1_reference, saved_
                                                                  "--load", ckpt], timeout=300)[-1]
     assert [it for it, _ in second] == [3, 4, 5]
     assert [loss for _, loss in second] == pytest.approx([loss for _, loss in zero1_reference[2:]], rel=RTOL)
+
+
+def test_fp8_delayed_scaling_at_cp2_matches_cp1():
+    """FP8 (torchao's emulation on the CPU), delayed scaling, bf16: the linear layers cast each token as at CP 1
+    when the CP ranks share one scale, as Megatron-LM's amax reduction group spans them
+    (``get_amax_reduction_group(with_context_parallel=True)``): the amaxes are reduced over DeepSpeed's data
+    parallel axis, DP x CP ranks. Tolerance: bf16 sums in another order (the attention merged block by block)
+    can move a value across an FP8 rounding boundary: the TP resharding bound of test_fp8_delayed.py (5e-3)."""
+    fp8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
+    assert _losses(2, LLAMA + fp8) == pytest.approx(_losses(1, LLAMA + fp8), rel=5e-3)
+
+
+def test_cp_ranks_share_the_fp8_scales(tmp_path):
+    """The group the loop reduces FP8 amaxes over (``ParallelState.sp_dp_group``) spans the CP ranks: two CP
+    ranks seeing different amaxes end with the same scale (without CP in the group they would not)."""
+    assert len(set(run_distributed(_scale_after_update, 2, [], timeout=120))) == 1
+
+
+def _scale_after_update(rank, world_size, _):
+    import torch
+
+    from megatron_ds.parallel.fp8 import Fp8Recipe
+    from megatron_ds.parallel.fp8_delayed import DelayedScaling, update_delayed_scaling
+    from megatron_ds.parallel.groups import ParallelState
+
+    ps = ParallelState(1, 1, cp=2)
+    state = DelayedScaling(Fp8Recipe(granularity="delayed", amax_history_len=4), None)
+    module = torch.nn.Module()
+    module.fp8_scaling = state
+    state.amax_history[0].fill_(1.0 + 7.0 * rank)
+    update_delayed_scaling(module, ps.sp_dp_group)
+    return float(state.scale[0])

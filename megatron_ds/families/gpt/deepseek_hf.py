@@ -1,7 +1,8 @@
-"""``DeepseekV3ForCausalLM`` (transformers models/deepseek_v3) whose layers are all dense
-(``first_k_dense_replace`` >= ``num_hidden_layers``): its multi-latent attention is ours (``model/mla.py``), its
-MLP Llama's SwiGLU. DeepSeek's released models put MoE layers after the first few; those need Megatron-LM's MoE
-layer (shared, fine-grained experts) and are refused here by name.
+"""``DeepseekV3ForCausalLM`` (transformers models/deepseek_v3) and ``DeepseekV2ForCausalLM`` (models/deepseek_v2:
+the same attention, MLP, tensor names and YaRN, its RoPE on the interleaved pairs as complex numbers, which is
+V3's ``rope_interleave``): its multi-latent attention is ours (``model/mla.py``), its dense MLP Llama's SwiGLU; its MoE
+layers (after the first ``first_k_dense_replace``) are Megatron-LM's MoE layer with shared experts and group-limited
+top-k (``moe_hf``).
 
 Tensor names: ``self_attn.q_proj`` (``q_lora_rank`` None) or ``q_a_proj`` + ``q_a_layernorm`` + ``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; same rows and columns as Megatron-LM's
@@ -21,7 +22,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.model.rotary import YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_MAX_POSITIONS
 
-CLASS = "DeepseekV3ForCausalLM"
+CLASS, V2_CLASS = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 
 _ATTENTION = {"linear_q_proj": "q_proj", "linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
               "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
@@ -37,19 +38,20 @@ def layer_names(i: int) -> dict[str, str]:
             "mlp.dense_4h_to_h.weight": p + "mlp.down_proj.weight"}
 
 
-def problems(m: ModelConfig) -> list[str]:
-    """What DeepseekV3ForCausalLM cannot express of ``m``, by flag."""
+def problems(m: ModelConfig, name: str = CLASS) -> list[str]:
+    """What DeepseekV3ForCausalLM (or ``name``: DeepseekV2ForCausalLM, the same attention and MLP) cannot express of
+    ``m``, by flag."""
     out = []
     if not m.multi_latent_attention:
-        out.append(f"no --multi-latent-attention ({CLASS} has DeepSeek's multi-latent attention)")
+        out.append(f"no --multi-latent-attention ({name} has DeepSeek's multi-latent attention)")
     if m.position_embedding_type != "rope":
-        out.append(f"--position-embedding-type {m.position_embedding_type} ({CLASS} adds no learned positions: rope)")
+        out.append(f"--position-embedding-type {m.position_embedding_type} ({name} adds no learned positions: rope)")
     if m.normalization != "rmsnorm":
-        out.append(f"--normalization {m.normalization} ({CLASS} has RMSNorm)")
+        out.append(f"--normalization {m.normalization} ({name} has RMSNorm)")
     if not m.swiglu:
-        out.append(f"a GeLU MLP without --swiglu ({CLASS} has SwiGLU)")
+        out.append(f"a GeLU MLP without --swiglu ({name} has SwiGLU)")
     if m.add_bias_linear:
-        out.append(f"biases (no --disable-bias-linear; {CLASS}'s MLP has none)")
+        out.append(f"biases (no --disable-bias-linear; {name}'s MLP has none)")
     if (m.rope_type or "yarn") == "yarn" and m.mscale != 1.0 and m.mscale_all_dim == 0.0:
         out.append(f"--mscale {m.mscale:g} without --mscale-all-dim (transformers' YaRN then ignores mscale)")
     return out
@@ -63,17 +65,21 @@ def _rope_parameters(m: ModelConfig) -> dict:
             "beta_slow": YARN_BETA_SLOW, "mscale": m.mscale, "mscale_all_dim": m.mscale_all_dim}
 
 
-def hf_config(m: ModelConfig, common: dict):
+def hf_config(m: ModelConfig, common: dict, moe: dict | None = None, *, v2: bool = False):
+    """``moe``: the MoE layers' fields (``moe_hf.config_kwargs``); without, every layer is dense. ``v2``:
+    DeepseekV2Config, whose rotary channels are always DeepSeek's interleaved pairs (its complex-number RoPE)."""
     import transformers  # noqa: PLC0415 - optional dependency, needed only here
 
-    return transformers.DeepseekV3Config(
+    cls, interleave = (transformers.DeepseekV2Config, {}) if v2 else (transformers.DeepseekV3Config,
+                                                                       {"rope_interleave": True})
+    return cls(**interleave,
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-        first_k_dense_replace=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads, **(moe or {"first_k_dense_replace": m.num_layers}),
         num_key_value_heads=m.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
         hidden_act="silu", max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.layernorm_epsilon,
         tie_word_embeddings=not m.untie_embeddings_and_output_weights, rope_parameters=_rope_parameters(m),
-        rope_interleave=True, attention_bias=False, attention_dropout=m.attention_dropout, **common)
+        attention_bias=False, attention_dropout=m.attention_dropout, **common)
 
 
 def _rope_config(d: dict) -> dict:
@@ -101,12 +107,8 @@ def _rope_config(d: dict) -> dict:
 def model_config(d: dict) -> ModelConfig:
     """Our ModelConfig (unresolved) from a deepseek_v3 config.json dict; ConfigError for what has no equivalent."""
     n = d["num_hidden_layers"]
-    if d.get("n_routed_experts") and d.get("first_k_dense_replace", 3) < n:
-        raise ConfigError(f"first_k_dense_replace {d.get('first_k_dense_replace', 3)} < num_hidden_layers {n}: "
-                          f"DeepSeek's MoE layers (shared and fine-grained experts) do not import yet; only "
-                          f"all-dense DeepSeek models do")
-    if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias"):
-        raise ConfigError("hidden_act other than silu or attention_bias true: no equivalent here")
+    if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias") or d.get("mlp_bias"):
+        raise ConfigError("hidden_act other than silu, attention_bias or mlp_bias true: no equivalent here")
     if not d.get("rope_interleave", True):
         raise ConfigError("rope_interleave false: Megatron-LM's multi-latent attention rotates DeepSeek's "
                           "interleaved channel pairs only")

@@ -5,7 +5,9 @@ Two targets, chosen by the model's shape:
 - ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied embeddings,
   multi-head attention with ``kv_channels * heads == hidden``. GPT-2's ``Conv1D`` layers store
   their weights transposed (``[in, out]``), and its ``c_attn`` is ``[Q(all heads); K; V]``.
-- ``MixtralForCausalLM``: a Llama-style model with DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
+- ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: Mistral's, Qwen2's and Qwen3's
+  layers with Megatron-LM's MoE layer in place of the MLP (``megatron_ds.families.gpt.moe_hf``, both ways);
+  Mixtral also exports from DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
   SwiGLU, optional grouped-query attention, tied or untied output layer; biases map to Llama's
@@ -18,8 +20,8 @@ Two targets, chosen by the model's shape:
 - ``Qwen3ForCausalLM``: Llama's layers with a per-head RMSNorm of head size on queries and keys
   before the rotary embedding (--qk-layernorm: ``self_attention.q_layernorm`` / ``k_layernorm`` ->
   ``self_attn.q_norm`` / ``k_norm``), ``head_dim`` free of hidden / heads (--kv-channels).
-- ``DeepseekV3ForCausalLM`` with dense layers only: --multi-latent-attention and Llama's MLP
-  (``megatron_ds.families.gpt.deepseek_hf``).
+- ``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``: --multi-latent-attention and Llama's MLP
+  (``megatron_ds.families.gpt.deepseek_hf``), their MoE layers Megatron-LM's (``moe_hf``).
 - ``MistralForCausalLM``: Llama's layers without biases, with ``sliding_window`` W: transformers'
   ``masking_utils.sliding_window_overlay`` lets query q see keys kv with ``kv > q - W``, i.e. W - 1
   keys back, Megatron-LM's --window-size (W - 1, 0). Qwen2/Qwen3 slide on the layers
@@ -28,7 +30,9 @@ Two targets, chosen by the model's shape:
 
 Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
 --architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
-metadata) when it can express the model, else by the model's features: MoE -> Mixtral, multi-latent
+metadata) when it can express the model, else by the model's features: Megatron-LM's MoE -> DeepSeek-V2/V3
+(--multi-latent-attention: softmax / sigmoid router), Qwen2-MoE (shared expert), Qwen3-MoE (--qk-layernorm) or
+Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
 attention -> DeepSeek-V3, learned positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
 --window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 
@@ -40,23 +44,33 @@ The padding rows of the vocabulary are dropped on export (HF's vocabulary is the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_ds.checkpoint.hf_files import fuse_qkv, split_qkv
 from megatron_ds.config.attention import window_size
 from megatron_ds.config.layout import resolve_model_config
+from megatron_ds.config import moe_selection
 from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.moe_params import is_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.families.gpt import deepseek_hf as deepseek
 from megatron_ds.families.gpt import mixtral_hf as mixtral
+from megatron_ds.families.gpt import moe_hf
 
 GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
-DEEPSEEK_V3 = "deepseek_v3"
+DEEPSEEK_V3, DEEPSEEK_V2 = "deepseek_v3", "deepseek_v2"
+_DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)  # the same multi-latent attention and MLP; their MoE routers differ
+QWEN2_MOE, QWEN3_MOE = moe_hf.QWEN2_MOE, moe_hf.QWEN3_MOE
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
                  QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM",
-                 DEEPSEEK_V3: deepseek.CLASS}
+                 DEEPSEEK_V3: deepseek.CLASS, DEEPSEEK_V2: deepseek.V2_CLASS, **moe_hf.CLASSES}
+# the classes a Megatron-LM MoE model exports to, with the dense class whose attention and norms each has
+# (Mixtral's are Mistral's: no biases, an optional sliding window; Qwen2-MoE's q/k/v biases are optional: Llama's)
+_MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3, DEEPSEEK_V3: DEEPSEEK_V3,
+                  DEEPSEEK_V2: DEEPSEEK_V2}
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -92,15 +106,13 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     ``recorded``: the class the checkpoint was imported from, taken where it can express ``m``);
     ConfigError naming what cannot."""
     if is_mlm_moe(m) and is_moe(m):
-        raise ConfigError("Hugging Face conversion of Megatron-LM's MoE layers (--moe-router-topk ..., "
-                          "model/mlm_moe.py) is not supported yet; MixtralForCausalLM converts to and from "
-                          "DeepSpeed-MoE's (--num-experts N --topk 2 --expert-interval 1)")
+        return _choose_mlm_moe(m, asked, recorded)
     if asked is not None:
         arch = architecture_key(asked)
     elif is_moe(m):
         arch = MIXTRAL
-    elif m.multi_latent_attention:
-        arch = DEEPSEEK_V3
+    elif m.multi_latent_attention:  # V2's and V3's dense layers are alike: the class imported from
+        arch = DEEPSEEK_V2 if recorded == deepseek.V2_CLASS else DEEPSEEK_V3
     elif m.position_embedding_type == "learned_absolute":
         arch = GPT2
     elif recorded is not None and recorded in ARCHITECTURES.values() \
@@ -114,9 +126,13 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
         arch = MISTRAL
     else:
         arch = LLAMA
+    if arch in moe_hf.CLASSES:
+        raise ConfigError(f"{ARCHITECTURES[arch]} needs Megatron-LM's MoE layers (--num-experts N --moe-router-topk K"
+                          f" ..., docs/moe.md)")
     if (arch == MIXTRAL) != is_moe(m):
         raise ConfigError("MixtralForCausalLM needs mixture-of-experts layers (--num-experts)" if arch == MIXTRAL else
-                          f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts (MixtralForCausalLM has)")
+                          f"--num-experts: DeepSpeed-MoE layers export as MixtralForCausalLM only, not as "
+                          f"{ARCHITECTURES[arch]}")
     if arch == MIXTRAL:
         mla = ["--multi-latent-attention (MixtralForCausalLM has Llama's attention)"] if m.multi_latent_attention else []
         mixtral.check_expressible(m, rope_scaling_problems(m) + mla)
@@ -134,11 +150,44 @@ def choose_architecture(m: ModelConfig, *, asked: str | None = None, recorded: s
     return arch
 
 
-def _problems(arch: str, m: ModelConfig) -> list[str]:
-    """What ``arch`` (a dense class) cannot express of ``m``, by flag."""
-    name = ARCHITECTURES[arch]
-    if arch == DEEPSEEK_V3:
-        return deepseek.problems(m)
+def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> str:
+    """choose_architecture for Megatron-LM's MoE layers: the class asked for, else the recorded one where it can
+    express ``m``, else by features (multi-latent attention: DeepSeek-V2 or V3 by the router's score function; a
+    shared expert: Qwen2-MoE; --qk-layernorm: Qwen3-MoE; else Mixtral)."""
+    if asked is not None:
+        arch = architecture_key(asked)
+    elif recorded in ARCHITECTURES.values() and architecture_key(recorded) in _MOE_ATTENTION \
+            and not _moe_problems(architecture_key(recorded), m):
+        arch = architecture_key(recorded)
+    elif m.multi_latent_attention:  # DeepSeek-V2's router is a softmax, V3's a sigmoid
+        arch = DEEPSEEK_V2 if m.moe_router_score_function == "softmax" else DEEPSEEK_V3
+    elif m.moe_shared_expert_intermediate_size:
+        arch = QWEN2_MOE
+    else:
+        arch = QWEN3_MOE if m.qk_layernorm else MIXTRAL
+    if arch not in _MOE_ATTENTION:
+        raise ConfigError(f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts "
+                          f"({', '.join(ARCHITECTURES[a] for a in _MOE_ATTENTION)} have)")
+    problems = _moe_problems(arch, m)
+    if problems:
+        raise ConfigError(f"a mixture-of-experts model exports as {ARCHITECTURES[arch]}, which cannot express "
+                          + "; ".join(problems))
+    return arch
+
+
+def _moe_problems(arch: str, m: ModelConfig) -> list[str]:
+    base = _MOE_ATTENTION[arch]
+    if arch == QWEN2_MOE and not m.add_qkv_bias:
+        base = LLAMA  # Qwen2MoeConfig's qkv_bias false: no biases at all
+    return _problems(base, m, name=ARCHITECTURES[arch]) + moe_hf.problems(arch, m)
+
+
+def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
+    """What ``arch`` (a dense class; ``name``: the class named in the reasons, else ``arch``'s) cannot express
+    of ``m``, by flag."""
+    name = name or ARCHITECTURES[arch]
+    if arch in _DEEPSEEK:
+        return deepseek.problems(m, name)
     if m.multi_latent_attention:
         return [f"--multi-latent-attention ({name} has no multi-latent attention; DeepseekV3ForCausalLM has)"]
     if arch == GPT2:
@@ -172,7 +221,7 @@ def _problems(arch: str, m: ModelConfig) -> list[str]:
     problems += rope_scaling_problems(m)
     if m.qk_layernorm != (arch == QWEN3):
         problems.append(f"--qk-layernorm ({name} has no query/key norms)" if m.qk_layernorm else
-                        "no --qk-layernorm (Qwen3ForCausalLM normalizes every head's queries and keys)")
+                        f"no --qk-layernorm ({name} normalizes every head's queries and keys)")
     qkv_only = m.add_qkv_bias and not m.add_bias_linear
     if arch == LLAMA and qkv_only:
         problems.append("--add-qkv-bias without --add-bias-linear (LlamaForCausalLM's attention_bias puts a bias "
@@ -247,10 +296,13 @@ def layer_to_hf(arch: str, m: ModelConfig, i: int, t: dict[str, torch.Tensor]) -
             out[p + theirs + ".weight"] = t[ours + ".weight"].t()  # Conv1D: [in, out]
             out[p + theirs + ".bias"] = t[ours + ".bias"]
         return one_plus(m, out)
-    if arch == MIXTRAL:  # Llama's attention and norms, Mixtral's MoE block in place of the MLP
+    if moe_hf.ROUTER in t:  # Megatron-LM's MoE layer: the class's MoE block in place of the MLP
+        out.update(moe_hf.moe_to_hf(arch, i, t))
+        t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
+    elif arch == MIXTRAL:  # DeepSpeed-MoE: Llama's attention and norms, Mixtral's MoE block in place of the MLP
         out.update(mixtral.moe_to_hf(i, t))
         t = {k: v for k, v in t.items() if not k.startswith("mlp.")}
-    names = deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)
+    names = deepseek.layer_names(i) if arch in _DEEPSEEK else _transformer_layer_names(arch, i)
     fused = {f"{a}.{s}" for a in ("self_attention.query_key_value", "mlp.dense_h_to_4h") for s in ("weight", "bias")}
     unknown = sorted(set(t) - set(names) - fused)
     if unknown:  # would be dropped from the export: the model is not the one the class computes
@@ -291,15 +343,15 @@ def layer_from_hf(arch: str, m: ModelConfig, i: int, get) -> dict[str, torch.Ten
             t[ours + ".weight"] = get(p + theirs + ".weight").t()
             t[ours + ".bias"] = get(p + theirs + ".bias")
         return t
-    if arch == MIXTRAL:
-        t.update(mixtral.moe_from_hf(i, m.num_experts[0], get))
-    for ours, theirs in (deepseek.layer_names(i) if arch == DEEPSEEK_V3 else _transformer_layer_names(arch, i)).items():
+    if is_mlm_moe(m) and moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)[i]:
+        t.update(moe_hf.moe_from_hf(arch, i, m.num_experts[0], get))
+    for ours, theirs in (deepseek.layer_names(i) if arch in _DEEPSEEK else _transformer_layer_names(arch, i)).items():
         x = get(theirs)
         if x is not None:
             t[ours] = x
     p = f"model.layers.{i}."
     for suffix in ("weight", "bias"):
-        q = get(f"{p}self_attn.q_proj.{suffix}") if arch != DEEPSEEK_V3 else None  # (DeepSeek's: deepseek_hf)
+        q = get(f"{p}self_attn.q_proj.{suffix}") if arch not in _DEEPSEEK else None  # (DeepSeek's: deepseek_hf)
         if q is not None:
             t[f"self_attention.query_key_value.{suffix}"] = fuse_qkv(
                 q, get(f"{p}self_attn.k_proj.{suffix}"), get(f"{p}self_attn.v_proj.{suffix}"), m)
@@ -333,8 +385,9 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function=act,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=True, **common)
-    if arch == DEEPSEEK_V3:
-        return deepseek.hf_config(m, common)
+    if arch in _DEEPSEEK:
+        return deepseek.hf_config(m, common, moe_hf.config_kwargs(arch, m) if is_mlm_moe(m) and is_moe(m) else None,
+                                  v2=arch == DEEPSEEK_V2)
     # what Llama, Qwen2/3, Mistral and Mixtral describe alike (Llama's layers)
     llama = dict(
         hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
@@ -343,6 +396,15 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
         rms_norm_eps=m.layernorm_epsilon, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         rope_parameters=_rope_parameters(m), attention_dropout=m.attention_dropout, **common)
     window = sliding_window(m)
+    if is_mlm_moe(m) and arch in _MOE_ATTENTION:
+        llama.update(moe_hf.config_kwargs(arch, m))
+        if arch == MIXTRAL:
+            return transformers.MixtralConfig(**llama, sliding_window=window)
+        if arch == QWEN3_MOE:
+            return transformers.Qwen3MoeConfig(**llama, attention_bias=False)
+        if m.kv_channels * m.num_attention_heads == m.hidden_size:  # as Qwen2Config below
+            del llama["head_dim"]
+        return transformers.Qwen2MoeConfig(**llama)
     if arch == MIXTRAL:
         return transformers.MixtralConfig(**llama, **mixtral.config_kwargs(m), sliding_window=window)
     if arch == MISTRAL:
@@ -365,11 +427,26 @@ def model_config_from_hf(d: dict) -> tuple[str, ModelConfig]:
         return GPT2, resolve_model_config(_gpt2_config(d))
     if kind in (LLAMA, QWEN2, QWEN3, MISTRAL):
         return kind, resolve_model_config(_llama_config(d, kind))
-    if kind == "mixtral":
-        return MIXTRAL, resolve_model_config(mixtral.model_config(_llama_config(d, kind), d))
-    if kind == DEEPSEEK_V3:
-        return DEEPSEEK_V3, resolve_model_config(deepseek.model_config(d))
+    if kind in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, moe_hf.OLMOE):
+        moe_hf.check_importable(d, kind)
+        return kind, resolve_model_config(moe_hf.model_config(kind, _moe_attention(d, kind), d))
+    if kind in _DEEPSEEK:
+        m = deepseek.model_config(d)
+        if any(moe_hf.layer_pattern(d, kind)):
+            m = moe_hf.model_config(kind, m, d)
+        return kind, resolve_model_config(m)
     raise ConfigError(f"model_type {kind!r}: only {', '.join(ARCHITECTURES)} models import")
+
+
+def _moe_attention(d: dict, kind: str) -> ModelConfig:
+    """The Llama-like part of an MoE class's config: Mixtral's is Mistral's; Qwen2-MoE's and Qwen3-MoE's are
+    Qwen2's and Qwen3's, with head_dim hidden / heads unless given (``Qwen3MoeAttention``) and Qwen2-MoE's
+    q/k/v biases only with qkv_bias (default true)."""
+    if kind == MIXTRAL:
+        return _llama_config(d, kind)
+    d = {**d, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
+    base = _llama_config(d, QWEN2 if kind == QWEN2_MOE else QWEN3)
+    return dataclasses.replace(base, add_qkv_bias=False) if not d.get("qkv_bias", True) else base
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -490,7 +567,9 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append(f"--window-size {m.window_size.strip('()')}")
     if m.untie_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
-    if is_moe(m):
+    if is_moe(m) and is_mlm_moe(m):
+        f += moe_hf.model_flags(m)
+    elif is_moe(m):
         f += [f"--num-experts {' '.join(map(str, m.num_experts))}", f"--expert-interval {m.expert_interval}",
               f"--topk {m.topk}", f"--moe-loss-coeff {m.moe_loss_coeff:g}"]
         f += [flag for flag, on in (("--disable-moe-token-dropping", m.disable_moe_token_dropping),

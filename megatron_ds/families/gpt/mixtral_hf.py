@@ -34,8 +34,6 @@ fused ``mlp.experts.gate_up_proj`` / ``down_proj`` when loading, see its ``conve
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megatron_ds.checkpoint.expert_files import expert_id
@@ -115,48 +113,6 @@ def moe_to_hf(i: int, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             raise ConfigError(f"layer {i + 1}: {name} has no place in MixtralForCausalLM")
     return out
-
-
-def moe_from_hf(i: int, num_experts: int, get) -> dict[str, torch.Tensor]:
-    """Inverse of ``moe_to_hf``: ``get(hf_name)`` returns a tensor or None. Reads the hub layout, or
-    transformers 5's own (``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` ``[E, 2 ffn, hidden]``
-    with the gate rows first, ``mlp.experts.down_proj`` ``[E, hidden, ffn]``: modeling_mixtral.py)."""
-    p = f"model.layers.{i}.block_sparse_moe."
-    fused = get(f"model.layers.{i}.mlp.experts.gate_up_proj")
-    if fused is not None:
-        down = get(f"model.layers.{i}.mlp.experts.down_proj")
-        out = {GATE: get(f"model.layers.{i}.mlp.gate.weight")}
-        for e in range(num_experts):  # [gate; up] rows: our SwiGLU dense_h_to_4h as it is
-            out[f"{_EXPERT}{e}.dense_h_to_4h.weight"] = fused[e]
-            out[f"{_EXPERT}{e}.dense_4h_to_h.weight"] = down[e]
-        return _complete(i, out)
-    out = {GATE: get(p + "gate.weight")}
-    for e in range(num_experts):
-        q = f"{p}experts.{e}."
-        w1, w3 = get(q + "w1.weight"), get(q + "w3.weight")
-        out[f"{_EXPERT}{e}.dense_h_to_4h.weight"] = None if w1 is None or w3 is None else torch.cat([w1, w3])
-        out[f"{_EXPERT}{e}.dense_4h_to_h.weight"] = get(q + "w2.weight")
-    return _complete(i, out)
-
-
-def _complete(i: int, out: dict) -> dict[str, torch.Tensor]:
-    missing = [k for k, v in out.items() if v is None]
-    if missing:
-        raise ConfigError(f"the model has no tensor for layer {i + 1}'s {missing[0]} (Mixtral's MoE block)")
-    return out
-
-
-def model_config(llama: ModelConfig, d: dict) -> ModelConfig:
-    """Our ModelConfig of a transformers Mixtral config (``d``), given its Llama part: DeepSpeed-MoE
-    on every layer, top-k without token dropping or second-expert sampling (what Mixtral computes)."""
-    k = d.get("num_experts_per_tok", 2)
-    if k < 2:
-        raise ConfigError("num_experts_per_tok 1: DeepSpeed's top-1 gate scales the expert by its probability, "
-                          "Mixtral's router renormalizes it to 1; no equivalent here")
-    return dataclasses.replace(llama, num_experts=(d.get("num_local_experts", 8),), expert_interval=1, topk=k,
-                               mlp_type="standard", disable_moe_token_dropping=True,
-                               disable_moe_top2_2nd_expert_sampling=True,
-                               moe_loss_coeff=float(d.get("router_aux_loss_coef", 0.001)))
 
 
 def config_kwargs(m: ModelConfig) -> dict:

@@ -3,7 +3,7 @@ transformers model built here, imported (tools/checkpoint/from_hf.py's import_hf
 at every position (fp32; atol 1e-5 as tests/families/gpt/test_hf_models.py: other kernels and summation
 orders), with and without a query latent, YaRN (DeepSeek-V2's mscale) and plain RoPE; the printed flags give the
 imported model; the export loads as the same class with the same tensors; greedy generation with our KV cache
-equals transformers' generate; DeepSeek's MoE layers and YaRN settings Megatron-LM fixes are refused by name.
+equals transformers' generate; YaRN settings Megatron-LM fixes and MoE routing it cannot compute are refused by name.
 """
 import json
 
@@ -116,7 +116,11 @@ def test_greedy_generation_equals_transformers(imported):
 
 
 @pytest.mark.parametrize("over,says", [
-    (dict(first_k_dense_replace=1, n_routed_experts=4), "first_k_dense_replace 1 < num_hidden_layers 2"),
+    # DeepSeek's MoE layers import (tests/families/gpt/test_moe_hf_models.py) where Megatron-LM's router computes them
+    (dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2),
+     "transformers scores a group by its top 2 experts, Megatron-LM's --moe-router-group-topk by its top"),
+    (dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, norm_topk_prob=False, n_group=1),
+     "norm_topk_prob False with num_experts_per_tok 2"),
     (dict(rope_parameters={**_YARN, "original_max_position_embeddings": 8192}), "fixes YaRN's original context"),
     (dict(rope_interleave=False), "rope_interleave false"),
 ])

@@ -84,22 +84,27 @@ def _hf_model(name):
     return model
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """name -> (HF directory, imported checkpoint, printed text); built once per model."""
+def hf_import_cache(tmp_path_factory, build):
+    """name -> (HF directory, imported checkpoint, printed text) of the transformers model ``build(name)``;
+    built, saved and imported once per model."""
     cache = {}
 
     def get(name):
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
             hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
-            _hf_model(name).save_pretrained(hf_dir)
+            build(name).save_pretrained(hf_dir)
             lines = []
             from megatron_ds.families.gpt.gpt_hf_import import import_hf
             import_hf(hf_dir, ckpt, family=GPT, log=lines.append)
             cache[name] = hf_dir, ckpt, "\n".join(lines)
         return cache[name]
     return get
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    return hf_import_cache(tmp_path_factory, _hf_model)
 
 
 def _tokens(n=2, length=SEQ, seed=0):

@@ -64,7 +64,7 @@ def test_mixtral_export_has_equal_logits(exported):
 
 def test_export_refuses_what_mixtral_cannot_express(tmp_path, capsys):
     ckpt = str(tmp_path / "gpt2-moe")
-    train("gpt2", 1, 1, 1, 1, ["--save", ckpt, "--num-experts", "2"])
+    train("gpt2", 1, 1, 1, 1, ["--save", ckpt, "--deepspeed", "--num-experts", "2"])  # DeepSpeed-MoE's defaults
     assert to_hf.main(["--load", ckpt, "--out", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: a mixture-of-experts model exports as MixtralForCausalLM")
