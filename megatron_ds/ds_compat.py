@@ -56,6 +56,8 @@ _INTERNAL_NAMES = {
     "_get_expert_parallel_group_ranks": "deepspeed.utils.groups",
     "_get_expert_data_parallel_group_ranks": "deepspeed.utils.groups",
     "_get_expert_parallel_group": "deepspeed.utils.groups",
+    "_get_expert_parallel_rank": "deepspeed.utils.groups",
+    "_get_expert_data_parallel_rank": "deepspeed.utils.groups",
     "get_norm_with_moe_layers": "deepspeed.runtime.utils",
 }
 
@@ -682,6 +684,17 @@ def expert_parallel_group(ep_size: int):
     """The expert parallel group ``create_expert_groups`` made for ``ep_size`` (Megatron-LM's MoE layer's
     token dispatch, model/mlm_moe.py)."""
     return _internal("_get_expert_parallel_group")(moe_group_name(ep_size))
+
+
+def expert_ranks(group_name: str) -> tuple[int, int]:
+    """(expert parallel rank, expert data parallel rank) of this rank in DeepSpeed's groups named ``group_name``."""
+    return (_internal("_get_expert_parallel_rank")(group_name),
+            _internal("_get_expert_data_parallel_rank")(group_name))
+
+
+def checkpoint_mp_rank(engine) -> int:
+    """The model parallel rank in the names of the engine's checkpoint files (``mp_rank_{m:02d}_...``)."""
+    return engine.checkpoint_mp_rank
 
 
 def mark_expert_parameters(params, ep_size: int) -> None:

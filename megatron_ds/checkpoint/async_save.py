@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint import integrity
+from megatron_ds.checkpoint import integrity, stacked_experts
 from megatron_ds.checkpoint.background import ForkedWriter, Job, PersistentWriter
 from megatron_ds.checkpoint.checkpointing import (WeightsOnlyCheckpointEngine, WriteFailure, prepare_save, track)
 from megatron_ds.checkpoint.format import META, checkpoint_tag, step_dir
@@ -96,6 +96,7 @@ class AsyncSaver:
         self.writer.redirect = snapshot.add
         try:
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state, save_latest=False)
+            stacked_experts.save(self.engine, self.save_dir, tag)
         except BaseException:
             snapshot.close()
             raise

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint import health, integrity
+from megatron_ds.checkpoint import health, integrity, stacked_experts
 from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, META, TRACKER, atomic_write,
                                            checkpoint_tag, read_meta, read_tracker, step_dir, write_trackers)
 from megatron_ds.checkpoint.health import HEALTH
@@ -188,6 +188,7 @@ def _write_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict
     """Every rank's DeepSpeed files, then rank 0's record of the run (complete only once the manifest exists)."""
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    stacked_experts.save(engine, save_dir, tag)
     writer = ds_compat.checkpoint_engine(engine)
     error = writer.take_write_error() if isinstance(writer, WeightsOnlyCheckpointEngine) else None
     if error is not None:

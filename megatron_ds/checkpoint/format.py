@@ -48,6 +48,8 @@ MOE_SHAPE_FIELDS = ("num_experts", "expert_interval", "mlp_type", "enable_expert
 MLM_MOE_SHAPE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                         "moe_shared_expert_gate", "moe_layer_freq", "moe_router_enable_expert_bias")
 EXPERT_PARALLEL_SIZE = "expert_parallel_size"  # a layout field (resharded at --load)
+# Megatron-LM's MoE with experts split over TP (a layout field, recorded only when > 1: older checkpoints match)
+EXPERT_TENSOR_PARALLEL_SIZE = "expert_tensor_parallel_size"
 # Transformer layers of each pipeline stage (of each virtual stage under interleaving) where they are uneven: a
 # layout field, since at the same sizes another split gives each stage the optimizer state of other layers.
 # Absent for equal stages, what every checkpoint written before uneven stages holds.
@@ -196,4 +198,6 @@ def layout_signature(layout) -> dict:
     layers = layout.chunk_layers or tuple(s.layers[1] - s.layers[0] for s in layout.stages)
     if len(set(layers)) > 1:
         sig[PIPELINE_LAYERS] = list(layers)
+    if layout.etp > 1:
+        sig[EXPERT_TENSOR_PARALLEL_SIZE] = layout.etp
     return sig

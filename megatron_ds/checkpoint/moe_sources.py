@@ -2,7 +2,8 @@
 
 ``MoEModuleSource`` gives the per-layer tensor parallel shards that consolidation, export and
 resharding read (``megatron_ds.checkpoint.sources``): the non-expert weights from every TP x PP
-rank's mp_rank file, the experts from DeepSpeed's expert files, under their global expert ids.
+rank's mp_rank file, the experts from DeepSpeed's expert files, under their global expert ids (Megatron-LM's
+layer: from its stacked experts files, every expert parallel rank's joined, ``stacked_experts``).
 ``expert_optimizer_files`` lists ZeRO-0's per expert parallel rank optimizer files.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 
-from megatron_ds.checkpoint import expert_files
+from megatron_ds.checkpoint import expert_files, stacked_experts
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.errors import ConfigError
 
@@ -31,7 +32,17 @@ class MoEModuleSource:
         # span tensor parallel ranks, so one TP rank's files may hold only some experts; any TP
         # rank's copy of an expert is the expert.
         whole = not ckpt.model.enable_expert_tensor_parallelism
+        # Megatron-LM's layer at EP > 1 (stacked_experts): tp rank -> {name: {expert parallel rank: tensor}},
+        # whole experts on every TP rank too (a TP rank's own file first)
+        self.stacked = {t: collections.defaultdict(dict) for t in range(ckpt.tp)}
         for name in sorted(os.listdir(ckpt.path)):
+            if (found := stacked_experts.parse_file(name)) is not None:
+                state = load_file(os.path.join(ckpt.path, name))
+                for t in range(ckpt.tp):
+                    for key, tensor in state.items():
+                        if found[1] % ckpt.tp == t or found[0] not in self.stacked[t][key]:
+                            self.stacked[t][key][found[0]] = tensor
+                continue
             parsed = expert_files.parse_expert_file(name)
             if parsed is None:
                 continue
@@ -60,6 +71,9 @@ class MoEModuleSource:
             files = {path for key, path in self.expert_files[t].items() if key.startswith(prefix)}
             for path in sorted(files):
                 shard.update({k[len(prefix):]: v for k, v in load_file(path).items() if k.startswith(prefix)})
+            # the module file holds data parallel rank 0's experts only: every rank's, joined
+            shard.update({k[len(prefix):]: stacked_experts.join(parts) for k, parts in self.stacked[t].items()
+                          if k.startswith(prefix)})
             out.append(shard)
         return out
 
@@ -68,6 +82,7 @@ class MoEModuleSource:
         out = {k: v.shape for module in self.modules[tp_rank] for k, v in module.items()}
         for path in sorted(set(self.expert_files[tp_rank].values())):
             out.update({k: v.shape for k, v in load_file(path).items()})
+        out.update({k: stacked_experts.join(parts).shape for k, parts in self.stacked[tp_rank].items()})
         return out
 
 
@@ -87,7 +102,7 @@ def expert_global_names(module: torch.nn.Module) -> dict[str, str]:
     (``deepspeed_moe.ep_group``, set by the engine; none outside an engine: EP 1)."""
     out = {}
     for prefix, sub in module.named_modules():
-        if not isinstance(sub, MoE):
+        if not isinstance(sub, MoE) or not hasattr(sub, "deepspeed_moe"):  # or Megatron-LM's layer's engine marker
             continue
         group = getattr(sub.deepspeed_moe, "ep_group", None)
         ep_rank = dist.get_rank(group=group) if group is not None else 0

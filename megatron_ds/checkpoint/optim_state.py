@@ -9,7 +9,9 @@ and Adam moments, read from
 - the ZeRO-0 torch / fp16 optimizer's positional state (``plain_optim``: by the
   ``optimizer_param_names`` this toolkit records, or the order rebuilt for older checkpoints);
   with MoE layers one such state per expert parallel rank (``expert_files``), experts named by global id
-  (as the ZeRO shards' experts are renamed).
+  (as the ZeRO shards' experts are renamed);
+- Megatron-LM's MoE layer at EP > 1 (``stacked_experts``): each expert parallel rank's state of its stacked
+  experts (ZeRO 1-2: partitioned over its expert data parallel group), joined to the EP 1 tensor.
 
 Files are memory-mapped: tensors are read when a parameter's slice is used.
 """
@@ -19,9 +21,9 @@ import collections
 
 import torch
 
-from megatron_ds.checkpoint import expert_files, plain_optim
+from megatron_ds.checkpoint import expert_files, plain_optim, stacked_experts
 from megatron_ds.checkpoint.files import OPTIM_KEYS, CheckpointFiles, load_file
-from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_ds.checkpoint.moe_sources import MoEModuleSource, expert_optimizer_files
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
@@ -60,6 +62,11 @@ class SavedOptimizer:
         self.plain = {}  # (name, mp_rank) -> {"exp_avg": t, "exp_avg_sq": t[, "fp32": fp16 runs' master]}
         self.zero3 = None
         self.experts = None
+        # Megatron-LM's stacked experts: name -> mp rank -> {expert parallel rank: ZeRO pieces or plain tensors}
+        self.stacked = collections.defaultdict(lambda: collections.defaultdict(dict))
+        self.ep = ckpt.meta["signature"].get(EXPERT_PARALLEL_SIZE, 1)
+        # experts split over TP: DeepSpeed's expert groups ran along data parallel ranks (parallel/groups.py)
+        self.expert_tp = ckpt.meta["signature"].get(EXPERT_TENSOR_PARALLEL_SIZE, 1) > 1
         self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
         files = ckpt.optimizer_files()
         if ckpt.zero_stage == 3:
@@ -88,6 +95,11 @@ class SavedOptimizer:
             for name, frag in mapping.items():
                 if self.experts is not None:
                     name = self.experts.global_name(name, dp, mp)
+                if self.ep > 1 and stacked_experts.is_stacked(name):
+                    r = expert_files.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
+                                                          expert_tp=self.expert_tp)
+                    self.stacked[name][mp].setdefault(r, []).append((dp, flat, frag.start, frag.numel))
+                    continue
                 self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
 
     def _index_plain(self) -> None:
@@ -120,11 +132,15 @@ class SavedOptimizer:
                     raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters; resume it "
                                       f"at its own layout, or pass --no-load-optim")
                 for r, path in sorted(files.get(mp, {}).items()):
-                    local = expert_files.to_local(shapes, r, ep)
+                    local = {name: stacked_experts.local_shape(shape, ep) if stacked_experts.is_stacked(name) else shape
+                             for name, shape in expert_files.to_local(shapes, r, ep).items()}
                     opt = load_file(path)["optimizer"]
                     found, step = plain_optim.index_state(self.ckpt, mp, opt, names, local)
-                    self.plain.update({(name, mp): tensors for name, tensors in expert_files.to_global(found, r).items()
-                                       if tensors})
+                    for name, tensors in expert_files.to_global(found, r).items():
+                        if tensors and stacked_experts.is_stacked(name):
+                            self.stacked[name][mp][r] = tensors
+                        elif tensors:
+                            self.plain[name, mp] = tensors
                     self.step = step if step is not None else self.step
 
     def _mp_ranks(self, tp_rank: int) -> list[int]:
@@ -133,6 +149,8 @@ class SavedOptimizer:
     def tensors(self, name: str, tp_rank: int, shape: torch.Size) -> dict[str, torch.Tensor] | None:
         """{"fp32"?, "exp_avg", "exp_avg_sq"} of saved TP rank ``tp_rank``'s shard of ``name``."""
         mps = self._mp_ranks(tp_rank)
+        if name in self.stacked:
+            return self._stacked(name, mps, shape)
         if expert_files.expert_id(name) is not None and not self.ckpt.model.enable_expert_tensor_parallelism:
             # a whole expert: its expert parallel rank's files may belong to another TP rank
             mps = [mp for t in range(self.ckpt.tp) for mp in self._mp_ranks(t)]
@@ -142,7 +160,29 @@ class SavedOptimizer:
             if (name, mp) in self.plain:
                 return self.plain[name, mp]
             if (name, mp) in self.pieces:
-                pieces = sorted(self.pieces[name, mp], key=lambda p: p[0])
-                return {k: torch.cat([flat[k][start:start + numel] for _, flat, start, numel in pieces]).view(shape)
-                        for k in ("fp32", *OPTIM_KEYS)}
+                return _join_pieces(self.pieces[name, mp], shape)
         return None
+
+    def _stacked(self, name: str, mps: list[int], shape: torch.Size) -> dict[str, torch.Tensor] | None:
+        """The EP 1 state of a stacked expert tensor of the stages of ``mps``: each expert parallel rank's
+        (whole experts: from any TP rank of the stage, its own first) joined."""
+        tp = self.ckpt.tp
+        stage_mps = sorted({mp // tp * tp + t for mp in mps for t in range(tp)}, key=lambda m: m not in mps)
+        parts = {}
+        for mp in stage_mps:
+            for r, found in self.stacked[name].get(mp, {}).items():
+                parts.setdefault(r, found)
+        if not parts:
+            return None
+        local = stacked_experts.local_shape(shape, self.ep)
+        for r, found in parts.items():
+            if isinstance(found, list):  # ZeRO pieces of the expert data parallel group, ordered as the dense ones
+                parts[r] = _join_pieces(found, local)
+        return {k: stacked_experts.join({r: t[k] for r, t in parts.items()}) for k in parts[0]}
+
+
+def _join_pieces(pieces: list, shape: torch.Size) -> dict[str, torch.Tensor]:
+    """A parameter's ZeRO fragments [(data parallel rank, flat tensors, start, numel)] as its full state."""
+    pieces = sorted(pieces, key=lambda p: p[0])
+    return {k: torch.cat([flat[k][start:start + numel] for _, flat, start, numel in pieces]).view(shape)
+            for k in ("fp32", *OPTIM_KEYS)}

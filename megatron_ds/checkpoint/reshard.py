@@ -16,7 +16,8 @@ Every rank of the new run fills its own parameters and optimizer state from the 
 - fp16 ZeRO-0 to fp16 ZeRO-0: the dynamic loss scaler's state;
 - LR schedule, iteration, consumed samples and DeepSpeed's step counters from the client state;
 - mixture of experts: the saved experts are numbered globally (``megatron_ds.checkpoint.expert_files``);
-  each rank takes the experts of its expert parallel rank, whatever EP size saved them;
+  each rank takes the experts of its expert parallel rank, whatever EP size saved them (Megatron-LM's layer:
+  its slice of the stacked experts' first dimension, ``stacked_experts``);
 - FP8 delayed scaling's amax histories and scales (buffers, equal on every tensor parallel rank: the
   amax is reduced over them): tensor parallel rank 0's copy, for every rank of the new layout;
 - RNG states only when TP and PP are unchanged (each saved state belongs to a (stage, TP rank)
@@ -32,11 +33,12 @@ from typing import Callable
 import torch
 
 from megatron_ds import ds_compat
+from megatron_ds.checkpoint import stacked_experts
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
-from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS
+from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE, PIPELINE_LAYERS
 from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.sources import layer_source
@@ -46,7 +48,8 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
-                 "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS)
+                 "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS,
+                 EXPERT_TENSOR_PARALLEL_SIZE)
 
 
 def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
@@ -59,6 +62,11 @@ def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
     # Another expert parallel size: DeepSpeed's loader would read the experts by their global ids,
     # but ZeRO-0's optimizer state of the wrong expert parallel rank (expp_rank files)
     moe = (EXPERT_PARALLEL_SIZE,) if EXPERT_PARALLEL_SIZE in current else ()
+    if "moe_router_topk" in saved and max(saved.get(EXPERT_PARALLEL_SIZE, 1), current.get(EXPERT_PARALLEL_SIZE, 1),
+                                          saved.get(EXPERT_TENSOR_PARALLEL_SIZE, 1),
+                                          current.get(EXPERT_TENSOR_PARALLEL_SIZE, 1)) > 1:
+        # Megatron-LM's layer split over EP or ETP ranks: DeepSpeed's loader knows its experts at neither end
+        return True
     return saved.get(PIPELINE_LAYERS) != current.get(PIPELINE_LAYERS) or any(
         saved.get(k) != current[k] for k in weights + moe + (optim if load_optim else ()))
 
@@ -123,6 +131,7 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
         by_layer[_layer_of(name, prefixes)].append(name)
     setter = StateSetter(engine)
     saved_names = expert_global_names(engine.module)  # this rank's experts by their saved (global) ids
+    stacked = stacked_experts.stacked_parameters(engine.module)
     fresh = []
     for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
         if idx not in by_layer:
@@ -135,7 +144,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             saved = saved_names.get(name, name)
             if saved not in full:
                 raise ConfigError(f"{ckpt.path} has no tensor for parameter {saved}")
-            fitted = fit_vocab_rows(name, full[saved], padded_vocab_size, vocab_change, family)
+            fitted = {k: stacked_experts.local_part(name, t, stacked, ps.tp_rank) for k, t in
+                      fit_vocab_rows(name, full[saved], padded_vocab_size, vocab_change, family).items()}
             shard = {k: tp_rules.split(name, t, ps.tp_size, ps.tp_rank, ckpt.model, family) for k, t in fitted.items()}
             setter.set(params[name], shard)
     if saved_opt is not None:

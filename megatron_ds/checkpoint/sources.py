@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.checkpoint import expert_files
+from megatron_ds.checkpoint import expert_files, stacked_experts
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
 from megatron_ds.checkpoint.moe_sources import MoEModuleSource
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
@@ -71,7 +71,7 @@ def layer_source(ckpt: CheckpointFiles, *, from_masters: bool = False):
 def module_weights(ckpt: CheckpointFiles):
     """The module's saved weights: per-layer files (pipeline engine), the mp_rank files' module, or
     with MoE layers (DeepSpeed then writes no layer files) the mp_rank files and the expert files."""
-    if expert_files.has_expert_files(ckpt.path):
+    if expert_files.has_expert_files(ckpt.path) or stacked_experts.has_files(ckpt.path):
         return MoEModuleSource(ckpt)
     return LayerFileSource(ckpt) if ckpt.has_layer_files() else ModuleSource(ckpt)
 

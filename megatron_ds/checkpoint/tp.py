@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ds.checkpoint import stacked_experts
 from megatron_ds.checkpoint.expert_files import EXPERTS_INFIX
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.schema import ModelConfig
@@ -75,6 +76,8 @@ def is_vocab_param(name: str, family: ModelFamily) -> bool:
 def merge(name: str, shards: list[torch.Tensor], model: ModelConfig, family: ModelFamily) -> torch.Tensor:
     """The full tensor from the tensor parallel ranks' shards (in rank order)."""
     rule = partition(name, model, family)
+    if stacked_experts.is_stacked(name) and len(shards) > 1:  # Megatron-LM's experts: split over TP or whole
+        rule = stacked_experts.etp_split(name, shards[0].shape, model)
     if rule is None or len(shards) == 1:
         return shards[0]
     dim, stride = rule

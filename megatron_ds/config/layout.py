@@ -129,6 +129,7 @@ class Layout:
     curriculum: SeqlenCurriculum | None = None  # sequence-length warm-up (the legacy JSON block)
     zbh1: str | None = None  # the ZB-H1 schedule: "exact" (--enable-zbh1-exact-semantics) | "default"
     ep: int = 1  # --moe-expert-parallel-size: ranks over which each MoE layer's experts are split
+    etp: int = 1  # --expert-tensor-parallel-size (Megatron-LM's MoE): TP ranks over which each expert is split
     active_params: int | None = None  # MoE: the parameters one token goes through (None: a dense model)
     decoder_seq_length: int | None = None  # T5: --decoder-seq-length (model.seq_length is the encoder's); else None
     # our executor's stage messages: each TP rank sends 1/TP of the hidden state, the receiver all-gathers
@@ -145,6 +146,12 @@ class Layout:
     # DeepSpeed's data parallel axis is DP x CP (parallel/groups.py), and its attention's --cp-comm-type
     cp: int = 1
     cp_comm_type: str = "p2p"
+
+    @property
+    def expert_tp_groups(self) -> bool:
+        """Whether DeepSpeed's expert groups run along data parallel ranks of one tensor parallel rank (experts
+        split over TP: DeepSpeed-MoE's --enable-expert-tensor-parallelism, Megatron-LM's ETP > 1)."""
+        return self.model.enable_expert_tensor_parallelism or self.etp > 1
 
     @property
     def own_schedule(self) -> bool:
@@ -191,7 +198,7 @@ class Layout:
                 lines[2] += (f"; mixture of experts (Megatron-LM's): {len(moe)} of {m.num_layers} layers, {counts} "
                              f"experts of ffn {m.moe_ffn_hidden_size}, top-{m.moe_router_topk}"
                              f"{f', shared ffn {shared}' if shared else ''}, EP {self.ep} "
-                             f"({moe[0] // self.ep} per rank)")
+                             f"({moe[0] // self.ep} per rank{f', split over ETP {self.etp}' if self.etp > 1 else ''})")
             else:
                 lines[2] += (f"; mixture of experts: {len(moe)} of {m.num_layers} layers (every {m.expert_interval}), "
                              f"{counts} experts, top-{m.topk}{', residual' if m.mlp_type == 'residual' else ''}, "
@@ -594,6 +601,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
+                    etp=(par.expert_tensor_parallel_size or 1) if moe and mlm else 1,
                     active_params=family.active_parameters(m, padded) if moe else None,
                     decoder_seq_length=family.decoder_seq_length(flags) if family.decoder_seq_length else None,
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1

@@ -125,8 +125,8 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
     if moe_selection.is_mlm_moe(m):  # Megatron-LM's layer: its own constraints, none of DeepSpeed-MoE's
         moe_selection.check(m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, expert_tp=expert_tensor_parallel_size,
-                      sequence_parallel=sequence_parallel, own_schedule=own_schedule, zero_stage=zero_stage,
-                      precision=precision, checkpoints=checkpoints)
+                      sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                      precision=precision, own_schedule=own_schedule, checkpoints=checkpoints)
         return []
     for n in m.num_experts:
         if n < 1:

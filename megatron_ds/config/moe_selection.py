@@ -40,7 +40,7 @@ _MLM_MODEL = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_inter
               "moe_router_dtype", "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_token_dispatcher_type",
               "moe_per_layer_logging")
-_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 
 
 def _flag(name: str) -> str:
@@ -168,8 +168,17 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_
         coeffs *= len(types)
     bad = [t for t in types if t not in _BALANCING]
     if bad:
-        raise ConfigError(f"--moe-router-load-balancing-type {bad[0]} is not supported here (sinkhorn, global_aux_loss "
+        raise ConfigError(f"--moe-router-load-balancing-type {bad[0]} is not supported here (global_aux_loss "
                           f"and quantile_balancing are not); use {', '.join(_BALANCING)}")
+    if "sinkhorn" in types and (len(types) > 1 or any(coeffs)):
+        # Megatron-LM routes by Sinkhorn only when it is the one type (TopKRouter.routing), and asserts a zero
+        # --moe-aux-loss-coeff with it (sinkhorn_load_balancing)
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} --moe-aux-loss-coeff "
+                          f"{' '.join(f'{c:g}' for c in coeffs)}: sinkhorn balances by routing, alone and with "
+                          f"--moe-aux-loss-coeff 0 (as Megatron-LM); use sinkhorn alone, or aux_loss / seq_aux_loss")
+    if "sinkhorn" in types and m.moe_router_enable_expert_bias:
+        raise ConfigError("--moe-router-enable-expert-bias with --moe-router-load-balancing-type sinkhorn: the bias "
+                          "moves a top-k of scores, which Sinkhorn routing does not take; use one of them")
     if len(coeffs) != len(types):
         raise ConfigError(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} balancing types: give "
                           f"one, or one per --moe-router-load-balancing-type")
@@ -186,28 +195,38 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, own_schedule: bool, zero_stage: int = 0, precision: str = "fp32",
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", own_schedule: bool = False,
           checkpoints: bool = False) -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
     if not 1 <= k <= experts:
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
-    if ep < 1 or experts % ep or dp % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and the data "
-                          f"parallel size {dp}: each of EP data parallel ranks holds num_experts / EP experts")
-    if (expert_tp or 1) != 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {expert_tp}: experts split over "
-                          f"tensor parallel ranks are not supported yet; use 1 (whole experts on every TP rank)")
-    if sp > 1 or sequence_parallel or (tp > 1 and ep > 1):
-        # at TP > 1 every tensor parallel rank holds the same tokens and whole experts, and computes them all (EP 1);
-        # splitting experts or tokens over TP ranks is Megatron-LM's TP x EP token dispatch, not built here
-        raise ConfigError("Megatron-LM's MoE runs without sequence parallelism (--sequence-parallel, "
-                          "DeepSpeed-Ulysses) and, at TP > 1, at EP 1 here (its token dispatch over tensor parallel "
-                          "ranks is not built yet); drop one of them")
-    if own_schedule:
-        raise ConfigError("Megatron-LM's MoE cannot run on the interleaved or ZB-H1 pipeline schedules yet: their "
-                          "executor passes only the hidden state between stages, not the auxiliary loss; use 1F1B")
+    etp = expert_tp or 1
+    if etp not in (1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts split over other than the tensor parallel "
+                          f"ranks are not supported here; use 1 (whole experts) or --tensor-model-parallel-size {tp}")
+    if etp > 1 and not sequence_parallel:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
+                          f"refuses TP without it in training): the split experts take the sequence parts' tokens")
+    if sp > 1:
+        raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
+                          "Megatron sequence parallelism (--sequence-parallel) or context parallelism")
+    if tp > 1 and ep > 1 and not sequence_parallel:
+        # Megatron-LM's MoELayer.forward refuses TP > 1 without sequence parallelism in training; here the tensor
+        # parallel ranks would hold the same tokens, which the expert parallel dispatch (over TP and DP ranks,
+        # model/mlm_moe.py) needs distinct
+        raise ConfigError(f"--expert-model-parallel-size {ep} at --tensor-model-parallel-size {tp} needs "
+                          f"--sequence-parallel (as Megatron-LM): the experts take tokens from distinct sequence parts")
+    # the ranks holding distinct tokens, over which the experts split: with sequence parallelism TP x DP, whole
+    # tensor parallel groups (DeepSpeed's expert groups run along TP first, parallel/groups.py)
+    sp_tp = sequence_parallel and tp > 1 and etp == 1
+    ranks = tp * dp if sp_tp else dp
+    if ep < 1 or experts % ep or ranks % ep or (sp_tp and ep > 1 and ep % tp):
+        where = (f"the {ranks} tensor x data parallel ranks, and be 1 or a multiple of --tensor-model-parallel-size "
+                 f"{tp}" if sp_tp else f"the data parallel size {dp}")
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
+                          f"of EP ranks holds num_experts / EP experts")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function == "softmax":
         # Megatron-LM's TransformerConfig.__post_init__ asserts the same
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "
@@ -220,10 +239,12 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           f"{experts} with {group_k} <= G, and --moe-router-topk {k} >= {group_k}")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if (ep > 1 or etp > 1) and own_schedule and checkpoints:
+        # such checkpoints always load resharded (checkpoint/stacked_experts.py), which the interleaved executor's
+        # model chunks are not (checkpoint/reshard.py reads a PipelineModule's or a plain module's names)
+        raise ConfigError(f"--save/--load of Megatron-LM's MoE split over EP {ep} x ETP {etp} run on the interleaved "
+                          f"or ZB-H1 schedule: such checkpoints load resharded, which that executor's model chunks "
+                          f"cannot yet; use the 1F1B schedule (or EP 1 and ETP 1) to save and load")
     if ep > 1 and zero_stage == 3:
         raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
                           f"refuses expert parameters there; use ZeRO stage 1 or 2")
-    if ep > 1 and checkpoints:
-        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of Megatron-LM's MoE "
-                          f"split over expert parallel ranks are not written here yet (DeepSpeed saves one expert "
-                          f"parallel rank's experts); train at EP 1 to save, or drop --save/--load")

@@ -247,7 +247,7 @@ class ModelConfig:
     a list expression of 0/1 per layer such as "([1]*3+[0]*1)*3"."""
     moe_router_load_balancing_type: Optional[list] = meta(None, nargs="+")
     """Megatron-LM's MoE: aux_loss (Switch/GShard, the default), seq_aux_loss (per sequence, DeepSeek-V2) or none;
-    several with one --moe-aux-loss-coeff each."""
+    several with one --moe-aux-loss-coeff each; or sinkhorn (S-BASE routing) alone."""
     moe_aux_loss_coeff: Optional[list] = meta(None, nargs="+")
     """Megatron-LM's MoE: the load-balancing loss coefficient(s) (default 0: none)."""
     moe_z_loss_coeff: Optional[float] = None
@@ -364,7 +364,8 @@ class ParallelConfig:
     expert_model_parallel_size: Optional[int] = None
     """Megatron-LM's MoE: data parallel ranks that split each MoE layer's experts (default 1)."""
     expert_tensor_parallel_size: Optional[int] = None
-    """Megatron-LM's MoE: tensor parallel ranks each expert is split over (only 1: whole experts)."""
+    """Megatron-LM's MoE: tensor parallel ranks each expert is split over: 1 (whole experts, the default here;
+    Megatron-LM's default is TP) or TP, with --sequence-parallel."""
     # --pp-partition-method: BigScience's Megatron-DeepSpeed (megatron/arguments.py; GPTModelPipe hands it to
     # PipelineModule as partition_method, default "type:transformer"), the flag of the BLOOM runs
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",

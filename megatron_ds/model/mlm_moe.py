@@ -36,21 +36,17 @@ from torch import nn
 from megatron_ds import ds_compat
 from megatron_ds.config import moe_selection
 from megatron_ds.model.moe_layer import DROP_FRACTION
-from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal
+from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal, set_tensor_parallel_attributes
 from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
+from megatron_ds.parallel.utils import tp_rank, tp_world_size
 
 
 def _activation(cfg):
-    if cfg.swiglu:
-        return lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:]
-    if cfg.geglu:
-        return lambda x: F.gelu(x[..., : x.shape[-1] // 2], approximate="tanh") * x[..., x.shape[-1] // 2:]
-    if cfg.openai_gelu:
-        return lambda x: F.gelu(x, approximate="tanh")
-    if cfg.squared_relu:
-        return lambda x: F.relu(x).square()
-    return F.relu if cfg.relu else F.gelu
+    """The dense MLP's activation (model/transformer.py, which imports this module: read when a layer is built)."""
+    from megatron_ds.model.transformer import mlp_activation  # noqa: PLC0415
+
+    return mlp_activation(cfg)
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
@@ -94,6 +90,34 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
     probs = probs.type_as(logits)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
     return torch.zeros_like(logits).scatter(1, top, probs), routing_map
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Megatron-LM's moe_utils.sinkhorn: exp(cost) scaled by row and column factors until its rows sum to
+    1 / tokens and its columns to 1 / experts (Sinkhorn-Knopp; the column factors moving less than ``tol`` on
+    average)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool):
+    """--moe-router-load-balancing-type sinkhorn (S-BASE), Megatron-LM's TopKRouter.sinkhorn_load_balancing:
+    in training each token's experts are the top-k of the Sinkhorn-balanced fp32 logits (no gradient), else
+    of the scores; the weights are the scores there: sigmoid of the logits for top-1, their softmax otherwise.
+    -> (probs, routing map) as ``topk_routing``."""
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    with torch.no_grad():
+        top = torch.topk(sinkhorn(logits.float()) if training else scores, topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return scores * routing_map, routing_map
 
 
 def capacity(tokens: int, experts: int, capacity_factor: float) -> int:
@@ -169,20 +193,31 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         self.last: dict = {}  # the last training forward's statistics, for the loss report
+        # Megatron sequence parallelism at TP > 1: the tensor parallel group, whose ranks route the parts of one
+        # sequence (Megatron-LM's tp_cp_group in router.py); set by MoELayer
+        self.tp_group = None
 
     def forward(self, x: torch.Tensor, seq: int, batch: int):
-        """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor)."""
-        self._fp32_buffers()
+        """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor).
+
+        Under sequence parallelism (``tp_group``) ``x`` is this rank's part of the sequences: each loss is
+        computed as Megatron-LM's router does, from the tokens per expert summed over the group and this rank's
+        scores, so that the ranks' losses sum to the loss of the whole sequences (their gradients too: the
+        router's weight gradient is summed over the group); the value returned is that sum, on every rank."""
         dtype = self.router_dtype or x.dtype
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         train, terms = self.training, {}
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         if train and self.z_loss_coeff:
-            terms["z_loss"] = z_loss(logits.float())
+            terms["z_loss"] = z_loss(logits.float()) / tp  # a mean over all the sequences' tokens
             loss = loss + terms["z_loss"] * self.z_loss_coeff
-        probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
-                                          pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
-                                          expert_bias=self.expert_bias, groups=self.groups)
+        if "sinkhorn" in self.aux:
+            probs, routing_map = sinkhorn_routing(logits, self.topk, train)
+        else:
+            probs, routing_map = topk_routing(logits, self.topk, score_function=self.score_function,
+                                              pre_softmax=self.pre_softmax, scaling_factor=self.scaling_factor,
+                                              expert_bias=self.expert_bias, groups=self.groups)
         chosen = routing_map
         if self.capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, self.capacity_factor, self.drop_policy,
@@ -190,21 +225,25 @@ class TopKRouter(nn.Module):
         if train and any(self.aux.values()):
             scores, aux_map = aux_scores(logits, self.topk, self.score_function)
             if self.aux.get("aux_loss"):
-                terms["load_balancing_loss"] = switch_aux_loss(scores, aux_map.sum(0).float(), x.shape[0], self.topk,
-                                                               self.experts)
+                terms["load_balancing_loss"] = switch_aux_loss(scores, self._over_tp(aux_map.sum(0).float()),
+                                                               x.shape[0] * tp, self.topk, self.experts)
                 loss = loss + terms["load_balancing_loss"] * self.aux["aux_loss"]
             if self.aux.get("seq_aux_loss"):
                 # Megatron-LM's _apply_seq_aux_loss: tokens are [seq, batch]-ordered; folding the batch into the
                 # expert dimension makes the switch loss a sum of per-sequence losses, averaged over the batch
                 s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-                terms["seq_load_balancing_loss"] = switch_aux_loss(s, m.sum(0).float(), seq, self.topk,
-                                                                   self.experts) / batch
+                terms["seq_load_balancing_loss"] = switch_aux_loss(s, self._over_tp(m.sum(0).float()), seq * tp,
+                                                                   self.topk, self.experts) / batch
                 loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
         counts = routing_map.sum(0)
         if self.local_tokens_per_expert is not None and train and torch.is_grad_enabled():
             # after dropping, as Megatron-LM's _apply_expert_bias; not under no_grad: a recomputed forward
             # (activation checkpointing) counts once
             self.local_tokens_per_expert += counts.float()
+        if tp > 1 and terms:  # the sums over the group: the value of the loss (its gradient stays this rank's part)
+            total = self._over_tp(torch.stack([loss.detach(), *terms.values()]).detach())
+            loss = loss + (total[0] - loss.detach())
+            terms = dict(zip(terms, total[1:]))
         if train:
             dropped = (chosen & ~routing_map).sum().float() / chosen.sum().float() \
                 if self.capacity_factor is not None else None
@@ -213,13 +252,23 @@ class TopKRouter(nn.Module):
                          **{k: v.detach() for k, v in terms.items()}}
         return probs, routing_map, loss
 
+    def _over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the sequence parallel group (a new tensor; ``t`` itself without one)."""
+        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=self.tp_group)
+        return t
 
-    def _fp32_buffers(self) -> None:
-        """Keep the bias and the counts in fp32 after a cast of the model (a bf16 engine casts the buffers too:
-        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias."""
+    def _apply(self, fn, recurse=True):
+        """Keep the bias and the counts in fp32 through a cast of the model (a bf16 engine casts the buffers too:
+        steps of 1e-3 would vanish in bf16), as Megatron-LM's _maintain_float32_expert_bias: restored once
+        after each cast, not checked at every forward."""
+        super()._apply(fn, recurse)
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
             self.expert_bias.data = self.expert_bias.data.float()
             self.local_tokens_per_expert.data = self.local_tokens_per_expert.data.float()
+        return self
 
 
 @torch.no_grad()
@@ -229,28 +278,46 @@ def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
     the experts that got fewer tokens than the mean over the step (summed over ``group``), then the counts
     restart."""
     for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
-        router._fp32_buffers()
         counts = router.local_tokens_per_expert
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
+        counts.copy_(router._over_tp(counts))  # sequence parallelism: each rank counted its part of the tokens
         router.expert_bias += torch.sign(counts.mean() - counts) * rate
         counts.zero_()
+
+
+def _shard(full: torch.Tensor, dim: int, world: int, rank: int, stride: int) -> torch.Tensor:
+    """Tensor parallel rank ``rank``'s part of ``full`` split along ``dim`` (with ``stride`` interleaved blocks,
+    the [gate; up] of a gated MLP: its part of each), as ``parallel.layers`` splits the dense MLP."""
+    blocks = torch.split(full, full.shape[dim] // (world * stride), dim=dim)
+    return torch.cat(blocks[rank::world], dim=dim)
 
 
 class _Stacked(nn.Module):
     """One linear per local expert as one ``[experts, out, in]`` weight (and ``[experts, out]`` bias).
     Global expert ``g`` draws its N(0, ``std``) weight from its own generator, seeded ``seeds[g]``, so an
-    expert's initial weights do not depend on the expert parallel size."""
+    expert's initial weights do not depend on the expert parallel size. ``split`` (dim of ``[out, in]``,
+    expert tensor parallel size, rank, stride): this rank keeps its part of each drawn weight (of the bias
+    too when the output dimension is split), so neither do they depend on the expert tensor parallel size."""
 
-    def __init__(self, seeds: list[int], n_in: int, n_out: int, *, bias: bool, std: float, params_dtype, device):
+    def __init__(self, seeds: list[int], n_in: int, n_out: int, *, bias: bool, std: float, params_dtype, device,
+                 split: tuple[int, int, int, int] | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(len(seeds), n_out, n_in, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(len(seeds), n_out, dtype=params_dtype, device=device)) if bias else None
+        dim, world, rank, stride = split or (0, 1, 0, 1)
+        shape = [n_out, n_in]
+        shape[dim] //= world
+        self.weight = nn.Parameter(torch.empty(len(seeds), *shape, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(len(seeds), shape[0], dtype=params_dtype, device=device)) \
+            if bias else None
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 for w, seed in zip(self.weight, seeds):
                     drawn = torch.empty(n_out, n_in).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
-                    w.copy_(drawn)
+                    w.copy_(_shard(drawn, dim, world, rank, stride))
+        if world > 1:
+            for p in (self.weight, *([self.bias] if dim == 0 and bias else [])):
+                # its gradient norm counted on every tensor parallel rank (parallel/layers.py)
+                set_tensor_parallel_attributes(p, dim + 1, stride)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -261,11 +328,13 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
-                   device_counts: torch.Tensor | None = None, *, grouped: bool = False) -> torch.Tensor:
+                   device_counts: torch.Tensor | None = None, bias_scale: float | torch.Tensor = 1.0, *,
+                   grouped: bool = False) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``counts[e]`` rows of local expert ``e``) through each expert's linear:
     with ``grouped`` (--moe-grouped-gemm) one grouped GEMM where ``_grouped_mm_ok``, else a loop over the
     experts (the same products; Megatron-LM's SequentialMLP without the flag). ``device_counts``: ``counts`` on
-    ``x``'s device, copied there once for all of an MLP's linears (else here)."""
+    ``x``'s device, copied there once for all of an MLP's linears (else here). ``bias_scale``: what the layer's
+    bias (if it has one) is multiplied by: a number, or one per row (``[rows, 1]``)."""
     w = layer.weight
     grouped = grouped and _grouped_mm_ok(x, w)
     if device_counts is None and (layer.bias is not None or grouped):
@@ -276,9 +345,31 @@ def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
     else:
         y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
             x.new_zeros(0, w.shape[1])
-    if layer.bias is not None:
-        y = y + layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
+    if layer.bias is not None and isinstance(bias_scale, torch.Tensor):
+        y = y + _RowScaledBias.apply(layer.bias, bias_scale, device_counts)
+    elif layer.bias is not None:
+        b = layer.bias.repeat_interleave(device_counts, dim=0, output_size=y.shape[0])
+        y = y + (b if bias_scale == 1.0 else b * bias_scale)
     return y
+
+
+class _RowScaledBias(torch.autograd.Function):
+    """Each row's expert bias times the row's scale (``[rows, 1]``), keeping for backward only the bias and the
+    scales: autograd's ``repeat_interleave(bias) * scale`` would keep a ``[rows, out]`` copy of the biases."""
+
+    @staticmethod
+    def forward(ctx, bias, scale, counts):
+        ctx.save_for_backward(bias, scale, counts)
+        return bias.repeat_interleave(counts, dim=0, output_size=scale.shape[0]) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias, scale, counts = ctx.saved_tensors
+        rows = scale.shape[0]
+        grad_scale = (grad * bias.repeat_interleave(counts, dim=0, output_size=rows)).sum(-1, keepdim=True)
+        expert = torch.arange(bias.shape[0], device=grad.device).repeat_interleave(counts, output_size=rows)
+        grad_bias = torch.zeros_like(bias).index_add_(0, expert, (grad * scale).to(bias.dtype))
+        return grad_bias, grad_scale.to(scale.dtype), None
 
 
 class GroupedExperts(nn.Module):
@@ -288,22 +379,35 @@ class GroupedExperts(nn.Module):
     a GEMM per expert. Off by default, as upstream's flag is: a speed choice not on by default here until a GPU
     measurement in bench/RESULTS.md shows it pays (the GPU report times both, bench/gpu_report.py)."""
 
-    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, grouped: bool = False):
+    def __init__(self, cfg, experts: range, ffn: int, *, seed: int, params_dtype, device, grouped: bool = False,
+                 etp: int = 1, etp_rank: int = 0):
         super().__init__()
         self.grouped = grouped
         gated = cfg.swiglu or cfg.geglu
         common = dict(bias=cfg.add_bias_linear, params_dtype=params_dtype, device=device)
         std = cfg.init_method_std
+        if ffn % etp:
+            raise ValueError(f"--moe-ffn-hidden-size {ffn} does not split over expert tensor parallel size {etp}")
+        # expert tensor parallelism: fc1's output rows (gate and up alike) and fc2's input columns split, as the
+        # dense MLP's column and row parallel linears (Megatron-LM's experts at --expert-tensor-parallel-size)
         self.linear_fc1 = _Stacked([seed + 2 * g for g in experts], cfg.hidden_size, 2 * ffn if gated else ffn,
-                                   std=std, **common)
+                                   std=std, split=(0, etp, etp_rank, 2 if gated else 1), **common)
         self.linear_fc2 = _Stacked([seed + 2 * g + 1 for g in experts], ffn, cfg.hidden_size,
-                                   std=std / math.sqrt(2.0 * cfg.num_layers), **common)
+                                   std=std / math.sqrt(2.0 * cfg.num_layers), split=(1, etp, etp_rank, 1), **common)
+        # split experts' outputs are partial sums over the expert tensor parallel ranks: fc2's bias counts on the
+        # first only (x 0 on the others, whose zero gradient keeps the sum of its gradient over them, as a
+        # sequence_parallel parameter's, matched on every rank)
+        self.fc2_bias_scale = 1.0 if etp_rank == 0 else 0.0
+        if etp > 1 and self.linear_fc2.bias is not None:
+            self.linear_fc2.bias.sequence_parallel = True
         self.act = _activation(cfg)
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         on_device = torch.tensor(counts, device=x.device)
         h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device, grouped=self.grouped))
-        return grouped_linear(h * probs.unsqueeze(-1).to(h.dtype), counts, self.linear_fc2, on_device,
+        p = probs.unsqueeze(-1).to(h.dtype)
+        # fc2's bias weighted by the route's probability too (Megatron-LM's GroupedMLP._apply_bias: t + b * p)
+        return grouped_linear(h * p, counts, self.linear_fc2, on_device, bias_scale=p * self.fc2_bias_scale,
                               grouped=self.grouped)
 
 
@@ -383,11 +487,28 @@ class MoELayer(nn.Module):
     ``ep_size``: the expert parallel size (its group: DeepSpeed's, ``ds_compat.create_expert_groups``), ``ep_rank``
     this rank's place in it; ``dispatcher``:
     "alltoall" or "allgather" (Megatron-LM's --moe-token-dispatcher-type). ``router`` holds the TopKRouter's
-    keyword arguments."""
+    keyword arguments.
+
+    ``sequence_parallel`` (Megatron sequence parallelism, with ``tp_group``): the input is this tensor parallel
+    rank's part of the sequences, so every rank routes distinct tokens, as data parallel ranks do. The router
+    and the shared experts are replicated over the tensor parallel group and see only that part: their
+    gradients are summed over it (``sequence_parallel`` parameters, ``parallel.layers``), and so are the
+    experts' at EP 1. At EP > 1 DeepSpeed's expert parallel groups take whole tensor parallel groups
+    (``parallel/groups.py``; ``config/moe_selection.check`` asks EP to be a multiple of TP): the routes travel to
+    the experts over tensor and data parallel ranks alike (Megatron-LM's dispatch over its tp_ep group), each
+    expert on one rank of the group.
+
+    ``expert_tp`` (--expert-tensor-parallel-size = TP, with sequence parallelism): each expert's MLP is split over
+    the tensor parallel ranks as the dense MLP is (``GroupedExperts``). The group's tokens and routing are
+    gathered first, every rank runs its part of the experts on all of them, and the partial outputs are
+    reduce-scattered back to the sequence parts (Megatron-LM's gather over its tp_ep group, whose ETP part is the
+    tensor parallel group here); at EP > 1 the expert parallel groups then run along data parallel ranks of one
+    tensor parallel rank (DeepSpeed's expert tensor parallel groups)."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 grouped_gemm: bool = False, params_dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, grouped_gemm: bool = False,
+                 params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -401,13 +522,21 @@ class MoELayer(nn.Module):
         # the experts' seeds follow this layer's (the generators are seeded just before each layer is built,
         # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
+        self.tp_group = tp_group
+        self.etp = tp_world_size(tp_group) if expert_tp and sequence_parallel else 1
         self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
-                                      params_dtype=params_dtype, device=device, grouped=grouped_gemm)
+                                      params_dtype=params_dtype, device=device, grouped=grouped_gemm, etp=self.etp,
+                                      etp_rank=tp_rank(tp_group) if self.etp > 1 else 0)
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
         if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
             ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
             self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
+        if sequence_parallel:  # partial gradients of replicated parameters (class docstring)
+            self.router.tp_group = tp_group
+            replicated = [self.router, self.shared_experts] + ([self.experts] if ep == self.etp == 1 else [])
+            for p in (p for m in replicated if m is not None for p in m.parameters()):
+                p.sequence_parallel = True
 
     @property
     def ep_group(self):
@@ -419,6 +548,10 @@ class MoELayer(nn.Module):
         seq, batch, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         probs, routing_map, aux = self.router(tokens, seq, batch)
+        if self.etp > 1:  # the tensor parallel group's tokens, for every rank's part of the experts (docstring)
+            tokens = gather_from_sequence_parallel_region(tokens, self.tp_group)
+            probs = gather_from_sequence_parallel_region(probs, self.tp_group)
+            routing_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.tp_group).bool()
         if self.ep == 1:
             routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
             out = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, tokens.shape[0])
@@ -426,6 +559,8 @@ class MoELayer(nn.Module):
             out = self._allgather(tokens, probs, routing_map)
         else:
             out = self._alltoall(tokens, probs, routing_map)
+        if self.etp > 1:  # the partial sums of the split experts, summed and back to this rank's sequence part
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         out = out.to(x.dtype).view(seq, batch, hidden)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -448,18 +583,20 @@ class MoELayer(nn.Module):
         back in arrival order and returned (a second all-to-all), then summed per token."""
         routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
         counts = counts.to(torch.int64)
-        received = torch.empty(self.ep * self.local, dtype=counts.dtype, device=counts.device)
+        received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
-        send = counts.view(self.ep, self.local).sum(1).tolist()
-        recv_counts = received.view(self.ep, self.local)
-        recv = recv_counts.sum(1).tolist()
+        # the layer's one device-to-host copy: the routes sent per global expert, received per (source, expert)
+        both = torch.cat([counts, received]).tolist()
+        sent, got, n = both[:self.num_experts], both[self.num_experts:], self.local
+        send = [sum(sent[r * n:(r + 1) * n]) for r in range(self.ep)]
+        recv = [sum(got[r * n:(r + 1) * n]) for r in range(self.ep)]
         x = _AllToAll.apply(routed, recv, send, self.ep_group)
         p = _AllToAll.apply(route_probs.unsqueeze(-1), recv, send, self.ep_group).squeeze(-1)
         # arrival order is (source, expert); the experts want (expert, source)
-        chunks = torch.arange(x.shape[0], device=x.device).split(recv_counts.flatten().tolist())
-        order = torch.cat([chunks[s * self.local + e] for e in range(self.local) for s in range(self.ep)]) \
+        chunks = torch.arange(x.shape[0], device=x.device).split(got)
+        order = torch.cat([chunks[s * n + e] for e in range(n) for s in range(self.ep)]) \
             if x.shape[0] else torch.zeros(0, dtype=torch.int64, device=x.device)
-        y = self.experts(x[order], recv_counts.sum(0).tolist(), p[order])
+        y = self.experts(x[order], [sum(got[s * n + e] for s in range(self.ep)) for e in range(n)], p[order])
         back = torch.empty_like(y).index_copy(0, order, y)
         y = _AllToAll.apply(back, send, recv, self.ep_group)
         return unpermute(y, token_ids, tokens.shape[0])
@@ -493,8 +630,8 @@ def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> 
     layer.router.last = {}
 
 
-def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, params_dtype=torch.float32,
-                  device=None) -> MoELayer:
+def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequence_parallel: bool = False,
+                  tp_group=None, expert_tp: bool = False, params_dtype=torch.float32, device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
@@ -507,4 +644,5 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, para
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
+                    sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
                     grouped_gemm=cfg.moe_grouped_gemm, params_dtype=params_dtype, device=device)

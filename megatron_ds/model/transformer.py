@@ -279,6 +279,19 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def mlp_activation(cfg: ModelConfig):
+    """The MLP's activation of its first projection's output (gated, --swiglu / --geglu: of its [gate; up]
+    halves), unfused: the dense MLP's and Megatron-LM's MoE experts' (``model/mlm_moe.py``)."""
+    if cfg.swiglu or cfg.geglu:
+        gate_activation = F.silu if cfg.swiglu else openai_gelu
+
+        def gated(x: torch.Tensor) -> torch.Tensor:
+            gate, up = x.chunk(2, dim=-1)
+            return gate_activation(gate) * up
+        return gated
+    return openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.relu if cfg.relu else F.gelu
+
+
 class ParallelMLP(nn.Module):
     """hidden -> ffn (GeLU, or SwiGLU with a fused gate/up projection) -> hidden.
 
@@ -294,8 +307,7 @@ class ParallelMLP(nn.Module):
         # gated MLPs: --swiglu (silu gate) or T5's --geglu (tanh-GeLU gate, HF T5's "gated-gelu")
         self.gated = cfg.swiglu or cfg.geglu
         # GeLU without a bias has nothing to fuse; SwiGLU's gate product fuses with or without one.
-        self.activation = (openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu
-                           else F.relu if cfg.relu else F.gelu)
+        self.activation = mlp_activation(cfg)
         # (Megatron-DeepSpeed never fuses --openai-gelu / --squared-relu either: ParallelMLP.__init__)
         self.fuse_activation = cfg.bias_swiglu_fusion if cfg.swiglu else \
             cfg.bias_gelu_fusion and cfg.add_bias_linear and self.activation is F.gelu and not cfg.geglu
@@ -322,9 +334,6 @@ class ParallelMLP(nn.Module):
         x, bias = self.dense_h_to_4h(x, skip_bias_add=fuse)
         if fuse:
             x = bias_swiglu(True, x, bias) if self.swiglu else bias_gelu(True, x, bias)
-        elif self.gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = (F.silu(gate) if self.swiglu else openai_gelu(gate)) * up
         else:
             x = self.activation(x)
         return self.dense_4h_to_h(x, skip_bias_add=self.bias_dropout_fusion and compiled and not self.expert)
@@ -364,14 +373,15 @@ class ParallelTransformerLayer(nn.Module):
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
     ``fp8``: the run's FP8 recipe (``Layout.fp8``, resolved once from the flags), which every linear layer
-    of the block (experts included) runs its GEMMs with; None: the weights' precision.
+    of the block (experts included) runs its GEMMs with; None: the weights' precision. ``expert_tp``: Megatron-LM's
+    MoE experts split over the tensor parallel ranks (--expert-tensor-parallel-size, ``model/mlm_moe.py``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
                  sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
                  carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal",
-                 fp8: Fp8Recipe | None = None, cp=None):
+                 fp8: Fp8Recipe | None = None, cp=None, expert_tp: bool = False):
         super().__init__()
         if self_attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")
@@ -404,8 +414,9 @@ class ParallelTransformerLayer(nn.Module):
         self.mlm_moe = num_experts > 1 and is_mlm_moe(cfg)
         self.moe_per_layer_logging = cfg.moe_per_layer_logging
         if self.mlm_moe:
-            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank, params_dtype=params_dtype,
-                                     device=device)
+            self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank,
+                                     sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
+                                     params_dtype=params_dtype, device=device)
         elif num_experts > 1:
             self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
             self.drops = DropCounter(self.mlp)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
+from megatron_ds.config.moe_params import is_moe
 from megatron_ds.parallel.schedules import (BACKWARD, FORWARD, INPUT_BACKWARD, WEIGHT, forward_only_schedule,
                                        pipeline_schedule, zbh1_schedule)
 from megatron_ds.parallel.utils import PRECISION_DTYPES
@@ -238,13 +239,18 @@ def _as_tuple(x):
 def activation_specs(layout, *, reset_attention_mask: bool, dtype: torch.dtype) -> list:
     """(shape, dtype) of each tensor crossing a stage boundary: the hidden state ``[s(/cp)(/tp), b, h]`` (a
     context parallel rank's two chunks, split over TP under sequence parallelism), plus the whole sequence's
-    ``[b, s]`` int64 document ids with ``--reset-attention-mask`` (every CP rank's attention masks by them)."""
+    ``[b, s]`` int64 document ids with ``--reset-attention-mask`` (every CP rank's attention masks by them), plus
+    in an MoE model the ``[1]`` fp32 sum of the auxiliary losses of the layers so far (``model/transformer.py``
+    ``pack_activation``): it reaches the loss on the last stage, and its gradient comes back with the hidden
+    state's, as on DeepSpeed's pipeline engine."""
     m = layout.model
     seq = m.seq_length // layout.cp
     seq = seq // layout.tp if layout.sequence_parallel else seq
     specs = [((seq, layout.micro_batch_size, m.hidden_size), dtype)]
     if reset_attention_mask:
         specs.append(((layout.micro_batch_size, m.seq_length), torch.int64))
+    if is_moe(m):
+        specs.append(((1,), torch.float32))
     return specs
 
 

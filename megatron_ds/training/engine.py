@@ -47,7 +47,7 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
                 params_dtype=params_dtype(layout), device=device, fp8=layout.fp8,
                 # the expert parallel size only where MoE layers exist (GPT only: other families take no ep_size)
-                **({"ep_size": layout.ep} if layout.active_params is not None else {}))
+                **({"ep_size": layout.ep, "expert_tp": layout.etp > 1} if layout.active_params is not None else {}))
 
 
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
@@ -145,7 +145,7 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     # gradients DeepSpeed reduces over their expert data parallel groups
     moe = is_moe_model(layout.model) or (is_mlm_moe(layout.model) and layout.ep > 1)
     if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
-        ps.expert_groups(layout.ep, layout.model.enable_expert_tensor_parallelism)
+        ps.expert_groups(layout.ep, layout.expert_tp_groups)
     # the family's reported terms (BERT: lm loss, sop loss; an MoE GPT: lm loss, moe loss, ...)
     # --calculate-per-token-loss: the scale the loss applies and the loop sets per step (model/token_loss.py)
     loss_report = LossReport(family.loss_names(layout),

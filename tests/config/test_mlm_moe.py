@@ -51,6 +51,18 @@ def test_dry_run_describes_megatron_lms_layers():
             "(8 per rank)") in out, out
 
 
+def test_dry_run_describes_expert_tensor_parallelism():
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 "
+                                   "--sequence-parallel --expert-tensor-parallel-size 2".split(), 2)
+    assert rc == 0, err
+    assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+
+
+def test_sinkhorn_is_accepted():
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-load-balancing-type sinkhorn".split(), 1)
+    assert rc == 0 and "Megatron-LM's MoE" in out, err
+
+
 def test_num_experts_alone_builds_the_dialects_layer(tmp_path):
     """Upstream Megatron-LM's --num-experts 8 alone (no DeepSpeed on the line) is its MoE as TransformerConfig's
     defaults make it (core_v0.19.0 megatron/core/transformer/transformer_config.py: moe_router_topk 2,
@@ -99,7 +111,10 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
     ("--num-experts 4 --moe-grouped-gemm --create-moe-param-group", 1, "--create-moe-param-group (Megatron-DeepSpeed"),
     ("--moe-router-topk 2", 1, "without --num-experts"),
     ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk 5"),
-    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn", 1, "sinkhorn is not supported"),
+    ("--num-experts 4 --moe-router-load-balancing-type quantile_balancing", 1, "quantile_balancing is not supported"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.01", 1,
+     "sinkhorn balances by routing, alone and with --moe-aux-loss-coeff 0"),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn aux_loss", 1, "sinkhorn balances by routing"),
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1 2 3", 1,
      "gives 3 values for 2 balancing types"),
     ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs --moe-router-score-function sigmoid"),
@@ -108,16 +123,18 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
     ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "neither an integer nor a list expression"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --zero-stage 3 --deepspeed "
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
-    ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --save ckpt", 2,
-     "checkpoints of Megatron-LM's MoE split over expert parallel ranks are not written here yet"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
-    ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2, "--expert-tensor-parallel-size 2"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
-     "at TP > 1, at EP 1 here"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel", 2,
-     "without sequence parallelism"),
     ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-     "--global-batch-size 4", 2, "interleaved or ZB-H1"),
+     "--global-batch-size 8 --expert-model-parallel-size 2 --save ckpt", 4,
+     "use the 1F1B schedule (or EP 1 and ETP 1) to save and load"),
+    ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
+     "--expert-tensor-parallel-size 2: experts split over other than the tensor parallel ranks"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
+     "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
+     "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
 ])
 def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)

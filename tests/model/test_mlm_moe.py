@@ -75,11 +75,14 @@ def _reference(layer, cfg, x):
             weights = [torch.exp(logits[e]) / z for e in top]
         y = torch.zeros(H)
         for e, p in zip(top, weights):
-            fc1, fc2 = layer.experts.linear_fc1.weight[e], layer.experts.linear_fc2.weight[e]
-            y = y + p * (cfg.moe_router_topk_scaling_factor or 1.0) * (fc2 @ _act(cfg, fc1 @ t))
+            fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
+            b1, b2 = (0.0, 0.0) if fc1.bias is None else (fc1.bias[e], fc2.bias[e])
+            # Megatron-LM's grouped MLPs: the probability scales fc2's bias too (GroupedMLP._apply_bias)
+            y = y + p * (cfg.moe_router_topk_scaling_factor or 1.0) * (
+                fc2.weight[e] @ _act(cfg, fc1.weight[e] @ t + b1) + b2)
         if layer.shared_experts is not None:
             se = layer.shared_experts
-            s = se.linear_fc2.weight @ _act(cfg, se.linear_fc1.weight @ t)
+            s = se.linear_fc2(_act(cfg, se.linear_fc1(t)))
             if se.gate_weight is not None:
                 s = s * torch.sigmoid(se.gate_weight[0] @ t)
             y = y + s
@@ -93,6 +96,7 @@ def _reference(layer, cfg, x):
     dict(swiglu=True, add_bias_linear=False, moe_router_score_function="sigmoid",
          moe_router_topk_scaling_factor=2.5),
     dict(swiglu=True, add_bias_linear=False, moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True),
+    dict(moe_shared_expert_intermediate_size=20),  # GeLU, with linear biases
 ])
 def test_dropless_layer_equals_dense_per_token_reference(over):
     layer = _layer(**over)
@@ -323,3 +327,49 @@ def test_routing_report_reads_the_routers_choice():
     cap = math.ceil(S * B * 2 / E * 0.5)
     kept = sum(min(c, cap) for c in counts)  # padding keeps each expert's routed tokens up to its capacity
     assert got[DROP_FRACTION] == pytest.approx(1 - kept / sum(counts), rel=1e-5)
+
+
+def _sinkhorn_reference(cost, tol=1e-4):
+    """Sinkhorn-Knopp written with loops: row factors r and column factors c of K = exp(cost) alternately set
+    so that the rows of r_t K_tj c_j sum to 1/T, then its columns to 1/E, until c moves by less than ``tol`` on
+    average (Megatron-LM's stopping rule; eps 1e-8 in each denominator as there)."""
+    k = [[math.exp(float(v)) for v in row] for row in cost]
+    tokens, experts = len(k), len(k[0])
+    c = [1.0] * experts
+    while True:
+        r = [1 / tokens / (sum(c[j] * k[t][j] for j in range(experts)) + 1e-8) for t in range(tokens)]
+        new = [1 / experts / (sum(r[t] * k[t][j] for t in range(tokens)) + 1e-8) for j in range(experts)]
+        moved = sum(abs(a - b) for a, b in zip(c, new)) / experts
+        c = new
+        if moved <= tol:
+            return torch.tensor([[r[t] * k[t][j] * c[j] for j in range(experts)] for t in range(tokens)])
+
+
+def test_sinkhorn_equals_the_reference():
+    cost = torch.randn(12, E, dtype=torch.float64) * 2
+    got = mlm_moe.sinkhorn(cost)
+    torch.testing.assert_close(got, _sinkhorn_reference(cost).double(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(got.sum(0), torch.full((E,), 1 / E, dtype=torch.float64))  # balanced experts
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_sinkhorn_routing_is_megatron_lms(topk):
+    """--moe-router-load-balancing-type sinkhorn: in training the top-k of the balanced logits are chosen,
+    weighted by the sigmoid (top-1) or softmax of the logits; in evaluation the top-k of those scores."""
+    layer = _layer(moe_router_load_balancing_type=("sinkhorn",), moe_router_topk=topk)
+    x = torch.randn(S * B, H) * 3
+    logits = x @ layer.router.weight.t()
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, -1)
+    for train, pick in ((True, _sinkhorn_reference(logits.detach())), (False, scores.detach())):
+        layer.train(train)
+        probs, routing_map, _ = layer.router(x, S, B)
+        want = torch.zeros_like(routing_map)
+        for t in range(S * B):
+            for e in sorted(range(E), key=lambda e: -float(pick[t, e]))[:topk]:
+                want[t, e] = True
+        assert torch.equal(routing_map, want)
+        torch.testing.assert_close(probs, scores * want)
+    layer.train(True)
+    balanced = layer.router(x, S, B)[1].sum(0)
+    plain = mlm_moe.topk_routing(logits, topk)[1].sum(0)
+    assert balanced.max() - balanced.min() <= plain.max() - plain.min()  # Sinkhorn spreads the load

@@ -125,3 +125,94 @@ def test_tp2_equals_one_process(reference):
     """TP 2 at EP 1: both tensor parallel ranks hold whole experts and the same tokens, and compute them alike."""
     losses, _ = _run(2, ["--tensor-model-parallel-size", "2"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+     "--moe-token-dispatcher-type", "alltoall"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+     "--moe-token-dispatcher-type", "allgather"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"],
+], ids=["tp2_sp", "tp2_sp_ep2_alltoall", "tp2_sp_ep2_allgather", "tp2_sp_etp2"])
+def test_sequence_parallel_equals_one_process(reference, extra):
+    """Megatron sequence parallelism at TP 2 (one data parallel rank): each tensor parallel rank routes its half
+    of every sequence. At EP 1 both hold all experts; at EP 2 the two tensor parallel ranks are the expert
+    parallel group, the routes crossing between them. The balancing and z losses are those of the whole
+    sequences (tokens per expert summed over the two ranks, as Megatron-LM's router), and the router's, shared
+    experts' (and at EP 1 experts') gradients are summed over them: the losses, the reported MoE losses and the
+    clipped gradient norm equal one process's. With --expert-tensor-parallel-size 2 each rank holds half of every
+    expert's MLP (fc1's gate and up rows, fc2's columns) and runs it on both ranks' tokens."""
+    losses, stdout = _run(2, extra)
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(reference[1], name), rel=1e-5), name
+
+
+def test_sequence_parallel_seq_aux_loss_and_expert_bias():
+    """The sequence-level balancing loss (each sequence's tokens per expert, summed over the ranks holding its
+    parts) and the auxiliary-loss-free expert bias (its tokens per expert summed over them too) under sequence
+    parallelism at TP 2 x EP 2 equal one process's."""
+    extra = ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    one, one_out = _run(1, extra)
+    losses, stdout = _run(2, extra + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert len(_field(stdout, "seq_load_balancing_loss")) == 5
+    assert _field(stdout, "seq_load_balancing_loss") == pytest.approx(_field(one_out, "seq_load_balancing_loss"),
+                                                                      rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers():
+    return _run(1, ["--num-layers", "4"])
+
+
+@pytest.mark.parametrize("schedule", [["--num-layers-per-virtual-pipeline-stage", "1"], ["--enable-zbh1-pipeline"]],
+                         ids=["interleaved", "zbh1"])
+def test_pp2_schedules_equal_one_process(reference_4_layers, schedule):
+    """4 layers on 2 pipeline ranks, interleaved (2 chunks of one layer each) or ZB-H1: the executor
+    (pipeline/executor.py) carries the layers' summed auxiliary loss between stages beside the hidden state, and
+    its gradient back, so the losses (the balancing and z losses included) equal one process's."""
+    losses, stdout = _run(2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2", *schedule])
+    assert losses == pytest.approx(reference_4_layers[0], rel=RTOL)
+    assert len(_field(stdout, "moe loss")) == 5
+    assert _field(stdout, "moe loss") == pytest.approx(_field(reference_4_layers[1], "moe loss"), rel=1e-5)
+
+
+def test_sinkhorn_ep2_equals_ep1():
+    """Sinkhorn routing balances each micro-batch's tokens on the rank that routes them (Megatron-LM's router:
+    the tokens it sees), so the experts split over 2 expert parallel ranks train as one process holding all."""
+    extra = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+    one, _ = _run(1, extra)
+    losses, stdout = _run(2, extra + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert "load_balancing_loss" not in stdout  # no balancing loss: the routing balances
+
+
+def test_tp2_etp2_ep2_equals_one_process(reference):
+    """4 processes: TP 2 with sequence parallelism, each expert split over the 2 tensor parallel ranks (ETP 2) and
+    the experts over the 2 data parallel ranks of each tensor parallel rank (EP 2, all-to-all dispatch)."""
+    losses, stdout = _run(4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+                              "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    assert _field(stdout, "grad norm") == pytest.approx(_field(reference[1], "grad norm"), rel=1e-5)
+
+
+def test_etp2_with_biases_equals_one_process():
+    """Linear biases on (no --disable-bias-linear): a split expert's fc1 bias is split with its rows, its fc2 bias
+    added once to the partial sums (on the first tensor parallel rank, its gradient summed over both)."""
+    with_bias = [a for a in SMALL_GPT + MOE if a != "--disable-bias-linear"]
+
+    def run(world, extra=()):
+        history, stdout = run_distributed(_train, world, with_bias + list(extra), timeout=600)[-1]
+        return [loss for _, loss in history], stdout
+
+    one, one_out = run(1)
+    losses, stdout = run(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--expert-tensor-parallel-size", "2"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert _field(stdout, "grad norm") == pytest.approx(_field(one_out, "grad norm"), rel=1e-5)

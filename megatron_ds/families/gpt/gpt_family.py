@@ -35,7 +35,7 @@ def build_gpt_model(run, ps, eod_token: int, device, loss_report):
 
     layout = run.layout
     common = dict(_model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
-                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.model.enable_expert_tensor_parallelism))
+                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.expert_tp_groups))
     if layout.cp > 1:
         common["cp"] = ContextParallel(ps.cp_group, layout.cp_comm_type)
     if layout.own_schedule:

@@ -67,7 +67,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                     reset_attention_mask: bool = False, eod_token: int | None = None,
                     recompute_granularity: str | None = None, vocab_size: int | None = None,
                     sp_group=None, ep_size: int = 1, ep_rank: int = 0, loss_report=None,
-                    fp8: Fp8Recipe | None = None, cp=None) -> list:
+                    fp8: Fp8Recipe | None = None, cp=None, expert_tp: bool = False) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
@@ -77,7 +77,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     ``sp_group``: DeepSpeed-Ulysses' sequence parallel group (the embedding and attention's; plain
     module only, ``build_sequential_gpt``). Mixture of experts (``model/moe_layer.py``): the layers
     ``experts_per_layer`` names hold this rank's share of their experts (``ep_size``, ``ep_rank``:
-    ``ParallelState.expert_parallel_rank``); ``loss_report`` gets their dropped-route fractions.
+    ``ParallelState.expert_parallel_rank``; ``expert_tp``: Megatron-LM's experts split over TP); ``loss_report``
+    gets their dropped-route fractions.
     ``fp8``: the run's FP8 recipe (``Layout.fp8``), which the transformer layers' GEMMs run with.
     ``cp``: context parallelism (``parallel.context_parallel.ContextParallel``): the embedding keeps this
     rank's chunks of every sequence and attention runs over the CP ranks.
@@ -113,7 +114,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
         specs.append(LayerSpec(ParallelTransformerLayer, m, i + 1,
                                recompute_attention=recompute_granularity == "selective", sp_group=sp_group,
                                num_experts=experts[i], ep_size=ep_size, ep_rank=ep_rank, carry_moe_loss=moe,
-                               loss_report=loss_report, fp8=fp8, cp=cp, **common))
+                               loss_report=loss_report, fp8=fp8, cp=cp, expert_tp=expert_tp, **common))
     specs.append(LayerSpec(FinalNorm, m.normalization, m.hidden_size, m.layernorm_epsilon,
                            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device,
                            one_plus=m.apply_layernorm_1p, fp32_input=m.fp32_residual_connection))

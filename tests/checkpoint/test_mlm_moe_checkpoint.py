@@ -1,0 +1,120 @@
+"""Checkpoints of Megatron-LM's MoE layer (model/mlm_moe.py) with its experts split over expert parallel ranks
+(checkpoint/stacked_experts.py), through the real entry point on 2 gloo processes (DP 2; 2 layers, hidden 32,
+4 experts, top-2, SwiGLU, a shared expert, aux + z losses, all-to-all dispatch).
+
+A run of 4 steps saves at step 2; runs resumed from step 2 at another (or the same) expert parallel size must
+continue as the uninterrupted run: losses of steps 3-4, and the step-4 weights (read back by
+``load_consolidated``: every expert under the EP 1 name and shape, the ranks' stacked tensors joined along the
+expert dimension) and optimizer state (fp32 masters, Adam moments, step) equal the uninterrupted run's:
+
+- EP 2 -> EP 2, EP 2 -> EP 1 and DP 2 x EP 2 -> TP 2 x EP 2 with sequence parallelism (the expert parallel
+  group then spans the tensor parallel ranks, whose files each hold one rank's experts) under ZeRO-0
+  (DeepSpeed's per expert parallel rank optimizer files);
+- EP 2 -> TP 2 x ETP 2 (each expert's MLP split over the tensor parallel ranks), at EP 1 and, on 4 processes,
+  at EP 2 (each (expert parallel, tensor parallel) rank's stacked experts file holds its part of its experts);
+  their own step-4 checkpoints are read back merging the tensor parallel parts;
+- EP 1 -> EP 2 under ZeRO 1 (--use-distributed-optimizer: each rank's experts' slice written into DeepSpeed's
+  partitioned optimizer), whose own step-4 checkpoint at EP 2 is then read back from ZeRO shards partitioned
+  over the expert data parallel groups.
+
+Tolerances: fp32, another EP size sums the same numbers in another order (the experts' tokens travel through
+all-to-alls, their gradients are reduced over other groups; tests/training/test_mlm_moe.py compares EP 2 with
+EP 1 at rtol 2e-5): losses within 2e-5 relative, weights and optimizer state within rtol 1e-5 / atol 1e-6. A
+lost expert parallel rank's experts (DeepSpeed's module file holds data parallel rank 0's only) or a lost Adam
+moment moves the step-3 loss or the weights by far more. The checkpoint is complete only with every stacked
+experts file in its manifest (a kill before the manifest leaves an interrupted save, tests/checkpoint/
+test_integrity.py).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.checkpoint.test_reshard import _optimizer_state
+from tests.distributed import run_distributed
+from tests.training.cli import SMALL_GPT
+from tests.training.common import train_losses
+from megatron_ds.checkpoint import load_consolidated
+from megatron_ds.checkpoint.format import MANIFEST
+from megatron_ds.families.gpt.gpt_family import GPT
+
+pytestmark = pytest.mark.timeout(900)
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --swiglu "
+       "--disable-bias-linear --moe-shared-expert-intermediate-size 16 --hidden-dropout 0 --attention-dropout 0 "
+       "--train-iters 4 --global-batch-size 8 --lr-warmup-iters 0 --lr 1e-2 --moe-token-dispatcher-type alltoall "
+       "--save-interval 2").split()
+LOSS = dict(rel=2e-5)
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+ZERO1 = ["--use-distributed-optimizer"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ETP2 = ["--expert-tensor-parallel-size", "2"]
+
+
+def _ep(n):
+    return ["--expert-model-parallel-size", str(n)]
+
+
+def _run(argv, world=2):
+    return run_distributed(train_losses, world, SMALL_GPT + MOE + argv, timeout=600)[-1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{name: (losses of the uninterrupted run, its checkpoint folder)} of an EP 2 ZeRO-0 and an EP 1 ZeRO 1 run."""
+    out = {}
+    for name, flags in (("ep2", _ep(2)), ("ep1_zero1", _ep(1) + ZERO1)):
+        ckpt = str(tmp_path_factory.mktemp(name))
+        out[name] = (_run(flags + ["--save", ckpt]), ckpt)
+    return out
+
+
+def _resume(saved_run, flags, tmp_path, world=2):
+    straight, ckpt = saved_run
+    out = str(tmp_path / "resumed")
+    got = _run(flags + ["--load", ckpt, "--ckpt-step", "2", "--save", out], world)
+    assert [it for it, _ in got] == [3, 4]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in straight[2:]], **LOSS)
+    return ckpt, out
+
+
+def _same_weights(want_dir, have_dir):
+    want, have = (load_consolidated(d, 4, family=GPT, log=lambda *a: None).state_dict for d in (want_dir, have_dir))
+    assert sorted(want) == sorted(have)
+    fc1 = [k for k in want if k.endswith("mlp.experts.linear_fc1.weight")]
+    assert len(fc1) == 2 and all(want[k].shape == (4, 2 * 64, 32) for k in fc1)  # all 4 experts (SwiGLU ffn 64)
+    for key, tensor in want.items():
+        torch.testing.assert_close(have[key], tensor, **CLOSE, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _same_optimizer_state(want_dir, have_dir):
+    (want, want_step), (have, have_step) = _optimizer_state(want_dir, 4), _optimizer_state(have_dir, 4)
+    assert want_step == have_step == 4
+    assert sorted(want) == sorted(have) and any(k.endswith("experts.linear_fc2.weight") for k in want)
+    for name in want:
+        for key, tensor in want[name].items():
+            torch.testing.assert_close(have[name][key], tensor, **CLOSE, msg=lambda m, n=name, k=key: f"{n} {k}: {m}")
+
+
+def test_ep2_checkpoint_holds_every_ranks_experts(saved):
+    step = os.path.join(saved["ep2"][1], "global_step2")
+    files = sorted(f for f in os.listdir(step) if f.startswith("stacked_experts_"))
+    assert files == [f"stacked_experts_expp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)]
+    manifest = json.load(open(os.path.join(step, MANIFEST)))
+    assert all(f in json.dumps(manifest) for f in files)
+
+
+@pytest.mark.parametrize("flags,world", [
+    (_ep(2), 2), (_ep(1), 2), (TP2_SP + _ep(2), 2), (TP2_SP + ETP2, 2), (TP2_SP + ETP2 + _ep(2), 4),
+], ids=["ep2", "ep1", "tp2_sp_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
+def test_ep2_resumes_at(saved, tmp_path, flags, world):
+    ckpt, out = _resume(saved["ep2"], flags, tmp_path, world)
+    _same_weights(ckpt, out)
+    _same_optimizer_state(ckpt, out)
+
+
+def test_ep1_zero1_resumes_at_ep2(saved, tmp_path):
+    ckpt, out = _resume(saved["ep1_zero1"], _ep(2) + ZERO1, tmp_path)
+    _same_weights(ckpt, out)
+    _same_optimizer_state(ckpt, out)
+
