@@ -35,18 +35,12 @@ from torch import nn
 
 from megatron_ds import ds_compat
 from megatron_ds.config import moe_selection
+from megatron_ds.model.activations import mlp_activation
 from megatron_ds.model.moe_layer import DROP_FRACTION
 from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal, set_tensor_parallel_attributes
 from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
 from megatron_ds.parallel.utils import tp_rank, tp_world_size
-
-
-def _activation(cfg):
-    """The dense MLP's activation (model/transformer.py, which imports this module: read when a layer is built)."""
-    from megatron_ds.model.transformer import mlp_activation  # noqa: PLC0415
-
-    return mlp_activation(cfg)
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
@@ -400,7 +394,7 @@ class GroupedExperts(nn.Module):
         self.fc2_bias_scale = 1.0 if etp_rank == 0 else 0.0
         if etp > 1 and self.linear_fc2.bias is not None:
             self.linear_fc2.bias.sequence_parallel = True
-        self.act = _activation(cfg)
+        self.act = mlp_activation(cfg)
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         on_device = torch.tensor(counts, device=x.device)
@@ -432,7 +426,7 @@ class SharedExperts(nn.Module):
                         b.zero_()
                 if gate:
                     init_method_normal(cfg.init_method_std)(self.gate_weight)
-        self.act = _activation(cfg)
+        self.act = mlp_activation(cfg)
 
     def forward(self, x):
         y = self.linear_fc2(self.act(self.linear_fc1(x)))

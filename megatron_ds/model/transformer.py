@@ -43,6 +43,7 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
 from megatron_ds.model.kernels import sdpa_supports_gqa, sdpa_with_dropout
 from megatron_ds.model.mla import MLASelfAttention
+from megatron_ds.model.activations import mlp_activation
 from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import build_norm
@@ -267,29 +268,6 @@ def _context_parallel_core(cp, q, k, v, document_ids, p: float) -> torch.Tensor:
     the ring's asynchronous point-to-point exchanges and its autograd Function stay out of the graph."""
     with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
         return cp.attention(q, k, v, document_ids, dropout_p=p).permute(2, 0, 1, 3)
-
-
-def openai_gelu(x: torch.Tensor) -> torch.Tensor:
-    """--openai-gelu: GeLU's tanh approximation, as Megatron's openai_gelu / GPT-2's gelu_new."""
-    return F.gelu(x, approximate="tanh")
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """--squared-relu: relu(x)^2, as Megatron's squared_relu."""
-    return F.relu(x).square()
-
-
-def mlp_activation(cfg: ModelConfig):
-    """The MLP's activation of its first projection's output (gated, --swiglu / --geglu: of its [gate; up]
-    halves), unfused: the dense MLP's and Megatron-LM's MoE experts' (``model/mlm_moe.py``)."""
-    if cfg.swiglu or cfg.geglu:
-        gate_activation = F.silu if cfg.swiglu else openai_gelu
-
-        def gated(x: torch.Tensor) -> torch.Tensor:
-            gate, up = x.chunk(2, dim=-1)
-            return gate_activation(gate) * up
-        return gated
-    return openai_gelu if cfg.openai_gelu else squared_relu if cfg.squared_relu else F.relu if cfg.relu else F.gelu
 
 
 class ParallelMLP(nn.Module):

@@ -32,7 +32,8 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.language_model import FinalNorm, LanguageModelEmbedding, language_model_loss
 from megatron_ds.model.pipeline_model import (PARTITION_METHOD, TIED_EMBEDDING_KEY, PipelineModel, SequentialModel,
                                               stage_of_specs)
-from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout, openai_gelu
+from megatron_ds.model.activations import openai_gelu
+from megatron_ds.model.transformer import ParallelTransformerLayer, hidden_dropout
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import ColumnParallelLinear, init_method_normal
 from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
