@@ -216,3 +216,17 @@ def test_etp2_with_biases_equals_one_process():
                              "--expert-tensor-parallel-size", "2"])
     assert losses == pytest.approx(one, rel=RTOL)
     assert _field(stdout, "grad norm") == pytest.approx(_field(one_out, "grad norm"), rel=1e-5)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_context_parallel_equals_one_process(reference, ep):
+    """--context-parallel-size 2: each CP rank routes its two chunks of every sequence; the balancing and z losses
+    are the whole sequences' (tokens per expert summed over the CP ranks) and trained at CP x the rank's part, as
+    its language-model loss; at EP 2 the two CP ranks are the expert parallel group (expert parallelism over data
+    x context parallel ranks). Losses, reported MoE losses and the clipped gradient norm equal one process's."""
+    extra = ["--context-parallel-size", "2"] + (["--expert-model-parallel-size", "2"] if ep > 1 else [])
+    losses, stdout = _run(2, extra)
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(reference[1], name), rel=1e-5), name
