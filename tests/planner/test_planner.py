@@ -125,7 +125,8 @@ def test_upstream_moe_plan_splits_experts_by_its_own_flag():
         assert all(c.layout.ep == c.knobs.ep and c.layout.model.moe_router_topk == 2 for c in found)
         wide = next(c for c in found if c.knobs.ep == 2 and c.knobs.tp == 1 and c.knobs.pp == 1)
         assert wide.knobs.flags()[-2:] == ["--expert-model-parallel-size", "2"]
-        top1 = planner.evaluate(plan_cli.request_of(base + ["--moe-router-topk", "1"], GPT, "plan.py")[0], wide.knobs)
+        top1 = planner.evaluate(plan_cli.request_of(base + ["--moe-router-topk", "1", "--moe-router-pre-softmax"], GPT,
+                                                    "plan.py")[0], wide.knobs)
     from megatron_ds.planner.time_model import gemm_seconds, layer_forward  # noqa: PLC0415
 
     assert top1.layout.model.moe_router_topk == 1
