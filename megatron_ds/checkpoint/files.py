@@ -36,6 +36,7 @@ from megatron_ds.config.family import UNRECORDED_FAMILY, ModelFamily
 from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -172,3 +173,9 @@ def open_checkpoint(load_dir: str, iteration: int | None, family: ModelFamily) -
         vocab_size=meta.get("vocab_size"), tp=sig["tensor_model_parallel_size"],
         pp=sig["pipeline_model_parallel_size"], dp=sig["data_parallel_size"], zero_stage=sig["zero_stage"],
         precision=sig["precision"], family=family)
+
+
+def is_buffer_state(name: str) -> bool:
+    """Whether a state-dict name is a replicated buffer saved with the weights, which has no optimizer state and no
+    fp32 master: FP8 delayed scaling's amax history and scales, and Megatron-LM's MoE routers' expert biases."""
+    return is_fp8_state(name) or name.endswith("router.expert_bias")

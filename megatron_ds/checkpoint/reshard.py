@@ -37,7 +37,7 @@ from megatron_ds.checkpoint import stacked_experts
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
-from megatron_ds.checkpoint.files import CheckpointFiles, layer_prefixes, load_file, open_checkpoint
+from megatron_ds.checkpoint.files import CheckpointFiles, is_buffer_state, layer_prefixes, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE, PIPELINE_LAYERS
 from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
@@ -45,7 +45,6 @@ from megatron_ds.checkpoint.sources import layer_source
 from megatron_ds.checkpoint.vocabulary import VocabChange, fit_vocab_rows
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.fp8_delayed import is_fp8_state
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
                  "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS,
@@ -101,7 +100,7 @@ def full_tensors(ckpt, source, saved_opt, idx: int, prefix: str) -> dict[str, di
     weights = merge_layer(shards, prefix, ckpt.model, ckpt.family)
     out = {name: {"weight": w} for name, w in weights.items()}
     if saved_opt is not None:
-        for name in (n for n in weights if not is_fp8_state(n)):  # FP8 scaling state: buffers, no optimizer state
+        for name in (n for n in weights if not is_buffer_state(n)):  # buffers: no optimizer state
             local = name[len(prefix):]
             per_rank = [saved_opt.tensors(name, t, shards[t][local].shape) for t in range(ckpt.tp)]
             if any(p is None for p in per_rank):
@@ -125,9 +124,9 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     source = layer_source(ckpt)
     prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)}
     params = dict(engine.module.named_parameters())
-    fp8_state = {n: b for n, b in engine.module.named_buffers() if is_fp8_state(n)}
+    buffers = {n: b for n, b in engine.module.named_buffers() if is_buffer_state(n)}
     by_layer = collections.defaultdict(list)
-    for name in [*params, *fp8_state]:
+    for name in [*params, *buffers]:
         by_layer[_layer_of(name, prefixes)].append(name)
     setter = StateSetter(engine)
     saved_names = expert_global_names(engine.module)  # this rank's experts by their saved (global) ids
@@ -138,8 +137,8 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
             continue
         full = full_tensors(ckpt, source, saved_opt, idx, prefix)
         for name in by_layer[idx]:
-            if name in fp8_state:
-                _load_fp8_state(fp8_state[name], full.get(saved_names.get(name, name)), name, fresh)
+            if name in buffers:
+                _load_buffer(buffers[name], full.get(saved_names.get(name, name)), name, fresh)
                 continue
             saved = saved_names.get(name, name)
             if saved not in full:
@@ -153,23 +152,24 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
         if saved_opt.loss_scale and setter.set_loss_scale(saved_opt.loss_scale):
             log(f"fp16 loss scale {saved_opt.loss_scale.get('cur_scale')} carried over")
     if fresh:
-        log(f"{ckpt.path} has no FP8 delayed-scaling state for {len(fresh)} tensors (e.g. {fresh[0]}): they start "
-            f"from an empty amax history, as a fresh run")
+        log(f"{ckpt.path} has no saved state for {len(fresh)} buffers (e.g. {fresh[0]}: FP8 delayed scaling's amax "
+            f"history, a router's expert bias): they start as in a fresh run")
     client = _client_state(ckpt, engine, ps, load_lr_state=load_optim and load_lr_state, log=log)
     log(f"loaded {ckpt.path} resharded from TP {ckpt.tp} x PP {ckpt.pp} x DP {ckpt.dp} (ZeRO {ckpt.zero_stage}, "
         f"{ckpt.precision}{', weights only' if saved_opt is None else ''})")
     return client
 
 
-def _load_fp8_state(buffer: torch.Tensor, saved: dict | None, name: str, fresh: list) -> None:
-    """A delayed-scaling buffer from the saved one (None: not saved, it stays fresh)."""
+def _load_buffer(buffer: torch.Tensor, saved: dict | None, name: str, fresh: list) -> None:
+    """A replicated buffer (``is_buffer_state``) from the saved one (None: not saved, it stays fresh)."""
     if saved is None:
         fresh.append(name)
         return
     tensor = saved["weight"]
     if tensor.shape != buffer.shape:
-        raise ConfigError(f"{name}: the checkpoint's FP8 state has shape {tuple(tensor.shape)}, this run's "
-                          f"{tuple(buffer.shape)}: resume with the --fp8-amax-history-len it was saved with")
+        raise ConfigError(f"{name}: the checkpoint's buffer has shape {tuple(tensor.shape)}, this run's "
+                          f"{tuple(buffer.shape)}: resume with the settings it was saved with (--fp8-amax-history-len, "
+                          f"--num-experts)")
     with torch.no_grad():
         buffer.copy_(tensor)
 

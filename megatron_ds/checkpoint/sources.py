@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 
 from megatron_ds.checkpoint import expert_files, stacked_experts
-from megatron_ds.checkpoint.files import CheckpointFiles, load_file
+from megatron_ds.checkpoint.files import CheckpointFiles, is_buffer_state, load_file
 from megatron_ds.checkpoint.moe_sources import MoEModuleSource
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
 from megatron_ds.checkpoint.zero3 import Zero3State
 from megatron_ds.errors import ConfigError
-from megatron_ds.parallel.fp8_delayed import is_fp8_state
 from megatron_ds.parallel.utils import PRECISION_DTYPES
 
 
@@ -99,12 +98,13 @@ class MasterSource:
         else:
             shards = self.weights.shards(idx, prefix)
             if not self.plain_fp32:
-                # FP8 delayed scaling's amax history and scales are buffers, kept as saved (fp32): no masters
-                shards = [{local: w if is_fp8_state(local) else self._master(prefix + local, t, w.shape)
+                # buffers (FP8 delayed scaling's amax history and scales, MoE expert biases) are kept as saved
+                # (fp32): no masters
+                shards = [{local: w if is_buffer_state(local) else self._master(prefix + local, t, w.shape)
                            for local, w in shard.items()} for t, shard in enumerate(shards)]
         if self.dtype is None:
             return shards
-        return [{k: v if is_fp8_state(k) else v.to(self.dtype) for k, v in shard.items()} for shard in shards]
+        return [{k: v if is_buffer_state(k) else v.to(self.dtype) for k, v in shard.items()} for shard in shards]
 
     def _master(self, name: str, tp_rank: int, shape: torch.Size) -> torch.Tensor:
         found = self.saved.tensors(name, tp_rank, shape)

@@ -542,7 +542,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     fp8 = fp8_recipe(flags.model)  # refuses an FP8 recipe we cannot run, before anything starts
     check_mla(m, ulysses=sp, fp8=fp8 is not None)
     cp_comm_type = check_context_parallel(
-        flags, cp=cp, seq_length=m.seq_length, moe=is_moe(m),
+        flags, cp=cp, seq_length=m.seq_length,
+        moe=("megatron" if moe_selection.is_mlm_moe(m) else "deepspeed") if is_moe(m) else None,
         curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
     if cp > 1 and m.multi_latent_attention:
         raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
@@ -554,8 +555,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     check_data(flags.data)
     check_profile(flags.logging)
     moe = is_moe(m)
-    notes: list[str] = check_moe(
-        m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
+    notes: list[str] = check_moe(  # experts split over DeepSpeed's data parallel axis: DP x CP ranks
+        m, tp=tp, pp=pp, dp=dp * cp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         checkpoints=bool(flags.checkpoint.save or flags.checkpoint.load),
         own_schedule=virtual_pp > 1 or zbh1 is not None,

@@ -227,6 +227,12 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                  f"{tp}" if sp_tp else f"the data parallel size {dp}")
         raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
                           f"of EP ranks holds num_experts / EP experts")
+    if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
+            and "sinkhorn" not in m.moe_router_load_balancing_type):
+        # Megatron-LM's TransformerConfig.__post_init__ refuses the same: a softmax over one selected logit is 1,
+        # whose gradient is zero, so the router would never learn
+        raise ConfigError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over the "
+                          "one selected logit is 1 and gives the router no gradient), as Megatron-LM requires")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function == "softmax":
         # Megatron-LM's TransformerConfig.__post_init__ asserts the same
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "

@@ -365,10 +365,11 @@ def check_async_save(ckpt, template: dict | None) -> list[str]:
     return []
 
 
-def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, curriculum: bool) -> str:
+def check_context_parallel(flags, *, cp: int, seq_length: int, moe: str | None, curriculum: bool) -> str:
     """--context-parallel-size N (parallel/context_parallel.py): Megatron-LM's conditions (megatron/training/
     arguments.py: ``seq_length % (2 * context_parallel_size) == 0``; a2a+p2p needs the hierarchical sizes)
-    and what is not built with it here. Returns the attention's communication, "p2p" or "all_gather"."""
+    and what is not built with it here (``moe``: the MoE layer the line builds, "megatron", "deepspeed" or None).
+    Returns the attention's communication, "p2p" or "all_gather"."""
     par = flags.parallel
     kinds = set(par.cp_comm_type or ("p2p",))  # Megatron-LM's default: ["p2p"]
     if cp < 1:
@@ -386,7 +387,10 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: bool, curric
         "different --cp-comm-type values per layer (one kind runs in every layer here)": len(kinds) > 1,
         "--ds-sequence-parallel-size > 1 (DeepSpeed-Ulysses and context parallelism split the same sequence; "
         "choose one)": par.ds_sequence_parallel_size > 1,
-        "mixture-of-experts layers (--num-experts > 1)": moe,
+        "DeepSpeed-MoE layers (Megatron-DeepSpeed's --num-experts with its MoE flags; Megatron-LM's MoE layer runs "
+        "with context parallelism)": moe == "deepspeed",
+        "Megatron-LM's MoE with --sequence-parallel (the router's group would span TP x CP ranks; drop "
+        "--sequence-parallel)": moe == "megatron" and par.sequence_parallel,
         "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
     }
     refused = [what for what, on in refusals.items() if on]

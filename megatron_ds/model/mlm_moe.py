@@ -187,9 +187,12 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         self.last: dict = {}  # the last training forward's statistics, for the loss report
-        # Megatron sequence parallelism at TP > 1: the tensor parallel group, whose ranks route the parts of one
-        # sequence (Megatron-LM's tp_cp_group in router.py); set by MoELayer
+        # the ranks that route the parts of one sequence (Megatron-LM's tp_cp_group in router.py): the tensor
+        # parallel group under Megatron sequence parallelism at TP > 1, or the context parallel group; set by MoELayer
         self.tp_group = None
+        # context parallelism: DeepSpeed averages the CP ranks' gradients (its data parallel axis is DP x CP), so a
+        # CP rank's part of the losses is trained at CP x its weight, as its language-model loss is
+        self.grad_scale = 1
 
     def forward(self, x: torch.Tensor, seq: int, batch: int):
         """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor).
@@ -236,6 +239,7 @@ class TopKRouter(nn.Module):
             self.local_tokens_per_expert += counts.float()
         if tp > 1 and terms:  # the sums over the group: the value of the loss (its gradient stays this rank's part)
             total = self._over_tp(torch.stack([loss.detach(), *terms.values()]).detach())
+            loss = self.grad_scale * loss
             loss = loss + (total[0] - loss.detach())
             terms = dict(zip(terms, total[1:]))
         if train:
@@ -497,12 +501,19 @@ class MoELayer(nn.Module):
     gathered first, every rank runs its part of the experts on all of them, and the partial outputs are
     reduce-scattered back to the sequence parts (Megatron-LM's gather over its tp_ep group, whose ETP part is the
     tensor parallel group here); at EP > 1 the expert parallel groups then run along data parallel ranks of one
-    tensor parallel rank (DeepSpeed's expert tensor parallel groups)."""
+    tensor parallel rank (DeepSpeed's expert tensor parallel groups).
+
+    ``cp_group`` (context parallelism): each CP rank routes its two chunks of every sequence, as a data parallel
+    rank its samples; the router's balancing and z losses are those of the whole sequences (tokens per expert
+    summed over the CP group, Megatron-LM's tp_cp_group) and are trained at CP x this rank's part, the weight
+    its language-model loss has (DeepSpeed averages gradients over DP x CP ranks). Expert parallel groups are
+    DeepSpeed's, over its data parallel axis: DP x CP ranks, as Megatron-LM's expert parallelism spans data and
+    context parallel ranks."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
                  sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, grouped_gemm: bool = False,
-                 params_dtype=torch.float32, device=None):
+                 cp_group=None, params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
         if experts % ep:
@@ -531,6 +542,10 @@ class MoELayer(nn.Module):
             replicated = [self.router, self.shared_experts] + ([self.experts] if ep == self.etp == 1 else [])
             for p in (p for m in replicated if m is not None for p in m.parameters()):
                 p.sequence_parallel = True
+        if tp_world_size(cp_group) > 1:  # context parallelism: each CP rank routes its chunks (class docstring)
+            if sequence_parallel:
+                raise ValueError("Megatron-LM's MoE with context parallelism runs without --sequence-parallel")
+            self.router.tp_group, self.router.grad_scale = cp_group, tp_world_size(cp_group)
 
     @property
     def ep_group(self):
@@ -625,7 +640,8 @@ def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> 
 
 
 def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequence_parallel: bool = False,
-                  tp_group=None, expert_tp: bool = False, params_dtype=torch.float32, device=None) -> MoELayer:
+                  tp_group=None, expert_tp: bool = False, cp_group=None, params_dtype=torch.float32,
+                  device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
                   pre_softmax=cfg.moe_router_pre_softmax, scaling_factor=cfg.moe_router_topk_scaling_factor,
@@ -638,5 +654,5 @@ def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequ
     return MoELayer(cfg, experts, ffn=cfg.moe_ffn_hidden_size, router=router,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size, shared_gate=cfg.moe_shared_expert_gate,
                     ep_size=ep_size, ep_rank=ep_rank, dispatcher=cfg.moe_token_dispatcher_type,
-                    sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
+                    sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp, cp_group=cp_group,
                     grouped_gemm=cfg.moe_grouped_gemm, params_dtype=params_dtype, device=device)

@@ -394,7 +394,8 @@ class ParallelTransformerLayer(nn.Module):
         if self.mlm_moe:
             self.mlp = build_mlm_moe(cfg, num_experts, ep_size=ep_size, ep_rank=ep_rank,
                                      sequence_parallel=sequence_parallel, tp_group=tp_group, expert_tp=expert_tp,
-                                     params_dtype=params_dtype, device=device)
+                                     cp_group=cp.group if cp is not None else None, params_dtype=params_dtype,
+                                     device=device)
         elif num_experts > 1:
             self.mlp = self._build_moe(cfg, num_experts, ep_size, ep_rank, parallel)
             self.drops = DropCounter(self.mlp)

@@ -215,11 +215,12 @@ def structures(request: Request):
                             yield Knobs(tp, pp, v, seq_par, sp, zero, zbh1=zbh1, ep=ep, mlm_moe=mlm,
                                         partition=partition)
                 # context parallelism: a power of two of the DP ranks whose 2 x CP chunks split the sequence (the
-                # resolution refuses it with Ulysses, ZB-H1, MoE and what else it does not run)
-                cps = [] if "context-parallel" in off or zbh1 else [
+                # resolution refuses it with Ulysses, DeepSpeed-MoE and what else it does not run; Megatron-LM's MoE
+                # runs at EP 1 here)
+                cps = [] if "context-parallel" in off else [
                     c for c in _divisors_pow2(dp_world)[1:] if m.seq_length % (2 * c) == 0]
                 for cp in cps:
-                    yield Knobs(tp, pp, v, seq_par, 1, zero, partition=partition, cp=cp)
+                    yield Knobs(tp, pp, v, seq_par, 1, zero, zbh1=zbh1, mlm_moe=mlm, partition=partition, cp=cp)
 
 
 def resolve_knobs(request: Request, knobs: Knobs) -> Layout:

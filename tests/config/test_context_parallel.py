@@ -53,10 +53,13 @@ def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
     (["--hierarchical-context-parallel-sizes", "1", "2"], "hierarchical context parallelism is not built"),
     (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
     (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
-    (["--num-experts", "2"], "mixture-of-experts"),
+    (["--num-experts", "2", "--topk", "2"], "DeepSpeed-MoE layers"),
+    (["--num-experts", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "Megatron-LM's MoE with --sequence-parallel"),
 ])
 def test_refused_in_one_line(extra, says):
-    world = 4 if "--pipeline-model-parallel-size" in extra or "--ds-sequence-parallel-size" in extra else 2
+    world = 4 if {"--pipeline-model-parallel-size", "--ds-sequence-parallel-size",
+                  "--tensor-model-parallel-size"} & set(extra) else 2
     with pytest.raises(ConfigError, match="context") as err:
         make("--context-parallel-size", "2", *extra, world=world)
     assert says in str(err.value) and "\n" not in str(err.value)

@@ -118,6 +118,7 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
     ("--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1 2 3", 1,
      "gives 3 values for 2 balancing types"),
     ("--num-experts 4 --moe-router-enable-expert-bias", 1, "needs --moe-router-score-function sigmoid"),
+    ("--num-experts 4 --moe-router-topk 1", 1, "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"),
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", 1, "needs --moe-expert-capacity-factor"),
     ("--num-experts 4 --moe-layer-freq [1,0]", 1, "gives 2 values for --num-layers 4"),
     ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "neither an integer nor a list expression"),

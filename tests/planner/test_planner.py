@@ -22,7 +22,7 @@ from megatron_ds.planner import plan_cli
 from megatron_ds.planner.one_layout import EXPECTED_ERROR, regime
 from megatron_ds.planner import search as planner
 from megatron_ds.planner.job_script import write_job_script
-from megatron_ds.planner.time_model import make_cluster, pipeline_time, zbh1_time
+from megatron_ds.planner.time_model import gemm_seconds, layer_forward, make_cluster, pipeline_time, zbh1_time
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = get_family("gpt")
@@ -97,16 +97,23 @@ def test_pipeline_closed_forms_are_the_schedule_simulation():
             assert zbh1_time([f + b + w] * pp, [f + b - w] * pp, m) == pytest.approx(zb)
 
 
-def test_moe_plan_splits_experts():
-    """A mixture-of-experts GPT: layouts with expert parallelism are enumerated and resolve."""
-    argv = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 "
-            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --create-moe-param-group "
-            "--plan-recompute none --plan-micro-batch 1,2").split()
+MOE_PLAN = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+            "--global-batch-size 64 --bf16 --num-experts 8 --plan-recompute none").split()
+
+
+def _moe_candidates(extra: list[str]):
+    """(request, its candidates) of the MoE GPT of ``MOE_PLAN`` with ``extra``; every EP size is enumerated."""
     with contextlib.chdir(ROOT):
-        request, _, _ = plan_cli.request_of(argv, GPT, "plan.py")
+        request, _, _ = plan_cli.request_of(MOE_PLAN + extra, GPT, "plan.py")
         found = planner.candidates(request)
     assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
     assert all(c.layout.ep == c.knobs.ep for c in found)
+    return request, found
+
+
+def test_moe_plan_splits_experts():
+    """A mixture-of-experts GPT: layouts with expert parallelism are enumerated and resolve."""
+    _, found = _moe_candidates(["--create-moe-param-group", "--plan-micro-batch", "1,2"])
     assert "--moe-expert-parallel-size" in next(c for c in found if c.knobs.ep > 1).knobs.flags()
 
 
@@ -115,19 +122,15 @@ def test_upstream_moe_plan_splits_experts_by_its_own_flag():
     layouts split the experts by --expert-model-parallel-size (DeepSpeed-MoE's flag would be a second MoE layer's,
     refused), and the time model runs each token through top-2 experts, not DeepSpeed-MoE's top-1: the MLP GEMMs
     of the top-2 line take twice those of the same line at top-1."""
-    base = ("--gpu-type h100 --gpus 16 --num-layers 8 --hidden-size 1024 --num-attention-heads 16 "
-            "--seq-length 1024 --global-batch-size 64 --bf16 --num-experts 8 --plan-recompute none "
-            "--plan-micro-batch 1").split()
+    base = ["--plan-micro-batch", "1"]
+    request, found = _moe_candidates(base)
+    assert all(c.layout.model.moe_router_topk == 2 for c in found)
+    wide = next(c for c in found if c.knobs.ep == 2 and c.knobs.tp == 1 and c.knobs.pp == 1)
+    assert wide.knobs.flags()[-2:] == ["--expert-model-parallel-size", "2"]
     with contextlib.chdir(ROOT):
-        request, _, _ = plan_cli.request_of(base, GPT, "plan.py")
-        found = planner.candidates(request)
-        assert {c.knobs.ep for c in found} == {1, 2, 4, 8}
-        assert all(c.layout.ep == c.knobs.ep and c.layout.model.moe_router_topk == 2 for c in found)
-        wide = next(c for c in found if c.knobs.ep == 2 and c.knobs.tp == 1 and c.knobs.pp == 1)
-        assert wide.knobs.flags()[-2:] == ["--expert-model-parallel-size", "2"]
-        top1 = planner.evaluate(plan_cli.request_of(base + ["--moe-router-topk", "1"], GPT, "plan.py")[0], wide.knobs)
-    from megatron_ds.planner.time_model import gemm_seconds, layer_forward  # noqa: PLC0415
-
+        top1_line = plan_cli.request_of(MOE_PLAN + base + ["--moe-router-topk", "1", "--moe-router-pre-softmax"], GPT,
+                                        "plan.py")[0]
+        top1 = planner.evaluate(top1_line, wide.knobs)
     assert top1.layout.model.moe_router_topk == 1
     gpu = request.cluster.gpu
     two, one = (layer_forward(c.layout, gpu, 8)[0].matmul for c in (wide, top1))

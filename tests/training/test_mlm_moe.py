@@ -216,3 +216,43 @@ def test_etp2_with_biases_equals_one_process():
                              "--expert-tensor-parallel-size", "2"])
     assert losses == pytest.approx(one, rel=RTOL)
     assert _field(stdout, "grad norm") == pytest.approx(_field(one_out, "grad norm"), rel=1e-5)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_context_parallel_equals_one_process(reference, ep):
+    """--context-parallel-size 2: each CP rank routes its two chunks of every sequence; the balancing and z losses
+    are the whole sequences' (tokens per expert summed over the CP ranks) and trained at CP x the rank's part, as
+    its language-model loss; at EP 2 the two CP ranks are the expert parallel group (expert parallelism over data
+    x context parallel ranks). Losses, reported MoE losses and the clipped gradient norm equal one process's."""
+    extra = ["--context-parallel-size", "2"] + (["--expert-model-parallel-size", "2"] if ep > 1 else [])
+    losses, stdout = _run(2, extra)
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(reference[1], name), rel=1e-5), name
+
+
+def test_llm_jp_v4_shaped_moe_trains_at_ep2_pp2_and_resumes_bitwise(tmp_path, e2e_data):
+    """Issue 44's model: fine-grained experts (16 of a quarter of the dense width), top-8, a shared expert,
+    sequence-level balancing and the auxiliary-loss-free expert bias, as LLM-jp's v4 MoE runs are configured,
+    on real text (the docstring corpus) at EP 2 x PP 2 (4 processes, all-to-all dispatch): the loss falls, and a
+    run stopped at step 6 and resumed from its checkpoint (the stacked experts of both EP ranks, the routers'
+    biases) ends bitwise as the uninterrupted one."""
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 5e-3 --lr-decay-style constant --lr-warmup-iters 0 "
+            "--train-iters 12 --log-interval 1 --eval-iters 0 --eval-interval 1000 --num-workers 0 --seed 1234 "
+            "--split 100,0,0 --hidden-dropout 0 --attention-dropout 0 --swiglu --disable-bias-linear "
+            "--num-experts 16 --moe-router-topk 8 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 64 "
+            "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 "
+            "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 "
+            "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+            ).split() + ["--data-path", e2e_data["prefix"], "--vocab-file", e2e_data["vocab"],
+                         "--merge-file", e2e_data["merges"]]
+    straight = [loss for _, loss in run_distributed(_train, 4, argv, timeout=600)[-1][0]]
+    assert len(straight) == 12 and sum(straight[-3:]) / 3 < sum(straight[:3]) / 3 - 0.5
+    ckpt = str(tmp_path / "ckpt")
+    first = run_distributed(_train, 4, argv + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "6"],
+                            timeout=600)[-1][0]
+    second = run_distributed(_train, 4, argv + ["--load", ckpt], timeout=600)[-1][0]
+    assert [it for it, _ in first] == list(range(1, 7)) and [it for it, _ in second] == list(range(7, 13))
+    assert [loss for _, loss in first + second] == straight
