@@ -191,6 +191,11 @@ def _spawned(rank, world, port, rows, args, queue):
     result = layer_worker(rank, world, port, rows, args)
     if result is not None:
         queue.put(result)
+    queue.close()
+    queue.join_thread()  # the result is in the pipe
+    # no interpreter teardown: a process group's threads can still be joinable in C++ static destructors there,
+    # which aborts the process ("terminate called without an active exception") after its work is done
+    os._exit(0)
 
 
 def run_layers(args) -> list[dict]:
