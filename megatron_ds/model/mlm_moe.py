@@ -401,7 +401,9 @@ class GroupedExperts(nn.Module):
         self.act = mlp_activation(cfg)
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        on_device = torch.tensor(counts, device=x.device)
+        # the counts on the device, copied once for both linears, only where a bias or the grouped kernel reads them
+        needed = self.linear_fc1.bias is not None or (self.grouped and _grouped_mm_ok(x, self.linear_fc1.weight))
+        on_device = torch.tensor(counts, device=x.device) if needed else None
         h = self.act(grouped_linear(x, counts, self.linear_fc1, on_device, grouped=self.grouped))
         p = probs.unsqueeze(-1).to(h.dtype)
         # fc2's bias weighted by the route's probability too (Megatron-LM's GroupedMLP._apply_bias: t + b * p)

@@ -119,3 +119,24 @@ def test_moe_without_token_dropping_stops_in_deepspeed_gating(gpu):
               for f in traceback.extract_tb(stopped.value.__traceback__)]
     deepspeed_frames = [f for f in frames if f[0] == "moe"]
     assert deepspeed_frames[-1] == ("moe", "sharded_moe.py", "top1gating"), frames
+
+
+def test_megatron_lm_moe_grouped_gemm_branch_on_cuda_bf16(monkeypatch):
+    """--moe-grouped-gemm's CUDA branch of Megatron-LM's experts (model/mlm_moe.py ``grouped_linear``): on bf16
+    CUDA tensors ``_grouped_mm_ok`` holds and one torch._grouped_mm runs forward and backward (an expert without
+    tokens included), its output and gradients on the device. (The whole dropless layer cannot run on fake
+    tensors: its permutation reads the routing's counts.)"""
+    from megatron_ds.model import mlm_moe
+
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with fake_cuda.activate():
+        layer = mlm_moe._Stacked(list(range(4)), 64, 128, bias=False, std=0.02, params_dtype=torch.bfloat16,
+                                 device="cuda")
+        x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        assert mlm_moe._grouped_mm_ok(x, layer.weight)
+        y = mlm_moe.grouped_linear(x, [10, 0, 20, 10], layer, grouped=True)
+        y.float().sum().backward()
+    assert y.shape == (40, 128) and y.device.type == "cuda"
+    assert x.grad.shape == x.shape and layer.weight.grad.device.type == "cuda"
+    assert calls == [1]
