@@ -389,8 +389,6 @@ def check_context_parallel(flags, *, cp: int, seq_length: int, moe: str | None, 
         "choose one)": par.ds_sequence_parallel_size > 1,
         "DeepSpeed-MoE layers (Megatron-DeepSpeed's --num-experts with its MoE flags; Megatron-LM's MoE layer runs "
         "with context parallelism)": moe == "deepspeed",
-        "Megatron-LM's MoE with --sequence-parallel (the router's group would span TP x CP ranks; drop "
-        "--sequence-parallel)": moe == "megatron" and par.sequence_parallel,
         "a sequence-length warm-up (curriculum learning cuts sequences below 2 x CP chunks)": curriculum,
     }
     refused = [what for what, on in refusals.items() if on]

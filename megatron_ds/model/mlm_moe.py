@@ -169,7 +169,8 @@ class TopKRouter(nn.Module):
                  pre_softmax: bool = False, scaling_factor: float | None = None, expert_bias: bool = False,
                  router_dtype: torch.dtype | None = None, aux: dict | None = None, z_loss_coeff: float | None = None,
                  capacity_factor: float | None = None, drop_policy: str = "probs", pad_to_capacity: bool = False,
-                 groups: tuple[int, int] | None = None, params_dtype=torch.float32, device=None):
+                 groups: tuple[int, int] | None = None, seq_groups: tuple = (), bias_groups: tuple = (),
+                 grad_scale: int = 1, params_dtype=torch.float32, device=None):
         super().__init__()
         self.topk, self.experts, self.score_function, self.pre_softmax = topk, experts, score_function, pre_softmax
         self.groups = groups
@@ -187,27 +188,32 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         self.last: dict = {}  # the last training forward's statistics, for the loss report
-        # the ranks that route the parts of one sequence (Megatron-LM's tp_cp_group in router.py): the tensor
-        # parallel group under Megatron sequence parallelism at TP > 1, or the context parallel group; set by MoELayer
-        self.tp_group = None
+        # the ranks that route the parts of one sequence (Megatron-LM's tp_cp_group in router.py), as groups whose
+        # product it is: the tensor parallel group under Megatron sequence parallelism at TP > 1, the context
+        # parallel group, or both (a sum over TP, then over CP, is the sum over TP x CP)
+        self.seq_groups = tuple(g for g in seq_groups if g is not None and dist.get_world_size(g) > 1)
+        self.seq_size = math.prod(dist.get_world_size(g) for g in self.seq_groups)
+        # what the expert bias's counts are summed over besides the data parallel ranks (which include the CP
+        # ranks, parallel/groups.py): the tensor parallel group under sequence parallelism
+        self.bias_groups = tuple(g for g in bias_groups if g is not None and dist.get_world_size(g) > 1)
         # context parallelism: DeepSpeed averages the CP ranks' gradients (its data parallel axis is DP x CP), so a
         # CP rank's part of the losses is trained at CP x its weight, as its language-model loss is
-        self.grad_scale = 1
+        self.grad_scale = grad_scale
 
     def forward(self, x: torch.Tensor, seq: int, batch: int):
         """``x [seq x batch, hidden]`` -> (probs, routing map, weighted auxiliary loss: a 0-dim fp32 tensor).
 
-        Under sequence parallelism (``tp_group``) ``x`` is this rank's part of the sequences: each loss is
-        computed as Megatron-LM's router does, from the tokens per expert summed over the group and this rank's
+        Under sequence or context parallelism (``seq_groups``) ``x`` is this rank's part of the sequences: each
+        loss is computed as Megatron-LM's router does, from the tokens per expert summed over the group and this rank's
         scores, so that the ranks' losses sum to the loss of the whole sequences (their gradients too: the
         router's weight gradient is summed over the group); the value returned is that sum, on every rank."""
         dtype = self.router_dtype or x.dtype
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         train, terms = self.training, {}
-        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        parts = self.seq_size
         if train and self.z_loss_coeff:
-            terms["z_loss"] = z_loss(logits.float()) / tp  # a mean over all the sequences' tokens
+            terms["z_loss"] = z_loss(logits.float()) / parts  # a mean over all the sequences' tokens
             loss = loss + terms["z_loss"] * self.z_loss_coeff
         if "sinkhorn" in self.aux:
             probs, routing_map = sinkhorn_routing(logits, self.topk, train)
@@ -222,14 +228,14 @@ class TopKRouter(nn.Module):
         if train and any(self.aux.values()):
             scores, aux_map = aux_scores(logits, self.topk, self.score_function)
             if self.aux.get("aux_loss"):
-                terms["load_balancing_loss"] = switch_aux_loss(scores, self._over_tp(aux_map.sum(0).float()),
-                                                               x.shape[0] * tp, self.topk, self.experts)
+                terms["load_balancing_loss"] = switch_aux_loss(scores, self._over_seq(aux_map.sum(0).float()),
+                                                               x.shape[0] * parts, self.topk, self.experts)
                 loss = loss + terms["load_balancing_loss"] * self.aux["aux_loss"]
             if self.aux.get("seq_aux_loss"):
                 # Megatron-LM's _apply_seq_aux_loss: tokens are [seq, batch]-ordered; folding the batch into the
                 # expert dimension makes the switch loss a sum of per-sequence losses, averaged over the batch
                 s, m = scores.reshape(seq, -1), aux_map.reshape(seq, -1)
-                terms["seq_load_balancing_loss"] = switch_aux_loss(s, self._over_tp(m.sum(0).float()), seq * tp,
+                terms["seq_load_balancing_loss"] = switch_aux_loss(s, self._over_seq(m.sum(0).float()), seq * parts,
                                                                    self.topk, self.experts) / batch
                 loss = loss + terms["seq_load_balancing_loss"] * self.aux["seq_aux_loss"]
         counts = routing_map.sum(0)
@@ -237,8 +243,8 @@ class TopKRouter(nn.Module):
             # after dropping, as Megatron-LM's _apply_expert_bias; not under no_grad: a recomputed forward
             # (activation checkpointing) counts once
             self.local_tokens_per_expert += counts.float()
-        if tp > 1 and terms:  # the sums over the group: the value of the loss (its gradient stays this rank's part)
-            total = self._over_tp(torch.stack([loss.detach(), *terms.values()]).detach())
+        if parts > 1 and terms:  # the sums over the group: the value of the loss (its gradient stays this rank's part)
+            total = self._over_seq(torch.stack([loss.detach(), *terms.values()]).detach())
             loss = self.grad_scale * loss
             loss = loss + (total[0] - loss.detach())
             terms = dict(zip(terms, total[1:]))
@@ -250,13 +256,9 @@ class TopKRouter(nn.Module):
                          **{k: v.detach() for k, v in terms.items()}}
         return probs, routing_map, loss
 
-    def _over_tp(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the sequence parallel group (a new tensor; ``t`` itself without one)."""
-        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
-            return t
-        t = t.clone()
-        dist.all_reduce(t, group=self.tp_group)
-        return t
+    def _over_seq(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks routing one sequence's parts (a new tensor; ``t`` itself without them)."""
+        return _summed(t, self.seq_groups)
 
     def _apply(self, fn, recurse=True):
         """Keep the bias and the counts in fp32 through a cast of the model (a bf16 engine casts the buffers too:
@@ -269,6 +271,15 @@ class TopKRouter(nn.Module):
         return self
 
 
+def _summed(t: torch.Tensor, groups) -> torch.Tensor:
+    """``t`` summed over each of ``groups`` in turn (a new tensor; ``t`` itself for none)."""
+    if groups:
+        t = t.clone()
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    return t
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
     """Auxiliary-loss-free balancing after an optimizer step (DeepSeek-V3 section 2.1.2; Megatron-LM's
@@ -279,7 +290,9 @@ def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
         counts = router.local_tokens_per_expert
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        counts.copy_(router._over_tp(counts))  # sequence parallelism: each rank counted its part of the tokens
+        # sequence parallelism: each tensor parallel rank counted its part of the tokens (Megatron-LM sums over
+        # TP x DP x CP, moe_utils.get_updated_expert_bias; the CP ranks are in ``group``)
+        counts.copy_(_summed(counts, router.bias_groups))
         router.expert_bias += torch.sign(counts.mean() - counts) * rate
         counts.zero_()
 
@@ -341,8 +354,9 @@ def grouped_linear(x: torch.Tensor, counts: list[int], layer: _Stacked,
         offs = device_counts.cumsum(0).to(torch.int32)
         y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     else:
-        y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else \
-            x.new_zeros(0, w.shape[1])
+        # no rows (an expert parallel rank that got no routes): still a product, so that the empty output stays in
+        # the autograd graph and this rank joins the dispatch's backward all-to-all / all-gather like the others
+        y = torch.cat([part @ w[e].t() for e, part in enumerate(x.split(counts))]) if x.shape[0] else x @ w[0].t()
     if layer.bias is not None and isinstance(bias_scale, torch.Tensor):
         y = y + _RowScaledBias.apply(layer.bias, bias_scale, device_counts)
     elif layer.bias is not None:
@@ -508,9 +522,10 @@ class MoELayer(nn.Module):
     ``cp_group`` (context parallelism): each CP rank routes its two chunks of every sequence, as a data parallel
     rank its samples; the router's balancing and z losses are those of the whole sequences (tokens per expert
     summed over the CP group, Megatron-LM's tp_cp_group) and are trained at CP x this rank's part, the weight
-    its language-model loss has (DeepSpeed averages gradients over DP x CP ranks). Expert parallel groups are
-    DeepSpeed's, over its data parallel axis: DP x CP ranks, as Megatron-LM's expert parallelism spans data and
-    context parallel ranks."""
+    its language-model loss has (DeepSpeed averages gradients over DP x CP ranks). With ``sequence_parallel`` too
+    each rank routes its tensor parallel part of its chunks, and the sums run over TP x CP ranks. Expert parallel
+    groups are DeepSpeed's, over its data parallel axis: DP x CP ranks, as Megatron-LM's expert parallelism spans
+    data and context parallel ranks."""
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
@@ -524,8 +539,12 @@ class MoELayer(nn.Module):
         self._ep_group = None  # DeepSpeed's expert parallel group, looked up at the first forward (a build on
         # the meta device, --dry-run's, has no process groups)
         self.local = experts // ep
+        # the ranks routing the parts of one sequence: tensor parallel ranks under sequence parallelism, context
+        # parallel ranks, or both (Megatron-LM's tp_cp_group; class docstring)
+        sp_group = tp_group if sequence_parallel else None
         self.router = TopKRouter(cfg.hidden_size, experts, init_std=cfg.init_method_std, params_dtype=params_dtype,
-                                 device=device, **router)
+                                 device=device, seq_groups=(sp_group, cp_group), bias_groups=(sp_group,),
+                                 grad_scale=tp_world_size(cp_group), **router)
         # the experts' seeds follow this layer's (the generators are seeded just before each layer is built,
         # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
@@ -540,14 +559,9 @@ class MoELayer(nn.Module):
             ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
             self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
         if sequence_parallel:  # partial gradients of replicated parameters (class docstring)
-            self.router.tp_group = tp_group
             replicated = [self.router, self.shared_experts] + ([self.experts] if ep == self.etp == 1 else [])
             for p in (p for m in replicated if m is not None for p in m.parameters()):
                 p.sequence_parallel = True
-        if tp_world_size(cp_group) > 1:  # context parallelism: each CP rank routes its chunks (class docstring)
-            if sequence_parallel:
-                raise ValueError("Megatron-LM's MoE with context parallelism runs without --sequence-parallel")
-            self.router.tp_group, self.router.grad_scale = cp_group, tp_world_size(cp_group)
 
     @property
     def ep_group(self):

@@ -54,8 +54,6 @@ def test_memory_estimate_counts_this_ranks_share_of_the_sequence():
     (["--cp-comm-type", "p2p", "all_gather"], "one kind runs in every layer"),
     (["--ds-sequence-parallel-size", "2", "--no-pipeline-parallel"], "DeepSpeed-Ulysses and context parallelism"),
     (["--num-experts", "2", "--topk", "2"], "DeepSpeed-MoE layers"),
-    (["--num-experts", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "Megatron-LM's MoE with --sequence-parallel"),
 ])
 def test_refused_in_one_line(extra, says):
     world = 4 if {"--pipeline-model-parallel-size", "--ds-sequence-parallel-size",
@@ -63,6 +61,14 @@ def test_refused_in_one_line(extra, says):
     with pytest.raises(ConfigError, match="context") as err:
         make("--context-parallel-size", "2", *extra, world=world)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_megatron_lms_moe_with_sequence_parallel_resolves():
+    """Megatron-LM's MoE at TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
+    tp_cp group) and the experts over all four ranks (EP 4: a multiple of TP dividing TP x DP x CP)."""
+    layout = make("--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--num-experts", "4", "--expert-model-parallel-size", "4", world=4).layout
+    assert (layout.tp, layout.cp, layout.dp, layout.ep) == (2, 2, 1, 4)
 
 
 def test_upstream_llama3_script_at_cp2_passes_dry_run(tmp_path):

@@ -283,6 +283,18 @@ def test_grouped_gemm_path_equals_the_loop(monkeypatch):
     torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
 
 
+def test_experts_without_routes_stay_in_the_graph():
+    """An expert parallel rank that receives no routes (the expert bias can steer every token away from its
+    experts) still returns an output that autograd reaches from the weights and the input: the dispatch's
+    backward all-to-all then runs on it too (a detached empty output left the other ranks waiting there)."""
+    layer = mlm_moe._Stacked([1, 2], 16, 8, bias=False, std=0.5, params_dtype=torch.float32, device=None)
+    x = torch.zeros(0, 16, requires_grad=True)
+    y = mlm_moe.grouped_linear(x, [0, 0], layer)
+    assert y.shape == (0, 8) and y.requires_grad
+    y.sum().backward()
+    assert x.grad.shape == (0, 16) and layer.weight.grad is not None and not layer.weight.grad.any()
+
+
 @pytest.mark.parametrize("flag", [False, True])
 def test_only_moe_grouped_gemm_selects_the_grouped_kernel(monkeypatch, flag):
     """--moe-grouped-gemm is a speed choice, off by default (upstream's default too: SequentialMLP): where the

@@ -256,3 +256,32 @@ def test_llm_jp_v4_shaped_moe_trains_at_ep2_pp2_and_resumes_bitwise(tmp_path, e2
     second = run_distributed(_train, 4, argv + ["--load", ckpt], timeout=600)[-1][0]
     assert [it for it, _ in first] == list(range(1, 7)) and [it for it, _ in second] == list(range(7, 13))
     assert [loss for _, loss in first + second] == straight
+
+
+@pytest.fixture(scope="module")
+def balanced_reference():
+    """One process with both balancing losses (aux_loss and seq_aux_loss), the z-loss and the expert bias."""
+    return _run(1, BALANCED)
+
+
+BALANCED = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.02",
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "0.05"]
+TP2_CP2_SP = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]],
+                         ids=["ep1", "ep4_alltoall"])
+def test_context_parallel_with_sequence_parallel_equals_one_process(balanced_reference, extra):
+    """4 processes, TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
+    tp_cp group, router.py _apply_aux_loss / _apply_seq_aux_loss): each rank routes a quarter of every sequence,
+    the tensor parallel half of its CP chunks. The tokens per expert of both balancing losses are summed over the
+    TP x CP ranks, the expert bias's counts over TP x DP x CP (moe_utils.get_updated_expert_bias), so the losses,
+    the reported MoE losses and the clipped gradient norm equal one process's; at EP 4 the experts are split over
+    all four ranks, the routes crossing tensor and context parallel ranks. The bias moves routing (a wrong count
+    changes the later steps' losses)."""
+    losses, stdout = _run(4, BALANCED + TP2_CP2_SP + extra)
+    assert losses == pytest.approx(balanced_reference[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(balanced_reference[1], name), rel=1e-5), name
