@@ -72,7 +72,7 @@ class ModelFamily:
     name: str  # pretrain_<name>.py; a checkpoint's "model_family"
     label: str  # how lines and messages name it ("BERT")
     # config: (flags, pipeline size) -> None or ConfigError; (model, padded vocab, tp, pp, partition
-    # method, ep=) -> (unique total, per-stage ``layout.StageParams``)
+    # method, ep=, etp=) -> (unique total, per-stage ``layout.StageParams``)
     check: Callable
     count_parameters: Callable
     # (layout, stage) -> (runs of the stage's layers' ``memory.LayerActivations``, bytes of its input/output

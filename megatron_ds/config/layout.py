@@ -295,9 +295,10 @@ def _layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     return a_split + m_split, a_repl + m_repl
 
 
-def layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, int]]:
+def layer_counts(m: ModelConfig, tp: int, ep: int, etp: int = 1) -> list[tuple[int, int, int, int]]:
     """Per transformer layer of a stack (MoE layers where --num-experts puts them): (parameters on one rank, of
-    which experts', in the whole model, active per token), for the families' counts (``families/gpt/gpt_params.py``)."""
+    which experts', in the whole model, active per token), for the families' counts (``families/gpt/gpt_params.py``).
+    ``etp``: Megatron-LM's --expert-tensor-parallel-size."""
     a_split, a_repl = _attention_params(m, tp)
     split, repl = _layer_params(m, tp)
     dense = (split + repl, 0, split * tp + repl, split * tp + repl)
@@ -306,7 +307,7 @@ def layer_counts(m: ModelConfig, tp: int, ep: int) -> list[tuple[int, int, int, 
         if experts == 1:
             out.append(dense)
             continue
-        moe = moe_layer_params(m, experts, tp=tp, ep=ep)
+        moe = moe_layer_params(m, experts, tp=tp, ep=ep, etp=etp)
         attention = a_split * tp + a_repl
         out.append((a_split + a_repl + moe.per_rank, moe.experts_per_rank, attention + moe.total,
                     attention + moe.active))
@@ -569,7 +570,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
-    total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep)
+    etp = (par.expert_tensor_parallel_size or 1) if moe and moe_selection.is_mlm_moe(m) else 1
+    total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep, etp=etp)
     check_stages_hold_layers(stages, pp, m.num_layers, placed.counted)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
     if template is not None:  # DeepSpeed >= 0.19 refuses the legacy block; the loop applies it
@@ -602,7 +604,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     sequence_parallel=par.sequence_parallel, recompute=_recompute(t),
                     recompute_num_layers=t.recompute_num_layers, model=m, total_params=total, stages=stages,
                     ds_config=ds, curriculum=curriculum, zbh1=zbh1, family=family, ep=ep,
-                    etp=(par.expert_tensor_parallel_size or 1) if moe and mlm else 1,
+                    etp=etp,
                     active_params=family.active_parameters(m, padded) if moe else None,
                     decoder_seq_length=family.decoder_seq_length(flags) if family.decoder_seq_length else None,
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1

@@ -385,7 +385,9 @@ def parameter_state(layout: Layout, params: int, weight_bytes: float | None = No
     sb = sb or state_bytes(layout)
     dp = layout.dp * layout.sp * layout.cp  # CP ranks hold the same weights too (parallel/groups.py)
     if expert_params:
-        edp = expert_data_parallel_size(layout.model, tp=layout.tp, dp=layout.dp, ep=layout.ep)
+        # the experts split over DeepSpeed's data parallel axis, DP x CP ranks (parallel/groups.py)
+        edp = expert_data_parallel_size(layout.model, tp=layout.tp, dp=layout.dp * layout.cp, ep=layout.ep,
+                                        etp=layout.etp)
         dense_bytes = expert_bytes = None
         if weight_bytes is not None:  # the built module's bytes, shared in proportion (one dtype)
             expert_bytes = weight_bytes * expert_params / params
@@ -500,9 +502,11 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
         partition = ParallelConfig.pipeline_partition_method
     counted = partition if chunks is None else EXPLICIT + ",".join(
         str(sum(chunks[r::pp])) for r in range(pp))  # each rank's chunks (virtual stage c * pp + r)
-    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, counted, ep=layout.ep)
+    # Megatron-LM's experts split over TP (--expert-tensor-parallel-size = TP, the one split built) follow TP
+    etp = tp if layout.etp > 1 else 1
+    total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, counted, ep=layout.ep, etp=etp)
     return dataclasses.replace(
-        layout, tp=tp, pp=pp, dp=dp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
+        layout, tp=tp, pp=pp, dp=dp, etp=etp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
         chunk_layers=chunks,
         total_params=total, grad_accum_steps=max(1, layout.global_batch_size // (micro * dp)),
         zero_stage=layout.zero_stage if zero_stage is None else zero_stage, use_pipeline=use_pipeline,
@@ -536,7 +540,8 @@ def _single_changes(layout: Layout, m, world: int):
     tp, sp = layout.tp * 2, layout.sp  # Ulysses' heads split over TP x SP (config/validation.py)
     while world % (tp * layout.pp * sp * layout.cp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
             m.num_key_value_heads % (tp * sp) == 0 and m.ffn_hidden_size % tp == 0:
-        yield f"--tensor-model-parallel-size {tp}", relayout(layout, tp=tp)
+        etp = f" --expert-tensor-parallel-size {tp}" if layout.etp > 1 else ""  # (relayout: the experts follow TP)
+        yield f"--tensor-model-parallel-size {tp}{etp}", relayout(layout, tp=tp)
         tp *= 2
     pp = layout.pp * 2
     # (Ulysses runs on the plain engine only: no pipeline to suggest)

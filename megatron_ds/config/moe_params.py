@@ -72,9 +72,14 @@ def expert_tp(m: ModelConfig, tp: int) -> int:
     return tp if m.enable_expert_tensor_parallelism else 1
 
 
-def expert_data_parallel_size(m: ModelConfig, *, tp: int, dp: int, ep: int) -> int:
+def expert_data_parallel_size(m: ModelConfig, *, tp: int, dp: int, ep: int, etp: int = 1) -> int:
     """Ranks of a pipeline stage holding the same expert shard (DeepSpeed's expert data parallel group): each
-    of the stage's TP x DP ranks holds 1/EP of the experts, each expert split over expert-TP ranks."""
+    of the stage's TP x DP ranks (``dp``: DeepSpeed's data parallel ranks, DP x CP) holds 1/EP of the experts,
+    each expert split over expert-TP ranks (Megatron-LM's layer: ``etp``, --expert-tensor-parallel-size). Megatron-LM's
+    experts at EP 1 are no expert parameters to DeepSpeed (model/mlm_moe.py marks them at EP > 1 only): they are
+    reduced and partitioned over the data parallel ranks as the dense ones."""
+    if moe_selection.is_mlm_moe(m):
+        return dp if ep == 1 else tp * dp // (ep * etp)
     return tp * dp // (ep * expert_tp(m, tp))
 
 
@@ -98,11 +103,12 @@ class MoELayerParams:
     active: int  # what one token goes through: gate, k experts, residual MLP and coefficient
 
 
-def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int) -> MoELayerParams:
+def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int, etp: int = 1) -> MoELayerParams:
     """The gate (router), ``experts`` expert MLPs and what sits beside them, of DeepSpeed-MoE's layer or, for a
-    resolved Megatron-LM MoE model (config/moe_selection.py), of Megatron-LM's."""
+    resolved Megatron-LM MoE model (config/moe_selection.py), of Megatron-LM's, whose experts are split over
+    ``etp`` ranks (--expert-tensor-parallel-size: fc1's rows and fc2's columns, fc2's bias whole on each)."""
     h, mlm = m.hidden_size, moe_selection.is_mlm_moe(m)
-    tp_e = 1 if mlm else expert_tp(m, tp)  # Megatron-LM's experts are whole here (--expert-tensor-parallel-size 1)
+    tp_e = etp if mlm else expert_tp(m, tp)
     split, whole = mlp_params(m, tp_e, m.moe_ffn_hidden_size if mlm else None)
     expert_rank, expert_full = split + whole, split * tp_e + whole
     if mlm:  # the shared experts (one MLP every token goes through) and their gate, whole on every rank

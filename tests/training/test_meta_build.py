@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_ds.config import parse_args, resolve
+from megatron_ds.config.memory import _candidates, estimate_stages, state_bytes
 from megatron_ds.errors import ConfigError
 from megatron_ds.families import main
 from megatron_ds.families.gpt.gpt_family import GPT
@@ -246,3 +247,39 @@ def test_moe_dry_run_build_matches_the_estimate():
     assert built.expert_params == run.layout.stages[0].expert_params_per_tp_rank > 0
     for quantity, (value, estimated) in compare(run.layout, built).items():
         assert value == pytest.approx(estimated, rel=1e-12), quantity  # the same counts: exact up to float sums
+
+
+@pytest.mark.parametrize("extra, sizes", [
+    # TP 2 x DP 4, each expert split over the 2 tensor parallel ranks (ETP 2) and the experts over 2 data
+    # parallel ranks of each (EP 2)
+    ("--expert-tensor-parallel-size 2 --expert-model-parallel-size 2", dict(dp=4, cp=1, ep=2, etp=2)),
+    # TP 2 x CP 2 x DP 2, whole experts over all four TP x CP ranks of a data parallel rank (EP 4)
+    ("--context-parallel-size 2 --expert-model-parallel-size 4", dict(dp=2, cp=2, ep=4, etp=1)),
+], ids=["etp2_ep2", "cp2_ep4"])
+def test_megatron_lms_moe_estimate_splits_experts_over_ep_and_etp(extra, sizes):
+    """Megatron-LM's MoE on 8 ranks (TP 2 with sequence parallelism, ZeRO 1, bf16): the estimate holds on each rank
+    1/EP of every MoE layer's experts, each 1/ETP of its MLP, counted independently here from the shapes (SwiGLU
+    fc1 [2 ffn, h] and fc2 [h, ffn] per expert) and equal to the meta-device build; ZeRO splits the expert states
+    over Megatron-LM's expert data parallel size, world / (ETP x EP x PP) (megatron/core/parallel_state.py), the
+    dense ones over DP x CP."""
+    h, ffn, experts, layers, world = 64, 32, 8, 2, 8
+    cfg, _ = parse_args(MOE_BASE + ["--num-layers", str(layers), "--swiglu", "--disable-bias-linear", "--bf16",
+                                    "--use-distributed-optimizer", "--num-experts", str(experts),
+                                    "--moe-ffn-hidden-size", str(ffn), "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", *extra.split()])
+    run = resolve(cfg, world_size=world, vocab_size=100, device_type="cuda", family=GPT)
+    lay = run.layout
+    assert (lay.dp, lay.cp, lay.ep, lay.etp) == tuple(sizes.values())
+    expert_params = layers * (experts // sizes["ep"]) * 3 * ffn * h // sizes["etp"]
+    assert lay.stages[0].expert_params_per_tp_rank == expert_params
+    (built,) = build_stages(run, EOD)
+    assert (built.params, built.expert_params) == (lay.stages[0].params_per_tp_rank, expert_params)
+    sb, edp = state_bytes(lay), world // (sizes["etp"] * sizes["ep"])
+    dense = built.params - expert_params
+    optimizer = sb.optimizer * built.params + sb.optimizer_split * (dense / (sizes["dp"] * sizes["cp"])
+                                                                    + expert_params / edp)
+    assert dict(estimate_stages(lay)[0].terms)["optimizer states"] == pytest.approx(optimizer, rel=1e-12)
+    if sizes["etp"] > 1:  # a suggested wider TP splits the experts with it (ETP = TP, the one split built)
+        flag, wider = next((f, c) for f, c in _candidates(lay) if f.startswith("--tensor-model-parallel-size 4"))
+        assert flag == "--tensor-model-parallel-size 4 --expert-tensor-parallel-size 4" and wider.etp == 4
+        assert wider.stages[0].expert_params_per_tp_rank == expert_params // 2

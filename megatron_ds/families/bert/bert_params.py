@@ -42,9 +42,10 @@ def bert_pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int) -> list[tup
 
 
 def count_bert_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                          partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+                          partition_method: str | None = None, ep: int = 1, etp: int = 1
+                          ) -> tuple[int, tuple[StageParams, ...]]:
     """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT
-    (``ep``: its expert parallel size, 1 here: BERT has no MoE layers)."""
+    (``ep``, ``etp``: its expert parallel and expert tensor parallel sizes, 1 here: BERT has no MoE layers)."""
     layers = bert_pipeline_layers(m, padded_vocab, tp)
     if partition_method is None:
         partition_method = "type:ParallelTransformerLayer"

@@ -93,7 +93,7 @@ def task_layer_specs(task: Task, model_cfg, *, padded_vocab_size: int, **spec_kw
 
 
 def count_task_parameters(task: Task, m, padded_vocab: int, tp: int, pp: int, partition_method: str | None = None,
-                          ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+                          ep: int = 1, etp: int = 1) -> tuple[int, tuple[StageParams, ...]]:
     """``ModelFamily.count_parameters`` of the task model: BERT's layers up to the final norm
     (``bert_params.bert_pipeline_layers``, token types on), then the pooler and the task's linear."""
     h = m.hidden_size

@@ -11,7 +11,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.partition import partition_stages
 
 
-def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
+def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1, etp: int = 1) -> list[tuple[str, int]]:
     """(class name, parameters on one TP rank) of the GPT's pipeline layers in order, as
     ``gpt_model.py`` lists them (the names are what a "type:" partition method matches): the
     embedding, the transformer layers, the final norm, the output layer -- tied, a second
@@ -21,7 +21,7 @@ def _pipeline_layers(m: ModelConfig, padded_vocab: int, tp: int, ep: int = 1) ->
     pos = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
     final_norm = 2 * h if m.normalization == "layernorm" else h
     head = "OutputLayer" if m.untie_embeddings_and_output_weights else "LanguageModelEmbedding"
-    layers = [("ParallelTransformerLayer", per_rank) for per_rank, _, _, _ in layer_counts(m, tp, ep)]
+    layers = [("ParallelTransformerLayer", per_rank) for per_rank, _, _, _ in layer_counts(m, tp, ep, etp)]
     return [("LanguageModelEmbedding", emb + pos)] + layers + [("FinalNorm", final_norm), (head, emb)]
 
 
@@ -32,17 +32,19 @@ def _stage_boundaries(num_layers: int, pp: int, partition_method: str | None, la
 
 
 def count_gpt_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int,
-                         partition_method: str | None = None, ep: int = 1) -> tuple[int, tuple[StageParams, ...]]:
+                         partition_method: str | None = None, ep: int = 1, etp: int = 1
+                         ) -> tuple[int, tuple[StageParams, ...]]:
     """Analytic parameter count: (unique total, per-stage count on one TP rank). With MoE layers a rank
-    holds 1/``ep`` of each MoE layer's experts, the total counts every expert once (config/moe_params.py).
+    holds 1/``ep`` of each MoE layer's experts, each split over ``etp`` ranks (Megatron-LM's
+    --expert-tensor-parallel-size); the total counts every expert once (config/moe_params.py).
 
     ``partition_method``: how DeepSpeed's pipeline engine splits the layers over the stages
     (--pipeline-partition-method); None: ``num_layers / pp`` transformer layers per stage (the
     interleaved schedule's, and what the default "type:ParallelTransformerLayer" gives). Other
     methods move layers between stages ("uniform" counts the embedding, final norm and output
     layer as layers too), which the stages' parameters and activations must follow."""
-    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp, ep)
-    per_layer = layer_counts(m, tp, ep)
+    n, layers = m.num_layers, _pipeline_layers(m, padded_vocab, tp, ep, etp)
+    per_layer = layer_counts(m, tp, ep, etp)
     parts = _stage_boundaries(n, pp, partition_method, layers)
     tied = not m.untie_embeddings_and_output_weights
     stages = []
