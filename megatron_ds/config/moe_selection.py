@@ -204,8 +204,14 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
     etp = expert_tp or 1
     if etp not in (1, tp):
-        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts split over other than the tensor parallel "
-                          f"ranks are not supported here; use 1 (whole experts) or --tensor-model-parallel-size {tp}")
+        # Megatron-LM lays its expert grid, ETP x EP x expert data parallel ranks (ETP fastest), over each pipeline
+        # stage's ranks whatever TP is (megatron/core/parallel_state.py initialize_model_parallel, expert rank
+        # generator): e.g. TP 4 with ETP 2. Here the experts split as the dense MLP does, over the tensor parallel
+        # group (model/mlm_moe.py), and DeepSpeed's expert groups and the expert checkpoints follow that
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} at --tensor-model-parallel-size {tp}: experts split "
+                          f"over other than the tensor parallel ranks are not supported here (Megatron-LM's expert "
+                          f"grid of ETP x EP x expert data parallel ranks is not built); use "
+                          f"--expert-tensor-parallel-size 1 (whole experts) or {tp} (split as the dense MLP)")
     if etp > 1 and not sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
                           f"refuses TP without it in training): the split experts take the sequence parts' tokens")

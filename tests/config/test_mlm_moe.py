@@ -58,6 +58,27 @@ def test_dry_run_describes_expert_tensor_parallelism():
     assert "EP 1 (4 per rank, split over ETP 2)" in out, out
 
 
+@pytest.mark.parametrize("extra, world, says", [
+    # Megatron-LM's default ETP is TP (arguments.py: expert_tensor_parallel_size = tensor_model_parallel_size), so
+    # its scripts at TP > 1 that want whole experts pass 1; with and without sequence parallelism, with EP over
+    # TP x DP and with context parallelism
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1", 2, "EP 1 (4 per rank)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+     "--expert-model-parallel-size 4", 4, "EP 4 (1 per rank)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 --context-parallel-size 2 "
+     "--expert-model-parallel-size 2", 4, "EP 2 (2 per rank)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 2 --context-parallel-size 2 "
+     "--expert-model-parallel-size 2", 4, "EP 2 (2 per rank, split over ETP 2)"),
+    ("--num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 4",
+     4, "EP 1 (4 per rank, split over ETP 4)"),
+], ids=["tp2_etp1", "tp2_sp_etp1_ep4", "tp2_sp_cp2_etp1_ep2", "tp2_sp_cp2_etp2_ep2", "tp4_sp_etp4"])
+def test_expert_tensor_parallel_sizes_megatron_lm_accepts_and_are_built(extra, world, says):
+    """The --expert-tensor-parallel-size values built here, 1 and TP, in the layouts they combine with."""
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-topk 2".split() + extra.split(), world)
+    assert rc == 0, err
+    assert says in out, out
+
+
 def test_sinkhorn_is_accepted():
     rc, out, err = dry_run(SMALL + "--num-experts 4 --moe-router-load-balancing-type sinkhorn".split(), 1)
     assert rc == 0 and "Megatron-LM's MoE" in out, err
@@ -129,7 +150,10 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
      "--global-batch-size 8 --expert-model-parallel-size 2 --save ckpt", 4,
      "use the 1F1B schedule (or EP 1 and ETP 1) to save and load"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
-     "--expert-tensor-parallel-size 2: experts split over other than the tensor parallel ranks"),
+     "--expert-tensor-parallel-size 2 at --tensor-model-parallel-size 1: experts split over other than the tensor "
+     "parallel ranks"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2", 4, "use --expert-tensor-parallel-size 1 (whole experts) or 4"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,

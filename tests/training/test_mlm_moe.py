@@ -285,3 +285,24 @@ def test_context_parallel_with_sequence_parallel_equals_one_process(balanced_ref
     for name in ("moe loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss", "grad norm"):
         assert len(_field(stdout, name)) == 5, name
         assert _field(stdout, name) == pytest.approx(_field(balanced_reference[1], name), rel=1e-5), name
+
+
+def test_tp2_cp2_etp2_ep2_equals_one_process(reference):
+    """4 processes: TP 2 x CP 2 with sequence parallelism, each expert split over the 2 tensor parallel ranks
+    (ETP 2) and the experts over the 2 context parallel ranks of each tensor parallel rank (EP 2: DeepSpeed's expert
+    groups along its data parallel axis, DP x CP), all-to-all dispatch."""
+    losses, stdout = _run(4, TP2_CP2_SP + ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                           "--moe-token-dispatcher-type", "alltoall"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    assert _field(stdout, "grad norm") == pytest.approx(_field(reference[1], "grad norm"), rel=1e-5)
+
+
+def test_tp4_etp4_equals_one_process():
+    """4 processes: TP 4 with sequence parallelism, each expert split over all 4 tensor parallel ranks (ETP = TP = 4,
+    fc1's gate and up rows and fc2's columns in quarters; 4 attention heads so that TP 4 divides them)."""
+    heads = ["--num-attention-heads", "4"]
+    one, one_out = _run(1, heads)
+    losses, stdout = _run(4, heads + ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+                                      "--expert-tensor-parallel-size", "4"])
+    assert losses == pytest.approx(one, rel=RTOL)
+    assert _field(stdout, "grad norm") == pytest.approx(_field(one_out, "grad norm"), rel=1e-5)
