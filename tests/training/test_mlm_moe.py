@@ -270,8 +270,10 @@ BALANCED = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--m
 TP2_CP2_SP = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]],
-                         ids=["ep1", "ep4_alltoall"])
+EP4_ALLTOALL = ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
+
+
+@pytest.mark.parametrize("extra", [[], EP4_ALLTOALL], ids=["ep1", "ep4_alltoall"])
 def test_context_parallel_with_sequence_parallel_equals_one_process(balanced_reference, extra):
     """4 processes, TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
     tp_cp group, router.py _apply_aux_loss / _apply_seq_aux_loss): each rank routes a quarter of every sequence,

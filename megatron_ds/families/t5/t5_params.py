@@ -84,7 +84,8 @@ def count_t5_parameters(m: ModelConfig, padded_vocab: int, tp: int, pp: int, par
     """(unique total, per-stage count on one TP rank), as ``layout.count_parameters`` for the GPT; a
     stage builds the tied embedding once however many of its specs use it. The split rank is the
     model's (--pipeline-model-parallel-split-rank); --dry-run's what-if layouts at another pipeline
-    size split it in the middle. ``ep`` and ``etp`` (expert parallel and expert tensor parallel sizes) are 1: T5 has no MoE layers."""
+    size split it in the middle. ``ep`` and ``etp`` (expert parallel and expert tensor parallel sizes) are 1: T5
+    has no MoE layers."""
     layers = t5_pipeline_layers(m, padded_vocab, tp)
     split_rank = m.pipeline_model_parallel_split_rank
     if pp > 1 and (split_rank is None or split_rank >= pp):
