@@ -169,9 +169,10 @@ def test_the_llama_profile_comes_before_the_refinements(report):
 
 
 def test_a_timeout_ends_the_child_and_its_children(report):
-    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-             "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
-    code, out, _ = report.run_bounded([sys.executable, "-c", spawn], timeout=5)
+    # the child starts without site imports and its child is `sleep`: both are up long before the timeout even
+    # on a loaded two-core machine (a Python grandchild once missed a 5 s timeout there)
+    spawn = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    code, out, _ = report.run_bounded([sys.executable, "-S", "-c", spawn], timeout=8)
     assert code is None
     grandchild = Path(f"/proc/{int(out.split()[0])}/status")
     # gone, or a zombie waiting for whichever process adopted it
