@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts classes on Megatron-LM's MoE layer (``model/mlm_moe.py``), both ways.
 
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` (transformers ``models/mixtral``,
-``models/qwen2_moe``, ``models/qwen3_moe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``OlmoeForCausalLM`` (transformers
+``models/mixtral``, ``models/qwen2_moe``, ``models/qwen3_moe``, ``models/olmoe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
 sigmoid scores, expert bias, group-limited top-k, scaling, shared experts) and ``DeepseekV2ForCausalLM``
 (``_deepseek_v2_config``: softmax scores, group-limited greedy top-k) import onto Megatron-LM's layer; a
 checkpoint trained with it exports to the class that can express it (``gpt_hf.choose_architecture``). Mixtral
