@@ -68,7 +68,8 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     replicated = [rf"{layer}({'|'.join(norms)})\.weight$"]
     if signature["normalization"].lower() == "layernorm":
         replicated.append(rf"{layer}({'|'.join(norms)})\.bias$")
-    if signature.get("qk_layernorm"):  # one weight of head size shared by every head: on each TP rank
+    if signature.get("qk_layernorm") and signature.get("qk_layernorm_scope") != "projection":
+        # one weight of head size shared by every head: on each TP rank (projection: split, merged along dim 0)
         kinds = "(weight|bias)" if signature["normalization"].lower() == "layernorm" else "weight"
         replicated.append(rf"{layer}self_attention\.(q|k)_layernorm\.{kinds}$")
     if signature.get("multi_latent_attention"):  # the down projections and the latents' norms (checkpoint/tp.py)
@@ -241,7 +242,8 @@ class UniversalCheckpoint:
             saved = self.info[SIGNATURE_KEY]
         else:
             saved = megatron_names.signature_from_args(self.args, self.path)
-        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings", "add_qkv_bias", "qk_layernorm") if k in signature]
+        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings", "add_qkv_bias", "qk_layernorm",
+                                                                    "qk_layernorm_scope") if k in signature]
         norm = lambda v: v.lower() if isinstance(v, str) else v  # noqa: E731 - "LayerNorm" == "layernorm"
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {signature[k]!r}" for k in fields
                  if norm(saved.get(k)) != norm(signature[k])]

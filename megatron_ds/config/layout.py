@@ -273,6 +273,8 @@ def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0)
     per_channel = 2 if m.normalization == "layernorm" else 1
     qk_norms = 2 * per_channel * d if m.qk_layernorm else 0  # one weight of head size each, on every rank
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection":  # RMSNorm weights of q's and k's size, split
+        split, qk_norms = split + q + kv, 0
     return split // tp, 2 * per_channel * h + qk_norms + (h if bias else 0)  # the row-parallel bias is not split
 
 

@@ -91,6 +91,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Normalise each head's query and key (the --normalization kind, one weight of head size shared by
     the heads) before rotary positions (Qwen3)."""
+    qk_layernorm_scope: str = meta("head", choices=("head", "projection"))
+    """--qk-layernorm over each head's channels (head: Megatron-LM's and Qwen3's) or over the whole query / key
+    projection (projection: OLMo 2's and OLMoE's q_norm / k_norm, OLMo-core's use_head_qk_norm false; RMSNorm
+    only, its weight split over TP like the projection). Ours: Megatron-LM has no such flag."""
     apply_wd_to_qk_layernorm: bool = False
     """--qk-layernorm: apply weight decay to the query/key norms' weights (Megatron-LM's flag; off: they
     join the no-decay group as the other norms)."""
