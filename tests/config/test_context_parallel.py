@@ -27,6 +27,8 @@ def test_cp_splits_the_world_and_deepspeed_counts_dp_times_cp_ranks():
     assert "TP 2 x PP 1 x CP 2 (context parallel, p2p) x DP 2" in layout.summary()
     assert make("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=2).layout.cp_comm_type == \
         "all_gather"
+    flash = make("--context-parallel-size", "2", "--cp-block-kernel", "flash", world=2).layout
+    assert flash.cp_block_kernel == "flash" and "CP 2 (context parallel, p2p, flash blocks)" in flash.summary()
 
 
 def test_dry_run_prints_the_cp_layout(capsys):
