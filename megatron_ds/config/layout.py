@@ -551,9 +551,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         flags, cp=cp, seq_length=m.seq_length,
         moe=("megatron" if moe_selection.is_mlm_moe(m) else "deepspeed") if is_moe(m) else None,
         curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
-    if cp > 1 and m.multi_latent_attention:
-        raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
-                          "attention runs the standard attention only; use --context-parallel-size 1")
     if cp > 1 and flags.model.compile_layers is not True:
         # the ring runs eagerly inside a compiled layer (a graph break, model/transformer.py); regional
         # compilation's default was measured without that break, so under CP it compiles only when asked
