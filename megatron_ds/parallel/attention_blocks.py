@@ -92,7 +92,7 @@ def _math_backward(d_out, q, k, v, out, lse, kind, mask, scale):
 
 def uses_kernel(kernel: str, q: torch.Tensor) -> bool:
     """Whether ``flash`` runs torch's fused operators for ``q`` (else the math path): on the CPU always, on
-    CUDA for fp16/bf16 and head dims the kernels take."""
+    CUDA for fp16/bf16 (``block_forward`` / ``block_backward`` also keep head dims over 256 on the math path)."""
     if kernel != "flash":
         return False
     if q.device.type == "cpu":

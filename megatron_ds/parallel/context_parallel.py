@@ -193,6 +193,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp, c, shapes = ctx.cp, q.shape[2] // 2, ctx.shapes
+        d_out = d_out.contiguous()  # (a sum's gradient arrives expanded: stride 0, which the kernels do not take)
         d_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = _pack(k, v)
 
