@@ -228,7 +228,7 @@ def test_smoke_report_end_to_end(tmp_path):
     assert "skipped: --smoke runs one TP 2 row, the sequence-parallel one" in rows[("gpt-tiny", TP_ROWS[0])]
     assert " TP 2 and CP 2 rows: one process per GPU (torchrun" in text
     # the context parallel attention row ran (bench/cp_attention.py on the CPU)
-    assert "| SDPA ms | blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |" in text
+    assert "| SDPA ms | math blocks ms | flash blocks ms | math / SDPA | flash / SDPA |" in text
 
 
 def test_moe_rows_compare_the_layers_and_the_grouped_gemm(report, monkeypatch):
@@ -266,11 +266,12 @@ def test_cp_rows_time_the_blocks_on_one_gpu_and_cp2_on_two(report, monkeypatch, 
     _gpus(monkeypatch, n)
     items = report.plan(["gpt-1.3b", "llama-1.3b"], 4, "HF")
     labels = [i.label for i in items]
-    attention, cp2 = (i for i in items if i.kind == "attention" or "--context-parallel-size" in i.flags)
+    attention, cp2, flash = (i for i in items if i.kind == "attention" or "--context-parallel-size" in i.flags)
     assert attention.micro == 8192 and attention.status == "not reached"
     assert cp2.flags == ("--context-parallel-size", "2") and cp2.gpus == 2 and cp2.model == "gpt-1.3b"
-    assert cp2.status == ("not reached" if n == 2 else "not available")
+    assert flash.flags == (*cp2.flags, "--cp-block-kernel", "flash") and flash.gpus == 2
+    assert cp2.status == flash.status == ("not reached" if n == 2 else "not available")
     assert labels.index(TP_ROWS[2]) < labels.index(attention.label) < labels.index("ZeRO 1, fp32 gradients")
     smoke = [i for i in report.plan(["gpt-tiny", "llama-tiny"], 1, "HF", smoke=True)
              if i.kind == "attention" or "--context-parallel-size" in i.flags]
-    assert [(i.micro, i.status) for i in smoke] == [(256, "not reached"), (None, "skipped")]
+    assert [(i.micro, i.status) for i in smoke] == [(256, "not reached"), (None, "skipped"), (None, "skipped")]

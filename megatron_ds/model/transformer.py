@@ -41,7 +41,7 @@ from megatron_ds import ds_compat
 from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
-from megatron_ds.model.kernels import sdpa_supports_gqa, sdpa_with_dropout
+from megatron_ds.model.kernels import context_parallel_attention, sdpa_supports_gqa, sdpa_with_dropout
 from megatron_ds.model.mla import MLASelfAttention
 from megatron_ds.model.activations import mlp_activation
 from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
@@ -243,7 +243,7 @@ class ParallelAttention(nn.Module):
         """``[s, b, heads, d]`` q (k, v: key/value groups) -> the context ``[s, b, heads, d]``."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.cp is not None:  # ``mask``: the document ids (ParallelTransformerLayer.forward) or None
-            return _context_parallel_core(self.cp, q, k, v, mask, self.attention_dropout if self.training else 0.0)
+            return context_parallel_attention(self.cp, q, k, v, mask, self.attention_dropout if self.training else 0.0)
         extra = {}
         if self.heads_per_group > 1:
             if self.native_gqa:
@@ -276,15 +276,6 @@ def _qk_norm(cfg: ModelConfig, projection: tuple[int, int] | None = None, *, par
     for p in norm.parameters():
         setattr(p, DECAY, cfg.apply_wd_to_qk_layernorm)
     return norm
-
-
-@torch.compiler.disable
-def _context_parallel_core(cp, q, k, v, document_ids, p: float) -> torch.Tensor:
-    """``ParallelAttention._core`` under context parallelism; attention dropout draws from the tensor parallel
-    stream, as ``sdpa_with_dropout``. In a layer compiled with --compile-layers it runs eagerly (one graph break):
-    the ring's asynchronous point-to-point exchanges and its autograd Function stay out of the graph."""
-    with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
-        return cp.attention(q, k, v, document_ids, dropout_p=p).permute(2, 0, 1, 3)
 
 
 class ParallelMLP(nn.Module):
@@ -400,7 +391,7 @@ class ParallelTransformerLayer(nn.Module):
             if fp8 is not None or tp_world_size(sp_group) > 1:  # (config/attention.py check_mla refuses both)
                 raise ValueError("multi-latent attention runs without FP8 and DeepSpeed-Ulysses")
             self.self_attention = MLASelfAttention(cfg, recompute_core=recompute_attention, causal=not self.padding,
-                                                   **{k: v for k, v in parallel.items() if k != "fp8"})
+                                                   cp=cp, **{k: v for k, v in parallel.items() if k != "fp8"})
         else:
             self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
                                                     causal=not self.padding, cp=cp, **parallel)
