@@ -8,7 +8,8 @@ the uninterrupted run: losses of steps 4-6, step-6 weights and optimizer state (
 
 - TP 2 -> PP 2 interleaved (2 virtual stages of one layer each) and -> PP 2 ZB-H1;
 - PP 2 1F1B (DeepSpeed's pipeline engine) -> PP 2 interleaved: the same layer files, but the optimizer groups
-  the chunks' parameters in another order, so the load reshards (it once needed --no-load-optim);
+  the chunks' parameters in another order, so the load reshards (it once needed --no-load-optim); -> PP 2
+  ZB-H1: one chunk per rank, the optimizer's order is 1F1B's, DeepSpeed's own loader takes it as it is;
 - PP 2 interleaved under ZeRO 1 (DeepSpeed's optimizer files then name the chunks' parameters) -> TP 2 without
   ZeRO (its step-6 checkpoint is read back with the chunks' names mapped); DeepSpeed's ds_to_universal cannot
   convert it, refused in one line (a universal checkpoint loads into model chunks: tests/checkpoint/
@@ -32,6 +33,11 @@ def tp2(tmp_path_factory):
     return _straight(tmp_path_factory, "tp2", (2, 1, 1), [])
 
 
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return _straight(tmp_path_factory, "pp2", (1, 2, 1), [])
+
+
 def _resumed(straight, ckpt, layout, extra, tmp_path):
     """Losses of steps 4-6 and step-6 weights (``_check_resumed``), then the optimizer state."""
     _check_resumed(straight, ckpt, layout, extra, tmp_path, FP32)
@@ -53,9 +59,9 @@ def test_tp2_resumes_in_model_chunks(tp2, tmp_path, schedule):
     _resumed(*tp2, (1, 2, 1), schedule, tmp_path)
 
 
-def test_1f1b_resumes_interleaved_at_the_same_pp(tmp_path_factory, tmp_path):
-    straight, ckpt = _straight(tmp_path_factory, "pp2", (1, 2, 1), [])
-    _resumed(straight, ckpt, (1, 2, 1), INTERLEAVED, tmp_path)
+@pytest.mark.parametrize("schedule", [INTERLEAVED, ZBH1], ids=["interleaved", "zbh1"])
+def test_1f1b_resumes_at_the_same_pp(pp2, tmp_path, schedule):
+    _resumed(*pp2, (1, 2, 1), schedule, tmp_path)
 
 
 def test_interleaved_zero1_resumes_at_tp2(tmp_path_factory, tmp_path, capsys):
