@@ -38,7 +38,7 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8_delayed import is_fp8_state
-from megatron_ds.pipeline.chunks import ModelChunks, pipeline_name, tied_weight_name
+from megatron_ds.pipeline.chunks import TIED_WEIGHT, ModelChunks, pipeline_name, tied_weight_name
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -138,7 +138,8 @@ class CheckpointFiles:
     def saved_name(self, name: str) -> str:
         """A parameter name as an optimizer file records it -> the layer files' (``PipelineModule``) name: an
         interleaved or ZB-H1 run's optimizer names its model chunks' parameters (``chunks.<c>.``, ``tied_weight``)."""
-        return pipeline_name(name, self.tied_name)
+        # (the tied name only when asked: it builds the model's specs)
+        return pipeline_name(name, self.tied_name if name == TIED_WEIGHT else None)
 
 
 def resolve_iteration(load_dir: str, iteration: int | None) -> int:

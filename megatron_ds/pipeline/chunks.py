@@ -46,11 +46,10 @@ def pipeline_name(name: str, tied_name: str | None) -> str:
 
 
 def tied_weight_name(specs: list) -> str | None:
-    """``tied_modules.<key>.<attr>`` of the tied weight a model of ``specs`` shares (None: no tied first spec)."""
-    if not isinstance(specs[0], TiedLayerSpec):
-        return None
-    (attr,) = specs[0].tied_weight_attr
-    return f"tied_modules.{specs[0].key}.{attr}"
+    """``tied_modules.<key>.<attr>`` of the one tied weight a model of ``specs`` shares (None: no tied first spec)."""
+    if not isinstance(specs[0], TiedLayerSpec) or len(specs[0].tied_weight_attr) != 1:
+        return None  # (T5 ties several weights: such a model does not run in model chunks)
+    return f"tied_modules.{specs[0].key}.{specs[0].tied_weight_attr[0]}"
 
 
 class ModelChunks(nn.Module):
@@ -73,7 +72,7 @@ class ModelChunks(nn.Module):
         self.loss_fn = loss_fn
         self.tied_weight = None
         self.tied_name = tied_weight_name(specs)
-        tied = self.tied_name is not None
+        tied = isinstance(specs[0], TiedLayerSpec)
         if tied and (pp_rank == 0 or pp_rank == pp - 1):
             chunk = self.chunks[0] if pp_rank == 0 else self.chunks[-1]
             self.tied_weight = _tied_weight(chunk.tied_modules[specs[0].key], specs[0])
