@@ -40,7 +40,7 @@ from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.expert_files import has_expert_files
-from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
+from megatron_ds.checkpoint.files import OPTIM_KEYS, checkpoint_names, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
 from megatron_ds.checkpoint.vocabulary import VocabSettings, fit_vocab_rows, rows_only
 from megatron_ds.config.family import ModelFamily
@@ -130,7 +130,14 @@ def convert(load_dir: str, iteration: int | None = None, *, family: ModelFamily,
     if ckpt.zero_stage == 3:
         raise ConfigError(f"{ckpt.path} was saved with ZeRO-3, which this conversion does not support; load it "
                           f"with --load instead")
-    if UC_INFO not in load_file(ckpt.mp_file(0)):
+    state = load_file(ckpt.mp_file(0))
+    if any(ckpt.saved_name(name) != name for group in state.get("param_shapes") or [] for name in group):
+        # DeepSpeed's files name the model chunks' parameters (chunks.<c>.*, tied_weight), which the converter's
+        # patterns (checkpoint_info) do not match: it stops with "Unused patterns"
+        raise ConfigError(f"{ckpt.path} was saved on the interleaved or ZB-H1 schedule, whose optimizer files name "
+                          f"the model chunks' parameters, which DeepSpeed's ds_to_universal cannot match; load it "
+                          f"directly with --load at any layout and schedule (megatron_ds reshards it)")
+    if UC_INFO not in state:
         raise ConfigError(f"{ckpt.path} was saved before megatron_ds recorded {UC_INFO}; load it with --load (at any "
                           f"layout) and save it once")
     out = f"{ckpt.path}_universal"
@@ -301,7 +308,9 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
                                                                  "swiglu")}, geglu=signature.get("geglu", False))
     setter = StateSetter(engine)
-    for name, param in engine.module.named_parameters():
+    saved_as = checkpoint_names(engine.module)  # model chunks (interleaved, ZB-H1): by the PipelineModule's names
+    for own_name, param in engine.module.named_parameters():
+        name = saved_as[own_name]
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")
         too_big = full["fp32"].shape[0] > padded and (real or 0) > padded
