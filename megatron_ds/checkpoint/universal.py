@@ -306,7 +306,9 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
     change = (vocab or VocabSettings(None)).check(uc.tokenizer(), path=uc.path, padded=padded, log=log)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                                                 "swiglu")}, geglu=signature.get("geglu", False))
+                                                                 "swiglu")}, geglu=signature.get("geglu", False),
+                                    qk_layernorm_scope=signature.get("qk_layernorm_scope", "head"),
+                                    multi_latent_attention=signature.get("multi_latent_attention", False))
     setter = StateSetter(engine)
     saved_as = checkpoint_names(engine.module)  # model chunks (interleaved, ZB-H1): by the PipelineModule's names
     for own_name, param in engine.module.named_parameters():
