@@ -5,12 +5,13 @@
     python bench/cp_attention.py --device cuda --seq 8192 16384    # one GPU, bf16
 
 Each rank of a context parallel run computes its attention as blocks (parallel/context_parallel.py: per pair of
-a query chunk and a visible key chunk, the explicit math path, scores, log-sum-exp, softmax and product in fp32,
-merged with the online softmax). Here one process runs those blocks over a whole sequence (CP 1: its two chunks,
-the all-gather variant, so no exchange: the kernel alone) and torch's SDPA over the same causal sequence (flash
-attention on CUDA), forward and backward, and prints for each the median milliseconds and, on CUDA, the peak
-memory the call added. What the blocks cost against flash is what a faster block kernel would save; the GPU
-report (bench/gpu_report.py) runs this at one length.
+a query chunk and a visible key chunk, merged with the online softmax), each block run by --cp-block-kernel's
+kernel (parallel/attention_blocks.py): ``math`` (the explicit path, scores, log-sum-exp, softmax and product in
+fp32; the default) or ``flash`` (torch's flash attention operator, returning the log-sum-exp). Here one process
+runs those blocks over a whole sequence (CP 1: its two chunks, no exchange: the kernels alone) with each kernel,
+and torch's SDPA over the same causal sequence (flash attention on CUDA), forward and backward, and prints for
+each the median milliseconds and, on CUDA, the peak memory the call added. Whether ``flash`` beats ``math`` on a
+GPU decides --cp-block-kernel's default; the GPU report (bench/gpu_report.py) runs this at one length.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _one_process_group() -> None:
 
 def measure(seq: int, *, heads: int = 16, head_dim: int = 128, batch: int = 1, device: str = "cpu",
             iters: int = 5, warmup: int = 2) -> dict:
-    """{"sdpa_ms", "blocks_ms", "sdpa_gib", "blocks_gib"} of forward + backward at ``seq`` (GiB: CUDA's peak
-    memory above what was allocated before the call; NaN elsewhere)."""
+    """{"sdpa_ms", "blocks_ms", "flash_ms", "sdpa_gib", "blocks_gib", "flash_gib"} of forward + backward at
+    ``seq`` ("blocks": the math kernel's, "flash": the flash kernel's; GiB: CUDA's peak memory above what was
+    allocated before the call; NaN elsewhere)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -50,9 +52,9 @@ def measure(seq: int, *, heads: int = 16, head_dim: int = 128, batch: int = 1, d
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen)
-    cp = ContextParallel(dist.group.WORLD, "all_gather")
+    math_cp, flash_cp = (ContextParallel(dist.group.WORLD, "p2p", kernel) for kernel in ("math", "flash"))
     runs = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "blocks": lambda: cp.attention(q, k, v)}
+            "blocks": lambda: math_cp.attention(q, k, v), "flash": lambda: flash_cp.attention(q, k, v)}
     out = {}
     for name, call in runs.items():
         times = []
@@ -72,6 +74,13 @@ def measure(seq: int, *, heads: int = 16, head_dim: int = 128, batch: int = 1, d
     return out
 
 
+def table_cells(r: dict) -> str:
+    """``measure``'s result as the cells of a markdown row (the GPU report prints them too)."""
+    return " | ".join([f"{r['sdpa_ms']:.1f}", f"{r['blocks_ms']:.1f}", f"{r['flash_ms']:.1f}",
+                       f"{r['blocks_ms'] / r['sdpa_ms']:.2f}", f"{r['flash_ms'] / r['sdpa_ms']:.2f}",
+                       f"{r['sdpa_gib']:.2f}", f"{r['blocks_gib']:.2f}", f"{r['flash_gib']:.2f}"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -85,11 +94,11 @@ def main(argv=None) -> int:
     heads = args.heads or (16 if cuda else 4)
     print(f"causal attention, {heads} heads of {args.head_dim}, batch 1, {'bf16 on CUDA' if cuda else 'fp32 on CPU'}: "
           f"forward + backward, median of {args.iters}")
-    print("| seq | SDPA ms | CP blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |\n|---:|---:|---:|---:|---:|---:|")
+    print("| seq | SDPA ms | math blocks ms | flash blocks ms | math / SDPA | flash / SDPA | SDPA GiB | math GiB | "
+          "flash GiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seq in seqs:
         r = measure(seq, heads=heads, head_dim=args.head_dim, device=args.device, iters=args.iters)
-        print(f"| {seq} | {r['sdpa_ms']:.1f} | {r['blocks_ms']:.1f} | {r['blocks_ms'] / r['sdpa_ms']:.2f} | "
-              f"{r['sdpa_gib']:.2f} | {r['blocks_gib']:.2f} |")
+        print(f"| {seq} | {table_cells(r)} |")
     return 0
 
 

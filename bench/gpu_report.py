@@ -28,10 +28,10 @@ item from the items of its kind that already ran, so a smaller item after a skip
    and overlapped under ``--sequence-parallel``; the layers run eagerly in all three on CUDA (a compiled
    layer keeps its collectives synchronous), so the rows differ by the overlap alone. --smoke runs the
    sequence-parallel one on the tiny GPT with 2 gloo processes on the CPU;
-7. context parallelism: its attention blocks (the math path every CP rank runs) against SDPA's flash kernel at
-   sequence 8192 on one GPU (bench/cp_attention.py: what a faster block kernel would save), and the GPT at
-   ``--context-parallel-size 2`` on two GPUs (not available with fewer); --smoke runs the first at 256 tokens
-   on the CPU;
+7. context parallelism: its attention blocks with each ``--cp-block-kernel`` (math, the default, and flash, off
+   until measured) against SDPA's flash kernel at sequence 8192 on one GPU (bench/cp_attention.py), and the GPT
+   at ``--context-parallel-size 2`` on two GPUs with each kernel (not available with fewer); --smoke runs the
+   first at 256 tokens on the CPU;
 8. gradient accumulation fusion (``--gradient-accumulation-fusion``, off by default until measured) on
    the GPT: ZeRO 1 with fp32 gradient accumulation (``ds_configs/zero1_bf16.json``, where DeepSpeed keeps
    the fp32 gradients the fusion adds into) without and with it; --smoke skips them
@@ -214,14 +214,16 @@ def cp_items(model: str, smoke: bool) -> list[Item]:
     --smoke: a short one on the CPU), and the GPT at CP 2 on two GPUs (not available with fewer; --smoke
     leaves it to tests/training/test_context_parallel.py)."""
     seq = CP_SEQ["smoke" if smoke else "cuda"]
+    cp = ("--context-parallel-size", str(CP))
     items = [Item("attention", "", f"context parallel blocks against SDPA, seq {seq}", micro=seq),
-             Item("ours", model, f"CP {CP} (--context-parallel-size {CP})", ("--context-parallel-size", str(CP)),
-                  gpus=CP)]
+             Item("ours", model, f"CP {CP} (--context-parallel-size {CP})", cp, gpus=CP),
+             Item("ours", model, f"CP {CP}, --cp-block-kernel flash", (*cp, "--cp-block-kernel", "flash"), gpus=CP)]
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if smoke:
-        items[1].status, items[1].note = "skipped", "--smoke leaves CP to tests/training/test_context_parallel.py"
-    elif have < CP:
-        items[1].status, items[1].note = "not available", f"needs {CP} GPUs; this machine has {have}"
+    for item in items[1:]:
+        if smoke:
+            item.status, item.note = "skipped", "--smoke leaves CP to tests/training/test_context_parallel.py"
+        elif have < CP:
+            item.status, item.note = "not available", f"needs {CP} GPUs; this machine has {have}"
     return items
 
 
@@ -547,13 +549,16 @@ def attention_section(items: list[Item]) -> list[str]:
     for item in (i for i in items if i.kind == "attention"):
         lines += ["", f"## Context parallel attention: {item.label}", "",
                   "bench/cp_attention.py: one process runs a whole causal sequence as context parallelism's blocks "
-                  "(CP 1, the math path each block runs, fp32 softmax) and as SDPA (flash attention on CUDA), "
-                  "forward + backward, median ms; GiB: CUDA's peak above the inputs.", ""]
+                  "(CP 1) with each --cp-block-kernel (math: the explicit fp32 path, the default; flash: torch's "
+                  "flash operator) and as SDPA (flash attention on CUDA), forward + backward, median ms; GiB: "
+                  "CUDA's peak above the inputs. flash below math on a GPU is the measurement that would make "
+                  "flash the default.", ""]
         if item.status == "ok":
-            r = item.result
-            lines += ["| SDPA ms | blocks ms | blocks / SDPA | SDPA GiB | blocks GiB |", "|---:|---:|---:|---:|---:|",
-                      f"| {r['sdpa_ms']:.1f} | {r['blocks_ms']:.1f} | {r['blocks_ms'] / r['sdpa_ms']:.2f} | "
-                      f"{r['sdpa_gib']:.2f} | {r['blocks_gib']:.2f} |"]
+            import cp_attention  # bench/cp_attention.py, beside this script
+
+            lines += ["| SDPA ms | math blocks ms | flash blocks ms | math / SDPA | flash / SDPA | SDPA GiB | math GiB "
+                      "| flash GiB |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                      f"| {cp_attention.table_cells(item.result)} |"]
         else:
             lines.append(_status_line(item))
     return lines

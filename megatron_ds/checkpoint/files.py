@@ -23,6 +23,7 @@ optimizer shard) holds a whole pipeline stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -37,6 +38,7 @@ from megatron_ds.config.layout import resolve_model_config
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.parallel.fp8_delayed import is_fp8_state
+from megatron_ds.pipeline.chunks import TIED_WEIGHT, ModelChunks, pipeline_name, tied_weight_name
 
 _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, as torch's and DeepSpeed's optimizer states name them
@@ -73,6 +75,14 @@ def layer_prefixes(model: ModelConfig, padded_vocab_size: int, family: ModelFami
         else:
             out.append((idx, f"{idx}."))
     return out
+
+
+def checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
+    """{name of each of ``module``'s parameters and buffers: the name its checkpoint files give it}: the same but
+    for an interleaved or ZB-H1 run's model chunks, whose files are the ``PipelineModule``'s (``pipeline_name``)."""
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    rename = module.pipeline_name if isinstance(module, ModelChunks) else str
+    return {n: rename(n) for n in names}
 
 
 def load_file(path: str) -> dict:
@@ -120,6 +130,16 @@ class CheckpointFiles:
 
     def optimizer_files(self) -> list[str]:
         return sorted(glob.glob(os.path.join(self.path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+
+    @functools.cached_property
+    def tied_name(self) -> str | None:
+        return tied_weight_name(self.family.layer_specs(self.model, self.padded_vocab_size, device="meta"))
+
+    def saved_name(self, name: str) -> str:
+        """A parameter name as an optimizer file records it -> the layer files' (``PipelineModule``) name: an
+        interleaved or ZB-H1 run's optimizer names its model chunks' parameters (``chunks.<c>.``, ``tied_weight``)."""
+        # (the tied name only when asked: it builds the model's specs)
+        return pipeline_name(name, self.tied_name if name == TIED_WEIGHT else None)
 
 
 def resolve_iteration(load_dir: str, iteration: int | None) -> int:

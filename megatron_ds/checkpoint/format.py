@@ -171,6 +171,8 @@ def signature(model, *, padded_vocab_size: int, tp: int = 1, pp: int = 1, dp: in
     for name in ("add_qkv_bias", "qk_layernorm"):  # parameters of their own (added only when on, as above)
         if getattr(model, name, False):
             sig[name] = True
+    if getattr(model, "qk_layernorm_scope", "head") != "head" and model.qk_layernorm:  # its norms' shapes
+        sig["qk_layernorm_scope"] = model.qk_layernorm_scope
     if getattr(model, "multi_latent_attention", False):  # its own parameters and their shapes
         sig.update({name: getattr(model, name) for name in MLA_SHAPE_FIELDS}, multi_latent_attention=True)
     if getattr(model, "decoder_num_layers", None) is not None:  # T5's; its split rank is a layout, resharded

@@ -40,6 +40,7 @@ class MoEModuleSource:
                 state = load_file(os.path.join(ckpt.path, name))
                 for t in range(ckpt.tp):
                     for key, tensor in state.items():
+                        key = ckpt.saved_name(key)  # (written by name since model chunks save theirs)
                         if found[1] % ckpt.tp == t or found[0] not in self.stacked[t][key]:
                             self.stacked[t][key][found[0]] = tensor
                 continue
@@ -58,7 +59,9 @@ class MoEModuleSource:
             raise ConfigError(f"checkpoint {self.ckpt.path} is incomplete: {self.ckpt.mp_file(mp)} is missing") from None
         if not state.get("module"):
             raise ConfigError(f"{self.ckpt.mp_file(mp)} holds no module weights")
-        return state["module"]
+        # an interleaved or ZB-H1 run's engine saves its model chunks' state dict: the layer files' names instead (its
+        # tied weight twice, under its own and its chunk's name: the same tensor)
+        return {self.ckpt.saved_name(k): v for k, v in state["module"].items()}
 
     def shards(self, idx: int, prefix: str) -> list[dict[str, torch.Tensor]]:
         out = []

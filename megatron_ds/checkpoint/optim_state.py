@@ -93,6 +93,7 @@ class SavedOptimizer:
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[g][k] for k in OPTIM_KEYS}}
             self.step = float(state[g]["step"])
             for name, frag in mapping.items():
+                name = self.ckpt.saved_name(name)  # DeepSpeed records the module's names
                 if self.experts is not None:
                     name = self.experts.global_name(name, dp, mp)
                 if self.ep > 1 and stacked_experts.is_stacked(name):
@@ -110,6 +111,7 @@ class SavedOptimizer:
             names = [state.get("optimizer_param_names") for state in states]
             if any(n is None for n in names):  # saved before the names were recorded
                 names = plain_optim.reconstruct_names(self.ckpt, states, t)
+            names = [self._saved_names(n) for n in names]
             shapes = plain_optim.saved_shapes(self.ckpt, t)
             self.loss_scale = {k: states[0]["optimizer"][k] for k in plain_optim.LOSS_SCALE_KEYS
                                if k in states[0]["optimizer"]} or None
@@ -131,6 +133,7 @@ class SavedOptimizer:
                 if names is None:
                     raise ConfigError(f"{self.ckpt.mp_file(mp)} does not name its optimizer's parameters; resume it "
                                       f"at its own layout, or pass --no-load-optim")
+                names = self._saved_names(names)
                 for r, path in sorted(files.get(mp, {}).items()):
                     local = {name: stacked_experts.local_shape(shape, ep) if stacked_experts.is_stacked(name) else shape
                              for name, shape in expert_files.to_local(shapes, r, ep).items()}
@@ -142,6 +145,11 @@ class SavedOptimizer:
                         elif tensors:
                             self.plain[name, mp] = tensors
                     self.step = step if step is not None else self.step
+
+    def _saved_names(self, groups: list[list[str]]) -> list[list[str]]:
+        """Recorded ``optimizer_param_names`` as the layer files name them (older interleaved runs recorded their
+        model chunks' own names)."""
+        return [[self.ckpt.saved_name(n) for n in group] for group in groups]
 
     def _mp_ranks(self, tp_rank: int) -> list[int]:
         return [pp * self.ckpt.tp + tp_rank for pp in range(self.ckpt.pp)]

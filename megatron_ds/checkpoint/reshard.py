@@ -37,7 +37,8 @@ from megatron_ds.checkpoint import stacked_experts
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.consolidate import merge_layer
 from megatron_ds.checkpoint.engine_state import StateSetter
-from megatron_ds.checkpoint.files import CheckpointFiles, is_buffer_state, layer_prefixes, load_file, open_checkpoint
+from megatron_ds.checkpoint.files import (CheckpointFiles, checkpoint_names, is_buffer_state, layer_prefixes, load_file,
+                                         open_checkpoint)
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE, PIPELINE_LAYERS
 from megatron_ds.checkpoint.moe_sources import expert_global_names
 from megatron_ds.checkpoint.optim_state import SavedOptimizer
@@ -46,9 +47,10 @@ from megatron_ds.checkpoint.vocabulary import VocabChange, fit_vocab_rows
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.errors import ConfigError
 
+VIRTUAL_PP = "virtual_pipeline_model_parallel_size"
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
                  "precision", "padded_vocab_size", "use_pipeline", EXPERT_PARALLEL_SIZE, PIPELINE_LAYERS,
-                 EXPERT_TENSOR_PARALLEL_SIZE)
+                 EXPERT_TENSOR_PARALLEL_SIZE, VIRTUAL_PP)
 
 
 def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
@@ -66,7 +68,10 @@ def needs_reshard(saved_meta: dict, current: dict, *, load_optim: bool) -> bool:
                                           current.get(EXPERT_TENSOR_PARALLEL_SIZE, 1)) > 1:
         # Megatron-LM's layer split over EP or ETP ranks: DeepSpeed's loader knows its experts at neither end
         return True
-    return saved.get(PIPELINE_LAYERS) != current.get(PIPELINE_LAYERS) or any(
+    # Another number of interleaved chunks: the optimizer groups the chunks' parameters in another order (weights
+    # alone load as they are: the layer files are the same)
+    chunks = load_optim and saved.get(VIRTUAL_PP, 1) != current.get(VIRTUAL_PP, 1)
+    return chunks or saved.get(PIPELINE_LAYERS) != current.get(PIPELINE_LAYERS) or any(
         saved.get(k) != current[k] for k in weights + moe + (optim if load_optim else ()))
 
 
@@ -77,7 +82,8 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     opt = engine.optimizer
     if ds_compat.names_its_parameters_in_files(opt) or not hasattr(opt, "param_groups"):
         return None  # ZeRO 1-3, bf16: their files name the parameters
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    saved = checkpoint_names(engine.module)  # an interleaved run's model chunks: the layer files' names
+    names = {id(p): saved[n] for n, p in engine.module.named_parameters()}
     # DeepSpeed's fp16 optimizers (ZeRO-0) hold fp32 copies; their fp16_groups are the module's
     groups = ds_compat.fp16_optimizer_groups(opt) if ds_compat.is_fp16_optimizer(opt) else [
         g["params"] for g in opt.param_groups]
@@ -123,14 +129,18 @@ def load_resharded(engine, load_dir: str, iteration: int, *, ps, padded_vocab_si
     saved_opt = SavedOptimizer(ckpt) if load_optim else None
     source = layer_source(ckpt)
     prefixes = {p: idx for idx, p in layer_prefixes(ckpt.model, ckpt.padded_vocab_size, ckpt.family)}
-    params = dict(engine.module.named_parameters())
-    buffers = {n: b for n, b in engine.module.named_buffers() if is_buffer_state(n)}
+    # by the names the checkpoint gives them (an interleaved or ZB-H1 run's model chunks name theirs otherwise)
+    saved_as = checkpoint_names(engine.module)
+    params = {saved_as[n]: p for n, p in engine.module.named_parameters()}
+    buffers = {saved_as[n]: b for n, b in engine.module.named_buffers() if is_buffer_state(n)}
     by_layer = collections.defaultdict(list)
     for name in [*params, *buffers]:
         by_layer[_layer_of(name, prefixes)].append(name)
     setter = StateSetter(engine)
-    saved_names = expert_global_names(engine.module)  # this rank's experts by their saved (global) ids
-    stacked = stacked_experts.stacked_parameters(engine.module)
+    # this rank's DeepSpeed-MoE experts by their saved (global) ids (that layer never runs in model chunks:
+    # config/moe_params.py refuses the interleaved and ZB-H1 schedules, so these names are the saved ones)
+    saved_names = expert_global_names(engine.module)
+    stacked = {saved_as[n]: p for n, p in stacked_experts.stacked_parameters(engine.module).items()}
     fresh = []
     for idx, prefix in sorted((i, p) for p, i in prefixes.items()):
         if idx not in by_layer:

@@ -22,6 +22,7 @@ import re
 import torch
 
 from megatron_ds import ds_compat
+from megatron_ds.checkpoint.files import checkpoint_names
 
 # experts.linear_fc1.weight but not shared_experts.linear_fc1.weight
 _NAME = re.compile(r"(^|\.)experts\.linear_fc[12]\.(weight|bias)$")
@@ -63,7 +64,8 @@ def save(engine, save_dir: str, tag: str) -> None:
     ep_rank, edp_rank = ds_compat.expert_ranks(group)
     if edp_rank != 0:
         return
-    state = {n: p.detach().clone() for n, p in params.items()}
+    saved_as = checkpoint_names(engine.module)  # the layer files' names (model chunks name theirs otherwise)
+    state = {saved_as[n]: p.detach().clone() for n, p in params.items()}
     path = os.path.join(save_dir, tag, file_name(ep_rank, ds_compat.checkpoint_mp_rank(engine)))
     ds_compat.checkpoint_engine(engine).save(state, path)
 

@@ -48,6 +48,8 @@ _SPLIT_DIM = {
     ("linear_q_up_proj", "weight"): 0,
     ("linear_kv_up_proj", "weight"): 0,
 }
+# --qk-layernorm's norm weights: of head size and replicated, or of the projection's size and split like it
+_PROJECTION_NORMS = (("q_layernorm", "weight"), ("k_layernorm", "weight"))
 VOCAB_PARAMS = (("word_embeddings", "weight"), ("output_layer", "weight"))
 
 
@@ -60,6 +62,8 @@ def partition(name: str, model: ModelConfig, family: ModelFamily) -> tuple[int, 
     """(dim, stride) of a tensor parallel parameter of ``family``'s model, None for a replicated one."""
     key = _key(name)
     dim = _SPLIT_DIM.get(key, family.tp_split.get(key))
+    if key in _PROJECTION_NORMS and model.qk_layernorm_scope == "projection" and not model.multi_latent_attention:
+        dim = 0  # --qk-layernorm-scope projection: split with the heads (model/norms.py ProjectionRMSNorm)
     if dim is None:
         return None
     if EXPERTS_INFIX in name and not model.enable_expert_tensor_parallelism:

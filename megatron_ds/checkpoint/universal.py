@@ -40,7 +40,7 @@ from megatron_ds.checkpoint import megatron_names
 from megatron_ds.checkpoint import tp as tp_rules
 from megatron_ds.checkpoint.engine_state import StateSetter
 from megatron_ds.checkpoint.expert_files import has_expert_files
-from megatron_ds.checkpoint.files import OPTIM_KEYS, load_file, open_checkpoint
+from megatron_ds.checkpoint.files import OPTIM_KEYS, checkpoint_names, load_file, open_checkpoint
 from megatron_ds.checkpoint.format import EXPERT_PARALLEL_SIZE, SHAPE_FIELDS, UNIVERSAL_TRACKER
 from megatron_ds.checkpoint.vocabulary import VocabSettings, fit_vocab_rows, rows_only
 from megatron_ds.config.family import ModelFamily
@@ -68,7 +68,8 @@ def checkpoint_info(signature: dict, vocab_size: int | None) -> dict:
     replicated = [rf"{layer}({'|'.join(norms)})\.weight$"]
     if signature["normalization"].lower() == "layernorm":
         replicated.append(rf"{layer}({'|'.join(norms)})\.bias$")
-    if signature.get("qk_layernorm"):  # one weight of head size shared by every head: on each TP rank
+    if signature.get("qk_layernorm") and signature.get("qk_layernorm_scope") != "projection":
+        # one weight of head size shared by every head: on each TP rank (projection: split, merged along dim 0)
         kinds = "(weight|bias)" if signature["normalization"].lower() == "layernorm" else "weight"
         replicated.append(rf"{layer}self_attention\.(q|k)_layernorm\.{kinds}$")
     if signature.get("multi_latent_attention"):  # the down projections and the latents' norms (checkpoint/tp.py)
@@ -129,7 +130,14 @@ def convert(load_dir: str, iteration: int | None = None, *, family: ModelFamily,
     if ckpt.zero_stage == 3:
         raise ConfigError(f"{ckpt.path} was saved with ZeRO-3, which this conversion does not support; load it "
                           f"with --load instead")
-    if UC_INFO not in load_file(ckpt.mp_file(0)):
+    state = load_file(ckpt.mp_file(0))
+    if any(ckpt.saved_name(name) != name for group in state.get("param_shapes") or [] for name in group):
+        # DeepSpeed's files name the model chunks' parameters (chunks.<c>.*, tied_weight), which the converter's
+        # patterns (checkpoint_info) do not match: it stops with "Unused patterns"
+        raise ConfigError(f"{ckpt.path} was saved on the interleaved or ZB-H1 schedule, whose optimizer files name "
+                          f"the model chunks' parameters, which DeepSpeed's ds_to_universal cannot match; load it "
+                          f"directly with --load at any layout and schedule (megatron_ds reshards it)")
+    if UC_INFO not in state:
         raise ConfigError(f"{ckpt.path} was saved before megatron_ds recorded {UC_INFO}; load it with --load (at any "
                           f"layout) and save it once")
     out = f"{ckpt.path}_universal"
@@ -241,7 +249,8 @@ class UniversalCheckpoint:
             saved = self.info[SIGNATURE_KEY]
         else:
             saved = megatron_names.signature_from_args(self.args, self.path)
-        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings", "add_qkv_bias", "qk_layernorm") if k in signature]
+        fields = [k for k in SHAPE_FIELDS + ("max_position_embeddings", "add_qkv_bias", "qk_layernorm",
+                                                                    "qk_layernorm_scope") if k in signature]
         norm = lambda v: v.lower() if isinstance(v, str) else v  # noqa: E731 - "LayerNorm" == "layernorm"
         diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {signature[k]!r}" for k in fields
                  if norm(saved.get(k)) != norm(signature[k])]
@@ -297,9 +306,13 @@ def load_universal(engine, load_dir: str, *, signature: dict, ps, load_optim: bo
     change = (vocab or VocabSettings(None)).check(uc.tokenizer(), path=uc.path, padded=padded, log=log)
     # what the layout rules read (tp.partition, megatron_names.to_our_layout)
     model = types.SimpleNamespace(**{k: signature[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                                                 "swiglu")}, geglu=signature.get("geglu", False))
+                                                                 "swiglu")}, geglu=signature.get("geglu", False),
+                                    qk_layernorm_scope=signature.get("qk_layernorm_scope", "head"),
+                                    multi_latent_attention=signature.get("multi_latent_attention", False))
     setter = StateSetter(engine)
-    for name, param in engine.module.named_parameters():
+    saved_as = checkpoint_names(engine.module)  # model chunks (interleaved, ZB-H1): by the PipelineModule's names
+    for own_name, param in engine.module.named_parameters():
+        name = saved_as[own_name]
         full = uc.full(name, model, with_optim=load_optim)
         real = uc.info.get("original_vocab_size")
         too_big = full["fp32"].shape[0] > padded and (real or 0) > padded

@@ -1,7 +1,7 @@
 """Import a local Hugging Face transformers model directory (safetensors) as a megatron_ds checkpoint,
 for continued pretraining at any TP/PP/DP layout: its config.json's ``model_type`` picks the model
 family that imports it (GPT-2, Llama 1 to 3.3, Qwen2/2.5, Qwen3, Mistral, DeepSeek-V2/V3, and the MoE models
-Mixtral, Qwen2-MoE, Qwen3-MoE on Megatron-LM's MoE layer: a checkpoint for pretrain_gpt.py; BERT or Megatron-BERT: pretrain_bert.py; T5: pretrain_t5.py; ``ModelFamily.hf``).
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE on Megatron-LM's MoE layer: a checkpoint for pretrain_gpt.py; BERT or Megatron-BERT: pretrain_bert.py; T5: pretrain_t5.py; ``ModelFamily.hf``).
 
     python tools/checkpoint/from_hf.py --hf-dir HF_DIR --save CHECKPOINT_DIR
 

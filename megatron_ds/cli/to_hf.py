@@ -4,7 +4,8 @@ models; for RoPE + SwiGLU + RMSNorm the class the checkpoint was imported from w
 model, else Qwen3ForCausalLM with --qk-layernorm, Qwen2ForCausalLM with --add-qkv-bias alone,
 MistralForCausalLM with --window-size, LlamaForCausalLM otherwise (--architecture chooses);
 Megatron-LM's MoE layers as DeepseekV2/V3ForCausalLM (with --multi-latent-attention), Qwen2MoeForCausalLM (a
-shared expert), Qwen3MoeForCausalLM (--qk-layernorm) or MixtralForCausalLM, DeepSpeed-MoE's as MixtralForCausalLM;
+shared expert), Qwen3MoeForCausalLM (--qk-layernorm), OlmoeForCausalLM (--qk-layernorm-scope projection) or
+MixtralForCausalLM, DeepSpeed-MoE's as MixtralForCausalLM;
 DeepseekV3ForCausalLM with --multi-latent-attention (dense layers);
 pretrain_bert.py's BERT as MegatronBertForPreTraining (BertForPreTraining with
 --apply-residual-connection-post-layernorm); pretrain_t5.py's T5 as T5ForConditionalGeneration (the

@@ -39,6 +39,12 @@ def check_attention(m: ModelConfig) -> None:
             raise ConfigError(f"--window-size {m.window_size}: sliding-window attention narrower than --seq-length "
                               f"is not supported; use a window that covers the {m.seq_length} positions "
                               f"(--window-size \"({full},0)\" or wider, which masks nothing) or drop the flag")
+    if m.qk_layernorm_scope == "projection" and not m.qk_layernorm:
+        raise ConfigError("--qk-layernorm-scope projection chooses what --qk-layernorm normalizes; add "
+                          "--qk-layernorm or drop it")
+    if m.qk_layernorm_scope == "projection" and m.normalization.lower() != "rmsnorm":
+        raise ConfigError(f"--qk-layernorm-scope projection is an RMSNorm (OLMo 2's / OLMoE's); with --normalization "
+                          f"{m.normalization} use --qk-layernorm-scope head")
     if m.use_rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         raise ConfigError(f"--rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor} must exceed "
                           f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (Llama 3.1's 4 and 1)")
@@ -83,7 +89,8 @@ def describe_attention(m: ModelConfig) -> str:
     if m.add_qkv_bias and not m.add_bias_linear:
         parts.append("QKV bias")
     if m.qk_layernorm:
-        parts.append(f"QK {m.normalization} per head ({'with' if m.apply_wd_to_qk_layernorm else 'no'} weight decay)")
+        scope = "over the whole projection" if m.qk_layernorm_scope == "projection" else "per head"
+        parts.append(f"QK {m.normalization} {scope} ({'with' if m.apply_wd_to_qk_layernorm else 'no'} weight decay)")
     if m.position_embedding_type == "rope":
         if m.use_rope_scaling:
             parts.append(f"RoPE llama3 scaling x{m.rope_scaling_factor:g} (low {m.rope_scaling_low_freq_factor:g}, "

@@ -146,6 +146,11 @@ class Layout:
     # DeepSpeed's data parallel axis is DP x CP (parallel/groups.py), and its attention's --cp-comm-type
     cp: int = 1
     cp_comm_type: str = "p2p"
+    cp_block_kernel: str = "math"  # --cp-block-kernel (ours): parallel/attention_blocks.py
+
+    @property
+    def _cp_kernel(self) -> str:
+        return ", flash blocks" if self.cp_block_kernel == "flash" else ""
 
     @property
     def expert_tp_groups(self) -> bool:
@@ -174,7 +179,8 @@ class Layout:
         lines = [
             f"world size {self.world_size} = TP {self.tp} x PP {self.pp}"
             f"{f' x SP {self.sp} (DeepSpeed-Ulysses)' if self.sp > 1 else ''}"
-            f"{f' x CP {self.cp} (context parallel, {self.cp_comm_type})' if self.cp > 1 else ''} x DP {self.dp}"
+            f"{f' x CP {self.cp} (context parallel, {self.cp_comm_type}{self._cp_kernel})' if self.cp > 1 else ''}"
+            f" x DP {self.dp}"
             f" ({self._engine_name()}, ZeRO {self.zero_stage},"
             f" {self.precision})",
             f"batch: micro {self.micro_batch_size} x DP {self.dp} x {self.grad_accum_steps} micro-batches"
@@ -273,6 +279,8 @@ def _attention_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     split = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0)
     per_channel = 2 if m.normalization == "layernorm" else 1
     qk_norms = 2 * per_channel * d if m.qk_layernorm else 0  # one weight of head size each, on every rank
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection":  # RMSNorm weights of q's and k's size, split
+        split, qk_norms = split + q + kv, 0
     return split // tp, 2 * per_channel * h + qk_norms + (h if bias else 0)  # the row-parallel bias is not split
 
 
@@ -546,9 +554,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         flags, cp=cp, seq_length=m.seq_length,
         moe=("megatron" if moe_selection.is_mlm_moe(m) else "deepspeed") if is_moe(m) else None,
         curriculum=_curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp) is not None)
-    if cp > 1 and m.multi_latent_attention:
-        raise ConfigError("--context-parallel-size > 1 with --multi-latent-attention is not supported: the ring "
-                          "attention runs the standard attention only; use --context-parallel-size 1")
     if cp > 1 and flags.model.compile_layers is not True:
         # the ring runs eagerly inside a compiled layer (a graph break, model/transformer.py); regional
         # compilation's default was measured without that break, so under CP it compiles only when asked
@@ -609,5 +614,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
                     decoder_seq_length=family.decoder_seq_length(flags) if family.decoder_seq_length else None,
                     scatter_gather_p2p=(par.scatter_gather_tensors_in_pipeline and tp > 1
                                         and not par.sequence_parallel and not moe),
-                    grad_accum_fusion=bool(t.gradient_accumulation_fusion), fp8=fp8, cp=cp, cp_comm_type=cp_comm_type)
+                    grad_accum_fusion=bool(t.gradient_accumulation_fusion), fp8=fp8, cp=cp, cp_comm_type=cp_comm_type,
+                    cp_block_kernel=par.cp_block_kernel)
     return layout, notes

@@ -251,12 +251,6 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           f"{experts} with {group_k} <= G, and --moe-router-topk {k} >= {group_k}")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if (ep > 1 or etp > 1) and own_schedule and checkpoints:
-        # such checkpoints always load resharded (checkpoint/stacked_experts.py), which the interleaved executor's
-        # model chunks are not (checkpoint/reshard.py reads a PipelineModule's or a plain module's names)
-        raise ConfigError(f"--save/--load of Megatron-LM's MoE split over EP {ep} x ETP {etp} run on the interleaved "
-                          f"or ZB-H1 schedule: such checkpoints load resharded, which that executor's model chunks "
-                          f"cannot yet; use the 1F1B schedule (or EP 1 and ETP 1) to save and load")
     if ep > 1 and zero_stage == 3:
         raise ConfigError(f"--expert-model-parallel-size {ep} cannot run under ZeRO stage 3: DeepSpeed's engine "
                           f"refuses expert parameters there; use ZeRO stage 1 or 2")

@@ -91,6 +91,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Normalise each head's query and key (the --normalization kind, one weight of head size shared by
     the heads) before rotary positions (Qwen3)."""
+    qk_layernorm_scope: str = meta("head", choices=("head", "projection"))
+    """--qk-layernorm over each head's channels (head: Megatron-LM's and Qwen3's) or over the whole query / key
+    projection (projection: OLMo 2's and OLMoE's q_norm / k_norm, OLMo-core's use_head_qk_norm false; RMSNorm
+    only, its weight split over TP like the projection). Ours: Megatron-LM has no such flag."""
     apply_wd_to_qk_layernorm: bool = False
     """--qk-layernorm: apply weight decay to the query/key norms' weights (Megatron-LM's flag; off: they
     join the no-decay group as the other norms)."""
@@ -352,6 +356,11 @@ class ParallelConfig:
     cp_comm_type: Optional[list] = meta(None, nargs="+", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
     """How context parallel attention exchanges keys and values: p2p (a ring, Megatron-LM's default) or
     all_gather; one value, or one per layer (all equal here). a2a and a2a+p2p are refused."""
+    cp_block_kernel: str = meta("math", choices=("math", "flash"))
+    """(ours) The kernel each context parallel attention block runs (parallel/attention_blocks.py): math (the
+    explicit fp32 path, the default until a GPU measurement shows flash helps) or flash (torch's fused attention
+    operators returning the log-sum-exp: CUDA flash / memory-efficient for fp16 and bf16, the CPU flash operator
+    on the CPU)."""
     hierarchical_context_parallel_sizes: Optional[list] = meta(None, nargs="+")
     """Megatron-LM: the sizes of a2a+p2p's two context parallel levels (refused with context parallelism)."""
     no_pipeline_parallel: bool = False

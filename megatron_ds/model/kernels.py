@@ -11,6 +11,7 @@ is active so start-up can log it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -86,3 +87,13 @@ def sdpa_with_dropout(q, k, v, mask, p: float, is_causal: bool, extra: dict) -> 
     graphs (one graph break; otherwise dynamo would break at each generator call)."""
     with get_rng_tracker().fork():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **extra)
+
+
+@torch.compiler.disable
+def context_parallel_attention(cp, q, k, v, document_ids, p: float, scale: float | None = None) -> torch.Tensor:
+    """An attention core under context parallelism (``cp``: parallel/context_parallel.py's ``ContextParallel``):
+    ``[b, heads, s, d]`` q, k, v -> ``[s, b, heads, dv]``. Attention dropout draws from the tensor parallel stream,
+    as ``sdpa_with_dropout``. In a layer compiled with --compile-layers it runs eagerly (one graph break): the
+    ring's asynchronous point-to-point exchanges and its autograd Function stay out of the graph."""
+    with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
+        return cp.attention(q, k, v, document_ids, dropout_p=p, scale=scale).permute(2, 0, 1, 3)

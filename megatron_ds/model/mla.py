@@ -34,7 +34,7 @@ from torch import nn
 
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import use_compiled
-from megatron_ds.model.kernels import sdpa_with_dropout
+from megatron_ds.model.kernels import context_parallel_attention, sdpa_with_dropout
 from megatron_ds.model.norms import build_norm
 from megatron_ds.model.rotary import RopeScaling, apply_rotary, rotary_cos_sin, yarn_mscale
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
@@ -62,8 +62,11 @@ class MLASelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_core: bool = False,
-                 causal: bool = True):
+                 causal: bool = True, cp=None):
         super().__init__()
+        # context parallelism (parallel/context_parallel.py): this rank's two chunks of every sequence; the layer
+        # hands _core the whole sequence's document ids instead of a mask (as ParallelAttention)
+        self.cp = cp
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel and tp_world_size(tp_group) > 1
         self.num_heads = divide(cfg.num_attention_heads, tp_world_size(tp_group))
         self.qk_head_dim, self.rope_dim, self.v_head_dim = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
@@ -141,6 +144,11 @@ class MLASelfAttention(nn.Module):
         self._rotary_tables(self.seq_length, self.linear_kv_down_proj.weight.device, None)
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache is None and self.cp is not None:
+            # the chunks' global positions (Megatron-LM's YarnRotaryEmbedding.forward: get_pos_emb_on_this_cp_rank)
+            cos, sin = rotary_cos_sin(s * self.cp.size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
+            positions = self.cp.positions(s * self.cp.size, cos.device)
+            return cos[positions], sin[positions]
         length, start = (s, 0) if kv_cache is None else (kv_cache.max_length, kv_cache.offset)
         cos, sin = rotary_cos_sin(length, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         return cos[start:start + s], sin[start:start + s]
@@ -149,6 +157,8 @@ class MLASelfAttention(nn.Module):
         """``[s, b, heads, d]`` q, k, v -> the context ``[s, b, heads, v_head_dim]``."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         p = self.attention_dropout if self.training else 0.0
+        if self.cp is not None:  # ``mask``: the document ids or None; K and V keep their own head dims
+            return context_parallel_attention(self.cp, q, k, v, mask, p, self.scale)
         is_causal = self.causal and mask is None
         if p > 0.0:
             out = sdpa_with_dropout(q, k, v, mask, p, is_causal, {"scale": self.scale})

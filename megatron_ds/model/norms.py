@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.model.kernels import apex_norm_classes
+from megatron_ds.parallel.layers import set_tensor_parallel_attributes
+from megatron_ds.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 
 
 class _RMSNorm(nn.Module):
@@ -99,3 +101,31 @@ def build_norm(normalization: str, hidden_size: int, eps: float, *, sequence_par
     for p in norm.parameters():
         p.sequence_parallel = sequence_parallel
     return norm
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole query or key projection split over tensor parallel ranks
+    (--qk-layernorm-scope projection: OLMo 2's / OLMoE's ``q_norm`` / ``k_norm``, transformers'
+    ``OlmoeAttention``: ``RMSNorm(num_heads * head_dim)`` on ``q_proj``'s output before the heads are split).
+    Each rank holds ``local_size`` of the ``full_size`` channels (its heads) and that slice of the weight:
+    the weight is split over TP like the projection (``tensor_model_parallel``, dim 0; checkpoint/tp.py
+    reshards it). The mean of squares must be the whole projection's, so each rank's sum of squares is
+    all-reduced over the TP group; its backward all-reduces too, since every rank's output depends on every
+    rank's input through that sum. Computed in fp32 and cast back before the weight (``OlmoeRMSNorm``)."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float, *, tp_group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.full_size, self.eps, self.tp_group = full_size, eps, tp_group
+        self.weight = nn.Parameter(torch.ones(local_size, device=device, dtype=params_dtype))
+        set_tensor_parallel_attributes(self.weight, partition_dim=0)
+        self.weight.sequence_parallel = False  # each rank's gradient is whole for its slice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        # reduce_from (all-reduce forward) after copy_to (all-reduce backward): an all-reduce both ways
+        squares = reduce_from_tensor_parallel_region(copy_to_tensor_parallel_region(squares, self.tp_group),
+                                                     self.tp_group)
+        y = xf * torch.rsqrt(squares / self.full_size + self.eps)
+        return self.weight * y.type_as(x)

@@ -41,12 +41,12 @@ from megatron_ds import ds_compat
 from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import bias_dropout_add, bias_gelu, bias_swiglu, rope_qkv, split_qkv, use_compiled
-from megatron_ds.model.kernels import sdpa_supports_gqa, sdpa_with_dropout
+from megatron_ds.model.kernels import context_parallel_attention, sdpa_supports_gqa, sdpa_with_dropout
 from megatron_ds.model.mla import MLASelfAttention
 from megatron_ds.model.activations import mlp_activation
 from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
-from megatron_ds.model.norms import build_norm
+from megatron_ds.model.norms import ProjectionRMSNorm, build_norm
 from megatron_ds.model.param_groups import DECAY
 from megatron_ds.model.rotary import apply_rotary, rope_scaling, rotary_cos_sin, rotary_dim
 from megatron_ds.parallel.fp8 import Fp8Recipe
@@ -119,7 +119,9 @@ class ParallelAttention(nn.Module):
     sees only its heads, so those weights' gradients are partial sums over TP: they are marked
     ``sequence_parallel`` and summed over the group like the norms under --sequence-parallel
     (``parallel.layers.register_sequence_parallel_grad_hooks``; Megatron-LM's finalize_model_grads does
-    the same for them).
+    the same for them). --qk-layernorm-scope projection (OLMo 2's / OLMoE's): one RMSNorm over all heads'
+    queries (keys: all key/value heads') at once, ``model.norms.ProjectionRMSNorm``, whose weight is split
+    over TP with the heads and whose statistic is summed over TP.
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False,
@@ -154,7 +156,13 @@ class ParallelAttention(nn.Module):
             async_grad_comm=cfg.async_tensor_model_parallel_allreduce,
             **dict(common, bias=cfg.add_bias_linear or cfg.add_qkv_bias))
         self.q_layernorm = self.k_layernorm = None
-        if cfg.qk_layernorm:
+        self.qk_norm_projection = cfg.qk_layernorm and cfg.qk_layernorm_scope == "projection"
+        if self.qk_norm_projection:  # this rank's heads' slice of the whole projection's norm
+            self.q_layernorm, self.k_layernorm = (
+                _qk_norm(cfg, (local * d, full * d), tp_group=tp_group, params_dtype=params_dtype, device=device)
+                for local, full in ((self.num_heads, cfg.num_attention_heads),
+                                    (self.num_groups, cfg.num_key_value_heads)))
+        elif cfg.qk_layernorm:
             self.q_layernorm, self.k_layernorm = (_qk_norm(cfg, partial_grads=tp > 1, params_dtype=params_dtype,
                                                            device=device) for _ in range(2))
         self.bias_dropout_fusion = cfg.bias_dropout_fusion
@@ -184,7 +192,10 @@ class ParallelAttention(nn.Module):
             q, k, v = rope_qkv(True, qkv, *self._rotary_tables(s, qkv.device, kv_cache))
         else:
             q, k, v = split_qkv(qkv)
-            if self.q_layernorm is not None:
+            if self.qk_norm_projection:  # over all of this rank's heads at once (and the other ranks')
+                q = self.q_layernorm(q.reshape(*q.shape[:2], -1)).view(q.shape)
+                k = self.k_layernorm(k.reshape(*k.shape[:2], -1)).view(k.shape)
+            elif self.q_layernorm is not None:
                 q, k = self.q_layernorm(q), self.k_layernorm(k)
             if self.rope_dim is not None:
                 cos, sin = self._rotary_tables(s, qkv.device, kv_cache)
@@ -232,7 +243,7 @@ class ParallelAttention(nn.Module):
         """``[s, b, heads, d]`` q (k, v: key/value groups) -> the context ``[s, b, heads, d]``."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.cp is not None:  # ``mask``: the document ids (ParallelTransformerLayer.forward) or None
-            return _context_parallel_core(self.cp, q, k, v, mask, self.attention_dropout if self.training else 0.0)
+            return context_parallel_attention(self.cp, q, k, v, mask, self.attention_dropout if self.training else 0.0)
         extra = {}
         if self.heads_per_group > 1:
             if self.native_gqa:
@@ -249,25 +260,22 @@ class ParallelAttention(nn.Module):
         return out.permute(2, 0, 1, 3)
 
 
-def _qk_norm(cfg: ModelConfig, *, partial_grads: bool, params_dtype: torch.dtype, device) -> nn.Module:
+def _qk_norm(cfg: ModelConfig, projection: tuple[int, int] | None = None, *, partial_grads: bool = False,
+             tp_group=None, params_dtype: torch.dtype, device) -> nn.Module:
     """One of --qk-layernorm's norms (``ParallelAttention``): the --normalization kind over a head's
     channels. ``partial_grads``: its gradient is a partial sum over TP (marked as ``build_norm`` marks the
-    norms under sequence parallelism). --apply-wd-to-qk-layernorm marks its parameters for weight
-    decay (``model/param_groups.py``)."""
-    norm = build_norm(cfg.normalization, cfg.kv_channels, cfg.layernorm_epsilon, sequence_parallel=partial_grads,
-                      params_dtype=params_dtype, device=device, one_plus=cfg.apply_layernorm_1p)
+    norms under sequence parallelism). ``projection`` (--qk-layernorm-scope projection): (this rank's,
+    all ranks') channels of an RMSNorm over the whole projection, its weight split over ``tp_group``.
+    --apply-wd-to-qk-layernorm marks its parameters for weight decay (``model/param_groups.py``)."""
+    if projection is not None:
+        norm = ProjectionRMSNorm(*projection, cfg.layernorm_epsilon, tp_group=tp_group, params_dtype=params_dtype,
+                                 device=device)
+    else:
+        norm = build_norm(cfg.normalization, cfg.kv_channels, cfg.layernorm_epsilon, sequence_parallel=partial_grads,
+                          params_dtype=params_dtype, device=device, one_plus=cfg.apply_layernorm_1p)
     for p in norm.parameters():
         setattr(p, DECAY, cfg.apply_wd_to_qk_layernorm)
     return norm
-
-
-@torch.compiler.disable
-def _context_parallel_core(cp, q, k, v, document_ids, p: float) -> torch.Tensor:
-    """``ParallelAttention._core`` under context parallelism; attention dropout draws from the tensor parallel
-    stream, as ``sdpa_with_dropout``. In a layer compiled with --compile-layers it runs eagerly (one graph break):
-    the ring's asynchronous point-to-point exchanges and its autograd Function stay out of the graph."""
-    with get_rng_tracker().fork() if p > 0.0 else contextlib.nullcontext():
-        return cp.attention(q, k, v, document_ids, dropout_p=p).permute(2, 0, 1, 3)
 
 
 class ParallelMLP(nn.Module):
@@ -383,7 +391,7 @@ class ParallelTransformerLayer(nn.Module):
             if fp8 is not None or tp_world_size(sp_group) > 1:  # (config/attention.py check_mla refuses both)
                 raise ValueError("multi-latent attention runs without FP8 and DeepSpeed-Ulysses")
             self.self_attention = MLASelfAttention(cfg, recompute_core=recompute_attention, causal=not self.padding,
-                                                   **{k: v for k, v in parallel.items() if k != "fp8"})
+                                                   cp=cp, **{k: v for k, v in parallel.items() if k != "fp8"})
         else:
             self.self_attention = ParallelAttention(cfg, recompute_core=recompute_attention, sp_group=sp_group,
                                                     causal=not self.padding, cp=cp, **parallel)

@@ -15,18 +15,18 @@ Per (query chunk, key chunk) pair the causal mask leaves three cases: a key chun
 skipped, one before it is fully visible, the same chunk is the causal diagonal. Document masks
 (--reset-attention-mask) come from the whole sequence's document ids, which every CP rank holds.
 
-In forward each ring hop is in flight while the previous step's blocks compute. Backward of the ring
-(``_RingAttention``, Transformer Engine's design) keeps only this rank's q, k, v, output and LSE, sends the
-K/V around the ring again and the K/V gradients along with them back to their owners, recomputing each
-block's probabilities. With attention dropout (whose masks would have to be redrawn) and for the
-all-gather, backward is autograd through the hops (a differentiable send/receive) or the all-gather
-(reduce-scatter of the K/V gradients) and the blocks (``_Block``, which also recomputes its probabilities):
-every step's received K/V (the whole sequence's, per rank) is then kept for backward.
+In forward each ring hop is in flight while the previous step's blocks compute. Without dropout, attention is
+``_ContextParallelAttention`` (Transformer Engine's design): it keeps only this rank's q, k, v, output and LSE;
+its backward sends the K/V around the ring again (p2p) and the K/V gradients along with them back to their
+owners, or gathers the K/V again and reduce-scatters their gradients (all_gather), each block's gradient from
+the final output and LSE. With attention dropout (whose masks would have to be redrawn) backward is autograd
+through the hops (a differentiable send/receive) or the all-gather and the math blocks: every step's received
+K/V (the whole sequence's, per rank) and each block's probabilities are then kept for backward.
 
-The block kernel (``attention_block``) is the explicit math path (scores, log-sum-exp, softmax, product) on
-every device: torch's SDPA does not return the log-sum-exp the merge needs, and its CUDA flash kernel that
-does (``aten._scaled_dot_product_flash_attention``) takes no mask. A faster CUDA block is a change of this
-one function.
+Blocks (parallel/attention_blocks.py): FULL (earlier key chunks), CAUSAL (the square diagonal) or DOCUMENT
+(with --reset-attention-mask), run by ``cp.kernel``: ``math`` (the explicit path, the default) or ``flash``
+(torch's fused attention operators, which return the log-sum-exp: --cp-block-kernel flash). K and V travel
+packed in one buffer, so their head dims may differ (multi-latent attention); the softmax scale is explicit.
 """
 from __future__ import annotations
 
@@ -35,19 +35,22 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_ds.parallel.mappings import gather_from_sequence_parallel_region
+from megatron_ds.parallel.attention_blocks import (CAUSAL, DOCUMENT, FULL, KERNELS, block_backward, block_forward,
+                                                   math_block, merge)
+from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
+                                           reduce_scatter_along_first_dim)
 
 COMM_TYPES = ("p2p", "all_gather")
-_MASKED = -1e30  # a finite "minus infinity": fully masked rows keep finite LSEs and gradients (no NaN)
 
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's context parallel group and how attention communicates over it (``comm_type``)."""
+    """This rank's context parallel group, how attention communicates over it (``comm_type``) and the kernel
+    its blocks run (``kernel``, attention_blocks.KERNELS)."""
     group: object
     comm_type: str = "p2p"
+    kernel: str = "math"
     size: int = field(init=False)
     rank: int = field(init=False)
     send_to: int = field(init=False)  # the ring's next and previous ranks (global ranks)
@@ -56,6 +59,8 @@ class ContextParallel:
     def __post_init__(self):
         if self.comm_type not in COMM_TYPES:
             raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {self.comm_type!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         object.__setattr__(self, "size", dist.get_world_size(self.group))
         object.__setattr__(self, "rank", dist.get_rank(self.group))
         ranks = dist.get_process_group_ranks(self.group)
@@ -75,26 +80,32 @@ class ContextParallel:
         """This rank's two chunks of ``t`` along ``dim`` (the whole sequence there)."""
         return t.index_select(dim, self.positions(t.shape[dim], t.device))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  document_ids: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's ``[b, heads, s, d]`` queries over the whole sequence's keys
-        (``k``, ``v``: this rank's ``[b, groups, s, d]``; GQA when groups < heads); ``document_ids``:
-        ``[b, S]`` of the whole sequence, or None; ``dropout_p``: attention dropout (drawn from the current
-        generator). Returns ``[b, heads, s, d]``."""
-        c = q.shape[2] // 2  # the K/V travel as groups; each block expands them to the query heads
-        if self.comm_type == "p2p" and not (dropout_p > 0.0 and torch.is_grad_enabled()):
-            return _RingAttention.apply(q, k, v, self, document_ids)
-        kv = torch.cat([k, v], dim=1)
-        if self.comm_type == "all_gather":
-            everyone = gather_from_sequence_parallel_region(kv.unsqueeze(0), self.group).unbind(0)
-            sources = list(enumerate(everyone))
-        else:
-            sources = _ring(kv, self)
-        return _attend_chunks(q, sources, self, c, document_ids, dropout_p)[0].to(q.dtype)
+        (``k``: this rank's ``[b, groups, s, d]``, ``v``: ``[b, groups, s, dv]``; GQA when groups < heads);
+        ``document_ids``: ``[b, S]`` of the whole sequence, or None; ``dropout_p``: attention dropout (drawn from
+        the current generator); ``scale``: the softmax scale (default 1/sqrt(d), SDPA's). Returns
+        ``[b, heads, s, dv]``. The K/V travel as groups; each block expands them to the query heads."""
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if dropout_p == 0.0:
+            return _ContextParallelAttention.apply(q, k, v, self, document_ids, scale)
+        sources = _sources(_pack(k, v), self)
+        return _attend_chunks(q, sources, (k.shape, v.shape), self, document_ids, dropout_p, scale)[0].to(q.dtype)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one flat buffer, one message per hop: their head dims may differ (multi-latent attention)."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = buf.split([math.prod(k_shape), math.prod(v_shape)])
+    return k.view(k_shape), v.view(v_shape)
 
 
 def _ring(kv: torch.Tensor, cp: ContextParallel):
-    """(source rank, its K/V) for this rank's own K/V and then N-1 hops around the ring, each received
+    """(source rank, its packed K/V) for this rank's own K/V and then N-1 hops around the ring, each received
     from the previous rank. The next hop is in flight while the caller computes the current step's blocks
     (Transformer Engine's overlap); it is waited for when the next step is asked for."""
     send_to, recv_from = cp.send_to, cp.recv_from
@@ -110,42 +121,68 @@ def _ring(kv: torch.Tensor, cp: ContextParallel):
 
 
 def _visible_blocks(cp: ContextParallel, src: int, c: int, document_ids, device):
-    """(query chunk index i of this rank, the slice of ``src``'s two chunks' key/value columns it sees, their
-    mask) for each of this rank's query chunks that sees any of them: a later key chunk is skipped. The visible
-    chunks are the first, the second or both: always one contiguous slice (a view, no gather)."""
+    """(query chunk index i of this rank, the slice of ``src``'s two chunks' key/value columns, the block's kind
+    and mask) for the blocks this rank's query chunks see of them: a later key chunk is skipped; the earlier
+    ones, always a contiguous prefix of the two, are one FULL block; the query chunk's own is a square CAUSAL
+    block (kept apart from the full one, so no kernel sees a causal mask over keys of two chunks, whose
+    alignment torch's SDPA (top-left) and flash attention (bottom-right) read differently). With document ids
+    every block is DOCUMENT, its mask the causal one (on the diagonal) and the documents'."""
     k_chunks = cp.chunks_of(src)
     for i, qc in enumerate(cp.chunks_of(cp.rank)):
-        visible = [j for j, kc in enumerate(k_chunks) if kc <= qc]
-        if visible:
-            cols = slice(visible[0] * c, (visible[-1] + 1) * c)
-            yield i, cols, _block_mask(qc, [k_chunks[j] for j in visible], c, document_ids, device)
+        earlier = [j for j, kc in enumerate(k_chunks) if kc < qc]
+        if earlier:
+            yield (i, slice(0, len(earlier) * c),
+                   *_block_kind(qc, [k_chunks[j] for j in earlier], c, document_ids, device))
+        if qc in k_chunks:
+            j = k_chunks.index(qc)
+            yield i, slice(j * c, (j + 1) * c), *_block_kind(qc, [qc], c, document_ids, device)
 
 
-def _attend_chunks(q, sources, cp: ContextParallel, c: int, document_ids,
-                   dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the visible blocks of each source's K/V against this rank's two query chunks and merge them;
-    returns (output, LSE), fp32."""
+def _block_kind(qc: int, k_chunks: list[int], c: int, document_ids, device) -> tuple[str, torch.Tensor | None]:
+    """(kind, mask) of query chunk ``qc`` against the key chunks ``k_chunks`` (all earlier, or ``[qc]``)."""
+    diagonal = k_chunks == [qc]
+    if document_ids is None:
+        return (CAUSAL if diagonal else FULL), None
+    q_pos = torch.arange(qc * c, (qc + 1) * c, device=device)
+    k_pos = torch.cat([torch.arange(kc * c, (kc + 1) * c, device=device) for kc in k_chunks])
+    mask = document_ids[:, q_pos][:, None, :, None] == document_ids[:, k_pos][:, None, None, :]
+    if diagonal:
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])[None, None]
+    return DOCUMENT, mask
+
+
+def _attend_chunks(q, sources, shapes, cp: ContextParallel, document_ids, dropout_p: float,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the visible blocks of each source's packed K/V (``shapes``: of K and V) against this rank's two query chunks and merge them;
+    returns (output, LSE), fp32. With gradients recorded or dropout (the autograd ring and all-gather), each block
+    is ``math_block`` under autograd; otherwise (inside ``_ContextParallelAttention``) ``cp.kernel``'s."""
+    c, heads = q.shape[2] // 2, q.shape[1]
+    autograd = dropout_p > 0.0 or torch.is_grad_enabled()
     acc = [None, None]  # per query chunk: (output fp32, LSE fp32)
     for src, kv in sources:
-        k, v = (_expand(t, q.shape[1]) for t in kv.chunk(2, dim=1))
-        for i, cols, mask in _visible_blocks(cp, src, c, document_ids, q.device):
-            block = attention_block(q[:, :, i * c:(i + 1) * c], k[:, :, cols], v[:, :, cols], mask, dropout_p)
+        k, v = _unpack(kv, *shapes)
+        for i, cols, kind, mask in _visible_blocks(cp, src, c, document_ids, q.device):
+            args = (q[:, :, i * c:(i + 1) * c], _expand(k[:, :, cols], heads), _expand(v[:, :, cols], heads),
+                    kind, mask, scale)
+            block = math_block(*args, dropout_p) if autograd else block_forward(*args, cp.kernel)
             acc[i] = block if acc[i] is None else merge(*acc[i], *block)
     # every query chunk sees at least its own diagonal block, so both accumulators exist
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
 
 
-class _RingAttention(torch.autograd.Function):
-    """The p2p ring without dropout, as Transformer Engine's ``AttnFuncWithCPAndKVP2P``: forward keeps only
-    this rank's q, k, v, the merged output and LSE; backward sends the K/V around the ring again, each rank
-    adding its queries' share of the K/V gradient to an accumulator that travels with them and arrives back
-    at the K/V's owner after N hops. Each block's gradient is flash attention's, from the final output and
-    LSE: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q (scaled)."""
+class _ContextParallelAttention(torch.autograd.Function):
+    """Context parallel attention without dropout, as Transformer Engine's ``AttnFuncWithCPAndKVP2P``: forward
+    keeps only this rank's q, k, v, the merged output and LSE. Backward, p2p: the K/V go around the ring again,
+    each rank adding its queries' share of the K/V gradient to an accumulator that travels with them and arrives
+    back at the K/V's owner after N hops; all_gather: the K/V are gathered again and their gradients
+    reduce-scattered to their owners. Each block's gradient is ``block_backward``'s from the final output and
+    LSE (exact: attention_blocks.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, document_ids):
-        out, lse = _attend_chunks(q, _ring(torch.cat([k, v], dim=1), cp), cp, q.shape[2] // 2, document_ids, 0.0)
-        ctx.cp, ctx.document_ids = cp, document_ids
+    def forward(ctx, q, k, v, cp: ContextParallel, document_ids, scale: float):
+        shapes = (k.shape, v.shape)
+        out, lse = _attend_chunks(q, _sources(_pack(k, v), cp), shapes, cp, document_ids, 0.0, scale)
+        ctx.cp, ctx.document_ids, ctx.scale, ctx.shapes = cp, document_ids, scale, shapes
         # kept in the compute dtype, as flash attention keeps its output, and laid out [s, b, heads, d] in memory:
         # the layer's [s, b, heads x d] view of it (model/transformer.py) is then the same storage, kept once
         out = out.to(q.dtype).permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
@@ -155,44 +192,56 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, c, acc = ctx.cp, q.shape[2] // 2, lse.dtype
-        d_out = d_out.to(acc)
-        delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO O)
-        qa, d_q = q.to(acc), torch.zeros_like(d_out)
-        send_to, recv_from = cp.send_to, cp.recv_from
-        kv = torch.cat([k, v], dim=1).to(acc)
-        d_kv = torch.zeros_like(kv)  # the gradient of the K/V this rank holds now, from the ranks it has visited
-        for step in range(cp.size):
-            src = (cp.rank - step) % cp.size
-            _block_grads(qa, kv, d_kv, d_q, d_out, delta, lse, _visible_blocks(cp, src, c, ctx.document_ids, q.device))
-            if step + 1 < cp.size:  # both move on
-                kv, d_kv = _exchange([kv, d_kv], cp.group, send_to, recv_from)
-            else:  # the gradient takes one more hop, to the K/V's owner
-                (d_kv,) = _exchange([d_kv], cp.group, send_to, recv_from)
-        d_k, d_v = d_kv.chunk(2, dim=1)
-        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None
+        cp, c, shapes = ctx.cp, q.shape[2] // 2, ctx.shapes
+        d_out = d_out.contiguous()  # (a sum's gradient arrives expanded: stride 0, which the kernels do not take)
+        d_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        kv = _pack(k, v)
+
+        def grads(src: int, kv_src: torch.Tensor, d_kv: torch.Tensor) -> None:
+            blocks = _visible_blocks(cp, src, c, ctx.document_ids, q.device)
+            _block_grads(q, _unpack(kv_src, *shapes), _unpack(d_kv, *shapes), d_q, d_out, out, lse,
+                         blocks, ctx.scale, cp.kernel)
+
+        if cp.size == 1:  # a group of one (bench/cp_attention.py): nothing to exchange
+            d_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
+            grads(0, kv, d_kv)
+        elif cp.comm_type == "all_gather":
+            everyone = all_gather_along_first_dim(kv.unsqueeze(0), cp.group)
+            d_all = torch.zeros(everyone.shape, dtype=lse.dtype, device=q.device)
+            for src in range(cp.size):
+                grads(src, everyone[src], d_all[src])
+            d_kv = reduce_scatter_along_first_dim(d_all, cp.group)[0]
+        else:
+            d_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)  # of the K/V held now
+            for step in range(cp.size):
+                grads((cp.rank - step) % cp.size, kv, d_kv)
+                if step + 1 < cp.size:  # both move on
+                    kv, d_kv = _exchange([kv, d_kv], cp.group, cp.send_to, cp.recv_from)
+                else:  # the gradient takes one more hop, to the K/V's owner
+                    (d_kv,) = _exchange([d_kv], cp.group, cp.send_to, cp.recv_from)
+        d_k, d_v = _unpack(d_kv, *shapes)
+        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None
 
 
-def _block_grads(q, kv, d_kv, d_q, d_out, delta, lse, blocks) -> None:
-    """Add each block's gradients (``_RingAttention``) into ``d_q`` and ``d_kv`` (in place, fp32)."""
-    heads = q.shape[1]
-    k, v = (_expand(t, heads) for t in kv.chunk(2, dim=1))
-    d_k, d_v = d_kv.chunk(2, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def _sources(kv: torch.Tensor, cp: ContextParallel):
+    """(source rank, its packed K/V) for every CP rank: around the ring (p2p) or all-gathered."""
+    if cp.comm_type == "all_gather":
+        return enumerate(gather_from_sequence_parallel_region(kv.unsqueeze(0), cp.group).unbind(0))
+    return _ring(kv, cp)
+
+
+def _block_grads(q, kv, d_kv, d_q, d_out, out, lse, blocks, scale: float, kernel: str) -> None:
+    """Add each block's gradients into ``d_q`` and the (group) K/V gradients ``d_kv`` (in place, fp32)."""
+    (k, v), (d_k, d_v), heads = kv, d_kv, q.shape[1]
     c = q.shape[2] // 2
-    for i, cols, mask in blocks:
+    for i, cols, kind, mask in blocks:
         rows = slice(i * c, (i + 1) * c)
-        k_b, v_b = k[:, :, cols], v[:, :, cols]
-        scores = torch.matmul(q[:, :, rows], k_b.transpose(-1, -2)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, _MASKED)
-        probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
-        if mask is not None:
-            probs = probs * mask
-        d_v[:, :, cols] += _reduce(torch.matmul(probs.transpose(-1, -2), d_out[:, :, rows]), d_v.shape[1])
-        d_scores = probs * (torch.matmul(d_out[:, :, rows], v_b.transpose(-1, -2)) - delta[:, :, rows]) * scale
-        d_q[:, :, rows] += torch.matmul(d_scores, k_b)
-        d_k[:, :, cols] += _reduce(torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows]), d_k.shape[1])
+        dq, dk, dv = block_backward(d_out[:, :, rows], q[:, :, rows], _expand(k[:, :, cols], heads),
+                                    _expand(v[:, :, cols], heads), out[:, :, rows], lse[:, :, rows], kind, mask,
+                                    scale, kernel)
+        d_q[:, :, rows] += dq
+        d_k[:, :, cols] += _reduce(dk, d_k.shape[1])
+        d_v[:, :, cols] += _reduce(dv, d_v.shape[1])
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -215,88 +264,6 @@ def _exchange(tensors: list, group, send_to: int, recv_from: int) -> list:
         for work in works:
             work.wait()
     return [out for out, _ in started]
-
-
-def _block_mask(qc: int, k_chunks: list[int], c: int, document_ids, device) -> torch.Tensor | None:
-    """[b or 1, 1, c, len(k_chunks) * c] bool where a query may attend to a key: causal on the diagonal chunk
-    (fully visible elsewhere) and within the document; None where everything is visible."""
-    q_pos = torch.arange(qc * c, (qc + 1) * c, device=device)
-    k_pos = torch.cat([torch.arange(kc * c, (kc + 1) * c, device=device) for kc in k_chunks])
-    mask = None
-    if qc in k_chunks:
-        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
-    if document_ids is not None:
-        same = document_ids[:, q_pos][:, None, :, None] == document_ids[:, k_pos][:, None, None, :]
-        mask = same if mask is None else mask & same
-    return mask
-
-
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_math_block``, keeping for backward only its inputs, output and LSE (``_Block``: the scores and
-    probabilities are recomputed there, as flash attention does), so a rank keeps no [queries, keys] tensor
-    per block. With dropout, autograd through ``_math_block`` (its mask would have to be redrawn)."""
-    if dropout_p > 0.0 and torch.is_grad_enabled():
-        return _math_block(q, k, v, mask, dropout_p)
-    return _Block.apply(q, k, v, mask)
-
-
-class _Block(torch.autograd.Function):
-    """``_math_block`` without dropout, its backward recomputing the probabilities from the LSE. With
-    P = exp(S - lse) and the block's output O: dV = P^T dO, dP = dO V^T, and dS = P (dP - rowsum(dO O) + dlse)
-    (the LSE's own gradient, which the merge gives it, adds dlse x P since d lse / dS = P)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask):
-        out, lse = _math_block(q, k, v, mask, 0.0)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        acc, scale = out.dtype, 1.0 / math.sqrt(q.shape[-1])
-        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
-        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, _MASKED)
-        probs = torch.exp(scores - lse.unsqueeze(-1))
-        if mask is not None:
-            probs = probs * mask
-        d_v = torch.matmul(probs.transpose(-1, -2), d_out)
-        d_probs = torch.matmul(d_out, va.transpose(-1, -2))
-        d_scores = probs * (d_probs - (d_out * out).sum(-1, keepdim=True) + d_lse.unsqueeze(-1)) * scale
-        d_q, d_k = torch.matmul(d_scores, ka), torch.matmul(d_scores.transpose(-1, -2), qa)
-        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
-
-
-def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``[b, h, sq, d]`` q over ``[b, h, sk, d]`` k, v (``mask``: True = visible,
-    broadcastable to ``[b, h, sq, sk]``); returns (output fp32 ``[b, h, sq, d]``, log-sum-exp fp32
-    ``[b, h, sq]``). A row with nothing visible gets output 0 and an LSE of about -1e30, so merging it
-    changes nothing. The scale is SDPA's default, 1/sqrt(d). Dropout drops (and rescales) the block's
-    probabilities after the LSE is taken: the merge only rescales whole blocks, so that is dropout of the
-    final softmax, as SDPA's."""
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 stays fp64: the tests' references)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, _MASKED)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    if mask is not None:
-        probs = probs * mask
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs, v.to(acc)), lse
-
-
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax: two blocks' attention over disjoint keys -> the attention over their union (fp32)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
-    return out, lse
 
 
 class _RingHop(torch.autograd.Function):

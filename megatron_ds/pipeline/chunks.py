@@ -15,10 +15,13 @@ Checkpoint files: ``layer_files`` names each chunk member by its global spec ind
 DeepSpeed's ``PipelineModule`` writes (``layer_XX-model_YY-model_states.pt``), so a checkpoint saved
 interleaved is a checkpoint of the non-interleaved pipeline too, and the converters need no chunk
 logic. Like ``PipelineModule``, the output layer that only borrows the tied embedding is not a
-layer of its own (it has no state); the first stage's copy is saved.
+layer of its own (it has no state); the first stage's copy is saved. The module's own parameter
+names (``chunks.<c>.<index>...``, ``tied_weight``), which DeepSpeed's optimizer files record, become
+the ``PipelineModule``'s through ``pipeline_name``: what resharding and the checkpoint readers match.
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -28,6 +31,25 @@ from torch import nn
 
 from megatron_ds import ds_compat
 from megatron_ds.model.pipeline_model import SequentialModel
+
+TIED_WEIGHT = "tied_weight"  # ModelChunks' own attribute (and so parameter name) of the tied weight
+_CHUNK = re.compile(r"^chunks\.\d+\.")
+
+
+def pipeline_name(name: str, tied_name: str | None) -> str:
+    """The ``PipelineModule`` name of a ``ModelChunks`` parameter or buffer ``name`` (what its checkpoint files
+    and the non-interleaved model call it): the chunk prefix dropped (chunk members are named by their global
+    spec index), the tied weight as its tied module's (``tied_name``; a chunk's copy has that name too)."""
+    if name == TIED_WEIGHT and tied_name is not None:
+        return tied_name
+    return _CHUNK.sub("", name, count=1)
+
+
+def tied_weight_name(specs: list) -> str | None:
+    """``tied_modules.<key>.<attr>`` of the one tied weight a model of ``specs`` shares (None: no tied first spec)."""
+    if not isinstance(specs[0], TiedLayerSpec) or len(specs[0].tied_weight_attr) != 1:
+        return None  # (T5 ties several weights: such a model does not run in model chunks)
+    return f"tied_modules.{specs[0].key}.{specs[0].tied_weight_attr[0]}"
 
 
 class ModelChunks(nn.Module):
@@ -49,6 +71,7 @@ class ModelChunks(nn.Module):
             for indices in self.layer_indices)
         self.loss_fn = loss_fn
         self.tied_weight = None
+        self.tied_name = tied_weight_name(specs)
         tied = isinstance(specs[0], TiedLayerSpec)
         if tied and (pp_rank == 0 or pp_rank == pp - 1):
             chunk = self.chunks[0] if pp_rank == 0 else self.chunks[-1]
@@ -62,6 +85,10 @@ class ModelChunks(nn.Module):
 
     def forward(self, inputs, chunk: int = 0):
         return self.chunks[chunk](inputs)
+
+    def pipeline_name(self, name: str) -> str:
+        """The ``PipelineModule`` name of this module's parameter or buffer ``name`` (``pipeline_name``)."""
+        return pipeline_name(name, self.tied_name)
 
     def layer_files(self, tp_rank: int) -> list[tuple[str, nn.Module]]:
         """(file name, module) of every chunk member with state, named as ``PipelineModule``

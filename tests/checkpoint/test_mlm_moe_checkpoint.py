@@ -15,7 +15,11 @@ expert dimension) and optimizer state (fp32 masters, Adam moments, step) equal t
   their own step-4 checkpoints are read back merging the tensor parallel parts;
 - EP 1 -> EP 2 under ZeRO 1 (--use-distributed-optimizer: each rank's experts' slice written into DeepSpeed's
   partitioned optimizer), whose own step-4 checkpoint at EP 2 is then read back from ZeRO shards partitioned
-  over the expert data parallel groups.
+  over the expert data parallel groups;
+- on 4 processes, 4 layers at PP 2 x DP 2 x EP 2 on the interleaved schedule (2 model chunks per rank, whose
+  engine saves the chunks' parameter names: pipeline/chunks.py ``pipeline_name``) -> the same, -> EP 1
+  interleaved, -> ZB-H1 at EP 2, -> 1F1B at EP 2, and -> TP 2 x ETP 2 with sequence parallelism, interleaved
+  (whose own step-4 checkpoint is read back merging the tensor parallel parts).
 
 Tolerances: fp32, another EP size sums the same numbers in another order (the experts' tokens travel through
 all-to-alls, their gradients are reduced over other groups; tests/training/test_mlm_moe.py compares EP 2 with
@@ -78,11 +82,11 @@ def _resume(saved_run, flags, tmp_path, world=2):
     return ckpt, out
 
 
-def _same_weights(want_dir, have_dir):
+def _same_weights(want_dir, have_dir, layers=2):
     want, have = (load_consolidated(d, 4, family=GPT, log=lambda *a: None).state_dict for d in (want_dir, have_dir))
     assert sorted(want) == sorted(have)
     fc1 = [k for k in want if k.endswith("mlp.experts.linear_fc1.weight")]
-    assert len(fc1) == 2 and all(want[k].shape == (4, 2 * 64, 32) for k in fc1)  # all 4 experts (SwiGLU ffn 64)
+    assert len(fc1) == layers and all(want[k].shape == (4, 2 * 64, 32) for k in fc1)  # all 4 experts (SwiGLU ffn 64)
     for key, tensor in want.items():
         torch.testing.assert_close(have[key], tensor, **CLOSE, msg=lambda m, key=key: f"{key}: {m}")
 
@@ -118,3 +122,23 @@ def test_ep1_zero1_resumes_at_ep2(saved, tmp_path):
     _same_weights(ckpt, out)
     _same_optimizer_state(ckpt, out)
 
+
+
+PP2_4_LAYERS = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    """(losses, checkpoint folder) of an interleaved PP 2 x DP 2 x EP 2 run."""
+    ckpt = str(tmp_path_factory.mktemp("interleaved_ep2"))
+    return _run(PP2_4_LAYERS + INTERLEAVED + _ep(2) + ["--save", ckpt], world=4), ckpt
+
+
+@pytest.mark.parametrize("flags", [INTERLEAVED + _ep(2), INTERLEAVED + _ep(1), ["--enable-zbh1-pipeline"] + _ep(2),
+                                   _ep(2), INTERLEAVED + TP2_SP + ETP2],
+                         ids=["interleaved_ep2", "interleaved_ep1", "zbh1_ep2", "1f1b_ep2", "interleaved_tp2_sp_etp2"])
+def test_interleaved_ep2_resumes_at(chunked, tmp_path, flags):
+    ckpt, out = _resume(chunked, PP2_4_LAYERS + flags, tmp_path, world=4)
+    _same_weights(ckpt, out, layers=4)
+    _same_optimizer_state(ckpt, out)

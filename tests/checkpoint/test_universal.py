@@ -17,6 +17,7 @@ import pytest
 
 from megatron_ds.cli import to_universal
 from tests.checkpoint.test_reshard import BF16, FP32, _check_resumed, _straight
+from tests.checkpoint.test_reshard_interleaved import INTERLEAVED
 
 
 def ds_to_universal(ckpt: str, iteration: int) -> str:
@@ -43,6 +44,9 @@ def test_ours_tp2_pp2_zero1_to_universal_resumes_at_dp2(tmp_path_factory, tmp_pa
     assert sorted(os.listdir(os.path.join(out, "zero", "tied_modules.embed.word_embeddings.weight"))) == \
         ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
     _check_resumed(straight, ckpt, (1, 1, 2), [*extra, "--universal-checkpoint"], tmp_path, tol)
+    if not precision:  # and into the interleaved schedule's model chunks (their own parameter names)
+        _check_resumed(straight, ckpt, (1, 2, 1), [*extra, "--universal-checkpoint", *INTERLEAVED],
+                       tmp_path_factory.mktemp("interleaved"), tol)
 
 
 def test_what_ds_to_universal_cannot_take_is_refused_in_one_line(tmp_path, capsys):

@@ -27,6 +27,8 @@ def test_cp_splits_the_world_and_deepspeed_counts_dp_times_cp_ranks():
     assert "TP 2 x PP 1 x CP 2 (context parallel, p2p) x DP 2" in layout.summary()
     assert make("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=2).layout.cp_comm_type == \
         "all_gather"
+    flash = make("--context-parallel-size", "2", "--cp-block-kernel", "flash", world=2).layout
+    assert flash.cp_block_kernel == "flash" and "CP 2 (context parallel, p2p, flash blocks)" in flash.summary()
 
 
 def test_dry_run_prints_the_cp_layout(capsys):
@@ -157,3 +159,18 @@ def test_the_planner_evaluates_a_context_parallel_command_line():
     request, flags, _ = plan_cli.request_of(argv, get_family("gpt"), "plan.py")
     yours, line = plan_cli.your_layout(request, flags)
     assert yours.knobs.cp == 2 and yours.layout.cp == 2 and " CP 2," in line
+
+
+def test_mla_at_cp2_passes_dry_run(capsys):
+    """DeepSeek's multi-latent attention with --context-parallel-size 2 (Megatron-LM runs it: megatron/core/transformer/
+    multi_latent_attention.py refuses only hybrid CP): the layout, and the memory estimate's seq / CP tokens."""
+    mla = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 12 --position-embedding-type rope --normalization rmsnorm").split()
+    rc = main(BASE + mla + ["--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "4",
+                            "--context-parallel-size", "2", "--global-batch-size", "4"])
+    assert rc == 0
+    assert "world size 4 = TP 1 x PP 1 x CP 2 (context parallel, p2p) x DP 2" in capsys.readouterr().out
+    cp2 = make(*mla, "--context-parallel-size", "2", "--seq-length", "64", "--max-position-embeddings", "64", world=2)
+    cp1 = make(*mla, world=1)
+    assert activation_bytes_per_layer(cp2.layout, recompute=None) == activation_bytes_per_layer(cp1.layout,
+                                                                                                recompute=None)

@@ -146,9 +146,6 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --zero-stage 3 --deepspeed "
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
-    ("--num-experts 4 --moe-router-topk 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-     "--global-batch-size 8 --expert-model-parallel-size 2 --save ckpt", 4,
-     "use the 1F1B schedule (or EP 1 and ETP 1) to save and load"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 at --tensor-model-parallel-size 1: experts split over other than the tensor "
      "parallel ranks"),

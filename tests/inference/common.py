@@ -48,7 +48,14 @@ def mla_config(**over) -> ModelConfig:
                         mscale_all_dim=0.707, **over)
 
 
-CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "open": open_model_config, "mla": mla_config}
+def olmo_config(**over) -> ModelConfig:
+    """Llama-style with OLMo 2 / OLMoE's q/k norms over the whole projections (--qk-layernorm-scope projection):
+    at TP 2 each rank normalizes its heads by the statistic of all of them, in the cache's new positions too."""
+    return llama_config(qk_layernorm=True, qk_layernorm_scope="projection", **over)
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "open": open_model_config, "mla": mla_config,
+           "olmo": olmo_config}
 
 
 def random_weights(cfg: ModelConfig, seed: int = 7) -> ModelWeights:

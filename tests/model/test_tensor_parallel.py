@@ -36,6 +36,13 @@ CASES = {
                   use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm", add_bias_linear=False,
                   untie_embeddings_and_output_weights=True, add_qkv_bias=True, qk_layernorm=True,
                   use_rope_scaling=True, rope_scaling_original_max_position_embeddings=8), False),
+    # OLMo 2 / OLMoE-style: q/k RMSNorms over the whole projections (--qk-layernorm-scope projection), their
+    # weights split over TP with the heads (random here: an unsplit or misordered slice would show) and their
+    # mean of squares summed over TP
+    "olmo": (dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, ffn_hidden_size=96,
+                  use_rotary_position_embeddings=True, swiglu=True, normalization="rmsnorm", add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True, qk_layernorm=True, qk_layernorm_scope="projection"),
+             False),
 }
 
 
@@ -75,6 +82,13 @@ def _compare_tp2_with_tp1(rank, world_size, name, sequence_parallel):
     ref = build_sequential_gpt(cfg, tp_group=None, **kw)
     par = build_sequential_gpt(cfg, tp_group=group, sequence_parallel=sequence_parallel, **kw)
     register_sequence_parallel_grad_hooks(par, group)  # what training does at start-up
+    with torch.no_grad():  # norms start at 1: random ones (the same on both ranks) test their layout
+        g = torch.Generator().manual_seed(1)
+        named = dict(par.named_parameters())
+        for n, rp in ref.named_parameters():
+            if "_layernorm" in n:
+                rp.copy_(1.0 + 0.3 * torch.randn(rp.shape, generator=g))
+                named[n].copy_(_shard(rp, named[n], rank, world_size))
 
     g = torch.Generator().manual_seed(0)  # same batch on both ranks
     tokens = torch.randint(1, VOCAB, (2, SEQ), generator=g)

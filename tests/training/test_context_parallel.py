@@ -48,9 +48,11 @@ def gpt_reference():
     return _losses(1, RESET)
 
 
-@pytest.mark.parametrize("comm,recompute", [("p2p", []), ("all_gather", ["--recompute-activations"])])
+@pytest.mark.parametrize("comm,recompute", [("p2p", []), ("all_gather", ["--recompute-activations"]),
+                                           ("p2p", ["--cp-block-kernel", "flash"])])
 def test_llama_cp2_matches_cp1(llama_reference, comm, recompute):
-    """all_gather with selective recompute: the attention core (its all-gather) reruns in backward."""
+    """all_gather with selective recompute: the attention core (its all-gather) reruns in backward. --cp-block-kernel
+    flash: the blocks run torch's CPU flash operator (parallel/attention_blocks.py)."""
     assert _losses(2, LLAMA + ["--cp-comm-type", comm, *recompute]) == pytest.approx(llama_reference, rel=RTOL)
 
 

@@ -37,7 +37,7 @@ def build_gpt_model(run, ps, eod_token: int, device, loss_report):
     common = dict(_model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
                   ep_rank=ps.expert_parallel_rank(layout.ep, layout.expert_tp_groups))
     if layout.cp > 1:
-        common["cp"] = ContextParallel(ps.cp_group, layout.cp_comm_type)
+        common["cp"] = ContextParallel(ps.cp_group, layout.cp_comm_type, layout.cp_block_kernel)
     if layout.own_schedule:
         return build_interleaved_gpt(layout.model, pp=layout.pp, pp_rank=ps.pp_rank, v=layout.virtual_pp,
                                      tie_group=tied_embedding_group(ps), chunk_layers=layout.chunk_layers, **common)

@@ -5,8 +5,10 @@ Two targets, chosen by the model's shape:
 - ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied embeddings,
   multi-head attention with ``kv_channels * heads == hidden``. GPT-2's ``Conv1D`` layers store
   their weights transposed (``[in, out]``), and its ``c_attn`` is ``[Q(all heads); K; V]``.
-- ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``: Mistral's, Qwen2's and Qwen3's
-  layers with Megatron-LM's MoE layer in place of the MLP (``megatron_ds.families.gpt.moe_hf``, both ways);
+- ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``OlmoeForCausalLM``: Mistral's,
+  Qwen2's, Qwen3's and Llama's layers (OLMoE's with RMSNorms over the whole query / key projections:
+  --qk-layernorm-scope projection) with Megatron-LM's MoE layer in place of the MLP
+  (``megatron_ds.families.gpt.moe_hf``, both ways);
   Mixtral also exports from DeepSpeed-MoE layers (``megatron_ds.families.gpt.mixtral_hf``).
 - ``LlamaForCausalLM``: rotary positions (full head dimension, "rotate half" -- the convention of
   both ``model/rotary.py`` and HF Llama, so no permutation of q/k rows is needed), RMSNorm,
@@ -31,8 +33,8 @@ Two targets, chosen by the model's shape:
 Which class an export writes (``choose_architecture``): the one asked for (to_hf.py
 --architecture), else the one the checkpoint was imported from (``hf_architecture`` in its
 metadata) when it can express the model, else by the model's features: Megatron-LM's MoE -> DeepSeek-V2/V3
-(--multi-latent-attention: softmax / sigmoid router), Qwen2-MoE (shared expert), Qwen3-MoE (--qk-layernorm) or
-Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
+(--multi-latent-attention: softmax / sigmoid router), Qwen2-MoE (shared expert), Qwen3-MoE (--qk-layernorm),
+OLMoE (--qk-layernorm-scope projection) or Mixtral; DeepSpeed-MoE -> Mixtral, multi-latent
 attention -> DeepSeek-V3, learned positions -> GPT-2, --qk-layernorm -> Qwen3, --add-qkv-bias without other biases -> Qwen2,
 --window-size -> Mistral, otherwise Llama. What the class cannot express is refused by flag.
 
@@ -63,14 +65,14 @@ from megatron_ds.families.gpt import moe_hf
 GPT2, LLAMA, MIXTRAL, QWEN2, QWEN3, MISTRAL = "gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral"
 DEEPSEEK_V3, DEEPSEEK_V2 = "deepseek_v3", "deepseek_v2"
 _DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)  # the same multi-latent attention and MLP; their MoE routers differ
-QWEN2_MOE, QWEN3_MOE = moe_hf.QWEN2_MOE, moe_hf.QWEN3_MOE
+QWEN2_MOE, QWEN3_MOE, OLMOE = moe_hf.QWEN2_MOE, moe_hf.QWEN3_MOE, moe_hf.OLMOE
 ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
                  QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM", MISTRAL: "MistralForCausalLM",
                  DEEPSEEK_V3: deepseek.CLASS, DEEPSEEK_V2: deepseek.V2_CLASS, **moe_hf.CLASSES}
 # the classes a Megatron-LM MoE model exports to, with the dense class whose attention and norms each has
 # (Mixtral's are Mistral's: no biases, an optional sliding window; Qwen2-MoE's q/k/v biases are optional: Llama's)
 _MOE_ATTENTION = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3, DEEPSEEK_V3: DEEPSEEK_V3,
-                  DEEPSEEK_V2: DEEPSEEK_V2}
+                  DEEPSEEK_V2: DEEPSEEK_V2, OLMOE: OLMOE}  # (OLMoE's attention: no dense class here)
 # GPT-2's activation_function for our MLP activations: "gelu" is the exact (erf) GeLU, "gelu_new" GPT-2's
 # tanh approximation (--openai-gelu), "relu2" transformers' ReLUSquaredActivation (--squared-relu)
 _GPT2_ACTIVATIONS = {"gelu": {}, "gelu_new": {"openai_gelu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
@@ -163,8 +165,10 @@ def _choose_mlm_moe(m: ModelConfig, asked: str | None, recorded: str | None) -> 
         arch = DEEPSEEK_V2 if m.moe_router_score_function == "softmax" else DEEPSEEK_V3
     elif m.moe_shared_expert_intermediate_size:
         arch = QWEN2_MOE
+    elif m.qk_layernorm:  # per-head norms: Qwen3-MoE's; over the whole projection: OLMoE's
+        arch = OLMOE if m.qk_layernorm_scope == "projection" else QWEN3_MOE
     else:
-        arch = QWEN3_MOE if m.qk_layernorm else MIXTRAL
+        arch = MIXTRAL
     if arch not in _MOE_ATTENTION:
         raise ConfigError(f"--num-experts: {ARCHITECTURES[arch]} has no mixture of experts "
                           f"({', '.join(ARCHITECTURES[a] for a in _MOE_ATTENTION)} have)")
@@ -219,9 +223,16 @@ def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
     if m.rotary_percent != 1.0:
         problems.append(f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)")
     problems += rope_scaling_problems(m)
-    if m.qk_layernorm != (arch == QWEN3):
+    if m.qk_layernorm != (arch in (QWEN3, OLMOE)):
         problems.append(f"--qk-layernorm ({name} has no query/key norms)" if m.qk_layernorm else
                         f"no --qk-layernorm ({name} normalizes every head's queries and keys)")
+    elif m.qk_layernorm and (m.qk_layernorm_scope == "projection") != (arch == OLMOE):
+        problems.append(f"--qk-layernorm-scope {m.qk_layernorm_scope} ({name} normalizes "
+                        + ("the whole query and key projections: --qk-layernorm-scope projection)" if arch == OLMOE
+                           else "each head: --qk-layernorm-scope head)"))
+    if arch == OLMOE and m.kv_channels * m.num_attention_heads != m.hidden_size:
+        problems.append(f"--kv-channels {m.kv_channels} ({name}'s heads are hidden / heads channels: its q_norm is "
+                        f"of hidden size)")
     qkv_only = m.add_qkv_bias and not m.add_bias_linear
     if arch == LLAMA and qkv_only:
         problems.append("--add-qkv-bias without --add-bias-linear (LlamaForCausalLM's attention_bias puts a bias "
@@ -230,11 +241,11 @@ def _problems(arch: str, m: ModelConfig, name: str | None = None) -> list[str]:
         problems.append("biases on the output projection and MLP (Qwen2ForCausalLM has q/k/v biases only: "
                         "--disable-bias-linear --add-qkv-bias)" if m.add_bias_linear else
                         "no --add-qkv-bias (Qwen2ForCausalLM's q/k/v projections have biases)")
-    if arch in (QWEN3, MISTRAL) and (m.add_bias_linear or m.add_qkv_bias):
+    if arch in (QWEN3, MISTRAL, OLMOE) and (m.add_bias_linear or m.add_qkv_bias):
         why = "has attention biases on q/k/v and the output projection together, none in the MLP" \
             if arch == QWEN3 else "has no biases"
         problems.append(f"{'--add-qkv-bias' if qkv_only else 'biases (no --disable-bias-linear)'} ({name} {why})")
-    if arch == LLAMA and m.window_size is not None:
+    if arch in (LLAMA, OLMOE) and m.window_size is not None:
         problems.append(f"--window-size {m.window_size} (LlamaForCausalLM has no sliding window; "
                         f"MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM have)")
     return problems
@@ -402,6 +413,9 @@ def hf_config(arch: str, m: ModelConfig, vocab_size: int, *, bos: int | None, eo
             return transformers.MixtralConfig(**llama, sliding_window=window)
         if arch == QWEN3_MOE:
             return transformers.Qwen3MoeConfig(**llama, attention_bias=False)
+        if arch == OLMOE:  # head_dim: hidden / heads (choose_architecture checked)
+            del llama["head_dim"]
+            return transformers.OlmoeConfig(**llama, attention_bias=False)
         if m.kv_channels * m.num_attention_heads == m.hidden_size:  # as Qwen2Config below
             del llama["head_dim"]
         return transformers.Qwen2MoeConfig(**llama)
@@ -444,6 +458,8 @@ def _moe_attention(d: dict, kind: str) -> ModelConfig:
     q/k/v biases only with qkv_bias (default true)."""
     if kind == MIXTRAL:
         return _llama_config(d, kind)
+    if kind == OLMOE:  # Llama's attention without biases; its q/k norms: moe_hf.model_config
+        return _llama_config(d, LLAMA)
     d = {**d, "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]}
     base = _llama_config(d, QWEN2 if kind == QWEN2_MOE else QWEN3)
     return dataclasses.replace(base, add_qkv_bias=False) if not d.get("qkv_bias", True) else base
@@ -563,6 +579,8 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append("--add-qkv-bias")
     if m.qk_layernorm:
         f.append("--qk-layernorm")
+    if m.qk_layernorm and m.qk_layernorm_scope != "head":
+        f.append(f"--qk-layernorm-scope {m.qk_layernorm_scope}")
     if m.window_size is not None:  # Megatron-LM's tuple_type reads "L,R" as well as "(L,R)"
         f.append(f"--window-size {m.window_size.strip('()')}")
     if m.untie_embeddings_and_output_weights:

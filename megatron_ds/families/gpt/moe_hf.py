@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts classes on Megatron-LM's MoE layer (``model/mlm_moe.py``), both ways.
 
-``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` (transformers ``models/mixtral``,
-``models/qwen2_moe``, ``models/qwen3_moe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
+``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``OlmoeForCausalLM`` (transformers
+``models/mixtral``, ``models/qwen2_moe``, ``models/qwen3_moe``, ``models/olmoe``) and the MoE layers of ``DeepseekV3ForCausalLM`` (``_deepseek_config``:
 sigmoid scores, expert bias, group-limited top-k, scaling, shared experts) and ``DeepseekV2ForCausalLM``
 (``_deepseek_v2_config``: softmax scores, group-limited greedy top-k) import onto Megatron-LM's layer; a
 checkpoint trained with it exports to the class that can express it (``gpt_hf.choose_architecture``). Mixtral
@@ -24,9 +24,14 @@ Routing, transformers -> Megatron-LM (moe_utils.topk_routing_with_score_function
 - ``router_aux_loss_coef``: --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff (Switch's loss,
   which is what transformers' ``load_balancing_loss_func`` computes); it only matters in training.
 
-``OlmoeForCausalLM`` is refused: its ``q_norm`` / ``k_norm`` are RMSNorms over the whole query / key projection
-(``OlmoeAttention``: ``RMSNorm(hidden_size)``), where --qk-layernorm (Megatron-LM's and ours) normalizes each
-head over its own channels: the two differ, and Megatron-LM has no flag for the former.
+- OLMoE (``OlmoeForCausalLM``, ``OlmoeTopKRouter``): Qwen2-MoE's routing (softmax over all experts, top k,
+  renormalized only with ``norm_topk_prob``, false in OLMoE-1B-7B: --moe-router-pre-softmax), experts of
+  ``intermediate_size`` on every layer, no shared expert. Its ``q_norm`` / ``k_norm`` are RMSNorms over the whole
+  query / key projection (``OlmoeAttention``: ``RMSNorm(hidden_size)`` and ``RMSNorm(num_kv_heads x head_dim)``
+  on ``q_proj`` / ``k_proj``'s outputs): --qk-layernorm --qk-layernorm-scope projection (ours; Megatron-LM's
+  --qk-layernorm normalizes each head). ``clip_qkv`` (clamping q, k and v) has no equivalent and is refused.
+  A ``router_z_loss_coef`` in the config (OLMoE was trained with a router z-loss; transformers' class reads
+  none) is --moe-z-loss-coeff, written back on export.
 
 Tensors (ours inside transformer layer i -> the hub's layout, which transformers 5 fuses on loading,
 ``conversion_mapping.py``; its own fused ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first) and
@@ -53,7 +58,7 @@ from megatron_ds.errors import ConfigError
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
 DEEPSEEK_V3, DEEPSEEK_V2 = "deepseek_v3", "deepseek_v2"
-CLASSES = {QWEN2_MOE: "Qwen2MoeForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM"}
+CLASSES = {QWEN2_MOE: "Qwen2MoeForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM", OLMOE: "OlmoeForCausalLM"}
 _NAMES = {MIXTRAL: "MixtralForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM", DEEPSEEK_V2: "DeepseekV2ForCausalLM",
           **CLASSES}
 
@@ -154,17 +159,19 @@ def _refuse_fields(d: dict, kind: str, fields: dict) -> None:
 def check_importable(d: dict, kind: str) -> None:
     """ConfigError (one line) for what the import cannot compute exactly."""
     if kind == OLMOE:
-        raise ConfigError("OlmoeForCausalLM: its q_norm/k_norm normalize the whole query/key projection (RMSNorm "
-                          "over hidden_size), Megatron-LM's --qk-layernorm each head; no equivalent here (Qwen3Moe "
-                          "ForCausalLM's per-head norms import)")
-    if kind in CLASSES:
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        if head_dim * d["num_attention_heads"] != d["hidden_size"]:  # q_norm is RMSNorm(hidden_size)
+            raise ConfigError(f"head_dim {head_dim} x num_attention_heads {d['num_attention_heads']} != hidden_size "
+                              f"{d['hidden_size']}: OlmoeAttention's q_norm (of hidden_size) cannot apply")
+        _refuse_fields(d, kind, {"clip_qkv": (None,), "attention_bias": (False, None)})
+    elif kind in CLASSES:
         _refuse_fields(d, kind, {"use_sliding_window": (False, None), "attention_bias": (False, None)})
 
 
 def layer_pattern(d: dict, kind: str) -> tuple[bool, ...]:
     """Which layers (from 0) have experts (``Qwen2MoeDecoderLayer``; Mixtral: every layer)."""
     n = d["num_hidden_layers"]
-    if kind == MIXTRAL:
+    if kind in (MIXTRAL, OLMOE):
         return (True,) * n
     if kind in (DEEPSEEK_V3, DEEPSEEK_V2):  # DeepseekV3/V2DecoderLayer: dense below first_k_dense_replace
         first = d.get("first_k_dense_replace", 3 if kind == DEEPSEEK_V3 else 0)
@@ -200,10 +207,14 @@ def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
                moe_router_pre_softmax=not norm_topk, moe_layer_freq=freq_spec(layer_pattern(d, kind)),
                moe_router_load_balancing_type=("aux_loss",),
                moe_aux_loss_coeff=(float(d.get("router_aux_loss_coef", 0.001)),))
-    if kind == MIXTRAL:
+    if kind in (MIXTRAL, OLMOE):  # their experts are of intermediate_size
         moe["moe_ffn_hidden_size"] = base.ffn_hidden_size
     else:
         moe["moe_ffn_hidden_size"] = d["moe_intermediate_size"]
+    if kind == OLMOE:
+        moe.update(qk_layernorm=True, qk_layernorm_scope="projection")
+        if d.get("router_z_loss_coef"):  # (module docstring)
+            moe["moe_z_loss_coeff"] = float(d["router_z_loss_coef"])
     if kind == QWEN2_MOE:
         moe.update(moe_shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
                    moe_shared_expert_gate=True)
@@ -318,7 +329,7 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
     if arch in (DEEPSEEK_V3, DEEPSEEK_V2):
         return out + _deepseek_problems(m, arch)
     pattern = moe_selection.layer_freq(m.moe_layer_freq, m.num_layers)
-    if arch == MIXTRAL and not all(pattern):
+    if arch in (MIXTRAL, OLMOE) and not all(pattern):
         out.append(f"--moe-layer-freq {m.moe_layer_freq} ({name} has experts on every layer; "
                    f"Qwen2MoeForCausalLM/Qwen3MoeForCausalLM have dense layers)")
     if m.moe_router_score_function != "softmax":
@@ -376,6 +387,12 @@ def config_kwargs(arch: str, m: ModelConfig) -> dict:
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe], use_sliding_window=False)
     if arch == QWEN2_MOE:
         out.update(shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, qkv_bias=m.add_qkv_bias)
+    if arch == OLMOE:  # experts of intermediate_size on every layer; no sliding window fields
+        for k in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window"):
+            del out[k]
+        out.update(intermediate_size=m.moe_ffn_hidden_size, clip_qkv=None)
+        if m.moe_z_loss_coeff:
+            out["router_z_loss_coef"] = m.moe_z_loss_coeff
     return out
 
 
@@ -404,4 +421,6 @@ def model_flags(m: ModelConfig) -> list[str]:
         f.append(f"--moe-router-dtype {m.moe_router_dtype}")
     f.append("--moe-router-load-balancing-type " + " ".join(m.moe_router_load_balancing_type))
     f.append("--moe-aux-loss-coeff " + " ".join(f"{c:g}" for c in m.moe_aux_loss_coeff))
+    if m.moe_z_loss_coeff is not None:
+        f.append(f"--moe-z-loss-coeff {m.moe_z_loss_coeff:g}")
     return f

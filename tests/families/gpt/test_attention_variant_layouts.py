@@ -145,3 +145,26 @@ def test_tp2_checkpoint_through_a_universal_checkpoint_resumes_at_tp1(tp2_pp2, t
     assert [it for it, _ in resumed] == [4, 5, 6]
     assert _values(resumed) == pytest.approx(_values(straight)[3:], rel=RTOL)
     _same_weights(_weights(ckpt, ITERS), _weights(out))
+
+
+def test_projection_qk_norms_merge_through_a_universal_checkpoint(tmp_path):
+    """--qk-layernorm-scope projection (OLMo 2 / OLMoE): the q/k norm weights are split over TP like the
+    projection; DeepSpeed's ds_to_universal (strict: every pattern the checkpoint declares must match) concatenates
+    their slices along dim 0 to the weights our own merge gives (checkpoint/tp.py; loading splits them again,
+    tests/families/gpt/test_moe_hf_models.py's OLMoE at TP 2)."""
+    from tests.checkpoint.test_universal import ds_to_universal
+    from tests.training.common import LLAMA_FLAGS
+
+    ckpt = str(tmp_path / "tp2")
+    run_distributed(train_losses, 2, TINY_GPT + LLAMA_FLAGS + [
+        "--qk-layernorm", "--qk-layernorm-scope", "projection", "--train-iters", "2", "--global-batch-size", "4",
+        "--zero-stage", "1", "--tensor-model-parallel-size", "2", "--save", ckpt, "--save-interval", "2"],
+        timeout=600)
+    out = ds_to_universal(ckpt, 2)
+    want = _weights(ckpt)
+    norms = [n for n in want if "q_layernorm" in n or "k_layernorm" in n]
+    assert len(norms) == 2 * 4 and want[norms[0]].shape[0] in (64, 32)  # 4 layers; q: 4 x 16, k: 2 x 16
+    for name in norms:
+        got = torch.load(os.path.join(out, "zero", name, "fp32.pt"), weights_only=False)
+        got = got["param"] if isinstance(got, dict) else got
+        assert torch.equal(got, want[name]), name

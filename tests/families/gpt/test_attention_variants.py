@@ -224,6 +224,44 @@ def test_each_stage_and_tp_rank_holds_the_counted_parameters():
             assert shapes["self_attention.dense.weight"] == (32, 4 * 12 // 2)
 
 
+def test_projection_qk_norms_are_counted_and_split_with_the_heads():
+    """--qk-layernorm-scope projection (OLMo 2 / OLMoE): one RMSNorm weight of heads x head dim for q and of
+    key/value heads x head dim for k, split over TP like the projection: counted as built at TP 1 and on each
+    TP 2 x PP 2 rank, named on the model line."""
+    from megatron_ds import ds_compat
+    from megatron_ds.families.gpt.gpt_model import build_stage_gpt
+    from megatron_ds.training.engine import model_kwargs
+
+    flags = ["--num-key-value-heads", "2", "--kv-channels", "12", "--use-rotary-position-embeddings",
+             "--normalization", "RMSNorm", "--disable-bias-linear", "--qk-layernorm", "--qk-layernorm-scope",
+             "projection"]
+    run = _run(*flags, world_size=1)
+    model = build_sequential_gpt(run.layout.model, padded_vocab_size=run.layout.padded_vocab_size, seed=1)
+    assert sum(p.numel() for p in model.parameters()) == run.layout.total_params
+    assert "QK rmsnorm over the whole projection" in run.describe()
+    run = _run(*flags, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    with ds_compat.fake_process_group(2, 0) as tp_group:
+        for stage in run.layout.stages:
+            model = build_stage_gpt(run.layout.model, num_stages=2, stage=stage.stage,
+                                    **model_kwargs(run, tp_group, 0, device="cpu"))
+            assert sum(p.numel() for p in model.parameters()) == stage.params_per_tp_rank
+            shapes = {n.split(".", 1)[1]: p.shape for n, p in model.named_parameters() if "self_attention" in n}
+            assert shapes["self_attention.q_layernorm.weight"] == (4 * 12 // 2,)
+            assert shapes["self_attention.k_layernorm.weight"] == (2 * 12 // 2,)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--qk-layernorm-scope", "projection"], "--qk-layernorm-scope projection chooses what --qk-layernorm "
+                                              "normalizes; add --qk-layernorm or drop it"),
+    (["--qk-layernorm", "--qk-layernorm-scope", "projection"],
+     "--qk-layernorm-scope projection is an RMSNorm .* with --normalization layernorm use --qk-layernorm-scope head"),
+])
+def test_projection_qk_norm_refusals(flags, says):
+    with pytest.raises(ConfigError, match=says) as e:
+        _run(*flags, world_size=1)
+    assert "\n" not in str(e.value)
+
+
 def test_a_window_covering_the_sequence_is_accepted_and_said_to_mask_nothing():
     summary = _run("--window-size", f"({SEQ - 1},0)").describe()
     assert f"window ({SEQ - 1}, 0) covers seq {SEQ}: masks nothing" in summary
@@ -246,13 +284,14 @@ def test_dry_run_names_the_variants():
         assert words in summary
 
 
-@pytest.mark.parametrize("build", [{}, dict(activation_checkpoint_interval=1)])
-def test_compiled_layers_equal_eager_in_one_graph(build):
+@pytest.mark.parametrize("build,scope", [({}, "head"), (dict(activation_checkpoint_interval=1), "head"),
+                                         ({}, "projection")])
+def test_compiled_layers_equal_eager_in_one_graph(build, scope):
     """--compile-layers with the fusions on (--fusions-on-cpu): each layer, q/k norms and scaled tables
     included, is one graph without breaks (the tables enter it as inputs: their cache key holds the
     scaling), and a step's loss and gradients are eager's, under full recompute too. aot_eager runs
     dynamo and AOTAutograd as inductor does, without building C++ (tests/model/test_compile_layers.py
-    runs inductor itself)."""
+    runs inductor itself). --qk-layernorm-scope projection's norms too (at TP 1 their all-reduce is no op)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from megatron_ds.model import compile_layers as cl
@@ -260,7 +299,7 @@ def test_compiled_layers_equal_eager_in_one_graph(build):
     from tests.model.test_compile_layers import TOL, VOCAB, graphs_and_breaks, one_step
 
     assert COMPILE_SEQ == SEQ
-    cfg = resolve_model_config(ModelConfig(**FEATURES, fusions_on_cpu=True))
+    cfg = resolve_model_config(ModelConfig(**FEATURES, fusions_on_cpu=True, qk_layernorm_scope=scope))
     kw = dict(padded_vocab_size=VOCAB, seed=7, **build)
     ref_loss, ref_grads = one_step(build_sequential_gpt(cfg, **kw))
     assert graphs_and_breaks(build_sequential_gpt(cfg, **kw)) == (1, 0)
@@ -286,3 +325,24 @@ def test_bert_and_t5_refuse_the_gpts_attention_variants(flag):
     for family, script in ((BERT, "pretrain_bert.py"), (T5, "pretrain_t5.py")):
         with pytest.raises(ConfigError, match=f"{script} cannot run with .*--qk-layernorm"):
             resolve(cfg, world_size=1, vocab_size=64, family=family, ds_template={}, device_type="cpu")
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_checkpoints_split_projection_qk_norms_and_replicate_per_head_ones(scope):
+    """The resharding rule (checkpoint/tp.py) and what ds_to_universal is told (universal.py) agree with the
+    layer: per-head q/k norm weights are replicated over TP, whole-projection ones split along dim 0; the
+    checkpoint signature names the scope only where it is not the default (older checkpoints still match)."""
+    import re
+
+    from megatron_ds.checkpoint import tp as tp_rules
+    from megatron_ds.checkpoint.format import signature
+    from megatron_ds.checkpoint.universal import checkpoint_info
+
+    m = resolve_model_config(ModelConfig(**{**FEATURES, "add_qkv_bias": False, "kv_channels": 8},
+                                         qk_layernorm_scope=scope))
+    sig = signature(m, padded_vocab_size=64, tp=2)
+    assert sig.get("qk_layernorm_scope") == (None if scope == "head" else "projection")
+    replicated = checkpoint_info(sig, 64)["tp_replicated_parameter_patterns"]
+    for name in ("3.self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        assert tp_rules.partition(name, m, GPT) == (None if scope == "head" else (0, 1))
+        assert any(re.match(p, name) for p in replicated) == (scope == "head")

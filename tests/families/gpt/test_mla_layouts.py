@@ -1,5 +1,5 @@
 """A tiny GPT with DeepSeek's multi-latent attention (--multi-latent-attention, megatron_ds/model/mla.py; a query
-latent, YaRN x40 with DeepSeek-V2's mscale) trains as one process does at TP 2, TP 2 with --sequence-parallel and
+latent, YaRN x40 with DeepSeek-V2's mscale) trains as one process does at TP 2, TP 2 with --sequence-parallel, CP 2 and
 PP 2 (1F1B, interleaved) and ZB-H1 at TP 2 x PP 2: the same losses and, at TP 2, the same weights after the last
 step; the TP 2 checkpoint resumes in one process, directly and through DeepSpeed's universal checkpoint.
 
@@ -79,6 +79,20 @@ def test_tp2_matches_single_process(reference, tp2):
 
 def test_tp2_sequence_parallel_matches_single_process(reference, tmp_path):
     losses = _run(2, str(tmp_path), ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    _same_weights(reference[1], _weights(str(tmp_path)))
+
+
+@pytest.mark.parametrize("extra", [[], ["--cp-comm-type", "all_gather", "--cp-block-kernel", "flash"]],
+                         ids=["p2p_math", "all_gather_flash"])
+def test_cp2_matches_single_process(reference, tmp_path, extra):
+    """--context-parallel-size 2 (parallel/context_parallel.py): each rank holds chunks i and 3-i of every
+    sequence, the YaRN tables at their global positions; the attention's keys (qk 8 + rope 8) and values (12)
+    travel with their own head dims and the blocks take MLA's mscale-corrected softmax scale. Megatron-LM runs
+    MLA with CP (multi_latent_attention.py; only its hybrid CP is refused there). The losses and the final
+    weights (so the gradients of every step) are the single process's; the flash kernel runs torch's CPU flash
+    operator with the values zero-padded to the keys' head dim."""
+    losses = _run(2, str(tmp_path), ["--context-parallel-size", "2", *extra])
     assert losses == pytest.approx(reference[0], rel=RTOL)
     _same_weights(reference[1], _weights(str(tmp_path)))
 

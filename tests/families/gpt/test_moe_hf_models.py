@@ -1,7 +1,8 @@
 """Hugging Face MoE classes both ways on Megatron-LM's MoE layer (``families/gpt/moe_hf.py``): Mixtral (top-2,
 renormalized), Qwen2-MoE (shared expert with its sigmoid gate, norm_topk_prob false = --moe-router-pre-softmax,
 q/k/v biases, a dense layer by decoder_sparse_step), Qwen3-MoE (per-head q/k norms, norm_topk_prob true, a
-dense layer by mlp_only_layers), DeepSeek-V3 (sigmoid scores with a random e_score_correction_bias, group-limited
+dense layer by mlp_only_layers), OLMoE (q/k norms over the whole projections, norm_topk_prob false, a router
+z-loss coefficient), DeepSeek-V3 (sigmoid scores with a random e_score_correction_bias, group-limited
 top-k, scaling, a shared expert, first_k_dense_replace) and DeepSeek-V2 (softmax top-k probabilities,
 group_limited_greedy, YaRN). Tiny random transformers models built here.
 
@@ -9,8 +10,9 @@ group_limited_greedy, YaRN). Tiny random transformers models built here.
   pretrain_gpt.py parses them, give the imported model config (Megatron-LM's MoE flags);
 - export (to_hf) of the imported checkpoint: transformers loads the same class with the same MoE config fields
   and the same tensors (bitwise), hence the same logits;
-- Qwen2-MoE's and DeepSeek-V3's imported checkpoints train 3 steps at TP 2 with the losses of one process;
-- OLMoE (q/k norms over the whole projection) and fields without an equivalent are refused in one line;
+- Qwen2-MoE's, DeepSeek-V3's and OLMoE's imported checkpoints train 3 steps at TP 2 with the losses of one process
+  (OLMoE's: its q/k norm weights split over TP from the TP 1 checkpoint, their statistic summed over TP);
+- fields without an equivalent (OLMoE's clip_qkv) are refused in one line;
 - group-limited routing itself: tests/model/test_mlm_moe_groups.py.
 
 Logits: fp32 both, the same routing (the same fp32 softmax over the same logits: a different choice of expert
@@ -62,9 +64,13 @@ MODELS = {
         qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=3,
         topk_method="group_limited_greedy", n_group=4, topk_group=3, first_k_dense_replace=1, n_shared_experts=2,
         moe_intermediate_size=12, routed_scaling_factor=1.5),
+    # q/k norms over the whole projections (k: 2 kv heads x 8), top 3 of 6 not renormalized, with a z-loss
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **_SMALL, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, router_aux_loss_coef=0.02,
+        router_z_loss_coef=0.001),
 }
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM", "olmoe": "OlmoeForCausalLM"}
 FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden-size 48"],
          "qwen2_moe": ["--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size 40",
                        "--moe-shared-expert-gate",
@@ -78,10 +84,14 @@ FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden
          "deepseek_v2": ["--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-num-groups 4",
                          "--moe-router-group-topk 3", "--moe-router-topk-scaling-factor 1.5",
                          "--moe-shared-expert-intermediate-size 24", "--moe-layer-freq '[0,1]'", "--rope-type yarn",
-                         "--rotary-scaling-factor 40"]}
+                         "--rotary-scaling-factor 40"],
+         "olmoe": ["--num-experts 6", "--moe-router-topk 3", "--moe-router-pre-softmax", "--qk-layernorm",
+                   "--qk-layernorm-scope projection", "--moe-ffn-hidden-size 48", "--moe-aux-loss-coeff 0.02",
+                   "--moe-z-loss-coeff 0.001"]}
 MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "shared_expert_intermediate_size", "intermediate_size", "qkv_bias", "n_routed_experts", "n_group",
-              "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "topk_method")
+              "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "topk_method",
+              "router_aux_loss_coef", "router_z_loss_coef", "clip_qkv")
 
 
 def _hf_model(name):
@@ -132,7 +142,7 @@ def test_import_gives_transformers_logits_and_flags(imported, name):
                   "moe_aux_loss_coeff", "moe_router_load_balancing_type", "qk_layernorm", "add_qkv_bias",
                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
                   "moe_router_topk_scaling_factor", "moe_router_dtype", "multi_latent_attention",
-                  "kv_channels", "ffn_hidden_size"):
+                  "kv_channels", "ffn_hidden_size", "qk_layernorm_scope", "moe_z_loss_coeff"):
         assert getattr(printed, field) == getattr(c.model, field), field
     # and pretrain_gpt.py takes them at EP 2 (the experts split over two data parallel ranks)
     rc, _, err = dry_run(shlex.split(flags) + ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1",
@@ -169,17 +179,31 @@ TRAIN = ("--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 3 -
          "--log-interval 1 --eval-interval 1000 --eval-iters 1 --num-workers 0 --seed 1234").split()
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
-def test_imported_moe_trains_alike_at_tp2(imported, name):
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "olmoe"])
+def test_imported_moe_trains_alike_at_tp2(imported, name, tmp_path):
     """DeepSeek-V3's: with group-limited routing and the expert bias moving after every step (auxiliary-loss-free
-    balancing)."""
+    balancing). OLMoE's runs save, and the TP 2 checkpoint's merged weights (its split q/k norm weights
+    concatenated back: checkpoint/tp.py) are the TP 1 run's."""
+    from megatron_ds.checkpoint import load_consolidated
+
     _, ckpt, text = imported(name)
     base = shlex.split(_printed_flags(text)) + TRAIN + ["--load", ckpt]
-    losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp)], timeout=600)
+    # (--adam-eps 1e-4 as test_attention_variant_layouts.py: a gradient that is zero in exact arithmetic must not
+    # turn rounding noise into lr-sized updates of the weights compared)
+    saves = {tp: ["--save", str(tmp_path / f"tp{tp}"), "--save-interval", "3", "--adam-eps", "1e-4"]
+             if name == "olmoe" else [] for tp in (1, 2)}
+    losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp), *saves[tp]],
+                                  timeout=600)
               for tp in (1, 2)}
     assert [it for it, _ in losses[1][0]] == [1, 2, 3] and losses[2][0] == losses[2][1]
     # rtol 2e-5 as tests/families/gpt/test_parity.py: TP splits the attention's and dense MLP's sums
     assert [x for _, x in losses[2][0]] == pytest.approx([x for _, x in losses[1][0]], rel=2e-5)
+    if name == "olmoe":
+        want, got = (load_consolidated(str(tmp_path / f"tp{tp}"), None, log=lambda *a: None, family=GPT).state_dict
+                     for tp in (1, 2))
+        assert sorted(got) == sorted(want) and any("k_layernorm" in n for n in want)
+        for key, tensor in want.items():  # Adam's drift from other summation orders (test_attention_variant_layouts)
+            torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_dense_deepseek_v2_both_ways(tmp_path):
@@ -201,18 +225,14 @@ def test_dense_deepseek_v2_both_ways(tmp_path):
 
 
 @pytest.mark.parametrize("name,over,says", [
-    ("olmoe", {}, "OlmoeForCausalLM: its q_norm/k_norm normalize the whole query/key projection"),
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv 8.0: OlmoeForCausalLM with this value has no equivalent here"),
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), "use_sliding_window True"),
     ("deepseek_v2", dict(topk_group=1, n_group=4), "transformers scores a group by its largest probability"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
 ])
 def test_what_has_no_equivalent_is_refused_in_one_line(tmp_path, name, over, says):
-    if name == "olmoe":
-        torch.manual_seed(0)
-        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2))
-    else:
-        config = MODELS[name]()
-        model = getattr(transformers, CLASSES[name])(type(config)(**{**config.to_dict(), **over}))
+    config = MODELS[name]()
+    model = getattr(transformers, CLASSES[name])(type(config)(**{**config.to_dict(), **over}))
     model.save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match=says) as e:
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), family=GPT, log=lambda *a: None)
@@ -243,6 +263,14 @@ def test_export_refuses_what_the_class_cannot_express():
     with pytest.raises(ConfigError, match="--moe-router-pre-softmax"):
         hf.choose_architecture(top1)
     assert hf.choose_architecture(dataclasses.replace(top1, qk_layernorm=True)) == hf.QWEN3_MOE  # norm_topk_prob false
+    olmo = dataclasses.replace(m, qk_layernorm=True, qk_layernorm_scope="projection")
+    assert hf.choose_architecture(olmo) == hf.OLMOE
+    with pytest.raises(ConfigError, match=r"--qk-layernorm-scope projection \(Qwen3MoeForCausalLM normalizes each "):
+        hf.choose_architecture(olmo, asked="Qwen3MoeForCausalLM")
+    with pytest.raises(ConfigError, match=r"--qk-layernorm-scope head \(OlmoeForCausalLM normalizes the whole"):
+        hf.choose_architecture(dataclasses.replace(m, qk_layernorm=True), asked="OlmoeForCausalLM")
+    with pytest.raises(ConfigError, match="--kv-channels 16 .*q_norm is of hidden size"):
+        hf.choose_architecture(dataclasses.replace(olmo, kv_channels=16))
     with pytest.raises(ConfigError, match="no --moe-shared-expert-intermediate-size"):
         hf.choose_architecture(m, asked="Qwen2MoeForCausalLM")
     with pytest.raises(ConfigError, match="LlamaForCausalLM has no mixture of experts"):
