@@ -564,7 +564,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     notes: list[str] = check_moe(  # experts split over DeepSpeed's data parallel axis: DP x CP ranks
         m, tp=tp, pp=pp, dp=dp * cp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
-        checkpoints=bool(flags.checkpoint.save or flags.checkpoint.load),
         own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)

@@ -195,8 +195,7 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", own_schedule: bool = False,
-          checkpoints: bool = False) -> None:
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
     """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
