@@ -49,4 +49,4 @@ def test_group_flags_are_checked_as_megatron_lm_does():
                                          num_experts=(8,), moe_router_topk=4, moe_router_group_topk=2,
                                          moe_router_num_groups=3))
     with pytest.raises(ConfigError, match="--moe-router-group-topk 2 needs --moe-router-num-groups G dividing"):
-        check(m, tp=1, pp=1, dp=1, sp=1, ep=1, expert_tp=None, sequence_parallel=False, own_schedule=False)
+        check(m, tp=1, pp=1, dp=1, sp=1, ep=1, expert_tp=None, sequence_parallel=False)
