@@ -36,7 +36,8 @@ from megatron_ds.config.schema import ModelConfig
 from megatron_ds.model.fusions import use_compiled
 from megatron_ds.model.kernels import context_parallel_attention, sdpa_with_dropout
 from megatron_ds.model.norms import build_norm
-from megatron_ds.model.rotary import RopeScaling, apply_rotary, rotary_cos_sin, yarn_mscale
+from megatron_ds.model.rotary import (RopeScaling, apply_rotary, rotary_cos_sin, rotary_cos_sin_of_cp_rank,
+                                      yarn_mscale)
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
 from megatron_ds.parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
@@ -144,11 +145,8 @@ class MLASelfAttention(nn.Module):
         self._rotary_tables(self.seq_length, self.linear_kv_down_proj.weight.device, None)
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        if kv_cache is None and self.cp is not None:
-            # the chunks' global positions (Megatron-LM's YarnRotaryEmbedding.forward: get_pos_emb_on_this_cp_rank)
-            cos, sin = rotary_cos_sin(s * self.cp.size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
-            positions = self.cp.positions(s * self.cp.size, cos.device)
-            return cos[positions], sin[positions]
+        if kv_cache is None and self.cp is not None:  # the chunks' global positions
+            return rotary_cos_sin_of_cp_rank(self.cp, s, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         length, start = (s, 0) if kv_cache is None else (kv_cache.max_length, kv_cache.offset)
         cos, sin = rotary_cos_sin(length, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         return cos[start:start + s], sin[start:start + s]

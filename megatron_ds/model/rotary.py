@@ -84,6 +84,16 @@ _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _MAX_TABLES = 16  # a sequence-length warm-up asks for many lengths: keep the latest ones
 
 
+def rotary_cos_sin_of_cp_rank(cp, s: int, dim: int, theta: float, device,
+                              scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_cos_sin``'s rows at a context parallel rank's global positions (``cp``:
+    parallel/context_parallel.py's ``ContextParallel``; its two chunks of a sequence of ``s`` x CP), as Megatron-LM's
+    rotary embeddings take them (``get_pos_emb_on_this_cp_rank``)."""
+    cos, sin = rotary_cos_sin(s * cp.size, dim, theta, device, scaling)
+    positions = cp.positions(s * cp.size, cos.device)
+    return cos[positions], sin[positions]
+
+
 def rotary_cos_sin(seq_len: int, dim: int, theta: float, device,
                    scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, fp32, shaped ``[seq, 1, 1, dim]`` to broadcast over ``[seq, batch, heads, dim]``.

@@ -48,7 +48,8 @@ from megatron_ds.model.mlm_moe import build_mlm_moe, report_routing
 from megatron_ds.model.moe_layer import DROP_FRACTION, DropCounter, build_moe
 from megatron_ds.model.norms import ProjectionRMSNorm, build_norm
 from megatron_ds.model.param_groups import DECAY
-from megatron_ds.model.rotary import apply_rotary, rope_scaling, rotary_cos_sin, rotary_dim
+from megatron_ds.model.rotary import (apply_rotary, rope_scaling, rotary_cos_sin, rotary_cos_sin_of_cp_rank,
+                                      rotary_dim)
 from megatron_ds.parallel.fp8 import Fp8Recipe
 from megatron_ds.parallel.layers import (ColumnParallelLinear, RowParallelLinear, init_method_normal,
                                          scaled_init_method_normal)
@@ -228,9 +229,7 @@ class ParallelAttention(nn.Module):
 
     def _rotary_tables(self, s: int, device, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache is None and self.cp is not None:  # the chunks' global positions
-            cos, sin = rotary_cos_sin(s * self.cp.size, self.rope_dim, self.rope_theta, device, self.rope_scaling)
-            positions = self.cp.positions(s * self.cp.size, cos.device)
-            return cos[positions], sin[positions]
+            return rotary_cos_sin_of_cp_rank(self.cp, s, self.rope_dim, self.rope_theta, device, self.rope_scaling)
         if kv_cache is None:
             # under Ulysses this rank holds positions [rank * s, (rank + 1) * s) of the sequence
             cos, sin = rotary_cos_sin(s * self.sp_size, self.rope_dim, self.rope_theta, device, self.rope_scaling)

@@ -55,20 +55,25 @@ def _kind_mask(kind: str, mask, sq: int, device):
     return mask if kind == DOCUMENT else None
 
 
+def _probs(q, k, kind: str, mask, scale: float, lse=None):
+    """(softmax probabilities, LSE) of ``q`` against ``k`` (both in the merge's precision) under the block's mask;
+    with ``lse`` given (backward: the merged one), the probabilities are this block's share of that softmax."""
+    mask = _kind_mask(kind, mask, q.shape[2], q.device)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, MASKED)
+    lse = torch.logsumexp(scores, dim=-1) if lse is None else lse
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return (probs if mask is None else probs * mask), lse
+
+
 def math_block(q, k, v, kind: str, mask, scale: float, dropout_p: float = 0.0):
     """Softmax attention of ``[b, h, sq, d]`` q over ``[b, h, sk, d]`` k and ``[b, h, sk, dv]`` v; returns
     (output ``[b, h, sq, dv]``, LSE ``[b, h, sq]``) in fp32. A row with nothing visible gets output 0 and an LSE of
     about ``MASKED``. Dropout drops (and rescales) the probabilities after the LSE is taken: the merge only
     rescales whole blocks, so that is dropout of the final softmax, as SDPA's. Differentiable (autograd)."""
     acc = _acc(q.dtype)
-    mask = _kind_mask(kind, mask, q.shape[2], q.device)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, MASKED)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    if mask is not None:
-        probs = probs * mask
+    probs, lse = _probs(q.to(acc), k.to(acc), kind, mask, scale)
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
     return torch.matmul(probs, v.to(acc)), lse
@@ -77,13 +82,7 @@ def math_block(q, k, v, kind: str, mask, scale: float, dropout_p: float = 0.0):
 def _math_backward(d_out, q, k, v, out, lse, kind, mask, scale):
     acc = _acc(q.dtype)
     qa, ka, va, d_out = q.to(acc), k.to(acc), v.to(acc), d_out.to(acc)
-    mask = _kind_mask(kind, mask, q.shape[2], q.device)
-    scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, MASKED)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    if mask is not None:
-        probs = probs * mask
+    probs, _ = _probs(qa, ka, kind, mask, scale, lse)
     d_v = torch.matmul(probs.transpose(-1, -2), d_out)
     delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO O)
     d_scores = probs * (torch.matmul(d_out, va.transpose(-1, -2)) - delta) * scale
