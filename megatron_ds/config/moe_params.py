@@ -184,9 +184,13 @@ def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, ze
                           "every tensor parallel rank to hold the same tokens and splits them itself (sharded_moe.py "
                           "drop_tokens), while sequence parallelism gives each rank different ones")
     if own_schedule:
-        raise ConfigError("mixture of experts cannot run on the interleaved or ZB-H1 pipeline schedules: their executor "
-                          "passes only the hidden state between stages (pipeline/executor.py "
-                          "activation_specs), not the MoE layers' auxiliary loss; use the pipeline engine's 1F1B")
+        # the executor trains DeepSpeed-MoE (it carries the auxiliary loss between stages; checked 2026-12-07: PP 2 x
+        # DP 2 x EP 2 interleaved equals one process), but DeepSpeed's MoE checkpoint files (runtime/engine.py
+        # _save_moe_checkpoint: layer ids counted per module, one expert file name per model parallel rank) collide
+        # across model chunks: a resume was neither bitwise nor loadable
+        raise ConfigError("DeepSpeed-MoE cannot run on the interleaved or ZB-H1 pipeline schedules: DeepSpeed's MoE "
+                          "checkpoint files do not tell model chunks apart; use the pipeline engine's 1F1B, or "
+                          "Megatron-LM's MoE layer (--moe-router-topk ...: docs/moe.md), which runs on both")
     return []
 
 

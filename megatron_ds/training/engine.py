@@ -63,7 +63,8 @@ def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     # streams are re-seeded per stage once the engine exists (build_engine).
     set_parallel_seeds(run.training.seed, ps.tp_rank)
     model = build(run, ps, eod_token, device, loss_report)
-    # the norms under --sequence-parallel, and --qk-layernorm's at any TP size: partial gradients over TP
+    # the norms under --sequence-parallel, and --qk-layernorm's per-head norms at any TP size: partial gradients
+    # over TP (the projection-scope norm's weight is split over TP with the heads: whole per rank, model/norms.py)
     register_sequence_parallel_grad_hooks(model, ps.tp_group)
     if run.layout.precision != "fp32":
         model = model.to(params_dtype(run.layout))
