@@ -31,7 +31,9 @@ Routing, transformers -> Megatron-LM (moe_utils.topk_routing_with_score_function
   on ``q_proj`` / ``k_proj``'s outputs): --qk-layernorm --qk-layernorm-scope projection (ours; Megatron-LM's
   --qk-layernorm normalizes each head). ``clip_qkv`` (clamping q, k and v) has no equivalent and is refused.
   A ``router_z_loss_coef`` in the config (OLMoE was trained with a router z-loss; transformers' class reads
-  none) is --moe-z-loss-coeff, written back on export.
+  none) is --moe-z-loss-coeff. Every class here is exported with it where --moe-z-loss-coeff is set (an extra
+  config field, which transformers keeps and ignores) and imported with it, so a model leaves and returns with
+  its training's z-loss.
 
 Tensors (ours inside transformer layer i -> the hub's layout, which transformers 5 fuses on loading,
 ``conversion_mapping.py``; its own fused ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first) and
@@ -193,10 +195,15 @@ def freq_spec(pattern: tuple[bool, ...]) -> str | None:
 def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
     """Our (unresolved) ModelConfig of an HF MoE config ``d`` given its attention and norms (``base``):
     Megatron-LM's MoE layer with the routing the class computes (module docstring)."""
-    if kind == DEEPSEEK_V3:
-        return _deepseek_config(base, d)
-    if kind == DEEPSEEK_V2:
-        return _deepseek_v2_config(base, d)
+    m = (_deepseek_config(base, d) if kind == DEEPSEEK_V3 else _deepseek_v2_config(base, d) if kind == DEEPSEEK_V2
+         else _routed_config(kind, base, d))
+    if d.get("router_z_loss_coef"):  # (module docstring)
+        m = dataclasses.replace(m, moe_z_loss_coeff=float(d["router_z_loss_coef"]))
+    return m
+
+
+def _routed_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
+    """``model_config`` of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
     experts = d.get("num_experts") or d["num_local_experts"]  # (transformers 5.x saves Qwen3-MoE's as the latter)
     norm_topk = True if kind == MIXTRAL else bool(d.get("norm_topk_prob", False))
     if d.get("num_experts_per_tok", 2) == 1 and norm_topk:
@@ -213,8 +220,6 @@ def model_config(kind: str, base: ModelConfig, d: dict) -> ModelConfig:
         moe["moe_ffn_hidden_size"] = d["moe_intermediate_size"]
     if kind == OLMOE:
         moe.update(qk_layernorm=True, qk_layernorm_scope="projection")
-        if d.get("router_z_loss_coef"):  # (module docstring)
-            moe["moe_z_loss_coeff"] = float(d["router_z_loss_coef"])
     if kind == QWEN2_MOE:
         moe.update(moe_shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
                    moe_shared_expert_gate=True)
@@ -358,7 +363,15 @@ def problems(arch: str, m: ModelConfig) -> list[str]:
 
 
 def config_kwargs(arch: str, m: ModelConfig) -> dict:
-    """The MoE fields of ``arch``'s transformers config for ``m`` (``problems`` empty)."""
+    """The MoE fields of ``arch``'s transformers config for ``m`` (``problems`` empty), with the router z-loss
+    coefficient where one is set (module docstring)."""
+    out = _routing_kwargs(arch, m)
+    if m.moe_z_loss_coeff:
+        out["router_z_loss_coef"] = m.moe_z_loss_coeff
+    return out
+
+
+def _routing_kwargs(arch: str, m: ModelConfig) -> dict:
     aux = moe_selection.balancing(m).get("aux_loss", 0.0)
     common = dict(num_experts_per_tok=m.moe_router_topk, router_aux_loss_coef=aux, output_router_logits=False)
     if arch == MIXTRAL:
@@ -391,8 +404,6 @@ def config_kwargs(arch: str, m: ModelConfig) -> dict:
         for k in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window"):
             del out[k]
         out.update(intermediate_size=m.moe_ffn_hidden_size, clip_qkv=None)
-        if m.moe_z_loss_coeff:
-            out["router_z_loss_coef"] = m.moe_z_loss_coeff
     return out
 
 

@@ -4,7 +4,9 @@ q/k/v biases, a dense layer by decoder_sparse_step), Qwen3-MoE (per-head q/k nor
 dense layer by mlp_only_layers), OLMoE (q/k norms over the whole projections, norm_topk_prob false, a router
 z-loss coefficient), DeepSeek-V3 (sigmoid scores with a random e_score_correction_bias, group-limited
 top-k, scaling, a shared expert, first_k_dense_replace) and DeepSeek-V2 (softmax top-k probabilities,
-group_limited_greedy, YaRN). Tiny random transformers models built here.
+group_limited_greedy, YaRN). Tiny random transformers models built here. Qwen3-MoE's and DeepSeek-V3's configs
+carry a router_z_loss_coef too (not their classes' field: transformers keeps it), which must come back as
+--moe-z-loss-coeff and leave again on export, as OLMoE's.
 
 - import (from_hf's import_hf): our logits equal transformers' at every position; the printed flags, parsed as
   pretrain_gpt.py parses them, give the imported model config (Megatron-LM's MoE flags);
@@ -48,13 +50,14 @@ MODELS = {
         norm_topk_prob=False, decoder_sparse_step=2, router_aux_loss_coef=0.01),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_SMALL, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
-        mlp_only_layers=[0]),
+        mlp_only_layers=[0], router_z_loss_coef=0.002),  # (not a Qwen3MoeConfig field: kept, written back)
     # group-limited (4 groups of 2, top 2 groups: k / topk_group = 2, transformers' and Megatron-LM's group score
     # agree), sigmoid scores with a random e_score_correction_bias, scaled by 2.5, one shared expert, a dense layer
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **{**_SMALL, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5),
+        first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        router_z_loss_coef=0.003),
     # softmax probabilities as they are (--moe-router-pre-softmax), group_limited_greedy (a group scored by its
     # largest probability: Megatron-LM's top k / group_topk = 1), two shared experts, no query latent, YaRN as
     # DeepSeek-V2-Lite's (tests/families/gpt/test_deepseek_hf.py)
@@ -76,11 +79,11 @@ FLAGS = {"mixtral": ["--num-experts 4", "--moe-router-topk 2", "--moe-ffn-hidden
                        "--moe-shared-expert-gate",
                        "--moe-layer-freq '[0,1]'", "--add-qkv-bias", "--moe-aux-loss-coeff 0.01"],
          "qwen3_moe": ["--num-experts 8", "--moe-router-topk 3", "--qk-layernorm", "--moe-layer-freq '[0,1]'",
-                       "--kv-channels 16"],
+                       "--kv-channels 16", "--moe-z-loss-coeff 0.002"],
          "deepseek_v3": ["--multi-latent-attention", "--moe-router-score-function sigmoid",
                          "--moe-router-enable-expert-bias", "--moe-router-num-groups 4", "--moe-router-group-topk 2",
                          "--moe-router-topk-scaling-factor 2.5", "--moe-shared-expert-intermediate-size 16",
-                         "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32"],
+                         "--moe-layer-freq '[0,1]'", "--moe-router-dtype fp32", "--moe-z-loss-coeff 0.003"],
          "deepseek_v2": ["--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-num-groups 4",
                          "--moe-router-group-topk 3", "--moe-router-topk-scaling-factor 1.5",
                          "--moe-shared-expert-intermediate-size 24", "--moe-layer-freq '[0,1]'", "--rope-type yarn",
