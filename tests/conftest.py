@@ -8,6 +8,7 @@ FAKE_CUDA_UNAVAILABLE = fake_cuda.preload()
 
 import importlib  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -24,6 +25,12 @@ from tests.e2e_data import make_e2e_data, make_masked_tiny_data  # noqa: E402
 _VENV_BIN = os.path.dirname(sys.executable)
 if sys.prefix != sys.base_prefix and os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
+
+# A shell without job control starts `make test &` (a background job) with SIGINT ignored, which every child
+# inherits: Python then installs no KeyboardInterrupt handler, and the Ctrl-C tests (tests/training/
+# test_signals.py) see no interrupt. A handler, unlike SIG_IGN, is reset to the default in an exec'd child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Fix this process's view of the GPUs before any test changes CUDA_VISIBLE_DEVICES (the CUDA
 # runtime reads it once, on first use): tests marked `gpu` keep seeing the real devices.
