@@ -563,7 +563,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     moe = is_moe(m)
     notes: list[str] = check_moe(  # experts split over DeepSpeed's data parallel axis: DP x CP ranks
         m, tp=tp, pp=pp, dp=dp * cp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=moe_selection.expert_tensor_parallel_size(par),
+        etp_given=par.expert_tensor_parallel_size is not None,
         own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
@@ -574,7 +575,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
-    etp = (par.expert_tensor_parallel_size or 1) if moe and moe_selection.is_mlm_moe(m) else 1
+    etp = moe_selection.expert_tensor_parallel_size(par) if moe and moe_selection.is_mlm_moe(m) else 1
     total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep, etp=etp)
     check_stages_hold_layers(stages, pp, m.num_layers, placed.counted)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)

@@ -540,7 +540,10 @@ def _single_changes(layout: Layout, m, world: int):
     tp, sp = layout.tp * 2, layout.sp  # Ulysses' heads split over TP x SP (config/validation.py)
     while world % (tp * layout.pp * sp * layout.cp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
             m.num_key_value_heads % (tp * sp) == 0 and m.ffn_hidden_size % tp == 0:
-        etp = f" --expert-tensor-parallel-size {tp}" if layout.etp > 1 else ""  # (relayout: the experts follow TP)
+        # (relayout: split experts follow TP; whole ones stay whole, spelled out for Megatron-LM's layer, whose
+        # default ETP is TP, config/moe_selection.py expert_tensor_parallel_size)
+        etp = f" --expert-tensor-parallel-size {tp if layout.etp > 1 else 1}" if layout.etp > 1 or (
+            layout.active_params is not None and is_mlm_moe(m)) else ""
         yield f"--tensor-model-parallel-size {tp}{etp}", relayout(layout, tp=tp)
         tp *= 2
     pp = layout.pp * 2

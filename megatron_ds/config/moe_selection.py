@@ -190,13 +190,26 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_
         moe_token_drop_policy=m.moe_token_drop_policy or "probs",
         moe_token_dispatcher_type=m.moe_token_dispatcher_type or "allgather")
     ep = par.expert_model_parallel_size or 1
+    etp = expert_tensor_parallel_size(par)
+    default = " (Megatron-LM's default ETP = TP: no --expert-tensor-parallel-size)" \
+        if par.expert_tensor_parallel_size is None else ""
     return resolved, ep, (f"mixture of experts: {impl} (model/mlm_moe.py; {resolved.moe_token_dispatcher_type} "
-                          f"dispatch, EP {ep}), because {why}")
+                          f"dispatch, EP {ep}, ETP {etp}{default}), because {why}")
+
+
+def expert_tensor_parallel_size(par: ParallelConfig) -> int:
+    """The ranks each of Megatron-LM's experts is split over: --expert-tensor-parallel-size, or TP when it is absent,
+    as Megatron-LM sets it (megatron/training/arguments.py validate_args, core_v0.19.0: ``if
+    args.expert_tensor_parallel_size is None: args.expert_tensor_parallel_size = args.tensor_model_parallel_size``)."""
+    given = par.expert_tensor_parallel_size
+    return par.tensor_model_parallel_size if given is None else given
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
-    """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", etp_given: bool = True) -> None:
+    """Refuse, one line each, what Megatron-LM's MoE cannot do here. ``expert_tp``: the resolved ETP
+    (``expert_tensor_parallel_size``); ``etp_given``: whether the line passed --expert-tensor-parallel-size (else
+    ``expert_tp`` is Megatron-LM's default, TP)."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
     if not 1 <= k <= experts:
@@ -211,6 +224,13 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
                           f"over other than the tensor parallel ranks are not supported here (Megatron-LM's expert "
                           f"grid of ETP x EP x expert data parallel ranks is not built); use "
                           f"--expert-tensor-parallel-size 1 (whole experts) or {tp} (split as the dense MLP)")
+    if etp > 1 and not sequence_parallel and not etp_given:
+        # Megatron-LM's MoELayer.forward raises in training at TP > 1 without sequence parallelism, so its scripts
+        # that train MoE at TP > 1 pass --sequence-parallel; a line without it would get ETP = TP here otherwise
+        raise ConfigError(f"--tensor-model-parallel-size {tp} without --expert-tensor-parallel-size splits the experts "
+                          f"over TP (Megatron-LM's default ETP = TP), which needs --sequence-parallel: add "
+                          f"--sequence-parallel (Megatron-LM's MoE requires it at TP > 1) or pass "
+                          f"--expert-tensor-parallel-size 1 for whole experts")
     if etp > 1 and not sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
                           f"refuses TP without it in training): the split experts take the sequence parts' tokens")

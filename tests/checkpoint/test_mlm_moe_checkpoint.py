@@ -109,8 +109,9 @@ def test_ep2_checkpoint_holds_every_ranks_experts(saved):
 
 
 @pytest.mark.parametrize("flags,world", [
-    (_ep(2), 2), (_ep(1), 2), (TP2_SP + _ep(2), 2), (TP2_SP + ETP2, 2), (TP2_SP + ETP2 + _ep(2), 4),
-], ids=["ep2", "ep1", "tp2_sp_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
+    (_ep(2), 2), (_ep(1), 2), (TP2_SP + ["--expert-tensor-parallel-size", "1"] + _ep(2), 2), (TP2_SP + ETP2, 2),
+    (TP2_SP + ETP2 + _ep(2), 4),
+], ids=["ep2", "ep1", "tp2_sp_etp1_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
 def test_ep2_resumes_at(saved, tmp_path, flags, world):
     ckpt, out = _resume(saved["ep2"], flags, tmp_path, world)
     _same_weights(ckpt, out)

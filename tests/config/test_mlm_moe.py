@@ -25,14 +25,16 @@ from tests.config.test_moe import SMALL, _layout, dry_run
     # --num-experts alone: the line's dialect decides (--deepspeed or not)
     ("--deepspeed --num-experts 4", "DeepSpeed-MoE (model/moe_layer.py), because --num-experts without either "
                                     "family's MoE flags, on a Megatron-DeepSpeed command line"),
-    ("--num-experts 4", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch, EP 1), because --num-experts "
+    ("--num-experts 4", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch, EP 1, ETP 1 (Megatron-LM's default "
+                        "ETP = TP: no --expert-tensor-parallel-size)), because --num-experts "
                         "without either family's MoE flags, on an upstream Megatron-LM command line"),
     # a family's flags decide whatever the dialect
     ("--num-experts 4 --topk 2 --moe-expert-parallel-size 2", "DeepSpeed-MoE (model/moe_layer.py), because "
                                                                "Megatron-DeepSpeed's MoE flags (--topk "
                                                                "--moe-expert-parallel-size)"),
     ("--deepspeed --num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall",
-     "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1), because Megatron-LM's MoE flags "
+     "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1, ETP 1 (Megatron-LM's default ETP = TP: no "
+     "--expert-tensor-parallel-size)), because Megatron-LM's MoE flags "
      "(--moe-router-topk --moe-token-dispatcher-type)"),
     ("--deepspeed --num-experts 4 --expert-model-parallel-size 1",
      "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch"),
@@ -56,6 +58,15 @@ def test_dry_run_describes_expert_tensor_parallelism():
                                    "--sequence-parallel --expert-tensor-parallel-size 2".split(), 2)
     assert rc == 0, err
     assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+
+
+def test_expert_tensor_parallel_size_defaults_to_tp_as_megatron_lm():
+    """Megatron-LM sets --expert-tensor-parallel-size to TP when it is absent (megatron/training/arguments.py
+    validate_args): an upstream script at TP 2 with --sequence-parallel gets its experts split over TP."""
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel".split(), 2)
+    assert rc == 0, err
+    assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+    assert "EP 1, ETP 2 (Megatron-LM's default ETP = TP: no --expert-tensor-parallel-size)" in out, out
 
 
 @pytest.mark.parametrize("extra, world, says", [
@@ -153,10 +164,14 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
      "--expert-tensor-parallel-size 2", 4, "use --expert-tensor-parallel-size 1 (whole experts) or 4"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
-     "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    # Megatron-LM's default ETP = TP needs sequence parallelism: both ways out named
+    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "without --expert-tensor-parallel-size splits the experts over "
+     "TP (Megatron-LM's default ETP = TP), which needs --sequence-parallel: add --sequence-parallel (Megatron-LM's MoE "
+     "requires it at TP > 1) or pass --expert-tensor-parallel-size 1 for whole experts"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+     "--expert-tensor-parallel-size 1", 4, "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
-     "--expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
+     "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
 ])
 def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)

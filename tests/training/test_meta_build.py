@@ -254,7 +254,8 @@ def test_moe_dry_run_build_matches_the_estimate():
     # parallel ranks of each (EP 2)
     ("--expert-tensor-parallel-size 2 --expert-model-parallel-size 2", dict(dp=4, cp=1, ep=2, etp=2)),
     # TP 2 x CP 2 x DP 2, whole experts over all four TP x CP ranks of a data parallel rank (EP 4)
-    ("--context-parallel-size 2 --expert-model-parallel-size 4", dict(dp=2, cp=2, ep=4, etp=1)),
+    ("--context-parallel-size 2 --expert-model-parallel-size 4 --expert-tensor-parallel-size 1",
+     dict(dp=2, cp=2, ep=4, etp=1)),
 ], ids=["etp2_ep2", "cp2_ep4"])
 def test_megatron_lms_moe_estimate_splits_experts_over_ep_and_etp(extra, sizes):
     """Megatron-LM's MoE on 8 ranks (TP 2 with sequence parallelism, ZeRO 1, bf16): the estimate holds on each rank

@@ -123,26 +123,26 @@ def test_per_layer_logging(reference):
 
 def test_tp2_equals_one_process(reference):
     """TP 2 at EP 1: both tensor parallel ranks hold whole experts and the same tokens, and compute them alike."""
-    losses, _ = _run(2, ["--tensor-model-parallel-size", "2"])
+    losses, _ = _run(2, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
 
 
 @pytest.mark.parametrize("extra", [
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-     "--moe-token-dispatcher-type", "alltoall"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-     "--moe-token-dispatcher-type", "allgather"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"],
-], ids=["tp2_sp", "tp2_sp_ep2_alltoall", "tp2_sp_ep2_allgather", "tp2_sp_etp2"])
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # Megatron-LM's default ETP = TP
+], ids=["tp2_sp_etp1", "tp2_sp_etp1_ep2_alltoall", "tp2_sp_etp1_ep2_allgather", "tp2_sp_default_etp2"])
 def test_sequence_parallel_equals_one_process(reference, extra):
     """Megatron sequence parallelism at TP 2 (one data parallel rank): each tensor parallel rank routes its half
     of every sequence. At EP 1 both hold all experts; at EP 2 the two tensor parallel ranks are the expert
     parallel group, the routes crossing between them. The balancing and z losses are those of the whole
     sequences (tokens per expert summed over the two ranks, as Megatron-LM's router), and the router's, shared
     experts' (and at EP 1 experts') gradients are summed over them: the losses, the reported MoE losses and the
-    clipped gradient norm equal one process's. With --expert-tensor-parallel-size 2 each rank holds half of every
-    expert's MLP (fc1's gate and up rows, fc2's columns) and runs it on both ranks' tokens."""
+    clipped gradient norm equal one process's. Without --expert-tensor-parallel-size (Megatron-LM's default, TP) each
+    rank holds half of every expert's MLP (fc1's gate and up rows, fc2's columns) and runs it on both ranks' tokens."""
     losses, stdout = _run(2, extra)
     assert losses == pytest.approx(reference[0], rel=RTOL)
     for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
@@ -158,7 +158,8 @@ def test_sequence_parallel_seq_aux_loss_and_expert_bias():
              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
     one, one_out = _run(1, extra)
     losses, stdout = _run(2, extra + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+                                      "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                                      "--moe-token-dispatcher-type", "alltoall"])
     assert losses == pytest.approx(one, rel=RTOL)
     assert len(_field(stdout, "seq_load_balancing_loss")) == 5
     assert _field(stdout, "seq_load_balancing_loss") == pytest.approx(_field(one_out, "seq_load_balancing_loss"),
@@ -273,7 +274,9 @@ TP2_CP2_SP = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2
 EP4_ALLTOALL = ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
 
 
-@pytest.mark.parametrize("extra", [[], EP4_ALLTOALL], ids=["ep1", "ep4_alltoall"])
+@pytest.mark.parametrize("extra", [["--expert-tensor-parallel-size", "1"],
+                                   ["--expert-tensor-parallel-size", "1", *EP4_ALLTOALL]],
+                         ids=["etp1_ep1", "etp1_ep4_alltoall"])
 def test_context_parallel_with_sequence_parallel_equals_one_process(balanced_reference, extra):
     """4 processes, TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
     tp_cp group, router.py _apply_aux_loss / _apply_seq_aux_loss): each rank routes a quarter of every sequence,
