@@ -79,7 +79,7 @@ def expert_data_parallel_size(m: ModelConfig, *, tp: int, dp: int, ep: int, etp:
     experts at EP 1 are no expert parameters to DeepSpeed (model/mlm_moe.py marks them at EP > 1 only): they are
     reduced and partitioned over the data parallel ranks as the dense ones."""
     if moe_selection.is_mlm_moe(m):
-        return dp if ep == 1 else tp * dp // (ep * etp)
+        return dp if ep == etp == 1 else tp * dp // (ep * etp)
     return tp * dp // (ep * expert_tp(m, tp))
 
 

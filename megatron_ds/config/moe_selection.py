@@ -215,15 +215,12 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if not 1 <= k <= experts:
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
     etp = expert_tp or 1
-    if etp not in (1, tp):
-        # Megatron-LM lays its expert grid, ETP x EP x expert data parallel ranks (ETP fastest), over each pipeline
-        # stage's ranks whatever TP is (megatron/core/parallel_state.py initialize_model_parallel, expert rank
-        # generator): e.g. TP 4 with ETP 2. Here the experts split as the dense MLP does, over the tensor parallel
-        # group (model/mlm_moe.py), and DeepSpeed's expert groups and the expert checkpoints follow that
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} at --tensor-model-parallel-size {tp}: experts split "
-                          f"over other than the tensor parallel ranks are not supported here (Megatron-LM's expert "
-                          f"grid of ETP x EP x expert data parallel ranks is not built); use "
-                          f"--expert-tensor-parallel-size 1 (whole experts) or {tp} (split as the dense MLP)")
+    if tp % etp:
+        # Megatron-LM's expert grid (megatron/core/parallel_state.py initialize_model_parallel, the expert
+        # RankGenerator "tp-ep-dp-pp") may also spread an expert's shards over data parallel ranks; here they sit on
+        # tensor parallel ranks of one group (parallel/groups.py expert_grid)
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide --tensor-model-parallel-size {tp} here "
+                          f"(each expert's shards on ranks of one tensor parallel group); use a divisor of {tp}")
     if etp > 1 and not sequence_parallel and not etp_given:
         # Megatron-LM's MoELayer.forward raises in training at TP > 1 without sequence parallelism, so its scripts
         # that train MoE at TP > 1 pass --sequence-parallel; a line without it would get ETP = TP here otherwise
@@ -234,6 +231,9 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
     if etp > 1 and not sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
                           f"refuses TP without it in training): the split experts take the sequence parts' tokens")
+    if m.moe_ffn_hidden_size % etp:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide the experts' ffn size "
+                          f"{m.moe_ffn_hidden_size} (--moe-ffn-hidden-size): each rank holds ffn / ETP of every expert")
     if sp > 1:
         raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
                           "Megatron sequence parallelism (--sequence-parallel) or context parallelism")
@@ -243,15 +243,21 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         # model/mlm_moe.py) needs distinct
         raise ConfigError(f"--expert-model-parallel-size {ep} at --tensor-model-parallel-size {tp} needs "
                           f"--sequence-parallel (as Megatron-LM): the experts take tokens from distinct sequence parts")
-    # the ranks holding distinct tokens, over which the experts split: with sequence parallelism TP x DP, whole
-    # tensor parallel groups (DeepSpeed's expert groups run along TP first, parallel/groups.py)
-    sp_tp = sequence_parallel and tp > 1 and etp == 1
-    ranks = tp * dp if sp_tp else dp
-    if ep < 1 or experts % ep or ranks % ep or (sp_tp and ep > 1 and ep % tp):
-        where = (f"the {ranks} tensor x data parallel ranks, and be 1 or a multiple of --tensor-model-parallel-size "
-                 f"{tp}" if sp_tp else f"the data parallel size {dp}")
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
-                          f"of EP ranks holds num_experts / EP experts")
+    # Megatron-LM's expert grid: ETP x EP x expert data parallel ranks tile the stage's ranks holding distinct tokens,
+    # TP x DP (``dp``: DP x CP) with sequence parallelism, DP without (whose TP ranks hold the same tokens, ETP = EP = 1)
+    distinct = sequence_parallel and tp > 1
+    ranks = tp * dp if distinct else dp
+    if ep < 1 or experts % ep or ranks % (ep * etp):
+        kind = "tensor x data parallel" if distinct else "data parallel"
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts}, and ETP {etp} x EP "
+                          f"{ep} the {ranks} {kind} ranks of a pipeline stage (Megatron-LM's expert grid of ETP x EP x "
+                          f"expert data parallel ranks)")
+    if 1 < etp < tp and zero_stage == 0 and precision != "fp32":
+        # DeepSpeed's ZeRO-0 bf16/fp16 optimizers sum the experts' norm over TP x PP, then EP
+        # (runtime/utils.py get_global_norm_of_tensors): more than one copy of each shard when ETP < TP
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} below --tensor-model-parallel-size {tp} under "
+                          f"DeepSpeed's {precision} optimizer without ZeRO: its gradient norm would count expert "
+                          f"shards {tp // etp} times; use --use-distributed-optimizer (ZeRO 1) or fp32")
     if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
             and "sinkhorn" not in m.moe_router_load_balancing_type):
         # Megatron-LM's TransformerConfig.__post_init__ refuses the same: a softmax over one selected logit is 1,

@@ -60,6 +60,15 @@ def test_dry_run_describes_expert_tensor_parallelism():
     assert "EP 1 (4 per rank, split over ETP 2)" in out, out
 
 
+def test_expert_grid_below_tp_is_built():
+    """Megatron-LM's expert grid with ETP between 1 and TP: TP 4, ETP 2, EP 2 on 4 ranks (experts 2 per rank, halves)."""
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --num-attention-heads 4 --tensor-model-parallel-size 4 "
+                                   "--sequence-parallel --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 "
+                                   "--moe-token-dispatcher-type alltoall".split(), 4)
+    assert rc == 0, err
+    assert "EP 2 (2 per rank, split over ETP 2)" in out, out
+
+
 def test_expert_tensor_parallel_size_defaults_to_tp_as_megatron_lm():
     """Megatron-LM sets --expert-tensor-parallel-size to TP when it is absent (megatron/training/arguments.py
     validate_args): an upstream script at TP 2 with --sequence-parallel gets its experts split over TP."""
@@ -158,10 +167,17 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
-     "--expert-tensor-parallel-size 2 at --tensor-model-parallel-size 1: experts split over other than the tensor "
-     "parallel ranks"),
+     "--expert-tensor-parallel-size 2 must divide --tensor-model-parallel-size 1 here"),
+    # the grid: ETP x EP must tile TP x DP; the experts' ffn splits over ETP
     ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
-     "--expert-tensor-parallel-size 2", 4, "use --expert-tensor-parallel-size 1 (whole experts) or 4"),
+     "--expert-tensor-parallel-size 2 --expert-model-parallel-size 4", 4,
+     "and ETP 2 x EP 4 the 4 tensor x data parallel ranks of a pipeline stage"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --moe-ffn-hidden-size 15", 4, "must divide the experts' ffn size 15"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --bf16", 4, "would count expert shards 2 times"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --save ckpt", 4, "--save / --load with --expert-tensor-parallel-size 2 below"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
     # Megatron-LM's default ETP = TP needs sequence parallelism: both ways out named
@@ -171,7 +187,8 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
      "--expert-tensor-parallel-size 1", 4, "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
-     "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
+     "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4", 2,
+     "and ETP 1 x EP 4 the 2 tensor x data parallel ranks"),
 ])
 def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)
