@@ -795,6 +795,24 @@ def register_expert_groups(ep_size: int, etp: int, *, ep_group: tuple, edp_group
     groups.expert_tensor_parallel_world_size = etp
 
 
+@contextlib.contextmanager
+def module_files_on_data_parallel_rank_0(data_parallel_rank: int):
+    """DeepSpeed's engine writes an MoE model's module file (``mp_rank_..._model_states.pt``) only on expert data
+    parallel rank 0 (runtime/engine.py ``_save_moe_checkpoint`` returns early on the others), which is data parallel
+    rank 0 where that group runs along data parallel ranks. On Megatron-LM's expert grid with ETP below TP it
+    crosses tensor parallel ranks, whose module files would be missing: within this context data parallel rank 0
+    counts as an expert data parallel rank 0 too (under ZeRO-0 it then also writes its expert parallel rank's
+    optimizer file under its own mp rank: a copy, not a conflicting file)."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+
+    original = groups._get_expert_data_parallel_rank
+    groups._get_expert_data_parallel_rank = lambda name: 0 if data_parallel_rank == 0 else original(name)
+    try:
+        yield
+    finally:
+        groups._get_expert_data_parallel_rank = original
+
+
 def moe_gate_kept_routes(gate_output) -> torch.Tensor:
     """How many (token, expert) routes DeepSpeed's ``TopKGate.forward`` kept within the experts'
     capacity, from what it returned: 0.19's sparse dispatch (MOELayer asks for sparse routes) returns

@@ -584,12 +584,6 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
     etp = moe_selection.expert_tensor_parallel_size(par) if moe and moe_selection.is_mlm_moe(m) else 1
-    if 1 < etp < tp and (flags.checkpoint.save or flags.checkpoint.load):
-        # the expert checkpoint files and their reshard know experts whole or split over all of TP
-        # (checkpoint/stacked_experts.py); an expert grid with ETP below TP is not written or read yet
-        raise ConfigError(f"--save / --load with --expert-tensor-parallel-size {etp} below --tensor-model-parallel-size "
-                          f"{tp}: such checkpoints are not supported yet; use --expert-tensor-parallel-size 1 or {tp} "
-                          f"for a run that saves or loads")
     total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep, etp=etp)
     check_stages_hold_layers(stages, pp, m.num_layers, placed.counted)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)

@@ -176,8 +176,6 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
      "--expert-tensor-parallel-size 2 --moe-ffn-hidden-size 15", 4, "must divide the experts' ffn size 15"),
     ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
      "--expert-tensor-parallel-size 2 --bf16", 4, "would count expert shards 2 times"),
-    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
-     "--expert-tensor-parallel-size 2 --save ckpt", 4, "--save / --load with --expert-tensor-parallel-size 2 below"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
     # Megatron-LM's default ETP = TP needs sequence parallelism: both ways out named
