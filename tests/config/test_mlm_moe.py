@@ -224,3 +224,21 @@ def test_parameter_count_is_the_built_layers(over):
     assert experts == sum(p.numel() for p in layer.experts.parameters())
     one_expert = experts // 4
     assert active == total - 2 * one_expert
+
+
+@pytest.mark.parametrize("tp, etp, expected", [(2, "1", 1), (4, "2", 2), (2, None, 4)],
+                         ids=["tp2_whole", "tp4_etp2", "tp2_default"])
+def test_relayout_keeps_the_lines_expert_tensor_parallel_rule(tp, etp, expected):
+    """The memory estimate's twice-wider TP suggestion for Megatron-LM's MoE with sequence parallelism on 4 x TP
+    ranks: whole experts stay whole, an ETP below TP stays, and ETP = TP by default follows TP; the suggested line
+    resolves to the layout it was estimated with."""
+    from megatron_ds.config.memory import _candidates
+
+    argv = SMALL + ["--num-attention-heads", "8", "--num-experts", "4", "--tensor-model-parallel-size", str(tp),
+                    "--sequence-parallel", "--expert-model-parallel-size", "2"] + (
+        ["--expert-tensor-parallel-size", etp] if etp else [])
+    lay = _layout(argv, 4 * tp)
+    flag, wider = next((f, c) for f, c in _candidates(lay) if f.startswith(f"--tensor-model-parallel-size {2 * tp}"))
+    assert flag == f"--tensor-model-parallel-size {2 * tp} --expert-tensor-parallel-size {expected}"
+    again = _layout(argv + flag.split(), 4 * tp)
+    assert (again.tp, again.etp, again.stages) == (2 * tp, expected, wider.stages) and wider.etp == expected
