@@ -59,6 +59,13 @@ _INTERNAL_NAMES = {
     "_get_expert_parallel_rank": "deepspeed.utils.groups",
     "_get_expert_data_parallel_rank": "deepspeed.utils.groups",
     "get_norm_with_moe_layers": "deepspeed.runtime.utils",
+    # the dicts of expert groups by name that register_expert_groups fills with Megatron-LM's expert grid, and the
+    # expert tensor parallel size its norm helpers read
+    "_EXPERT_PARALLEL_GROUP": "deepspeed.utils.groups",
+    "_EXPERT_PARALLEL_GROUP_RANKS": "deepspeed.utils.groups",
+    "_EXPERT_DATA_PARALLEL_GROUP": "deepspeed.utils.groups",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS": "deepspeed.utils.groups",
+    "expert_tensor_parallel_world_size": "deepspeed.utils.groups",
 }
 
 # Methods megatron_ds calls, replaces on an instance or overrides in a subclass:
@@ -705,6 +712,10 @@ def mark_expert_parameters(params, ep_size: int) -> None:
     for p in params:
         p.allreduce = False
         p.group_name = moe_group_name(ep_size)
+        # counted in the norm on every rank, whole or a tensor parallel shard alike: ZeRO 1/2 sum each rank's
+        # partition over the data parallel then the TP x PP ranks (stage_1_and_2.py get_grad_norm_direct), which
+        # counts each expert shard once; without it a TP rank > 0's whole experts would not count
+        p.model_parallel = True
 
 
 def moe_engine_marker(num_experts: int, ep_size: int) -> torch.nn.Module:
@@ -759,6 +770,47 @@ def create_expert_groups(ep_size: int, expert_tensor_parallel: bool, mpu) -> tup
             _internal("_create_expert_and_data_parallel")(ep_size)
     return (list(_internal("_get_expert_parallel_group_ranks")(name)),
             list(_internal("_get_expert_data_parallel_group_ranks")(name)))
+
+
+def register_expert_groups(ep_size: int, etp: int, *, ep_group: tuple, edp_group: tuple, mpu) -> None:
+    """Make ``(group, ranks)`` of Megatron-LM's expert grid (parallel/groups.py) DeepSpeed's expert parallel and
+    expert data parallel groups of ``ep_size`` (its dicts deepspeed/utils/groups.py ``_EXPERT_PARALLEL_GROUP`` /
+    ``_EXPERT_DATA_PARALLEL_GROUP`` and their ``_RANKS``, what ``_create_expert_and_data_parallel`` fills): its engine
+    then reduces the marked experts' gradients over the EDP group and ZeRO partitions them over it. DeepSpeed's
+    ``expert_tensor_parallel_world_size`` is set to ETP, as its ``_create_expert_data_and_model_parallel`` sets it
+    to TP (its norm helpers read it)."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+
+    name = moe_group_name(ep_size)
+    cached = _internal("_get_expert_parallel_group_dict")().get(name)
+    if cached is not None:
+        try:  # groups of an earlier process group in this process: forget them (as create_expert_groups)
+            dist.get_process_group_ranks(cached)
+        except (KeyError, ValueError, RuntimeError):
+            _internal("_release_process_group_references")(None)
+    groups.mpu = mpu
+    for (group, ranks), table in ((ep_group, "_EXPERT_PARALLEL_GROUP"), (edp_group, "_EXPERT_DATA_PARALLEL_GROUP")):
+        _internal(table)[name] = group
+        _internal(table + "_RANKS")[name] = list(ranks)
+    groups.expert_tensor_parallel_world_size = etp
+
+
+@contextlib.contextmanager
+def module_files_on_data_parallel_rank_0(data_parallel_rank: int):
+    """DeepSpeed's engine writes an MoE model's module file (``mp_rank_..._model_states.pt``) only on expert data
+    parallel rank 0 (runtime/engine.py ``_save_moe_checkpoint`` returns early on the others), which is data parallel
+    rank 0 where that group runs along data parallel ranks. On Megatron-LM's expert grid with ETP below TP it
+    crosses tensor parallel ranks, whose module files would be missing: within this context data parallel rank 0
+    counts as an expert data parallel rank 0 too (under ZeRO-0 it then also writes its expert parallel rank's
+    optimizer file under its own mp rank: a copy, not a conflicting file)."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+
+    original = groups._get_expert_data_parallel_rank
+    groups._get_expert_data_parallel_rank = lambda name: 0 if data_parallel_rank == 0 else original(name)
+    try:
+        yield
+    finally:
+        groups._get_expert_data_parallel_rank = original
 
 
 def moe_gate_kept_routes(gate_output) -> torch.Tensor:

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds import ds_compat
-from megatron_ds.checkpoint import integrity, stacked_experts
+from megatron_ds.checkpoint import integrity
 from megatron_ds.checkpoint.background import ForkedWriter, Job, PersistentWriter
-from megatron_ds.checkpoint.checkpointing import (WeightsOnlyCheckpointEngine, WriteFailure, prepare_save, track)
+from megatron_ds.checkpoint.checkpointing import (WeightsOnlyCheckpointEngine, WriteFailure, prepare_save,
+                                                  save_engine_files, track)
 from megatron_ds.checkpoint.format import META, checkpoint_tag, step_dir
 from megatron_ds.checkpoint.room import human_bytes
 from megatron_ds.checkpoint.snapshot import Snapshot
@@ -95,8 +96,7 @@ class AsyncSaver:
         snapshot = Snapshot()
         self.writer.redirect = snapshot.add
         try:
-            self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state, save_latest=False)
-            stacked_experts.save(self.engine, self.save_dir, tag)
+            save_engine_files(self.engine, self.save_dir, tag, client_state, meta)
         except BaseException:
             snapshot.close()
             raise

@@ -14,6 +14,7 @@ DeepSpeed classes its optimizer states contain, instead of unpickling arbitrary 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -25,8 +26,9 @@ import torch.distributed as dist
 
 from megatron_ds import ds_compat
 from megatron_ds.checkpoint import health, integrity, stacked_experts
-from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, META, TRACKER, atomic_write,
-                                           checkpoint_tag, read_meta, read_tracker, step_dir, write_trackers)
+from megatron_ds.checkpoint.format import (COMPLETENESS, EXPERT_PARALLEL_SIZE, EXPERT_TENSOR_PARALLEL_SIZE, META,
+                                           TRACKER, atomic_write, checkpoint_tag, read_meta, read_tracker, step_dir,
+                                           write_trackers)
 from megatron_ds.checkpoint.health import HEALTH
 from megatron_ds.checkpoint.reshard import LAYOUT_FIELDS, load_resharded, needs_reshard, optimizer_param_names
 from megatron_ds.checkpoint.room import human_bytes
@@ -184,11 +186,21 @@ def prepare_save(engine, iteration: int, *, client_state: dict, meta: dict, fami
     return client_state, {**meta, COMPLETENESS[0]: COMPLETENESS[1]}
 
 
+def save_engine_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict) -> None:
+    """DeepSpeed's files of ``engine`` (``save_checkpoint``) and the stacked experts' (``stacked_experts.save``)."""
+    sig = meta.get("signature") or {}
+    # Megatron-LM's expert grid with ETP below TP: its expert data parallel groups cross tensor parallel ranks
+    grid = 1 < sig.get(EXPERT_TENSOR_PARALLEL_SIZE, 1) < sig.get("tensor_model_parallel_size", 1)
+    with (ds_compat.module_files_on_data_parallel_rank_0(engine.mpu.get_data_parallel_rank()) if grid
+          else contextlib.nullcontext()):
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    stacked_experts.save(engine, save_dir, tag)
+
+
 def _write_files(engine, save_dir: str, tag: str, client_state: dict, meta: dict) -> None:
     """Every rank's DeepSpeed files, then rank 0's record of the run (complete only once the manifest exists)."""
     os.makedirs(save_dir, exist_ok=True)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-    stacked_experts.save(engine, save_dir, tag)
+    save_engine_files(engine, save_dir, tag, client_state, meta)
     writer = ds_compat.checkpoint_engine(engine)
     error = writer.take_write_error() if isinstance(writer, WeightsOnlyCheckpointEngine) else None
     if error is not None:

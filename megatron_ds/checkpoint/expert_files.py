@@ -93,6 +93,14 @@ def expert_parallel_rank(dp_rank: int, tp_rank: int, *, tp: int, ep: int, expert
     return dp_rank % ep if expert_tp else (dp_rank * tp + tp_rank) % ep
 
 
+def expert_grid_ranks(dp_rank: int, tp_rank: int, *, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(expert parallel rank, expert data parallel rank) of the rank at (data parallel, tensor parallel) coordinates
+    of a pipeline stage in Megatron-LM's expert grid (``ParallelState.expert_grid_rank``; its local rank is
+    dp x TP + tp, DeepSpeed's data parallel axis counting DP x CP), for checkpoint readers."""
+    local = dp_rank * tp + tp_rank
+    return (local // etp) % ep, local // (etp * ep)
+
+
 def local_counts(names) -> dict[str, int]:
     """{experts prefix: number of distinct expert ids} among ``names`` (the experts a rank holds)."""
     ids = collections.defaultdict(set)

@@ -17,6 +17,7 @@ from deepspeed.moe.layer import MoE
 
 from megatron_ds.checkpoint import expert_files, stacked_experts
 from megatron_ds.checkpoint.files import CheckpointFiles, load_file
+from megatron_ds.checkpoint.format import EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_ds.errors import ConfigError
 
 
@@ -33,15 +34,18 @@ class MoEModuleSource:
         # rank's copy of an expert is the expert.
         whole = not ckpt.model.enable_expert_tensor_parallelism
         # Megatron-LM's layer at EP > 1 (stacked_experts): tp rank -> {name: {expert parallel rank: tensor}},
-        # whole experts on every TP rank too (a TP rank's own file first)
+        # whole experts on every TP rank too (a TP rank's own file first), else the file of a rank holding the same
+        # expert tensor parallel part (Megatron-LM's expert grid: TP rank t holds part t % ETP)
         self.stacked = {t: collections.defaultdict(dict) for t in range(ckpt.tp)}
+        etp = ckpt.meta["signature"].get(EXPERT_TENSOR_PARALLEL_SIZE, 1)
         for name in sorted(os.listdir(ckpt.path)):
             if (found := stacked_experts.parse_file(name)) is not None:
                 state = load_file(os.path.join(ckpt.path, name))
                 for t in range(ckpt.tp):
                     for key, tensor in state.items():
                         key = ckpt.saved_name(key)  # (written by name since model chunks save theirs)
-                        if found[1] % ckpt.tp == t or found[0] not in self.stacked[t][key]:
+                        if found[1] % ckpt.tp == t or (found[1] % ckpt.tp % etp == t % etp
+                                                       and found[0] not in self.stacked[t][key]):
                             self.stacked[t][key][found[0]] = tensor
                 continue
             parsed = expert_files.parse_expert_file(name)

@@ -65,8 +65,8 @@ class SavedOptimizer:
         # Megatron-LM's stacked experts: name -> mp rank -> {expert parallel rank: ZeRO pieces or plain tensors}
         self.stacked = collections.defaultdict(lambda: collections.defaultdict(dict))
         self.ep = ckpt.meta["signature"].get(EXPERT_PARALLEL_SIZE, 1)
-        # experts split over TP: DeepSpeed's expert groups ran along data parallel ranks (parallel/groups.py)
-        self.expert_tp = ckpt.meta["signature"].get(EXPERT_TENSOR_PARALLEL_SIZE, 1) > 1
+        # Megatron-LM's experts split over ETP ranks of its expert grid (parallel/groups.py)
+        self.etp = ckpt.meta["signature"].get(EXPERT_TENSOR_PARALLEL_SIZE, 1)
         self.loss_scale = None  # fp16 ZeRO-0: the dynamic loss scaler's state
         files = ckpt.optimizer_files()
         if ckpt.zero_stage == 3:
@@ -96,10 +96,13 @@ class SavedOptimizer:
                 name = self.ckpt.saved_name(name)  # DeepSpeed records the module's names
                 if self.experts is not None:
                     name = self.experts.global_name(name, dp, mp)
-                if self.ep > 1 and stacked_experts.is_stacked(name):
-                    r = expert_files.expert_parallel_rank(dp, mp % self.ckpt.tp, tp=self.ckpt.tp, ep=self.ep,
-                                                          expert_tp=self.expert_tp)
-                    self.stacked[name][mp].setdefault(r, []).append((dp, flat, frag.start, frag.numel))
+                tp = self.ckpt.tp
+                if stacked_experts.is_stacked(name) and (self.ep > 1 or 1 < self.etp < tp):
+                    # ZeRO partitioned them over the expert data parallel group, which may span tensor parallel ranks
+                    # (1 < ETP < TP): its pieces kept under the first TP rank of their ETP part, in EDP order
+                    r, edp = expert_files.expert_grid_ranks(dp, mp % tp, tp=tp, ep=self.ep, etp=self.etp)
+                    owner = mp - mp % tp + mp % tp % self.etp
+                    self.stacked[name][owner].setdefault(r, []).append((edp, flat, frag.start, frag.numel))
                     continue
                 self.pieces[name, mp].append((dp, flat, frag.start, frag.numel))
 
@@ -175,7 +178,10 @@ class SavedOptimizer:
         """The EP 1 state of a stacked expert tensor of the stages of ``mps``: each expert parallel rank's
         (whole experts: from any TP rank of the stage, its own first) joined."""
         tp = self.ckpt.tp
-        stage_mps = sorted({mp // tp * tp + t for mp in mps for t in range(tp)}, key=lambda m: m not in mps)
+        # the stage's TP ranks holding the same expert tensor parallel part (all of them for whole experts), its own
+        # first
+        stage_mps = sorted({mp // tp * tp + t for mp in mps for t in range(tp) if t % self.etp == mp % tp % self.etp},
+                           key=lambda m: m not in mps)
         parts = {}
         for mp in stage_mps:
             for r, found in self.stacked[name].get(mp, {}).items():

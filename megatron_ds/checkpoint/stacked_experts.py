@@ -12,7 +12,9 @@ rank also writes ``stacked_experts_expp_rank_{r}_mp_rank_{m:02d}_model_states.pt
 stacked tensor}), through the engine's checkpoint writer -- the same files, CRCs, manifest and kill-safety as
 DeepSpeed's own, synchronous or --async-save. Readers (``moe_sources.MoEModuleSource``,
 ``optim_state.SavedOptimizer``) join the ranks' tensors to the EP 1 tensor, and a run at any EP size takes
-its rank's slice (``reshard``): a checkpoint with these files is always loaded resharded.
+its rank's slice (``reshard``): a checkpoint with these files is always loaded resharded. Experts split over ETP
+ranks (Megatron-LM's expert grid, parallel/groups.py): TP rank t's files hold part t % ETP of its experts; the
+parts of the first ETP ranks are the whole (``etp_split``), and a rank loads part tp rank % ETP (``local_part``).
 """
 from __future__ import annotations
 
@@ -89,17 +91,18 @@ def local_part(name: str, tensor: torch.Tensor, module_params: dict, tp_rank: in
         if tensor.shape[0] % n:
             raise ValueError(f"{name}: {tensor.shape[0]} saved experts do not divide into parts of {n}")
         tensor = tensor.narrow(0, ep_rank * n, n)
-    if getattr(param, "tensor_model_parallel", False):
+    if getattr(param, "tensor_model_parallel", False):  # split over ETP: part tp_rank % ETP (Megatron-LM's grid)
         dim, stride = param.partition_dim, param.partition_stride
         world = tensor.shape[dim] // param.shape[dim]
         blocks = torch.split(tensor, param.shape[dim] // stride, dim=dim)
-        tensor = torch.cat(blocks[tp_rank::world], dim=dim)
+        tensor = torch.cat(blocks[tp_rank % world::world], dim=dim)
     return tensor
 
 
-def etp_split(name: str, shard_shape: torch.Size, model) -> tuple[int, int] | None:
-    """(dim, stride) along which saved tensor parallel shards of stacked expert ``name`` are parts of the whole
-    (experts split over TP: smaller than ``model``'s experts there), None when each shard is whole."""
+def etp_split(name: str, shard_shape: torch.Size, model) -> tuple[int, int, int] | None:
+    """(dim, stride, parts) along which saved tensor parallel shards of stacked expert ``name`` are parts of the
+    whole (experts split over ETP: smaller than ``model``'s experts there; the first ``parts`` = ETP tensor parallel
+    ranks hold one each, the others repeat them, Megatron-LM's expert grid), None when each shard is whole."""
     gated = 2 if (model.swiglu or model.geglu) else 1
     if ".linear_fc1." in name:
         dim, stride, full = 1, gated, gated * model.moe_ffn_hidden_size
@@ -107,7 +110,7 @@ def etp_split(name: str, shard_shape: torch.Size, model) -> tuple[int, int] | No
         dim, stride, full = 2, 1, model.moe_ffn_hidden_size
     else:  # fc2's bias: whole on every rank
         return None
-    return (dim, stride) if shard_shape[dim] < full else None
+    return (dim, stride, full // shard_shape[dim]) if shard_shape[dim] < full else None
 
 
 def join(parts: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -80,8 +80,9 @@ def is_vocab_param(name: str, family: ModelFamily) -> bool:
 def merge(name: str, shards: list[torch.Tensor], model: ModelConfig, family: ModelFamily) -> torch.Tensor:
     """The full tensor from the tensor parallel ranks' shards (in rank order)."""
     rule = partition(name, model, family)
-    if stacked_experts.is_stacked(name) and len(shards) > 1:  # Megatron-LM's experts: split over TP or whole
-        rule = stacked_experts.etp_split(name, shards[0].shape, model)
+    if stacked_experts.is_stacked(name) and len(shards) > 1:  # Megatron-LM's experts: split over ETP or whole
+        split = stacked_experts.etp_split(name, shards[0].shape, model)
+        rule, shards = (None, shards) if split is None else (split[:2], shards[:split[2]])
     if rule is None or len(shards) == 1:
         return shards[0]
     dim, stride = rule

@@ -159,6 +159,14 @@ class Layout:
         return self.model.enable_expert_tensor_parallelism or self.etp > 1
 
     @property
+    def expert_grid(self) -> bool:
+        """Megatron-LM's MoE whose experts are DeepSpeed's expert parameters, over the groups of Megatron-LM's expert
+        grid (parallel/groups.py ``expert_grid``): where its expert data parallel group is not the data parallel
+        group, at EP > 1 or 1 < ETP < TP (at ETP 1 and TP, EP 1, the experts are reduced as the dense weights)."""
+        return (self.active_params is not None and moe_selection.is_mlm_moe(self.model)
+                and (self.ep > 1 or 1 < self.etp < self.tp))
+
+    @property
     def own_schedule(self) -> bool:
         """Our executor runs the pipeline schedule on DeepSpeed's plain engine (interleaved 1F1B, ZB-H1)."""
         return self.virtual_pp > 1 or self.zbh1 is not None
@@ -563,7 +571,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     moe = is_moe(m)
     notes: list[str] = check_moe(  # experts split over DeepSpeed's data parallel axis: DP x CP ranks
         m, tp=tp, pp=pp, dp=dp * cp, sp=sp, ep=ep, zero_stage=zero_stage, precision=precision,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=moe_selection.expert_tensor_parallel_size(par),
+        etp_given=par.expert_tensor_parallel_size is not None,
         own_schedule=virtual_pp > 1 or zbh1 is not None,
         bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage, use_pipeline),
         sequence_parallel=par.sequence_parallel, create_moe_param_group=o.create_moe_param_group)
@@ -574,7 +583,7 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if moe and family.active_parameters is None:
         raise ConfigError(f"--num-experts {','.join(map(str, m.num_experts))}: mixture-of-experts layers are built "
                           f"for GPT models only (pretrain_gpt.py); train the {family.label} model dense")
-    etp = (par.expert_tensor_parallel_size or 1) if moe and moe_selection.is_mlm_moe(m) else 1
+    etp = moe_selection.expert_tensor_parallel_size(par) if moe and moe_selection.is_mlm_moe(m) else 1
     total, stages = family.count_parameters(m, padded, tp, pp, placed.counted, ep=ep, etp=etp)
     check_stages_hold_layers(stages, pp, m.num_layers, placed.counted)
     curriculum = _curriculum(flags, template, m.seq_length, tp=tp, virtual_pp=virtual_pp)
@@ -595,7 +604,8 @@ def build_layout(flags: Config, world_size: int, *, vocab_size: int, template: d
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:  # Megatron-LM ignores it too
         notes.append(f"--decoupled-min-lr {o.decoupled_min_lr} has no effect without --decoupled-lr")
     mlm = moe_selection.is_mlm_moe(m)
-    if moe and (not mlm or ep > 1):  # DeepSpeed's optimizers' constraints on expert parameters
+    # DeepSpeed's optimizers' constraints on expert parameters (Megatron-LM's: where they are, Layout.expert_grid)
+    if moe and (not mlm or ep > 1 or 1 < etp < tp):
         check_moe_zero_json(ds, zero_stage)
         check_moe_tensor_parallel(m, tp=tp, tokens=micro * m.seq_length)
         check_moe_stages(stages, bf16_optimizer=uses_bf16_optimizer(template or {}, precision, zero_stage,

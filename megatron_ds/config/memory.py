@@ -502,8 +502,7 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
         partition = ParallelConfig.pipeline_partition_method
     counted = partition if chunks is None else EXPLICIT + ",".join(
         str(sum(chunks[r::pp])) for r in range(pp))  # each rank's chunks (virtual stage c * pp + r)
-    # Megatron-LM's experts split over TP (--expert-tensor-parallel-size = TP, the one split built) follow TP
-    etp = tp if layout.etp > 1 else 1
+    etp = _relaid_etp(layout, tp)
     total, stages = layout.family.count_parameters(layout.model, padded, tp, pp, counted, ep=layout.ep, etp=etp)
     return dataclasses.replace(
         layout, tp=tp, pp=pp, dp=dp, etp=etp, micro_batch_size=micro, padded_vocab_size=padded, stages=stages,
@@ -513,13 +512,23 @@ def relayout(layout: Layout, *, tp: int | None = None, pp: int | None = None, ze
         pipeline_partition=partition, recompute=layout.recompute if recompute == "keep" else recompute)
 
 
+def _relaid_etp(layout: Layout, tp: int) -> int:
+    """The expert tensor parallel size of ``layout`` relaid at ``tp``: Megatron-LM's experts split over all of TP
+    (its default, ETP = TP) follow TP; another ETP (1: whole experts) stays."""
+    return tp if layout.etp == layout.tp > 1 else layout.etp
+
+
 def _candidates(layout: Layout):
     """(flag text, layout) for single changes that keep the layout valid."""
     m, world = layout.model, layout.world_size
     moe = layout.active_params is not None
     for text, candidate in _single_changes(layout, m, world):
-        # MoE (config/moe_params.py check_moe): no ZeRO 3, EP must still divide DP, ZeRO's expert groups need the flag
-        if moe and (candidate.zero_stage == 3 or candidate.dp % layout.ep):
+        # MoE (config/moe_params.py check_moe): no ZeRO 3, EP must still divide DP (Megatron-LM's with sequence
+        # parallelism: ETP x EP the TP x DP x CP ranks, its expert grid), ZeRO's expert groups need the flag
+        grid = moe and is_mlm_moe(m) and layout.sequence_parallel
+        if moe and (candidate.zero_stage == 3 or (
+                candidate.tp * candidate.dp * candidate.cp % (layout.ep * candidate.etp) if grid
+                else candidate.dp % layout.ep)):
             continue
         if moe and candidate.zero_stage != layout.zero_stage and not is_mlm_moe(m):  # Megatron-LM's needs none
             text += " --create-moe-param-group"
@@ -540,7 +549,9 @@ def _single_changes(layout: Layout, m, world: int):
     tp, sp = layout.tp * 2, layout.sp  # Ulysses' heads split over TP x SP (config/validation.py)
     while world % (tp * layout.pp * sp * layout.cp) == 0 and m.num_attention_heads % (tp * sp) == 0 and \
             m.num_key_value_heads % (tp * sp) == 0 and m.ffn_hidden_size % tp == 0:
-        etp = f" --expert-tensor-parallel-size {tp}" if layout.etp > 1 else ""  # (relayout: the experts follow TP)
+        # (spelled out for Megatron-LM's layer, whose default ETP is TP: config/moe_selection.py)
+        etp = f" --expert-tensor-parallel-size {_relaid_etp(layout, tp)}" if (
+            layout.active_params is not None and is_mlm_moe(m)) else ""
         yield f"--tensor-model-parallel-size {tp}{etp}", relayout(layout, tp=tp)
         tp *= 2
     pp = layout.pp * 2

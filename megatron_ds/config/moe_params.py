@@ -79,7 +79,7 @@ def expert_data_parallel_size(m: ModelConfig, *, tp: int, dp: int, ep: int, etp:
     experts at EP 1 are no expert parameters to DeepSpeed (model/mlm_moe.py marks them at EP > 1 only): they are
     reduced and partitioned over the data parallel ranks as the dense ones."""
     if moe_selection.is_mlm_moe(m):
-        return dp if ep == 1 else tp * dp // (ep * etp)
+        return dp if ep == etp == 1 else tp * dp // (ep * etp)
     return tp * dp // (ep * expert_tp(m, tp))
 
 
@@ -125,13 +125,14 @@ def moe_layer_params(m: ModelConfig, experts: int, *, tp: int, ep: int, etp: int
 
 def check_moe(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, zero_stage: int, precision: str,
               bf16_optimizer: bool, own_schedule: bool, sequence_parallel: bool,
-              create_moe_param_group: bool, expert_tensor_parallel_size: int | None = None) -> list[str]:
+              create_moe_param_group: bool, expert_tensor_parallel_size: int | None = None,
+              etp_given: bool = True) -> list[str]:
     """Refuse (ConfigError, one line) what an MoE run cannot do; returns notes (flags without effect).
     ``m`` is the resolved model shape; ``bf16_optimizer``: DeepSpeed wraps the optimizer in BF16_Optimizer."""
     if moe_selection.is_mlm_moe(m):  # Megatron-LM's layer: its own constraints, none of DeepSpeed-MoE's
         moe_selection.check(m, tp=tp, pp=pp, dp=dp, sp=sp, ep=ep, expert_tp=expert_tensor_parallel_size,
-                      sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                      precision=precision)
+                            sequence_parallel=sequence_parallel, zero_stage=zero_stage, precision=precision,
+                            etp_given=etp_given)
         return []
     for n in m.num_experts:
         if n < 1:

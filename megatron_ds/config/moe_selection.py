@@ -190,30 +190,50 @@ def resolve(m: ModelConfig, par: ParallelConfig, *, deepspeed: bool, create_moe_
         moe_token_drop_policy=m.moe_token_drop_policy or "probs",
         moe_token_dispatcher_type=m.moe_token_dispatcher_type or "allgather")
     ep = par.expert_model_parallel_size or 1
+    etp = expert_tensor_parallel_size(par)
+    default = " (Megatron-LM's default ETP = TP: no --expert-tensor-parallel-size)" \
+        if par.expert_tensor_parallel_size is None else ""
     return resolved, ep, (f"mixture of experts: {impl} (model/mlm_moe.py; {resolved.moe_token_dispatcher_type} "
-                          f"dispatch, EP {ep}), because {why}")
+                          f"dispatch, EP {ep}, ETP {etp}{default}), because {why}")
+
+
+def expert_tensor_parallel_size(par: ParallelConfig) -> int:
+    """The ranks each of Megatron-LM's experts is split over: --expert-tensor-parallel-size, or TP when it is absent,
+    as Megatron-LM sets it (megatron/training/arguments.py validate_args, core_v0.19.0: ``if
+    args.expert_tensor_parallel_size is None: args.expert_tensor_parallel_size = args.tensor_model_parallel_size``)."""
+    given = par.expert_tensor_parallel_size
+    return par.tensor_model_parallel_size if given is None else given
 
 
 def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert_tp: int | None,
-          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32") -> None:
-    """Refuse, one line each, what Megatron-LM's MoE cannot do here."""
+          sequence_parallel: bool, zero_stage: int = 0, precision: str = "fp32", etp_given: bool = True) -> None:
+    """Refuse, one line each, what Megatron-LM's MoE cannot do here. ``expert_tp``: the resolved ETP
+    (``expert_tensor_parallel_size``); ``etp_given``: whether the line passed --expert-tensor-parallel-size (else
+    ``expert_tp`` is Megatron-LM's default, TP)."""
     experts = m.num_experts[0]
     k = m.moe_router_topk
     if not 1 <= k <= experts:
         raise ConfigError(f"--moe-router-topk {k}: each token goes to k of the {experts} experts, 1 <= k <= {experts}")
     etp = expert_tp or 1
-    if etp not in (1, tp):
-        # Megatron-LM lays its expert grid, ETP x EP x expert data parallel ranks (ETP fastest), over each pipeline
-        # stage's ranks whatever TP is (megatron/core/parallel_state.py initialize_model_parallel, expert rank
-        # generator): e.g. TP 4 with ETP 2. Here the experts split as the dense MLP does, over the tensor parallel
-        # group (model/mlm_moe.py), and DeepSpeed's expert groups and the expert checkpoints follow that
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} at --tensor-model-parallel-size {tp}: experts split "
-                          f"over other than the tensor parallel ranks are not supported here (Megatron-LM's expert "
-                          f"grid of ETP x EP x expert data parallel ranks is not built); use "
-                          f"--expert-tensor-parallel-size 1 (whole experts) or {tp} (split as the dense MLP)")
+    if tp % etp:
+        # Megatron-LM's expert grid (megatron/core/parallel_state.py initialize_model_parallel, the expert
+        # RankGenerator "tp-ep-dp-pp") may also spread an expert's shards over data parallel ranks; here they sit on
+        # tensor parallel ranks of one group (parallel/groups.py expert_grid)
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide --tensor-model-parallel-size {tp} here "
+                          f"(each expert's shards on ranks of one tensor parallel group); use a divisor of {tp}")
+    if etp > 1 and not sequence_parallel and not etp_given:
+        # Megatron-LM's MoELayer.forward raises in training at TP > 1 without sequence parallelism, so its scripts
+        # that train MoE at TP > 1 pass --sequence-parallel; a line without it would get ETP = TP here otherwise
+        raise ConfigError(f"--tensor-model-parallel-size {tp} without --expert-tensor-parallel-size splits the experts "
+                          f"over TP (Megatron-LM's default ETP = TP), which needs --sequence-parallel: add "
+                          f"--sequence-parallel (Megatron-LM's MoE requires it at TP > 1) or pass "
+                          f"--expert-tensor-parallel-size 1 for whole experts")
     if etp > 1 and not sequence_parallel:
         raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --sequence-parallel here (Megatron-LM's MoE layer "
                           f"refuses TP without it in training): the split experts take the sequence parts' tokens")
+    if m.moe_ffn_hidden_size % etp:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide the experts' ffn size "
+                          f"{m.moe_ffn_hidden_size} (--moe-ffn-hidden-size): each rank holds ffn / ETP of every expert")
     if sp > 1:
         raise ConfigError("Megatron-LM's MoE runs without DeepSpeed-Ulysses sequence parallelism here; use "
                           "Megatron sequence parallelism (--sequence-parallel) or context parallelism")
@@ -223,15 +243,21 @@ def check(m: ModelConfig, *, tp: int, pp: int, dp: int, sp: int, ep: int, expert
         # model/mlm_moe.py) needs distinct
         raise ConfigError(f"--expert-model-parallel-size {ep} at --tensor-model-parallel-size {tp} needs "
                           f"--sequence-parallel (as Megatron-LM): the experts take tokens from distinct sequence parts")
-    # the ranks holding distinct tokens, over which the experts split: with sequence parallelism TP x DP, whole
-    # tensor parallel groups (DeepSpeed's expert groups run along TP first, parallel/groups.py)
-    sp_tp = sequence_parallel and tp > 1 and etp == 1
-    ranks = tp * dp if sp_tp else dp
-    if ep < 1 or experts % ep or ranks % ep or (sp_tp and ep > 1 and ep % tp):
-        where = (f"the {ranks} tensor x data parallel ranks, and be 1 or a multiple of --tensor-model-parallel-size "
-                 f"{tp}" if sp_tp else f"the data parallel size {dp}")
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and {where}: each "
-                          f"of EP ranks holds num_experts / EP experts")
+    # Megatron-LM's expert grid: ETP x EP x expert data parallel ranks tile the stage's ranks holding distinct tokens,
+    # TP x DP (``dp``: DP x CP) with sequence parallelism, DP without (whose TP ranks hold the same tokens, ETP = EP = 1)
+    distinct = sequence_parallel and tp > 1
+    ranks = tp * dp if distinct else dp
+    if ep < 1 or experts % ep or ranks % (ep * etp):
+        kind = "tensor x data parallel" if distinct else "data parallel"
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide --num-experts {experts}, and ETP {etp} x EP "
+                          f"{ep} the {ranks} {kind} ranks of a pipeline stage (Megatron-LM's expert grid of ETP x EP x "
+                          f"expert data parallel ranks)")
+    if 1 < etp < tp and zero_stage == 0 and precision != "fp32":
+        # DeepSpeed's ZeRO-0 bf16/fp16 optimizers sum the experts' norm over TP x PP, then EP
+        # (runtime/utils.py get_global_norm_of_tensors): more than one copy of each shard when ETP < TP
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} below --tensor-model-parallel-size {tp} under "
+                          f"DeepSpeed's {precision} optimizer without ZeRO: its gradient norm would count expert "
+                          f"shards {tp // etp} times; use --use-distributed-optimizer (ZeRO 1) or fp32")
     if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
             and "sinkhorn" not in m.moe_router_load_balancing_type):
         # Megatron-LM's TransformerConfig.__post_init__ refuses the same: a softmax over one selected logit is 1,

@@ -373,8 +373,9 @@ class ParallelConfig:
     expert_model_parallel_size: Optional[int] = None
     """Megatron-LM's MoE: data parallel ranks that split each MoE layer's experts (default 1)."""
     expert_tensor_parallel_size: Optional[int] = None
-    """Megatron-LM's MoE: tensor parallel ranks each expert is split over: 1 (whole experts, the default here;
-    Megatron-LM's default is TP) or TP, with --sequence-parallel."""
+    """Megatron-LM's MoE: tensor parallel ranks each expert is split over (ETP), a divisor of TP; > 1 needs
+    --sequence-parallel; ETP x EP divides TP x DP x CP (Megatron-LM's expert grid). Absent: TP, Megatron-LM's
+    default."""
     # --pp-partition-method: BigScience's Megatron-DeepSpeed (megatron/arguments.py; GPTModelPipe hands it to
     # PipelineModule as partition_method, default "type:transformer"), the flag of the BLOOM runs
     pipeline_partition_method: str = meta("type:ParallelTransformerLayer",

@@ -37,6 +37,7 @@ from megatron_ds import ds_compat
 from megatron_ds.config import moe_selection
 from megatron_ds.model.activations import mlp_activation
 from megatron_ds.model.moe_layer import DROP_FRACTION
+from megatron_ds.parallel.groups import expert_tensor_parallel_group
 from megatron_ds.parallel.layers import init_method_normal, scaled_init_method_normal, set_tensor_parallel_attributes
 from megatron_ds.parallel.mappings import (all_gather_along_first_dim, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
@@ -498,7 +499,8 @@ class _AllToAll(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Router, this rank's ``experts / ep`` experts, shared experts (module docstring).
 
-    ``ep_size``: the expert parallel size (its group: DeepSpeed's, ``ds_compat.create_expert_groups``), ``ep_rank``
+    ``ep_size``: the expert parallel size (its group: Megatron-LM's expert grid's, registered as DeepSpeed's,
+    ``parallel/groups.py expert_grid``), ``ep_rank``
     this rank's place in it; ``dispatcher``:
     "alltoall" or "allgather" (Megatron-LM's --moe-token-dispatcher-type). ``router`` holds the TopKRouter's
     keyword arguments.
@@ -507,17 +509,18 @@ class MoELayer(nn.Module):
     rank's part of the sequences, so every rank routes distinct tokens, as data parallel ranks do. The router
     and the shared experts are replicated over the tensor parallel group and see only that part: their
     gradients are summed over it (``sequence_parallel`` parameters, ``parallel.layers``), and so are the
-    experts' at EP 1. At EP > 1 DeepSpeed's expert parallel groups take whole tensor parallel groups
-    (``parallel/groups.py``; ``config/moe_selection.check`` asks EP to be a multiple of TP): the routes travel to
-    the experts over tensor and data parallel ranks alike (Megatron-LM's dispatch over its tp_ep group), each
-    expert on one rank of the group.
+    experts' at EP 1 and ETP 1. At EP > 1 with ETP 1 the expert parallel groups are EP consecutive ranks of the
+    stage (Megatron-LM's expert grid, ``parallel/groups.py``): the routes travel to the experts over tensor and
+    data parallel ranks alike (Megatron-LM's dispatch over its tp_ep group), each expert on one rank of the group.
 
-    ``expert_tp`` (--expert-tensor-parallel-size = TP, with sequence parallelism): each expert's MLP is split over
-    the tensor parallel ranks as the dense MLP is (``GroupedExperts``). The group's tokens and routing are
-    gathered first, every rank runs its part of the experts on all of them, and the partial outputs are
-    reduce-scattered back to the sequence parts (Megatron-LM's gather over its tp_ep group, whose ETP part is the
-    tensor parallel group here); at EP > 1 the expert parallel groups then run along data parallel ranks of one
-    tensor parallel rank (DeepSpeed's expert tensor parallel groups).
+    ``expert_tp`` (--expert-tensor-parallel-size ETP > 1, with sequence parallelism): each expert's MLP is split over
+    the ETP ranks of Megatron-LM's expert grid (parallel/groups.py ``expert_grid``: runs of ETP ranks of the tensor
+    parallel group) as the dense MLP is over TP (``GroupedExperts``). The expert tensor parallel group's tokens and
+    routing are gathered first, every rank runs its part of the experts on all of them, and the partial outputs
+    are reduce-scattered back to the sequence parts (Megatron-LM's token dispatchers: all-to-all over EP, gather
+    over expert TP; here the gather comes first, which sends the same routes); at EP > 1 the expert parallel
+    groups are the grid's, ranks ETP apart. Where the grid's expert data parallel group is not the data parallel
+    group (EP > 1, or 1 < ETP < TP) the experts are DeepSpeed's expert parameters, reduced over it.
 
     ``cp_group`` (context parallelism): each CP rank routes its two chunks of every sequence, as a data parallel
     rank its samples; the router's balancing and z losses are those of the whole sequences (tokens per expert
@@ -529,7 +532,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg, experts: int, *, ffn: int, router: dict, shared_ffn: int | None = None,
                  shared_gate: bool = False, ep_size: int = 1, ep_rank: int = 0, dispatcher: str = "alltoall",
-                 sequence_parallel: bool = False, tp_group=None, expert_tp: bool = False, grouped_gemm: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, expert_tp: int = 1, grouped_gemm: bool = False,
                  cp_group=None, params_dtype=torch.float32, device=None):
         super().__init__()
         ep = ep_size
@@ -548,14 +551,26 @@ class MoELayer(nn.Module):
         # the experts' seeds follow this layer's (the generators are seeded just before each layer is built,
         # model/pipeline_model.py), drawn by Python's generator: a build on the meta device has no value to read
         seed = random.Random(torch.initial_seed()).randrange(2 ** 31 - 1 - 2 * experts)
-        self.tp_group = tp_group
-        self.etp = tp_world_size(tp_group) if expert_tp and sequence_parallel else 1
+        tp = tp_world_size(tp_group)
+        self.tp_group, self.etp = tp_group, expert_tp if sequence_parallel else 1
+        if tp % self.etp:
+            raise ValueError(f"expert tensor parallel size {self.etp} does not divide the tensor parallel size {tp}")
+        # the grid's ETP groups are runs of ETP ranks of the tensor parallel group (parallel/groups.py expert_grid)
         self.experts = GroupedExperts(cfg, range(ep_rank * self.local, (ep_rank + 1) * self.local), ffn, seed=seed,
                                       params_dtype=params_dtype, device=device, grouped=grouped_gemm, etp=self.etp,
-                                      etp_rank=tp_rank(tp_group) if self.etp > 1 else 0)
+                                      etp_rank=tp_rank(tp_group) % self.etp if self.etp > 1 else 0)
+        self._etp_group = tp_group if self.etp == tp else None  # else the grid's, looked up at the first forward
+        # the experts are DeepSpeed's expert parameters where their expert data parallel group (Megatron-LM's grid)
+        # is not the data parallel group: DeepSpeed reduces their gradients over the former
+        self.expert_params = ep > 1 or 1 < self.etp < tp
+        if self.expert_params and self.etp > 1 and self.experts.linear_fc2.bias is not None:
+            # fc2's bias counts on the first ETP rank only, whose gradient is already whole (it adds the bias to all
+            # the ETP group's routes): not summed over TP (which may hold other experts' biases), the other ranks'
+            # copies keep a zero gradient, so an expert norm summed over the grid counts it once
+            self.experts.linear_fc2.bias.sequence_parallel = False
         self.shared_experts = SharedExperts(cfg, shared_ffn, gate=shared_gate, params_dtype=params_dtype,
                                             device=device) if shared_ffn else None
-        if ep > 1:  # DeepSpeed reduces the experts' gradients over the expert data parallel group
+        if self.expert_params:
             ds_compat.mark_expert_parameters(self.experts.parameters(), ep)
             self.engine_marker = ds_compat.moe_engine_marker(experts, ep)
         if sequence_parallel:  # partial gradients of replicated parameters (class docstring)
@@ -569,14 +584,20 @@ class MoELayer(nn.Module):
             self._ep_group = ds_compat.expert_parallel_group(self.ep)
         return self._ep_group
 
+    @property
+    def etp_group(self):
+        if self._etp_group is None:
+            self._etp_group = expert_tensor_parallel_group()
+        return self._etp_group
+
     def forward(self, x: torch.Tensor):
         seq, batch, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         probs, routing_map, aux = self.router(tokens, seq, batch)
         if self.etp > 1:  # the tensor parallel group's tokens, for every rank's part of the experts (docstring)
-            tokens = gather_from_sequence_parallel_region(tokens, self.tp_group)
-            probs = gather_from_sequence_parallel_region(probs, self.tp_group)
-            routing_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.tp_group).bool()
+            tokens = gather_from_sequence_parallel_region(tokens, self.etp_group)
+            probs = gather_from_sequence_parallel_region(probs, self.etp_group)
+            routing_map = all_gather_along_first_dim(routing_map.to(torch.uint8), self.etp_group).bool()
         if self.ep == 1:
             routed, route_probs, token_ids, counts = permute(tokens, routing_map, probs)
             out = unpermute(self.experts(routed, counts.tolist(), route_probs), token_ids, tokens.shape[0])
@@ -585,7 +606,7 @@ class MoELayer(nn.Module):
         else:
             out = self._alltoall(tokens, probs, routing_map)
         if self.etp > 1:  # the partial sums of the split experts, summed and back to this rank's sequence part
-            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.etp_group)
         out = out.to(x.dtype).view(seq, batch, hidden)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -656,7 +677,7 @@ def report_routing(report, layer: MoELayer, layer_number: int | None = None) -> 
 
 
 def build_mlm_moe(cfg, experts: int, *, ep_size: int = 1, ep_rank: int = 0, sequence_parallel: bool = False,
-                  tp_group=None, expert_tp: bool = False, cp_group=None, params_dtype=torch.float32,
+                  tp_group=None, expert_tp: int = 1, cp_group=None, params_dtype=torch.float32,
                   device=None) -> MoELayer:
     """The MoE layer of a model resolved for Megatron-LM's MoE (``config/moe_selection.py``)."""
     router = dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,

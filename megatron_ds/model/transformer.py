@@ -358,15 +358,15 @@ class ParallelTransformerLayer(nn.Module):
     ``carry_moe_loss`` (every layer of an MoE model): the output carries that sum (module docstring);
     ``loss_report`` gets the fraction of routes the gate dropped (``moe.DROP_FRACTION``).
     ``fp8``: the run's FP8 recipe (``Layout.fp8``, resolved once from the flags), which every linear layer
-    of the block (experts included) runs its GEMMs with; None: the weights' precision. ``expert_tp``: Megatron-LM's
-    MoE experts split over the tensor parallel ranks (--expert-tensor-parallel-size, ``model/mlm_moe.py``).
+    of the block (experts included) runs its GEMMs with; None: the weights' precision. ``expert_tp``: the ranks
+    each of Megatron-LM's MoE experts is split over (--expert-tensor-parallel-size, ``model/mlm_moe.py``).
     """
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group=None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, recompute_attention: bool = False,
                  sp_group=None, num_experts: int = 1, ep_size: int = 1, ep_rank: int = 0,
                  carry_moe_loss: bool = False, loss_report=None, self_attn_mask_type: str = "causal",
-                 fp8: Fp8Recipe | None = None, cp=None, expert_tp: bool = False):
+                 fp8: Fp8Recipe | None = None, cp=None, expert_tp: int = 1):
         super().__init__()
         if self_attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"self_attn_mask_type must be 'causal' or 'padding', got {self_attn_mask_type!r}")

@@ -40,6 +40,14 @@ each pipeline stage DeepSpeed orders the ranks data-major, tensor-minor, as our 
   data parallel group the data parallel ranks ``EP`` apart.
 DeepSpeed divides expert gradients by the data parallel size either way (runtime/engine.py
 ``_reduce_expert_gradients``), which is right since each expert's gradient sums all of its tokens.
+
+Megatron-LM's MoE (model/mlm_moe.py) gets Megatron-LM's expert grid instead (``expert_grid``): each pipeline stage's
+TP x CP x DP ranks, in rank order, are laid out as ETP x EP x expert data parallel (EDP) ranks, ETP fastest
+(megatron/core/parallel_state.py initialize_model_parallel: the expert RankGenerator, order "tp-ep-dp-pp", tp =
+--expert-tensor-parallel-size). At ETP 1 and ETP = TP these are the groups DeepSpeed's two functions above build;
+in between (e.g. TP 4, ETP 2, EP 2) only the grid exists. The grid's EP and EDP groups are registered as DeepSpeed's
+expert groups (``ds_compat.register_expert_groups``), so its engine and ZeRO reduce and partition the experts over
+them; the ETP group (``expert_tensor_parallel_group``) is what the layer gathers tokens over.
 """
 from __future__ import annotations
 
@@ -47,6 +55,29 @@ import torch.distributed as dist
 
 from megatron_ds import ds_compat
 from megatron_ds.ds_compat import PipeModelDataParallelTopology, ProcessTopology
+
+# this process's groups of Megatron-LM's expert grid (``ParallelState.expert_grid``): the layers look their expert
+# tensor parallel group up at their first forward, as their expert parallel group (a build on the meta device has none)
+_EXPERT_GRID: dict = {}
+
+
+def expert_grid_lists(stage_ranks: list[int], ep: int, etp: int) -> dict[str, list[list[int]]]:
+    """Megatron-LM's expert grid over one pipeline stage's ranks (in rank order): local rank i is expert tensor
+    parallel rank i % ETP, expert parallel rank (i // ETP) % EP, expert data parallel rank i // (ETP x EP). ->
+    {"etp", "ep", "edp", "emp" (ETP x EP: the ranks holding one copy of every expert's every shard): group lists}."""
+    edp = len(stage_ranks) // (ep * etp)
+    at = lambda d, e, t: stage_ranks[(d * ep + e) * etp + t]  # noqa: E731
+    return {"etp": [[at(d, e, t) for t in range(etp)] for d in range(edp) for e in range(ep)],
+            "ep": [[at(d, e, t) for e in range(ep)] for d in range(edp) for t in range(etp)],
+            "edp": [[at(d, e, t) for d in range(edp)] for e in range(ep) for t in range(etp)],
+            "emp": [[at(d, e, t) for e in range(ep) for t in range(etp)] for d in range(edp)]}
+
+
+def expert_tensor_parallel_group():
+    """This process's expert tensor parallel group of Megatron-LM's grid (``ParallelState.expert_grid``)."""
+    if "etp" not in _EXPERT_GRID:
+        raise RuntimeError("Megatron-LM's expert grid was not built (ParallelState.expert_grid, before the model runs)")
+    return _EXPERT_GRID["etp"]
 
 
 def make_topology(tp: int, pp: int, dp: int, sp: int = 1):
@@ -142,6 +173,33 @@ class ParallelState:
         if stage_size % ep:
             raise ValueError(f"expert parallel size {ep} does not divide the {stage_size} ranks of a pipeline stage")
         return (self.rank % stage_size) % ep
+
+    def expert_grid_rank(self, ep: int, etp: int) -> tuple[int, int]:
+        """(expert parallel rank, expert tensor parallel rank) of this rank in Megatron-LM's expert grid (module
+        docstring): it holds shard ``etp rank`` of experts ``[ep rank * E/ep, (ep rank + 1) * E/ep)``."""
+        if self.sp_size > 1:
+            raise ValueError("MoE does not combine with DeepSpeed-Ulysses sequence parallelism here")
+        stage_size = self.world_size // self.pp_size
+        if stage_size % (ep * etp):
+            raise ValueError(f"ETP {etp} x EP {ep} does not divide the {stage_size} ranks of a pipeline stage")
+        local = self.rank % stage_size
+        return (local // etp) % ep, local % etp
+
+    def expert_grid(self, ep: int, etp: int) -> dict[str, list[int]]:
+        """Create Megatron-LM's expert grid groups on every rank (collective, before ``deepspeed.initialize``), register
+        its EP and EDP groups as DeepSpeed's expert groups, keep its ETP group for the layers and its ETP x EP group
+        (``expert_mp_group``: what expert gradient norms are summed over, with the pipeline stages); returns this
+        rank's {"etp", "ep", "edp", "emp": ranks}."""
+        stage_size = self.world_size // self.pp_size
+        lists = {k: [] for k in ("etp", "ep", "edp", "emp")}
+        for p in range(self.pp_size):
+            for kind, groups in expert_grid_lists(list(range(p * stage_size, (p + 1) * stage_size)), ep, etp).items():
+                lists[kind] += groups
+        made = {kind: self._make_groups(groups) for kind, groups in lists.items()}
+        _EXPERT_GRID["etp"] = made["etp"][0]
+        self.expert_mp_group = made["emp"][0]
+        ds_compat.register_expert_groups(ep, etp, ep_group=made["ep"], edp_group=made["edp"], mpu=self)
+        return {kind: ranks for kind, (_, ranks) in made.items()}
 
     def expert_groups(self, ep: int, expert_tensor_parallel: bool) -> tuple[list[int], list[int]]:
         """Create DeepSpeed's expert and expert data parallel groups of size ``ep`` (collective: every

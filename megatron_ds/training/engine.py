@@ -15,7 +15,6 @@ from megatron_ds.config.arguments import describe_ignored
 from megatron_ds.config.deepspeed_json import guards_optimizer
 from megatron_ds.config.family import ModelFamily
 from megatron_ds.config.layout import Layout
-from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.config.run import Run
 from megatron_ds.model.compile_layers import compile_layers, describe_compiled_layers
 from megatron_ds.model.kernels import describe_kernels
@@ -47,7 +46,7 @@ def model_kwargs(run: Run, tp_group, eod_token: int, device=None) -> dict:
                 activation_checkpoint_interval=(layout.recompute_num_layers if layout.recompute == "full" else 0),
                 params_dtype=params_dtype(layout), device=device, fp8=layout.fp8,
                 # the expert parallel size only where MoE layers exist (GPT only: other families take no ep_size)
-                **({"ep_size": layout.ep, "expert_tp": layout.etp > 1} if layout.active_params is not None else {}))
+                **({"ep_size": layout.ep, "expert_tp": layout.etp} if layout.active_params is not None else {}))
 
 
 def build_module(run: Run, ps: ParallelState, device: torch.device, eod_token: int,
@@ -144,8 +143,10 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     layout = run.layout
     # DeepSpeed-MoE, or Megatron-LM's MoE split over expert parallel ranks (config/moe_selection.py), whose experts'
     # gradients DeepSpeed reduces over their expert data parallel groups
-    moe = is_moe_model(layout.model) or (is_mlm_moe(layout.model) and layout.ep > 1)
-    if moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
+    moe = is_moe_model(layout.model) or layout.expert_grid
+    if layout.expert_grid:  # Megatron-LM's expert grid, registered as DeepSpeed's expert groups (parallel/groups.py)
+        ps.expert_grid(layout.ep, layout.etp)
+    elif moe:  # DeepSpeed's expert groups, on every rank, before its engine (parallel/groups.py)
         ps.expert_groups(layout.ep, layout.expert_tp_groups)
     # the family's reported terms (BERT: lm loss, sop loss; an MoE GPT: lm loss, moe loss, ...)
     # --calculate-per-token-loss: the scale the loss applies and the loop sets per step (model/token_loss.py)
@@ -156,7 +157,9 @@ def build_engine(run: Run, ps: ParallelState, device: torch.device, eod_token: i
     guarded = guards_optimizer(layout.precision, layout.zero_stage)
     if guarded:
         optimizer = GuardedOptimizer(optimizer, run.optimizer.clip_grad,
-                                     expert_group=ds_compat.moe_group_name(layout.ep) if moe else None)
+                                     expert_group=ds_compat.moe_group_name(layout.ep) if moe else None,
+                                     expert_norm_groups=(ps.expert_mp_group, ps.pp_group) if layout.expert_grid
+                                     else None)
     scheduler = make_lr_schedule(optimizer, run)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=layout.ds_config, mpu=ps if model_is_plain(layout) else None,

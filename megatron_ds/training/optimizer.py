@@ -7,7 +7,10 @@ with --cpu_torch_adam. The choice is returned so start-up can log it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 
 from deepspeed.moe.utils import is_moe_param
 
@@ -26,9 +29,11 @@ def build_optimizer(model: torch.nn.Module, settings, device: torch.device):
     # --decoupled-lr: the embedding and output layer weights' groups carry their own peak and floor LR
     decoupled = None if settings.decoupled_lr is None else (
         settings.decoupled_lr, settings.min_lr if settings.decoupled_min_lr is None else settings.decoupled_min_lr)
-    # Megatron-LM's MoE split over expert parallel ranks (model/mlm_moe.py) always gets DeepSpeed's expert
-    # optimizer groups: its bf16 and ZeRO optimizers reduce, partition and clip marked experts by them
-    moe_groups = settings.create_moe_param_group or any(isinstance(m, MoELayer) and m.ep > 1 for m in model.modules())
+    # Megatron-LM's MoE whose experts are DeepSpeed's expert parameters (model/mlm_moe.py: EP > 1, or ETP between 1
+    # and TP) always gets DeepSpeed's expert optimizer groups: its bf16 and ZeRO optimizers reduce, partition and
+    # clip marked experts by them
+    moe_groups = settings.create_moe_param_group or any(isinstance(m, MoELayer) and m.expert_params
+                                                        for m in model.modules())
     groups = param_groups(model, settings.weight_decay, moe_groups=moe_groups, decoupled_lr=decoupled)
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.sgd_momentum), SGD
@@ -58,6 +63,16 @@ def describe_cuda_optimizer(settings) -> str:
     return f"{APEX_ADAM} where apex's CUDA extension imports, else {TORCH_FUSED_ADAM}"
 
 
+def _with_expert_norm(dense: float, grads: list[torch.Tensor], groups: tuple) -> float:
+    """The norm of the dense gradients (``dense``; -1: not finite, DeepSpeed's convention) and ``grads``, this rank's
+    expert gradients, whose squares are summed over ``groups`` in turn (inf where either is not finite)."""
+    squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+    return math.sqrt(dense * dense + float(squares)) if dense >= 0 else float("inf")
+
+
 class GuardedOptimizer(torch.optim.Optimizer):
     """Wraps the fp32 ZeRO-0 optimizer so a non-finite gradient skips the step, as DeepSpeed's
     bf16/fp16/ZeRO optimizers already do: computes the global grad norm (TP/PP aware, via DeepSpeed's
@@ -68,12 +83,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
     Mixture of experts (``expert_group``: DeepSpeed's name of the model's expert groups): expert
     gradients are different experts on each expert parallel rank, so their norm is summed over the
     expert parallel group by DeepSpeed's ``get_norm_with_moe_layers``, as its bf16 optimizer does. Every
-    rank of an MoE model joins those reductions, with a zero where its stage holds no expert."""
+    rank of an MoE model joins those reductions, with a zero where its stage holds no expert.
+    ``expert_norm_groups`` (Megatron-LM's expert grid, parallel/groups.py): the groups one copy of every expert
+    shard spans, its ETP x EP ranks and the pipeline stages, over which the experts' squared norm is summed instead
+    (DeepSpeed's helper sums over TP x PP, then EP: several copies of a shard when ETP < TP)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, clip_grad: float, expert_group: str | None = None):
+    def __init__(self, inner: torch.optim.Optimizer, clip_grad: float, expert_group: str | None = None,
+                 expert_norm_groups: tuple | None = None):
         self.inner = inner
         self.clip_grad = clip_grad
-        self.expert_group = expert_group
+        self.expert_group, self.expert_norm_groups = expert_group, expert_norm_groups
         self.mpu = None  # set once the engine exists
         # both read by DeepSpeed's engine after each step (checked: ds_compat._READ_BY_DEEPSPEED)
         self.overflow = False
@@ -105,6 +124,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self.expert_group is None:
             return norm
         experts = [p.grad for p in params if is_moe_param(p)] or [torch.zeros(1, device=params[0].device)]
+        if self.expert_norm_groups is not None:
+            return _with_expert_norm(norm, experts, self.expert_norm_groups)
         return ds_compat.norm_with_expert_grads(norm, self.mpu, {self.expert_group: experts})
 
     @torch.no_grad()

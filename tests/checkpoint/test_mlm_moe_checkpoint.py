@@ -40,7 +40,7 @@ from tests.distributed import run_distributed
 from tests.training.cli import SMALL_GPT
 from tests.training.common import train_losses
 from megatron_ds.checkpoint import load_consolidated
-from megatron_ds.checkpoint.format import MANIFEST
+from megatron_ds.checkpoint.format import EXPERT_TENSOR_PARALLEL_SIZE, MANIFEST, read_meta
 from megatron_ds.families.gpt.gpt_family import GPT
 
 pytestmark = pytest.mark.timeout(900)
@@ -109,8 +109,9 @@ def test_ep2_checkpoint_holds_every_ranks_experts(saved):
 
 
 @pytest.mark.parametrize("flags,world", [
-    (_ep(2), 2), (_ep(1), 2), (TP2_SP + _ep(2), 2), (TP2_SP + ETP2, 2), (TP2_SP + ETP2 + _ep(2), 4),
-], ids=["ep2", "ep1", "tp2_sp_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
+    (_ep(2), 2), (_ep(1), 2), (TP2_SP + ["--expert-tensor-parallel-size", "1"] + _ep(2), 2), (TP2_SP + ETP2, 2),
+    (TP2_SP + ETP2 + _ep(2), 4),
+], ids=["ep2", "ep1", "tp2_sp_etp1_ep2", "tp2_sp_etp2", "tp2_sp_etp2_ep2"])
 def test_ep2_resumes_at(saved, tmp_path, flags, world):
     ckpt, out = _resume(saved["ep2"], flags, tmp_path, world)
     _same_weights(ckpt, out)
@@ -142,3 +143,53 @@ def test_interleaved_ep2_resumes_at(chunked, tmp_path, flags):
     ckpt, out = _resume(chunked, PP2_4_LAYERS + flags, tmp_path, world=4)
     _same_weights(ckpt, out, layers=4)
     _same_optimizer_state(ckpt, out)
+
+
+HEADS4 = ["--num-attention-heads", "4"]
+TP4_ETP2 = HEADS4 + ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def grid_saved(tmp_path_factory):
+    """{name: (losses, checkpoint folder)} of runs on Megatron-LM's expert grid with ETP below TP, TP 4 x ETP 2:
+    at EP 2 under ZeRO-0 (each rank a distinct shard), and at EP 1 under ZeRO 1 (ranks 0 and 2 hold the same
+    halves of the experts, whose optimizer states ZeRO partitions over them: the expert data parallel group
+    crosses tensor parallel ranks)."""
+    out = {}
+    for name, flags in (("ep2", _ep(2)), ("ep1_zero1", _ep(1) + ZERO1)):
+        ckpt = str(tmp_path_factory.mktemp(f"tp4_etp2_{name}"))
+        out[name] = (_run(TP4_ETP2 + flags + ["--save", ckpt], world=4), ckpt)
+    return out
+
+
+def test_expert_grid_writes_each_shard_once(grid_saved):
+    """Stacked experts files come from expert data parallel rank 0 of each (EP, ETP) coordinate, named by its expert
+    parallel and mp (TP) rank: at EP 2 the four distinct shards; at EP 1 ranks 2 and 3 hold the shards of ranks 0
+    and 1 and write none (DeepSpeed's module files of all four TP ranks are there). The signature records ETP."""
+    for name, expected in (("ep2", [(0, 0), (0, 1), (1, 2), (1, 3)]), ("ep1_zero1", [(0, 0), (0, 1)])):
+        step = os.path.join(grid_saved[name][1], "global_step2")
+        files = sorted(f for f in os.listdir(step) if f.startswith("stacked_experts_"))
+        assert files == [f"stacked_experts_expp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r, m in expected], name
+        assert all(os.path.exists(os.path.join(step, f"mp_rank_{m:02d}_model_states.pt")) for m in range(4)), name
+        assert read_meta(step)["signature"][EXPERT_TENSOR_PARALLEL_SIZE] == 2
+
+
+def _bitwise(want_dir, have_dir):
+    want, have = (load_consolidated(d, 4, family=GPT, log=lambda *a: None).state_dict for d in (want_dir, have_dir))
+    assert sorted(want) == sorted(have) and all(torch.equal(want[k], have[k]) for k in want)
+
+
+@pytest.mark.parametrize("saved_as,flags,world", [
+    ("ep2", TP4_ETP2 + _ep(2), 4), ("ep2", HEADS4 + TP2_SP + ETP2 + _ep(1), 2), ("ep2", HEADS4 + _ep(1), 1),
+    ("ep1_zero1", TP4_ETP2 + _ep(1) + ZERO1, 4), ("ep1_zero1", HEADS4 + _ep(1) + ZERO1, 1),
+], ids=["ep2_same", "ep2_to_tp2_etp2_ep1", "ep2_to_one_process", "ep1_zero1_same", "ep1_zero1_to_one_process"])
+def test_expert_grid_resumes_at(grid_saved, tmp_path, saved_as, flags, world):
+    """Each expert shard is written once (expert data parallel rank 0 of each ETP x EP coordinate), read back
+    merging the parts of one ETP group's ranks (the signature records ETP), and loaded into the same layout (the
+    weights of step 4 bitwise the uninterrupted run's) or another TP / ETP / EP layout: losses, weights and
+    optimizer state continue as the uninterrupted run."""
+    ckpt, out = _resume(grid_saved[saved_as], flags, tmp_path, world)
+    _same_weights(ckpt, out)
+    _same_optimizer_state(ckpt, out)
+    if world == 4:
+        _bitwise(ckpt, out)

@@ -67,9 +67,11 @@ def test_refused_in_one_line(extra, says):
 
 def test_megatron_lms_moe_with_sequence_parallel_resolves():
     """Megatron-LM's MoE at TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
-    tp_cp group) and the experts over all four ranks (EP 4: a multiple of TP dividing TP x DP x CP)."""
+    tp_cp group) and whole experts over all four ranks (EP 4 x ETP 1 tiles TP x DP x CP; Megatron-LM's default ETP
+    = TP would need 8 ranks)."""
     layout = make("--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                  "--num-experts", "4", "--expert-model-parallel-size", "4", world=4).layout
+                  "--num-experts", "4", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                  world=4).layout
     assert (layout.tp, layout.cp, layout.dp, layout.ep) == (2, 2, 1, 4)
 
 

@@ -25,14 +25,16 @@ from tests.config.test_moe import SMALL, _layout, dry_run
     # --num-experts alone: the line's dialect decides (--deepspeed or not)
     ("--deepspeed --num-experts 4", "DeepSpeed-MoE (model/moe_layer.py), because --num-experts without either "
                                     "family's MoE flags, on a Megatron-DeepSpeed command line"),
-    ("--num-experts 4", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch, EP 1), because --num-experts "
+    ("--num-experts 4", "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch, EP 1, ETP 1 (Megatron-LM's default "
+                        "ETP = TP: no --expert-tensor-parallel-size)), because --num-experts "
                         "without either family's MoE flags, on an upstream Megatron-LM command line"),
     # a family's flags decide whatever the dialect
     ("--num-experts 4 --topk 2 --moe-expert-parallel-size 2", "DeepSpeed-MoE (model/moe_layer.py), because "
                                                                "Megatron-DeepSpeed's MoE flags (--topk "
                                                                "--moe-expert-parallel-size)"),
     ("--deepspeed --num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall",
-     "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1), because Megatron-LM's MoE flags "
+     "Megatron-LM's MoE (model/mlm_moe.py; alltoall dispatch, EP 1, ETP 1 (Megatron-LM's default ETP = TP: no "
+     "--expert-tensor-parallel-size)), because Megatron-LM's MoE flags "
      "(--moe-router-topk --moe-token-dispatcher-type)"),
     ("--deepspeed --num-experts 4 --expert-model-parallel-size 1",
      "Megatron-LM's MoE (model/mlm_moe.py; allgather dispatch"),
@@ -56,6 +58,24 @@ def test_dry_run_describes_expert_tensor_parallelism():
                                    "--sequence-parallel --expert-tensor-parallel-size 2".split(), 2)
     assert rc == 0, err
     assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+
+
+def test_expert_grid_below_tp_is_built():
+    """Megatron-LM's expert grid with ETP between 1 and TP: TP 4, ETP 2, EP 2 on 4 ranks (experts 2 per rank, halves)."""
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --num-attention-heads 4 --tensor-model-parallel-size 4 "
+                                   "--sequence-parallel --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 "
+                                   "--moe-token-dispatcher-type alltoall".split(), 4)
+    assert rc == 0, err
+    assert "EP 2 (2 per rank, split over ETP 2)" in out, out
+
+
+def test_expert_tensor_parallel_size_defaults_to_tp_as_megatron_lm():
+    """Megatron-LM sets --expert-tensor-parallel-size to TP when it is absent (megatron/training/arguments.py
+    validate_args): an upstream script at TP 2 with --sequence-parallel gets its experts split over TP."""
+    rc, out, err = dry_run(SMALL + "--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel".split(), 2)
+    assert rc == 0, err
+    assert "EP 1 (4 per rank, split over ETP 2)" in out, out
+    assert "EP 1, ETP 2 (Megatron-LM's default ETP = TP: no --expert-tensor-parallel-size)" in out, out
 
 
 @pytest.mark.parametrize("extra, world, says", [
@@ -147,16 +167,26 @@ def test_memory_suggestions_for_an_upstream_line_stay_megatron_lms():
      "--no-pipeline-parallel", 2, "cannot run under ZeRO stage 3"),
     ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 3", 2, "must divide --num-experts 4"),
     ("--num-experts 4 --moe-router-topk 2 --expert-tensor-parallel-size 2", 2,
-     "--expert-tensor-parallel-size 2 at --tensor-model-parallel-size 1: experts split over other than the tensor "
-     "parallel ranks"),
+     "--expert-tensor-parallel-size 2 must divide --tensor-model-parallel-size 1 here"),
+    # the grid: ETP x EP must tile TP x DP; the experts' ffn splits over ETP
     ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
-     "--expert-tensor-parallel-size 2", 4, "use --expert-tensor-parallel-size 1 (whole experts) or 4"),
+     "--expert-tensor-parallel-size 2 --expert-model-parallel-size 4", 4,
+     "and ETP 2 x EP 4 the 4 tensor x data parallel ranks of a pipeline stage"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --moe-ffn-hidden-size 15", 4, "must divide the experts' ffn size 15"),
+    ("--num-experts 4 --moe-router-topk 2 --num-attention-heads 4 --tensor-model-parallel-size 4 --sequence-parallel "
+     "--expert-tensor-parallel-size 2 --bf16", 4, "would count expert shards 2 times"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", 2,
      "--expert-tensor-parallel-size 2 needs --sequence-parallel"),
-    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2", 4,
-     "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    # Megatron-LM's default ETP = TP needs sequence parallelism: both ways out named
+    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "without --expert-tensor-parallel-size splits the experts over "
+     "TP (Megatron-LM's default ETP = TP), which needs --sequence-parallel: add --sequence-parallel (Megatron-LM's MoE "
+     "requires it at TP > 1) or pass --expert-tensor-parallel-size 1 for whole experts"),
+    ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+     "--expert-tensor-parallel-size 1", 4, "--expert-model-parallel-size 2 at --tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--num-experts 4 --moe-router-topk 2 --tensor-model-parallel-size 2 --sequence-parallel "
-     "--expert-model-parallel-size 4", 2, "must divide --num-experts 4 and the 2 tensor x data parallel ranks"),
+     "--expert-tensor-parallel-size 1 --expert-model-parallel-size 4", 2,
+     "and ETP 1 x EP 4 the 2 tensor x data parallel ranks"),
 ])
 def test_bad_megatron_lm_moe_input_is_one_line(extra, world, says):
     rc, _, err = dry_run(SMALL + extra.split(), world)
@@ -194,3 +224,21 @@ def test_parameter_count_is_the_built_layers(over):
     assert experts == sum(p.numel() for p in layer.experts.parameters())
     one_expert = experts // 4
     assert active == total - 2 * one_expert
+
+
+@pytest.mark.parametrize("tp, etp, expected", [(2, "1", 1), (4, "2", 2), (2, None, 4)],
+                         ids=["tp2_whole", "tp4_etp2", "tp2_default"])
+def test_relayout_keeps_the_lines_expert_tensor_parallel_rule(tp, etp, expected):
+    """The memory estimate's twice-wider TP suggestion for Megatron-LM's MoE with sequence parallelism on 4 x TP
+    ranks: whole experts stay whole, an ETP below TP stays, and ETP = TP by default follows TP; the suggested line
+    resolves to the layout it was estimated with."""
+    from megatron_ds.config.memory import _candidates
+
+    argv = SMALL + ["--num-attention-heads", "8", "--num-experts", "4", "--tensor-model-parallel-size", str(tp),
+                    "--sequence-parallel", "--expert-model-parallel-size", "2"] + (
+        ["--expert-tensor-parallel-size", etp] if etp else [])
+    lay = _layout(argv, 4 * tp)
+    flag, wider = next((f, c) for f, c in _candidates(lay) if f.startswith(f"--tensor-model-parallel-size {2 * tp}"))
+    assert flag == f"--tensor-model-parallel-size {2 * tp} --expert-tensor-parallel-size {expected}"
+    again = _layout(argv + flag.split(), 4 * tp)
+    assert (again.tp, again.etp, again.stages) == (2 * tp, expected, wider.stages) and wider.etp == expected

@@ -207,5 +207,5 @@ def test_expert_capacity_is_deepspeeds(tokens, experts, topk, factor, min_capaci
 
 
 def test_capacity_that_tp_splits_passes_dry_run():
-    rc, out, err = dry_run(SMALL + "--num-experts 4 --tensor-model-parallel-size 2".split(), 2)  # 16 slots
+    rc, out, err = dry_run(SMALL + "--deepspeed --num-experts 4 --tensor-model-parallel-size 2".split(), 2)  # 16 slots
     assert rc == 0, err

@@ -83,3 +83,47 @@ def test_context_parallel_ranks_follow_megatron_lm_order(tp, cp, dp, pp):
     expected = sorted([t + i * tp + d * tp * cp + p * tp * cp * dp for i in range(cp)]
                       for t in range(tp) for d in range(dp) for p in range(pp))
     assert sorted(context_parallel_groups(topo, cp)) == expected
+
+
+def _megatron_lm_groups(sizes: dict, order: str, mask: str) -> list[list[int]]:
+    """Transcription of Megatron-LM's RankGenerator.get_ranks(mask) (megatron/core/parallel_state.py, core_v0.19.0,
+    generate_masked_orthogonal_rank_groups): the ranks varying along the masked axes of ``order`` (fastest first),
+    one group per combination of the others."""
+    axes = order.split("-")
+    shape, masked = [sizes[a] for a in axes], [a in mask.split("-") for a in axes]
+    stride = [1]
+    for s in shape:
+        stride.append(stride[-1] * s)
+    inner = [(s, d) for s, d, m in zip(shape, stride, masked) if m]
+    outer = [(s, d) for s, d, m in zip(shape, stride, masked) if not m]
+
+    def ranks_of(index, dims):
+        out = []
+        for s, d in dims:
+            out.append((index % s) * d)
+            index //= s
+        return sum(out)
+
+    n_inner = 1
+    for s, _ in inner:
+        n_inner *= s
+    world = stride[-1]
+    return [[ranks_of(g, outer) + ranks_of(r, inner) for r in range(n_inner)] for g in range(world // n_inner)]
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp, etp, ep", [(4, 1, 1, 1, 2, 2), (4, 1, 2, 2, 2, 1), (2, 2, 2, 1, 1, 4),
+                                                     (2, 1, 4, 2, 2, 2), (4, 1, 2, 1, 4, 2)])
+def test_expert_grid_is_megatron_lms(tp, cp, dp, pp, etp, ep):
+    """Megatron-LM's expert grid (initialize_model_parallel's expert RankGenerator: tp = ETP, ep = EP, dp = EDP,
+    order "tp-ep-dp-pp") over our ranks, which follow its dense order "tp-cp-dp-pp": the same ETP, EP and EDP groups,
+    and ETP x EP ("tp-ep", whose groups with the stages, "tp-ep-pp", sum Megatron-LM's expert gradient norms)."""
+    from megatron_ds.parallel.groups import expert_grid_lists
+
+    stage = tp * cp * dp
+    ours = {k: [] for k in ("etp", "ep", "edp", "emp")}
+    for p in range(pp):
+        for kind, groups in expert_grid_lists(list(range(p * stage, (p + 1) * stage)), ep, etp).items():
+            ours[kind] += groups
+    sizes = dict(tp=etp, ep=ep, dp=stage // (etp * ep), pp=pp)
+    for kind, mask in (("etp", "tp"), ("ep", "ep"), ("edp", "dp"), ("emp", "tp-ep")):
+        assert sorted(ours[kind]) == sorted(_megatron_lm_groups(sizes, "tp-ep-dp-pp", mask)), kind

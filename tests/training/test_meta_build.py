@@ -254,8 +254,13 @@ def test_moe_dry_run_build_matches_the_estimate():
     # parallel ranks of each (EP 2)
     ("--expert-tensor-parallel-size 2 --expert-model-parallel-size 2", dict(dp=4, cp=1, ep=2, etp=2)),
     # TP 2 x CP 2 x DP 2, whole experts over all four TP x CP ranks of a data parallel rank (EP 4)
-    ("--context-parallel-size 2 --expert-model-parallel-size 4", dict(dp=2, cp=2, ep=4, etp=1)),
-], ids=["etp2_ep2", "cp2_ep4"])
+    ("--context-parallel-size 2 --expert-model-parallel-size 4 --expert-tensor-parallel-size 1",
+     dict(dp=2, cp=2, ep=4, etp=1)),
+    # TP 4 x DP 2, Megatron-LM's expert grid with ETP 2 below TP: halves of experts over ETP pairs, EP 2 over the
+    # pairs, expert data parallel 8 / (2 x 2) = 2 (the last --tensor-model-parallel-size wins)
+    ("--tensor-model-parallel-size 4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 2",
+     dict(dp=2, cp=1, ep=2, etp=2)),
+], ids=["etp2_ep2", "cp2_ep4", "tp4_etp2_ep2"])
 def test_megatron_lms_moe_estimate_splits_experts_over_ep_and_etp(extra, sizes):
     """Megatron-LM's MoE on 8 ranks (TP 2 with sequence parallelism, ZeRO 1, bf16): the estimate holds on each rank
     1/EP of every MoE layer's experts, each 1/ETP of its MLP, counted independently here from the shapes (SwiGLU
@@ -279,7 +284,7 @@ def test_megatron_lms_moe_estimate_splits_experts_over_ep_and_etp(extra, sizes):
     optimizer = sb.optimizer * built.params + sb.optimizer_split * (dense / (sizes["dp"] * sizes["cp"])
                                                                     + expert_params / edp)
     assert dict(estimate_stages(lay)[0].terms)["optimizer states"] == pytest.approx(optimizer, rel=1e-12)
-    if sizes["etp"] > 1:  # a suggested wider TP splits the experts with it (ETP = TP, the one split built)
+    if sizes["etp"] == lay.tp:  # a suggested wider TP splits the experts with it (ETP = TP, as the default)
         flag, wider = next((f, c) for f, c in _candidates(lay) if f.startswith("--tensor-model-parallel-size 4"))
         assert flag == "--tensor-model-parallel-size 4 --expert-tensor-parallel-size 4" and wider.etp == 4
         assert wider.stages[0].expert_params_per_tp_rank == expert_params // 2

@@ -23,8 +23,8 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-lo
 RTOL = 2e-5
 
 
-def _run(world, extra=()):
-    results = run_distributed(_train, world, SMALL_GPT + MOE + list(extra), timeout=600)
+def _run(world, extra=(), moe=MOE):
+    results = run_distributed(_train, world, SMALL_GPT + list(moe) + list(extra), timeout=600)
     history, stdout = results[-1]  # the last rank holds the last pipeline stage and prints
     assert [it for it, _ in history] == list(range(1, 6))
     return [loss for _, loss in history], stdout
@@ -123,26 +123,26 @@ def test_per_layer_logging(reference):
 
 def test_tp2_equals_one_process(reference):
     """TP 2 at EP 1: both tensor parallel ranks hold whole experts and the same tokens, and compute them alike."""
-    losses, _ = _run(2, ["--tensor-model-parallel-size", "2"])
+    losses, _ = _run(2, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
     assert losses == pytest.approx(reference[0], rel=RTOL)
 
 
 @pytest.mark.parametrize("extra", [
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-     "--moe-token-dispatcher-type", "alltoall"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-     "--moe-token-dispatcher-type", "allgather"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"],
-], ids=["tp2_sp", "tp2_sp_ep2_alltoall", "tp2_sp_ep2_allgather", "tp2_sp_etp2"])
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # Megatron-LM's default ETP = TP
+], ids=["tp2_sp_etp1", "tp2_sp_etp1_ep2_alltoall", "tp2_sp_etp1_ep2_allgather", "tp2_sp_default_etp2"])
 def test_sequence_parallel_equals_one_process(reference, extra):
     """Megatron sequence parallelism at TP 2 (one data parallel rank): each tensor parallel rank routes its half
     of every sequence. At EP 1 both hold all experts; at EP 2 the two tensor parallel ranks are the expert
     parallel group, the routes crossing between them. The balancing and z losses are those of the whole
     sequences (tokens per expert summed over the two ranks, as Megatron-LM's router), and the router's, shared
     experts' (and at EP 1 experts') gradients are summed over them: the losses, the reported MoE losses and the
-    clipped gradient norm equal one process's. With --expert-tensor-parallel-size 2 each rank holds half of every
-    expert's MLP (fc1's gate and up rows, fc2's columns) and runs it on both ranks' tokens."""
+    clipped gradient norm equal one process's. Without --expert-tensor-parallel-size (Megatron-LM's default, TP) each
+    rank holds half of every expert's MLP (fc1's gate and up rows, fc2's columns) and runs it on both ranks' tokens."""
     losses, stdout = _run(2, extra)
     assert losses == pytest.approx(reference[0], rel=RTOL)
     for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
@@ -158,7 +158,8 @@ def test_sequence_parallel_seq_aux_loss_and_expert_bias():
              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
     one, one_out = _run(1, extra)
     losses, stdout = _run(2, extra + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+                                      "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                                      "--moe-token-dispatcher-type", "alltoall"])
     assert losses == pytest.approx(one, rel=RTOL)
     assert len(_field(stdout, "seq_load_balancing_loss")) == 5
     assert _field(stdout, "seq_load_balancing_loss") == pytest.approx(_field(one_out, "seq_load_balancing_loss"),
@@ -273,7 +274,9 @@ TP2_CP2_SP = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2
 EP4_ALLTOALL = ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
 
 
-@pytest.mark.parametrize("extra", [[], EP4_ALLTOALL], ids=["ep1", "ep4_alltoall"])
+@pytest.mark.parametrize("extra", [["--expert-tensor-parallel-size", "1"],
+                                   ["--expert-tensor-parallel-size", "1", *EP4_ALLTOALL]],
+                         ids=["etp1_ep1", "etp1_ep4_alltoall"])
 def test_context_parallel_with_sequence_parallel_equals_one_process(balanced_reference, extra):
     """4 processes, TP 2 x CP 2 with --sequence-parallel (Megatron-LM allows it: its router reduces over the
     tp_cp group, router.py _apply_aux_loss / _apply_seq_aux_loss): each rank routes a quarter of every sequence,
@@ -299,12 +302,66 @@ def test_tp2_cp2_etp2_ep2_equals_one_process(reference):
     assert _field(stdout, "grad norm") == pytest.approx(_field(reference[1], "grad norm"), rel=1e-5)
 
 
-def test_tp4_etp4_equals_one_process():
+HEADS4 = ["--num-attention-heads", "4"]  # so that TP 4 divides them
+TP4_SP = HEADS4 + ["--tensor-model-parallel-size", "4", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def reference_4_heads():
+    return _run(1, HEADS4)
+
+
+def test_tp4_etp4_equals_one_process(reference_4_heads):
     """4 processes: TP 4 with sequence parallelism, each expert split over all 4 tensor parallel ranks (ETP = TP = 4,
-    fc1's gate and up rows and fc2's columns in quarters; 4 attention heads so that TP 4 divides them)."""
-    heads = ["--num-attention-heads", "4"]
-    one, one_out = _run(1, heads)
-    losses, stdout = _run(4, heads + ["--tensor-model-parallel-size", "4", "--sequence-parallel",
-                                      "--expert-tensor-parallel-size", "4"])
+    fc1's gate and up rows and fc2's columns in quarters)."""
+    losses, stdout = _run(4, TP4_SP + ["--expert-tensor-parallel-size", "4"])
+    assert losses == pytest.approx(reference_4_heads[0], rel=RTOL)
+    assert _field(stdout, "grad norm") == pytest.approx(_field(reference_4_heads[1], "grad norm"), rel=1e-5)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+     "alltoall"],
+    ["--expert-tensor-parallel-size", "2", "--use-distributed-optimizer"],
+    ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+     "allgather", "--use-distributed-optimizer"],
+], ids=["etp2_ep2_alltoall", "etp2_ep1_zero1", "etp1_ep2_allgather_zero1"])
+def test_tp4_expert_grid_equals_one_process(reference_4_heads, extra):
+    """4 processes at TP 4 with sequence parallelism, Megatron-LM's expert grid (parallel/groups.py expert_grid:
+    ETP x EP x expert data parallel ranks, ETP fastest) over them:
+    - ETP 2 x EP 2: ranks {0, 1} hold halves of experts 0-1, {2, 3} halves of experts 2-3; the routes go all-to-all
+      between ranks 2 apart, then are gathered over the ETP pair; one copy of each shard, so the expert gradient
+      norm is summed over the 4 ranks once (DeepSpeed's helper would sum over TP, then EP again);
+    - ETP 2 x EP 1 under ZeRO 1: ranks 0 and 2 hold the same halves of all experts (the expert data parallel group,
+      over which DeepSpeed reduces and ZeRO partitions them), each computing the tokens of its ETP pair;
+    - ETP 1 x EP 2 under ZeRO 1: whole experts, EP groups of 2 ranks inside the TP group (EP no multiple of TP);
+      every rank's experts count in ZeRO's norm, not only TP rank 0's.
+    Each equals one process in the losses, the reported MoE losses and the clipped gradient norm."""
+    losses, stdout = _run(4, TP4_SP + extra)
+    assert losses == pytest.approx(reference_4_heads[0], rel=RTOL)
+    for name in ("moe loss", "load_balancing_loss", "z_loss", "grad norm"):
+        assert len(_field(stdout, name)) == 5, name
+        assert _field(stdout, name) == pytest.approx(_field(reference_4_heads[1], name), rel=1e-5), name
+
+
+BIASED = [a for a in MOE if a != "--disable-bias-linear"]
+
+
+@pytest.fixture(scope="module")
+def biased_reference():
+    return _run(1, HEADS4, moe=BIASED)
+
+
+@pytest.mark.parametrize("extra", [
+    TP4_SP + ["--expert-tensor-parallel-size", "2"],
+    HEADS4 + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"],
+], ids=["tp4_etp2_ep2", "tp2_etp2_ep2"])
+def test_split_experts_biases_equal_one_process(biased_reference, extra):
+    """With biases, experts split over ETP and EP 2 (4 processes): each expert's fc2 bias is added on the first rank
+    of its ETP group only, whose gradient is whole; it is not summed over TP (at TP 4 x ETP 2 the other pair holds
+    other experts' biases) and counts once in the gradient norm, as in one process."""
+    one, one_out = biased_reference
+    losses, stdout = _run(4, extra + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                          moe=BIASED)
     assert losses == pytest.approx(one, rel=RTOL)
     assert _field(stdout, "grad norm") == pytest.approx(_field(one_out, "grad norm"), rel=1e-5)

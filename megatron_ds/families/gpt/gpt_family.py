@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megatron_ds.config.family import ExportOptions, HFMapping, ModelFamily
 from megatron_ds.config.memory import stack_activations
+from megatron_ds.config.moe_selection import is_mlm_moe
 from megatron_ds.families.gpt.gpt_flops import gpt_iteration_flops
 from megatron_ds.families.gpt.gpt_params import check_gpt, count_gpt_parameters, gpt_active_parameters
 from megatron_ds.families.gpt.gpt_quickstart import EVALUATION, QUICKSTART
@@ -35,7 +36,8 @@ def build_gpt_model(run, ps, eod_token: int, device, loss_report):
 
     layout = run.layout
     common = dict(_model_kwargs(run, ps.tp_group, eod_token, device), loss_report=loss_report,
-                  ep_rank=ps.expert_parallel_rank(layout.ep, layout.expert_tp_groups))
+                  ep_rank=ps.expert_grid_rank(layout.ep, layout.etp)[0] if is_mlm_moe(layout.model)
+                  else ps.expert_parallel_rank(layout.ep, layout.expert_tp_groups))
     if layout.cp > 1:
         common["cp"] = ContextParallel(ps.cp_group, layout.cp_comm_type, layout.cp_block_kernel)
     if layout.own_schedule:

@@ -67,7 +67,7 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
                     reset_attention_mask: bool = False, eod_token: int | None = None,
                     recompute_granularity: str | None = None, vocab_size: int | None = None,
                     sp_group=None, ep_size: int = 1, ep_rank: int = 0, loss_report=None,
-                    fp8: Fp8Recipe | None = None, cp=None, expert_tp: bool = False) -> list:
+                    fp8: Fp8Recipe | None = None, cp=None, expert_tp: int = 1) -> list:
     """The GPT as a list of DeepSpeed layer specs (see the module docstring).
 
     ``model_cfg`` must be resolved (``resolve_model_config``). ``recompute_granularity="selective"``
@@ -77,8 +77,8 @@ def gpt_layer_specs(model_cfg: ModelConfig, *, padded_vocab_size: int, tp_group=
     ``sp_group``: DeepSpeed-Ulysses' sequence parallel group (the embedding and attention's; plain
     module only, ``build_sequential_gpt``). Mixture of experts (``model/moe_layer.py``): the layers
     ``experts_per_layer`` names hold this rank's share of their experts (``ep_size``, ``ep_rank``:
-    ``ParallelState.expert_parallel_rank``; ``expert_tp``: Megatron-LM's experts split over TP); ``loss_report``
-    gets their dropped-route fractions.
+    ``ParallelState.expert_parallel_rank``; ``expert_tp``: the ranks Megatron-LM's experts split over, ETP);
+    ``loss_report`` gets their dropped-route fractions.
     ``fp8``: the run's FP8 recipe (``Layout.fp8``), which the transformer layers' GEMMs run with.
     ``cp``: context parallelism (``parallel.context_parallel.ContextParallel``): the embedding keeps this
     rank's chunks of every sequence and attention runs over the CP ranks.

@@ -195,7 +195,8 @@ def test_imported_moe_trains_alike_at_tp2(imported, name, tmp_path):
     # turn rounding noise into lr-sized updates of the weights compared)
     saves = {tp: ["--save", str(tmp_path / f"tp{tp}"), "--save-interval", "3", "--adam-eps", "1e-4"]
              if name == "olmoe" else [] for tp in (1, 2)}
-    losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp), *saves[tp]],
+    losses = {tp: run_distributed(train_losses, tp, [*base, "--tensor-model-parallel-size", str(tp),
+                                                               "--expert-tensor-parallel-size", "1", *saves[tp]],
                                   timeout=600)
               for tp in (1, 2)}
     assert [it for it, _ in losses[1][0]] == [1, 2, 3] and losses[2][0] == losses[2][1]
