@@ -16,12 +16,13 @@ Order of work (most value per second first; ``--budget-s`` skips what would not 
 item from the items of its kind that already ran, so a smaller item after a skipped one still runs):
 1. GPT and Llama in the default configuration, each with its HF baseline: the headline ratio;
 2. GPT and Llama with regional compilation turned off (``--no-compile-layers``; on a CPU, turned on):
-   the default on CUDA since one H200 run measured it 9% faster, checked again every report;
+   the default on CUDA since one H200 run measured it 9% faster, checked again every report; --smoke skips
+   them;
 3. the kernel-time profile of the Llama-style default: where the time goes (families, top kernels);
 4. the `gpu` tests (pytest -n 8, ~3 minutes): correctness on the device, before refinements;
 5. FP8 (``--fp8-hybrid``, off by default until measured) beside bf16 at a Llama shape where FP8 pays
-   (hidden 4096: at hidden 2048 the casts cost about what the faster GEMMs save); --smoke runs the FP8
-   variant of the tiny GPT, emulated on the CPU;
+   (hidden 4096: at hidden 2048 the casts cost about what the faster GEMMs save); --smoke skips it
+   (tests/training/test_fp8.py runs FP8 emulated on the CPU);
 6. GPT at tensor parallel size 2 (two processes on two GPUs, launched by torchrun; on a machine with
    fewer GPUs the rows say so): the TP collectives after the GEMMs (the default), overlapped with the
    weight-gradient GEMM (``--async-tensor-model-parallel-allreduce``, off by default until measured)
@@ -44,6 +45,10 @@ item from the items of its kind that already ran, so a smaller item after a skip
    forced on (``--liger-kernel``: whether its default, off at this shape, holds) and the compiled
    elementwise fusions off (what they buy); then the same variants of Llama and the GPT's profile:
    refinements, run as far as the budget goes.
+
+--smoke (the suite's end-to-end test of this script, tiny shapes on the CPU) runs one row of each measurement
+path: both defaults, the GPT's HF baseline, the profile, the fusions-off variant, the TP 2 and CP rows; the
+other variants only change flags that have their own tests.
 """
 from __future__ import annotations
 
@@ -244,13 +249,16 @@ def plan(models: list[str], micro: int, hf_label: str, smoke: bool = False) -> l
         for item in [m["rc"], *llama_rows]:
             if item.status == "not reached":
                 item.status, item.note = "skipped", "--smoke runs the variants and the profile on GPT only"
-        # flag variants whose measurement path the other GPT variants run; on the CPU they cost 45 s of the
-        # smoke test (regional compilation alone 25 s), and their flags have their own tests
-        for item in [g["rc"], g["micro"], g["plain"]]:
+    fp8 = fp8_items(smoke)
+    if smoke:
+        # flag variants whose measurement path "elementwise fusions off" runs too, and the Llama's HF row (the GPT's
+        # runs that path): on the CPU they cost about 70 s of the smoke test (regional compilation alone 25 s), and
+        # their flags have their own tests (tests/model/test_compile_layers.py, tests/training/test_fp8.py, ...)
+        for item in [g["rc"], g["micro"], g["plain"], g["liger"], head[3], *fp8]:
             if item.status == "not reached":
-                item.status, item.note = "skipped", ("--smoke leaves this variant to its tests (tests/model/"
-                                                     "test_compile_layers.py, tests/training/)")
-    return (head + first + fp8_items(smoke) + tp_items(gpt, smoke, rc) + cp_items(gpt, smoke) + fusion_items(gpt, smoke)
+                item.status = "skipped"
+                item.note = "--smoke leaves this row's path to the others and its flags to their tests"
+    return (head + first + fp8 + tp_items(gpt, smoke, rc) + cp_items(gpt, smoke) + fusion_items(gpt, smoke)
             + moe_items(llama, smoke) + later + llama_rows)
 
 
