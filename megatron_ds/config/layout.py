@@ -154,9 +154,10 @@ class Layout:
 
     @property
     def expert_tp_groups(self) -> bool:
-        """Whether DeepSpeed's expert groups run along data parallel ranks of one tensor parallel rank (experts
-        split over TP: DeepSpeed-MoE's --enable-expert-tensor-parallelism, Megatron-LM's ETP > 1)."""
-        return self.model.enable_expert_tensor_parallelism or self.etp > 1
+        """Whether DeepSpeed-MoE's expert groups run along data parallel ranks of one tensor parallel rank (experts
+        split over TP: --enable-expert-tensor-parallelism). Megatron-LM's MoE takes its groups from its expert grid
+        (``expert_grid``)."""
+        return self.model.enable_expert_tensor_parallelism
 
     @property
     def expert_grid(self) -> bool:
